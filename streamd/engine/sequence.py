@@ -1,0 +1,138 @@
+"""Sequence and SequenceGroup: the engine's record of one generation and of one request.
+
+A `Sequence` owns its token ids, how many of them have KV in the cache (`num_computed_tokens`) and its
+block table (list of physical block ids, mutated only by the BlockManager). A `SequenceGroup` is one
+request: its sequences (parallel samples share the prompt's blocks through fork) are scheduled,
+preempted and resumed together. Plain Python, no torch, so the block manager and scheduler that use
+these records stay testable in milliseconds.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from streamd.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from streamd.engine.detokenizer import IncrementalDetokenizer
+
+
+class SequenceStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    SWAPPED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= SequenceStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+
+_seq_ids = itertools.count()
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One stream of tokens. `token_ids` is prompt + output; KV exists for the first
+    `num_computed_tokens` of them."""
+
+    prompt_token_ids: list[int]
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    stop_reason: int | str | None = None
+    # One dict {token_id: logprob} per output token when logprobs were asked for.
+    output_logprobs: list[dict[int, float]] = field(default_factory=list)
+    output_text: str = ""
+    detokenizer: IncrementalDetokenizer | None = None
+    # This sample's index within its request (CompletionOutput.index). Seeded sampling mixes it into the
+    # seed so the n samples of one seeded request differ; the engine sets it when it creates/forks seqs.
+    sample_index: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    def append_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+
+    def fork(self) -> Sequence:
+        """A child that shares everything computed so far; the BlockManager must fork the blocks."""
+        child = Sequence(prompt_token_ids=self.prompt_token_ids, token_ids=list(self.token_ids),
+                         num_computed_tokens=self.num_computed_tokens,
+                         block_table=list(self.block_table), status=self.status,
+                         output_logprobs=list(self.output_logprobs), output_text=self.output_text)
+        return child
+
+
+@dataclass(slots=True, eq=False)
+class SequenceGroup:
+    """One request. Its sequences live and move together through the scheduler's queues."""
+
+    request_id: str
+    seqs: list[Sequence]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    num_cached_tokens: int = 0
+    # Free for the layers above (server timing, tracing); the engine never reads it.
+    user_data: Any = None
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.seqs[0].prompt_token_ids
+
+    def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:
+        return [s for s in self.seqs if s.status == status]
+
+    def unfinished_seqs(self) -> list[Sequence]:
+        return [s for s in self.seqs if not s.status.finished]
+
+    @property
+    def finished(self) -> bool:
+        return all(s.status.finished for s in self.seqs)
+
+    def set_status(self, status: SequenceStatus) -> None:
+        for seq in self.seqs:
+            if not seq.status.finished:
+                seq.status = status

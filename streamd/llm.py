@@ -1,0 +1,92 @@
+"""LLM: the offline Python API, shaped like vLLM's (`LLM(...).generate(...)`, `.chat(...)`)."""
+
+from __future__ import annotations
+
+import itertools
+import os
+from typing import Any, Sequence as Seq
+
+from transformers import PretrainedConfig
+
+from streamd.config import Config, load_config
+from streamd.engine.llm_engine import LLMEngine
+from streamd.engine.outputs import RequestOutput
+from streamd.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Messages = list[dict[str, Any]]
+
+
+class LLM:
+    """`model`: None (the default model), a local directory, a .gguf file, a cached Hub id, or a
+    transformers config for random weights. `overrides`: any config key (`dtype`, `device`, `block_size`,
+    `num_kv_blocks`, `max_num_seqs`, ...), as on the command line."""
+
+    def __init__(self, model: str | PretrainedConfig | None = None, *,
+                 config_path: str | os.PathLike[str] | None = None, **overrides: Any) -> None:
+        if isinstance(model, str):
+            overrides["model.name"] = model
+        self.config: Config = load_config(config_path, overrides)
+        self.engine = LLMEngine.from_config(self.config, model if isinstance(model, PretrainedConfig) else None)
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Runs every prompt to completion with continuous batching; outputs in prompt order."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        return self._run(list(prompts), sampling_params, chat=False)
+
+    def chat(self, messages: Messages | Seq[Messages],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Applies the model's chat template to each conversation, then generates."""
+        if messages and isinstance(messages[0], dict):
+            messages = [messages]  # type: ignore[list-item]
+        return self._run(list(messages), sampling_params, chat=True)
+
+    def _run(self, items: list[Any], sampling_params: SamplingParams | Seq[SamplingParams] | None,
+             chat: bool) -> list[RequestOutput]:
+        params = _per_item(sampling_params, len(items))
+        ids: list[str] = []
+        try:
+            for item, p in zip(items, params):
+                request_id = f"llm-{next(self._ids)}"
+                if chat:
+                    self.engine.add_request(request_id, None, p,
+                                            prompt_token_ids=self.engine.apply_chat_template(item))
+                else:
+                    self.engine.add_request(request_id, item, p)
+                ids.append(request_id)
+            return self._drain(ids)
+        except BaseException:
+            for request_id in ids:
+                self.engine.abort(request_id)
+            while self.engine.has_unfinished_requests():
+                self.engine.step()
+            raise
+
+    def _drain(self, ids: list[str]) -> list[RequestOutput]:
+        wanted = set(ids)
+        final: dict[str, RequestOutput] = {}
+        while len(final) < len(ids):
+            for output in self.engine.step():
+                if output.finished and output.request_id in wanted:
+                    if output.error:
+                        raise RuntimeError(f"request {output.request_id} failed: {output.error}")
+                    final[output.request_id] = output
+        return [final[i] for i in ids]
+
+
+def _per_item(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
+    return params
