@@ -11,27 +11,13 @@ import pytest
 
 os.environ.setdefault("STREAMD_LOG_FORMAT", "console")
 
-_ENGINES: list = []
-
-
-def register_engine(engine):
-    """Puts an engine under the per-test leak check; returns it."""
-    _ENGINES.append(engine)
-    return engine
-
-
-def assert_pool_whole(engine) -> None:
-    stats = engine.stats()
-    assert not engine.has_unfinished_requests(), "requests still in flight after the test"
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], f"KV blocks leaked: {stats}"
-    if "swap_blocks_free" in stats:
-        assert stats["swap_blocks_free"] == stats["swap_blocks_total"], f"swap blocks leaked: {stats}"
+from tests.helpers import ENGINES, assert_pool_whole, register_engine
 
 
 @pytest.fixture(autouse=True)
 def _kv_leak_check() -> Iterator[None]:
     yield
-    for engine in _ENGINES:
+    for engine in ENGINES:
         assert_pool_whole(engine)
 
 

@@ -1,8 +1,26 @@
-"""Reference generation with plain Hugging Face transformers, for parity tests."""
+"""Test helpers: the engine leak check, and reference generation with plain Hugging Face transformers."""
 
 from __future__ import annotations
 
 import torch
+
+# Engines under the leak check that ends every test (see conftest.py).
+ENGINES: list = []
+
+
+def register_engine(engine):
+    """Puts an engine under the per-test leak check; returns it."""
+    ENGINES.append(engine)
+    return engine
+
+
+def assert_pool_whole(engine) -> None:
+    """No request in flight, every KV block (and swap block) free again."""
+    stats = engine.stats()
+    assert not engine.has_unfinished_requests(), "requests still in flight after the test"
+    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], f"KV blocks leaked: {stats}"
+    if "swap_blocks_free" in stats:
+        assert stats["swap_blocks_free"] == stats["swap_blocks_total"], f"swap blocks leaked: {stats}"
 
 
 @torch.inference_mode()

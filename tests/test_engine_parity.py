@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from streamd import LLM, SamplingParams
-from tests.conftest import register_engine
+from tests.helpers import register_engine
 from tests.helpers import hf_greedy
 
 CHATS = [

@@ -50,6 +50,8 @@ class LLMEngine:
         num_blocks = cache_cfg.num_kv_blocks or self._auto_num_blocks(layout)
         self.cache = CacheEngine(layout, num_blocks, _num_swap_blocks(cache_cfg, layout), device, self.runner.ops)
         self.runner.bind_kv_cache(self.cache.kv_cache)
+        if device.type == "cuda" and not config.model.enforce_eager:
+            self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size, self.cache.num_swap_blocks,
                                           cache_cfg.watermark, cache_cfg.enable_prefix_caching)
         self.eos_token_ids = _eos_token_ids(loaded)
@@ -198,8 +200,13 @@ class LLMEngine:
                              logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
                              stop_reason=seq.stop_reason)
             for i, seq in enumerate(group.seqs)]
-        return RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                             finished=group.finished, num_cached_tokens=group.num_cached_tokens, error=error)
+        output = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
+                               finished=group.finished, num_cached_tokens=group.num_cached_tokens, error=error)
+        if output.finished:  # monotonic-clock timings, for latency accounting
+            output.metrics = {"arrival_time": group.arrival_time,
+                              "first_scheduled_time": group.first_scheduled_time or -1.0,
+                              "first_token_time": group.first_token_time or -1.0}
+        return output
 
     def _tokenize(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
         if prompt_token_ids is None and isinstance(prompt, list):

@@ -7,6 +7,7 @@ A GGUF file is dequantized by transformers once; the converted weights and token
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import os
@@ -86,7 +87,8 @@ def load_model(name: str | PretrainedConfig | None, dtype: torch.dtype, device: 
 
 def _random_model(config: PretrainedConfig, dtype: torch.dtype, seed: int) -> LoadedModel:
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    # A copy: the engine switches the model's attention implementation, which lives on its config.
+    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
     return LoadedModel(model, None, f"random-{config.model_type}")
 
 

@@ -17,6 +17,7 @@ from transformers import PreTrainedModel
 from streamd.engine.attention import (ATTN_IMPLEMENTATION, AttentionMetadata, register_paged_attention,
                                       set_attention_metadata)
 from streamd.engine.cache_engine import KVLayout
+from streamd.engine.cuda_graphs import DecodeGraphs
 from streamd.engine.scheduler_output import SchedulerOutput
 from streamd.logs import get_logger
 
@@ -49,16 +50,30 @@ class ModelRunner:
         self.block_size = block_size
         self.ops = kernel_ops(device)
         self.kv_cache: torch.Tensor | None = None
+        self.graphs: DecodeGraphs | None = None
         self._pin = device.type == "cuda"
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
+
+    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
+        """Decode steps of up to `max_batch` sequences then replay graphs instead of running eagerly."""
+        assert self.kv_cache is not None and self.device.type == "cuda"
+        max_blocks = -(-max_model_len // self.block_size)
+        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, max_batch, max_blocks)
+        self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> torch.Tensor:
         """Runs the scheduled tokens; returns float32 logits [num_sampling_seqs, vocab] in schedule order."""
         assert self.kv_cache is not None, "bind_kv_cache first"
         input_ids, positions, metadata, sample_idx = self._prepare(out)
+        graphs = self.graphs
+        # A graph computes logits for every row, so it serves only batches in which every row samples.
+        if (graphs is not None and metadata.decode_only and len(sample_idx) == len(input_ids)
+                and graphs.can_run(len(input_ids), metadata.block_tables.shape[1])):
+            return graphs.run(input_ids, positions, metadata.slot_mapping, metadata.block_tables,
+                              metadata.seq_lens).float()
         set_attention_metadata(metadata)
         try:
             logits = self.model(input_ids=input_ids[None], position_ids=positions[None],

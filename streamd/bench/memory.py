@@ -1,0 +1,178 @@
+"""`streamd bench memory`: how well KV memory is used, streamd against the paper's Orca baselines.
+
+It owns the benchmark's command line, the run over workloads and systems, and the report. CPU only:
+the Scheduler and BlockManager run for real, the model does not (see `simulate.py`). For each
+workload (ShareGPT-like, Alpaca-like, long-tailed; seeded) and each system on the same pool, it reports
+the share of reserved KV slots that hold token states and the number of requests batched at once
+(time averages over the saturated run, after a warm-up). Writes `memory-<date>.json` and `.md` under
+`--out-dir` and prints the table. Targets (the paper's Fig. 2 and Fig. 13a, ShareGPT): token-state
+share >= 96.3% and >= 3x the batched requests of Orca (Max). Exit status 0 when they are met.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+from streamd.bench.simulate import simulate_orca, simulate_streamd
+from streamd.bench.workloads import WORKLOADS, RequestStream
+
+TARGET_SHARE = 0.963
+TARGET_BATCH_RATIO = 3.0
+TARGET_WORKLOAD = "sharegpt"
+SYSTEMS = ("streamd", "orca-max", "orca-pow2", "orca-oracle")
+_LABELS = {"streamd": "streamd", "orca-max": "Orca (Max)", "orca-pow2": "Orca (Pow2)",
+           "orca-oracle": "Orca (Oracle)"}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workloads", default=",".join(WORKLOADS),
+                        help="comma-separated subset of: " + ", ".join(WORKLOADS))
+    # 900 blocks x 16 = 14,400 slots: the KV space of OPT-13B on one A100-40GB (paper §6), where
+    # Orca (Max) batches 7 requests of 2,048 slots.
+    parser.add_argument("--num-blocks", type=int, default=900)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--lifetimes", type=float, default=100.0,
+                        help="run length per workload, in mean output lengths (steps)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="short runs (a smoke test, not a measurement)")
+    parser.add_argument("--out-dir", default="benchmarks/results")
+    parser.add_argument("--no-write", action="store_true", help="print only")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="streamd bench memory", description=__doc__)
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+    unknown = [n for n in names if n not in WORKLOADS]
+    if unknown or not names:
+        print(f"unknown workload(s): {', '.join(unknown) or '(none given)'}", file=sys.stderr)
+        return 2
+    lifetimes = 4.0 if args.quick else args.lifetimes
+    started = time.perf_counter()
+    results = {name: _run_workload(name, args, lifetimes) for name in names}
+    report = {
+        "benchmark": "memory",
+        "date": datetime.date.today().isoformat(),
+        "config": {"num_blocks": args.num_blocks, "block_size": args.block_size,
+                   "pool_slots": args.num_blocks * args.block_size, "max_num_seqs": args.max_num_seqs,
+                   "max_num_batched_tokens": args.max_num_batched_tokens, "lifetimes": lifetimes,
+                   "seed": args.seed, "quick": args.quick},
+        "workloads": results,
+        "targets": _targets(results),
+        "wall_s": round(time.perf_counter() - started, 2),
+    }
+    table = render_markdown(report)
+    print(table)
+    if not args.no_write:
+        paths = write_report(report, table, Path(args.out_dir))
+        print("wrote " + ", ".join(map(str, paths)))
+    return 0 if report["targets"].get("met", True) else 1
+
+
+def _run_workload(name: str, args: argparse.Namespace, lifetimes: float) -> dict[str, object]:
+    workload = WORKLOADS[name]
+    steps = int(lifetimes * workload.output_mean)
+    warmup = steps // 10
+    stream = RequestStream(workload, args.seed)
+    common = dict(steps=steps, warmup=warmup, max_num_seqs=args.max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens)
+    systems = {}
+    for system in SYSTEMS:
+        progress = _progress_line(name, system)
+        if system == "streamd":
+            systems[system] = simulate_streamd(stream, num_blocks=args.num_blocks, block_size=args.block_size,
+                                               progress=progress, **common)
+        else:
+            systems[system] = simulate_orca(system.removeprefix("orca-"), stream,
+                                            pool_slots=args.num_blocks * args.block_size, progress=progress,
+                                            **common)
+        progress(1.0)
+    prompts, outputs = zip(*(stream[i] for i in range(4096)))
+    return {"input_mean_target": workload.input_mean, "output_mean_target": workload.output_mean,
+            "input_mean": sum(prompts) / len(prompts), "output_mean": sum(outputs) / len(outputs),
+            "steps": steps, "warmup_steps": warmup, "systems": systems}
+
+
+def _progress_line(workload: str, system: str):  # noqa: ANN202
+    def show(fraction: float) -> None:
+        end = "\n" if fraction >= 1.0 else ""
+        print(f"\r[bench memory] {workload:<9} {system:<12} {fraction:6.1%}", end=end, file=sys.stderr,
+              flush=True)
+    return show
+
+
+def _targets(results: dict[str, dict]) -> dict[str, object]:
+    """The targets are the paper's ShareGPT figures; other workloads are shown against them too."""
+    per_workload = {}
+    for name, res in results.items():
+        systems = res["systems"]
+        share = systems["streamd"]["token_state_share"]
+        ratio = systems["streamd"]["batched_requests"] / max(systems["orca-max"]["batched_requests"], 1e-9)
+        per_workload[name] = {"token_state_share": share, "batch_ratio_vs_orca_max": ratio,
+                              "met": share >= TARGET_SHARE and ratio >= TARGET_BATCH_RATIO}
+    report: dict[str, object] = {"workload": TARGET_WORKLOAD, "token_state_share_target": TARGET_SHARE,
+                                 "batch_ratio_target": TARGET_BATCH_RATIO, "per_workload": per_workload,
+                                 "evaluated": TARGET_WORKLOAD in per_workload}
+    if TARGET_WORKLOAD in per_workload:
+        report.update(per_workload[TARGET_WORKLOAD])
+    return report
+
+
+def render_markdown(report: dict) -> str:
+    cfg = report["config"]
+    lines = [f"# Memory benchmark ({report['date']})", "",
+             f"Pool: {cfg['num_blocks']} blocks x {cfg['block_size']} = {cfg['pool_slots']} KV slots; "
+             f"max_num_seqs {cfg['max_num_seqs']}, max_num_batched_tokens {cfg['max_num_batched_tokens']}; "
+             f"saturated (a backlog always waits); time averages after a 10% warm-up; seed {cfg['seed']}"
+             + (" (QUICK run: not a measurement)" if cfg["quick"] else "") + ".", ""]
+    for name, res in report["workloads"].items():
+        lines += [f"## {name}: input mean {res['input_mean']:.1f}, output mean {res['output_mean']:.1f} "
+                  f"({res['steps']} steps)", "",
+                  "| system | token states / reserved | batched requests | x Orca (Max) | pool: tokens "
+                  "| reserved unfilled | internal frag. | free | requests / 1k steps |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        base = res["systems"]["orca-max"]["batched_requests"]
+        for system, r in res["systems"].items():
+            pool = r["pool"]
+            lines.append(f"| {_LABELS[system]} | {r['token_state_share']:.1%} | {r['batched_requests']:.2f} "
+                         f"| {r['batched_requests'] / max(base, 1e-9):.2f}x | {pool['token_states']:.1%} "
+                         f"| {pool['reserved_unfilled']:.1%} | {pool['internal_fragmentation']:.1%} "
+                         f"| {pool['free']:.1%} | {r['requests_per_kstep']:.1f} |")
+        ours = res["systems"]["streamd"]
+        lines += ["", f"streamd preempted {ours['preemptions']} times (recompute) and prefilled "
+                      f"{ours['recomputed_tokens']} tokens again.", ""]
+    t = report["targets"]
+    for name, w in t["per_workload"].items():
+        role = "target" if name == t["workload"] else "for reference"
+        lines.append(f"- {name} ({role}): token-state share {w['token_state_share']:.1%} "
+                     f"(>= {t['token_state_share_target']:.1%}), batched requests "
+                     f"{w['batch_ratio_vs_orca_max']:.2f}x Orca (Max) (>= {t['batch_ratio_target']:.0f}x): "
+                     + ("met" if w["met"] else "not met"))
+    return "\n".join(lines) + "\n"
+
+
+def write_report(report: dict, markdown: str, out_dir: Path) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stem = out_dir / f"memory-{report['date']}"
+    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
+    for path, text in ((json_path, json.dumps(report, indent=2) + "\n"), (md_path, markdown)):
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(text)
+        os.replace(tmp, path)  # a half-written report never replaces a good one
+    return [json_path, md_path]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

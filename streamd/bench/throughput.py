@@ -1,0 +1,285 @@
+"""`streamd bench throughput`: offline throughput of streamd against Hugging Face transformers (continuous
+batching and static batching) on the same device in the same process, with the device's measured
+ceilings and the workload's roofline. Writes `benchmarks/results/throughput-<date>-<gpu>.json` and `.md`.
+
+Workload (nano-vllm's): 256 requests, seed 0, random-token prompts and output lengths uniform in
+[100, 1024], EOS ignored, random bf16 weights of a named shape (or a real model directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import random
+import statistics
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+SHAPES: dict[str, dict[str, Any]] = {
+    "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                        head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
+    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
+}
+
+
+@dataclass(slots=True)
+class Workload:
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)
+
+
+def random_workload(vocab: int, num_requests: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0) -> Workload:
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
+    return Workload(f"random-{num_requests}x[{lo},{hi}]", prompts, [rng.randint(lo, hi) for _ in range(num_requests)])
+
+
+def shared_prefix_workload(vocab: int, num_requests: int = 256, prefix: int = 500, seed: int = 0) -> Workload:
+    rng = random.Random(seed + 1)
+    system = [rng.randrange(vocab) for _ in range(prefix)]
+    prompts = [system + [rng.randrange(vocab) for _ in range(rng.randint(50, 150))] for _ in range(num_requests)]
+    return Workload(f"shared-prefix-{num_requests}x{prefix}+[50,150]", prompts, [128] * num_requests)
+
+
+def model_config(shape: str, max_len: int = 4096):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**SHAPES[shape], max_position_embeddings=max_len, rope_theta=500000.0)
+
+
+# ---- measured ceilings ------------------------------------------------------------------------------
+
+def measure_ceilings() -> dict[str, float]:
+    import torch
+    from triton.testing import do_bench
+
+    n = 1 << 30  # 1 GiB each way
+    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
+    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
+    mm = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
+    return {"hbm_bytes_per_s": 2 * n / (ms * 1e-3), "bf16_flop_per_s": 2 * 8192**3 / (mm * 1e-3)}
+
+
+def roofline_tok_s(config: Any, work: Workload, ceilings: dict[str, float], max_num_seqs: int = 256) -> float:
+    """Every decode step reads the weights and the live KV once; prefill and decode FLOPs at the measured
+    matrix rate; the step costs the larger of the two. Requests run `max_num_seqs` at a time, FCFS."""
+    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
+    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
+    params = layers * (2 * h * config.num_attention_heads * head_dim + 2 * h * kv_heads * head_dim
+                       + 3 * h * config.intermediate_size) + vocab * h
+    weight_bytes = 2 * params
+    kv_bytes_per_token = 2 * layers * 2 * kv_heads * head_dim
+    bw, rate = ceilings["hbm_bytes_per_s"], ceilings["bf16_flop_per_s"]
+    prefill_tokens = sum(len(p) for p in work.prompts)
+    seconds = 2 * params * prefill_tokens / rate
+    live = sorted(zip((len(p) for p in work.prompts), work.output_lens), key=lambda x: x[1])
+    for start in range(0, len(live), max_num_seqs):
+        wave = live[start:start + max_num_seqs]
+        for step in range(max(o for _, o in wave)):
+            running = [(p, o) for p, o in wave if o > step]
+            kv = sum(p + step for p, _ in running) * kv_bytes_per_token
+            flops = 2 * params * len(running)
+            seconds += max((weight_bytes + kv) / bw, flops / rate)
+    return work.output_tokens / seconds
+
+
+# ---- the three engines ------------------------------------------------------------------------------
+
+def run_streamd(config: Any, work: Workload, progress: Any, **overrides: Any) -> dict[str, float]:
+    from streamd import LLM, SamplingParams
+
+    llm = LLM(config, dtype="bfloat16", **overrides)
+    engine = llm.engine
+    warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
+    engine.add_request("warm", work.prompts[0][:64], warm)
+    while engine.has_unfinished_requests():
+        engine.step()
+    start = time.perf_counter()
+    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False,
+                                                          temperature=0.0), arrival_time=time.monotonic())
+    ttft: list[float] = []
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                ttft.append(out.metrics["first_token_time"] - out.metrics["arrival_time"])
+                progress.update(1)
+    seconds = time.perf_counter() - start
+    stats = engine.stats()
+    del llm, engine
+    _free_cuda()
+    return {"tok_s": work.output_tokens / seconds, "seconds": seconds, "median_ttft_s": statistics.median(ttft),
+            "prefix_cache_hit_tokens": stats.get("prefix_cache_hit_tokens", 0),
+            "preemptions": stats.get("preemptions_swap", 0) + stats.get("preemptions_recompute", 0)}
+
+
+def run_hf_continuous(config: Any, work: Workload, progress: Any) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
+    model = model.cuda().eval()
+    gen = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with model.continuous_batching_context_manager(generation_config=gen) as manager:
+        start = time.perf_counter()
+        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
+        done = 0
+        produced = 0
+        while done < len(work.prompts):
+            result = manager.get_result(timeout=5)
+            if result is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers continuous batching stopped early")
+                continue
+            if result.is_finished():
+                done += 1
+                produced += len(result.generated_tokens)
+                progress.update(1)
+        seconds = time.perf_counter() - start
+    del model, manager
+    _free_cuda()
+    return {"tok_s": produced / seconds, "seconds": seconds, "tokens": produced}
+
+
+def run_hf_static(config: Any, work: Workload, progress: Any, batch: int = 64) -> dict[str, float]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    start = time.perf_counter()
+    for i in range(0, len(work.prompts), batch):
+        prompts, lens = work.prompts[i:i + batch], work.output_lens[i:i + batch]
+        width = max(map(len, prompts))
+        ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
+        with torch.inference_mode():  # a static batch runs until its longest request is done
+            model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
+                           do_sample=False, pad_token_id=0)
+        progress.update(len(prompts))
+    seconds = time.perf_counter() - start
+    del model
+    _free_cuda()
+    return {"tok_s": work.output_tokens / seconds, "seconds": seconds}
+
+
+def _free_cuda() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
+# ---- entry point ------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shapes", default="llama3.2-1b,smollm2-135m", help="comma-separated model shapes")
+    parser.add_argument("--num-requests", type=int, default=256)
+    parser.add_argument("--peers", default="hf_cb,hf_static", help="comma-separated: hf_cb, hf_static (or none)")
+    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run the shared-prefix workload with caching on and off")
+    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and markdown")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+    from tqdm import tqdm
+
+    if not torch.cuda.is_available():
+        print("streamd bench throughput needs a CUDA device")
+        return 2
+    ceilings = measure_ceilings()
+    peers = [p for p in args.peers.split(",") if p and p != "none"]
+    report: dict[str, Any] = {
+        "date": dt.date.today().isoformat(), "git_commit": _git_commit(), "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__, "ceilings": ceilings, "runs": []}
+    for shape in args.shapes.split(","):
+        config = model_config(shape)
+        work = random_workload(config.vocab_size, args.num_requests)
+        run: dict[str, Any] = {"model_shape": shape, "workload": work.name, "output_tokens": work.output_tokens,
+                               "roofline_tok_s": roofline_tok_s(config, work, ceilings)}
+        total = len(work.prompts) * (1 + len(peers))
+        with tqdm(total=total, desc=f"{shape}", unit="req") as bar:
+            run["streamd"] = run_streamd(config, work, bar)
+            if "hf_cb" in peers:
+                run["hf_cb"] = run_hf_continuous(config, work, bar)
+            if "hf_static" in peers:
+                run["hf_static"] = run_hf_static(config, work, bar)
+        run["streamd_tok_s"] = run["streamd"]["tok_s"]
+        run["hf_cb_tok_s"] = run.get("hf_cb", {}).get("tok_s")
+        run["hf_static_tok_s"] = run.get("hf_static", {}).get("tok_s")
+        report["runs"].append(run)
+        _save(report, args.out)
+    if args.prefix_cache:
+        report["prefix_cache"] = prefix_cache_run(args.shapes.split(",")[0], args.num_requests)
+        _save(report, args.out)
+    print(summary_markdown(report))
+    return 0
+
+
+def prefix_cache_run(shape: str, num_requests: int) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    config = model_config(shape)
+    work = shared_prefix_workload(config.vocab_size, num_requests)
+    with tqdm(total=2 * num_requests, desc="prefix cache on/off", unit="req") as bar:
+        on = run_streamd(config, work, bar, enable_prefix_caching=True)
+        off = run_streamd(config, work, bar, enable_prefix_caching=False)
+    return {"model_shape": shape, "workload": work.name, "tok_s_on": on["tok_s"], "tok_s_off": off["tok_s"],
+            "median_ttft_on_s": on["median_ttft_s"], "median_ttft_off_s": off["median_ttft_s"],
+            "hit_tokens_on": on["prefix_cache_hit_tokens"]}
+
+
+def summary_markdown(report: dict[str, Any]) -> str:
+    c = report["ceilings"]
+    lines = [f"# Throughput, {report['device']}, {report['date']} (commit {report['git_commit']})", "",
+             f"Measured ceilings: HBM {c['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+             f"{c['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s.", "",
+             "| shape | streamd tok/s | HF CB tok/s | HF static tok/s | roofline tok/s | vs HF CB | of roofline |",
+             "|---|---|---|---|---|---|---|"]
+    for run in report["runs"]:
+        cb = run.get("hf_cb_tok_s")
+        lines.append(f"| {run['model_shape']} | {run['streamd_tok_s']:.0f} | {cb or float('nan'):.0f} | "
+                     f"{run.get('hf_static_tok_s') or float('nan'):.0f} | {run['roofline_tok_s']:.0f} | "
+                     f"{(run['streamd_tok_s'] / cb) if cb else float('nan'):.1f}x | "
+                     f"{100 * run['streamd_tok_s'] / run['roofline_tok_s']:.0f}% |")
+    if "prefix_cache" in report:
+        p = report["prefix_cache"]
+        lines += ["", "| prefix caching | tok/s | median TTFT s |", "|---|---|---|",
+                  f"| on | {p['tok_s_on']:.0f} | {p['median_ttft_on_s']:.3f} |",
+                  f"| off | {p['tok_s_off']:.0f} | {p['median_ttft_off_s']:.3f} |"]
+    return "\n".join(lines) + "\n"
+
+
+def _save(report: dict[str, Any], out: str) -> None:
+    folder = Path(out)
+    folder.mkdir(parents=True, exist_ok=True)
+    gpu = report["device"].replace("NVIDIA ", "").replace(" ", "-").lower()
+    stem = folder / f"throughput-{report['date']}-{gpu}"
+    stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
+    stem.with_suffix(".md").write_text(summary_markdown(report))
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"

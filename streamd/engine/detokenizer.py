@@ -1,0 +1,106 @@
+"""IncrementalDetokenizer: turns one sequence's new token ids into newly complete text, cheaply.
+
+Owns the token -> text step of streaming. Byte-level BPE (GPT-2 style, SmolLM2) and SentencePiece
+byte-fallback tokenizers split one character over several tokens, so decoding token by token would emit
+half characters (U+FFFD). We use the prefix/read-offset technique (as in vLLM / HF TextStreamer):
+
+- `window` holds the token ids from the *prefix offset* on: a few tokens of already-emitted context followed
+  by the unread tokens. Decoding with that context keeps SentencePiece's leading-space handling and
+  merges right, and only the text past the context is new.
+- Each update decodes the small window twice (context alone, context + unread). If the result ends in
+  U+FFFD the last character is still incomplete: emit nothing and wait for more tokens. Otherwise emit
+  the new text and slide the window so the just-read tokens become the next context.
+
+The window stays a handful of tokens long, so the cost per token is constant, never a re-decode of the whole
+output. Concatenating every `update()` (plus `flush()` at the end) gives `tokenizer.decode(output ids)`
+for byte-level BPE tokenizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from typing import Any
+
+_REPLACEMENT = "\ufffd"
+# Prompt tokens kept as decoding context for the first output tokens (vLLM uses the same number).
+_INITIAL_CONTEXT_TOKENS = 5
+# A UTF-8 character has at most 4 bytes, so at most this many prompt tokens can hold its start.
+_MAX_PARTIAL_TOKENS = 4
+
+
+class IncrementalDetokenizer:
+    """Detokenizes one sequence's output as tokens arrive. Not thread-safe; one per sequence."""
+
+    __slots__ = ("tokenizer", "skip_special_tokens", "_window", "_read", "_prefix_len", "_num_seen")
+
+    def __init__(self, tokenizer: Any, prompt_token_ids: Seq[int], skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self._num_seen = len(prompt_token_ids)  # prompt + output tokens taken in so far
+        window = list(prompt_token_ids[-(_INITIAL_CONTEXT_TOKENS + _MAX_PARTIAL_TOKENS):])
+        read = len(window)
+        prefix = self._decode(window[:read])
+        # A prompt that ends in the middle of a character (token-id prompts can): treat its trailing
+        # partial bytes as unread, so the first output token that completes the character emits it
+        # whole instead of the diff of two decodes being shifted by the replacement character.
+        backed = 0
+        while read > 0 and backed < _MAX_PARTIAL_TOKENS and prefix.endswith(_REPLACEMENT):
+            read -= 1
+            backed += 1
+            prefix = self._decode(window[:read])
+        if prefix.endswith(_REPLACEMENT):  # Not a partial character after all: leave the prompt alone.
+            read = len(window)
+            prefix = self._decode(window)
+        # Keep only _INITIAL_CONTEXT_TOKENS of context before the read offset.
+        start = max(0, read - _INITIAL_CONTEXT_TOKENS)
+        self._window: list[int] = window[start:]
+        self._read = read - start  # window[:_read] is context whose text was emitted (or is the prompt's)
+        self._prefix_len = len(self._decode(self._window[:self._read])) if start else len(prefix)
+
+    def _decode(self, ids: list[int]) -> str:
+        # clean_up_tokenization_spaces=False: the clean-up rewrites text across token boundaries
+        # (" ." -> "."), which would make windowed decodes disagree with each other.
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
+
+    def update(self, new_token_ids: Seq[int]) -> str:
+        """Takes the token ids just appended to the sequence; returns the text they complete ("" while
+        the last character is still incomplete)."""
+        self._num_seen += len(new_token_ids)
+        self._window.extend(new_token_ids)
+        text = self._decode(self._window)
+        if text.endswith(_REPLACEMENT) or len(text) <= self._prefix_len:
+            # Incomplete character (or a token with no text yet, e.g. a skipped special token):
+            # keep the unread tokens and try again with the next one.
+            return ""
+        new_text = text[self._prefix_len:]
+        # Slide: the tokens just read become the context of the next decode.
+        self._window = self._window[self._read:]
+        self._read = len(self._window)
+        self._prefix_len = len(self._decode(self._window))
+        return new_text
+
+    def step(self, token_ids: Seq[int]) -> str:
+        """Same as `update`, given the sequence's whole token list (prompt + output): takes in the
+        tokens past those already seen. Only the tail is sliced, so it stays cheap per token."""
+        return self.update(token_ids[self._num_seen:])
+
+    def flush(self) -> str:
+        """Text still held back (an incomplete character, as U+FFFD); call once when the sequence ends."""
+        text = self._decode(self._window)
+        new_text = text[self._prefix_len:]
+        self._window = self._window[self._read:] if new_text else self._window
+        self._read = len(self._window)
+        self._prefix_len = len(self._decode(self._window))
+        return new_text
+
+    def fork(self) -> IncrementalDetokenizer:
+        """An independent copy for a forked sequence (parallel sampling, beams)."""
+        child = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
+        child.tokenizer = self.tokenizer
+        child.skip_special_tokens = self.skip_special_tokens
+        child._window = list(self._window)
+        child._read = self._read
+        child._prefix_len = self._prefix_len
+        child._num_seen = self._num_seen
+        return child

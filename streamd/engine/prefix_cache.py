@@ -1,0 +1,78 @@
+"""PrefixCache: the index that makes full KV blocks findable by content (paper §4.4, "Shared prefix").
+
+It owns the mapping hash -> physical device block and, per registered block, the hash, the parent
+hash and the token ids it was registered with. A block's hash is xxh64 of (parent block's hash, its
+token ids), so equal hashes mean equal prefixes up to and including the block; a hit is still confirmed
+by comparing the parent hash and the token ids, because 64-bit hashes can collide. The BlockManager
+decides *when* a block is registered (only after its KV is written) and when it is forgotten (when the
+free block is reused). Plain Python, no torch.
+"""
+
+from __future__ import annotations
+
+from array import array
+
+import xxhash
+
+# Parent "hash" of a sequence's first block. Any fixed value works: the hit is confirmed anyway.
+ROOT_HASH = 0
+
+
+def hash_block(parent_hash: int, token_ids: list[int]) -> int:
+    """Chained content hash of one full block."""
+    # 'q' (int64) so any token id fits; the parent goes first so equal blocks after different
+    # prefixes get different hashes.
+    return xxhash.xxh64_intdigest(parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes())
+
+
+class PrefixCache:
+    """hash -> block index over `num_blocks` device blocks."""
+
+    __slots__ = ("_by_hash", "_hash", "_parent", "_tokens")
+
+    def __init__(self, num_blocks: int) -> None:
+        self._by_hash: dict[int, int] = {}
+        # Per block; None when the block is not registered.
+        self._hash: list[int | None] = [None] * num_blocks
+        self._parent: list[int] = [ROOT_HASH] * num_blocks
+        self._tokens: list[list[int] | None] = [None] * num_blocks
+
+    def __len__(self) -> int:
+        return len(self._by_hash)
+
+    def lookup(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> int | None:
+        """The block holding exactly this content after exactly this prefix, or None."""
+        block = self._by_hash.get(block_hash)
+        if block is None or self._parent[block] != parent_hash or self._tokens[block] != token_ids:
+            return None
+        return block
+
+    def register(self, block: int, block_hash: int, parent_hash: int, token_ids: list[int]) -> bool:
+        """Makes `block` findable. A second block with the same content (two requests computed the
+        same prefix at once) stays unregistered; returns whether `block` was registered."""
+        if block_hash in self._by_hash or self._hash[block] is not None:
+            return False
+        self._by_hash[block_hash] = block
+        self._hash[block] = block_hash
+        self._parent[block] = parent_hash
+        self._tokens[block] = token_ids
+        return True
+
+    def is_registered(self, block: int) -> bool:
+        return self._hash[block] is not None
+
+    def forget(self, block: int) -> None:
+        """The block is about to be overwritten: it is no longer findable."""
+        block_hash = self._hash[block]
+        if block_hash is None:
+            return
+        del self._by_hash[block_hash]
+        self._hash[block] = None
+        self._tokens[block] = None
+
+    def registered(self) -> dict[int, int]:
+        """A copy of hash -> block (for invariant checks and tests)."""
+        return dict(self._by_hash)
+
+    def tokens_of(self, block: int) -> list[int] | None:
+        return self._tokens[block]

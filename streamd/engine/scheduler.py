@@ -1,0 +1,377 @@
+"""Scheduler: iteration-level FCFS scheduling with preemption (paper §4.5). Plain Python, no torch.
+
+It owns the three queues (running, waiting, swapped) and decides, once per step, which sequences run
+and how many tokens each; every memory decision goes through the BlockManager. One step, in order:
+
+1. running groups, earliest arrival first: each decoding sequence gets its next slot (copy-on-write
+   when its last block is shared). When a group cannot get a block, the latest-arrived running group
+   is preempted (all-or-nothing), or the group itself when it is the latest one left.
+2. swapped groups come back, earliest first, unless this step preempted (that would thrash).
+3. running groups in the middle of a prompt get chunks of the token budget left after the decodes.
+4. waiting groups are admitted in arrival order (watermark admission, prefix-cache hits), the first
+   that does not fit stops admission; nothing is admitted while any group is swapped out or when this
+   step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
+
+A prompt's blocks are allocated whole at admission, so chunks never need memory and a running prompt
+is only ever stopped by preemption.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from streamd.config import CacheConfig, SchedulerConfig
+from streamd.engine.block_manager import BlockManager
+from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from streamd.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING
+_FINISHED = SequenceStatus.FINISHED_STOPPED  # statuses >= this one are finished
+
+
+@dataclass(slots=True)
+class PreemptionCostModel:
+    """What `preemption_mode = "auto"` weighs, measured at start-up."""
+
+    bytes_per_block: int
+    host_link_bytes_per_s: float
+    prefill_tokens_per_s: float
+
+    def swap_cost_s(self, num_blocks: int) -> float:
+        """Out now and back in later: the blocks cross the host link twice."""
+        return 2 * num_blocks * self.bytes_per_block / self.host_link_bytes_per_s
+
+    def recompute_cost_s(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
+                 block_manager: BlockManager, max_model_len: int,
+                 cost_model: PreemptionCostModel | None = None) -> None:
+        self.config = scheduler_config
+        self.cache_config = cache_config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.cost_model = cost_model
+        self.preemption_mode = scheduler_config.preemption_mode
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        # Admission keeps running sequences within the token budget too, so every running sequence's
+        # decode always fits in one step and no decode is ever starved.
+        self.max_num_seqs = min(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
+        self.running: list[SequenceGroup] = []  # ordered by arrival
+        self.waiting: deque[SequenceGroup] = deque()  # ordered by arrival
+        self.swapped: list[SequenceGroup] = []  # ordered by arrival
+        self._groups: dict[str, SequenceGroup] = {}
+        self._arrival: dict[str, int] = {}  # request_id -> arrival rank (ties in arrival_time broken)
+        self._next_rank = 0
+        self._lost_tokens: dict[str, int] = {}  # KV tokens a recompute preemption dropped, per request
+        self._blocked: tuple[int, int, bool] | None = None  # (head group, free blocks, running?) that failed
+        self.preemptions_swap = 0
+        self.preemptions_recompute = 0
+        self.recomputed_tokens = 0
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        """Queues a request. Raises ValueError when it can never run, so it never waits forever."""
+        rid = group.request_id
+        if rid in self._groups:
+            raise ValueError(f"request {rid!r} is already scheduled")
+        seqs = group.unfinished_seqs()
+        if not seqs or any(s.num_tokens == 0 for s in seqs):
+            raise ValueError(f"request {rid!r} has no prompt tokens to run")
+        longest = max(s.num_tokens for s in seqs)
+        if longest > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {longest} tokens exceeds max_model_len "
+                             f"({self.max_model_len})")
+        bm = self.block_manager
+        needed = sum(bm.blocks_needed(s.num_tokens) for s in seqs)
+        usable = bm.num_blocks - bm.watermark_blocks
+        if needed > usable:
+            raise ValueError(
+                f"request {rid!r}: prompt of {longest} tokens needs {needed} KV cache blocks but the KV cache "
+                f"can hold at most {usable} ({bm.num_blocks} blocks of {bm.block_size} tokens, less the "
+                f"watermark)")
+        for seq in seqs:
+            seq.status = SequenceStatus.WAITING
+        self._groups[rid] = group
+        self._arrival[rid] = self._next_rank
+        self._next_rank += 1
+        self.waiting.append(group)
+
+    def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
+        """Removes the request from every queue and frees its blocks now."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        for queue in (self.running, self.waiting, self.swapped):
+            if group in queue:
+                queue.remove(group)
+                break
+        for seq in group.seqs:
+            self.block_manager.free(seq)
+        group.set_status(SequenceStatus.FINISHED_ABORTED)
+        self._forget(group)
+        return group
+
+    def fork_seq(self, group: SequenceGroup, parent: Sequence) -> Sequence:
+        """A new sequence of `group` sharing `parent`'s blocks (parallel sampling, beam search)."""
+        child = parent.fork()
+        self.block_manager.fork(parent, child)
+        group.seqs.append(child)
+        return child
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        decodes: list[ScheduledSeq] = []
+        partial: list[ScheduledSeq] = []  # prompt chunks, sized once the decodes have their tokens
+        num_seqs, preempted = self._schedule_running(out, decodes, partial)
+        budget = self.max_num_batched_tokens - len(decodes)
+        if not preempted:
+            num_seqs, budget = self._schedule_swapped(out, decodes, partial, num_seqs, budget)
+        prefills: list[ScheduledSeq] = []
+        for item in partial:
+            if budget <= 0:
+                break
+            item.num_new_tokens = min(item.num_new_tokens, budget)
+            budget -= item.num_new_tokens
+            prefills.append(item)
+        if not preempted and not self.swapped:
+            self._schedule_waiting(out, prefills, num_seqs, budget)
+        out.num_prefill_tokens = sum(item.num_new_tokens for item in prefills)
+        out.num_decode_tokens = len(decodes)
+        prefills.extend(decodes)
+        out.scheduled = prefills
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, decodes: list[ScheduledSeq],
+                          partial: list[ScheduledSeq]) -> tuple[int, bool]:
+        bm, running = self.block_manager, self.running
+        budget = self.max_num_batched_tokens
+        num_seqs, preempted, i = 0, False, 0
+        while i < len(running):  # victims are popped off the end
+            group = running[i]
+            mark, need, num_decodes = len(partial), 0, 0
+            for seq in group.seqs:
+                if seq.status is not _RUNNING:
+                    continue
+                left = seq.num_tokens - seq.num_computed_tokens
+                if left == 1:
+                    need += bm.blocks_to_append(seq)
+                    num_decodes += 1
+                elif left > 1:
+                    partial.append(ScheduledSeq(seq, group, left))
+            if num_decodes > 1 and need:  # siblings sharing a block copy it fewer times than the sum says
+                need = bm.blocks_to_append_all(
+                    [s for s in group.seqs if s.status is _RUNNING and s.num_tokens - s.num_computed_tokens == 1])
+            while need > bm.num_free_blocks():
+                preempted = True
+                if len(running) > i + 1:
+                    self._preempt(running.pop(), out)
+                else:  # the latest-arrived group left is this one
+                    del partial[mark:]
+                    self._preempt(running.pop(i), out)
+                    break
+            else:
+                if num_decodes <= budget:  # only false when forks outgrew the budget
+                    self._append_decodes(group, out, decodes)
+                    budget -= num_decodes
+                num_seqs += num_decodes + len(partial) - mark
+                i += 1
+        return num_seqs, preempted
+
+    def _append_decodes(self, group: SequenceGroup, out: SchedulerOutput, decodes: list[ScheduledSeq]) -> None:
+        bm = self.block_manager
+        for seq in group.seqs:
+            if seq.status is _RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
+                copies = bm.append_slots(seq)
+                if copies:
+                    out.blocks_to_copy.extend(copies)
+                decodes.append(ScheduledSeq(seq, group, 1))
+
+    def _schedule_swapped(self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq],
+                          num_seqs: int, budget: int) -> tuple[int, int]:
+        bm = self.block_manager
+        while self.swapped:
+            group = self.swapped[0]
+            seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
+            if num_seqs + len(seqs) > self.max_num_seqs or len(seqs) > budget:
+                break
+            needed = bm.blocks_to_swap_in(seqs)
+            if needed > bm.num_blocks:
+                self._reject(self.swapped.pop(0), out, needed)
+                continue
+            # The watermark must not keep the pool idle: with nothing running, anything that fits goes.
+            if not bm.can_swap_in(seqs, None if self.running else 0):
+                break
+            out.blocks_to_swap_in.extend(bm.swap_in(seqs))
+            self.swapped.pop(0)
+            for seq in seqs:
+                seq.status = _RUNNING
+                left = seq.num_tokens - seq.num_computed_tokens
+                if left > 1:  # swapped in the middle of its prompt
+                    partial.append(ScheduledSeq(seq, group, left))
+            before = len(decodes)
+            self._append_decodes(group, out, decodes)
+            budget -= len(decodes) - before
+            num_seqs += len(seqs)
+            bisect.insort(self.running, group, key=self._rank)
+        return num_seqs, budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, prefills: list[ScheduledSeq], num_seqs: int,
+                          budget: int) -> None:
+        bm, waiting = self.block_manager, self.waiting
+        while waiting and budget > 0:
+            group = waiting[0]
+            seqs = group.seqs_with_status(SequenceStatus.WAITING)
+            if num_seqs + len(seqs) > self.max_num_seqs:
+                break
+            needed = sum(bm.blocks_needed(s.num_tokens) for s in seqs)
+            if needed > bm.num_blocks:  # grew past the pool before a recompute preemption
+                self._reject(waiting.popleft(), out, needed)
+                continue
+            # Re-checking a blocked head costs a prefix lookup; skip it while nothing has changed.
+            blocked = (id(group), bm.num_free_blocks(), bool(self.running))
+            if blocked == self._blocked or not bm.can_allocate(seqs, None if self.running else 0):
+                self._blocked = blocked
+                break
+            waiting.popleft()
+            cached = 0
+            for seq in seqs:
+                cached += bm.allocate(seq)
+                seq.status = _RUNNING
+                chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                if chunk > 0:  # otherwise it continues as a running prompt next step
+                    prefills.append(ScheduledSeq(seq, group, chunk))
+                    budget -= chunk
+            lost = self._lost_tokens.pop(group.request_id, None)
+            if lost is None:
+                group.num_cached_tokens = cached
+            else:
+                self.recomputed_tokens += max(0, lost - cached)
+            num_seqs += len(seqs)
+            bisect.insort(self.running, group, key=self._rank)
+
+    # ---- preemption -----------------------------------------------------------------------------
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        seqs = [s for s in group.seqs if s.status < _FINISHED]
+        if self._use_swap(seqs):
+            out.blocks_to_swap_out.extend(bm.swap_out(seqs))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, group, key=self._rank)
+            self.preemptions_swap += 1
+            return
+        lost = 0
+        for seq in seqs:
+            lost += seq.num_computed_tokens
+            bm.free(seq)
+            seq.num_computed_tokens = 0  # prompt + generated tokens are prefilled again
+            seq.status = SequenceStatus.WAITING
+        self._lost_tokens[group.request_id] = lost
+        self._requeue_front(group)
+        self.preemptions_recompute += 1
+
+    def _use_swap(self, seqs: list[Sequence]) -> bool:
+        bm = self.block_manager
+        if self.preemption_mode == "recompute" or not bm.num_swap_blocks or not bm.can_swap_out(seqs):
+            return False  # recompute is also the fallback when the host pool is full
+        if self.preemption_mode == "swap":
+            return True
+        if self.cost_model is None:
+            return False
+        tokens = sum(s.num_computed_tokens for s in seqs)
+        return self.cost_model.swap_cost_s(bm.unique_blocks(seqs)) < self.cost_model.recompute_cost_s(tokens)
+
+    def _requeue_front(self, group: SequenceGroup) -> None:
+        """Back into waiting by arrival; preempted groups arrived before any never-admitted one, so
+        this is at or near the front."""
+        rank, i = self._rank(group), 0
+        for other in self.waiting:
+            if self._rank(other) > rank:
+                break
+            i += 1
+        self.waiting.insert(i, group)
+
+    def _reject(self, group: SequenceGroup, out: SchedulerOutput, needed: int) -> None:
+        """A group that outgrew the whole pool: it can never run again. The engine reports it."""
+        for seq in group.seqs:
+            self.block_manager.free(seq)
+        group.set_status(SequenceStatus.FINISHED_ABORTED)
+        bm = self.block_manager
+        out.rejected.append((group, f"request {group.request_id!r} needs {needed} KV cache blocks but the KV "
+                                    f"cache has only {bm.num_blocks} blocks of {bm.block_size} tokens"))
+        self._forget(group)
+
+    # ---- after the forward ----------------------------------------------------------------------
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The forward wrote the KV of every scheduled token: advance and publish full blocks."""
+        bm = self.block_manager
+        caching, bs = bm.enable_prefix_caching, bm.block_size
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status is not _RUNNING:  # aborted while the step ran
+                continue
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = after = before + item.num_new_tokens
+            if caching and after // bs != before // bs:
+                bm.mark_computed(seq)
+
+    def free_finished(self) -> list[SequenceGroup]:
+        """Frees finished sequences' blocks; drops and returns the groups that are wholly finished."""
+        bm, finished = self.block_manager, []
+        for group in self.running:
+            done = True
+            for seq in group.seqs:
+                if seq.status >= _FINISHED:
+                    if seq.block_table:
+                        bm.free(seq)
+                else:
+                    done = False
+            if done:
+                finished.append(group)
+        if finished:
+            gone = {id(g) for g in finished}
+            self.running = [g for g in self.running if id(g) not in gone]
+            for group in finished:
+                self._forget(group)
+        return finished
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    def _rank(self, group: SequenceGroup) -> int:
+        return self._arrival[group.request_id]
+
+    def _forget(self, group: SequenceGroup) -> None:
+        self._groups.pop(group.request_id, None)
+        self._arrival.pop(group.request_id, None)
+        self._lost_tokens.pop(group.request_id, None)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.running or self.waiting or self.swapped)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def stats(self) -> dict[str, int]:
+        stats = self.block_manager.stats()
+        stats.update(preemptions_swap=self.preemptions_swap, preemptions_recompute=self.preemptions_recompute,
+                     recomputed_tokens=self.recomputed_tokens)
+        return stats

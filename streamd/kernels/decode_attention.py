@@ -1,0 +1,267 @@
+"""Paged decode attention (one query token per sequence) as Triton kernels.
+
+Owns ``paged_decode_attention``: the main kernel, its split-K partial path and the reduction kernel
+that merges the partials, plus the host-side choice of tile sizes and split count.
+
+One program handles one (sequence, KV head, context partition). It loads the query rows of every query
+head that shares that KV head (the GQA group, padded to 16 rows because ``tl.dot`` needs M >= 16), and
+streams the partition's keys and values in tiles of ``BLOCK_N`` tokens, translating each token's
+position through the block table. Each K/V tile is loaded once for the whole group: that is what makes
+GQA decode memory-bound on K/V bytes rather than on query heads.
+
+Split-K: when ``num_seqs * num_kv_heads`` programs cannot fill the GPU, the context is cut into
+``num_splits`` partitions; each writes an unnormalised partial (running max, sum of exponentials and
+accumulator, all in the exp2 domain) and a second kernel merges them. The split count is computed from
+shapes only (the block table's width gives the largest possible context), so the launch is the same
+for every batch of a given shape and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from streamd.kernels._triton_utils import cdiv, check_cache, dot_upcast, dual_kernel, next_pow2, num_sms
+
+_LOG2E = 1.4426950408889634
+# A finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN for rows that see no
+# key (seq_len 0, padding rows), whereas exp2(x - 1e30-ish) is cleanly 0 or 1.
+_NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@dual_kernel
+def _decode_kernel(
+    q_ptr, kv_ptr, bt_ptr, sl_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    layer_off, qk_scale, partition_size, num_splits,
+    s_q_seq, s_q_head, s_q_dim,
+    s_kv_blk, s_kv_kv, s_kv_head, s_kv_tok, s_kv_dim,
+    s_bt_seq,
+    s_o_seq, s_o_head, s_o_dim,
+    num_heads,
+    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    offs_g = tl.arange(0, BLOCK_G)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    heads = kv_head * GROUP + offs_g
+    if BLOCK_D == HEAD_DIM:
+        qd_mask = g_mask[:, None]
+    else:
+        qd_mask = g_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+
+    kv_dtype = kv_ptr.dtype.element_ty
+    q = tl.load(
+        q_ptr + seq * s_q_seq + heads[:, None] * s_q_head + offs_d[None, :] * s_q_dim,
+        mask=qd_mask, other=0.0,
+    ).to(kv_dtype)
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    seq_len = tl.load(sl_ptr + seq)
+    start = split * partition_size
+    end = tl.minimum(start + partition_size, seq_len)
+
+    m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
+    l_i = tl.zeros([BLOCK_G], tl.float32)
+    acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
+
+    kv_base = kv_ptr + layer_off + kv_head * s_kv_head
+    bt_base = bt_ptr + seq * s_bt_seq
+    for n0 in range(start, end, BLOCK_N):
+        pos = n0 + offs_n
+        n_mask = pos < end
+        # Masked so padded block-table entries (any value) are never dereferenced.
+        blk = tl.load(bt_base + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        tok_off = blk * s_kv_blk + (pos % PAGE) * s_kv_tok
+        ptrs = kv_base + tok_off[:, None] + offs_d[None, :] * s_kv_dim
+        if BLOCK_D == HEAD_DIM:
+            kv_mask = n_mask[:, None]
+        else:
+            kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
+        k = tl.load(ptrs, mask=kv_mask, other=0.0)
+        v = tl.load(ptrs + s_kv_kv, mask=kv_mask, other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        qk = tl.where(n_mask[None, :], qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if SPLIT:
+        # Partials are [num_seqs, num_heads, num_splits] (+ [HEAD_DIM] for acc), float32, contiguous.
+        row = (seq * num_heads + heads) * num_splits + split
+        tl.store(part_m_ptr + row, m_i, mask=g_mask)
+        tl.store(part_l_ptr + row, l_i, mask=g_mask)
+        tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=qd_mask)
+    else:
+        denom = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 -> zeros, not NaN
+        out = acc / denom[:, None]
+        tl.store(
+            out_ptr + seq * s_o_seq + heads[:, None] * s_o_head + offs_d[None, :] * s_o_dim,
+            out.to(out_ptr.dtype.element_ty), mask=qd_mask,
+        )
+
+
+@dual_kernel
+def _reduce_kernel(
+    sl_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+    partition_size, num_splits,
+    s_o_seq, s_o_head, s_o_dim,
+    num_heads,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_D)
+
+    seq_len = tl.load(sl_ptr + seq)
+    # Only partitions that hold at least one token wrote meaningful partials.
+    n_valid = tl.cdiv(seq_len, partition_size)
+    s_mask = offs_s < n_valid
+    row = (seq * num_heads + head) * num_splits + offs_s
+    m = tl.load(part_m_ptr + row, mask=s_mask, other=_NEG_BIG)
+    l = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    w = tl.exp2(m - m_max)
+    w = tl.where(s_mask, w, 0.0)
+    denom = tl.sum(w * l, 0)
+    denom = tl.where(denom > 0.0, denom, 1.0)
+    d_mask = offs_d < HEAD_DIM
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
+        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+    )
+    out = tl.sum(acc * w[:, None], 0) / denom
+    tl.store(
+        out_ptr + seq * s_o_seq + head * s_o_head + offs_d * s_o_dim,
+        out.to(out_ptr.dtype.element_ty), mask=d_mask,
+    )
+
+
+# Shortest partition worth its own program: a few tiles, so the loads still pipeline.
+_MIN_PARTITION_TILES = 4
+_MAX_SPLITS = 64
+
+
+def _default_config(head_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) by head dim: K+V tiles of ~32 KB per stage in bf16."""
+    block_d = next_pow2(head_dim)
+    if block_d <= 64:
+        return 128, 4, 3
+    if block_d <= 128:
+        return 64, 4, 3
+    return 32, 4, 2
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int,
+                      device: torch.device) -> int:
+    """Split count from shapes alone: aim at >= 4 programs per multiprocessor, partitions >= 4 tiles."""
+    programs = max(1, num_seqs * num_kv_heads)
+    want = cdiv(4 * num_sms(device), programs)
+    by_len = max(1, cdiv(max_context, _MIN_PARTITION_TILES * block_n))
+    return max(1, min(want, by_len, _MAX_SPLITS))
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Attention of one new token per sequence over its paged context.
+
+    query [num_seqs, num_heads, head_dim]; kv_cache [num_blocks, num_layers, 2, num_kv_heads,
+    block_size, head_dim]; block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]
+    (context length including the new token, whose K/V is already stored). Returns
+    [num_seqs, num_heads, head_dim] in the query's dtype (written into ``out`` when given). Sequences
+    with seq_len 0 get zeros. ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the
+    heuristics (tests and benchmarks); no argument triggers a device-to-host sync.
+    """
+    check_cache(kv_cache, layer)
+    num_seqs, num_heads, head_dim = query.shape
+    _, _, _, num_kv_heads, page, kv_head_dim = kv_cache.shape
+    if kv_head_dim != head_dim:
+        raise ValueError(f"query head_dim {head_dim} != cache head_dim {kv_head_dim}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
+    group = num_heads // num_kv_heads
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    if num_seqs == 0:
+        return out
+
+    cfg_n, cfg_w, cfg_s = _default_config(head_dim)
+    block_n = block_n or cfg_n
+    num_warps = num_warps or cfg_w
+    num_stages = num_stages or cfg_s
+    max_context = block_tables.shape[1] * page
+    if num_splits is None:
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, block_n, query.device)
+    # Partition length: a whole number of tiles; recompute the split count so none is empty by shape.
+    partition = cdiv(cdiv(max(max_context, 1), num_splits), block_n) * block_n
+    num_splits = max(1, cdiv(max_context, partition))
+    split = num_splits > 1
+
+    if split:
+        part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=query.device)
+    else:
+        part_m = part_l = part_acc = out  # unused placeholders (the SPLIT=False body never touches them)
+
+    block_d = max(16, next_pow2(head_dim))
+    s_kv = kv_cache.stride()
+    _decode_kernel.launch(
+        query.device, (num_seqs, num_kv_heads, num_splits),
+        query, kv_cache, block_tables, seq_lens, out, part_m, part_l, part_acc,
+        layer * s_kv[1], scale * _LOG2E, partition, num_splits,
+        query.stride(0), query.stride(1), query.stride(2),
+        s_kv[0], s_kv[2], s_kv[3], s_kv[4], s_kv[5],
+        block_tables.stride(0),
+        out.stride(0), out.stride(1), out.stride(2),
+        num_heads,
+        GROUP=group, BLOCK_G=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim, BLOCK_D=block_d,
+        PAGE=page, BLOCK_N=block_n,
+        SPLIT=split, DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        UPCAST=dot_upcast(query.device, kv_cache.dtype),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    if split:
+        _reduce_kernel.launch(
+            query.device, (num_seqs, num_heads),
+            seq_lens, out, part_m, part_l, part_acc,
+            partition, num_splits,
+            out.stride(0), out.stride(1), out.stride(2),
+            num_heads,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)),
+            num_warps=4 if head_dim * num_splits <= 8192 else 8,
+        )
+    return out
+
+
+__all__ = ["paged_decode_attention", "choose_num_splits"]

@@ -1,0 +1,1 @@
+"""The HTTP/WebSocket service; talks to the engine only through AsyncEngine."""

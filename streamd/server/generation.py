@@ -1,0 +1,155 @@
+"""From a wire request to an engine request: prompt or messages to token ids, params to SamplingParams,
+limits (context length, max_tokens, overload, drain), and engine errors to ServiceErrors.
+
+Shared by the WebSocket protocol and the OpenAI routes so both refuse and accept exactly the same things.
+Chat templates come only from the model (`LLMEngine.apply_chat_template`), never from a request.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from streamd.config import ServerConfig
+from streamd.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from streamd.engine.errors import RequestError
+from streamd.engine.sampling_params import SamplingParams
+from streamd.server.errors import ServiceError
+from streamd.server.lifecycle import Lifecycle
+from streamd.server.metrics import Metrics
+
+# Wire parameter names (OpenAI / vLLM) accepted on every route.
+WIRE_PARAMS = frozenset({
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
+    "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "n", "ignore_eos",
+    "logprobs", "include_stop_str_in_output", "skip_special_tokens",
+})
+MAX_N = 1  # parallel sampling is refused until the engine exposes it end to end
+_ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
+
+# Engine finish reasons -> protocol finish reasons.
+FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
+
+
+@dataclass(slots=True)
+class Prepared:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None = None
+
+
+class Generation:
+    def __init__(self, engine: AsyncEngine, config: ServerConfig, lifecycle: Lifecycle, metrics: Metrics):
+        self.engine = engine
+        self.config = config
+        self.lifecycle = lifecycle
+        self.metrics = metrics
+
+    # ---- building ----------------------------------------------------------------------------
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        """A text prompt, or a list of token ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ServiceError("invalid_request", "prompt must not be empty", "prompt")
+            return list(self.engine.tokenizer(prompt).input_ids)  # as LLMEngine tokenizes a text prompt
+        if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+            return list(prompt)  # the engine checks them against the vocabulary
+        raise ServiceError("invalid_request", "prompt must be a non-empty string or a list of token ids",
+                           "prompt")
+
+    def messages_ids(self, messages: Any) -> list[int]:
+        messages = normalize_messages(messages)
+        try:
+            return list(self.engine.engine.apply_chat_template(messages))
+        except ValueError as exc:
+            raise ServiceError("invalid_request", f"messages: {exc}", "messages") from exc
+
+    def prepare(self, prompt_ids: list[int], raw: dict[str, Any], *, default_max_tokens: int | None,
+                prompt: str | None = None) -> Prepared:
+        """Validates params against the context; `default_max_tokens` None means "the rest of the context"."""
+        unknown = sorted(set(raw) - WIRE_PARAMS)
+        if unknown:
+            raise ServiceError("invalid_request", f"unknown parameter {unknown[0]!r}", unknown[0])
+        fields = {k: v for k, v in raw.items() if v is not None}
+        context, n_prompt = self.engine.max_model_len, len(prompt_ids)
+        if n_prompt >= context:
+            raise ServiceError("context_length_exceeded", f"the prompt has {n_prompt} tokens; this model's "
+                               f"context is {context} tokens", "messages")
+        limit = self.config.max_tokens_limit
+        if "max_tokens" not in fields:
+            room = context - n_prompt
+            fields["max_tokens"] = min(default_max_tokens or room, room, limit or room)
+        max_tokens = fields["max_tokens"]
+        if _is_int(max_tokens) and limit is not None and max_tokens > limit:
+            raise ServiceError("invalid_request", f"max_tokens must be <= {limit}, got {max_tokens}",
+                               "max_tokens")
+        if _is_int(max_tokens) and n_prompt + max_tokens > context:
+            raise ServiceError("context_length_exceeded", f"the prompt ({n_prompt} tokens) plus max_tokens "
+                               f"({max_tokens}) exceeds this model's context of {context} tokens", "max_tokens")
+        try:
+            params = SamplingParams.from_dict(fields)
+        except (ValueError, TypeError) as exc:
+            raise ServiceError("invalid_request", str(exc), str(exc).split(" ", 1)[0]) from exc
+        if params.n > MAX_N:
+            raise ServiceError("unsupported", f"n must be <= {MAX_N} (parallel sampling is not served yet)", "n")
+        return Prepared(prompt_ids, params, prompt)
+
+    # ---- running -----------------------------------------------------------------------------
+    async def submit(self, prepared: Prepared) -> RequestStream:
+        if self.lifecycle.draining:
+            raise ServiceError("shutting_down", "the server is shutting down")
+        if self.engine.num_waiting >= self.config.max_waiting_requests:
+            raise ServiceError("overloaded", "too many requests are waiting; retry later")
+        try:
+            return await self.engine.add_request(new_request_id(), prepared.prompt, prepared.params,
+                                                 prompt_token_ids=prepared.prompt_token_ids)
+        except RequestError as exc:
+            raise ServiceError(exc.code, str(exc)) from exc
+        except EngineDeadError as exc:
+            raise ServiceError("engine_unavailable", str(exc)) from exc
+        except ValueError as exc:
+            raise ServiceError("invalid_request", str(exc)) from exc
+
+    def finished(self, finish_reason: str) -> None:
+        self.metrics.requests.labels(finish_reason).inc()
+
+
+def normalize_messages(messages: Any) -> list[dict[str, str]]:
+    """OpenAI chat messages to plain {role, content} dicts (text parts joined); anything else is refused."""
+    if not isinstance(messages, list) or not messages:
+        raise ServiceError("invalid_request", "messages must be a non-empty list", "messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise ServiceError("invalid_request", f"messages[{i}] must be an object with a role in "
+                               f"{sorted(_ROLES)}", "messages")
+        content = message.get("content")
+        if isinstance(content, list):
+            parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
+            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+                raise ServiceError("unsupported", f"messages[{i}].content: only text parts are supported",
+                                   "messages")
+            content = "".join(parts)
+        if content is None and message["role"] == "assistant":
+            content = ""
+        if not isinstance(content, str):
+            raise ServiceError("invalid_request", f"messages[{i}].content must be a string", "messages")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def new_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[str, Any]:
+    body: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
+                            "total_tokens": num_prompt + num_completion}
+    if num_cached:
+        body["prompt_tokens_details"] = {"cached_tokens": num_cached}
+    return body
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

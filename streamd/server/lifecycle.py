@@ -1,0 +1,96 @@
+"""Readiness and graceful drain: what is in flight, and how it is wound down on SIGTERM.
+
+`Lifecycle` counts the requests in flight (any route) and the open WebSockets. `drain()` turns `/ready`
+to 503 and refuses new work, lets in-flight requests finish for up to `drain_timeout_s`, then cancels the
+rest (each still gets its `done` once the engine confirms the abort), and finally closes every WebSocket
+with 1001. Waits are on events, never on sleeps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import contextmanager
+from typing import Awaitable, Callable, Iterator
+
+
+from streamd.engine.async_engine import AsyncEngine, RequestStream
+from streamd.logs import get_logger
+
+logger = get_logger(__name__)
+
+# After cancelling at the drain deadline, how long the engine gets to confirm the aborts.
+CANCEL_GRACE_S = 10.0
+
+
+class Lifecycle:
+    def __init__(self, engine: AsyncEngine, drain_timeout_s: float) -> None:
+        self.engine = engine
+        self.drain_timeout_s = drain_timeout_s
+        self.warmed_up = False
+        self.draining = False
+        self._streams: set[RequestStream] = set()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._closers: dict[object, Callable[[int], Awaitable[None]]] = {}
+        self._drained: asyncio.Event | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.warmed_up and not self.draining and self.engine.ready
+
+    @property
+    def num_active(self) -> int:
+        return len(self._streams)
+
+    @property
+    def num_connections(self) -> int:
+        return len(self._closers)
+
+    @contextmanager
+    def track(self, stream: RequestStream) -> Iterator[RequestStream]:
+        """Counts a request as in flight for the duration of the block."""
+        self._streams.add(stream)
+        self._idle.clear()
+        try:
+            yield stream
+        finally:
+            self._streams.discard(stream)
+            if not self._streams:
+                self._idle.set()
+
+    @contextmanager
+    def connection(self, key: object, close: Callable[[int], Awaitable[None]]) -> Iterator[None]:
+        """Registers an open WebSocket and how to close it at the end of a drain."""
+        self._closers[key] = close
+        try:
+            yield
+        finally:
+            self._closers.pop(key, None)
+
+    async def drain(self) -> None:
+        """Idempotent; a second call waits for the first."""
+        if self._drained is not None:
+            await self._drained.wait()
+            return
+        self._drained = asyncio.Event()
+        self.draining = True
+        logger.info("drain_started", in_flight=self.num_active, connections=self.num_connections,
+                    timeout_s=self.drain_timeout_s)
+        if not await _wait(self._idle, self.drain_timeout_s):
+            logger.warning("drain_timeout_cancelling", in_flight=self.num_active)
+            for stream in list(self._streams):
+                stream.cancel()
+            if not await _wait(self._idle, CANCEL_GRACE_S):
+                logger.error("drain_abort_unconfirmed", in_flight=self.num_active)
+        closers = list(self._closers.values())
+        await asyncio.gather(*(close(1001) for close in closers), return_exceptions=True)
+        logger.info("drain_finished", closed_connections=len(closers))
+        self._drained.set()
+
+
+async def _wait(event: asyncio.Event, timeout: float) -> bool:
+    try:
+        await asyncio.wait_for(event.wait(), timeout)
+        return True
+    except TimeoutError:
+        return False

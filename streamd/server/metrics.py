@@ -1,0 +1,112 @@
+"""Prometheus metrics, named as in ARCHITECTURE.md, in a registry of the app's own.
+
+Request timings arrive through `StreamObserver` (the AsyncEngine calls it on the event loop); engine
+gauges and counters are read from `AsyncEngine.stats()` at scrape time by a custom collector, because the
+engine keeps those counts itself (exporting them as Counter families keeps their `_total` semantics).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from streamd.engine.async_engine import AsyncEngine
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_ITL = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.25, 0.5, 1.0, 2.5)
+_E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600.0)
+
+
+class Metrics:
+    """The app's metrics; also the AsyncEngine's StreamObserver."""
+
+    def __init__(self, engine: AsyncEngine | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("streamd_time_to_first_token_seconds", "Time from arrival to the first token.",
+                              buckets=_LATENCY, registry=r)
+        self.itl = Histogram("streamd_inter_token_latency_seconds", "Time between consecutive tokens.",
+                             buckets=_ITL, registry=r)
+        self.e2e = Histogram("streamd_e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             buckets=_E2E, registry=r)
+        self.queue = Histogram("streamd_request_queue_time_seconds", "Time from arrival to first scheduling.",
+                               buckets=_LATENCY, registry=r)
+        self.requests = Counter("streamd_requests", "Finished requests by finish reason.", ["finish_reason"],
+                                registry=r)
+        self.ws_connections = Gauge("streamd_ws_connections", "Open WebSocket connections.", registry=r)
+        self.ws_closes = Counter("streamd_ws_closes", "Closed WebSocket connections by close code.", ["code"],
+                                 registry=r)
+        for reason in ("stop", "length", "cancelled", "error"):
+            self.requests.labels(reason)
+        if engine is not None:
+            r.register(EngineStatsCollector(engine))
+
+    # StreamObserver
+    def observe_first_token(self, seconds: float) -> None:
+        self.ttft.observe(seconds)
+
+    def observe_inter_token(self, seconds: float, count: int) -> None:
+        for _ in range(count):
+            self.itl.observe(seconds)
+
+    def observe_finished(self, e2e_seconds: float, queue_seconds: float | None) -> None:
+        self.e2e.observe(e2e_seconds)
+        if queue_seconds is not None:
+            self.queue.observe(queue_seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class EngineStatsCollector(Collector):
+    """Turns the engine's stats snapshot into gauges and counters at scrape time."""
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+
+    def describe(self) -> list[Metric]:
+        return []  # names are known only from collect(); avoids a stats read at registration
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._engine.stats()
+
+        def get(key: str) -> float:
+            return float(s.get(key, 0))
+
+        yield _gauge("streamd_requests_running", "Requests running in the batch.", get("num_running"))
+        yield _gauge("streamd_requests_waiting", "Requests waiting to be scheduled.", get("num_waiting"))
+        yield _gauge("streamd_requests_swapped", "Requests swapped out to host memory.", get("num_swapped"))
+        yield _gauge("streamd_kv_blocks_used", "KV cache blocks in use.",
+                     get("kv_blocks_total") - get("kv_blocks_free"))
+        yield _gauge("streamd_kv_blocks_free", "Free KV cache blocks.", get("kv_blocks_free"))
+        yield _gauge("streamd_swap_blocks_used", "Host swap blocks in use.",
+                     get("swap_blocks_total") - get("swap_blocks_free"))
+        yield _counter("streamd_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
+                       get("prefix_cache_queried_tokens"))
+        yield _counter("streamd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
+                       get("prefix_cache_hit_tokens"))
+        preemptions = CounterMetricFamily("streamd_preemptions", "Preemptions by mode.", labels=["mode"])
+        preemptions.add_metric(["swap"], get("preemptions_swap"))
+        preemptions.add_metric(["recompute"], get("preemptions_recompute"))
+        yield preemptions
+        swapped = CounterMetricFamily("streamd_swapped_blocks", "Blocks swapped by direction.",
+                                      labels=["direction"])
+        swapped.add_metric(["out"], get("swapped_out_blocks"))
+        swapped.add_metric(["in"], get("swapped_in_blocks"))
+        yield swapped
+        yield _counter("streamd_recomputed_tokens", "Tokens prefilled again after recompute preemption.",
+                       get("recomputed_tokens"))
+
+
+def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+    return GaugeMetricFamily(name, doc, value=value)
+
+
+def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+    return CounterMetricFamily(name, doc, value=value)

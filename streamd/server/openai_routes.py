@@ -1,0 +1,264 @@
+"""OpenAI-compatible HTTP: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
+
+`stream: true` answers with SSE (`data: {chunk}` ... `data: [DONE]`, a usage chunk when
+`stream_options.include_usage`). Errors are OpenAI error bodies with their status codes (raised as
+ServiceError, rendered by the app's handler). A client that disconnects aborts its request: for SSE,
+Starlette cancels the body iterator; otherwise a watcher on `http.disconnect` cancels the collection.
+Unknown top-level fields are ignored (as OpenAI clients and frontends send extras); unsupported features
+that would change the answer (tools, logprobs, echo, suffix) are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+
+import structlog
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Send
+
+from streamd.engine.async_engine import RequestDelta, RequestStream
+from streamd.logs import get_logger
+from streamd.server.errors import ServiceError
+from streamd.server.generation import WIRE_PARAMS, Prepared, usage
+
+if TYPE_CHECKING:
+    from streamd.server.app import Services
+
+logger = get_logger(__name__)
+
+# OpenAI-facing finish reasons (engine "abort" stays "abort", as vLLM reports it).
+_HTTP_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
+_METRIC_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(slots=True)
+class _Call:
+    """One OpenAI call in flight: what the chunk builders need and what it has produced so far."""
+
+    kind: str  # "chat" or "completion"
+    id: str
+    model: str
+    created: int
+    prepared: Prepared
+    stream: RequestStream
+    completion_tokens: int = 0
+    finish: str | None = None
+    error: str | None = None
+    cached: int = 0
+
+    def absorb(self, delta: RequestDelta) -> None:
+        for choice in delta.outputs:
+            self.completion_tokens = choice.num_tokens or self.completion_tokens
+            self.finish = choice.finish_reason or self.finish
+        self.error = delta.error or self.error
+        self.cached = delta.num_cached_tokens
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always lets go of its request, even if its body never started."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
+                 track: AbstractContextManager[Any]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._on_close = on_close
+        self._track = track
+
+    async def stream_response(self, send: Send) -> None:
+        with self._track:
+            try:
+                await super().stream_response(send)
+            finally:
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+                self._on_close()
+
+
+async def list_models(request: Request) -> Response:
+    s: Services = request.app.state.services
+    return JSONResponse({"object": "list", "data": [{
+        "id": s.model_name, "object": "model", "created": s.started, "owned_by": "streamd",
+        "max_model_len": s.engine.max_model_len}]})
+
+
+async def chat_completions(request: Request) -> Response:
+    s: Services = request.app.state.services
+    body = await _json_body(request)
+    _check_model(s, body)
+    _refuse(body, tools=None, functions=None, logprobs=False, top_logprobs=None)
+    if body.get("response_format") not in (None, {"type": "text"}):
+        raise ServiceError("unsupported", "only response_format {\"type\": \"text\"} is supported",
+                           "response_format")
+    params = _params(body)
+    if body.get("max_completion_tokens") is not None:
+        params["max_tokens"] = body["max_completion_tokens"]
+    ids = s.generation.messages_ids(body.get("messages"))
+    prepared = s.generation.prepare(ids, params, default_max_tokens=None)
+    return await _respond(request, s, body, "chat", prepared)
+
+
+async def completions(request: Request) -> Response:
+    s: Services = request.app.state.services
+    body = await _json_body(request)
+    _check_model(s, body)
+    _refuse(body, echo=False, suffix=None, logprobs=None)
+    if body.get("best_of") not in (None, 1, body.get("n", 1)):
+        raise ServiceError("unsupported", "best_of must equal n", "best_of")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    ids = s.generation.prompt_ids(prompt)
+    prepared = s.generation.prepare(ids, _params(body), default_max_tokens=16,
+                                    prompt=prompt if isinstance(prompt, str) else None)
+    return await _respond(request, s, body, "completion", prepared)
+
+
+async def _respond(request: Request, s: Services, body: dict[str, Any], kind: str, prepared: Prepared) -> Response:
+    stream_flag = body.get("stream") or False
+    options = body.get("stream_options") or {}
+    if not isinstance(stream_flag, bool) or not isinstance(options, dict):
+        raise ServiceError("invalid_request", "stream must be a boolean and stream_options an object", "stream")
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    rs = await s.generation.submit(prepared)
+    call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, rs)
+    structlog.contextvars.bind_contextvars(request_id=call.id)
+    if stream_flag:
+        return SSEResponse(_sse(call, bool(options.get("include_usage"))), lambda: _finish(s, call),
+                           s.lifecycle.track(rs))
+    return await _until_disconnect(request, _collect(s, call))
+
+
+async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[str]:
+    extra = {"usage": None} if include_usage else {}
+    if call.kind == "chat":
+        yield _data(_chunk(call, {"role": "assistant", "content": ""}, None, extra))
+    async for delta in call.stream:
+        call.absorb(delta)
+        for choice in delta.outputs:
+            if choice.text:
+                yield _data(_chunk(call, _piece(call, choice.text), None, extra))
+    if call.error:
+        yield _data(ServiceError("internal_error", call.error).openai_body())
+    else:
+        yield _data(_chunk(call, _piece(call, ""), _HTTP_FINISH.get(call.finish or "abort"), extra))
+    if include_usage:
+        yield _data({**_envelope(call), "choices": [],
+                     "usage": usage(len(call.prepared.prompt_token_ids), call.completion_tokens, call.cached)})
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(s: Services, call: _Call) -> Response:
+    text = []
+    with s.lifecycle.track(call.stream):
+        try:
+            async for delta in call.stream:
+                call.absorb(delta)
+                text.extend(choice.text for choice in delta.outputs)
+        finally:
+            _finish(s, call)
+    if call.error:
+        raise ServiceError("internal_error", call.error)
+    content = "".join(text)
+    reason = _HTTP_FINISH.get(call.finish or "abort")
+    if call.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                  "finish_reason": reason}
+    else:
+        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
+    return JSONResponse({**_envelope(call, final=True), "choices": [choice],
+                         "usage": usage(len(call.prepared.prompt_token_ids), call.completion_tokens, call.cached)})
+
+
+async def _until_disconnect(request: Request, work: Any) -> Response:
+    """Runs `work`; cancels it (aborting its request) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        logger.info("client_disconnected")
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _finish(s: Services, call: _Call) -> None:
+    if not call.stream.finished:
+        call.stream.cancel()
+    reason = "error" if call.error else _METRIC_FINISH.get(call.finish or "abort", "cancelled")
+    s.generation.finished(reason)
+    logger.info("request_done", finish_reason=reason, prompt_tokens=len(call.prepared.prompt_token_ids),
+                completion_tokens=call.completion_tokens)
+
+
+def _envelope(call: _Call, final: bool = False) -> dict[str, Any]:
+    obj = {"chat": "chat.completion", "completion": "text_completion"}[call.kind]
+    if call.kind == "chat" and not final:
+        obj = "chat.completion.chunk"
+    return {"id": call.id, "object": obj, "created": call.created, "model": call.model}
+
+
+def _piece(call: _Call, text: str) -> dict[str, Any] | str:
+    return {"content": text} if call.kind == "chat" else text
+
+
+def _chunk(call: _Call, piece: Any, finish: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+    if call.kind == "chat":
+        if finish is not None:
+            piece = {}
+        choice = {"index": 0, "delta": piece, "logprobs": None, "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+    return {**_envelope(call), "choices": [choice], **extra}
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ServiceError("invalid_json", "the request body is not valid JSON") from None
+    if not isinstance(body, dict):
+        raise ServiceError("invalid_request", "the request body must be a JSON object")
+    return body
+
+
+def _check_model(s: Services, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and model != s.model_name:
+        raise ServiceError("model_not_found", f"the model {model!r} does not exist; this server serves "
+                           f"{s.model_name!r}", "model")
+
+
+def _refuse(body: dict[str, Any], **allowed: Any) -> None:
+    """Refuses fields whose value would need a feature this server does not have."""
+    for name, harmless in allowed.items():
+        value = body.get(name)
+        if value is not None and value != harmless and value != [] and value is not harmless:
+            raise ServiceError("unsupported", f"{name} is not supported", name)
+
+
+def _params(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k in WIRE_PARAMS and k != "logprobs"}
+
+
+def make_routes() -> list[tuple[str, Callable[..., Any], list[str]]]:
+    return [("/v1/models", list_models, ["GET"]), ("/v1/completions", completions, ["POST"]),
+            ("/v1/chat/completions", chat_completions, ["POST"])]

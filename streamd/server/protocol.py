@@ -1,0 +1,88 @@
+"""The `streamd.v1` WebSocket protocol: parsing client frames and building server frames.
+
+Client: `{"type":"generate","id":ID,"prompt":TEXT|"messages":[...],"params":{...}}`,
+`{"type":"cancel","id":ID}`. Server: `start`, `delta` (seq from 0 per id), `done` (finish_reason,
+usage) and `error` (id or null). Pure functions, no I/O, so every rule is unit-testable.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from streamd.server.errors import ServiceError
+
+SUBPROTOCOL = "streamd.v1"
+MAX_ID_LENGTH = 256
+
+
+@dataclass(slots=True)
+class Generate:
+    id: str
+    prompt: str | list[int] | None = None
+    messages: list[Any] | None = None
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Cancel:
+    id: str
+
+
+def parse_frame(text: str) -> Generate | Cancel:
+    """Raises ServiceError (with `param` set to the frame's id when one could be read)."""
+    try:
+        frame = json.loads(text)
+    except (json.JSONDecodeError, RecursionError):
+        raise ServiceError("invalid_json", "the frame is not valid JSON") from None
+    if not isinstance(frame, dict):
+        raise ServiceError("invalid_json", "a frame must be a JSON object")
+    frame_id = frame.get("id")
+    if not isinstance(frame_id, str) or not frame_id or len(frame_id) > MAX_ID_LENGTH:
+        raise ServiceError("invalid_request", f"id must be a non-empty string of at most {MAX_ID_LENGTH} "
+                           "characters", _id_or_none(frame_id))
+    kind = frame.get("type")
+    if kind == "cancel":
+        return Cancel(frame_id)
+    if kind != "generate":
+        raise ServiceError("unknown_type", f"unknown frame type {kind!r}; expected generate or cancel", frame_id)
+    unknown = sorted(set(frame) - {"type", "id", "prompt", "messages", "params"})
+    if unknown:
+        raise ServiceError("invalid_request", f"unknown field {unknown[0]!r}", frame_id)
+    has_prompt, has_messages = frame.get("prompt") is not None, frame.get("messages") is not None
+    if has_prompt == has_messages:
+        raise ServiceError("invalid_request", "give exactly one of prompt or messages", frame_id)
+    params = frame.get("params") or {}
+    if not isinstance(params, dict):
+        raise ServiceError("invalid_request", "params must be an object", frame_id)
+    return Generate(frame_id, frame.get("prompt"), frame.get("messages"), params)
+
+
+def _id_or_none(value: Any) -> str | None:
+    return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_LENGTH else None
+
+
+def start_frame(request_id: str, prompt_tokens: int) -> str:
+    return _dump({"type": "start", "id": request_id, "prompt_tokens": prompt_tokens})
+
+
+def delta_frame(request_id: str, seq: int, text: str, token_ids: list[int], index: int,
+                logprobs: list[dict[int, float]] | None = None) -> str:
+    frame: dict[str, Any] = {"type": "delta", "id": request_id, "seq": seq, "text": text,
+                             "token_ids": token_ids, "index": index}
+    if logprobs is not None:
+        frame["logprobs"] = [{str(k): v for k, v in entry.items()} for entry in logprobs]
+    return _dump(frame)
+
+
+def done_frame(request_id: str, finish_reason: str, usage: dict[str, Any]) -> str:
+    return _dump({"type": "done", "id": request_id, "finish_reason": finish_reason, "usage": usage})
+
+
+def error_frame(request_id: str | None, error: ServiceError) -> str:
+    return _dump({"type": "error", "id": request_id, "error": error.wire()})
+
+
+def _dump(frame: dict[str, Any]) -> str:
+    return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))

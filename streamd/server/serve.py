@@ -1,0 +1,116 @@
+"""Running the app under uvicorn (one process, uvloop) with a graceful drain on SIGTERM.
+
+uvicorn's own shutdown would close WebSockets with 1012 at once and re-raise the signal (exit code
+-15). `DrainingServer` intercepts the first SIGTERM/SIGINT instead: the app drains (see lifecycle.py),
+then uvicorn shuts down normally and the process exits 0. A second signal forces the exit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import socket
+from types import FrameType
+
+import structlog
+import uvicorn
+
+from streamd.config import Config
+from streamd.engine.async_engine import AsyncEngine
+from streamd.logs import get_logger
+from streamd.server.app import create_app
+from streamd.server.lifecycle import Lifecycle
+
+logger = get_logger(__name__)
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+        super().__init__(config)
+        self.lifecycle = lifecycle
+        self._drain_task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.port: int | None = None  # the bound port (useful with port 0)
+        self.listening = asyncio.Event()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+        ports = [s.getsockname()[1] for server in self.servers for s in server.sockets]
+        self.port = ports[0] if ports else self.config.port
+        logger.info("listening", host=self.config.host, port=self.port)
+        self.listening.set()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self._drain_task is not None or self._loop is None or self.should_exit:
+            super().handle_exit(sig, frame)  # second signal, or before startup: uvicorn's behaviour
+            return
+        logger.info("signal_received", signal=signal.Signals(sig).name)
+        self._loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        if self._drain_task is None:
+            self._drain_task = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        try:
+            await self.lifecycle.drain()
+        finally:
+            self.should_exit = True
+
+
+def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
+    return uvicorn.Config(
+        app, host=config.server.host, port=config.server.port, loop="none", lifespan="on",
+        ws="websockets-sansio", ws_max_size=config.server.max_frame_bytes,
+        ws_per_message_deflate=False,  # token frames are tiny; deflate costs more CPU than it saves
+        log_config=None, access_log=False, timeout_graceful_shutdown=5,
+    )
+
+
+async def serve(config: Config) -> int:
+    from streamd.engine.llm_engine import LLMEngine
+
+    logger.info("loading_model", model=config.model.name or "default")
+    engine = AsyncEngine(LLMEngine.from_config(config))
+    app = create_app(config, engine)
+    server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
+    try:
+        await server.serve()
+    finally:
+        await engine.shutdown()
+    logger.info("stopped")
+    return 0 if server.started else 1
+
+
+def configure_server_logging(config: Config) -> None:
+    """The project's structlog setup, plus uvicorn's standard-library logs in the same format."""
+    import logging
+    import os
+    import sys
+
+    from streamd.logs import configure_logging
+
+    level, fmt = config.logging.level, os.environ.get("STREAMD_LOG_FORMAT", config.logging.format).lower()
+    configure_logging(level, fmt)
+    if fmt == "auto":
+        fmt = "console" if sys.stderr.isatty() else "json"
+    renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(structlog.stdlib.ProcessorFormatter(renderer, foreign_pre_chain=[
+        structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name,
+        structlog.processors.TimeStamper(fmt="iso", utc=True)]))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access"):
+        logging.getLogger(name).handlers[:] = []
+        logging.getLogger(name).propagate = True
+
+
+def run_server(config: Config) -> int:
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - Windows
+        return asyncio.run(serve(config))
+    return uvloop.run(serve(config))

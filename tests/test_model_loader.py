@@ -1,0 +1,42 @@
+"""Model loading from every supported source, through transformers' loaders, never the network."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from streamd.engine.model_loader import _converted_gguf, default_gguf_path, load_model, resolve_dtype
+
+
+def test_gguf_conversion_is_cached(smol_dir: Path, tmp_path: Path) -> None:
+    # smol_dir was converted by the session fixture; converting again must return the cached copy untouched.
+    stamp = (smol_dir / "config.json").stat().st_mtime_ns
+    start = time.perf_counter()
+    again = _converted_gguf(default_gguf_path(), smol_dir.parent.parent)
+    assert again == smol_dir
+    assert (again / "config.json").stat().st_mtime_ns == stamp
+    assert time.perf_counter() - start < 1.0, "a cached conversion must not dequantize again"
+
+
+def test_local_directory_loads_weights_and_tokenizer(smol_dir: Path) -> None:
+    loaded = load_model(str(smol_dir), torch.float32, torch.device("cpu"))
+    assert loaded.tokenizer is not None and loaded.tokenizer.chat_template
+    assert next(loaded.model.parameters()).dtype == torch.float32
+    assert loaded.name == smol_dir.name
+
+
+def test_unknown_sources_fail_clearly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(ValueError, match="config.json"):
+        load_model(str(tmp_path), torch.float32, torch.device("cpu"))
+    with pytest.raises(ValueError, match="local Hugging Face cache"):
+        load_model("no-such-org/no-such-model", torch.float32, torch.device("cpu"))
+
+
+def test_dtype_defaults() -> None:
+    assert resolve_dtype("auto", torch.device("cpu")) == torch.float32
+    assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
+    assert resolve_dtype("float16", torch.device("cpu")) == torch.float16
