@@ -69,9 +69,14 @@ class IncrementalDetokenizer:
         self._num_seen += len(new_token_ids)
         self._window.extend(new_token_ids)
         text = self._decode(self._window)
-        if text.endswith(_REPLACEMENT) or len(text) <= self._prefix_len:
-            # Incomplete character (or a token with no text yet, e.g. a skipped special token):
-            # keep the unread tokens and try again with the next one.
+        if text.endswith(_REPLACEMENT):
+            # Incomplete character: keep the unread tokens and try again with the next one.
+            return ""
+        if len(text) <= self._prefix_len:
+            if len(text) == self._prefix_len:
+                # Tokens with no text (skipped special tokens, e.g. EOS under ignore_eos): forget them, so
+                # a long run of them cannot grow the window, and keep the real context.
+                del self._window[self._read:]
             return ""
         new_text = text[self._prefix_len:]
         # Slide: the tokens just read become the context of the next decode.

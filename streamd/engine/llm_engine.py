@@ -57,7 +57,7 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(loaded)
         vocab = loaded.model.config.get_text_config().vocab_size
         self.vocab_size = vocab
-        self.sampler = Sampler(vocab, self.eos_token_ids)
+        self.sampler = Sampler(vocab, self.eos_token_ids, seed=config.model.seed)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         cost_model = None
         if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
