@@ -75,11 +75,17 @@ def _decode_kernel(
 
     kv_base = kv_ptr + layer_off + kv_head * s_kv_head
     bt_base = bt_ptr + seq * s_bt_seq
+    # Block-table entries are fetched one tile ahead, so the K/V addresses of a tile do not wait on a
+    # load issued in the same iteration and the pipeliner can keep several K/V tiles in flight.
+    nxt = start + offs_n
+    blk_next = tl.load(bt_base + nxt // PAGE, mask=nxt < end, other=0)
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
+        blk = blk_next.to(tl.int64)
+        nxt = pos + BLOCK_N
         # Masked so padded block-table entries (any value) are never dereferenced.
-        blk = tl.load(bt_base + pos // PAGE, mask=n_mask, other=0).to(tl.int64)
+        blk_next = tl.load(bt_base + nxt // PAGE, mask=nxt < end, other=0)
         tok_off = blk * s_kv_blk + (pos % PAGE) * s_kv_tok
         ptrs = kv_base + tok_off[:, None] + offs_d[None, :] * s_kv_dim
         if BLOCK_D == HEAD_DIM:
@@ -170,9 +176,19 @@ def _default_config(head_dim: int) -> tuple[int, int, int]:
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int,
                       device: torch.device) -> int:
-    """Split count from shapes alone: aim at >= 4 programs per multiprocessor, partitions >= 4 tiles."""
+    """Split count from shapes alone (no sync), as tuned on an H200 (benchmarks/KERNELS.md).
+
+    Few programs: split until there are about 2 per multiprocessor, all resident in one wave (a
+    second, partial wave of long programs cost 15% at batch 8, context 8192). Between 2 and 4 per
+    multiprocessor: 2 splits, so the tail of the last wave is short. More: no split. Partitions stay
+    at least 4 tiles long, so each program still pipelines its loads.
+    """
     programs = max(1, num_seqs * num_kv_heads)
-    want = cdiv(4 * num_sms(device), programs)
+    sms = num_sms(device)
+    if programs <= 2 * sms:
+        want = (2 * sms) // programs
+    else:
+        want = cdiv(4 * sms, programs)
     by_len = max(1, cdiv(max_context, _MIN_PARTITION_TILES * block_n))
     return max(1, min(want, by_len, _MAX_SPLITS))
 

@@ -1,0 +1,137 @@
+"""Triton paged attention (decode and prefill) against the references, on CPU through Triton's
+interpreter: awkward context lengths, GQA ratios 1/3/7, every head dim, shuffled block tables, NaN in
+every byte the kernels must not read, NaN-poisoned outputs so unwritten elements show."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_testlib import assert_close, interpreter_runs_dynamic_loops, make_paged, naive_attention
+from triton.runtime.interpreter import InterpretedFunction
+
+import streamd.kernels as K
+from streamd.kernels import reference as ref
+
+pytestmark = pytest.mark.skipif(
+    not interpreter_runs_dynamic_loops(), reason="this triton's interpreter cannot run data-dependent loops"
+)
+
+DECODE_CASES = [
+    # dtype, page, num_kv_heads, group, head_dim
+    (torch.float32, 16, 2, 1, 64),
+    (torch.bfloat16, 8, 2, 3, 128),
+    (torch.float16, 32, 1, 7, 80),
+    (torch.bfloat16, 16, 2, 4, 96),
+    (torch.float32, 128, 1, 2, 256),
+    (torch.bfloat16, 64, 1, 7, 64),
+]
+
+
+def _poisoned(like: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(like, float("nan"))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("dtype,page,num_kv_heads,group,head_dim", DECODE_CASES)
+def test_decode_matches_reference(dtype, page, num_kv_heads, group, head_dim, num_splits):
+    lens = [1, page - 1, page, page + 1, 2 * page + 3, 0]
+    case = make_paged(lens, page=page, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, extra_cols=2)
+    query = torch.randn(len(lens), num_kv_heads * group, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    args = (query, case.kv_cache, case.layer, case.block_tables, case.seq_lens, scale)
+    out = K.paged_decode_attention(*args, out=_poisoned(query), num_splits=num_splits, block_n=16)
+    assert out.dtype == dtype
+    assert_close(out, ref.paged_decode_attention(*args), dtype, f"decode splits={num_splits}")
+    assert torch.all(out[-1] == 0), "seq_len 0 must give zeros"
+
+
+def test_decode_long_context_default_config_matches_dense():
+    """Default tiles and the automatic split count (several partitions, partial last tiles)."""
+    lens = [700, 3, 129, 0, 64]
+    case = make_paged(lens, page=16, num_kv_heads=2, head_dim=128, dtype=torch.bfloat16)
+    query = torch.randn(len(lens), 8, 128).to(torch.bfloat16)
+    args = (query, case.kv_cache, case.layer, case.block_tables, case.seq_lens, 128**-0.5)
+    out = K.paged_decode_attention(*args, out=_poisoned(query))
+    expect = naive_attention(query, case, [[n - 1] for n in lens], 128**-0.5)
+    assert_close(out, expect, torch.bfloat16, "long decode")
+
+
+def test_decode_uses_strides_of_views():
+    """A pool that is a slice of a wider tensor, a query sliced out of a fused QKV projection."""
+    lens = [5, 33, 17]
+    case = make_paged(lens, page=16, num_kv_heads=2, head_dim=80, dtype=torch.float32, head_dim_pad=48)
+    assert not case.kv_cache.is_contiguous()
+    qkv = torch.randn(3, 6 + 2 + 2, 80)
+    query = qkv[:, :6]
+    args = (query, case.kv_cache, case.layer, case.block_tables, case.seq_lens, 0.1)
+    out = K.paged_decode_attention(*args, out=_poisoned(query), num_splits=2, block_n=16)
+    assert_close(out, ref.paged_decode_attention(*args), torch.float32, "strided decode")
+
+
+PREFILL_CASES = [
+    # dtype, page, num_kv_heads, group, head_dim, block_m, block_n
+    (torch.float32, 16, 2, 1, 64, 16, 16),
+    (torch.bfloat16, 8, 1, 3, 128, 32, 16),
+    (torch.float16, 32, 1, 7, 80, 16, 32),
+    (torch.bfloat16, 16, 2, 4, 96, None, None),
+    (torch.float32, 128, 1, 2, 256, 16, 16),
+]
+
+
+@pytest.mark.parametrize("dtype,page,num_kv_heads,group,head_dim,block_m,block_n", PREFILL_CASES)
+def test_prefill_matches_reference(dtype, page, num_kv_heads, group, head_dim, block_m, block_n):
+    # Fresh prompts of awkward lengths, chunks over a cached prefix, single-token rows, an empty chunk.
+    lens = [1, page - 1, page, page + 1, 70, 45, 20, 9]
+    q_lens = [1, page - 1, page, page + 1, 70, 11, 1, 0]
+    case = make_paged(lens, page=page, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    query = torch.randn(int(qsl[-1]), num_kv_heads * group, head_dim).to(dtype)
+    scale = head_dim**-0.5
+    args = (query, case.kv_cache, case.layer, case.block_tables, qsl, case.seq_lens, scale)
+    out = K.paged_prefill_attention(*args, out=_poisoned(query), block_m=block_m, block_n=block_n)
+    assert out.dtype == dtype
+    assert_close(out, ref.paged_prefill_attention(*args), dtype, "prefill")
+
+
+def test_prefill_chunk_matches_dense_float64():
+    """A long chunk after a long prefix: the unmasked and the causal phase both span many tiles."""
+    lens, q_lens = [150, 37], [90, 37]
+    case = make_paged(lens, page=16, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+    qsl = torch.tensor([0, 90, 127], dtype=torch.int32)
+    query = torch.randn(127, 3, 64)
+    args = (query, case.kv_cache, case.layer, case.block_tables, qsl, case.seq_lens, 0.125)
+    out = K.paged_prefill_attention(*args, out=_poisoned(query), block_m=32, block_n=16)
+    positions = [list(range(n - q, n)) for n, q in zip(lens, q_lens)]
+    assert_close(out, naive_attention(query, case, positions, 0.125), torch.float32, "prefill chunk")
+
+
+def test_prefill_of_one_token_equals_decode():
+    lens = [1, 16, 40]
+    case = make_paged(lens, page=16, num_kv_heads=2, head_dim=64, dtype=torch.float32)
+    query = torch.randn(3, 6, 64)
+    qsl = torch.arange(4, dtype=torch.int32)
+    pre = K.paged_prefill_attention(query, case.kv_cache, case.layer, case.block_tables, qsl, case.seq_lens, 0.1,
+                                    out=_poisoned(query), block_m=16, block_n=16)
+    dec = K.paged_decode_attention(query, case.kv_cache, case.layer, case.block_tables, case.seq_lens, 0.1,
+                                   out=_poisoned(query), num_splits=2, block_n=16)
+    torch.testing.assert_close(pre, dec, atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_launches_go_through_the_interpreter(monkeypatch):
+    import os
+
+    launched: list[str] = []
+    original = InterpretedFunction.run
+
+    def spy(self, *args, **kwargs):
+        launched.append(self.fn.__name__)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(InterpretedFunction, "run", spy)
+    case = make_paged([3, 20], page=16, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+    query = torch.randn(2, 2, 64)
+    K.paged_decode_attention(query, case.kv_cache, case.layer, case.block_tables, case.seq_lens, 0.1,
+                             num_splits=2, block_n=16)
+    assert launched == ["_decode_kernel", "_reduce_kernel"]
+    if not torch.cuda.is_available():
+        assert os.environ.get("TRITON_INTERPRET") == "1"
