@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import itertools
+
 import torch
+
+_REQUEST_IDS = itertools.count()
 
 # Engines under the leak check that ends every test (see conftest.py).
 ENGINES: list = []
@@ -30,3 +34,16 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
     out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                          do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id or 0)
     return out[0, len(prompt_ids):].tolist()
+
+
+def run_to_completion(engine, prompts: list, params) -> list:
+    """Adds every prompt to `engine` and steps until all finish; final RequestOutputs in prompt order."""
+    ids = [f"t{next(_REQUEST_IDS)}" for _ in prompts]
+    for request_id, prompt in zip(ids, prompts):
+        engine.add_request(request_id, prompt, params)
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return [final[i] for i in ids]

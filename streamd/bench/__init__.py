@@ -9,13 +9,17 @@ from __future__ import annotations
 import argparse
 import importlib
 
-# name -> module with add_arguments(parser) and run(args) -> int
-BENCHMARKS = {"memory": "streamd.bench.memory"}
+# name -> (module with add_arguments(parser), its entry taking the parsed arguments and returning the exit code)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "memory": ("streamd.bench.memory", "run"),
+    "throughput": ("streamd.bench.throughput", "main"),
+    "serve": ("streamd.bench.serve", "main"),
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="benchmark", required=True)
-    for name, module_name in BENCHMARKS.items():
+    for name, (module_name, _) in BENCHMARKS.items():
         module = importlib.import_module(module_name)
         doc = (module.__doc__ or name).strip().splitlines()[0]
         module.add_arguments(sub.add_parser(name, help=doc, description=module.__doc__,
@@ -23,4 +27,5 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    return importlib.import_module(BENCHMARKS[args.benchmark]).run(args)
+    module_name, entry = BENCHMARKS[args.benchmark]
+    return getattr(importlib.import_module(module_name), entry)(args)

@@ -17,22 +17,13 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from dataclasses import dataclass, field
 from typing import Iterable
 
-from streamd.engine.prefix_cache import ROOT_HASH, PrefixCache, hash_block
+from streamd.engine.prefix_cache import PrefixCache, SeqHashes
 from streamd.engine.sequence import Sequence
 
 CopyPairs = tuple[tuple[int, int], ...]
 _NO_COPIES: CopyPairs = ()
-
-
-@dataclass(slots=True)
-class _SeqHashes:
-    """Prefix-cache bookkeeping of one sequence."""
-
-    hashes: list[int] = field(default_factory=list)  # chained hashes of its first len(hashes) full blocks
-    num_committed: int = 0  # leading full blocks already offered to the cache (their KV is written)
 
 
 class BlockManager:
@@ -54,7 +45,7 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._cache = PrefixCache(num_blocks)
-        self._seq_hashes: dict[int, _SeqHashes] = {}
+        self._seq_hashes: dict[int, SeqHashes] = {}
         self._host_ref = [0] * num_swap_blocks
         self._host_free: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self._host_tables: dict[int, list[int]] = {}
@@ -148,6 +139,16 @@ class BlockManager:
     def can_append_slots(self, seqs: list[Sequence], num_new_tokens: int = 1) -> bool:
         return self.blocks_to_append_all(seqs, num_new_tokens) <= self.num_free_blocks()
 
+    def try_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> CopyPairs | None:
+        """`append_slots` if the free blocks suffice, else None (and nothing changes)."""
+        start = seq.num_computed_tokens
+        index, table = start // self.block_size, seq.block_table
+        if (start + num_new_tokens - 1) // self.block_size == index < len(table) and self._ref[table[index]] == 1:
+            return _NO_COPIES  # the decode fast path: room in an unshared last block
+        if self.blocks_to_append(seq, num_new_tokens) > self.num_free_blocks():
+            return None
+        return self.append_slots(seq, num_new_tokens)
+
     def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> CopyPairs:
         """Makes the table cover `num_computed_tokens + num_new_tokens` slots. A shared block about to
         be written is replaced by a private one (copy-on-write); returns the (src, dst) copies."""
@@ -170,7 +171,10 @@ class BlockManager:
         return copies
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
-        """`child` shares every block of `parent` (both pools); it must not own blocks yet."""
+        """`child` shares every block of `parent` (both pools); it must not own blocks yet. Only a
+        sequence past its prompt forks: shared blocks are then written only through `append_slots`."""
+        if parent.num_tokens - parent.num_computed_tokens > 1:
+            raise ValueError(f"sequence {parent.seq_id} is still prefilling; fork it after its prompt")
         child.block_table = list(parent.block_table)
         for block in child.block_table:
             self._ref[block] += 1
@@ -181,7 +185,7 @@ class BlockManager:
                 self._host_ref[block] += 1
         state = self._seq_hashes.get(parent.seq_id)
         if state is not None:
-            self._seq_hashes[child.seq_id] = _SeqHashes(list(state.hashes), state.num_committed)
+            self._seq_hashes[child.seq_id] = state.copy()
 
     def free(self, seq: Sequence) -> None:
         """Releases everything `seq` holds in both pools. Idempotent."""
@@ -203,19 +207,10 @@ class BlockManager:
     def mark_computed(self, seq: Sequence) -> None:
         """Registers the hashes of `seq`'s full blocks whose KV is now written (call after the
         forward that wrote them, with `num_computed_tokens` updated)."""
-        if not self.enable_prefix_caching:
-            return
         state = self._seq_hashes.get(seq.seq_id)
-        table = seq.block_table
-        num_full = min(seq.num_computed_tokens // self.block_size, len(table))
-        if state is None or num_full <= state.num_committed:
-            return
-        bs, tokens = self.block_size, seq.token_ids
-        for i in range(state.num_committed, num_full):
-            block_hash = self._block_hash(seq, state, i)
-            parent = state.hashes[i - 1] if i else ROOT_HASH
-            self._cache.register(table[i], block_hash, parent, tokens[i * bs:(i + 1) * bs])
-        state.num_committed = num_full
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if state is not None and num_full > state.num_committed:
+            self._cache.commit(state, seq.token_ids, seq.block_table, num_full)
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Device blocks holding the longest cached prefix of `seq`, leaving at least its last token
@@ -224,32 +219,15 @@ class BlockManager:
             return []
         state = self._seq_hashes.get(seq.seq_id)
         if state is None:
-            state = self._seq_hashes[seq.seq_id] = _SeqHashes()
-        bs, tokens, hits = self.block_size, seq.token_ids, []
-        for i in range((seq.num_tokens - 1) // bs):
-            block_hash = self._block_hash(seq, state, i)
-            parent = state.hashes[i - 1] if i else ROOT_HASH
-            block = self._cache.lookup(block_hash, parent, tokens[i * bs:(i + 1) * bs])
-            if block is None:
-                break
-            hits.append(block)
-        return hits
-
-    def _block_hash(self, seq: Sequence, state: _SeqHashes, index: int) -> int:
-        hashes, bs = state.hashes, self.block_size
-        while len(hashes) <= index:  # full blocks never change, so hashes are computed once
-            j = len(hashes)
-            hashes.append(hash_block(hashes[j - 1] if j else ROOT_HASH, seq.token_ids[j * bs:(j + 1) * bs]))
-        return hashes[index]
+            state = self._seq_hashes[seq.seq_id] = SeqHashes(self.block_size)
+        return self._cache.match(state, seq.token_ids, (seq.num_tokens - 1) // self.block_size)
 
     def _cached_copy(self, seq: Sequence, index: int) -> int | None:
         """A device block already holding `seq`'s committed block `index`, if the cache has one."""
         state = self._seq_hashes.get(seq.seq_id)
         if state is None or index >= state.num_committed:
             return None
-        bs = self.block_size
-        parent = state.hashes[index - 1] if index else ROOT_HASH
-        return self._cache.lookup(state.hashes[index], parent, seq.token_ids[index * bs:(index + 1) * bs])
+        return self._cache.find(state, seq.token_ids, index)
 
     # ---- swapping -------------------------------------------------------------------------------
 

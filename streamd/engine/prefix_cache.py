@@ -11,6 +11,7 @@ free block is reused). Plain Python, no torch.
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass, field
 
 import xxhash
 
@@ -23,6 +24,29 @@ def hash_block(parent_hash: int, token_ids: list[int]) -> int:
     # 'q' (int64) so any token id fits; the parent goes first so equal blocks after different
     # prefixes get different hashes.
     return xxhash.xxh64_intdigest(parent_hash.to_bytes(8, "little") + array("q", token_ids).tobytes())
+
+
+@dataclass(slots=True)
+class SeqHashes:
+    """One sequence's hash chain: hashes of its first len(hashes) full blocks, computed once each
+    (full blocks never change), and how many leading blocks were offered to the cache (KV written)."""
+
+    block_size: int
+    hashes: list[int] = field(default_factory=list)
+    num_committed: int = 0
+
+    def block_hash(self, token_ids: list[int], index: int) -> int:
+        hashes, bs = self.hashes, self.block_size
+        while len(hashes) <= index:
+            j = len(hashes)
+            hashes.append(hash_block(hashes[j - 1] if j else ROOT_HASH, token_ids[j * bs:(j + 1) * bs]))
+        return hashes[index]
+
+    def parent(self, index: int) -> int:
+        return self.hashes[index - 1] if index else ROOT_HASH
+
+    def copy(self) -> SeqHashes:
+        return SeqHashes(self.block_size, list(self.hashes), self.num_committed)
 
 
 class PrefixCache:
@@ -57,6 +81,30 @@ class PrefixCache:
         self._parent[block] = parent_hash
         self._tokens[block] = token_ids
         return True
+
+    def find(self, chain: SeqHashes, token_ids: list[int], index: int) -> int | None:
+        """The block holding block `index` of the sequence `chain` and `token_ids` describe."""
+        bs = chain.block_size
+        block_hash = chain.block_hash(token_ids, index)
+        return self.lookup(block_hash, chain.parent(index), token_ids[index * bs:(index + 1) * bs])
+
+    def match(self, chain: SeqHashes, token_ids: list[int], max_blocks: int) -> list[int]:
+        """Blocks holding the longest cached prefix, at most `max_blocks` of them."""
+        hits = []
+        for index in range(max_blocks):
+            block = self.find(chain, token_ids, index)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    def commit(self, chain: SeqHashes, token_ids: list[int], table: list[int], num_full: int) -> None:
+        """Registers the sequence's blocks up to `num_full` (their KV is written)."""
+        bs = chain.block_size
+        for index in range(chain.num_committed, num_full):
+            block_hash = chain.block_hash(token_ids, index)
+            self.register(table[index], block_hash, chain.parent(index), token_ids[index * bs:(index + 1) * bs])
+        chain.num_committed = max(chain.num_committed, num_full)
 
     def is_registered(self, block: int) -> bool:
         return self._hash[block] is not None

@@ -13,7 +13,9 @@ and how many tokens each; every memory decision goes through the BlockManager. O
    step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
 
 A prompt's blocks are allocated whole at admission, so chunks never need memory and a running prompt
-is only ever stopped by preemption.
+is only ever stopped by preemption. `max_num_seqs` and the token budget bind only beside other work:
+a group that forked past them still comes back alone. A group that outgrew the whole pool is rejected
+(`SchedulerOutput.rejected`) instead of waiting forever.
 """
 
 from __future__ import annotations
@@ -127,6 +129,7 @@ class Scheduler:
     # ---- the step -------------------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        """This iteration's plan (see the module docstring for the order)."""
         out = SchedulerOutput()
         decodes: list[ScheduledSeq] = []
         partial: list[ScheduledSeq] = []  # prompt chunks, sized once the decodes have their tokens
@@ -156,43 +159,77 @@ class Scheduler:
         num_seqs, preempted, i = 0, False, 0
         while i < len(running):  # victims are popped off the end
             group = running[i]
-            mark, need, num_decodes = len(partial), 0, 0
-            for seq in group.seqs:
-                if seq.status is not _RUNNING:
-                    continue
-                left = seq.num_tokens - seq.num_computed_tokens
-                if left == 1:
-                    need += bm.blocks_to_append(seq)
-                    num_decodes += 1
-                elif left > 1:
-                    partial.append(ScheduledSeq(seq, group, left))
-            if num_decodes > 1 and need:  # siblings sharing a block copy it fewer times than the sum says
-                need = bm.blocks_to_append_all(
-                    [s for s in group.seqs if s.status is _RUNNING and s.num_tokens - s.num_computed_tokens == 1])
-            while need > bm.num_free_blocks():
-                preempted = True
-                if len(running) > i + 1:
-                    self._preempt(running.pop(), out)
-                else:  # the latest-arrived group left is this one
-                    del partial[mark:]
-                    self._preempt(running.pop(i), out)
-                    break
-            else:
-                if num_decodes <= budget:  # only false when forks outgrew the budget
-                    self._append_decodes(group, out, decodes)
-                    budget -= num_decodes
-                num_seqs += num_decodes + len(partial) - mark
+            if len(group.seqs) > 1:
+                count, group_preempted = self._schedule_group(group, i, out, decodes, partial, budget)
+                preempted |= group_preempted
+                if count >= 0:
+                    num_seqs += count
+                    budget = self.max_num_batched_tokens - len(decodes)
+                    i += 1
+                continue
+            seq = group.seqs[0]  # the common case, kept lean: this loop runs every step
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            if seq.status is not _RUNNING or left < 1:
                 i += 1
-        return num_seqs, preempted
-
-    def _append_decodes(self, group: SequenceGroup, out: SchedulerOutput, decodes: list[ScheduledSeq]) -> None:
-        bm = self.block_manager
-        for seq in group.seqs:
-            if seq.status is _RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
-                copies = bm.append_slots(seq)
+                continue
+            num_seqs += 1
+            if left > 1:
+                partial.append(ScheduledSeq(seq, group, left))
+            elif budget:  # budget only runs out when forks outgrew it
+                copies = bm.try_append_slots(seq)
+                while copies is None:
+                    preempted = True
+                    if len(running) == i + 1:  # the latest-arrived group left is this one
+                        break
+                    self._preempt(running.pop(), out)
+                    copies = bm.try_append_slots(seq)
+                if copies is None:
+                    self._preempt(running.pop(i), out)
+                    num_seqs -= 1
+                    continue
                 if copies:
                     out.blocks_to_copy.extend(copies)
                 decodes.append(ScheduledSeq(seq, group, 1))
+                budget -= 1
+            i += 1
+        return num_seqs, preempted
+
+    def _schedule_group(self, group: SequenceGroup, i: int, out: SchedulerOutput, decodes: list[ScheduledSeq],
+                        partial: list[ScheduledSeq], budget: int) -> tuple[int, bool]:
+        """A group of several sequences at running[i], all or nothing. Returns (its live sequences, or
+        -1 when it preempted itself; whether anything was preempted)."""
+        bm, running = self.block_manager, self.running
+        writers, prompts = [], []
+        for seq in group.seqs:
+            if seq.status is not _RUNNING:
+                continue
+            left = seq.num_tokens - seq.num_computed_tokens
+            if left == 1:
+                writers.append(seq)
+            elif left > 1:
+                prompts.append(ScheduledSeq(seq, group, left))
+        need = bm.blocks_to_append_all(writers) if writers else 0
+        preempted = False
+        while need > bm.num_free_blocks():
+            preempted = True
+            if len(running) == i + 1:
+                self._preempt(running.pop(i), out)
+                return -1, True
+            self._preempt(running.pop(), out)
+        for seq in writers[:budget]:  # fewer only when forks outgrew the budget; the rest wait
+            out.blocks_to_copy.extend(bm.append_slots(seq))
+            decodes.append(ScheduledSeq(seq, group, 1))
+        partial.extend(prompts)
+        return len(writers) + len(prompts), preempted
+
+    def _append_decodes(self, group: SequenceGroup, out: SchedulerOutput, decodes: list[ScheduledSeq],
+                        budget: int) -> None:
+        bm = self.block_manager
+        for seq in group.seqs:
+            if budget and seq.status is _RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
+                out.blocks_to_copy.extend(bm.append_slots(seq))
+                decodes.append(ScheduledSeq(seq, group, 1))
+                budget -= 1
 
     def _schedule_swapped(self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq],
                           num_seqs: int, budget: int) -> tuple[int, int]:
@@ -200,7 +237,8 @@ class Scheduler:
         while self.swapped:
             group = self.swapped[0]
             seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
-            if num_seqs + len(seqs) > self.max_num_seqs or len(seqs) > budget:
+            # Limits bind only beside others: a group that outgrew them alone (forks) still runs.
+            if num_seqs and (num_seqs + len(seqs) > self.max_num_seqs or len(seqs) > budget):
                 break
             needed = bm.blocks_to_swap_in(seqs)
             if needed > bm.num_blocks:
@@ -217,7 +255,7 @@ class Scheduler:
                 if left > 1:  # swapped in the middle of its prompt
                     partial.append(ScheduledSeq(seq, group, left))
             before = len(decodes)
-            self._append_decodes(group, out, decodes)
+            self._append_decodes(group, out, decodes, budget)
             budget -= len(decodes) - before
             num_seqs += len(seqs)
             bisect.insort(self.running, group, key=self._rank)
@@ -229,13 +267,14 @@ class Scheduler:
         while waiting and budget > 0:
             group = waiting[0]
             seqs = group.seqs_with_status(SequenceStatus.WAITING)
-            if num_seqs + len(seqs) > self.max_num_seqs:
+            if num_seqs and num_seqs + len(seqs) > self.max_num_seqs:
                 break
             needed = sum(bm.blocks_needed(s.num_tokens) for s in seqs)
             if needed > bm.num_blocks:  # grew past the pool before a recompute preemption
                 self._reject(waiting.popleft(), out, needed)
                 continue
-            # Re-checking a blocked head costs a prefix lookup; skip it while nothing has changed.
+            # Re-checking a blocked head costs a prefix lookup; skip it until the free count changes (new
+            # prefix-cache entries alone do not re-trigger it: they only delay admission by some steps).
             blocked = (id(group), bm.num_free_blocks(), bool(self.running))
             if blocked == self._blocked or not bm.can_allocate(seqs, None if self.running else 0):
                 self._blocked = blocked
@@ -351,6 +390,7 @@ class Scheduler:
         return self._arrival[group.request_id]
 
     def _forget(self, group: SequenceGroup) -> None:
+        self._blocked = None
         self._groups.pop(group.request_id, None)
         self._arrival.pop(group.request_id, None)
         self._lost_tokens.pop(group.request_id, None)

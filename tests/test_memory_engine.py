@@ -1,0 +1,112 @@
+"""Memory management end to end in the engine: preemption by swap and by recompute under a pool too small
+for the batch, prefix caching, never-fit rejection, chunked prefill. Outputs must equal an unconstrained run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from streamd import LLM, SamplingParams
+from streamd.engine.errors import KVCacheCapacityError
+from tests.helpers import register_engine, run_to_completion
+
+CONFIG = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     initializer_range=0.1)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
+
+
+def _llm(**overrides) -> LLM:
+    base = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, seed=5)
+    return LLM(CONFIG, **{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(0, CONFIG.vocab_size, (int(n),), generator=gen).tolist()
+            for n in torch.randint(5, 50, (10,), generator=gen)]
+
+
+@pytest.fixture(scope="module")
+def unconstrained(prompts) -> list[list[int]]:
+    engine = register_engine(_llm(num_kv_blocks=400, num_swap_blocks=0).engine)
+    return [o.outputs[0].token_ids for o in run_to_completion(engine, prompts, GREEDY)]
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute", "auto"])
+def test_preemption_keeps_outputs_identical(mode: str, prompts, unconstrained) -> None:
+    # 24 blocks of 8 tokens hold ~2 of these sequences at full length: most of the batch gets preempted.
+    llm = _llm(num_kv_blocks=24, num_swap_blocks=64 if mode != "recompute" else 0, preemption_mode=mode,
+               watermark=0.0)
+    register_engine(llm.engine)
+    outs = llm.generate(prompts, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == unconstrained
+    stats = llm.engine.stats()
+    if mode == "swap":
+        assert stats["preemptions_swap"] > 0 and stats["preemptions_recompute"] == 0, stats
+        assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] > 0
+    elif mode == "recompute":
+        assert stats["preemptions_recompute"] > 0 and stats["preemptions_swap"] == 0, stats
+        assert stats["recomputed_tokens"] > 0
+    else:
+        assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0, stats
+
+
+def test_prefix_cache_serves_a_shared_prefix(smol_llm: LLM) -> None:
+    engine = smol_llm.engine
+    block = engine.block_manager.block_size
+    system = "You are a careful assistant. Answer briefly and precisely. " * 8
+    smol_llm.generate(system + "What is 2+2?", SamplingParams(temperature=0.0, max_tokens=8))
+    before = engine.stats()
+    second = smol_llm.generate(system + "Name a colour.", SamplingParams(temperature=0.0, max_tokens=8))[0]
+    after = engine.stats()
+    assert second.num_cached_tokens >= 3 * block, second.num_cached_tokens
+    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= 3 * block
+    uncached = LLM(device="cpu", dtype="float32", num_kv_blocks=128, enable_prefix_caching=False, num_swap_blocks=0)
+    register_engine(uncached.engine)
+    plain = uncached.generate(system + "Name a colour.", SamplingParams(temperature=0.0, max_tokens=8))[0]
+    assert plain.num_cached_tokens == 0
+    assert plain.outputs[0].token_ids == second.outputs[0].token_ids
+
+
+def test_fully_cached_prompt_still_computes_its_last_token(prompts) -> None:
+    engine = register_engine(_llm(num_kv_blocks=64, num_swap_blocks=0).engine)
+    prompt = prompts[0][:8] * 3  # exactly three full blocks
+    (a,) = run_to_completion(engine, [prompt], GREEDY)
+    (b,) = run_to_completion(engine, [prompt], GREEDY)
+    # Everything but the last token may come from the cache (whole blocks, so 16 of 24 here).
+    assert 16 <= b.num_cached_tokens <= len(prompt) - 1
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+
+
+def test_never_fit_is_rejected_while_others_complete(prompts, unconstrained) -> None:
+    llm = _llm(num_kv_blocks=24, num_swap_blocks=0)
+    register_engine(llm.engine)
+    engine = llm.engine
+    engine.add_request("ok", prompts[0], GREEDY)
+    with pytest.raises(KVCacheCapacityError, match="KV cache"):
+        engine.add_request("huge", list(range(1, 250)), GREEDY)
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+    assert done == {"ok": unconstrained[0]}
+
+
+def test_chunked_prefill_runs_beside_decodes(prompts) -> None:
+    llm = _llm(num_kv_blocks=200, num_swap_blocks=0, max_num_batched_tokens=16)
+    engine = register_engine(llm.engine)
+    engine.add_request("short", prompts[0][:4], GREEDY)
+    engine.step()  # "short" is prefilled and decoding
+    engine.add_request("long", list(range(1, 120)), GREEDY)
+    steps_with_both = 0
+    long_seq = engine._groups["long"].seqs[0]
+    while engine.has_unfinished_requests():
+        prefilling = long_seq.num_computed_tokens < long_seq.num_prompt_tokens
+        progressed = {o.request_id for o in engine.step()}
+        if prefilling and "short" in progressed:
+            steps_with_both += 1
+    assert steps_with_both >= 3, "the long prompt should prefill in chunks while 'short' keeps decoding"
