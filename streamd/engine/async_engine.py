@@ -86,13 +86,13 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
         self._admissions: dict[str, asyncio.Future[int]] = {}
+        self._calls: set[asyncio.Future[Any]] = set()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats: dict[str, int | float] = {}
         self._dead: str | None = None
         self._pending_adds = 0
-        self._delivered: asyncio.Future[None] | None = None  # resolved by the next delivery (wait_idle)
         self.steps = 0  # engine iterations that ran a step (tests use it to see that idle means idle)
 
     # ---- loop side -------------------------------------------------------------------------------
@@ -173,6 +173,8 @@ class AsyncEngine:
         if not self.ready:
             raise EngineDeadError(self._dead or "the engine is not running")
         future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._calls.add(future)
+        future.add_done_callback(self._calls.discard)
         self._commands.put(("call", fn, future))
         return await future
 
@@ -180,15 +182,11 @@ class AsyncEngine:
         """Waits until no request is in flight (the engine's own view); returns its exact stats then."""
         async with asyncio.timeout(timeout):
             while True:
+                # A call runs at the start of an engine iteration, so while the engine is busy each
+                # round trip waits for one step: this polls at the step rate, never faster.
                 busy, stats = await self.call(lambda e: (e.has_unfinished_requests(), e.stats()))
                 if not busy and not self._streams:
                     return stats
-                await self._next_delivery()
-
-    def _next_delivery(self) -> asyncio.Future[None]:
-        if self._delivered is None or self._delivered.done():
-            self._delivered = asyncio.get_running_loop().create_future()
-        return self._delivered
 
     def _abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
@@ -196,8 +194,6 @@ class AsyncEngine:
     def _deliver(self, batch: _Batch) -> None:
         """Loop side of the one call per iteration."""
         now = time.monotonic()
-        if self._delivered is not None and not self._delivered.done():
-            self._delivered.set_result(None)
         for request_id, _ in batch.accepted:
             self._pending_adds -= 1
             future = self._admissions.pop(request_id, None)
@@ -253,6 +249,9 @@ class AsyncEngine:
                 future.set_exception(EngineDeadError(reason))
         for request_id, stream in list(self._streams.items()):
             stream._put(RequestDelta(request_id, 0, [], finished=True, error=reason))
+        for future in list(self._calls):
+            if not future.done():
+                future.set_exception(EngineDeadError(reason))
         self._admissions.clear()
         self._streams.clear()
 

@@ -91,7 +91,7 @@ async def chat_completions(request: Request) -> Response:
     s: Services = request.app.state.services
     body = await _json_body(request)
     _check_model(s, body)
-    _refuse(body, tools=None, functions=None, logprobs=False, top_logprobs=None)
+    _refuse(body, tools=None, functions=None, logprobs=False, top_logprobs=None, logit_bias=None)
     if body.get("response_format") not in (None, {"type": "text"}):
         raise ServiceError("unsupported", "only response_format {\"type\": \"text\"} is supported",
                            "response_format")
@@ -107,7 +107,7 @@ async def completions(request: Request) -> Response:
     s: Services = request.app.state.services
     body = await _json_body(request)
     _check_model(s, body)
-    _refuse(body, echo=False, suffix=None, logprobs=None)
+    _refuse(body, echo=False, suffix=None, logprobs=None, logit_bias=None)
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ServiceError("unsupported", "best_of must equal n", "best_of")
     prompt = body.get("prompt")
@@ -251,8 +251,9 @@ def _refuse(body: dict[str, Any], **allowed: Any) -> None:
     """Refuses fields whose value would need a feature this server does not have."""
     for name, harmless in allowed.items():
         value = body.get(name)
-        if value is not None and value != harmless and value != [] and value is not harmless:
-            raise ServiceError("unsupported", f"{name} is not supported", name)
+        if value is None or value == harmless or (isinstance(value, (list, dict)) and not value):
+            continue
+        raise ServiceError("unsupported", f"{name} is not supported", name)
 
 
 def _params(body: dict[str, Any]) -> dict[str, Any]:

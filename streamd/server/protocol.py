@@ -53,7 +53,8 @@ def parse_frame(text: str) -> Generate | Cancel:
     has_prompt, has_messages = frame.get("prompt") is not None, frame.get("messages") is not None
     if has_prompt == has_messages:
         raise ServiceError("invalid_request", "give exactly one of prompt or messages", frame_id)
-    params = frame.get("params") or {}
+    params = frame.get("params")
+    params = {} if params is None else params
     if not isinstance(params, dict):
         raise ServiceError("invalid_request", "params must be an object", frame_id)
     return Generate(frame_id, frame.get("prompt"), frame.get("messages"), params)

@@ -1,0 +1,46 @@
+"""Server test fixtures: one AsyncEngine over the session's shared model, and real uvicorn servers on
+random 127.0.0.1 ports built around it. Every test ends by waiting (on engine deliveries, not sleeps)
+until the engine is idle; the root conftest's leak check then finds the KV pool whole."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import pytest
+import pytest_asyncio
+from pytest_asyncio import is_async_test
+
+from streamd.engine.async_engine import AsyncEngine
+from tests.server.util import Server, running_server
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Server tests share the session's event loop: the engine thread delivers to one loop."""
+    marker = pytest.mark.asyncio(loop_scope="session")
+    for item in items:
+        if is_async_test(item) and "tests/server/" in str(item.path).replace("\\", "/"):
+            item.add_marker(marker, append=False)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def async_engine(smol_llm) -> AsyncIterator[AsyncEngine]:
+    engine = AsyncEngine(smol_llm.engine)
+    engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def server(async_engine: AsyncEngine) -> AsyncIterator[Server]:
+    """The default test server: no keys, 64 KiB frames, 8 requests per connection."""
+    async with running_server(async_engine, max_frame_bytes=65536, max_requests_per_connection=8) as srv:
+        yield srv
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="session")
+async def _engine_idle_after_test(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    yield
+    if "async_engine" in request.fixturenames:
+        engine: AsyncEngine = request.getfixturevalue("async_engine")
+        stats = await engine.wait_idle(timeout=120)
+        assert stats["kv_blocks_free"] == stats["kv_blocks_total"], f"KV blocks leaked: {stats}"

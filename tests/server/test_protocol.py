@@ -1,0 +1,80 @@
+"""Pure parts, no model: frame parsing, error bodies, auth rules, delta merging."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from streamd.engine.request_stream import CompletionDelta, RequestDelta
+from streamd.server import protocol
+from streamd.server.auth import Authenticator, bearer_token
+from streamd.server.errors import ServiceError
+from streamd.server.generation import normalize_messages
+
+
+@pytest.mark.parametrize("text, code, frame_id", [
+    ("{", "invalid_json", None),
+    ("3", "invalid_json", None),
+    ('{"type": "generate"}', "invalid_request", None),
+    ('{"type": "generate", "id": ""}', "invalid_request", None),
+    ('{"type": "generate", "id": 7, "prompt": "x"}', "invalid_request", None),
+    ('{"type": "nope", "id": "a"}', "unknown_type", "a"),
+    ('{"type": "generate", "id": "a"}', "invalid_request", "a"),
+    ('{"type": "generate", "id": "a", "prompt": "x", "messages": []}', "invalid_request", "a"),
+    ('{"type": "generate", "id": "a", "prompt": "x", "params": []}', "invalid_request", "a"),
+    ('{"type": "generate", "id": "a", "prompt": "x", "extra": 1}', "invalid_request", "a"),
+])
+def test_bad_frames(text: str, code: str, frame_id: str | None) -> None:
+    with pytest.raises(ServiceError) as info:
+        protocol.parse_frame(text)
+    assert info.value.code == code and info.value.param == frame_id
+
+
+def test_good_frames_and_server_frames() -> None:
+    frame = protocol.parse_frame('{"type":"generate","id":"a","prompt":"hi","params":{"max_tokens":3}}')
+    assert frame == protocol.Generate("a", "hi", None, {"max_tokens": 3})
+    assert protocol.parse_frame('{"type":"cancel","id":"a"}') == protocol.Cancel("a")
+    assert json.loads(protocol.delta_frame("a", 0, "é", [1], 0)) == {
+        "type": "delta", "id": "a", "seq": 0, "text": "é", "token_ids": [1], "index": 0}
+    done = json.loads(protocol.done_frame("a", "stop", {"prompt_tokens": 1}))
+    assert done == {"type": "done", "id": "a", "finish_reason": "stop", "usage": {"prompt_tokens": 1}}
+    error = json.loads(protocol.error_frame(None, ServiceError("overloaded", "busy")))
+    assert error == {"type": "error", "id": None, "error": {"code": "overloaded", "message": "busy"}}
+
+
+def test_openai_error_bodies() -> None:
+    error = ServiceError("context_length_exceeded", "too long", "messages")
+    assert error.status == 400
+    assert error.openai_body() == {"error": {"message": "too long", "type": "invalid_request_error",
+                                             "param": "messages", "code": "context_length_exceeded"}}
+    assert ServiceError("unauthorized", "x").status == 401
+    assert ServiceError("overloaded", "x").status == 503
+
+
+def test_auth_rules() -> None:
+    assert bearer_token("Bearer abc") == "abc" and bearer_token("Basic abc") is None
+    open_auth = Authenticator([], [])
+    assert open_auth.http_ok({}) and open_auth.websocket_ok({}, []) and open_auth.origin_ok("http://x")
+    auth = Authenticator(["k1", "k2"], ["https://ok.example/"])
+    assert auth.http_ok({"authorization": "Bearer k2"}) and not auth.http_ok({"authorization": "Bearer k3"})
+    assert not auth.http_ok({})
+    assert auth.websocket_ok({}, ["streamd.v1", "bearer.k1"]) and not auth.websocket_ok({}, ["bearer.k3"])
+    assert auth.origin_ok("https://ok.example") and auth.origin_ok(None)
+    assert not auth.origin_ok("https://evil.example")
+
+
+def test_messages_are_normalized_or_refused() -> None:
+    parts = [{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+    assert normalize_messages(parts) == [{"role": "user", "content": "ab"}]
+    for bad in ([], [{"role": "user"}], [{"role": "god", "content": "x"}],
+                [{"role": "user", "content": [{"type": "image_url"}]}]):
+        with pytest.raises(ServiceError):
+            normalize_messages(bad)
+
+
+def test_deltas_merge() -> None:
+    first = RequestDelta("r", 3, [CompletionDelta(0, "Hel", [1, 2], num_tokens=2)])
+    first.merge(RequestDelta("r", 3, [CompletionDelta(0, "lo", [3], "stop", num_tokens=3)], finished=True))
+    assert first.outputs == [CompletionDelta(0, "Hello", [1, 2, 3], "stop", num_tokens=3)]
+    assert first.finished

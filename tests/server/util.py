@@ -1,0 +1,125 @@
+"""Helpers for server tests: running a real uvicorn server, a WebSocket client that gathers frames."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator
+
+from starlette.applications import Starlette
+from websockets.asyncio.client import ClientConnection, connect
+
+from streamd.config import load_config
+from streamd.engine.async_engine import AsyncEngine
+from streamd.server.app import Services, create_app
+from streamd.server.serve import DrainingServer, uvicorn_config
+
+WS_TIMEOUT = 120.0
+
+
+@dataclass
+class Server:
+    app: Starlette
+    uvicorn: DrainingServer
+    port: int
+
+    @property
+    def http(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def ws(self) -> str:
+        return f"ws://127.0.0.1:{self.port}/v1/stream"
+
+    @property
+    def services(self) -> Services:
+        return self.app.state.services
+
+
+@asynccontextmanager
+async def running_server(engine: AsyncEngine, warm_up: bool = False, **server_keys: Any) -> AsyncIterator[Server]:
+    overrides = {f"server.{k}": v for k, v in server_keys.items()}
+    config = load_config(overrides={"server.host": "127.0.0.1", "server.port": 0, **overrides}, environ={})
+    observer = engine.observer
+    app = create_app(config, engine, warm_up=warm_up)
+    srv = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
+    task = asyncio.create_task(srv.serve())
+    listening = asyncio.create_task(srv.listening.wait())
+    await asyncio.wait({task, listening}, return_when=asyncio.FIRST_COMPLETED)
+    if task.done():
+        task.result()  # startup failed: raise it
+    assert srv.port is not None
+    try:
+        yield Server(app, srv, srv.port)
+    finally:
+        srv.should_exit = True
+        await task
+        engine.observer = observer  # metrics go back to the server that was there before
+
+
+def ws_connect(server: Server, **kwargs: Any) -> Any:
+    kwargs.setdefault("subprotocols", ["streamd.v1"])
+    kwargs.setdefault("open_timeout", 30)
+    return connect(server.ws, **kwargs)
+
+
+async def send(ws: ClientConnection, **frame: Any) -> None:
+    await ws.send(json.dumps(frame))
+
+
+async def recv(ws: ClientConnection, timeout: float = WS_TIMEOUT) -> dict[str, Any]:
+    return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+@dataclass
+class Result:
+    """Everything one request id received."""
+
+    frames: list[dict[str, Any]] = field(default_factory=list)
+
+    def of(self, kind: str) -> list[dict[str, Any]]:
+        return [f for f in self.frames if f["type"] == kind]
+
+    @property
+    def text(self) -> str:
+        return "".join(f["text"] for f in self.of("delta"))
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for f in self.of("delta") for t in f["token_ids"]]
+
+    @property
+    def done(self) -> dict[str, Any]:
+        (done,) = self.of("done")
+        return done
+
+
+async def gather_until_done(ws: ClientConnection, ids: set[str], results: dict[str, Result] | None = None,
+                            stray: list[dict[str, Any]] | None = None,
+                            timeout: float = WS_TIMEOUT) -> dict[str, Result]:
+    """Reads frames until every id in `ids` has its `done`; frames with other ids go to `stray`."""
+    results = results if results is not None else {}
+    pending = set(ids)
+    while pending:
+        frame = await recv(ws, timeout)
+        if frame.get("id") in ids:
+            results.setdefault(frame["id"], Result()).frames.append(frame)
+            if frame["type"] == "done":
+                pending.discard(frame["id"])
+        elif stray is not None:
+            stray.append(frame)
+    return results
+
+
+def check_stream(result: Result) -> None:
+    """Protocol invariants of one finished request: start first, seq from 0, one done, usage adds up."""
+    kinds = [f["type"] for f in result.frames]
+    assert kinds[0] == "start" and kinds[-1] == "done" and kinds.count("done") == 1, kinds
+    seqs = [f["seq"] for f in result.of("delta")]
+    assert seqs == list(range(len(seqs)))
+    usage = result.done["usage"]
+    assert usage["completion_tokens"] == len(result.token_ids)
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert usage["prompt_tokens"] == result.of("start")[0]["prompt_tokens"]
