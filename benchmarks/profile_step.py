@@ -28,9 +28,18 @@ def main() -> None:
     for i, prompt in enumerate(work.prompts):
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=2000 - len(prompt), ignore_eos=True,
                                                            detokenize=False))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    prefill_steps = 0
     while engine.stats()["num_waiting"] or any(  # until every request is decoding
             s.num_computed_tokens < s.num_prompt_tokens for g in engine._groups.values() for s in g.seqs):
         engine.step()
+        prefill_steps += 1
+    torch.cuda.synchronize()
+    prefill_s = time.perf_counter() - start
+    prompt_tokens = sum(map(len, work.prompts))
+    print(f"[{args.shape}] prefill of {prompt_tokens} tokens: {prefill_steps} steps, {prefill_s:.2f} s, "
+          f"{prompt_tokens / prefill_s:.0f} tok/s")
     for _ in range(10):
         engine.step()
     torch.cuda.synchronize()

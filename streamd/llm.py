@@ -28,6 +28,7 @@ class LLM:
             overrides["model.name"] = model
         self.config: Config = load_config(config_path, overrides)
         self.engine = LLMEngine.from_config(self.config, model if isinstance(model, PretrainedConfig) else None)
+        self.engine.stream_outputs = False  # generate() and chat() return only final outputs
         self._ids = itertools.count()
 
     @property

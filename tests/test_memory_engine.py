@@ -99,6 +99,7 @@ def test_never_fit_is_rejected_while_others_complete(prompts, unconstrained) -> 
 def test_chunked_prefill_runs_beside_decodes(prompts) -> None:
     llm = _llm(num_kv_blocks=200, num_swap_blocks=0, max_num_batched_tokens=16)
     engine = register_engine(llm.engine)
+    engine.stream_outputs = True  # report every step's progress, as a server would
     engine.add_request("short", prompts[0][:4], GREEDY)
     engine.step()  # "short" is prefilled and decoding
     engine.add_request("long", list(range(1, 120)), GREEDY)

@@ -82,6 +82,7 @@ class AsyncEngine:
 
     def __init__(self, engine: LLMEngine, observer: StreamObserver | None = None) -> None:
         self.engine = engine
+        engine.stream_outputs = True  # every step's progress is streamed to the clients
         self.observer = observer
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}

@@ -9,6 +9,7 @@ nothing of HTTP, WebSocket or threads (see AsyncEngine).
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -23,17 +24,27 @@ from streamd.engine.model_loader import LoadedModel, load_model, resolve_device,
 from streamd.engine.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
 from streamd.engine.outputs import CompletionOutput, RequestOutput
 from streamd.engine.preemption_costs import measure_cost_model
-from streamd.engine.sampler import Sampler
+from streamd.engine.sampler import PendingSample, Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.scheduler import Scheduler
-from streamd.engine.scheduler_output import ScheduledSeq
-from streamd.engine.sequence import FINISH_REASONS, Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
+from streamd.engine.sequence import FINISH_REASONS, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.stop_checker import StopChecker, visible_text
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
 
 _SWAP_RAM_SHARE = 0.4  # the swap pool never takes more than this share of host RAM
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step: its plan, the rows that sample, and their tokens on the way to the host."""
+
+    out: SchedulerOutput
+    sampling: list[ScheduledSeq]
+    pending: PendingSample
+    rows: dict[int, int]  # seq_id -> row of `pending.tokens`
 
 
 class LLMEngine:
@@ -64,7 +75,11 @@ class LLMEngine:
             cost_model = measure_cost_model(self.cache, self.runner, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, cache_cfg, self.block_manager, self.max_model_len, cost_model)
         self._groups: dict[str, SequenceGroup] = {}
+        self._num_penalized = 0  # live requests whose sampling reads their token history on the host
         self._pending: list[RequestOutput] = []  # outputs of requests finished outside a step (aborts)
+        self._inflight: _InFlight | None = None  # the launched step whose tokens are not read back yet
+        # False: step() reports only finished requests (offline use), sparing the per-step output objects.
+        self.stream_outputs = True
 
     @classmethod
     def from_config(cls, config: Config, model_config: PretrainedConfig | None = None) -> LLMEngine:
@@ -111,12 +126,14 @@ class LLMEngine:
         except ValueError as exc:
             raise KVCacheCapacityError(str(exc)) from exc
         self._groups[request_id] = group
+        self._num_penalized += params.uses_penalties
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; its final output (finish_reason "abort") comes with the next step."""
-        group = self._groups.pop(request_id, None)
+        group = self._groups.get(request_id)
         if group is None:
             return
+        self._forget(group)
         self.scheduler.abort_seq_group(request_id)
         group.set_status(SequenceStatus.FINISHED_ABORTED)
         self._pending.append(self._output(group))
@@ -124,14 +141,16 @@ class LLMEngine:
     def abort_all(self, error: str) -> list[RequestOutput]:
         """Fails every live request (after an exception inside a step); returns their final outputs."""
         outputs = []
+        self._inflight = None  # its results are void; its blocks go back with their requests
         for request_id, group in list(self._groups.items()):
+            self._forget(group)
             self.scheduler.abort_seq_group(request_id)
             group.set_status(SequenceStatus.FINISHED_ABORTED)
             outputs.append(self._output(group, error=error))
-        self._groups.clear()
         return outputs
 
     def has_unfinished_requests(self) -> bool:
+        # A launched step whose requests have all finished is void: it needs no more steps.
         return bool(self._groups) or bool(self._pending)
 
     def stats(self) -> dict[str, int | float]:
@@ -143,17 +162,35 @@ class LLMEngine:
     # ---- the iteration --------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration. The forward of this step is queued on the device before the previous step's
+        sampled tokens are read back, so the host's bookkeeping of step n overlaps the device's step n+1
+        (its inputs take those tokens on the device). Outputs therefore trail the device by one step."""
         outputs, self._pending = self._pending, []
+        prev, self._inflight = self._inflight, None
+        if prev is not None:
+            self.scheduler.on_step_done(prev.out)
+            if self._num_penalized:  # penalties read every past token on the host: no overlap
+                outputs += self._finish(prev, pipelined=False)
+                prev = None
+            else:
+                for item in prev.sampling:
+                    if not item.seq.status.finished:
+                        item.seq.append_token(PLACEHOLDER)
         out = self.scheduler.schedule()
         for group, reason in out.rejected:
-            self._groups.pop(group.request_id, None)
+            self._forget(group)
             group.set_status(SequenceStatus.FINISHED_ABORTED)
             outputs.append(self._output(group, error=reason))
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy(out.blocks_to_copy)
-        if not out.scheduled:
-            return outputs
+        if out.scheduled:
+            self._inflight = self._launch(out, prev)
+        if prev is not None:
+            outputs += self._finish(prev, pipelined=True)
+        return outputs
+
+    def _launch(self, out: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
         now = time.monotonic()
         for item in out.scheduled:
             group = item.group
@@ -161,25 +198,28 @@ class LLMEngine:
                 group.first_scheduled_time = now
                 group.num_cached_tokens = item.seq.num_computed_tokens
         sampling = [item for item in out.scheduled if item.samples]
-        logits = self.runner.execute(out)
-        self.scheduler.on_step_done(out)
-        touched = self._append_samples(sampling, logits, now)
-        self.scheduler.free_finished()
-        for group in touched:
-            if group.finished:
-                self._groups.pop(group.request_id, None)
-            outputs.append(self._output(group))
-        return outputs
+        if prev is not None:
+            logits = self.runner.execute(out, prev.pending.tokens, prev.rows)
+        else:
+            logits = self.runner.execute(out)
+        pending = self.sampler.sample_async(logits, [item.seq for item in sampling],
+                                            [item.group.sampling_params for item in sampling])
+        return _InFlight(out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)})
 
-    def _append_samples(self, sampling: list[ScheduledSeq], logits: torch.Tensor, now: float) -> list[SequenceGroup]:
-        if not sampling:
-            return []
-        seqs = [item.seq for item in sampling]
-        result = self.sampler(logits, seqs, [item.group.sampling_params for item in sampling])
+    def _finish(self, step: _InFlight, pipelined: bool) -> list[RequestOutput]:
+        """Reads a launched step's tokens back and does its bookkeeping: append (or fill the placeholder),
+        detokenize, stop, free; returns the outputs of the requests that progressed."""
+        result = step.pending.result()
+        now = time.monotonic()
         touched: dict[int, SequenceGroup] = {}
-        for i, (item, token) in enumerate(zip(sampling, result.token_ids)):
+        for i, (item, token) in enumerate(zip(step.sampling, result.token_ids)):
             seq, group = item.seq, item.group
-            seq.append_token(token)
+            if seq.status.finished:  # aborted, or stopped a step earlier: this token is void
+                continue
+            if pipelined:
+                seq.token_ids[-1] = token
+            else:
+                seq.append_token(token)
             if result.logprobs is not None and group.sampling_params.logprobs is not None:
                 seq.output_logprobs.append(result.logprobs[i])
             new_text = seq.detokenizer.step(seq.token_ids) if seq.detokenizer is not None else ""
@@ -188,9 +228,23 @@ class LLMEngine:
             if group.first_token_time is None:
                 group.first_token_time = now
             touched[id(group)] = group
-        return list(touched.values())
+        self.scheduler.free_finished()
+        outputs = []
+        for group in touched.values():
+            if group.finished:
+                # free_finished only looks at running groups; one preempted in the meantime is freed here.
+                self.scheduler.remove_seq_group(group.request_id)
+                self._forget(group)
+                outputs.append(self._output(group))
+            elif self.stream_outputs:
+                outputs.append(self._output(group))
+        return outputs
 
     # ---- helpers --------------------------------------------------------------------------------
+
+    def _forget(self, group: SequenceGroup) -> None:
+        if self._groups.pop(group.request_id, None) is not None:
+            self._num_penalized -= group.sampling_params.uses_penalties
 
     def _output(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
         params = group.sampling_params

@@ -46,11 +46,18 @@ class Sampler:
         self._generator: torch.Generator | None = None
 
     def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> SamplerOutput:
+        return self.sample_async(logits, seqs, params).result()
+
+    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence],
+                     params: list[SamplingParams]) -> PendingSample:
+        """Queues the sampling and the device -> host copy of its results without waiting for them; the
+        chosen tokens stay usable on the device (as the next step's inputs) before the host has them."""
         n = logits.shape[0]
         if len(seqs) != n or len(params) != n:
             raise ValueError(f"sampler got {n} logit rows for {len(seqs)} seqs and {len(params)} params")
         if n == 0:
-            return SamplerOutput([], None)
+            empty = torch.empty(0, dtype=torch.int64, device=logits.device)
+            return PendingSample(empty, empty, params, 0)
         if logits.shape[1] > self.vocab_size:
             logits = logits[:, :self.vocab_size]
         # Rows share SamplingParams objects (n > 1, one params for many prompts): decide per object, so
@@ -70,7 +77,7 @@ class Sampler:
                 tokens = torch.where(is_greedy, x.argmax(dim=-1), tokens)
 
         if raw_logprobs is None:
-            return SamplerOutput(tokens.tolist(), None)  # the one device -> host sync
+            return PendingSample(tokens, tokens, params, 0)
         return self._with_logprobs(tokens, raw_logprobs, params, distinct)
 
     # ---- penalties and masks -------------------------------------------------------------------
@@ -230,7 +237,7 @@ class Sampler:
     # ---- logprobs ------------------------------------------------------------------------------
 
     def _with_logprobs(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor, params: list[SamplingParams],
-                       distinct: list[SamplingParams]) -> SamplerOutput:
+                       distinct: list[SamplingParams]) -> PendingSample:
         """Top-N raw logprobs per row plus the sampled token's, moved to the host together with the
         tokens in ONE transfer (float64 holds token ids exactly)."""
         n, vocab = raw_logprobs.shape
@@ -239,20 +246,8 @@ class Sampler:
         if top_n:
             top = raw_logprobs.topk(top_n, dim=-1)
             parts += [top.indices.double(), top.values.double()]
-        rows = torch.cat(parts, dim=1).tolist()  # the one device -> host sync
-        token_ids: list[int] = []
-        logprobs: list[dict[int, float]] = []
-        for row, p in zip(rows, params):
-            token = int(row[0])
-            token_ids.append(token)
-            if p.logprobs is None:
-                logprobs.append({})
-                continue
-            k = min(p.logprobs, top_n)
-            entry = {int(t): v for t, v in zip(row[2:2 + k], row[2 + top_n:2 + top_n + k])}
-            entry.setdefault(token, row[1])  # the sampled token's, whether or not it is in the top N
-            logprobs.append(entry)
-        return SamplerOutput(token_ids, logprobs)
+        return PendingSample(tokens, torch.cat(parts, dim=1), params, top_n)
+
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -300,3 +295,47 @@ def _splitmix64(z: int) -> int:
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     return z ^ (z >> 31)
+
+
+@dataclass(slots=True)
+class PendingSample:
+    """One step's sampled tokens, on the device now and on the host once `result()` returns."""
+
+    tokens: torch.Tensor  # int64 [n] on the logits' device
+    payload: torch.Tensor  # what travels to the host: the tokens, or float64 rows with their logprobs
+    params: list[SamplingParams]
+    top_n: int
+    host: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+
+    def __post_init__(self) -> None:
+        if self.payload.is_cuda:  # start the copy now; result() only waits for it
+            self.host = torch.empty(self.payload.shape, dtype=self.payload.dtype, pin_memory=True)
+            self.host.copy_(self.payload, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def result(self) -> SamplerOutput:
+        if self.event is not None:
+            self.event.synchronize()  # the one device -> host wait of the step
+        rows = (self.host if self.host is not None else self.payload).tolist()
+        if self.payload.dim() == 1:
+            return SamplerOutput(rows, None)
+        return _decode_logprob_rows(rows, self.params, self.top_n)
+
+
+def _decode_logprob_rows(rows: list[list[float]], params: list[SamplingParams], top_n: int) -> SamplerOutput:
+    """Rows of [token, its logprob, top_n ids, top_n logprobs] back into tokens and {id: logprob} dicts."""
+    token_ids: list[int] = []
+    logprobs: list[dict[int, float]] = []
+    for row, p in zip(rows, params):
+        token = int(row[0])
+        token_ids.append(token)
+        if p.logprobs is None:
+            logprobs.append({})
+            continue
+        k = min(p.logprobs, top_n)
+        entry = {int(t): v for t, v in zip(row[2:2 + k], row[2 + top_n:2 + top_n + k])}
+        entry.setdefault(token, row[1])  # the sampled token's, whether or not it is in the top N
+        logprobs.append(entry)
+    return SamplerOutput(token_ids, logprobs)

@@ -106,6 +106,14 @@ class Scheduler:
 
     def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
         """Removes the request from every queue and frees its blocks now."""
+        group = self.remove_seq_group(request_id)
+        if group is not None:
+            group.set_status(SequenceStatus.FINISHED_ABORTED)
+        return group
+
+    def remove_seq_group(self, request_id: str) -> SequenceGroup | None:
+        """Removes the request from whichever queue holds it and frees its blocks, leaving its statuses
+        alone (a request that finished while preempted)."""
         group = self._groups.get(request_id)
         if group is None:
             return None
@@ -115,7 +123,6 @@ class Scheduler:
                 break
         for seq in group.seqs:
             self.block_manager.free(seq)
-        group.set_status(SequenceStatus.FINISHED_ABORTED)
         self._forget(group)
         return group
 

@@ -42,6 +42,10 @@ FINISH_REASONS = {
 
 _seq_ids = itertools.count()
 
+# Stands in `Sequence.token_ids` for a token the device has sampled but the host has not received yet
+# (the engine overlaps the next step with that transfer). Never fed to a model or a tokenizer as is.
+PLACEHOLDER = -1
+
 
 @dataclass(slots=True, eq=False)
 class Sequence:

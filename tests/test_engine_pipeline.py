@@ -1,0 +1,73 @@
+"""The overlapped step loop: step n+1 is launched before step n's tokens reach the host. Whatever mixes in a
+batch (penalties that force the synchronous path, requests finishing at different steps, aborts while a
+step is in flight), every request's tokens equal those of the same request run alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from streamd import LLM, SamplingParams
+from streamd.engine.sequence import PLACEHOLDER
+from tests.helpers import register_engine, run_to_completion
+
+CONFIG = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     initializer_range=0.1)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    llm = LLM(CONFIG, device="cpu", dtype="float32", block_size=8, num_kv_blocks=300, num_swap_blocks=0,
+              max_num_batched_tokens=64, seed=3)
+    return register_engine(llm.engine)
+
+
+def _prompts(n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, CONFIG.vocab_size, (int(k),), generator=gen).tolist()
+            for k in torch.randint(3, 40, (n,), generator=gen)]
+
+
+def _alone(engine, prompt, params) -> list[int]:
+    return run_to_completion(engine, [prompt], params)[0].outputs[0].token_ids
+
+
+def test_mixed_batch_equals_requests_run_alone(engine) -> None:
+    prompts = _prompts(6, seed=1)
+    params = [SamplingParams(temperature=0.0, max_tokens=5 + 7 * i, ignore_eos=True, detokenize=False,
+                             repetition_penalty=1.5 if i == 2 else 1.0,
+                             presence_penalty=0.5 if i == 4 else 0.0) for i in range(6)]
+    want = [_alone(engine, p, sp) for p, sp in zip(prompts, params)]
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"mix{i}", p, sp)
+    got: dict[str, list[int]] = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            assert PLACEHOLDER not in out.outputs[0].token_ids
+            if out.finished:
+                got[out.request_id] = out.outputs[0].token_ids
+    assert [got[f"mix{i}"] for i in range(6)] == want
+    assert [len(w) for w in want] == [5 + 7 * i for i in range(6)]
+
+
+def test_abort_while_a_step_is_in_flight(engine) -> None:
+    prompts = _prompts(3, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False)
+    want = [_alone(engine, p, params) for p in prompts]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"ab{i}", p, params)
+    for _ in range(4):
+        engine.step()
+    assert engine._inflight is not None, "a step should be in flight between two step() calls"
+    engine.abort("ab1")
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["ab1"].outputs[0].finish_reason == "abort"
+    assert final["ab0"].outputs[0].token_ids == want[0]
+    assert final["ab2"].outputs[0].token_ids == want[2]
+    assert final["ab1"].outputs[0].token_ids == want[1][:len(final["ab1"].outputs[0].token_ids)]
