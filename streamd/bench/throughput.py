@@ -131,8 +131,9 @@ def run_hf_continuous(config: Any, work: Workload, progress: Any) -> dict[str, f
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
-    model = model.cuda().eval()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
+    model = model.eval()
     gen = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
     with model.continuous_batching_context_manager(generation_config=gen) as manager:
         start = time.perf_counter()
@@ -161,7 +162,8 @@ def run_hf_static(config: Any, work: Workload, progress: Any, batch: int = 64) -
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").cuda().eval()
+    with torch.device("cuda"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     start = time.perf_counter()
     for i in range(0, len(work.prompts), batch):
         prompts, lens = work.prompts[i:i + batch], work.output_lens[i:i + batch]

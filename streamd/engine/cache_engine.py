@@ -3,14 +3,19 @@ and copy orders.
 
 Both pools use the block-major layout of ARCHITECTURE.md,
 `[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`, so a block is one contiguous region and
-moving k blocks that are adjacent on both sides is one copy. Swaps run on a side stream (CUDA) with one
-asynchronous copy per contiguous run; the compute stream waits for them before the next forward. On a
-CPU-only machine the "device" pool and the swap pool are two separate host tensors and the same code runs.
+moving k blocks that are adjacent on both sides is one copy. Swaps run on a side stream (CUDA); the compute
+stream waits for them before the next forward. `plan_swap` picks how a swap crosses the host link: one
+asynchronous copy per run adjacent on both sides when the runs are long, otherwise (on CUDA: a
+sequence's blocks scattered over the device pool by decoding beside others, so every run is one block
+and per-copy overhead would dominate) a gather into a bounded contiguous device staging buffer and one
+copy per host run. On a CPU-only machine the "device" pool and the swap pool are two separate host
+tensors and the same code runs (direct copies unless `direct_run_bytes` is raised, as the tests do).
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -19,6 +24,14 @@ import torch
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
+
+# A staged swap moves at most this many bytes per chunk through the device staging buffer: large enough
+# that each host copy runs at link speed, small enough to fit in the memory the pool sizing leaves over.
+STAGING_BYTES = 64 << 20
+# Runs at least this long on average go to the copy engine directly: at ~50 GB/s a copy of 8 MiB takes
+# ~160 us, so the few microseconds each copy costs to issue and start are lost in the noise, while
+# staging would add a device-side gather of the same bytes.
+DIRECT_RUN_BYTES = 8 << 20
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,6 +62,13 @@ class CacheEngine:
         self.swap_cache = torch.empty((num_swap_blocks, *layout.block_shape()), dtype=layout.dtype,
                                       device="cpu", pin_memory=pin)
         self._swap_stream = torch.cuda.Stream(device) if pin else None
+        # Tunables of `plan_swap` (the swap benchmark sets direct_run_bytes = 0 to measure direct copies).
+        # Without CUDA every copy is a plain memcpy with nothing to amortize, and staging would only add a
+        # pass over the bytes: direct always (tests raise direct_run_bytes to run the staged path here).
+        self.staging_bytes = STAGING_BYTES
+        self.direct_run_bytes = DIRECT_RUN_BYTES if pin else 0
+        self._kv_rows = _rows(self.kv_cache)
+        self._swap_rows = _rows(self.swap_cache)
         log.info("kv_cache.allocated", num_blocks=num_blocks, num_swap_blocks=num_swap_blocks,
                  block_size=layout.block_size, gib=round(num_blocks * layout.bytes_per_block / 2**30, 3),
                  swap_gib=round(num_swap_blocks * layout.bytes_per_block / 2**30, 3))
@@ -63,11 +83,11 @@ class CacheEngine:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, host block) pairs."""
-        self._copy_runs(self.kv_cache, self.swap_cache, pairs)
+        self._swap(pairs, to_host=True)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         """(host block, device block) pairs."""
-        self._copy_runs(self.swap_cache, self.kv_cache, pairs)
+        self._swap([(d, h) for h, d in pairs], to_host=False)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write orders, (src, dst) device blocks, all layers in one operation."""
@@ -77,27 +97,139 @@ class CacheEngine:
         index = torch.tensor([src, dst], dtype=torch.int64).to(self.device, non_blocking=True)
         self.ops.copy_blocks(self.kv_cache, index[0], index[1])
 
-    def _copy_runs(self, src_pool: torch.Tensor, dst_pool: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+    def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
+        """(device block, host block) pairs, copied in the direction `to_host` says."""
         if not pairs:
             return
+        plan = plan_swap(pairs, self.layout.bytes_per_block, self.staging_bytes, self.direct_run_bytes)
         stream = self._swap_stream
         if stream is not None:
             # The swap must see every KV write already queued on the compute stream, and the next forward
             # must see the swap: order both ways.
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            for s, d, n in contiguous_runs(pairs):
-                dst_pool[d:d + n].copy_(src_pool[s:s + n], non_blocking=stream is not None)
+            if plan.chunks is None:
+                self._copy_runs(plan.runs, to_host)
+            else:
+                self._copy_staged(plan.chunks, to_host)
         if stream is not None:
             torch.cuda.current_stream(self.device).wait_stream(stream)
+
+    def _copy_runs(self, runs: list[tuple[int, int, int]], to_host: bool) -> None:
+        """One asynchronous copy per (device start, host start, length) run."""
+        non_blocking = self._swap_stream is not None
+        for d, h, n in runs:
+            if to_host:
+                self.swap_cache[h:h + n].copy_(self.kv_cache[d:d + n], non_blocking=non_blocking)
+            else:
+                self.kv_cache[d:d + n].copy_(self.swap_cache[h:h + n], non_blocking=non_blocking)
+
+    def _copy_staged(self, chunks: list[StagedChunk], to_host: bool) -> None:
+        """Scattered device blocks go through a contiguous device staging buffer, so the host link sees
+        one copy per host run instead of one per block: out = `index_select` gather then D2H copies,
+        in = H2D copies then `index_copy_` scatter. Runs on the swap stream (the caller's context)."""
+        non_blocking = self._swap_stream is not None
+        device_rows, host_rows = self._kv_rows, self._swap_rows
+        blocks = [b for chunk in chunks for b in chunk.device_blocks]
+        index = torch.tensor(blocks, dtype=torch.int64, pin_memory=non_blocking).to(self.device,
+                                                                                     non_blocking=non_blocking)
+        start = 0
+        for chunk in chunks:
+            n = len(chunk.device_blocks)
+            idx = index[start:start + n]
+            start += n
+            # Allocated while the swap stream is current, so the caching allocator hands this memory to
+            # the next chunk (or swap) only behind the copies queued here on the same stream: the staging
+            # buffer is never overwritten while a copy still reads it, with no event or record_stream.
+            staging = torch.empty((n, device_rows.shape[1]), dtype=device_rows.dtype, device=self.device)
+            if to_host:
+                torch.index_select(device_rows, 0, idx, out=staging)
+                for off, h, m in chunk.host_runs:
+                    host_rows[h:h + m].copy_(staging[off:off + m], non_blocking=non_blocking)
+            else:
+                for off, h, m in chunk.host_runs:
+                    staging[off:off + m].copy_(host_rows[h:h + m], non_blocking=non_blocking)
+                device_rows.index_copy_(0, idx, staging)
 
 
 def contiguous_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
     """Groups (src, dst) pairs into (src_start, dst_start, length) runs adjacent on both sides."""
     runs: list[tuple[int, int, int]] = []
-    for s, d in sorted(pairs):
-        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
-            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+    s0 = d0 = n = 0
+    for s, d in sorted(pairs):  # plain ints in the loop: a swap of 1 GiB is thousands of pairs
+        if n and s == s0 + n and d == d0 + n:
+            n += 1
         else:
-            runs.append((s, d, 1))
+            if n:
+                runs.append((s0, d0, n))
+            s0, d0, n = s, d, 1
+    if n:
+        runs.append((s0, d0, n))
     return runs
+
+
+@dataclass(slots=True, frozen=True)
+class StagedChunk:
+    """Blocks that pass through the staging buffer together: `device_blocks[i]` is staging row i, and
+    each host run (offset in staging, host start, length) is one host<->device copy."""
+
+    device_blocks: list[int]
+    host_runs: list[tuple[int, int, int]]
+
+
+@dataclass(slots=True, frozen=True)
+class SwapPlan:
+    """Either direct `runs` (device start, host start, length) or staged `chunks` (then `runs` is what
+    the direct way would have issued, kept for logs and benchmarks)."""
+
+    runs: list[tuple[int, int, int]]
+    chunks: list[StagedChunk] | None = None
+
+    @property
+    def num_host_copies(self) -> int:
+        return len(self.runs) if self.chunks is None else sum(len(c.host_runs) for c in self.chunks)
+
+
+def plan_swap(pairs: list[tuple[int, int]], bytes_per_block: int, staging_bytes: int = STAGING_BYTES,
+              direct_run_bytes: int = DIRECT_RUN_BYTES) -> SwapPlan:
+    """(device block, host block) pairs, each block at most once per side -> how to move them.
+
+    Staged when the direct runs are short on average and staging needs fewer operations (host copies
+    plus one gather/scatter per chunk); both ways move the same bytes over the link."""
+    runs = contiguous_runs(pairs)
+    if len(pairs) * bytes_per_block >= direct_run_bytes * len(runs):
+        return SwapPlan(runs)
+    chunks = staged_chunks(pairs, max(1, staging_bytes // bytes_per_block))
+    staged_ops = sum(len(c.host_runs) for c in chunks) + len(chunks)
+    if staged_ops >= len(runs):
+        return SwapPlan(runs)  # host blocks as scattered as the device ones: staging buys nothing
+    return SwapPlan(runs, chunks)
+
+
+def staged_chunks(pairs: list[tuple[int, int]], max_blocks: int) -> list[StagedChunk]:
+    """(device, host) pairs in host order, cut into chunks of at most `max_blocks`; sorting by host block
+    turns host blocks handed out in any order (the block manager's free list returns them descending
+    after a round trip) into ascending runs."""
+    ordered = sorted(pairs, key=lambda p: p[1])
+    chunks: list[StagedChunk] = []
+    for start in range(0, len(ordered), max_blocks):
+        part = ordered[start:start + max_blocks]
+        hosts = [h for _, h in part]
+        host_runs: list[tuple[int, int, int]] = []
+        first = 0
+        for offset in range(1, len(hosts) + 1):
+            if offset == len(hosts) or hosts[offset] != hosts[offset - 1] + 1:
+                host_runs.append((first, hosts[first], offset - first))
+                first = offset
+        chunks.append(StagedChunk([d for d, _ in part], host_runs))
+    return chunks
+
+
+def _rows(pool: torch.Tensor) -> torch.Tensor:
+    """`pool` as [num_blocks, words]: one row per block, in 8-byte words when the block allows, so the
+    gather/scatter kernels move a few wide elements instead of many 2-byte ones, whatever the dtype."""
+    row = math.prod(pool.shape[1:])
+    flat = pool.view(pool.shape[0], row)
+    if row * pool.element_size() % 8 == 0:
+        return flat.view(torch.uint8).view(torch.int64)
+    return flat

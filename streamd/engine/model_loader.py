@@ -71,7 +71,7 @@ def load_model(name: str | PretrainedConfig | None, dtype: torch.dtype, device: 
     """Loads weights and tokenizer from one source, onto `device` in `dtype`, in eval mode."""
     start = time.perf_counter()
     if isinstance(name, PretrainedConfig):
-        loaded = _random_model(name, dtype, seed)
+        loaded = _random_model(name, dtype, device, seed)
     else:
         source, label = _resolve_source(name, Path(cache_dir).expanduser())
         log.info("model.load.start", model=label, source=str(source), dtype=str(dtype), device=str(device))
@@ -85,10 +85,14 @@ def load_model(name: str | PretrainedConfig | None, dtype: torch.dtype, device: 
     return loaded
 
 
-def _random_model(config: PretrainedConfig, dtype: torch.dtype, seed: int) -> LoadedModel:
+def _random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
     torch.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed(seed)
     # A copy: the engine switches the model's attention implementation, which lives on its config.
-    model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
+    # Initialised on the target device: a billion random parameters take seconds on a GPU, half a minute on CPU.
+    with device:
+        model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
     return LoadedModel(model, None, f"random-{config.model_type}")
 
 
