@@ -198,6 +198,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="also run the shared-prefix workload with caching on and off")
     parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and markdown")
+    parser.add_argument("--merge", metavar="JSON", help="an earlier report of the same device and day whose runs "
+                        "of other shapes (and prefix-cache entry) are kept, for results gathered over several runs")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -212,6 +214,12 @@ def main(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {
         "date": dt.date.today().isoformat(), "git_commit": _git_commit(), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "ceilings": ceilings, "runs": []}
+    if args.merge and Path(args.merge).is_file():
+        earlier = json.loads(Path(args.merge).read_text())
+        shapes = set(args.shapes.split(","))
+        report["runs"] = [r for r in earlier.get("runs", []) if r["model_shape"] not in shapes]
+        if "prefix_cache" in earlier and not args.prefix_cache:
+            report["prefix_cache"] = earlier["prefix_cache"]
     for shape in args.shapes.split(","):
         config = model_config(shape)
         work = random_workload(config.vocab_size, args.num_requests)

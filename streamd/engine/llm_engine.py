@@ -88,7 +88,25 @@ class LLMEngine:
         dtype = resolve_dtype(config.model.dtype, device)
         loaded = load_model(model_config or config.model.name, dtype, device, config.model.cache_dir,
                             config.model.seed)
-        return cls(config, loaded, device)
+        engine = cls(config, loaded, device)
+        if device.type == "cuda":
+            engine.warm_up()
+        return engine
+
+    def warm_up(self) -> None:
+        """Runs a few throw-away requests of awkward lengths through the real step, so that Triton compiles
+        its kernel variants (it specializes on sizes divisible by 16) before the first user waits for it."""
+        start = time.perf_counter()
+        stream, self.stream_outputs = self.stream_outputs, False
+        params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, temperature=0.0)
+        lengths = [n for n in (1, 15, 16, 17, 40, 255, 256, 300, 1000) if n + 3 <= self.max_model_len]
+        for wave in (lengths, lengths[-1:], lengths):  # batched, alone (chunked), then over cached prefixes
+            for i, n in enumerate(wave):
+                self.add_request(f"__warmup_{i}", [(7 * j + n) % self.vocab_size for j in range(n)], params)
+            while self.has_unfinished_requests():
+                self.step()
+        self.stream_outputs = stream
+        log.info("engine.warmed_up", seconds=round(time.perf_counter() - start, 2))
 
     # ---- requests -------------------------------------------------------------------------------
 
