@@ -29,11 +29,13 @@ from triton.runtime.jit import JITFunction
 class DualKernel:
     """A Triton kernel usable on CUDA tensors (compiled) and on CPU tensors (interpreted)."""
 
-    def __init__(self, fn: Callable[..., Any]) -> None:
+    def __init__(self, fn: Callable[..., Any], do_not_specialize: tuple[str, ...] = ()) -> None:
         self.fn = fn
         # JITFunction directly (not triton.jit) so an inherited TRITON_INTERPRET=1 cannot turn the
-        # CUDA path into the interpreter.
-        self.compiled = JITFunction(fn)
+        # CUDA path into the interpreter. Arguments that change from step to step (sequence counts, table
+        # widths) are not specialized on, or each new divisibility-by-16 pattern would compile a variant
+        # while a user waits.
+        self.compiled = JITFunction(fn, do_not_specialize=list(do_not_specialize) or None)
         self.interpreted = InterpretedFunction(fn)
 
     def select(self, device: torch.device) -> Any:
@@ -77,9 +79,12 @@ def _interpreter_scope() -> Iterator[None]:
                 os.environ["TRITON_INTERPRET"] = saved_env
 
 
-def dual_kernel(fn: Callable[..., Any]) -> DualKernel:
-    """Decorator: ``@dual_kernel`` in place of ``@triton.jit``."""
-    return DualKernel(fn)
+def dual_kernel(fn: Callable[..., Any] | None = None, *,
+                do_not_specialize: tuple[str, ...] = ()) -> Any:
+    """Decorator: ``@dual_kernel`` (or ``@dual_kernel(do_not_specialize=(...))``) in place of ``@triton.jit``."""
+    if fn is None:
+        return lambda f: DualKernel(f, do_not_specialize)
+    return DualKernel(fn, do_not_specialize)
 
 
 def dot_upcast(device: torch.device, dtype: torch.dtype) -> bool:

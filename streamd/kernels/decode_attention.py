@@ -29,7 +29,7 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)
 
 
-@dual_kernel
+@dual_kernel(do_not_specialize=("partition_size", "num_splits", "s_bt_seq"))
 def _decode_kernel(
     q_ptr, kv_ptr, bt_ptr, sl_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
     layer_off, qk_scale, partition_size, num_splits,

@@ -28,7 +28,7 @@ _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max floor: rows with no visible key stay NaN-free
 
 
-@dual_kernel
+@dual_kernel(do_not_specialize=("num_seqs", "num_tiles", "s_bt_seq"))
 def _prefill_kernel(
     q_ptr, kv_ptr, bt_ptr, qsl_ptr, sl_ptr, out_ptr,
     layer_off, qk_scale, num_seqs, num_tiles,
@@ -212,7 +212,9 @@ def paged_prefill_attention(
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
         PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-        SEARCH_STEPS=max(1, math.ceil(math.log2(num_seqs + 1))),
+        # Extra steps of the search are no-ops once it has converged; a floor of 9 (511 sequences) keeps one
+        # compiled variant for every batch the default max_num_seqs allows.
+        SEARCH_STEPS=max(9, math.ceil(math.log2(num_seqs + 1))),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         UPCAST=dot_upcast(query.device, kv_cache.dtype),
         num_warps=num_warps, num_stages=num_stages,
