@@ -37,7 +37,6 @@ import json
 import os
 import random
 import statistics
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from streamd.bench.report import git_commit, save_report  # noqa: E402
 from streamd.engine.block_manager import BlockManager  # noqa: E402
 from streamd.engine.cache_engine import CacheEngine, KVLayout, plan_swap  # noqa: E402
 from streamd.engine.scheduler import PreemptionCostModel  # noqa: E402
@@ -171,13 +171,7 @@ def summary_markdown(report: dict[str, Any]) -> str:
 
 
 def save(report: dict[str, Any], out: str) -> Path:
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    gpu = report["device"].replace("NVIDIA ", "").replace(" ", "-").lower()
-    stem = folder / f"swap-{report['date']}-{gpu}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
-    stem.with_suffix(".md").write_text(summary_markdown(report))
-    return stem
+    return save_report(report, out, "swap", summary_markdown(report))
 
 
 # ---- device measurements ----------------------------------------------------------------------------
@@ -358,7 +352,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     report: dict[str, Any] = {
-        "date": dt.date.today().isoformat(), "git_commit": _git_commit(), "device": name,
+        "date": dt.date.today().isoformat(), "git_commit": git_commit(), "device": name,
         "torch": torch.__version__, "model_shape": args.shape, "dtype": args.dtype, "block_size": block_size,
         "bytes_per_block": layout.bytes_per_block, "num_kv_blocks": cache.num_blocks,
         "num_swap_blocks": cache.num_swap_blocks, "staging_bytes": cache.staging_bytes,
@@ -412,14 +406,6 @@ def main(args: argparse.Namespace) -> int:
     print(f"[swap] wrote {stem}.json and .md", flush=True)
     print(summary_markdown(report))
     return 0
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, (module_name, add_args, _) in COMMANDS.items():
+    for name, (module_name, add_args, run) in COMMANDS.items():
         module = importlib.import_module(module_name)
-        getattr(module, add_args)(sub.add_parser(name, help=(module.__doc__ or "").strip().splitlines()[0]))
+        doc = getattr(module, run).__doc__ or module.__doc__ or name
+        getattr(module, add_args)(sub.add_parser(name, help=doc.strip().splitlines()[0]))
     return parser
 
 

@@ -27,5 +27,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Benchmarks: memory (CPU), throughput (CUDA, against transformers), serve (load a running server)."""
     module_name, entry = BENCHMARKS[args.benchmark]
     return getattr(importlib.import_module(module_name), entry)(args)

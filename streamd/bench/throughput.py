@@ -13,11 +13,12 @@ import datetime as dt
 import json
 import random
 import statistics
-import subprocess
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from streamd.bench.report import git_commit, save_report
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -212,7 +213,7 @@ def main(args: argparse.Namespace) -> int:
     ceilings = measure_ceilings()
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     report: dict[str, Any] = {
-        "date": dt.date.today().isoformat(), "git_commit": _git_commit(), "device": torch.cuda.get_device_name(),
+        "date": dt.date.today().isoformat(), "git_commit": git_commit(), "device": torch.cuda.get_device_name(),
         "torch": torch.__version__, "ceilings": ceilings, "runs": []}
     if args.merge and Path(args.merge).is_file():
         earlier = json.loads(Path(args.merge).read_text())
@@ -236,10 +237,10 @@ def main(args: argparse.Namespace) -> int:
         run["hf_cb_tok_s"] = run.get("hf_cb", {}).get("tok_s")
         run["hf_static_tok_s"] = run.get("hf_static", {}).get("tok_s")
         report["runs"].append(run)
-        _save(report, args.out)
+        save_report(report, args.out, "throughput", summary_markdown(report))
     if args.prefix_cache:
         report["prefix_cache"] = prefix_cache_run(args.shapes.split(",")[0], args.num_requests)
-        _save(report, args.out)
+        save_report(report, args.out, "throughput", summary_markdown(report))
     print(summary_markdown(report))
     return 0
 
@@ -276,23 +277,6 @@ def summary_markdown(report: dict[str, Any]) -> str:
                   f"| on | {p['tok_s_on']:.0f} | {p['median_ttft_on_s']:.3f} |",
                   f"| off | {p['tok_s_off']:.0f} | {p['median_ttft_off_s']:.3f} |"]
     return "\n".join(lines) + "\n"
-
-
-def _save(report: dict[str, Any], out: str) -> None:
-    folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
-    gpu = report["device"].replace("NVIDIA ", "").replace(" ", "-").lower()
-    stem = folder / f"throughput-{report['date']}-{gpu}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2, default=str))
-    stem.with_suffix(".md").write_text(summary_markdown(report))
-
-
-def _git_commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
 
 
 if __name__ == "__main__":

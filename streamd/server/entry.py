@@ -20,6 +20,7 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> int:
+    """Serve the model over HTTP (OpenAI-compatible) and WebSocket."""
     from streamd.config import load_config
     from streamd.server.serve import configure_server_logging, run_server
 
@@ -42,6 +43,7 @@ def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def chat_main(args: argparse.Namespace) -> int:
+    """Chat with a running server from the terminal, over the WebSocket."""
     from streamd.server.chat_client import run_chat
 
     return run_chat(args)
