@@ -111,23 +111,3 @@ def test_chunked_prefill_runs_beside_decodes(prompts) -> None:
         if prefilling and "short" in progressed:
             steps_with_both += 1
     assert steps_with_both >= 3, "the long prompt should prefill in chunks while 'short' keeps decoding"
-
-
-def test_requests_arriving_together_share_a_prefix_being_computed(prompts) -> None:
-    # Both arrive before either runs: the second waits for the first's prefix blocks instead of computing
-    # them again, and then reads them from the cache.
-    engine = register_engine(_llm(num_kv_blocks=200, num_swap_blocks=0, max_num_batched_tokens=256).engine)
-    shared = (prompts[1] * 3)[:40]  # five full blocks of 8
-    engine.add_request("first", shared + [1, 2, 3], GREEDY)
-    engine.add_request("second", shared + [4, 5], GREEDY)
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    assert final["first"].num_cached_tokens == 0
-    assert final["second"].num_cached_tokens >= 40
-    alone = run_to_completion(register_engine(_llm(num_kv_blocks=200, num_swap_blocks=0,
-                                                   enable_prefix_caching=False).engine),
-                              [shared + [4, 5]], GREEDY)[0]
-    assert final["second"].outputs[0].token_ids == alone.outputs[0].token_ids

@@ -46,11 +46,6 @@ class BlockManager:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._cache = PrefixCache(num_blocks)
         self._seq_hashes: dict[int, SeqHashes] = {}
-        # Full prompt blocks allocated but not yet written: hash -> how many sequences are computing it,
-        # and per sequence (first block index, those hashes). A request whose next uncached block is one of
-        # them waits a step or two and then hits the cache, instead of computing the same prefix again.
-        self._computing: dict[int, int] = {}
-        self._computing_of: dict[int, tuple[int, list[int]]] = {}
         self._host_ref = [0] * num_swap_blocks
         self._host_free: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self._host_tables: dict[int, list[int]] = {}
@@ -107,45 +102,10 @@ class BlockManager:
         cached = num_hits * self.block_size
         seq.num_computed_tokens = cached
         if self.enable_prefix_caching:
-            state = self._seq_hashes[seq.seq_id]
-            state.num_committed = num_hits
+            self._seq_hashes[seq.seq_id].num_committed = num_hits
             self.prefix_cache_queried_tokens += seq.num_tokens
             self.prefix_cache_hit_tokens += cached
-            hashes = [state.block_hash(seq.token_ids, j) for j in range(num_hits, seq.num_tokens // self.block_size)]
-            for h in hashes:
-                self._computing[h] = self._computing.get(h, 0) + 1
-            self._computing_of[seq.seq_id] = (num_hits, hashes)
         return cached
-
-    def prefix_computing(self, seq: Sequence) -> bool:
-        """Whether the first block of `seq` (not yet allocated) that the cache cannot serve is being
-        computed for another sequence right now, so that waiting for it beats computing it twice."""
-        if not self._computing:
-            return False
-        state = self._seq_hashes.get(seq.seq_id)
-        if state is None:
-            state = self._seq_hashes[seq.seq_id] = SeqHashes(self.block_size)
-        limit = (seq.num_tokens - 1) // self.block_size
-        index = len(self._cache.match(state, seq.token_ids, limit))
-        return index < limit and state.block_hash(seq.token_ids, index) in self._computing
-
-    def _done_computing(self, seq_id: int, upto: int | None) -> None:
-        """Drops `seq_id`'s computing entries below block index `upto` (all of them when None)."""
-        entry = self._computing_of.get(seq_id)
-        if entry is None:
-            return
-        start, hashes = entry
-        cut = len(hashes) if upto is None else max(0, min(len(hashes), upto - start))
-        for h in hashes[:cut]:
-            left = self._computing[h] - 1
-            if left:
-                self._computing[h] = left
-            else:
-                del self._computing[h]
-        if cut == len(hashes):
-            del self._computing_of[seq_id]
-        elif cut:
-            self._computing_of[seq_id] = (start + cut, hashes[cut:])
 
     # ---- growth ---------------------------------------------------------------------------------
 
@@ -241,7 +201,6 @@ class BlockManager:
             for block in host:
                 self._release_host(block)
         self._seq_hashes.pop(seq.seq_id, None)
-        self._done_computing(seq.seq_id, None)
 
     # ---- prefix caching -------------------------------------------------------------------------
 
@@ -252,7 +211,6 @@ class BlockManager:
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if state is not None and num_full > state.num_committed:
             self._cache.commit(state, seq.token_ids, seq.block_table, num_full)
-            self._done_computing(seq.seq_id, num_full)
 
     def _prefix_hits(self, seq: Sequence) -> list[int]:
         """Device blocks holding the longest cached prefix of `seq`, leaving at least its last token
@@ -416,12 +374,6 @@ class BlockManager:
         known = {s.seq_id for s in seqs}
         assert set(self._host_tables) <= known, "host blocks held for a sequence that is gone"
         assert set(self._seq_hashes) <= known, "prefix-cache state kept for a sequence that is gone"
-        assert set(self._computing_of) <= known, "a sequence that is gone still counts as computing a block"
-        counts: dict[int, int] = {}
-        for _, hashes in self._computing_of.values():
-            for h in hashes:
-                counts[h] = counts.get(h, 0) + 1
-        assert counts == self._computing, "computing-block counts differ from the sequences computing them"
         _check_pool("host", self._host_ref, self._host_free, list(self._host_tables.values()))
         for block in self._free:
             assert not self._cache.is_registered(block), f"unregistered free list holds findable block {block}"

@@ -280,8 +280,6 @@ class Scheduler:
             if needed > bm.num_blocks:  # grew past the pool before a recompute preemption
                 self._reject(waiting.popleft(), out, needed)
                 continue
-            if self.running and any(bm.prefix_computing(s) for s in seqs):
-                break  # its prefix is being written this step: admitted next step, it hits the cache
             # Re-checking a blocked head costs a prefix lookup; skip it until the free count changes (new
             # prefix-cache entries alone do not re-trigger it: they only delay admission by some steps).
             blocked = (id(group), bm.num_free_blocks(), bool(self.running))
