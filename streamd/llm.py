@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 from typing import Any, Sequence as Seq
@@ -64,10 +65,11 @@ class LLM:
                 ids.append(request_id)
             return self._drain(ids)
         except BaseException:
-            for request_id in ids:
-                self.engine.abort(request_id)
-            while self.engine.has_unfinished_requests():
-                self.engine.step()
+            with contextlib.suppress(Exception):  # clean up, but the caller sees the first error
+                for request_id in ids:
+                    self.engine.abort(request_id)
+                while self.engine.has_unfinished_requests():
+                    self.engine.step()
             raise
 
     def _drain(self, ids: list[str]) -> list[RequestOutput]:

@@ -37,10 +37,12 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
 
 
 def run_to_completion(engine, prompts: list, params) -> list:
-    """Adds every prompt to `engine` and steps until all finish; final RequestOutputs in prompt order."""
+    """Adds every prompt to `engine` (with one SamplingParams, or one each) and steps until all finish;
+    final RequestOutputs in prompt order."""
     ids = [f"t{next(_REQUEST_IDS)}" for _ in prompts]
-    for request_id, prompt in zip(ids, prompts):
-        engine.add_request(request_id, prompt, params)
+    per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+    for request_id, prompt, p in zip(ids, prompts, per_prompt):
+        engine.add_request(request_id, prompt, p)
     final = {}
     while engine.has_unfinished_requests():
         for out in engine.step():

@@ -71,3 +71,40 @@ def test_abort_while_a_step_is_in_flight(engine) -> None:
     assert final["ab0"].outputs[0].token_ids == want[0]
     assert final["ab2"].outputs[0].token_ids == want[2]
     assert final["ab1"].outputs[0].token_ids == want[1][:len(final["ab1"].outputs[0].token_ids)]
+
+
+def test_a_finished_sequence_takes_no_extra_block() -> None:
+    # A (7 prompt tokens, 2 outputs) fits in 1 block: its last token is never computed. B (24 prompt tokens)
+    # holds 4 blocks from its first decode on. A pool of 5 fits both exactly, unless the engine schedules a
+    # decode for A's last token: that would take a 6th block and preempt B.
+    llm = LLM(CONFIG, device="cpu", dtype="float32", block_size=8, num_kv_blocks=5, num_swap_blocks=0,
+              watermark=0.0, enable_prefix_caching=False)
+    engine = register_engine(llm.engine)
+    a, b = _prompts(2, seed=4)
+    a, b = (a * 8)[:7], (b * 8)[:24]
+    outs = run_to_completion(engine, [a, b], [SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True,
+                                                             detokenize=False),
+                                              SamplingParams(temperature=0.0, max_tokens=9, ignore_eos=True,
+                                                             detokenize=False)])
+    assert [len(o.outputs[0].token_ids) for o in outs] == [2, 9]
+    stats = engine.stats()
+    assert stats["preemptions_recompute"] == 0 and stats["preemptions_swap"] == 0, stats
+
+
+def test_a_failed_step_reports_no_pending_token(engine, monkeypatch: pytest.MonkeyPatch) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, detokenize=False)
+    for i, p in enumerate(_prompts(3, seed=5)):
+        engine.add_request(f"fail{i}", p, params)
+    for _ in range(3):
+        engine.step()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected device fault")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    with pytest.raises(RuntimeError, match="injected"):
+        engine.step()  # placeholders were appended before the launch failed
+    outs = engine.abort_all("injected device fault")
+    assert {o.request_id for o in outs} == {"fail0", "fail1", "fail2"}
+    for out in outs:
+        assert out.finished and out.error and PLACEHOLDER not in out.outputs[0].token_ids

@@ -74,3 +74,18 @@ def test_cli_generate_prints_a_completion(smol_llm: LLM) -> None:
     bad = subprocess.run([sys.executable, "-m", "streamd.cli", "generate", "--temperature", "-1", "x"],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "temperature" in bad.stderr
+
+
+def test_a_chat_template_that_raises_is_a_request_error(smol_llm: LLM) -> None:
+    import copy
+
+    from streamd.engine.chat_template import chat_template_ids
+
+    strict = copy.deepcopy(smol_llm.tokenizer)
+    strict.chat_template = ("{% for m in messages %}{% if m['role'] == 'system' %}"
+                            "{{ raise_exception('no system messages') }}{% endif %}{{ m['content'] }}{% endfor %}")
+    with pytest.raises(RequestError, match="no system messages"):
+        chat_template_ids(strict, [{"role": "system", "content": "x"}, {"role": "user", "content": "hi"}])
+    assert chat_template_ids(strict, [{"role": "user", "content": "hi"}]) == strict("hi").input_ids
+    with pytest.raises(RequestError, match=r"messages\[0\]"):
+        smol_llm.chat([{"role": "user"}])

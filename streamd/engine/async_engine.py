@@ -18,12 +18,14 @@ cannot even do that, it is marked dead (`ready` turns False) and further request
 from __future__ import annotations
 
 import asyncio
+import copy
 import queue
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
+from streamd.engine.chat_template import chat_template_ids
 from streamd.engine.outputs import RequestOutput
 from streamd.engine.request_stream import CompletionDelta, RequestDelta, RequestStream, StreamObserver
 from streamd.engine.sampling_params import SamplingParams
@@ -83,6 +85,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine, observer: StreamObserver | None = None) -> None:
         self.engine = engine
         engine.stream_outputs = True  # every step's progress is streamed to the clients
+        self._tokenizer = copy.deepcopy(engine.tokenizer)
         self.observer = observer
         self._commands: queue.SimpleQueue[tuple[Any, ...]] = queue.SimpleQueue()
         self._streams: dict[str, RequestStream] = {}
@@ -103,7 +106,13 @@ class AsyncEngine:
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        """The event loop's own copy of the engine's tokenizer: a Hugging Face fast tokenizer must not be
+        used from two threads at once, and the engine thread decodes with the original."""
+        return self._tokenizer
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+        """The model's chat template (never one from a request), on the event loop's tokenizer."""
+        return chat_template_ids(self._tokenizer, messages)
 
     @property
     def max_model_len(self) -> int:

@@ -18,9 +18,11 @@ from transformers import PretrainedConfig
 from streamd.config import Config
 from streamd.engine.block_manager import BlockManager
 from streamd.engine.cache_engine import CacheEngine, KVLayout
+from streamd.engine.chat_template import chat_template_ids
 from streamd.engine.detokenizer import IncrementalDetokenizer
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
 from streamd.engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from streamd.engine.cuda_graphs import capture_sizes
 from streamd.engine.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
 from streamd.engine.outputs import CompletionOutput, RequestOutput
 from streamd.engine.preemption_costs import measure_cost_model
@@ -35,6 +37,7 @@ from streamd.logs import get_logger
 log = get_logger(__name__)
 
 _SWAP_RAM_SHARE = 0.4  # the swap pool never takes more than this share of host RAM
+_GRAPH_SLACK_BYTES = 320 << 20  # decode-graph activations (measured < 40 MiB) and swap staging (64 MiB), with room
 
 
 @dataclass(slots=True)
@@ -54,6 +57,7 @@ class LLMEngine:
         self.model_name = config.server.served_model_name or loaded.name
         self.tokenizer = loaded.tokenizer
         self.max_model_len = _max_model_len(loaded, config.model.max_model_len)
+        self.vocab_size = vocab = loaded.model.config.get_text_config().vocab_size
         cache_cfg = config.cache
         dtype = next(loaded.model.parameters()).dtype
         self.runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
@@ -66,8 +70,6 @@ class LLMEngine:
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size, self.cache.num_swap_blocks,
                                           cache_cfg.watermark, cache_cfg.enable_prefix_caching)
         self.eos_token_ids = _eos_token_ids(loaded)
-        vocab = loaded.model.config.get_text_config().vocab_size
-        self.vocab_size = vocab
         self.sampler = Sampler(vocab, self.eos_token_ids, seed=config.model.seed)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         cost_model = None
@@ -111,16 +113,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
-        if self.tokenizer is None or not getattr(self.tokenizer, "chat_template", None):
-            raise RequestError("this model has no chat template; send a plain prompt")
-        if not isinstance(messages, list) or not messages:
-            raise RequestError("messages must be a non-empty list")
-        for i, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                    or not isinstance(message.get("content"), str):
-                raise RequestError(f"messages[{i}] must be an object with string 'role' and 'content'")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids)
+        return chat_template_ids(self.tokenizer, messages)
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams, *,
                     prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
@@ -161,6 +154,9 @@ class LLMEngine:
         outputs = []
         self._inflight = None  # its results are void; its blocks go back with their requests
         for request_id, group in list(self._groups.items()):
+            for seq in group.seqs:  # a token the host never received is not part of any output
+                if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
+                    seq.token_ids.pop()
             self._forget(group)
             self.scheduler.abort_seq_group(request_id)
             group.set_status(SequenceStatus.FINISHED_ABORTED)
@@ -192,8 +188,9 @@ class LLMEngine:
                 prev = None
             else:
                 for item in prev.sampling:
-                    if not item.seq.status.finished:
-                        item.seq.append_token(PLACEHOLDER)
+                    seq = item.seq
+                    if not seq.status.finished and not self._last_by_length(seq, item.group.sampling_params):
+                        seq.append_token(PLACEHOLDER)
         out = self.scheduler.schedule()
         for group, reason in out.rejected:
             self._forget(group)
@@ -234,7 +231,7 @@ class LLMEngine:
             seq, group = item.seq, item.group
             if seq.status.finished:  # aborted, or stopped a step earlier: this token is void
                 continue
-            if pipelined:
+            if pipelined and seq.token_ids[-1] == PLACEHOLDER:
                 seq.token_ids[-1] = token
             else:
                 seq.append_token(token)
@@ -259,6 +256,21 @@ class LLMEngine:
         return outputs
 
     # ---- helpers --------------------------------------------------------------------------------
+
+    def _graph_reserve_bytes(self, layout: KVLayout) -> int:
+        """GPU memory the decode graphs will hold once captured (captured after the pool is allocated):
+        one logits buffer per captured size plus the largest graph's activations and the swap staging."""
+        if self.config.model.enforce_eager:
+            return _GRAPH_SLACK_BYTES
+        elem = torch.empty((), dtype=layout.dtype).element_size()
+        return sum(capture_sizes(self.config.scheduler.max_num_seqs)) * self.vocab_size * elem + _GRAPH_SLACK_BYTES
+
+    def _last_by_length(self, seq: Sequence, params: SamplingParams) -> bool:
+        """Whether the token in flight will end `seq` by length: then nothing is scheduled for it meanwhile
+        (a decode of a finished sequence could take a block and preempt a live one)."""
+        if params.max_tokens is not None and seq.num_output_tokens + 1 >= params.max_tokens:
+            return True
+        return seq.num_tokens + 1 >= self.max_model_len
 
     def _forget(self, group: SequenceGroup) -> None:
         if self._groups.pop(group.request_id, None) is not None:
@@ -308,15 +320,12 @@ class LLMEngine:
             raise KVCacheCapacityError(
                 f"prompt ({len(ids)} tokens) needs more KV cache blocks than the pool can ever hold "
                 f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
-        if params.max_tokens is not None and not self.block_manager.can_ever_fit(wanted):
-            raise KVCacheCapacityError(
-                f"prompt plus max_tokens ({wanted} tokens) would outgrow the KV cache "
-                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
 
     def _auto_num_blocks(self, layout: KVLayout) -> int:
         if self.device.type == "cuda":
             return profile_num_blocks(self.runner, layout, self.config.scheduler.max_num_batched_tokens,
-                                      self.max_model_len, self.config.cache.gpu_memory_utilization)
+                                      self.max_model_len, self.config.cache.gpu_memory_utilization,
+                                      self._graph_reserve_bytes(layout))
         return max(1, int(self.config.cache.cpu_kv_cache_gib * 2**30) // layout.bytes_per_block)
 
 

@@ -158,9 +158,10 @@ class ModelRunner:
 
 @torch.inference_mode()
 def profile_num_blocks(runner: ModelRunner, layout: KVLayout, max_num_batched_tokens: int,
-                       max_model_len: int, gpu_memory_utilization: float) -> int:
+                       max_model_len: int, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:
     """On CUDA: run one forward at the largest batch the config allows and give the memory left under
-    `gpu_memory_utilization` (after weights and peak activations) to KV blocks."""
+    `gpu_memory_utilization` (after weights, peak activations and `reserve_bytes` for what is allocated
+    after the pool, such as CUDA graphs) to KV blocks."""
     device = runner.device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
@@ -189,9 +190,10 @@ def profile_num_blocks(runner: ModelRunner, layout: KVLayout, max_num_batched_to
     peak = torch.cuda.max_memory_allocated(device) - scratch.numel() * scratch.element_size()
     del scratch
     total = torch.cuda.get_device_properties(device).total_memory
-    available = int(total * gpu_memory_utilization) - peak
+    available = int(total * gpu_memory_utilization) - peak - reserve_bytes
     num_blocks = available // layout.bytes_per_block
     log.info("kv_cache.profiled", total_gib=round(total / 2**30, 2), peak_gib=round(peak / 2**30, 2),
+             reserved_gib=round(reserve_bytes / 2**30, 2),
              kv_gib=round(available / 2**30, 2), num_blocks=num_blocks)
     if num_blocks <= 0:
         raise ValueError("no GPU memory left for the KV cache: raise cache.gpu_memory_utilization or lower "

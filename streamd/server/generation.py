@@ -2,7 +2,7 @@
 limits (context length, max_tokens, overload, drain), and engine errors to ServiceErrors.
 
 Shared by the WebSocket protocol and the OpenAI routes so both refuse and accept exactly the same things.
-Chat templates come only from the model (`LLMEngine.apply_chat_template`), never from a request.
+Chat templates come only from the model (`AsyncEngine.apply_chat_template`), never from a request.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Generation:
     def messages_ids(self, messages: Any) -> list[int]:
         messages = normalize_messages(messages)
         try:
-            return list(self.engine.engine.apply_chat_template(messages))
+            return self.engine.apply_chat_template(messages)
         except ValueError as exc:
             raise ServiceError("invalid_request", f"messages: {exc}", "messages") from exc
 

@@ -26,8 +26,11 @@ async def test_bench_serve_over_websocket_and_http(server: Server) -> None:
         result = bench.report(timings, duration, args)
         assert result["completed"] == 6 and result["failed"] == 0, result["errors"]
         assert result["output_tokens"] == 18
-        for key in ("ttft_s", "itl_s", "e2e_s"):
+        for key in ("ttft_s", "e2e_s"):
             assert 0 < result[key]["p50"] <= result[key]["p90"] <= result[key]["p99"]
+        # Tokens that reach the loop together travel in one frame (the collector merges them): ITL 0 is real.
+        assert 0 <= result["itl_s"]["p50"] <= result["itl_s"]["p90"] <= result["itl_s"]["p99"]
+        assert result["itl_s"]["p99"] > 0
         assert "TTFT" in bench.format_table(result)
 
 
