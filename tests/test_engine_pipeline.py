@@ -108,3 +108,12 @@ def test_a_failed_step_reports_no_pending_token(engine, monkeypatch: pytest.Monk
     assert {o.request_id for o in outs} == {"fail0", "fail1", "fail2"}
     for out in outs:
         assert out.finished and out.error and PLACEHOLDER not in out.outputs[0].token_ids
+
+
+def test_warm_up_leaves_the_engine_idle_and_its_counters_at_zero() -> None:
+    llm = LLM(CONFIG, device="cpu", dtype="float32", block_size=8, num_kv_blocks=300, num_swap_blocks=0)
+    engine = register_engine(llm.engine)
+    engine.warm_up()  # runs on CUDA at start-up; the same code on CPU here
+    stats = engine.stats()
+    assert stats["prefix_cache_queried_tokens"] == 0 and stats["prefix_cache_hit_tokens"] == 0
+    assert not engine.has_unfinished_requests() and stats["kv_blocks_free"] == stats["kv_blocks_total"]

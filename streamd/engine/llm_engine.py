@@ -108,6 +108,8 @@ class LLMEngine:
             while self.has_unfinished_requests():
                 self.step()
         self.stream_outputs = stream
+        # The throw-away requests are not traffic: the prefix-cache counters start from zero.
+        self.block_manager.prefix_cache_queried_tokens = self.block_manager.prefix_cache_hit_tokens = 0
         log.info("engine.warmed_up", seconds=round(time.perf_counter() - start, 2))
 
     # ---- requests -------------------------------------------------------------------------------
