@@ -44,6 +44,7 @@ class DecodeGraphs:
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.replays = 0  # decode steps served by a graph (tests and profiling read it)
 
     def _metadata(self, n: int) -> AttentionMetadata:
         return AttentionMetadata(self.kv_cache, self.slot_mapping[:n], self.block_tables[:n], self.seq_lens[:n],
@@ -88,4 +89,5 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(seq_lens)
         self.seq_lens[n:size].fill_(0)
         self.graphs[size].replay()
+        self.replays += 1
         return self.logits[size][:n]
