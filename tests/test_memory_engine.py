@@ -111,3 +111,25 @@ def test_chunked_prefill_runs_beside_decodes(prompts) -> None:
         if prefilling and "short" in progressed:
             steps_with_both += 1
     assert steps_with_both >= 3, "the long prompt should prefill in chunks while 'short' keeps decoding"
+
+
+def test_requests_arriving_together_share_a_prefix_in_the_same_step(prompts) -> None:
+    # Both are admitted in one step: the second reads the prefix blocks the first writes in that very
+    # forward (each layer stores the batch's K/V before attending) instead of computing them again.
+    engine = register_engine(_llm(num_kv_blocks=200, num_swap_blocks=0, max_num_batched_tokens=256).engine)
+    shared = (prompts[1] * 3)[:40]  # five full blocks of 8
+    engine.add_request("first", shared + [1, 2, 3], GREEDY)
+    engine.add_request("second", shared + [4, 5], GREEDY)
+    engine.step()
+    assert all(g.first_scheduled_time is not None for g in engine._groups.values()), "one step admits both"
+    final = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    assert final["first"].num_cached_tokens == 0
+    assert final["second"].num_cached_tokens == 40
+    plain = register_engine(_llm(num_kv_blocks=200, num_swap_blocks=0, enable_prefix_caching=False).engine)
+    alone = run_to_completion(plain, [shared + [4, 5], shared + [1, 2, 3]], GREEDY)
+    assert final["second"].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    assert final["first"].outputs[0].token_ids == alone[1].outputs[0].token_ids

@@ -46,6 +46,10 @@ class BlockManager:
         self._cached_free: OrderedDict[int, None] = OrderedDict()
         self._cache = PrefixCache(num_blocks)
         self._seq_hashes: dict[int, SeqHashes] = {}
+        # Full blocks this step's forward writes (hash -> block, parent hash, token ids). Each layer stores
+        # the whole batch's K/V before attending, so a sequence admitted in the same step may read them:
+        # two requests that arrive together share their common prefix instead of computing it twice.
+        self._in_step: dict[int, tuple[int, int, list[int]]] = {}
         self._host_ref = [0] * num_swap_blocks
         self._host_free: list[int] = list(range(num_swap_blocks - 1, -1, -1))
         self._host_tables: dict[int, list[int]] = {}
@@ -220,7 +224,32 @@ class BlockManager:
         state = self._seq_hashes.get(seq.seq_id)
         if state is None:
             state = self._seq_hashes[seq.seq_id] = SeqHashes(self.block_size)
-        return self._cache.match(state, seq.token_ids, (seq.num_tokens - 1) // self.block_size)
+        limit = (seq.num_tokens - 1) // self.block_size
+        hits = self._cache.match(state, seq.token_ids, limit)
+        bs = self.block_size
+        for index in range(len(hits), limit if self._in_step else 0):
+            entry = self._in_step.get(state.block_hash(seq.token_ids, index))
+            if entry is None or entry[1] != state.parent(index) or entry[2] != seq.token_ids[index * bs:(index + 1) * bs]:
+                break
+            hits.append(entry[0])
+        return hits
+
+    def end_step(self) -> None:
+        """Forgets this step's in-step blocks once its plan is made: later steps find them through the
+        prefix cache, after their writer commits them."""
+        if self._in_step:
+            self._in_step.clear()
+
+    def publish_in_step(self, seq: Sequence, upto: int) -> None:
+        """`seq`'s full blocks below token `upto` are written by this step's forward: sequences admitted
+        later in this step may share them."""
+        if not self.enable_prefix_caching:
+            return
+        state, bs = self._seq_hashes[seq.seq_id], self.block_size
+        for index in range(state.num_committed, min(upto // bs, len(seq.block_table))):
+            block_hash = state.block_hash(seq.token_ids, index)
+            self._in_step.setdefault(block_hash, (seq.block_table[index], state.parent(index),
+                                                  seq.token_ids[index * bs:(index + 1) * bs]))
 
     def _cached_copy(self, seq: Sequence, index: int) -> int | None:
         """A device block already holding `seq`'s committed block `index`, if the cache has one."""
@@ -374,6 +403,7 @@ class BlockManager:
         known = {s.seq_id for s in seqs}
         assert set(self._host_tables) <= known, "host blocks held for a sequence that is gone"
         assert set(self._seq_hashes) <= known, "prefix-cache state kept for a sequence that is gone"
+        assert not self._in_step, "blocks shared within a step outlived the step's planning"
         _check_pool("host", self._host_ref, self._host_free, list(self._host_tables.values()))
         for block in self._free:
             assert not self._cache.is_registered(block), f"unregistered free list holds findable block {block}"

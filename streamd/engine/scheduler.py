@@ -153,6 +153,7 @@ class Scheduler:
             prefills.append(item)
         if not preempted and not self.swapped:
             self._schedule_waiting(out, prefills, num_seqs, budget)
+            self.block_manager.end_step()
         out.num_prefill_tokens = sum(item.num_new_tokens for item in prefills)
         out.num_decode_tokens = len(decodes)
         prefills.extend(decodes)
@@ -295,6 +296,7 @@ class Scheduler:
                 if chunk > 0:  # otherwise it continues as a running prompt next step
                     prefills.append(ScheduledSeq(seq, group, chunk))
                     budget -= chunk
+                    bm.publish_in_step(seq, seq.num_computed_tokens + chunk)
             lost = self._lost_tokens.pop(group.request_id, None)
             if lost is None:
                 group.num_cached_tokens = cached
