@@ -8,6 +8,7 @@ nothing of HTTP, WebSocket or threads (see AsyncEngine).
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -191,7 +192,10 @@ class LLMEngine:
             else:
                 for item in prev.sampling:
                     seq = item.seq
-                    if not seq.status.finished and not self._last_by_length(seq, item.group.sampling_params):
+                    # A token in flight that ends its sequence by length gets no placeholder, so nothing is
+                    # scheduled for it (a decode of a finished sequence could take a block, preempting a live one).
+                    if not seq.status.finished and not self.stop_checker.at_length_limit(
+                            seq, item.group.sampling_params, pending=1):
                         seq.append_token(PLACEHOLDER)
         out = self.scheduler.schedule()
         for group, reason in out.rejected:
@@ -245,11 +249,9 @@ class LLMEngine:
             if group.first_token_time is None:
                 group.first_token_time = now
             touched[id(group)] = group
-        self.scheduler.free_finished()
         outputs = []
         for group in touched.values():
-            if group.finished:
-                # free_finished only looks at running groups; one preempted in the meantime is freed here.
+            if group.finished:  # freed wherever it is (running, or preempted since this step launched)
                 self.scheduler.remove_seq_group(group.request_id)
                 self._forget(group)
                 outputs.append(self._output(group))
@@ -266,13 +268,6 @@ class LLMEngine:
             return _GRAPH_SLACK_BYTES
         elem = torch.empty((), dtype=layout.dtype).element_size()
         return sum(capture_sizes(self.config.scheduler.max_num_seqs)) * self.vocab_size * elem + _GRAPH_SLACK_BYTES
-
-    def _last_by_length(self, seq: Sequence, params: SamplingParams) -> bool:
-        """Whether the token in flight will end `seq` by length: then nothing is scheduled for it meanwhile
-        (a decode of a finished sequence could take a block and preempt a live one)."""
-        if params.max_tokens is not None and seq.num_output_tokens + 1 >= params.max_tokens:
-            return True
-        return seq.num_tokens + 1 >= self.max_model_len
 
     def _forget(self, group: SequenceGroup) -> None:
         if self._groups.pop(group.request_id, None) is not None:
@@ -349,7 +344,6 @@ def _num_swap_blocks(cache: Any, layout: KVLayout) -> int:
 
 def _host_ram_bytes() -> int:
     try:
-        import os
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return 0

@@ -74,9 +74,12 @@ class ModelRunner:
         yet: it is taken on the device from `prev_tokens[prev_rows[seq_id]]`, so this step can start
         before the previous one's results reach the host."""
         assert self.kv_cache is not None, "bind_kv_cache first"
-        input_ids, positions, metadata, sample_idx = self._prepare(out)
-        if prev_rows:
-            self._fill_placeholders(out, input_ids, prev_tokens, prev_rows)
+        input_ids, positions, metadata, sample_idx, pending = self._prepare(out)
+        if pending:
+            assert prev_tokens is not None and prev_rows is not None
+            dst, seq_ids = zip(*pending)
+            src = [prev_rows[seq_id] for seq_id in seq_ids]
+            input_ids[self._to_device(list(dst), torch.int64)] = prev_tokens[self._to_device(src, torch.int64)]
         graphs = self.graphs
         # A graph computes logits for every row, so it serves only batches in which every row samples.
         if (graphs is not None and metadata.decode_only and len(sample_idx) == len(input_ids)
@@ -91,23 +94,9 @@ class ModelRunner:
             set_attention_metadata(None)
         return logits.float()
 
-    def _fill_placeholders(self, out: SchedulerOutput, input_ids: torch.Tensor, prev_tokens: torch.Tensor | None,
-                           prev_rows: dict[int, int]) -> None:
-        dst: list[int] = []
-        src: list[int] = []
-        offset = 0
-        for item in out.scheduled:
-            offset += item.num_new_tokens
-            seq = item.seq
-            # Only a sequence's last token can be pending, and only a chunk that reaches it feeds it.
-            if seq.token_ids[-1] == PLACEHOLDER and item.samples:
-                dst.append(offset - 1)
-                src.append(prev_rows[seq.seq_id])
-        if dst:
-            assert prev_tokens is not None
-            input_ids[self._to_device(dst, torch.int64)] = prev_tokens[self._to_device(src, torch.int64)]
-
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
+                                                      list[tuple[int, int]]]:
+        """Host-built batch tensors, plus (input position, seq_id) of every PLACEHOLDER input."""
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -116,6 +105,7 @@ class ModelRunner:
         query_lens: list[int] = []
         tables: list[list[int]] = []
         sample_idx: list[int] = []
+        pending: list[tuple[int, int]] = []
         for item in out.scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             end = start + n
@@ -128,6 +118,9 @@ class ModelRunner:
             tables.append(table)
             if end == seq.num_tokens:
                 sample_idx.append(len(tokens) - 1)
+                # Only a sequence's last token can be pending, and only a chunk that reaches it feeds it.
+                if tokens[-1] == PLACEHOLDER:
+                    pending.append((len(tokens) - 1, seq.seq_id))
         query_start = [0, *itertools.accumulate(query_lens)]
         metadata = AttentionMetadata(
             kv_cache=self.kv_cache,
@@ -139,7 +132,7 @@ class ModelRunner:
             ops=self.ops,
         )
         return (self._to_device(tokens, torch.int64), self._to_device(positions, torch.int64), metadata,
-                self._to_device(sample_idx, torch.int64))
+                self._to_device(sample_idx, torch.int64), pending)
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
         # numpy row assignment is ~5x faster than torch.tensor on padded nested lists (hot at large batch)

@@ -117,10 +117,15 @@ class Scheduler:
         group = self._groups.get(request_id)
         if group is None:
             return None
-        for queue in (self.running, self.waiting, self.swapped):
-            if group in queue:
-                queue.remove(group)
+        rank = self._rank(group)
+        for ordered in (self.running, self.swapped):  # both kept in arrival order: find by bisection
+            i = bisect.bisect_left(ordered, rank, key=self._rank)
+            if i < len(ordered) and ordered[i] is group:
+                del ordered[i]
                 break
+        else:
+            if group in self.waiting:
+                self.waiting.remove(group)
         for seq in group.seqs:
             self.block_manager.free(seq)
         self._forget(group)

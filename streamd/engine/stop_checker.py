@@ -59,8 +59,7 @@ class StopChecker:
         if may_stop and params.stop and new_text and self._stop_at_string(seq, params, len(new_text)):
             return
 
-        out_of_room = seq.num_tokens >= self.max_model_len
-        if out_of_room or (params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens):
+        if self.at_length_limit(seq, params):
             # A length finish keeps every token's text, including an incomplete last character
             # (as U+FFFD), so the final text equals the tokenizer's decode of all output tokens.
             tail = seq.detokenizer.flush() if seq.detokenizer is not None else ""
@@ -70,6 +69,12 @@ class StopChecker:
                     return
             seq.status = SequenceStatus.FINISHED_LENGTH
             seq.stop_reason = None
+
+    def at_length_limit(self, seq: Sequence, params: SamplingParams, pending: int = 0) -> bool:
+        """Whether `seq`, with `pending` more tokens appended, has reached max_tokens or the context."""
+        if seq.num_tokens + pending >= self.max_model_len:
+            return True
+        return params.max_tokens is not None and seq.num_output_tokens + pending >= params.max_tokens
 
     @staticmethod
     def _stop_at_string(seq: Sequence, params: SamplingParams, num_new_chars: int) -> bool:
