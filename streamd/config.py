@@ -163,7 +163,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[s
         if not name.startswith("STREAMD_") or "__" not in name:
             continue
         section, _, key = name[len("STREAMD_"):].lower().partition("__")
-        _set(config, section, key, _parse_env(raw), source=name)
+        _set(config, section, key, parse_value(raw), source=name)
     for name, value in (overrides or {}).items():
         section, _, key = name.rpartition(".")
         if not section:
@@ -207,7 +207,8 @@ def _coerce(where: str, value: Any, hint: Any) -> Any:
     raise ConfigError(f"{where} must be {expected}, got {value!r}")
 
 
-def _parse_env(raw: str) -> Any:
+def parse_value(raw: str) -> Any:
+    """A value written on the command line or in the environment: TOML syntax, else the bare string."""
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:

@@ -73,9 +73,11 @@ class WebSocketPool:
     async def __aenter__(self) -> WebSocketPool:
         from websockets.asyncio.client import connect
 
+        from streamd.server.protocol import SUBPROTOCOL
+
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         for _ in range(self.size):
-            ws = await connect(self.url, subprotocols=["streamd.v1"], additional_headers=headers, max_size=None)
+            ws = await connect(self.url, subprotocols=[SUBPROTOCOL], additional_headers=headers, max_size=None)
             self.sockets.append(ws)
             self._readers.append(asyncio.create_task(self._read(ws)))
         return self

@@ -61,7 +61,6 @@ class _Tracked:
     num_prompt_tokens: int = 0
     sent_text: dict[int, int] = field(default_factory=dict)
     sent_tokens: dict[int, int] = field(default_factory=dict)
-    aborting: bool = False
 
 
 @dataclass(slots=True)
@@ -92,11 +91,11 @@ class AsyncEngine:
         self._admissions: dict[str, asyncio.Future[int]] = {}
         self._calls: set[asyncio.Future[Any]] = set()
         self._tracked: dict[str, _Tracked] = {}  # engine thread only
+        self._aborting: set[str] = set()  # engine thread only: aborted, final delta not handed out yet
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._stats: dict[str, int | float] = {}
         self._dead: str | None = None
-        self._pending_adds = 0
         self.steps = 0  # engine iterations that ran a step (tests use it to see that idle means idle)
 
     # ---- loop side -------------------------------------------------------------------------------
@@ -127,13 +126,9 @@ class AsyncEngine:
         return self._dead
 
     @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
-    @property
     def num_waiting(self) -> int:
         """Requests not yet running: the last stats snapshot plus adds the thread has not taken yet."""
-        return int(self._stats.get("num_waiting", 0)) + self._pending_adds
+        return int(self._stats.get("num_waiting", 0)) + len(self._admissions)
 
     def stats(self) -> dict[str, int | float]:
         """The snapshot taken after the latest step (exact once idle)."""
@@ -169,7 +164,6 @@ class AsyncEngine:
         admitted: asyncio.Future[int] = loop.create_future()
         self._streams[request_id] = stream
         self._admissions[request_id] = admitted
-        self._pending_adds += 1
         self._commands.put(("add", request_id, prompt, params, prompt_token_ids, stream.arrival))
         try:
             await asyncio.shield(admitted)
@@ -205,12 +199,10 @@ class AsyncEngine:
         """Loop side of the one call per iteration."""
         now = time.monotonic()
         for request_id, _ in batch.accepted:
-            self._pending_adds -= 1
             future = self._admissions.pop(request_id, None)
             if future is not None and not future.done():
                 future.set_result(0)
         for request_id, exc in batch.rejected:
-            self._pending_adds -= 1
             self._streams.pop(request_id, None)
             future = self._admissions.pop(request_id, None)
             if future is not None and not future.done():
@@ -329,10 +321,9 @@ class AsyncEngine:
         batch.accepted.append((request_id, num_prompt))
 
     def _do_abort(self, request_id: str) -> bool:
-        tracked = self._tracked.get(request_id)
-        if tracked is None or tracked.aborting:
+        if request_id not in self._tracked or request_id in self._aborting:
             return False
-        tracked.aborting = True
+        self._aborting.add(request_id)
         try:
             self.engine.abort(request_id)
         except Exception:
@@ -354,11 +345,12 @@ class AsyncEngine:
                 seen.add(output.request_id)
                 batch.deltas.append(delta)
         # An aborted request the engine finished without reporting still needs its last delta.
-        for request_id, tracked in list(self._tracked.items()):
-            if tracked.aborting and request_id not in seen:
-                del self._tracked[request_id]
+        for request_id in self._aborting - seen:
+            tracked = self._tracked.pop(request_id, None)
+            if tracked is not None:
                 batch.deltas.append(RequestDelta(request_id, tracked.num_prompt_tokens,
                                                  [CompletionDelta(0, "", [], "abort")], finished=True))
+        self._aborting.clear()
         batch.stats = self.engine.stats()
         return 0
 
@@ -375,7 +367,7 @@ class AsyncEngine:
             if len(out.token_ids) == tokens_from and len(out.text) == text_from and not out.finished:
                 continue
             logprobs = out.logprobs[tokens_from:] if out.logprobs is not None else None
-            choices.append(CompletionDelta(out.index, out.text[text_from:], list(out.token_ids[tokens_from:]),
+            choices.append(CompletionDelta(out.index, out.text[text_from:], out.token_ids[tokens_from:],
                                            out.finish_reason, out.stop_reason, logprobs, len(out.token_ids)))
             tracked.sent_text[out.index] = len(out.text)
             tracked.sent_tokens[out.index] = len(out.token_ids)
@@ -407,6 +399,7 @@ class AsyncEngine:
                 logger.exception("abort_failed", request_id=request_id)
             deltas.append(RequestDelta(request_id, tracked.num_prompt_tokens, [], finished=True, error=message))
         self._tracked.clear()
+        self._aborting.clear()
         return deltas
 
     def _stop(self, batch: _Batch) -> None:
@@ -429,6 +422,6 @@ class AsyncEngine:
 
 
 def _queue_time(metrics: dict[str, float] | None) -> float | None:
-    if not metrics or "first_scheduled_time" not in metrics or "arrival_time" not in metrics:
-        return None
+    if not metrics or metrics.get("first_scheduled_time", -1.0) < 0 or "arrival_time" not in metrics:
+        return None  # never scheduled (cancelled while waiting): no queue time to report
     return max(0.0, metrics["first_scheduled_time"] - metrics["arrival_time"])

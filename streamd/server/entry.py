@@ -50,12 +50,9 @@ def chat_main(args: argparse.Namespace) -> int:
 
 
 def _parse_set(item: str) -> tuple[str, Any]:
-    import tomllib
+    from streamd.config import parse_value
 
     key, sep, raw = item.partition("=")
     if not sep:
         raise SystemExit(f"--set expects KEY=VALUE, got {item!r}")
-    try:
-        return key.strip(), tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return key.strip(), raw
+    return key.strip(), parse_value(raw)

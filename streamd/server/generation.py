@@ -14,7 +14,7 @@ from typing import Any
 from streamd.config import ServerConfig
 from streamd.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
 from streamd.engine.errors import RequestError
-from streamd.engine.sampling_params import SamplingParams
+from streamd.engine.sampling_params import SamplingParams, _is_int
 from streamd.server.errors import ServiceError
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
@@ -149,7 +149,3 @@ def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[str
     if num_cached:
         body["prompt_tokens_details"] = {"cached_tokens": num_cached}
     return body
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -41,7 +41,7 @@ def parse_frame(text: str) -> Generate | Cancel:
     frame_id = frame.get("id")
     if not isinstance(frame_id, str) or not frame_id or len(frame_id) > MAX_ID_LENGTH:
         raise ServiceError("invalid_request", f"id must be a non-empty string of at most {MAX_ID_LENGTH} "
-                           "characters", _id_or_none(frame_id))
+                           "characters", None)
     kind = frame.get("type")
     if kind == "cancel":
         return Cancel(frame_id)
@@ -60,10 +60,6 @@ def parse_frame(text: str) -> Generate | Cancel:
     return Generate(frame_id, frame.get("prompt"), frame.get("messages"), params)
 
 
-def _id_or_none(value: Any) -> str | None:
-    return value if isinstance(value, str) and 0 < len(value) <= MAX_ID_LENGTH else None
-
-
 def start_frame(request_id: str, prompt_tokens: int) -> str:
     return _dump({"type": "start", "id": request_id, "prompt_tokens": prompt_tokens})
 
@@ -73,7 +69,7 @@ def delta_frame(request_id: str, seq: int, text: str, token_ids: list[int], inde
     frame: dict[str, Any] = {"type": "delta", "id": request_id, "seq": seq, "text": text,
                              "token_ids": token_ids, "index": index}
     if logprobs is not None:
-        frame["logprobs"] = [{str(k): v for k, v in entry.items()} for entry in logprobs]
+        frame["logprobs"] = logprobs  # json.dumps writes the int token ids as string keys
     return _dump(frame)
 
 

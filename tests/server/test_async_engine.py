@@ -4,6 +4,7 @@ thread that sleeps, failed steps that fail requests (not the process), cancellat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -78,9 +79,14 @@ async def test_cancelling_the_consumer_aborts_the_request(async_engine: AsyncEng
     task = asyncio.create_task(reader())
     await first.wait()
     task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task  # one consumer at a time: the cancelled reader lets go of the stream first
+    rest = await consume(stream)  # the engine's final delta: an abort, long before 2000 tokens
     stats = await async_engine.wait_idle()
     assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
-    assert stream.finished
+    assert stream.finished and rest[-1].finished
+    assert rest[-1].outputs[-1].finish_reason == "abort"
+    assert rest[-1].outputs[-1].num_tokens < 2000
 
 
 async def test_failed_step_fails_requests_and_engine_recovers(async_engine: AsyncEngine) -> None:
@@ -113,7 +119,9 @@ async def test_refused_request_raises_and_duplicate_ids(async_engine: AsyncEngin
         await async_engine.add_request("too-long", None, SamplingParams(max_tokens=10),
                                        prompt_token_ids=[5] * async_engine.max_model_len)
     stream = await async_engine.add_request("dup", "Hi", SamplingParams(max_tokens=30, **GREEDY))
-    with pytest.raises(ValueError):
+    from streamd.engine.async_engine import DuplicateRequestError
+
+    with pytest.raises(DuplicateRequestError):
         await async_engine.add_request("dup", "Hi", SamplingParams(max_tokens=2))
     stream.cancel()
     deltas = await consume(stream)

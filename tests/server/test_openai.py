@@ -8,6 +8,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from streamd.server.errors import ServiceError
 from tests.server.util import Server, gather_until_done, send, ws_connect
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -79,7 +80,8 @@ async def test_bad_parameters_give_openai_errors(client: AsyncOpenAI, server: Se
         await client.chat.completions.create(**body)
     assert info.value.status_code == status
     error = info.value.response.json()["error"]
-    assert error["code"] == code and error["message"] and error["type"]
+    assert error["code"] == code and error["message"]
+    assert error["type"] == ServiceError(code, "").type
 
 
 async def test_malformed_bodies(server: Server) -> None:
