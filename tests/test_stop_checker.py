@@ -107,8 +107,11 @@ def test_max_tokens_and_max_model_len(checker) -> None:
     small = StopChecker({EOS}, max_model_len=5)  # prompt is 3 tokens: room for 2 more
     seq, _ = _run(small, SamplingParams(max_tokens=None), ["a"] * 10)
     assert seq.status == SequenceStatus.FINISHED_LENGTH and seq.num_tokens == 5
-    seq, _ = _run(small, SamplingParams(max_tokens=None, ignore_eos=True, min_tokens=0), ["a"] * 10)
-    assert seq.num_tokens == 5
+    # Every token is EOS: only ignore_eos keeps the sequence going, up to the context.
+    seq, _ = _run(small, SamplingParams(max_tokens=None, ignore_eos=True), ["a"] * 10, tokens=[EOS] * 10)
+    assert seq.status == SequenceStatus.FINISHED_LENGTH and seq.num_tokens == 5
+    seq, _ = _run(small, SamplingParams(max_tokens=None), ["a"] * 10, tokens=[EOS] * 10)
+    assert seq.status == SequenceStatus.FINISHED_STOPPED and seq.num_tokens == 4
 
 
 def test_visible_text_withholds_possible_stop_prefix(checker) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from streamd.bench.workloads import MAX_SEQ_LEN, RequestStream
-from streamd.config import CacheConfig, SchedulerConfig
+from streamd.config import SchedulerConfig
 from streamd.engine.block_manager import BlockManager
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.scheduler import Scheduler
@@ -66,8 +66,7 @@ class Meter:
 def simulate_streamd(stream: RequestStream, steps: int, warmup: int, num_blocks: int, block_size: int,
                      max_num_seqs: int, max_num_batched_tokens: int, progress: Progress) -> dict[str, object]:
     bm = BlockManager(num_blocks, block_size, num_swap_blocks=0)
-    sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, "recompute"),
-                      CacheConfig(block_size=block_size), bm, MAX_SEQ_LEN)
+    sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, "recompute"), bm, MAX_SEQ_LEN)
     meter, completed, next_req = Meter(num_blocks * block_size), 0, 0
     every = max(1, steps // 20)
     for step in range(steps):
@@ -90,7 +89,7 @@ def simulate_streamd(stream: RequestStream, steps: int, warmup: int, num_blocks:
             seq.append_token(0)
             if seq.num_output_tokens >= item.group.user_data:
                 seq.status = SequenceStatus.FINISHED_LENGTH
-        done = sched.free_finished()
+        done = sched.free_finished([item.group for item in sampling])
         if step >= warmup:
             completed += len(done)
         if step % every == 0:

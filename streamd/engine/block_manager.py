@@ -287,9 +287,6 @@ class BlockManager:
         self.swapped_out_blocks += len(mapping)
         return list(mapping.items())
 
-    def host_table(self, seq: Sequence) -> list[int] | None:
-        return self._host_tables.get(seq.seq_id)
-
     def blocks_to_swap_in(self, seqs: Iterable[Sequence]) -> int:
         """Device blocks that swapping `seqs` in and then giving each decoding one its next slot takes
         (a new block, or a copy of a last block it shares with others of `seqs`)."""

@@ -76,7 +76,7 @@ class LLMEngine:
         cost_model = None
         if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
             cost_model = measure_cost_model(self.cache, self.runner, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, cache_cfg, self.block_manager, self.max_model_len, cost_model)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, cost_model)
         self._groups: dict[str, SequenceGroup] = {}
         self._num_penalized = 0  # live requests whose sampling reads their token history on the host
         self._pending: list[RequestOutput] = []  # outputs of requests finished outside a step (aborts)
@@ -215,9 +215,8 @@ class LLMEngine:
         now = time.monotonic()
         for item in out.scheduled:
             group = item.group
-            if group.first_scheduled_time is None:
+            if group.first_scheduled_time is None:  # (the scheduler recorded num_cached_tokens)
                 group.first_scheduled_time = now
-                group.num_cached_tokens = item.seq.num_computed_tokens
         sampling = [item for item in out.scheduled if item.samples]
         if prev is not None:
             logits = self.runner.execute(out, prev.pending.tokens, prev.rows)
@@ -249,10 +248,10 @@ class LLMEngine:
             if group.first_token_time is None:
                 group.first_token_time = now
             touched[id(group)] = group
+        self.scheduler.free_finished(touched.values())  # also those preempted since this step launched
         outputs = []
         for group in touched.values():
-            if group.finished:  # freed wherever it is (running, or preempted since this step launched)
-                self.scheduler.remove_seq_group(group.request_id)
+            if group.finished:
                 self._forget(group)
                 outputs.append(self._output(group))
             elif self.stream_outputs:

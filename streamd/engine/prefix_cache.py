@@ -61,9 +61,6 @@ class PrefixCache:
         self._parent: list[int] = [ROOT_HASH] * num_blocks
         self._tokens: list[list[int] | None] = [None] * num_blocks
 
-    def __len__(self) -> int:
-        return len(self._by_hash)
-
     def lookup(self, block_hash: int, parent_hash: int, token_ids: list[int]) -> int | None:
         """The block holding exactly this content after exactly this prefix, or None."""
         block = self._by_hash.get(block_hash)

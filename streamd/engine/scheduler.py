@@ -24,7 +24,9 @@ import bisect
 from collections import deque
 from dataclasses import dataclass
 
-from streamd.config import CacheConfig, SchedulerConfig
+from collections.abc import Iterable
+
+from streamd.config import SchedulerConfig
 from streamd.engine.block_manager import BlockManager
 from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -50,11 +52,9 @@ class PreemptionCostModel:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, cache_config: CacheConfig,
-                 block_manager: BlockManager, max_model_len: int,
+    def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
                  cost_model: PreemptionCostModel | None = None) -> None:
         self.config = scheduler_config
-        self.cache_config = cache_config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.cost_model = cost_model
@@ -134,6 +134,7 @@ class Scheduler:
     def fork_seq(self, group: SequenceGroup, parent: Sequence) -> Sequence:
         """A new sequence of `group` sharing `parent`'s blocks (parallel sampling, beam search)."""
         child = parent.fork()
+        child.sample_index = len(group.seqs)  # its own seeded random stream
         self.block_manager.fork(parent, child)
         group.seqs.append(child)
         return child
@@ -378,24 +379,16 @@ class Scheduler:
             if caching and after // bs != before // bs:
                 bm.mark_computed(seq)
 
-    def free_finished(self) -> list[SequenceGroup]:
-        """Frees finished sequences' blocks; drops and returns the groups that are wholly finished."""
+    def free_finished(self, groups: Iterable[SequenceGroup]) -> list[SequenceGroup]:
+        """Frees the finished sequences of `groups` (those that just sampled: the only ones that can have
+        finished); drops and returns the groups now wholly finished, from whichever queue holds them."""
         bm, finished = self.block_manager, []
-        for group in self.running:
-            done = True
+        for group in groups:
             for seq in group.seqs:
-                if seq.status >= _FINISHED:
-                    if seq.block_table:
-                        bm.free(seq)
-                else:
-                    done = False
-            if done:
+                if seq.status >= _FINISHED and seq.block_table:
+                    bm.free(seq)
+            if group.finished and self.remove_seq_group(group.request_id) is not None:
                 finished.append(group)
-        if finished:
-            gone = {id(g) for g in finished}
-            self.running = [g for g in self.running if id(g) not in gone]
-            for group in finished:
-                self._forget(group)
         return finished
 
     # ---- state ----------------------------------------------------------------------------------

@@ -36,7 +36,3 @@ class SchedulerOutput:
     rejected: list[tuple[SequenceGroup, str]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
-
-    @property
-    def is_empty(self) -> bool:
-        return not (self.scheduled or self.blocks_to_swap_in or self.blocks_to_swap_out or self.blocks_to_copy)

@@ -91,10 +91,6 @@ class Sequence:
     def last_token_id(self) -> int:
         return self.token_ids[-1]
 
-    @property
-    def num_uncomputed_tokens(self) -> int:
-        return len(self.token_ids) - self.num_computed_tokens
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
@@ -103,7 +99,8 @@ class Sequence:
         child = Sequence(prompt_token_ids=self.prompt_token_ids, token_ids=list(self.token_ids),
                          num_computed_tokens=self.num_computed_tokens,
                          block_table=list(self.block_table), status=self.status,
-                         output_logprobs=list(self.output_logprobs), output_text=self.output_text)
+                         output_logprobs=list(self.output_logprobs), output_text=self.output_text,
+                         detokenizer=self.detokenizer.fork() if self.detokenizer is not None else None)
         return child
 
 

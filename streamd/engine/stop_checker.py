@@ -96,10 +96,6 @@ class StopChecker:
         seq.stop_reason = best_stop
         return True
 
-    @staticmethod
-    def visible_text(seq: Sequence, params: SamplingParams) -> str:
-        return visible_text(seq, params)
-
 
 def held_back_chars(text: str, stops: Iterable[str]) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of some stop string: the part that
