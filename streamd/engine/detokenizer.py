@@ -34,7 +34,9 @@ class IncrementalDetokenizer:
     __slots__ = ("tokenizer", "skip_special_tokens", "_window", "_read", "_prefix_len", "_num_seen")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Seq[int], skip_special_tokens: bool = True) -> None:
-        self.tokenizer = tokenizer
+        # The Rust tokenizer under a transformers fast tokenizer: its decode is the same text without the
+        # Python wrapper's per-call overhead (about 3x cheaper per token).
+        self.tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.skip_special_tokens = skip_special_tokens
         self._num_seen = len(prompt_token_ids)  # prompt + output tokens taken in so far
         window = list(prompt_token_ids[-(_INITIAL_CONTEXT_TOKENS + _MAX_PARTIAL_TOKENS):])
@@ -58,10 +60,9 @@ class IncrementalDetokenizer:
         self._prefix_len = len(self._decode(self._window[:self._read])) if start else len(prefix)
 
     def _decode(self, ids: list[int]) -> str:
-        # clean_up_tokenization_spaces=False: the clean-up rewrites text across token boundaries
-        # (" ." -> "."), which would make windowed decodes disagree with each other.
-        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
-                                     clean_up_tokenization_spaces=False)
+        # The Rust decode applies no clean-up of tokenization spaces (which would rewrite text across token
+        # boundaries, " ." -> ".", and make windowed decodes disagree with each other).
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens)
 
     def update(self, new_token_ids: Seq[int]) -> str:
         """Takes the token ids just appended to the sequence; returns the text they complete ("" while
