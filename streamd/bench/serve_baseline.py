@@ -74,6 +74,7 @@ class ServedRun:
     client_cpu_us_per_token: float
     offline_cpu_us_per_token: float
     failed: int
+    errors: list[str]
 
 
 class ServerProcess:
@@ -190,7 +191,7 @@ def _run_record(transport: str, level: int | None, rate: float | None, offline: 
     return ServedRun(transport, level, rate, offline, served, served / offline, result["ttft_s"]["p50"],
                      result["ttft_s"]["p99"], result["itl_s"]["p50"], result["itl_s"]["p99"],
                      cpu["process"] / tokens * 1e6, cpu["engine"] / tokens * 1e6, cpu["loop"] / tokens * 1e6,
-                     client_cpu / tokens * 1e6, offline_cpu, result["failed"])
+                     client_cpu / tokens * 1e6, offline_cpu, result["failed"], result["errors"])
 
 
 def _line(run: ServedRun) -> str:
