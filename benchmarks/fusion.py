@@ -224,7 +224,7 @@ def measure_engine_step(engine: LLMEngine, setup: Setup) -> dict[str, Any]:
     return {"step_s": step_s, "running": running, "tok_s": running / step_s}
 
 
-def greedy_tokens(engine: LLMEngine, n: int = 4, max_tokens: int = 16) -> list[list[int]]:
+def greedy_tokens(engine: LLMEngine, n: int, max_tokens: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(1)
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)
     for i in range(n):
@@ -266,7 +266,7 @@ def macro(shape: str, mode: str, setup: Setup) -> dict[str, Any]:
                                "layers": config.num_hidden_layers,
                                "graph": measure_graph_step(engine, setup),
                                "engine": measure_engine_step(engine, setup),
-                               "tokens": greedy_tokens(engine),
+                               "tokens": greedy_tokens(engine, *((2, 6) if setup.dry_run else (4, 16))),
                                "dynamo_graphs": _dynamo_graphs() - graphs_before}  # compile: recompiles show here
     finally:
         del engine
