@@ -13,7 +13,7 @@ Macro, per shape and mode (random bf16 weights, `--batch` sequences of `--contex
 Micro, per shape: Triton kernel vs the unfused torch sequence (what the unfused engine runs: transformers'
 ops, streamd's `store_kv`) vs torch.compile of that sequence, each in a CUDA graph with inputs rotated out
 of L2, at `--batch` rows (decode) and 8192 rows (a prefill chunk): time per call and bytes moved per second.
-Writes `fusion-<date>-<gpu>.json` and `.md` to `--out`.
+Writes `fusion-<shape>-<date>-<gpu>.json` and `.md` per shape to `--out`.
 """
 
 from __future__ import annotations
@@ -382,8 +382,9 @@ def us(t: float | None) -> str:
 
 def markdown(report: dict[str, Any]) -> str:
     s = report["setup"]
-    hbm = report.get("ceilings", {}).get("hbm_bytes_per_s")
-    lines = [f"# Fused decoder layers, {report['device']}, {report['date']} (commit {report['git_commit']})", "",
+    hbm = report["ceilings"].get("hbm_bytes_per_s")
+    lines = [f"# Fused decoder layers, {report['shape']}, {report['device']}, {report['date']} "
+             f"(commit {report['git_commit']})", "",
              f"Random weights, {s['dtype']}, decode batch {s['batch']} at context {s['context']}, "
              f"{s['steps']} timed steps." + (" DRY RUN (CPU, interpreted kernels): times mean nothing."
                                               if s["dry_run"] else ""), "",
@@ -414,39 +415,43 @@ def markdown(report: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = torch.device("cpu" if args.dry_run else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("benchmarks/fusion.py needs a CUDA device (or --dry-run)")
     setup = Setup(device, torch.float32 if args.dry_run else torch.bfloat16,
                   batch=4 if args.dry_run else args.batch, context=20 if args.dry_run else args.context,
                   steps=2 if args.dry_run else args.steps, dry_run=args.dry_run)
-    shapes = ["dry"] if args.dry_run else args.shapes.split(",")
     modes = args.modes.split(",")
+    ceilings = measure_ceilings() if device.type == "cuda" else {}
+    return [shape_report(shape, modes, setup, ceilings, args.out, not args.no_micro)
+            for shape in (["dry"] if args.dry_run else args.shapes.split(","))]
+
+
+def shape_report(shape: str, modes: list[str], setup: Setup, ceilings: dict[str, float], out: str,
+                 with_micro: bool) -> dict[str, Any]:
+    """One shape's rows, saved as `fusion-<shape>-<date>-<gpu>` after each (a later shape never overwrites it)."""
     report: dict[str, Any] = {
         "date": dt.date.today().isoformat(), "git_commit": git_commit(),
-        "device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-        "torch": torch.__version__, "setup": {**asdict(setup), "device": str(device), "dtype": str(setup.dtype)},
-        "rows": []}
-    if device.type == "cuda":
-        report["ceilings"] = measure_ceilings()
+        "device": torch.cuda.get_device_name() if setup.device.type == "cuda" else "cpu", "shape": shape,
+        "torch": torch.__version__, "ceilings": ceilings,
+        "setup": {**asdict(setup), "device": str(setup.device), "dtype": str(setup.dtype)}, "rows": []}
 
     def save() -> None:
-        save_report(report, args.out, "fusion", markdown(report))
+        save_report(report, out, f"fusion-{shape}", markdown(report))
 
-    for shape in shapes:
-        base: list[list[int]] | None = None
-        for mode in modes:
-            row = macro(shape, mode, setup)
-            base = row["tokens"] if base is None else base  # the first mode listed is the baseline ("off")
-            row["agreement_with_off"] = agreement(row["tokens"], base)
-            report["rows"].append(row)
-            save()
-            log(f"macro {shape} {mode}: graph {row['graph']['step_s'] * 1e3:.3f} ms, engine "
-                f"{row['engine']['step_s'] * 1e3:.3f} ms/step, kernels/step {row['graph']['kernels_per_step']}")
-        if not args.no_micro:
-            report["rows"] += micro(shape, setup, compiled="compile" in modes)
-            save()
+    base: list[list[int]] | None = None
+    for mode in modes:
+        row = macro(shape, mode, setup)
+        base = row["tokens"] if base is None else base  # the first mode listed is the baseline ("off")
+        row["agreement_with_off"] = agreement(row["tokens"], base)
+        report["rows"].append(row)
+        save()
+        log(f"macro {shape} {mode}: graph {row['graph']['step_s'] * 1e3:.3f} ms, engine "
+            f"{row['engine']['step_s'] * 1e3:.3f} ms/step, kernels/step {row['graph']['kernels_per_step']}")
+    if with_micro:
+        report["rows"] += micro(shape, setup, compiled="compile" in modes)
+        save()
     log(markdown(report))
     return report
 

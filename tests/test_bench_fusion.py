@@ -16,9 +16,9 @@ def test_fusion_benchmark_dry_run(tmp_path: Path) -> None:
                            "off,reference,triton", "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    [report_file] = tmp_path.glob("fusion-*-cpu.json")
+    [report_file] = tmp_path.glob("fusion-dry-*-cpu.json")
     report = json.loads(report_file.read_text())
-    assert report_file.with_suffix(".md").read_text().startswith("# Fused decoder layers, cpu")
+    assert report_file.with_suffix(".md").read_text().startswith("# Fused decoder layers, dry, cpu")
     macro = [r for r in report["rows"] if r["kind"] == "macro"]
     assert [r["mode"] for r in macro] == ["off", "reference", "triton"]
     for row in macro:

@@ -65,6 +65,20 @@ def test_fused_layers_match_hf_generate(kind: str, mode: str) -> None:
         assert out.outputs[0].token_ids == hf_greedy(reference, ids, max_tokens, None), f"{kind}/{mode} diverged"
 
 
+def test_default_model_fused_matches_hf_generate(hf_smol) -> None:
+    """The real SmolLM2-135M (GGUF, tied embeddings) rewired through the config key, against transformers."""
+    llm = LLM(device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, num_swap_blocks=0,
+              fuse_layers="reference")
+    register_engine(llm.engine)
+    assert isinstance(llm.engine.runner.model.model, FusedDecoder)
+    chats = ["What is the capital of France?", "List three prime numbers."]
+    prompts = [llm.engine.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    outs = run_to_completion(llm.engine, prompts, SamplingParams(temperature=0.0, max_tokens=12))
+    eos = llm.tokenizer.eos_token_id
+    for chat, ids, out in zip(chats, prompts, outs):
+        assert out.outputs[0].token_ids == hf_greedy(hf_smol, ids, 12, eos), chat
+
+
 def test_config_key_rewires_the_engine_and_off_leaves_it_alone() -> None:
     config = _tiny("llama")
     kwargs = dict(device="cpu", dtype="float32", num_kv_blocks=16, block_size=8, num_swap_blocks=0)
