@@ -23,6 +23,7 @@ from streamd.engine.block_manager import BlockManager
 from streamd.engine.cache_engine import CacheEngine, KVLayout
 from streamd.engine.chat_template import chat_template_ids
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
+from streamd.engine.fusion import fuse_layers
 from streamd.engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from streamd.engine.cuda_graphs import capture_sizes
 from streamd.engine.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
@@ -65,6 +66,7 @@ class LLMEngine:
         cache_cfg = config.cache
         dtype = next(loaded.model.parameters()).dtype
         self.runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
+        fuse_layers(loaded.model, config.model.fuse_layers, device)
         layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype)
         num_blocks = cache_cfg.num_kv_blocks or self._auto_num_blocks(layout)
         self.cache = CacheEngine(layout, num_blocks, _num_swap_blocks(cache_cfg, layout), device, self.runner.ops)
