@@ -216,7 +216,7 @@ def measure_engine_step(engine: LLMEngine, setup: Setup) -> dict[str, Any]:
         engine.step()
     sync(setup.device)
     step_s = (time.perf_counter() - start) / setup.steps
-    running = engine.stats()["num_running"]
+    running = engine.stats().scheduler.num_running
     for request_id in ids:
         engine.abort(request_id)
     while engine.has_unfinished_requests():
@@ -233,9 +233,9 @@ def greedy_tokens(engine: LLMEngine, n: int, max_tokens: int) -> list[list[int]]
         engine.add_request(f"check-{i}", prompt, params)
     tokens: dict[str, list[int]] = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                tokens[out.request_id] = out.outputs[0].token_ids
+        for delta in engine.step():
+            for choice in delta.outputs:
+                tokens.setdefault(delta.request_id, []).extend(choice.token_ids)
     return [tokens[f"check-{i}"] for i in range(n)]
 
 
