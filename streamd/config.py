@@ -31,7 +31,7 @@ class ModelConfig:
     seed: int = 0
     cache_dir: str = "~/.cache/streamd"  # converted GGUF weights and tokenizer
     enforce_eager: bool = False  # True: no CUDA graphs
-    fuse_layers: str = "off"  # off | auto | triton | compile | reference (see streamd/engine/fusion.py)
+    fuse_layers: str = "auto"  # off | auto | triton | compile | reference (see streamd/engine/fusion.py)
 
     def validate(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
