@@ -42,7 +42,8 @@ class TensorParallelExecutor:
         self.workers = workers
         self._channel = StepChannel(workers.groups.steps, workers.device)
         self._orders: list[CacheOrder] = []
-        self._failure: str | None = None
+        self._failure: str | None = None  # why a worker was lost
+        self._closed = False
         # Workers are daemon processes; this also ends them when the engine is dropped without shutdown().
         self._finalizer = weakref.finalize(self, workers.stop, 0.0)
         self._send(StepMessage(Command.ALLOCATE, args=(cache.num_blocks, cache.num_swap_blocks)))
@@ -76,12 +77,13 @@ class TensorParallelExecutor:
 
     def shutdown(self) -> None:
         """Stops the workers (SHUTDOWN, then terminate whatever has not exited)."""
-        if self._finalizer.alive:
-            if self._failure is None and not self.workers.dead():
-                self._send(StepMessage(Command.SHUTDOWN))
-            self._failure = self._failure or "the executor was shut down"
-            self.workers.stop(_STOP_TIMEOUT_S)
-            self._finalizer.detach()
+        if self._closed:
+            return
+        if self._failure is None and not self.workers.dead():
+            self._send(StepMessage(Command.SHUTDOWN))
+        self._closed = True
+        self.workers.stop(_STOP_TIMEOUT_S)
+        self._finalizer.detach()
 
     def _order(self, kind: OrderKind, pairs: list[tuple[int, int]]) -> None:
         self._check()
@@ -91,6 +93,8 @@ class TensorParallelExecutor:
     def _check(self) -> None:
         if self._failure is not None:
             raise WorkerFailedError(self._failure)
+        if self._closed:
+            raise RuntimeError("the tensor-parallel executor was shut down")
         dead = self.workers.dead()
         if dead:
             raise self._fail(f"tensor-parallel worker rank(s) {dead} exited")
