@@ -32,8 +32,8 @@ POLICIES = (RoundRobin.name, PrefixAware.name)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", default="1,2,4,8,16,64", help="comma-separated replica counts")
-    parser.add_argument("--conversations-per-replica", type=int, default=400)
-    parser.add_argument("--rate-per-replica", type=float, default=100.0, help="conversation starts per second")
+    parser.add_argument("--conversations-per-replica", type=int, default=100)
+    parser.add_argument("--rate-per-replica", type=float, default=25.0, help="conversation starts per second")
     # 32768 blocks x 16 tokens = 524k tokens: 16 GiB of KV for the llama3.2-1b shape (32 KiB a token).
     parser.add_argument("--num-blocks", type=int, default=32768, help="KV blocks per replica")
     parser.add_argument("--results-dir", default="benchmarks/results", help="where the GPU results lie")
