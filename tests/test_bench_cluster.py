@@ -12,7 +12,7 @@ import pytest
 
 from streamd.bench import cluster
 from streamd.bench.cluster_sim import (ConversationConfig, EngineShape, PrefixAware, Replica, RoundRobin,
-                                       StepCost, make_conversations, simulate)
+                                       RunConfig, StepCost, make_conversations, simulate)
 
 ROOT = Path(__file__).resolve().parents[1]
 COST = StepCost(base_s=2.5e-3, per_token_s=4.7e-6, per_context_token_s=7.6e-9)
@@ -40,21 +40,20 @@ def test_prefix_aware_router_follows_the_prefix_and_balances_otherwise() -> None
 
 
 def test_small_cluster_prefix_aware_beats_round_robin() -> None:
-    conversations = make_conversations(ConversationConfig(conversations=40, rate_per_s=20.0, seed=1))
-    turns = sum(len(c.turns) for c in conversations)
-    results = {policy: simulate(conversations, 4, policy, SHAPE, COST) for policy in cluster.POLICIES}
+    conversations = make_conversations(ConversationConfig(conversations=200, seed=1))
+    run = RunConfig(users_per_replica=8, duration_s=10.0, warmup_s=2.0)
+    results = {policy: simulate(conversations, 4, policy, SHAPE, COST, run) for policy in cluster.POLICIES}
     rr, pa = results["round_robin"], results["prefix_aware"]
     for result in (rr, pa):
-        assert result.requests == turns and result.blocks_in_use_at_end == 0
-        assert result.output_tokens == sum(len(t.output_ids) for c in conversations for t in c.turns)
+        assert result.requests > 0 and result.output_tok_s > 0 and result.blocks_in_use_at_end == 0
     assert pa.prefix_hit_rate > rr.prefix_hit_rate + 0.1
     assert pa.prefill_tokens < rr.prefill_tokens
-    one = [simulate(conversations, 1, policy, SHAPE, COST) for policy in cluster.POLICIES]
+    one = [simulate(conversations, 1, policy, SHAPE, COST, run) for policy in cluster.POLICIES]
     assert one[0] == dataclasses.replace(one[1], policy=one[0].policy)  # one replica: routing is moot
 
 
 def test_cli_writes_the_report(tmp_path: Path) -> None:
-    args = ["--replicas", "1,2", "--conversations-per-replica", "6", "--rate-per-replica", "10",
+    args = ["--replicas", "1,2", "--users-per-replica", "4", "--duration-s", "8", "--warmup-s", "1",
             "--out-dir", str(tmp_path)]
     assert cluster.main(args) == 0
     [json_file] = tmp_path.glob("cluster-*.json")

@@ -20,20 +20,23 @@ import sys
 import time
 from pathlib import Path
 
-from streamd.bench.cluster_sim import (ConversationConfig, EngineShape, PrefixAware, RoundRobin, StepCost,
-                                       make_conversations, replay_offline, simulate)
+from streamd.bench.cluster_sim import (ConversationConfig, EngineShape, PrefixAware, RoundRobin, RunConfig,
+                                       StepCost, make_conversations, replay_offline, simulate)
 from streamd.bench.report import git_commit
 
 CALIBRATION_SHAPE = "llama3.2-1b"
 THROUGHPUT_FILE = "throughput-2026-11-22-h200.json"
 KERNELS_FILE = "kernels-2026-11-22-h200.json"
 POLICIES = (RoundRobin.name, PrefixAware.name)
+_CONVERSATIONS_PER_USER = 4
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", default="1,2,4,8,16,64", help="comma-separated replica counts")
-    parser.add_argument("--conversations-per-replica", type=int, default=100)
-    parser.add_argument("--rate-per-replica", type=float, default=25.0, help="conversation starts per second")
+    parser.add_argument("--users-per-replica", type=int, default=150,
+                        help="concurrent chat users per replica (closed loop)")
+    parser.add_argument("--duration-s", type=float, default=15.0, help="simulated seconds of new turns")
+    parser.add_argument("--warmup-s", type=float, default=5.0, help="not measured: the start of the run")
     # 32768 blocks x 16 tokens = 524k tokens: 16 GiB of KV for the llama3.2-1b shape (32 KiB a token).
     parser.add_argument("--num-blocks", type=int, default=32768, help="KV blocks per replica")
     parser.add_argument("--results-dir", default="benchmarks/results", help="where the GPU results lie")
@@ -55,22 +58,26 @@ def run(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
     cost, calibration = calibrate(Path(args.results_dir))
+    if not 0 <= args.warmup_s < args.duration_s:
+        print("--warmup-s must be in [0, --duration-s)", file=sys.stderr)
+        return 2
     shape = EngineShape(num_blocks=args.num_blocks)
+    run_config = RunConfig(args.users_per_replica, args.duration_s, args.warmup_s)
     rows = []
     for r in replica_counts:
-        workload = ConversationConfig(conversations=args.conversations_per_replica * r,
-                                      rate_per_s=args.rate_per_replica * r, seed=args.seed)
+        # More conversations than the users can finish in the run (a user ends one every ~15 s).
+        workload = ConversationConfig(conversations=args.users_per_replica * r * _CONVERSATIONS_PER_USER,
+                                      seed=args.seed)
         conversations = make_conversations(workload)
         for policy in POLICIES:
-            result = simulate(conversations, r, policy, shape, cost)
+            result = simulate(conversations, r, policy, shape, cost, run_config)
             rows.append(dataclasses.asdict(result))
             print(_row(rows[-1]), flush=True)
     report = {"date": datetime.date.today().isoformat(), "git_commit": git_commit(), "device": "cpu-simulation",
               "cost_model": {**dataclasses.asdict(cost), "calibration": calibration},
               "engine": dataclasses.asdict(shape),
-              "workload": {**dataclasses.asdict(ConversationConfig(0, args.rate_per_replica, seed=args.seed)),
-                           "conversations_per_replica": args.conversations_per_replica,
-                           "rate_per_replica": args.rate_per_replica},
+              "workload": dataclasses.asdict(ConversationConfig(0, seed=args.seed)),
+              "run": dataclasses.asdict(run_config),
               "results": rows, "elapsed_s": round(time.perf_counter() - started, 1)}
     if not args.no_write:
         out = Path(args.out_dir)
@@ -142,13 +149,13 @@ def _fit2(rows: list[tuple[float, float, float]]) -> tuple[float, float]:
 
 def _row(r: dict) -> str:
     return (f"| {r['replicas']} | {r['policy']} | {r['requests']} | {r['prefix_hit_rate']:.1%} | "
-            f"{r['mean_ttft_s'] * 1e3:.1f} | {r['p99_ttft_s'] * 1e3:.1f} | {r['throughput_tok_s']:.0f} | "
-            f"{r['throughput_tok_s'] / r['replicas']:.0f} | {r['busy_share']:.0%} | {r['prefill_tokens'] / 1e6:.2f} | "
+            f"{r['mean_ttft_s'] * 1e3:.1f} | {r['p99_ttft_s'] * 1e3:.1f} | {r['output_tok_s']:.0f} | "
+            f"{r['output_tok_s'] / r['replicas']:.0f} | {r['busy_share']:.0%} | {r['prefill_tokens'] / 1e6:.2f} | "
             f"{r['min_replica_requests']}-{r['max_replica_requests']} |")
 
 
 def render_markdown(report: dict) -> str:
-    cost, wl, eng = report["cost_model"], report["workload"], report["engine"]
+    cost, wl, eng, run = report["cost_model"], report["workload"], report["engine"], report["run"]
     lines = [f"# Cluster simulation ({report['date']}, commit {report['git_commit']})", "",
              "CPU simulation (`streamd bench cluster`): every replica is streamd's real Scheduler and "
              "BlockManager; the forward pass costs "
@@ -159,8 +166,9 @@ def render_markdown(report: dict) -> str:
              "| calibration run | measured s | model s | steps | batched tokens |", "|---|---:|---:|---:|---:|"]
     for c in cost["calibration"]["runs"]:
         lines.append(f"| {c['run']} | {c['measured_s']} | {c['model_s']} | {c['steps']} | {c['tokens']} |")
-    lines += ["", f"Workload: {wl['conversations_per_replica']} multi-turn conversations per replica starting at "
-              f"{wl['rate_per_replica']}/s per replica (Poisson), {wl['num_system_prompts']} shared system "
+    lines += ["", f"Workload: {run['users_per_replica']} chat users per replica (closed loop), each holding one "
+              f"multi-turn conversation at a time for {run['duration_s']:.0f} simulated seconds (measured after "
+              f"{run['warmup_s']:.0f} s); {wl['num_system_prompts']} shared system "
               f"prompts of {wl['system_prompt_len'][0]}-{wl['system_prompt_len'][1]} tokens (Zipf "
               f"{wl['zipf_s']}), mean {wl['mean_turns']} turns, ShareGPT turn lengths, think time "
               f"{wl['think_time_s']} s mean; each turn resends the whole conversation. Replica: "

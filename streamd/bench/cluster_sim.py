@@ -5,7 +5,9 @@ It owns four things:
   context tokens attended`, calibrated from committed GPU results (`calibrate`);
 - the workload: ShareGPT-like multi-turn conversations (turn lengths from the ShareGPT fit of
   `workloads.py`) that open with one of a few shared system prompts (Zipf popularity); each turn's prompt is
-  the whole conversation so far, so a turn can hit the KV of the previous turn and of the system prompt;
+  the whole conversation so far, so a turn can hit the KV of the previous turn and of the system prompt.
+  Closed loop: a fixed number of users per replica, each holding one conversation at a time, thinking
+  between turns and taking the next conversation when one ends, for a fixed simulated time;
 - routers: round-robin, and prefix-aware (the longest prefix already routed to a replica, in the manner of
   SGLang's cache-aware router: taken when it covers at least half the prompt and the loads are balanced,
   else the least-loaded replica);
@@ -127,7 +129,6 @@ def replay_offline(prompts: list[list[int]], output_lens: list[int], shape: Engi
 @dataclass(slots=True, frozen=True)
 class ConversationConfig:
     conversations: int
-    rate_per_s: float  # conversation starts (Poisson)
     num_system_prompts: int = 16
     system_prompt_len: tuple[int, int] = (200, 800)
     zipf_s: float = 1.0  # popularity of the system prompts
@@ -142,13 +143,12 @@ class ConversationConfig:
 class Turn:
     user_ids: list[int]
     output_ids: list[int]
-    think_s: float  # after the previous turn's answer (0 for the first turn)
+    think_s: float  # after the previous turn's answer (the first turn: after the user's previous conversation)
 
 
 @dataclass(slots=True)
 class Conversation:
     index: int
-    start_s: float
     system: list[int]
     turns: list[Turn]
     history: list[int] = field(default_factory=list)  # the tokens of the turns done so far (in a run)
@@ -164,9 +164,8 @@ def make_conversations(config: ConversationConfig) -> list[Conversation]:
     weights = [1 / (rank + 1) ** config.zipf_s for rank in range(config.num_system_prompts)]
     lengths = RequestStream(WORKLOADS["sharegpt"], config.seed)
     draw = itertools.count()
-    conversations, t = [], 0.0
+    conversations = []
     for c in range(config.conversations):
-        t += rng.expovariate(config.rate_per_s)
         system = rng.choices(systems, weights)[0]
         ids = itertools.count(_CONV_ID_BASE + c * _CONV_ID_STRIDE)
         turns, context = [], len(system)
@@ -174,11 +173,11 @@ def make_conversations(config: ConversationConfig) -> list[Conversation]:
             user_len, output_len = lengths[next(draw)]
             if context + user_len + output_len > config.max_context:
                 break
-            think = rng.expovariate(1 / config.think_time_s) if turns else 0.0
+            think = rng.expovariate(1 / config.think_time_s)
             turns.append(Turn([next(ids) for _ in range(user_len)], [next(ids) for _ in range(output_len)], think))
             context += user_len + output_len
         if turns:
-            conversations.append(Conversation(c, t, system, turns))
+            conversations.append(Conversation(c, system, turns))
     return conversations
 
 
@@ -249,52 +248,61 @@ class PrefixAware:
 # ---- the run -------------------------------------------------------------------------------------
 
 
+@dataclass(slots=True, frozen=True)
+class RunConfig:
+    users_per_replica: int
+    duration_s: float  # users start conversations until then; the run ends when they are all answered
+    warmup_s: float  # throughput and TTFT are measured over [warmup_s, duration_s]
+
+
 @dataclass(slots=True)
 class ClusterResult:
     replicas: int
     policy: str
-    requests: int
-    output_tokens: int
-    makespan_s: float
-    throughput_tok_s: float
+    requests: int  # answered turns whose request arrived in the measured window
+    output_tok_s: float  # output tokens of steps that ended in the window / its length
     mean_ttft_s: float
     p50_ttft_s: float
     p99_ttft_s: float
     prefix_hit_rate: float  # prompt tokens found in a replica's prefix cache / prompt tokens looked up
-    prefill_tokens: int  # prompt tokens computed (not found in a cache)
-    busy_share: float  # the replicas' time spent in steps / (replicas x makespan)
+    prefill_tokens: int  # prompt tokens computed (not found in a cache), whole run
+    busy_share: float  # the replicas' time in steps / (replicas x run length)
     max_replica_requests: int
     min_replica_requests: int
     blocks_in_use_at_end: int  # over all replicas: 0 unless a block leaked
 
 
+@dataclass(slots=True)
+class _User:
+    conversation: Conversation
+
+
+def _start(conv: Conversation) -> Conversation:
+    conv.turns_done, conv.history = 0, []
+    return conv
+
+
 def simulate(conversations: list[Conversation], num_replicas: int, policy: str, shape: EngineShape,
-             cost: StepCost) -> ClusterResult:
-    """Runs every conversation to its end; a turn arrives `think_s` after the previous answer finished."""
+             cost: StepCost, run: RunConfig) -> ClusterResult:
+    """Each turn arrives `think_s` after the previous answer (a user's first turn `think_s` after t = 0);
+    a user whose conversation ended takes the next one from `conversations`, until `run.duration_s`."""
     replicas = [Replica(shape) for _ in range(num_replicas)]
     router = (RoundRobin(replicas, shape.block_size) if policy == RoundRobin.name
               else PrefixAware(replicas, shape.block_size, shape.num_blocks))
-    events: list[tuple[float, int, Conversation | Replica]] = []  # (time, tie-break, what)
+    pool = iter(conversations)
+    events: list[tuple[float, int, _User | Replica]] = []  # (time, tie-break, what)
     order = itertools.count()
-    for conv in conversations:
-        conv.turns_done, conv.history = 0, []
-        heapq.heappush(events, (conv.start_s, next(order), conv))
-    owner: dict[str, Conversation] = {}
+    for _ in range(run.users_per_replica * num_replicas):
+        conv = _start(next(pool))
+        heapq.heappush(events, (conv.turns[0].think_s, next(order), _User(conv)))
+    owner: dict[str, _User] = {}
     ttfts: list[float] = []
     routed = [0] * num_replicas
-    output_tokens, last, busy, prefill = 0, 0.0, 0.0, 0
+    window_tokens, last, busy, prefill = 0, 0.0, 0.0, 0
     while events:
         now, _, what = heapq.heappop(events)
-        if isinstance(what, Conversation):
-            turn = what.turns[what.turns_done]
-            prompt = what.system + what.history + turn.user_ids
-            index = router.route(prompt)
-            group = SequenceGroup(f"{what.index}.{what.turns_done}", [Sequence(prompt)], _PARAMS, arrival_time=now)
-            group.user_data = turn.output_ids
-            owner[group.request_id] = what
-            replica = replicas[index]
-            replica.add(group)
-            routed[index] += 1
+        if isinstance(what, _User):
+            replica = _arrive(what, now, router, replicas, routed, owner)
         else:
             replica = what
             replica.busy = False
@@ -304,31 +312,54 @@ def simulate(conversations: list[Conversation], num_replicas: int, policy: str, 
         end = now + cost.seconds(result.tokens, result.context_tokens)
         busy += end - now
         prefill += result.prefill_tokens
+        measured = run.warmup_s <= end <= run.duration_s
+        window_tokens += len(result.sampled) if measured else 0
         for group in result.sampled:
             if group.first_token_time is None:
                 group.first_token_time = end
-                ttfts.append(end - group.arrival_time)
+                if run.warmup_s <= group.arrival_time <= run.duration_s:
+                    ttfts.append(end - group.arrival_time)
         for group in result.finished:
-            conv = owner.pop(group.request_id)
+            user = owner.pop(group.request_id)
+            conv = user.conversation
             turn = conv.turns[conv.turns_done]
             conv.history += turn.user_ids + turn.output_ids
             conv.turns_done += 1
-            output_tokens += len(turn.output_ids)
             last = max(last, end)
-            if conv.turns_done < len(conv.turns):
-                heapq.heappush(events, (end + conv.turns[conv.turns_done].think_s, next(order), conv))
+            if conv.turns_done == len(conv.turns):
+                following = next(pool, None) if end < run.duration_s else None
+                if following is None:
+                    continue  # this user is done
+                user.conversation = conv = _start(following)
+            heapq.heappush(events, (end + conv.turns[conv.turns_done].think_s, next(order), user))
         replica.busy = True
         heapq.heappush(events, (end, next(order), replica))
-    start = min(c.start_s for c in conversations)
     queried = sum(r.block_manager.prefix_cache_queried_tokens for r in replicas)
     hit = sum(r.block_manager.prefix_cache_hit_tokens for r in replicas)
+    if not ttfts:
+        raise ValueError("no request arrived in the measured window: more users or a longer duration")
     ttfts.sort()
     return ClusterResult(
-        replicas=num_replicas, policy=policy, requests=len(ttfts), output_tokens=output_tokens,
-        makespan_s=last - start, throughput_tok_s=output_tokens / max(last - start, 1e-9),
+        replicas=num_replicas, policy=policy, requests=len(ttfts),
+        output_tok_s=window_tokens / (run.duration_s - run.warmup_s),
         mean_ttft_s=sum(ttfts) / len(ttfts), p50_ttft_s=ttfts[len(ttfts) // 2],
         p99_ttft_s=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
         prefix_hit_rate=hit / max(queried, 1), prefill_tokens=prefill,
-        busy_share=busy / (num_replicas * max(last - start, 1e-9)), max_replica_requests=max(routed),
+        busy_share=busy / (num_replicas * max(last, 1e-9)), max_replica_requests=max(routed),
         min_replica_requests=min(routed),
         blocks_in_use_at_end=sum(r.block_manager.num_blocks - r.block_manager.num_free_blocks() for r in replicas))
+
+
+def _arrive(user: _User, now: float, router: RoundRobin | PrefixAware, replicas: list[Replica],
+            routed: list[int], owner: dict[str, _User]) -> Replica:
+    """The user's next turn reaches the router, which hands it to a replica."""
+    conv = user.conversation
+    turn = conv.turns[conv.turns_done]
+    prompt = conv.system + conv.history + turn.user_ids
+    index = router.route(prompt)
+    group = SequenceGroup(f"{conv.index}.{conv.turns_done}", [Sequence(prompt)], _PARAMS, arrival_time=now)
+    group.user_data = turn.output_ids
+    owner[group.request_id] = user
+    replicas[index].add(group)
+    routed[index] += 1
+    return replicas[index]
