@@ -34,7 +34,7 @@ from typing import Iterator
 
 _HOST = "127.0.0.1"
 ROUTER_POLICIES = ("cache_aware", "round_robin")
-_STOP_TIMEOUT_S = 15.0
+_STOP_TIMEOUT_S = 40.0  # a replica drains in-flight requests for up to server.drain_timeout_s (30 s) on SIGTERM
 
 
 @dataclass(slots=True)
@@ -185,7 +185,9 @@ def cluster_main(args: argparse.Namespace) -> int:
     spec = ClusterSpec(args.replicas, args.port, args.router_port, args.router_metrics_port, args.first_replica_port,
                        args.policy, serve_args)
     signal.signal(signal.SIGTERM, _interrupt)  # `docker stop` / kill: stop the children as Ctrl-C does
-    with contextlib.suppress(KeyboardInterrupt), running_cluster(spec):
+    logs = Path(tempfile.mkdtemp(prefix="streamd-cluster-logs-"))
+    print(f"streamd cluster: logs in {logs}", flush=True)
+    with contextlib.suppress(KeyboardInterrupt), running_cluster(spec, log_dir=logs):
         print(f"streamd cluster: {spec.replicas} replicas on ports {spec.replica_ports}; router ({spec.policy}) "
               f"on {spec.router_port}; front door http://{_HOST}:{spec.front_port} (ws://.../v1/stream)", flush=True)
         while True:
