@@ -170,7 +170,8 @@ def render_markdown(report: dict) -> str:
               f"multi-turn conversation at a time for {run['duration_s']:.0f} simulated seconds (measured after "
               f"{run['warmup_s']:.0f} s); {wl['num_system_prompts']} shared system "
               f"prompts of {wl['system_prompt_len'][0]}-{wl['system_prompt_len'][1]} tokens (Zipf "
-              f"{wl['zipf_s']}), mean {wl['mean_turns']} turns, ShareGPT turn lengths, think time "
+              f"{wl['zipf_s']}), 1 + floor(Exp(mean {wl['mean_turns'] - 1:g})) turns (at most {wl['max_turns']}), "
+              f"ShareGPT turn lengths, think time "
               f"{wl['think_time_s']} s mean; each turn resends the whole conversation. Replica: "
               f"{eng['num_blocks']} blocks of {eng['block_size']}, max_num_seqs {eng['max_num_seqs']}, "
               f"max_num_batched_tokens {eng['max_num_batched_tokens']}.", "",

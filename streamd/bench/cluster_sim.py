@@ -132,7 +132,7 @@ class ConversationConfig:
     num_system_prompts: int = 16
     system_prompt_len: tuple[int, int] = (200, 800)
     zipf_s: float = 1.0  # popularity of the system prompts
-    mean_turns: float = 3.0
+    mean_turns: float = 3.0  # turns = 1 + floor(Exp(mean_turns - 1)), at most max_turns (mean ~2.5 for 3)
     max_turns: int = 8
     think_time_s: float = 3.0  # mean (exponential) between a turn's answer and the next question
     max_context: int = 8192
