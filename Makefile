@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.streamd-installed
 # The CPU build of torch that lies on this project's machines; a CUDA machine may pass its own spec.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup test serve browser clean
+.PHONY: setup test serve browser nginx cluster clean
 
 setup: $(STAMP)
 
@@ -24,11 +24,22 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "warning: could not install chromium; the browser test will be skipped"
 
-test: setup browser
+# nginx carries the cluster's WebSockets (`make cluster`, tests/test_cluster.py); Debian's package when missing.
+nginx:
+	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx \
+		|| { apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null; } \
+		|| echo "warning: could not install nginx; the cluster test will be skipped"
+
+test: setup browser nginx
 	$(PY) -m pytest -q
 
 serve: setup
 	$(VENV)/bin/streamd serve
+
+# REPLICAS local replicas behind vllm-router (HTTP, cache-aware) and nginx (WebSocket) on :8000.
+REPLICAS ?= 2
+cluster: setup nginx
+	$(VENV)/bin/streamd cluster --replicas $(REPLICAS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

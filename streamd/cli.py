@@ -1,4 +1,4 @@
-"""The `streamd` command line: generate, serve, chat and bench. Each subcommand lives with its layer;
+"""The `streamd` command line: generate, serve, chat, bench and cluster. Each subcommand lives with its layer;
 this module only parses arguments and dispatches."""
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
     "serve": ("streamd.server.entry", "add_serve_arguments", "serve_main"),
     "chat": ("streamd.server.entry", "add_chat_arguments", "chat_main"),
     "bench": ("streamd.bench", "add_arguments", "run"),
+    "cluster": ("streamd.cluster", "add_arguments", "cluster_main"),
 }
 
 

@@ -79,6 +79,16 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # N ranks, each holding 1/N of the heads, KV heads and MLP columns
+    collective_timeout_s: float = 60.0  # a collective not done by then fails the step (a lost worker)
+
+    def validate(self) -> None:
+        _positive("parallel.tensor_parallel_size", self.tensor_parallel_size)
+        _positive("parallel.collective_timeout_s", self.collective_timeout_s)
+
+
+@dataclass(slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -118,6 +128,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

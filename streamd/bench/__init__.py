@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "memory": ("streamd.bench.memory", "run"),
     "throughput": ("streamd.bench.throughput", "main"),
     "serve": ("streamd.bench.serve", "main"),
+    "cluster": ("streamd.bench.cluster", "run"),
 }
 
 
@@ -27,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Benchmarks: memory (CPU), throughput (CUDA, against transformers), serve (load a running server)."""
+    """Benchmarks: memory (CPU), throughput (CUDA, against transformers), serve (load a running server),
+    cluster (CPU, simulated replicas behind a router)."""
     module_name, entry = BENCHMARKS[args.benchmark]
     return getattr(importlib.import_module(module_name), entry)(args)

@@ -23,12 +23,15 @@ from streamd.engine.block_manager import BlockManager
 from streamd.engine.cache_engine import CacheEngine, KVLayout
 from streamd.engine.chat_template import chat_template_ids
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
+from streamd.engine.executor import Executor, LocalExecutor
 from streamd.engine.fusion import fuse_layers
 from streamd.engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from streamd.engine.cuda_graphs import capture_sizes
 from streamd.engine.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
 from streamd.engine.output_processor import OutputProcessor
 from streamd.engine.outputs import RequestDelta, RequestUpdate, SeqUpdate
+from streamd.engine.parallel.executor import TensorParallelExecutor
+from streamd.engine.parallel.workers import WorkerPool, start_tensor_parallel
 from streamd.engine.preemption_costs import measure_cost_model
 from streamd.engine.sampler import PendingSample, Sampler
 from streamd.engine.sampling_params import SamplingParams
@@ -56,7 +59,9 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, config: Config, loaded: LoadedModel, device: torch.device) -> None:
+    def __init__(self, config: Config, loaded: LoadedModel, device: torch.device,
+                 workers: WorkerPool | None = None) -> None:
+        """`workers`: the other tensor-parallel ranks (then `loaded` is shard 0 of the model)."""
         self.config = config
         self.device = device
         self.model_name = config.server.served_model_name or loaded.name
@@ -67,12 +72,14 @@ class LLMEngine:
         dtype = next(loaded.model.parameters()).dtype
         self.runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
         fuse_layers(loaded.model, config.model.fuse_layers, device)
-        layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype)
+        layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype, config.parallel.tensor_parallel_size)
         num_blocks = cache_cfg.num_kv_blocks or self._auto_num_blocks(layout)
         self.cache = CacheEngine(layout, num_blocks, _num_swap_blocks(cache_cfg, layout), device, self.runner.ops)
         self.runner.bind_kv_cache(self.cache.kv_cache)
-        if device.type == "cuda" and not config.model.enforce_eager:
+        if device.type == "cuda" and not config.model.enforce_eager and workers is None:
             self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+        self.executor: Executor = (LocalExecutor(self.runner, self.cache) if workers is None
+                                   else TensorParallelExecutor(self.runner, self.cache, workers))
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size, self.cache.num_swap_blocks,
                                           cache_cfg.watermark, cache_cfg.enable_prefix_caching)
         self.eos_token_ids = _eos_token_ids(loaded)
@@ -80,7 +87,7 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         cost_model = None
         if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
-            cost_model = measure_cost_model(self.cache, self.runner, self.max_model_len)
+            cost_model = measure_cost_model(self.cache, self.executor, self.max_model_len)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, cost_model)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SequenceGroup] = {}
@@ -93,9 +100,13 @@ class LLMEngine:
         """Loads the configured model (or random weights for `model_config`) and builds the engine."""
         device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, device)
-        loaded = load_model(model_config or config.model.name, dtype, device, config.model.cache_dir,
-                            config.model.seed)
-        engine = cls(config, loaded, device)
+        workers = None
+        if config.parallel.tensor_parallel_size > 1:
+            loaded, workers = start_tensor_parallel(config, model_config, device, dtype)
+        else:
+            loaded = load_model(model_config or config.model.name, dtype, device, config.model.cache_dir,
+                                config.model.seed)
+        engine = cls(config, loaded, device, workers)
         if device.type == "cuda":
             engine.warm_up()
         return engine
@@ -167,8 +178,9 @@ class LLMEngine:
         return self._process(updates)
 
     def has_unfinished_requests(self) -> bool:
-        # A launched step whose requests have all finished is void: it needs no more steps.
-        return bool(self._groups) or bool(self._pending)
+        # A launched step whose requests have all finished is void: it needs no more steps. A failed
+        # executor keeps the loop stepping (each step fails at once) until the AsyncEngine declares it dead.
+        return bool(self._groups) or bool(self._pending) or self.executor.failed
 
     def stats(self) -> EngineStats:
         return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups))
@@ -195,9 +207,9 @@ class LLMEngine:
             self._forget(group)
             group.set_status(SequenceStatus.FINISHED_ABORTED)
             updates.append(_ended(group, reason))
-        self.cache.swap_out(out.blocks_to_swap_out)
-        self.cache.swap_in(out.blocks_to_swap_in)
-        self.cache.copy(out.blocks_to_copy)
+        self.executor.swap_out(out.blocks_to_swap_out)
+        self.executor.swap_in(out.blocks_to_swap_in)
+        self.executor.copy(out.blocks_to_copy)
         if out.scheduled:
             self._inflight = self._launch(out, prev)
         if prev is not None:
@@ -221,9 +233,9 @@ class LLMEngine:
                 group.first_scheduled_time = now
         sampling = [item for item in out.scheduled if item.samples]
         if prev is not None:
-            logits = self.runner.execute(out, prev.pending.tokens, prev.rows)
+            logits = self.executor.execute(out, prev.pending.tokens, prev.rows)
         else:
-            logits = self.runner.execute(out)
+            logits = self.executor.execute(out)
         pending = self.sampler.sample_async(logits, [item.seq for item in sampling],
                                             [item.group.sampling_params for item in sampling])
         return _InFlight(out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)})

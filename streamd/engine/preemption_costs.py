@@ -8,7 +8,7 @@ import time
 import torch
 
 from streamd.engine.cache_engine import CacheEngine
-from streamd.engine.model_runner import ModelRunner
+from streamd.engine.executor import Executor
 from streamd.engine.scheduler import PreemptionCostModel
 from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.sampling_params import SamplingParams
@@ -21,7 +21,7 @@ _PROBE_BLOCKS = 64
 _PROBE_TOKENS = 256
 
 
-def measure_cost_model(cache: CacheEngine, runner: ModelRunner, max_model_len: int) -> PreemptionCostModel:
+def measure_cost_model(cache: CacheEngine, runner: Executor, max_model_len: int) -> PreemptionCostModel:
     link = _link_bytes_per_s(cache)
     prefill = _prefill_tokens_per_s(cache, runner, max_model_len)
     log.info("preemption.cost_model", host_link_gib_s=round(link / 2**30, 2), prefill_tok_s=round(prefill))
@@ -46,7 +46,7 @@ def _link_bytes_per_s(cache: CacheEngine) -> float:
     return 2 * n * cache.layout.bytes_per_block / elapsed
 
 
-def _prefill_tokens_per_s(cache: CacheEngine, runner: ModelRunner, max_model_len: int) -> float:
+def _prefill_tokens_per_s(cache: CacheEngine, runner: Executor, max_model_len: int) -> float:
     tokens = min(_PROBE_TOKENS, max_model_len, cache.num_blocks * cache.layout.block_size)
     seq = Sequence(prompt_token_ids=[0] * tokens)
     seq.block_table = list(range(-(-tokens // cache.layout.block_size)))

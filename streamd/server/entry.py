@@ -15,6 +15,8 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address to listen on (default from config: 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default from config: 8000; 0 picks one)")
     parser.add_argument("--config", help="a streamd.toml file")
+    parser.add_argument("--tp", type=int, help="tensor parallel size: ranks (processes) the model is split over "
+                        "(default from config: 1)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="override any config key, e.g. --set server.api_keys=k1,k2 (repeatable)")
 
@@ -25,7 +27,8 @@ def serve_main(args: argparse.Namespace) -> int:
     from streamd.server.serve import configure_server_logging, run_server
 
     overrides: dict[str, Any] = dict(_parse_set(item) for item in args.set)
-    for key, value in (("model.name", args.model), ("server.host", args.host), ("server.port", args.port)):
+    for key, value in (("model.name", args.model), ("server.host", args.host), ("server.port", args.port),
+                       ("parallel.tensor_parallel_size", args.tp)):
         if value is not None:
             overrides[key] = value
     config = load_config(args.config, overrides)
