@@ -182,10 +182,11 @@ async def test_drain_closes_with_1012_and_the_sdk_reconnects(async_engine) -> No
         async with client_for(srv).beta.responses.connect(on_reconnecting=on_reconnecting) as conn:
             await conn.response.create(model=srv.services.model_name, input="Hi", max_output_tokens=8,
                                        temperature=0.0)
-            events = [await conn.recv()]
-            srv.uvicorn.handle_exit(signal.SIGTERM, None)  # what the SIGTERM handler does
-            with pytest.raises(ConnectionClosed):
-                while True:
-                    events.append(await conn.recv())
+            events: list[Any] = []
+            with pytest.raises(ConnectionClosed) as closed:
+                async for event in conn:  # the SDK's iterator is what reconnects
+                    events.append(event)
+                    if len(events) == 1:
+                        srv.uvicorn.handle_exit(signal.SIGTERM, None)  # what the SIGTERM handler does
         assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 8
-        assert reconnects == [1012]
+        assert reconnects == [1012] and closed.value.rcvd.code == 1012
