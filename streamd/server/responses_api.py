@@ -149,9 +149,11 @@ def _refuse_features(body: dict[str, Any]) -> None:
 def _check_text_format(text: Any) -> None:
     if text is None:
         return
-    fmt = text.get("format") if isinstance(text, dict) else None
+    if not isinstance(text, dict):
+        raise ServiceError("invalid_request", "text must be an object", "text")
+    fmt = text.get("format")
     kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if fmt is None and isinstance(text, dict):
+    if fmt is None:
         return
     if kind != "text":
         raise ServiceError("unsupported", f"text.format {kind!r} is unsupported: only {{'type': 'text'}} is served "

@@ -66,8 +66,10 @@ async def test_create_equals_the_websocket_and_llm_chat(client: AsyncOpenAI, ser
     events = [e async for e in await client.responses.create(
         model=server.services.model_name, input=[{"role": "user", "content": [
             {"type": "input_text", "text": MESSAGES[0]["content"]}]}],
-        max_output_tokens=TOKENS, temperature=0.0, stream=True)]
+        max_output_tokens=TOKENS, temperature=0.0, stream=True, top_logprobs=2)]
     assert _check_events(events) == plain.output_text
+    first = next(e for e in events if e.type == "response.output_text.delta").logprobs[0]
+    assert len(first.top_logprobs) >= 2 and first.logprob == max(t.logprob for t in first.top_logprobs)
     assert events[-1].response.status == status and events[-1].response.usage.output_tokens == completion
     # The SDK's own stream accumulator accepts the event sequence (it needs a response that completes).
     assert status == "completed", "pick a request that stops before max_output_tokens"
