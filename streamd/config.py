@@ -101,14 +101,18 @@ class ServerConfig:
     max_tokens_limit: int | None = None  # upper bound on a request's max_tokens; None: the context
     drain_timeout_s: float = 30.0
     served_model_name: str | None = None  # None: derived from the model name
+    responses_store_size: int = 1024  # finished Responses kept for previous_response_id (per server, LRU)
+    responses_store_ttl_s: float = 3600.0  # how long a stored response can be continued
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         for key in ("max_connections", "max_requests_per_connection", "max_frame_bytes",
-                    "max_waiting_requests"):
+                    "max_waiting_requests", "responses_store_size"):
             _positive(f"server.{key}", getattr(self, key))
         _positive("server.max_tokens_limit", self.max_tokens_limit, allow_none=True)
+        if self.responses_store_ttl_s <= 0:
+            raise ConfigError(f"server.responses_store_ttl_s must be > 0, got {self.responses_store_ttl_s}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 

@@ -79,8 +79,8 @@ async def list_models(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     s: Services = request.app.state.services
-    body = await _json_body(request)
-    _check_model(s, body)
+    body = await json_body(request)
+    check_model(s, body)
     _refuse(body, tools=None, functions=None, logprobs=False, top_logprobs=None, logit_bias=None)
     if body.get("response_format") not in (None, {"type": "text"}):
         raise ServiceError("unsupported", "only response_format {\"type\": \"text\"} is supported",
@@ -95,8 +95,8 @@ async def chat_completions(request: Request) -> Response:
 
 async def completions(request: Request) -> Response:
     s: Services = request.app.state.services
-    body = await _json_body(request)
-    _check_model(s, body)
+    body = await json_body(request)
+    check_model(s, body)
     _refuse(body, echo=False, suffix=None, logprobs=None, logit_bias=None)
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ServiceError("unsupported", "best_of must equal n", "best_of")
@@ -121,7 +121,7 @@ async def _respond(request: Request, s: Services, body: dict[str, Any], kind: st
     structlog.contextvars.bind_contextvars(request_id=call.id)
     if stream_flag:
         return SSEResponse(_sse(call, bool(options.get("include_usage"))), call.finish)
-    return await _until_disconnect(request, _collect(call))
+    return await until_disconnect(request, _collect(call))
 
 
 async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[str]:
@@ -164,7 +164,7 @@ async def _collect(call: _Call) -> Response:
     return JSONResponse({**_envelope(call, final=True), "choices": [choice], "usage": account.usage()})
 
 
-async def _until_disconnect(request: Request, work: Any) -> Response:
+async def until_disconnect(request: Request, work: Any) -> Response:
     """Runs `work`; cancels it (aborting its request) if the client disconnects first."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
@@ -210,7 +210,7 @@ def _data(obj: dict[str, Any]) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
+async def json_body(request: Request) -> dict[str, Any]:
     try:
         body = json.loads(await request.body())
     except (json.JSONDecodeError, UnicodeDecodeError):
@@ -220,7 +220,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _check_model(s: Services, body: dict[str, Any]) -> None:
+def check_model(s: Services, body: dict[str, Any]) -> None:
     model = body.get("model")
     if model is not None and model != s.model_name:
         raise ServiceError("model_not_found", f"the model {model!r} does not exist; this server serves "
