@@ -15,10 +15,11 @@ warm-up, as the paper measures it.
 
 from __future__ import annotations
 
+import argparse
 import random
 from typing import Callable
 
-from streamd.bench.workloads import MAX_SEQ_LEN, RequestStream
+from streamd.bench.workloads import MAX_SEQ_LEN, RequestStream, Workload
 from streamd.config import SchedulerConfig
 from streamd.engine.block_manager import BlockManager
 from streamd.engine.sampling_params import SamplingParams
@@ -104,7 +105,8 @@ WIDTHS = (2, 4, 6)
 SHARING_WORKLOADS = ("alpaca", "sharegpt")
 
 
-def run_sharing(args, workloads: dict, progress_line: Callable[[str, str], Progress]) -> dict[str, object]:  # noqa: ANN001
+def run_sharing(args: argparse.Namespace, workloads: dict[str, Workload],
+                progress_line: Callable[[str, str], Progress]) -> dict[str, object]:
     """Every (workload, mode, width) run; the report (without writing it)."""
     lifetimes = 1.0 if args.quick else args.sharing_lifetimes
     results: dict[str, list[dict[str, object]]] = {}
@@ -140,5 +142,6 @@ def render_sharing(report: dict) -> str:
             lines.append(f"| {name} | {r['mode']} | {r['width']} | {r['blocks_used']:.1f} | "
                          f"{r['blocks_unshared']:.1f} | {r['saving']:.1%} | {paper} |")
     lines += ["", "Beam parents are drawn uniformly (neutral selection); a model's scores concentrate parents "
-                  "on fewer beams, which shares longer prefixes, so real beam search saves at least as much."]
+                  "on fewer beams, which would share longer prefixes; this is not a measurement of the engine's "
+                  "beam search (not built yet)."]
     return "\n".join(lines) + "\n"
