@@ -56,6 +56,9 @@ class _InFlight:
     sampling: list[ScheduledSeq]
     pending: PendingSample
     rows: dict[int, int]  # seq_id -> row of `pending.tokens`
+    # Prompts that completed in this step and the samples forked from them once their KV is written:
+    # each sample drew its first token from the prompt's logits in this step.
+    forks: list[tuple[ScheduledSeq, list[Sequence]]]
 
 
 class LLMEngine:
@@ -138,8 +141,6 @@ class LLMEngine:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         if not isinstance(params, SamplingParams):
             raise RequestError("params must be a SamplingParams")
-        if params.n != 1:
-            raise RequestError("n > 1 (parallel sampling) is not supported yet")
         text, ids = self._tokenize(prompt, prompt_token_ids)
         if params.detokenize and self.tokenizer is None:
             raise RequestError("this model has no tokenizer: set detokenize=False and send token ids")
@@ -197,6 +198,7 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         if prev is not None:
             self.scheduler.on_step_done(prev.out)
+            self._fork(prev)
             if self._num_penalized:  # penalties read every past token on the host: no overlap
                 deltas = self._process(updates + self._read_back(prev, pipelined=False))
                 updates, prev = [], None
@@ -236,9 +238,38 @@ class LLMEngine:
             logits = self.executor.execute(out, prev.pending.tokens, prev.rows)
         else:
             logits = self.executor.execute(out)
+        forks = [(item, _children(item.group)) for item in sampling if item.group.needs_fork]
+        if forks:  # each sample draws from its prompt's logits row
+            logits, sampling = self._with_samples(logits, sampling, forks)
         pending = self.sampler.sample_async(logits, [item.seq for item in sampling],
                                             [item.group.sampling_params for item in sampling])
-        return _InFlight(out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)})
+        return _InFlight(out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)}, forks)
+
+    @staticmethod
+    def _with_samples(logits: torch.Tensor, sampling: list[ScheduledSeq],
+                      forks: list[tuple[ScheduledSeq, list[Sequence]]]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """The sampling rows with every forked sample's row appended (a copy of its prompt's logits)."""
+        row_of = {id(item): i for i, item in enumerate(sampling)}
+        rows = list(range(len(sampling)))
+        sampling = list(sampling)
+        for item, children in forks:
+            for child in children:
+                rows.append(row_of[id(item)])
+                sampling.append(ScheduledSeq(child, item.group, 0))
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        return logits.index_select(0, index), sampling
+
+    def _fork(self, step: _InFlight) -> None:
+        """The prompts that completed in `step` have their KV written: their samples now share its blocks
+        (copy-on-write will copy only the last, partly filled block). A request that ended meanwhile drops
+        them."""
+        for item, children in step.forks:
+            parent, group = item.seq, item.group
+            for child in children:
+                if parent.status is SequenceStatus.RUNNING and group.request_id in self._groups:
+                    self.scheduler.fork_seq(group, parent, child)
+                else:
+                    child.status = SequenceStatus.FINISHED_ABORTED
 
     def _read_back(self, step: _InFlight, pipelined: bool) -> list[RequestUpdate]:
         """Reads a launched step's tokens back and does the engine's bookkeeping: append (or fill the
@@ -380,7 +411,14 @@ def _eos_token_ids(loaded: LoadedModel) -> set[int]:
 _FINISHED = SequenceStatus.FINISHED_STOPPED  # statuses from here on are finished
 
 
+def _children(group: SequenceGroup) -> list[Sequence]:
+    """The samples to fork from a request's prompt (the prompt's own sequence is sample 0)."""
+    prompt = group.prompt_token_ids
+    return [Sequence(prompt_token_ids=prompt, sample_index=i) for i in range(len(group.seqs), group.width)]
+
+
 def _ended(group: SequenceGroup, error: str | None = None) -> RequestUpdate:
-    """The update of a request the engine ended outside a step (abort, rejection, failure)."""
-    seqs = [SeqUpdate(seq.sample_index, [], finish_reason="abort") for seq in group.seqs]
+    """The update of a request the engine ended outside a step (abort, rejection, failure): every choice,
+    forked or not yet (the output processor skips those already finished)."""
+    seqs = [SeqUpdate(index, [], finish_reason="abort") for index in range(max(group.width, len(group.seqs)))]
     return RequestUpdate(group.request_id, seqs, group.num_cached_tokens, group.first_scheduled_time, error)

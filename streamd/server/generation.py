@@ -29,7 +29,7 @@ WIRE_PARAMS = frozenset({
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "n", "ignore_eos",
     "logprobs", "include_stop_str_in_output", "skip_special_tokens",
 })
-MAX_N = 1  # parallel sampling is refused until the engine exposes it end to end
+MAX_N = 16  # parallel samples per request (each is a sequence of the batch)
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
 
@@ -93,7 +93,7 @@ class Generation:
         except (ValueError, TypeError) as exc:
             raise ServiceError("invalid_request", str(exc), str(exc).split(" ", 1)[0]) from exc
         if params.n > MAX_N:
-            raise ServiceError("unsupported", f"n must be <= {MAX_N} (parallel sampling is not served yet)", "n")
+            raise ServiceError("invalid_request", f"n must be <= {MAX_N}, got {params.n}", "n")
         return Prepared(prompt_ids, params, prompt)
 
     # ---- running -----------------------------------------------------------------------------
@@ -108,7 +108,7 @@ class Generation:
         engine, request_id = self.engine, new_request_id()
         stream = RequestStream(request_id, engine.abort) if sink is None else None
         account = RequestAccount(request_id, route, len(prepared.prompt_token_ids), self.metrics, self.lifecycle,
-                                 cancel=lambda: engine.abort(request_id))
+                                 cancel=lambda: engine.abort(request_id), num_choices=prepared.params.n)
         try:
             await engine.submit(request_id, prepared.prompt, prepared.params, stream or sink,
                                 prompt_token_ids=prepared.prompt_token_ids)

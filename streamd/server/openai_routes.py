@@ -125,43 +125,48 @@ async def _respond(request: Request, s: Services, body: dict[str, Any], kind: st
 
 
 async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[str]:
+    """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end."""
     extra = {"usage": None} if include_usage else {}
-    if call.kind == "chat":
-        yield _data(_chunk(call, {"role": "assistant", "content": ""}, None, extra))
     account = call.account
+    if call.kind == "chat":
+        for index in range(account.num_choices):
+            yield _data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra))
     async for delta in call.stream:
         account.absorb(delta)
-        text = "".join(choice.text for choice in delta.outputs)
-        if text:
-            yield _data(_chunk(call, _piece(call, text), None, extra))
+        for choice in delta.outputs:
+            if choice.text:
+                yield _data(_chunk(call, choice.index, _piece(call, choice.text), None, extra))
     if account.error:
         yield _data(ServiceError("internal_error", account.error).openai_body())
     else:
-        yield _data(_chunk(call, _piece(call, ""), account.finish.openai, extra))
+        for index, finish in enumerate(account.choice_finishes()):
+            yield _data(_chunk(call, index, _piece(call, ""), finish.openai, extra))
     if include_usage:
         yield _data({**_envelope(call), "choices": [], "usage": account.usage()})
     yield "data: [DONE]\n\n"
 
 
 async def _collect(call: _Call) -> Response:
-    text = []
     account = call.account
+    texts: list[list[str]] = [[] for _ in range(account.num_choices)]
     try:
         async for delta in call.stream:
             account.absorb(delta)
-            text.extend(choice.text for choice in delta.outputs)
+            for choice in delta.outputs:
+                texts[choice.index].append(choice.text)
     finally:
         call.finish()
     if account.error:
         raise ServiceError("internal_error", account.error)
-    content = "".join(text)
-    reason = account.finish.openai
-    if call.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                  "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
-    return JSONResponse({**_envelope(call, final=True), "choices": [choice], "usage": account.usage()})
+    choices = []
+    for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
+        content = "".join(pieces)
+        if call.kind == "chat":
+            choices.append({"index": index, "message": {"role": "assistant", "content": content}, "logprobs": None,
+                            "finish_reason": finish.openai})
+        else:
+            choices.append({"index": index, "text": content, "logprobs": None, "finish_reason": finish.openai})
+    return JSONResponse({**_envelope(call, final=True), "choices": choices, "usage": account.usage()})
 
 
 async def until_disconnect(request: Request, work: Any) -> Response:
@@ -196,13 +201,13 @@ def _piece(call: _Call, text: str) -> dict[str, Any] | str:
     return {"content": text} if call.kind == "chat" else text
 
 
-def _chunk(call: _Call, piece: Any, finish: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+def _chunk(call: _Call, index: int, piece: Any, finish: str | None, extra: dict[str, Any]) -> dict[str, Any]:
     if call.kind == "chat":
         if finish is not None:
             piece = {}
-        choice = {"index": 0, "delta": piece, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": piece, "logprobs": None, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": finish}
     return {**_envelope(call), "choices": [choice], **extra}
 
 
