@@ -251,32 +251,30 @@ check_drained() {
     echo "ok: SIGTERM with 1 stream in flight, drained, exited 0"
 }
 
-# The baked model copied out of the image, mounted back as a model directory and as a Hub cache entry
-# (README "Docker"): all three generate the same greedy text.
+# The baked model copied out of the image, mounted back read-only as a model directory and as a Hub cache
+# entry (README "Docker"): both load in one `docker compose run` and generate the same greedy text.
 check_model_mounts() {
     local cid models=$RUN_DIR/models hub=$RUN_DIR/hub
-    local snapshot=$hub/hub/models--streamd-test--smollm2/snapshots/0123456789abcdef0123456789abcdef01234567
+    local entry=$RUN_DIR/hub/hub/models--streamd-test--smollm2
+    local revision=0123456789abcdef0123456789abcdef01234567
     cid=$(docker create streamd:cpu)
     docker cp "$cid:/opt/streamd/cache/gguf/." "$models/" >/dev/null
     docker rm "$cid" >/dev/null
     mv "$models"/SmolLM2-* "$models/smollm2"
-    mkdir -p "$(dirname "$snapshot")" "$hub/hub/models--streamd-test--smollm2/refs"
-    cp -rl "$models/smollm2" "$snapshot"
-    basename "$snapshot" >"$hub/hub/models--streamd-test--smollm2/refs/main"
+    mkdir -p "$entry/snapshots" "$entry/refs"
+    cp -rl "$models/smollm2" "$entry/snapshots/$revision"
+    echo "$revision" >"$entry/refs/main"
     chmod -R a+rX "$models" "$hub"
-    local baked dir cached
-    baked=$(generate_in_container)
-    dir=$(generate_in_container -v "$models:/models:ro" -e STREAMD_MODEL__NAME=/models/smollm2)
-    cached=$(generate_in_container -v "$hub:/cache/huggingface:ro" -e STREAMD_MODEL__NAME=streamd-test/smollm2)
-    printf 'baked:     %s\ndirectory: %s\nhub cache: %s\n' "$baked" "$dir" "$cached"
-    [ -n "$baked" ] && [ "$dir" = "$baked" ] && [ "$cached" = "$baked" ] \
-        || { tail -n 20 "$RUN_DIR/generate.log" >&2; fail "the mounted models did not generate what the baked model does"; }
-}
-
-generate_in_container() {
-    (cd "$ROOT" && docker compose --profile cpu run --rm --no-deps -T -e STREAMD_CACHE__NUM_KV_BLOCKS=64 \
-        -e STREAMD_CACHE__NUM_SWAP_BLOCKS=0 "$@" streamd-cpu \
-        streamd generate --max-tokens 12 "The capital of France is") 2>>"$RUN_DIR/generate.log" | tail -n +2 | tr '\n' ' '
+    local generate='streamd generate --max-tokens 12 "The capital of France is"' out
+    out=$(cd "$ROOT" && docker compose --profile cpu run --rm --no-deps -T -v "$models:/models:ro" \
+        -v "$hub:/cache/huggingface:ro" -e STREAMD_CACHE__NUM_KV_BLOCKS=64 -e STREAMD_CACHE__NUM_SWAP_BLOCKS=0 \
+        streamd-cpu sh -c "$generate --model /models/smollm2 && $generate --model streamd-test/smollm2" \
+        2>"$RUN_DIR/generate.log") || { tail -n 20 "$RUN_DIR/generate.log" >&2; fail "a mounted model did not load"; }
+    local texts
+    texts=$(awk '/^--- /{if (n++) print t; t = ""; next} {t = t $0 " "} END {if (n) print t}' <<<"$out")
+    printf 'model directory and Hub cache entry generated:\n%s\n' "$texts"
+    [ "$(wc -l <<<"$texts")" = 2 ] && [ "$(sort -u <<<"$texts" | wc -l)" = 1 ] && grep -q '[[:alnum:]]' <<<"$texts" \
+        || fail "the model directory and the Hub cache entry did not generate the same text"
 }
 
 stop_daemon() {
