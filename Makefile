@@ -1,5 +1,6 @@
-# streamd: `make serve` starts the server with the default model; `make test` runs the whole suite.
-# Both set up .venv first if needed (idempotent: a stamp file records the installed pyproject.toml).
+# streamd: `make serve` starts the server with the default model; `make test` runs the whole suite;
+# `make docker-test` builds the CPU image and runs it under `docker compose` (tests/docker/run.sh).
+# All set up .venv first if needed (idempotent: a stamp file records the installed pyproject.toml).
 
 PYTHON ?= python3
 VENV   := .venv
@@ -8,7 +9,7 @@ STAMP  := $(VENV)/.streamd-installed
 # The CPU build of torch that lies on this project's machines; a CUDA machine may pass its own spec.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup test serve browser nginx cluster clean
+.PHONY: setup test docker-test serve browser nginx cluster clean
 
 setup: $(STAMP)
 
@@ -32,6 +33,10 @@ nginx:
 
 test: setup browser nginx
 	$(PY) -m pytest -q
+
+# Needs root: a private Docker daemon (installed with apt if missing); caches in /var/cache/streamd-docker.
+docker-test: setup
+	PY=$(abspath $(PY)) TORCH_SPEC="$(TORCH_SPEC)" tests/docker/run.sh
 
 serve: setup
 	$(VENV)/bin/streamd serve

@@ -15,7 +15,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from streamd.kernels._triton_utils import check_cache, dual_kernel, next_pow2
+from streamd.kernels._triton_utils import dual_kernel, next_pow2
+from streamd.kernels.layout import check_rotary_args
 
 
 @dual_kernel
@@ -82,22 +83,6 @@ def _rotary_store_kv_kernel(
     tl.store(dst + HALF, k2.to(cache_dtype), mask=mask_kv)
     tl.store(dst + s_kv_kv, v1.to(cache_dtype), mask=mask_kv)
     tl.store(dst + s_kv_kv + HALF, v2.to(cache_dtype), mask=mask_kv)
-
-
-def check_rotary_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, kv_cache: torch.Tensor, layer: int) -> None:
-    """Shape checks shared with the reference; host metadata only."""
-    check_cache(kv_cache, layer)
-    num_tokens, _, head_dim = query.shape
-    if key.shape != value.shape or key.shape[0] != num_tokens or key.shape[2] != head_dim:
-        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
-                         "must be [num_tokens, heads, head_dim] with equal tokens and head_dim")
-    if head_dim % 2:
-        raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
-    if cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape:
-        raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be [{num_tokens}, {head_dim}]")
-    if kv_cache.shape[3] != key.shape[1] or kv_cache.shape[5] != head_dim:
-        raise ValueError(f"key {tuple(key.shape)} does not match cache {tuple(kv_cache.shape)}")
 
 
 def rotary_store_kv(
