@@ -20,7 +20,7 @@ from streamd.config import ConfigError
 from streamd.engine.model_runner import ModelInput
 from streamd.engine.parallel.step_message import (CacheOrder, Command, OrderKind, StepChannel, StepMessage, decode,
                                                   encode)
-from tests.helpers import hf_greedy, register_engine
+from tests.helpers import fold_deltas, hf_greedy, register_engine
 from tests.tp_models import VOCAB, save_random_model
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False)
@@ -47,17 +47,15 @@ def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     engine = llm.engine
     for i, ids in enumerate(prompts[:2]):
         engine.add_request(f"r{i}", ids, GREEDY)
-    done: dict[str, list[int]] = {}
+    builders: dict = {}
     for step in range(10_000):
         if step == 4:
             for i, ids in enumerate(prompts[2:], start=2):
                 engine.add_request(f"r{i}", ids, GREEDY)
         if step > 4 and not engine.has_unfinished_requests():
             break
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-    return [done[f"r{i}"] for i in range(len(prompts))]
+        fold_deltas(engine.step(), builders)
+    return [builders[f"r{i}"].build().outputs[0].token_ids for i in range(len(prompts))]
 
 
 @pytest.fixture
@@ -85,12 +83,12 @@ def test_tp2_matches_tp1_and_hf_generate(kind: str, mode: str, tmp_path: Path, t
     for i, ids in enumerate(prompts):
         assert got[i] == hf_greedy(reference, ids, GREEDY.max_tokens, None), f"{kind}: prompt {i} diverged"
     stats = llm.engine.stats()
-    assert stats["prefix_cache_hit_tokens"] > 0, stats
+    assert stats.kv.prefix_hit_tokens > 0, stats
     key = "preemptions_swap" if mode == "swap" else "preemptions_recompute"
-    assert stats[key] > 0, stats
+    assert getattr(stats.scheduler, key) > 0, stats
     if mode == "swap":
-        assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] > 0, stats
-    assert stats == {**single.engine.stats(), "num_requests": 0}  # the same schedule, step for step
+        assert stats.kv.swapped_out_blocks > 0 and stats.kv.swapped_in_blocks > 0, stats
+    assert stats == single.engine.stats()  # the same schedule, step for step
     assert llm.engine.executor.workers.dead() == []
 
 

@@ -58,7 +58,7 @@ async def test_killed_worker_fails_the_request_and_ready_turns_503(tmp_path: Pat
                                                                   "prompt": "w1", "max_tokens": 2})
             assert refused.status_code == 503, refused.text
         stats = llm.engine.stats()
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"], stats
+        assert stats.kv.blocks_free == stats.kv.blocks_total, stats
     finally:
         await engine.shutdown()
         executor.shutdown()
