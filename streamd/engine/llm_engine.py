@@ -20,6 +20,7 @@ from streamd.config import Config
 from streamd.engine.block_manager import BlockManager
 from streamd.engine.cache_engine import CacheEngine, KVLayout
 from streamd.engine.chat_template import chat_template_ids
+from streamd.engine.cpu_threads import apply_num_threads
 from streamd.engine.detokenizer import IncrementalDetokenizer
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
 from streamd.engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -87,6 +88,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: Config, model_config: PretrainedConfig | None = None) -> LLMEngine:
         """Loads the configured model (or random weights for `model_config`) and builds the engine."""
+        apply_num_threads(config.model.num_threads)
         device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, device)
         loaded = load_model(model_config or config.model.name, dtype, device, config.model.cache_dir,

@@ -1,0 +1,38 @@
+"""How many CPU threads torch runs on: `model.num_threads`, or one per core this process may use.
+
+torch's default is the machine's core count, which oversubscribes a container or a process pinned to
+fewer cores (every parallel region then waits for a thread that is not running). The count comes from
+the CPU affinity mask (`os.sched_getaffinity`), which honours `taskset`, cgroups' cpusets and Docker's
+`--cpuset-cpus`.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from streamd.logs import get_logger
+
+log = get_logger(__name__)
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (the affinity mask where the OS has one, else the core count)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # macOS and Windows have no affinity mask
+        return max(1, os.cpu_count() or 1)
+
+
+def apply_num_threads(configured: int) -> int:
+    """Sets torch's intra-op threads (and inter-op threads, where torch still allows it) to `configured`,
+    or to `usable_cores()` when it is 0; returns the count in effect."""
+    threads = configured or usable_cores()
+    torch.set_num_threads(threads)
+    try:
+        torch.set_num_interop_threads(threads)
+    except RuntimeError:  # only settable once, before any inter-op work: a second engine keeps the first's
+        pass
+    log.info("cpu_threads", num_threads=threads, interop_threads=torch.get_num_interop_threads())
+    return threads
