@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from streamd.engine.model_loader import LoadedModel, load_model, resolve_device,
 from streamd.engine.cuda_graphs import capture_sizes
 from streamd.engine.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
 from streamd.engine.outputs import CompletionOutput, RequestOutput
-from streamd.engine.preemption_costs import measure_cost_model
+from streamd.engine.preemption_costs import cost_model
 from streamd.engine.sampler import PendingSample, Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.scheduler import Scheduler
@@ -74,10 +75,10 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(loaded)
         self.sampler = Sampler(vocab, self.eos_token_ids, seed=config.model.seed)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
-        cost_model = None
+        costs = None
         if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
-            cost_model = measure_cost_model(self.cache, self.runner, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, cost_model)
+            costs = cost_model(self.cache, self.runner, self.max_model_len, Path(config.model.cache_dir).expanduser())
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, costs)
         self._groups: dict[str, SequenceGroup] = {}
         self._num_penalized = 0  # live requests whose sampling reads their token history on the host
         self._pending: list[RequestOutput] = []  # outputs of requests finished outside a step (aborts)
