@@ -1,4 +1,5 @@
-"""How many CPU threads torch runs on: `model.num_threads`, or one per core this process may use.
+"""The CPU this process runs on: its model name, and how many threads torch runs on (`model.num_threads`,
+or one per core this process may use).
 
 torch's default is the machine's core count, which oversubscribes a container or a process pinned to
 fewer cores (every parallel region then waits for a thread that is not running). The count comes from
@@ -36,3 +37,15 @@ def apply_num_threads(configured: int) -> int:
         pass
     log.info("cpu_threads", num_threads=threads, interop_threads=torch.get_num_interop_threads())
     return threads
+
+
+def cpu_model_name() -> str:
+    """The CPU's model name from /proc/cpuinfo ("" where there is none, as on macOS)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""

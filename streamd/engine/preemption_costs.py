@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from streamd.engine.cache_engine import CacheEngine
+from streamd.engine.cpu_threads import cpu_model_name
 from streamd.engine.model_runner import ModelRunner
 from streamd.engine.scheduler import PreemptionCostModel
 from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
@@ -59,18 +60,7 @@ def measurement_key(cache: CacheEngine, runner: ModelRunner) -> str:
 def _device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return _cpu_model() or platform.processor() or platform.machine()
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return ""
+    return cpu_model_name() or platform.processor() or platform.machine()
 
 
 def _read(file: Path) -> dict[str, dict[str, float]]:
