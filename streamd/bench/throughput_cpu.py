@@ -7,6 +7,7 @@ transformers forward of it. Ratios are taken within one invocation (the machine 
 
 from __future__ import annotations
 
+import argparse
 import datetime as dt
 import platform
 import random
@@ -17,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from streamd.bench.report import git_commit
+from streamd.bench.report import BenchError, git_commit, results_dir, save_report
 from streamd.bench.throughput import Workload
 
 BUSY_LOOP = "while True: pass"
@@ -237,3 +238,20 @@ def summary_markdown(report: dict[str, Any]) -> str:
               f"one plain transformers forward {t['hf_forward_s'] * 1000:.0f} ms "
               f"({t['streamd_vs_hf_forward']:.2f}x)."]
     return "\n".join(lines) + "\n"
+
+
+def main(args: argparse.Namespace) -> int:
+    """Runs the CPU benchmark with the command line's settings and writes `<out>/throughput-<date>-cpu.*`."""
+    if args.repeats < 1:
+        raise BenchError(f"--repeats must be >= 1, got {args.repeats}")
+    if args.num_requests is not None and args.num_requests < 1:
+        raise BenchError(f"--num-requests must be >= 1, got {args.num_requests}")
+    out = results_dir(args.out)  # checked before minutes of measuring
+    settings = CpuBenchSettings(dtype=args.dtype, num_requests=args.num_requests or 32, repeats=args.repeats,
+                                contention=args.contention, num_threads=args.threads)
+    report = run_cpu_benchmark(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
+    markdown = summary_markdown(report)
+    stem = save_report(report, out, "throughput", markdown)
+    print(markdown)
+    print(f"wrote {stem}.json and {stem}.md")
+    return 0

@@ -1,10 +1,12 @@
 """The CPU this process runs on: its model name, and how many threads torch runs on (`model.num_threads`,
-or one per core this process may use).
+or by default one per core this process may use, less one).
 
-torch's default is the machine's core count, which oversubscribes a container or a process pinned to
-fewer cores (every parallel region then waits for a thread that is not running). The count comes from
-the CPU affinity mask (`os.sched_getaffinity`), which honours `taskset`, cgroups' cpusets and Docker's
-`--cpuset-cpus`.
+The cores come from the CPU affinity mask (`os.sched_getaffinity`), which honours `taskset`, cgroups'
+cpusets and Docker's `--cpuset-cpus`; torch's own default (every core of the machine) oversubscribes a
+container. One core is left to everything else (the server's event loop, the engine thread's Python
+work, other processes): torch's OpenMP regions wait at a barrier for their slowest thread, so one thread
+descheduled by a competing process stalls every operator. Measured on a shared 2-core machine, 32
+requests: 2 threads 10 tok/s, 1 thread 59-79 tok/s (benchmarks/NOTES.md).
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ def usable_cores() -> int:
 
 def apply_num_threads(configured: int) -> int:
     """Sets torch's intra-op threads (and inter-op threads, where torch still allows it) to `configured`,
-    or to `usable_cores()` when it is 0; returns the count in effect."""
-    threads = configured or usable_cores()
+    or when it is 0 to `usable_cores() - 1` (at least 1); returns the count in effect."""
+    threads = configured or max(1, usable_cores() - 1)
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(threads)
