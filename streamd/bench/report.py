@@ -17,7 +17,7 @@ from typing import Any
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
 
-class BenchError(Exception):
+class BenchError(ValueError):
     """A benchmark cannot run as asked (bad argument, missing device); the message says why."""
 
 
