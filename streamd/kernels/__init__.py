@@ -8,9 +8,21 @@ KV cache layout (ARCHITECTURE.md): one block-major pool
 ``kv_cache[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`` (2 = key, value).
 """
 
-from streamd.kernels.block_copy import copy_blocks
-from streamd.kernels.decode_attention import paged_decode_attention
-from streamd.kernels.kv_store import store_kv
-from streamd.kernels.prefill_attention import paged_prefill_attention
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Exported lazily, so that `streamd.kernels.reference` (the CPU path) imports without triton, which
+# exists only on Linux x86_64/aarch64.
+_EXPORTS = {"copy_blocks": "block_copy", "paged_decode_attention": "decode_attention",
+            "store_kv": "kv_store", "paged_prefill_attention": "prefill_attention"}
 
 __all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks"]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'streamd.kernels' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"streamd.kernels.{_EXPORTS[name]}"), name)

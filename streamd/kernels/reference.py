@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from streamd.kernels._triton_utils import check_cache
+from streamd.kernels.layout import check_cache
 
 
 def _layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
