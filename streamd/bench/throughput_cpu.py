@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import platform
 import random
 import statistics
@@ -160,6 +161,7 @@ def alternate(runners: list[Any], work: Workload, repeats: int, log: Callable[[s
             seconds[runner.name].append(elapsed)
             log(f"  round {round_ + 1}/{repeats} {runner.name}: {work.output_tokens / elapsed:.1f} tok/s")
     result: dict[str, Any] = {}
+    result["load_average_after"] = os.getloadavg()[0]
     for name, values in seconds.items():
         result[name] = {"seconds": values, "tok_s": [work.output_tokens / s for s in values],
                         "median_tok_s": work.output_tokens / statistics.median(values)}
@@ -176,15 +178,19 @@ def busy_core() -> subprocess.Popen[bytes]:
 
 def measure_ttft(streamd: StreamdRunner, hf: HfStaticRunner, prompt_len: int, repeats: int,
                  vocab: int) -> dict[str, Any]:
+    """Median seconds to the first token of a fresh `prompt_len`-token prompt, streamd and one transformers
+    forward alternating (after one warm-up each); fresh tokens every time, so no prefix-cache hit."""
     rng = random.Random(1)
-    result: dict[str, Any] = {"prompt_tokens": prompt_len}
-    for name, fn in (("streamd", streamd.ttft), ("hf_forward", hf.ttft)):
-        times = []
-        for i in range(repeats + 1):  # the first is a warm-up; fresh tokens each time (no prefix-cache hit)
+    times: dict[str, list[float]] = {"streamd": [], "hf_forward": []}
+    for i in range(repeats + 1):
+        for name, fn in (("streamd", streamd.ttft), ("hf_forward", hf.ttft)):
             elapsed = fn([rng.randrange(vocab) for _ in range(prompt_len)])
             if i:
-                times.append(elapsed)
-        result[f"{name}_s"] = statistics.median(times)
+                times[name].append(elapsed)
+    result: dict[str, Any] = {"prompt_tokens": prompt_len}
+    for name, values in times.items():
+        result[f"{name}_s"] = statistics.median(values)
+        result[f"{name}_all_s"] = values
     result["streamd_vs_hf_forward"] = result["streamd_s"] / result["hf_forward_s"]
     return result
 
@@ -203,8 +209,8 @@ def run_cpu_benchmark(settings: CpuBenchSettings, log: Callable[[str], None] = p
         "date": dt.date.today().isoformat(), "git_commit": git_commit(), "device": "cpu",
         "cpu": cpu_model_name() or platform.processor() or platform.machine(), "usable_cores": usable_cores(), "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__, "dtype": settings.dtype, "workload": work.name,
-        "output_tokens": work.output_tokens, "repeats": settings.repeats}
-    log(f"idle machine ({work.name}, {settings.dtype}, {torch.get_num_threads()} threads)")
+        "output_tokens": work.output_tokens, "repeats": settings.repeats, "load_average_before": os.getloadavg()[0]}
+    log(f"machine as found ({work.name}, {settings.dtype}, {torch.get_num_threads()} threads)")
     report["idle"] = alternate(runners, work, settings.repeats, log)
     if settings.contention:
         log("one core kept busy by another process")
@@ -225,14 +231,15 @@ def summary_markdown(report: dict[str, Any]) -> str:
              f"{report['torch_threads']} threads, {report['dtype']}. Default model (SmolLM2-135M-Instruct), "
              f"workload {report['workload']} ({report['output_tokens']} output tokens), greedy, EOS ignored. "
              f"Median of {report['repeats']} alternating runs.", "",
-             "| machine | streamd tok/s | HF continuous batching tok/s | HF static tok/s | vs HF CB | vs HF static |",
-             "|---|---|---|---|---|---|"]
-    for label, key in (("idle", "idle"), ("one core busy", "contention")):
+             "| machine | streamd tok/s | HF continuous batching tok/s | HF static tok/s | vs HF CB | vs HF static "
+             "| load avg after |",
+             "|---|---|---|---|---|---|---|"]
+    for label, key in (("as found", "idle"), ("+ a process keeping one core busy", "contention")):
         if key in report:
             r = report[key]
             lines.append(f"| {label} | {r['streamd']['median_tok_s']:.1f} | {r['hf_cb']['median_tok_s']:.1f} | "
                          f"{r['hf_static']['median_tok_s']:.1f} | {r['streamd_vs_hf_cb']:.2f}x | "
-                         f"{r['streamd_vs_hf_static']:.2f}x |")
+                         f"{r['streamd_vs_hf_static']:.2f}x | {r.get('load_average_after', float('nan')):.1f} |")
     t = report["ttft"]
     lines += ["", f"Time to first token of a {t['prompt_tokens']}-token prompt: streamd {t['streamd_s'] * 1000:.0f} ms, "
               f"one plain transformers forward {t['hf_forward_s'] * 1000:.0f} ms "
