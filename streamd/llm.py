@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import itertools
 import os
 from typing import Any, Sequence as Seq
@@ -11,7 +12,7 @@ from transformers import PretrainedConfig
 
 from streamd.config import Config, load_config
 from streamd.engine.llm_engine import LLMEngine
-from streamd.engine.outputs import RequestOutput
+from streamd.engine.outputs import RequestOutput, RequestOutputBuilder
 from streamd.engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -29,7 +30,7 @@ class LLM:
             overrides["model.name"] = model
         self.config: Config = load_config(config_path, overrides)
         self.engine = LLMEngine.from_config(self.config, model if isinstance(model, PretrainedConfig) else None)
-        self.engine.stream_outputs = False  # generate() and chat() return only final outputs
+        gc.freeze()  # the model's objects are permanent: keep them out of every future collection
         self._ids = itertools.count()
 
     @property
@@ -53,35 +54,44 @@ class LLM:
     def _run(self, items: list[Any], sampling_params: SamplingParams | Seq[SamplingParams] | None,
              chat: bool) -> list[RequestOutput]:
         params = _per_item(sampling_params, len(items))
-        ids: list[str] = []
+        builders: list[RequestOutputBuilder] = []
         try:
             for item, p in zip(items, params):
                 request_id = f"llm-{next(self._ids)}"
                 if chat:
-                    self.engine.add_request(request_id, None, p,
-                                            prompt_token_ids=self.engine.apply_chat_template(item))
+                    ids = self.engine.add_request(request_id, None, p,
+                                                  prompt_token_ids=self.engine.apply_chat_template(item))
+                    prompt = None
                 else:
-                    self.engine.add_request(request_id, item, p)
-                ids.append(request_id)
-            return self._drain(ids)
+                    ids = self.engine.add_request(request_id, item, p)
+                    prompt = item if isinstance(item, str) else None
+                builders.append(RequestOutputBuilder(request_id, prompt, ids, p.n))
+            return run_to_completion(self.engine, builders)
         except BaseException:
             with contextlib.suppress(Exception):  # clean up, but the caller sees the first error
-                for request_id in ids:
-                    self.engine.abort(request_id)
+                for builder in builders:
+                    self.engine.abort(builder.request_id)
                 while self.engine.has_unfinished_requests():
                     self.engine.step()
             raise
 
-    def _drain(self, ids: list[str]) -> list[RequestOutput]:
-        wanted = set(ids)
-        final: dict[str, RequestOutput] = {}
-        while len(final) < len(ids):
-            for output in self.engine.step():
-                if output.finished and output.request_id in wanted:
-                    if output.error:
-                        raise RuntimeError(f"request {output.request_id} failed: {output.error}")
-                    final[output.request_id] = output
-        return [final[i] for i in ids]
+
+def run_to_completion(engine: LLMEngine, builders: list[RequestOutputBuilder]) -> list[RequestOutput]:
+    """Steps `engine` until every request of `builders` has finished, folding its deltas; outputs in the
+    builders' order. A request that failed raises."""
+    by_id = {b.request_id: b for b in builders}
+    remaining = len(by_id)
+    while remaining:
+        for delta in engine.step():
+            builder = by_id.get(delta.request_id)
+            if builder is None:
+                continue
+            builder.add(delta)
+            if delta.finished:
+                if delta.error:
+                    raise RuntimeError(f"request {delta.request_id} failed: {delta.error}")
+                remaining -= 1
+    return [b.build() for b in builders]
 
 
 def _per_item(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -22,9 +22,7 @@ def assert_pool_whole(engine) -> None:
     """No request in flight, every KV block (and swap block) free again."""
     stats = engine.stats()
     assert not engine.has_unfinished_requests(), "requests still in flight after the test"
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"], f"KV blocks leaked: {stats}"
-    if "swap_blocks_free" in stats:
-        assert stats["swap_blocks_free"] == stats["swap_blocks_total"], f"swap blocks leaked: {stats}"
+    assert stats.pool_whole, f"KV blocks leaked: {stats}"
 
 
 @torch.inference_mode()
@@ -39,13 +37,33 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
 def run_to_completion(engine, prompts: list, params) -> list:
     """Adds every prompt to `engine` (with one SamplingParams, or one each) and steps until all finish;
     final RequestOutputs in prompt order."""
-    ids = [f"t{next(_REQUEST_IDS)}" for _ in prompts]
+    from streamd.engine.outputs import RequestOutputBuilder
+    from streamd.llm import run_to_completion as fold
+
     per_prompt = params if isinstance(params, list) else [params] * len(prompts)
-    for request_id, prompt, p in zip(ids, prompts, per_prompt):
-        engine.add_request(request_id, prompt, p)
-    final = {}
+    builders = []
+    for prompt, p in zip(prompts, per_prompt):
+        request_id = f"t{next(_REQUEST_IDS)}"
+        ids = engine.add_request(request_id, prompt, p)
+        builders.append(RequestOutputBuilder(request_id, prompt if isinstance(prompt, str) else None, ids, p.n))
+    return fold(engine, builders)
+
+
+def step_until_idle(engine, folded: dict | None = None) -> dict:
+    """Steps `engine` until no request is in flight, folding every request's deltas; returns
+    {request_id: RequestOutput} of the requests that finished (with `folded`, continues that fold)."""
+    builders = folded if folded is not None else {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return [final[i] for i in ids]
+        fold_deltas(engine.step(), builders)
+    return {rid: b.build() for rid, b in builders.items() if b.finished}
+
+
+def fold_deltas(deltas, builders: dict) -> None:
+    """Folds `deltas` into `builders` ({request_id: RequestOutputBuilder}, created on first sight)."""
+    from streamd.engine.outputs import RequestOutputBuilder
+
+    for delta in deltas:
+        builder = builders.get(delta.request_id)
+        if builder is None:
+            builder = builders[delta.request_id] = RequestOutputBuilder(delta.request_id, None, [])
+        builder.add(delta)

@@ -89,8 +89,8 @@ def test_prefix_hit_only_after_kv_written_and_never_whole_prompt():
     fourth = Sequence(list(range(12)))
     # All 12 tokens are cached, but the last one must be computed: its block is recomputed.
     assert bm.allocate(fourth) == 8 and fourth.num_computed_tokens == 8
-    assert bm.stats()["prefix_cache_hit_tokens"] == 16
-    assert bm.stats()["prefix_cache_queried_tokens"] == 48
+    assert bm.stats().prefix_hit_tokens == 16
+    assert bm.stats().prefix_queried_tokens == 48
 
 
 def test_freed_blocks_stay_findable_and_evict_least_recently_freed():
@@ -144,13 +144,13 @@ def test_swap_round_trip_and_cached_reuse():
     out = bm.swap_out([seq])
     kv.copy(out, kv.device, kv.host)
     assert seq.block_table == [] and bm.num_free_blocks() == 8 and bm.num_free_swap_blocks() == 5
-    assert bm.stats()["swapped_out_blocks"] == 3
+    assert bm.stats().swapped_out_blocks == 3
     seq.append_token(3)
     assert bm.blocks_to_swap_in([seq]) == 3  # two full blocks + the partial one (room for token 11)
     back = bm.swap_in([seq])
     kv.copy(back, kv.host, kv.device)
     # The two full blocks were still cached on the device: only the partial block crossed the link.
-    assert len(back) == 1 and bm.stats()["swapped_in_blocks"] == 1
+    assert len(back) == 1 and bm.stats().swapped_in_blocks == 1
     bm.append_slots(seq)
     compute(bm, kv, seq)
     kv.check(seq, seq.num_tokens)

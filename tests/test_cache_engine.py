@@ -227,7 +227,7 @@ def test_engine_swap_preemption_through_the_staged_path(monkeypatch) -> None:
                         lambda self, chunks, to_host: (staged.append(to_host), original(self, chunks, to_host)))
     outs = tight.generate(prompts, greedy)
     assert [o.outputs[0].token_ids for o in outs] == expected
-    assert tight.engine.stats()["preemptions_swap"] > 0
+    assert tight.engine.stats().scheduler.preemptions_swap > 0
     assert True in staged and False in staged  # both directions went through staging
 
 

@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
 from streamd import LLM, SamplingParams
-from tests.helpers import register_engine
+from tests.helpers import fold_deltas, register_engine
 from tests.helpers import hf_greedy
 
 CHATS = [
@@ -27,25 +27,21 @@ CHATS = [
 def _run_staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> dict[str, list[int]]:
     """Adds half the requests, steps a little, adds the rest: prefills land while others decode."""
     engine = llm.engine
-    done: dict[str, list[int]] = {}
+    builders: dict = {}
     half = len(prompts) // 2
     for i, ids in enumerate(prompts[:half]):
         engine.add_request(f"r{i}", ids, params)
     mixed_steps = 0
     for _ in range(3):
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+        fold_deltas(engine.step(), builders)
     for i, ids in enumerate(prompts[half:], start=half):
         engine.add_request(f"r{i}", ids, params)
     while engine.has_unfinished_requests():
         before = engine.stats()
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
-        mixed_steps += before["num_running"] > 0 and before["num_waiting"] > 0
+        fold_deltas(engine.step(), builders)
+        mixed_steps += before.scheduler.num_running > 0 and before.scheduler.num_waiting > 0
     assert mixed_steps > 0, "no step mixed waiting prefills with running decodes"
-    return done
+    return {rid: b.build().outputs[0].token_ids for rid, b in builders.items()}
 
 
 def test_default_model_matches_hf_generate(smol_llm: LLM, hf_smol) -> None:

@@ -10,7 +10,7 @@ from transformers import LlamaConfig
 
 from streamd import LLM, SamplingParams
 from streamd.engine.sequence import PLACEHOLDER
-from tests.helpers import register_engine, run_to_completion
+from tests.helpers import fold_deltas, register_engine, run_to_completion, step_until_idle
 
 CONFIG = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -42,12 +42,12 @@ def test_mixed_batch_equals_requests_run_alone(engine) -> None:
     want = [_alone(engine, p, sp) for p, sp in zip(prompts, params)]
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"mix{i}", p, sp)
-    got: dict[str, list[int]] = {}
+    builders: dict = {}
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            assert PLACEHOLDER not in out.outputs[0].token_ids
-            if out.finished:
-                got[out.request_id] = out.outputs[0].token_ids
+        deltas = engine.step()
+        assert all(PLACEHOLDER not in c.token_ids for d in deltas for c in d.outputs)
+        fold_deltas(deltas, builders)
+    got = {rid: b.build().outputs[0].token_ids for rid, b in builders.items()}
     assert [got[f"mix{i}"] for i in range(6)] == want
     assert [len(w) for w in want] == [5 + 7 * i for i in range(6)]
 
@@ -58,15 +58,12 @@ def test_abort_while_a_step_is_in_flight(engine) -> None:
     want = [_alone(engine, p, params) for p in prompts]
     for i, p in enumerate(prompts):
         engine.add_request(f"ab{i}", p, params)
+    builders: dict = {}
     for _ in range(4):
-        engine.step()
+        fold_deltas(engine.step(), builders)
     assert engine._inflight is not None, "a step should be in flight between two step() calls"
     engine.abort("ab1")
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = step_until_idle(engine, builders)
     assert final["ab1"].outputs[0].finish_reason == "abort"
     assert final["ab0"].outputs[0].token_ids == want[0]
     assert final["ab2"].outputs[0].token_ids == want[2]
@@ -88,7 +85,7 @@ def test_a_finished_sequence_takes_no_extra_block() -> None:
                                                              detokenize=False)])
     assert [len(o.outputs[0].token_ids) for o in outs] == [2, 9]
     stats = engine.stats()
-    assert stats["preemptions_recompute"] == 0 and stats["preemptions_swap"] == 0, stats
+    assert stats.scheduler.preemptions_recompute == 0 and stats.scheduler.preemptions_swap == 0, stats
 
 
 def test_a_failed_step_reports_no_pending_token(engine, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -104,10 +101,10 @@ def test_a_failed_step_reports_no_pending_token(engine, monkeypatch: pytest.Monk
     monkeypatch.setattr(engine.runner, "execute", broken)
     with pytest.raises(RuntimeError, match="injected"):
         engine.step()  # placeholders were appended before the launch failed
-    outs = engine.abort_all("injected device fault")
-    assert {o.request_id for o in outs} == {"fail0", "fail1", "fail2"}
-    for out in outs:
-        assert out.finished and out.error and PLACEHOLDER not in out.outputs[0].token_ids
+    deltas = engine.abort_all("injected device fault")
+    assert {d.request_id for d in deltas} == {"fail0", "fail1", "fail2"}
+    for delta in deltas:
+        assert delta.finished and delta.error and all(PLACEHOLDER not in c.token_ids for c in delta.outputs)
 
 
 def test_warm_up_leaves_the_engine_idle_and_its_counters_at_zero() -> None:
@@ -115,5 +112,21 @@ def test_warm_up_leaves_the_engine_idle_and_its_counters_at_zero() -> None:
     engine = register_engine(llm.engine)
     engine.warm_up()  # runs on CUDA at start-up; the same code on CPU here
     stats = engine.stats()
-    assert stats["prefix_cache_queried_tokens"] == 0 and stats["prefix_cache_hit_tokens"] == 0
-    assert not engine.has_unfinished_requests() and stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv.prefix_queried_tokens == 0 and stats.kv.prefix_hit_tokens == 0
+    assert not engine.has_unfinished_requests() and stats.kv.blocks_free == stats.kv.blocks_total
+
+
+def test_step_output_does_not_grow_with_the_tokens_already_generated(smol_llm) -> None:
+    """The engine step hands out only what is new: one token (and its logprobs, and at most a few
+    characters) per sequence per step, at token 100 as at token 1. Cumulative outputs would grow."""
+    engine = smol_llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, logprobs=2)
+    engine.add_request("grow", "Count from one to a hundred:", params)
+    sizes = []
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            (choice,) = delta.outputs
+            sizes.append((len(choice.token_ids), len(choice.logprobs or []), len(choice.text)))
+    assert len(sizes) >= 120 and sum(s[0] for s in sizes) == 120
+    assert max(s[0] for s in sizes) == 1 and max(s[1] for s in sizes) == 1
+    assert max(s[2] for s in sizes) <= 32

@@ -9,7 +9,7 @@ from transformers import LlamaConfig
 
 from streamd import LLM, SamplingParams
 from streamd.engine.errors import KVCacheCapacityError
-from tests.helpers import register_engine, run_to_completion
+from tests.helpers import register_engine, run_to_completion, step_until_idle
 
 CONFIG = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
@@ -45,13 +45,13 @@ def test_preemption_keeps_outputs_identical(mode: str, prompts, unconstrained) -
     assert [o.outputs[0].token_ids for o in outs] == unconstrained
     stats = llm.engine.stats()
     if mode == "swap":
-        assert stats["preemptions_swap"] > 0 and stats["preemptions_recompute"] == 0, stats
-        assert stats["swapped_out_blocks"] > 0 and stats["swapped_in_blocks"] > 0
+        assert stats.scheduler.preemptions_swap > 0 and stats.scheduler.preemptions_recompute == 0, stats
+        assert stats.kv.swapped_out_blocks > 0 and stats.kv.swapped_in_blocks > 0
     elif mode == "recompute":
-        assert stats["preemptions_recompute"] > 0 and stats["preemptions_swap"] == 0, stats
-        assert stats["recomputed_tokens"] > 0
+        assert stats.scheduler.preemptions_recompute > 0 and stats.scheduler.preemptions_swap == 0, stats
+        assert stats.scheduler.recomputed_tokens > 0
     else:
-        assert stats["preemptions_swap"] + stats["preemptions_recompute"] > 0, stats
+        assert stats.scheduler.preemptions_swap + stats.scheduler.preemptions_recompute > 0, stats
 
 
 def test_prefix_cache_serves_a_shared_prefix(smol_llm: LLM) -> None:
@@ -63,7 +63,7 @@ def test_prefix_cache_serves_a_shared_prefix(smol_llm: LLM) -> None:
     second = smol_llm.generate(system + "Name a colour.", SamplingParams(temperature=0.0, max_tokens=8))[0]
     after = engine.stats()
     assert second.num_cached_tokens >= 3 * block, second.num_cached_tokens
-    assert after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"] >= 3 * block
+    assert after.kv.prefix_hit_tokens - before.kv.prefix_hit_tokens >= 3 * block
     uncached = LLM(device="cpu", dtype="float32", num_kv_blocks=128, enable_prefix_caching=False, num_swap_blocks=0)
     register_engine(uncached.engine)
     plain = uncached.generate(system + "Name a colour.", SamplingParams(temperature=0.0, max_tokens=8))[0]
@@ -88,18 +88,13 @@ def test_never_fit_is_rejected_while_others_complete(prompts, unconstrained) -> 
     engine.add_request("ok", prompts[0], GREEDY)
     with pytest.raises(KVCacheCapacityError, match="KV cache"):
         engine.add_request("huge", list(range(1, 250)), GREEDY)
-    done = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out.outputs[0].token_ids
+    done = {rid: out.outputs[0].token_ids for rid, out in step_until_idle(engine).items()}
     assert done == {"ok": unconstrained[0]}
 
 
 def test_chunked_prefill_runs_beside_decodes(prompts) -> None:
     llm = _llm(num_kv_blocks=200, num_swap_blocks=0, max_num_batched_tokens=16)
     engine = register_engine(llm.engine)
-    engine.stream_outputs = True  # report every step's progress, as a server would
     engine.add_request("short", prompts[0][:4], GREEDY)
     engine.step()  # "short" is prefilled and decoding
     engine.add_request("long", list(range(1, 120)), GREEDY)
@@ -122,11 +117,7 @@ def test_requests_arriving_together_share_a_prefix_in_the_same_step(prompts) -> 
     engine.add_request("second", shared + [4, 5], GREEDY)
     engine.step()
     assert all(g.first_scheduled_time is not None for g in engine._groups.values()), "one step admits both"
-    final = {}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
+    final = step_until_idle(engine)
     assert final["first"].num_cached_tokens == 0
     assert final["second"].num_cached_tokens == 40
     plain = register_engine(_llm(num_kv_blocks=200, num_swap_blocks=0, enable_prefix_caching=False).engine)

@@ -204,11 +204,11 @@ def test_recompute_preempts_latest_arrival_and_reprefills_it():
     victim = eng.sched.waiting[0]
     assert victim.request_id == "c" and victim.seqs[0].num_computed_tokens == 0
     assert victim.seqs[0].status == SequenceStatus.WAITING and victim.seqs[0].block_table == []
-    assert eng.sched.stats()["preemptions_recompute"] == 1
+    assert eng.sched.stats().preemptions_recompute == 1
     eng.run()
     assert eng.finished == {rid: [reference(list(range(10 * ord(rid), 10 * ord(rid) + 8)), 6)] for rid in "abc"}
     stats = eng.sched.stats()
-    assert stats["recomputed_tokens"] > 0 and stats["preemptions_swap"] == 0
+    assert stats.recomputed_tokens > 0 and stats.preemptions_swap == 0
 
 
 def test_swap_preempts_and_swapped_come_back_before_new_requests():
@@ -228,8 +228,8 @@ def test_swap_preempts_and_swapped_come_back_before_new_requests():
             assert eng.sched.num_swapped == 0
     assert swapped_in_c is not None and admitted_d > swapped_in_c
     eng.assert_pool_whole()
-    stats = eng.sched.stats()
-    assert stats["preemptions_swap"] >= 1 and stats["swapped_out_blocks"] >= 2 and stats["swapped_in_blocks"] >= 1
+    stats, stats_kv = eng.sched.stats(), eng.sched.block_manager.stats()
+    assert stats.preemptions_swap >= 1 and stats_kv.swapped_out_blocks >= 2 and stats_kv.swapped_in_blocks >= 1
     assert eng.finished["c"] == [reference(list(range(990, 998)), 6)]
 
 
@@ -308,7 +308,7 @@ def test_preemption_mode_choice(mode, swap_blocks, cost, expect_swap):
     _three_growing(eng)
     eng.step()
     stats = eng.sched.stats()
-    assert (stats["preemptions_swap"], stats["preemptions_recompute"]) == ((1, 0) if expect_swap else (0, 1))
+    assert (stats.preemptions_swap, stats.preemptions_recompute) == ((1, 0) if expect_swap else (0, 1))
     eng.run()
 
 
@@ -321,7 +321,7 @@ def test_lone_group_that_outgrows_the_pool_is_preempted_then_rejected(mode, swap
     eng.run()  # no deadlock: it preempts itself, then cannot come back and is rejected
     assert "KV cache" in eng.rejected["grows"] and "grows" not in eng.finished
     assert eng.finished["small"] == [reference([9], 2)]
-    assert eng.sched.stats()[counter] == 1
+    assert getattr(eng.sched.stats(), counter) == 1
 
 
 # ---- abort ----------------------------------------------------------------------------------------
@@ -356,8 +356,8 @@ def test_shared_three_block_prefix_is_served_from_cache():
     assert second.num_cached_tokens == 48
     eng.run()
     assert eng.finished["second"] == [reference(prefix + [7, 8], 4)]
-    stats = eng.sched.stats()
-    assert stats["prefix_cache_hit_tokens"] == 48 and stats["prefix_cache_queried_tokens"] == 51 + 50
+    stats_kv = eng.sched.block_manager.stats()
+    assert stats_kv.prefix_hit_tokens == 48 and stats_kv.prefix_queried_tokens == 51 + 50
 
     plain = FakeEngine(64, block_size=16, prefix_caching=False)
     plain.add("second", prefix + [7, 8], max_tokens=4)
@@ -394,11 +394,11 @@ def test_group_that_forked_past_the_limits_still_comes_back(mode, swap_blocks):
     eng = FakeEngine(6, max_num_seqs=2, max_num_batched_tokens=2, mode=mode, num_swap_blocks=swap_blocks)
     eng.add("b", [7, 8], max_tokens=12)
     eng.add("n3", [1, 2, 3, 4, 5], max_tokens=6, forks=2)  # 3 sequences: more than either limit
-    while eng.sched.stats()["preemptions_" + mode] == 0:
+    while getattr(eng.sched.stats(), "preemptions_" + mode) == 0:
         eng.step()
     assert [g.request_id for g in [*eng.sched.waiting, *eng.sched.swapped]] == ["n3"]
     eng.run()  # n3 comes back once it is alone, though it alone exceeds max_num_seqs
-    assert eng.sched.stats()["preemptions_" + mode] == 1
+    assert getattr(eng.sched.stats(), "preemptions_" + mode) == 1
     assert len(eng.finished["n3"]) == 3 and all(len(o) == 6 for o in eng.finished["n3"])
 
 
@@ -433,13 +433,13 @@ def _run(requests, **kwargs) -> FakeEngine:  # noqa: ANN001
 def test_starved_pool_reproduces_unconstrained_outputs(seed, mode, swap_blocks, cost):
     requests = _workload(seed)
     free = _run(requests, num_blocks=400)
-    assert free.sched.stats()["preemptions_swap"] + free.sched.stats()["preemptions_recompute"] == 0
+    assert free.sched.stats().preemptions_swap + free.sched.stats().preemptions_recompute == 0
     tight = _run(requests, num_blocks=24, num_swap_blocks=swap_blocks, mode=mode, cost_model=cost,
                  watermark=0.05)
     assert tight.rejected == {} and tight.finished == free.finished
-    stats = tight.sched.stats()
+    stats, stats_kv = tight.sched.stats(), tight.sched.block_manager.stats()
     if mode == "recompute" or swap_blocks < 10:  # a small host pool fills up: recompute takes over
-        assert stats["preemptions_recompute"] > 0 and stats["recomputed_tokens"] > 0
+        assert stats.preemptions_recompute > 0 and stats.recomputed_tokens > 0
     if mode != "recompute":
-        assert stats["preemptions_swap"] > 0 and stats["swapped_in_blocks"] > 0
-    assert stats["prefix_cache_hit_tokens"] > 0
+        assert stats.preemptions_swap > 0 and stats_kv.swapped_in_blocks > 0
+    assert stats_kv.prefix_hit_tokens > 0

@@ -48,16 +48,21 @@ def save_report(report: dict[str, Any], out: str | os.PathLike[str] | None, name
     folder.mkdir(parents=True, exist_ok=True)
     device = report["device"].replace("NVIDIA ", "").replace(" ", "-").lower()
     stem = folder / f"{name}-{report['date']}-{device}"
-    for path, text in ((stem.with_suffix(".json"), json.dumps(report, indent=2, default=str) + "\n"),
-                       (stem.with_suffix(".md"), markdown)):
-        tmp = path.with_suffix(path.suffix + ".tmp")
+    # Names may hold dots ("llama3.2-1b"): append the suffixes, never replace one.
+    for path, text in ((Path(f"{stem}.json"), json.dumps(report, indent=2, default=str) + "
+"),
+                       (Path(f"{stem}.md"), markdown)):
+        tmp = Path(f"{path}.tmp")
         tmp.write_text(text)
         os.replace(tmp, path)  # a half-written report never replaces a good one
     return stem
 
 
 def git_commit() -> str:
-    """The short commit of the working tree (\"unknown\" where git or the repository is missing)."""
+    """The short commit of the working tree: `STREAMD_GIT_COMMIT` when set (a copy of the tree without its
+    repository, as on a device machine), else git's, else "unknown"."""
+    if os.environ.get("STREAMD_GIT_COMMIT"):
+        return os.environ["STREAMD_GIT_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()

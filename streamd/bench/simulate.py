@@ -68,13 +68,14 @@ def simulate_streamd(stream: RequestStream, steps: int, warmup: int, num_blocks:
     bm = BlockManager(num_blocks, block_size, num_swap_blocks=0)
     sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, "recompute"), bm, MAX_SEQ_LEN)
     meter, completed, next_req = Meter(num_blocks * block_size), 0, 0
+    output_lens: dict[str, int] = {}  # request id -> its output length in the workload
     every = max(1, steps // 20)
     for step in range(steps):
         while sched.num_waiting < max_num_seqs:  # keep a backlog: memory, not arrivals, is the limit
             prompt_len, output_len = stream[next_req]
             base = next_req * _ID_STRIDE
             group = SequenceGroup(str(next_req), [Sequence(list(range(base, base + prompt_len)))], _PARAMS)
-            group.user_data = output_len
+            output_lens[group.request_id] = output_len
             sched.add_seq_group(group)
             next_req += 1
         out = sched.schedule()
@@ -87,16 +88,18 @@ def simulate_streamd(stream: RequestStream, steps: int, warmup: int, num_blocks:
         for item in sampling:  # the forward's sampled token; the value is irrelevant to memory
             seq = item.seq
             seq.append_token(0)
-            if seq.num_output_tokens >= item.group.user_data:
+            if seq.num_output_tokens >= output_lens[item.group.request_id]:
                 seq.status = SequenceStatus.FINISHED_LENGTH
         done = sched.free_finished([item.group for item in sampling])
+        for group in done:
+            del output_lens[group.request_id]
         if step >= warmup:
             completed += len(done)
         if step % every == 0:
             progress(step / steps)
     stats = sched.stats()
-    return meter.result("streamd", completed, preemptions=stats["preemptions_recompute"],
-                        recomputed_tokens=stats["recomputed_tokens"])
+    return meter.result("streamd", completed, preemptions=stats.preemptions_recompute,
+                        recomputed_tokens=stats.recomputed_tokens)
 
 
 class FirstFit:

@@ -110,22 +110,25 @@ def run_streamd(config: Any, work: Workload, progress: Any, **overrides: Any) ->
     while engine.has_unfinished_requests():
         engine.step()
     start = time.perf_counter()
+    arrival: dict[str, float] = {}
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
+        arrival[str(i)] = time.monotonic()
         engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False,
-                                                          temperature=0.0), arrival_time=time.monotonic())
+                                                          temperature=0.0), arrival_time=arrival[str(i)])
     ttft: list[float] = []
     while engine.has_unfinished_requests():
-        for out in engine.step():
-            if out.finished:
-                ttft.append(out.metrics["first_token_time"] - out.metrics["arrival_time"])
+        for delta in engine.step():
+            if delta.request_id in arrival and delta.num_new_tokens:  # its first tokens
+                ttft.append(time.monotonic() - arrival.pop(delta.request_id))
+            if delta.finished:
                 progress.update(1)
     seconds = time.perf_counter() - start
     stats = engine.stats()
     del llm, engine
     _free_cuda()
     return {"tok_s": work.output_tokens / seconds, "seconds": seconds, "median_ttft_s": statistics.median(ttft),
-            "prefix_cache_hit_tokens": stats.get("prefix_cache_hit_tokens", 0),
-            "preemptions": stats.get("preemptions_swap", 0) + stats.get("preemptions_recompute", 0)}
+            "prefix_cache_hit_tokens": stats.kv.prefix_hit_tokens,
+            "preemptions": stats.scheduler.preemptions_swap + stats.scheduler.preemptions_recompute}
 
 
 def run_hf_continuous(config: Any, work: Workload, progress: Any) -> dict[str, float]:

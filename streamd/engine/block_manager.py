@@ -21,6 +21,7 @@ from typing import Iterable
 
 from streamd.engine.prefix_cache import PrefixCache, SeqHashes
 from streamd.engine.sequence import Sequence
+from streamd.engine.stats import KVCacheStats
 
 CopyPairs = tuple[tuple[int, int], ...]
 _NO_COPIES: CopyPairs = ()
@@ -378,18 +379,13 @@ class BlockManager:
     def registered_tokens(self, block: int) -> list[int] | None:
         return self._cache.tokens_of(block)
 
-    def stats(self) -> dict[str, int]:
-        return {
-            "kv_blocks_total": self.num_blocks,
-            "kv_blocks_free": self.num_free_blocks(),
-            "kv_blocks_cached": len(self._cached_free),
-            "swap_blocks_total": self.num_swap_blocks,
-            "swap_blocks_free": len(self._host_free),
-            "swapped_out_blocks": self.swapped_out_blocks,
-            "swapped_in_blocks": self.swapped_in_blocks,
-            "prefix_cache_queried_tokens": self.prefix_cache_queried_tokens,
-            "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
-        }
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            blocks_total=self.num_blocks, blocks_free=self.num_free_blocks(),
+            blocks_cached=len(self._cached_free), swap_blocks_total=self.num_swap_blocks,
+            swap_blocks_free=len(self._host_free), swapped_out_blocks=self.swapped_out_blocks,
+            swapped_in_blocks=self.swapped_in_blocks, prefix_queried_tokens=self.prefix_cache_queried_tokens,
+            prefix_hit_tokens=self.prefix_cache_hit_tokens)
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """Raises AssertionError unless the pools are consistent with `seqs` (every sequence that may

@@ -1,9 +1,11 @@
 """LLMEngine: the synchronous engine; one `step()` is one iteration of the paper's iteration-level loop.
 
 It validates and admits requests, and in each step runs schedule -> cache orders (swap/copy) -> forward
--> sample -> append, detokenize, stop -> free, returning one RequestOutput per request that progressed.
-It owns the wiring of its parts (scheduler, block manager, cache engine, model runner, sampler) and
-nothing of HTTP, WebSocket or threads (see AsyncEngine).
+-> sample -> append, token-level stops -> free. What a step produced is, per sequence, only the new token
+ids (`RequestUpdate`); the output processor turns those into the step's `RequestDelta`s (text, stop
+strings) and names the sequences a stop string ended, which are finished here. It owns the wiring of its
+parts (scheduler, block manager, cache engine, model runner, sampler, output processor) and nothing of
+HTTP, WebSocket or threads (see AsyncEngine).
 """
 
 from __future__ import annotations
@@ -22,19 +24,21 @@ from streamd.engine.block_manager import BlockManager
 from streamd.engine.cache_engine import CacheEngine, KVLayout
 from streamd.engine.chat_template import chat_template_ids
 from streamd.engine.cpu_threads import apply_num_threads
-from streamd.engine.detokenizer import IncrementalDetokenizer
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
+from streamd.engine.fusion import fuse_layers
 from streamd.engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from streamd.engine.cuda_graphs import capture_sizes
 from streamd.engine.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
-from streamd.engine.outputs import CompletionOutput, RequestOutput
+from streamd.engine.output_processor import OutputProcessor
+from streamd.engine.outputs import RequestDelta, RequestUpdate, SeqUpdate
 from streamd.engine.preemption_costs import cost_model
 from streamd.engine.sampler import PendingSample, Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.scheduler import Scheduler
 from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
-from streamd.engine.sequence import FINISH_REASONS, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
-from streamd.engine.stop_checker import StopChecker, visible_text
+from streamd.engine.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.stats import EngineStats
+from streamd.engine.stop_checker import StopChecker
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -64,6 +68,7 @@ class LLMEngine:
         cache_cfg = config.cache
         dtype = next(loaded.model.parameters()).dtype
         self.runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
+        fuse_layers(loaded.model, config.model.fuse_layers, device)
         layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype)
         num_blocks = cache_cfg.num_kv_blocks or self._auto_num_blocks(layout)
         self.cache = CacheEngine(layout, num_blocks, _num_swap_blocks(cache_cfg, layout), device, self.runner.ops)
@@ -79,12 +84,11 @@ class LLMEngine:
         if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
             costs = cost_model(self.cache, self.runner, self.max_model_len, Path(config.model.cache_dir).expanduser())
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, costs)
+        self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SequenceGroup] = {}
         self._num_penalized = 0  # live requests whose sampling reads their token history on the host
-        self._pending: list[RequestOutput] = []  # outputs of requests finished outside a step (aborts)
+        self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: _InFlight | None = None  # the launched step whose tokens are not read back yet
-        # False: step() reports only finished requests (offline use), sparing the per-step output objects.
-        self.stream_outputs = True
 
     @classmethod
     def from_config(cls, config: Config, model_config: PretrainedConfig | None = None) -> LLMEngine:
@@ -103,7 +107,6 @@ class LLMEngine:
         """Runs a few throw-away requests of awkward lengths through the real step, so that Triton compiles
         its kernel variants (it specializes on sizes divisible by 16) before the first user waits for it."""
         start = time.perf_counter()
-        stream, self.stream_outputs = self.stream_outputs, False
         params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, temperature=0.0)
         lengths = [n for n in (1, 15, 16, 17, 40, 255, 256, 300, 1000) if n + 3 <= self.max_model_len]
         for wave in (lengths, lengths[-1:], lengths):  # batched, alone (chunked), then over cached prefixes
@@ -111,7 +114,6 @@ class LLMEngine:
                 self.add_request(f"__warmup_{i}", [(7 * j + n) % self.vocab_size for j in range(n)], params)
             while self.has_unfinished_requests():
                 self.step()
-        self.stream_outputs = stream
         # The throw-away requests are not traffic: the prefix-cache counters start from zero.
         self.block_manager.prefix_cache_queried_tokens = self.block_manager.prefix_cache_hit_tokens = 0
         log.info("engine.warmed_up", seconds=round(time.perf_counter() - start, 2))
@@ -122,7 +124,8 @@ class LLMEngine:
         return chat_template_ids(self.tokenizer, messages)
 
     def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams, *,
-                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> None:
+                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> list[int]:
+        """Admits a request (or raises a RequestError saying why not); returns its prompt token ids."""
         if request_id in self._groups:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         if not isinstance(params, SamplingParams):
@@ -133,86 +136,85 @@ class LLMEngine:
         if params.detokenize and self.tokenizer is None:
             raise RequestError("this model has no tokenizer: set detokenize=False and send token ids")
         self._check_lengths(ids, params)
-        seq = Sequence(prompt_token_ids=ids)
-        if params.detokenize:
-            seq.detokenizer = IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens)
-        group = SequenceGroup(request_id, [seq], params, prompt=text,
+        group = SequenceGroup(request_id, [Sequence(prompt_token_ids=ids)], params, prompt=text,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         try:
             self.scheduler.add_seq_group(group)
         except ValueError as exc:
             raise KVCacheCapacityError(str(exc)) from exc
         self._groups[request_id] = group
+        self.output_processor.add_request(request_id, ids, params, group.arrival_time)
         self._num_penalized += params.uses_penalties
+        return ids
 
     def abort(self, request_id: str) -> None:
-        """Frees the request's blocks now; its final output (finish_reason "abort") comes with the next step."""
+        """Frees the request's blocks now; its final delta (finish_reason "abort") comes with the next step."""
         group = self._groups.get(request_id)
         if group is None:
             return
         self._forget(group)
         self.scheduler.abort_seq_group(request_id)
-        group.set_status(SequenceStatus.FINISHED_ABORTED)
-        self._pending.append(self._output(group))
+        self._pending.append(_ended(group))
 
-    def abort_all(self, error: str) -> list[RequestOutput]:
-        """Fails every live request (after an exception inside a step); returns their final outputs."""
-        outputs = []
+    def abort_all(self, error: str) -> list[RequestDelta]:
+        """Fails every live request (after an exception inside a step); returns their final deltas."""
         self._inflight = None  # its results are void; its blocks go back with their requests
+        updates, self._pending = self._pending, []
         for request_id, group in list(self._groups.items()):
             for seq in group.seqs:  # a token the host never received is not part of any output
                 if seq.token_ids and seq.token_ids[-1] == PLACEHOLDER:
                     seq.token_ids.pop()
             self._forget(group)
             self.scheduler.abort_seq_group(request_id)
-            group.set_status(SequenceStatus.FINISHED_ABORTED)
-            outputs.append(self._output(group, error=error))
-        return outputs
+            updates.append(_ended(group, error))
+        return self._process(updates)
 
     def has_unfinished_requests(self) -> bool:
         # A launched step whose requests have all finished is void: it needs no more steps.
         return bool(self._groups) or bool(self._pending)
 
-    def stats(self) -> dict[str, int | float]:
-        stats: dict[str, int | float] = dict(self.scheduler.stats())
-        stats.update(num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
-                     num_swapped=self.scheduler.num_swapped, num_requests=len(self._groups))
-        return stats
+    def stats(self) -> EngineStats:
+        return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups))
 
     # ---- the iteration --------------------------------------------------------------------------
 
-    def step(self) -> list[RequestOutput]:
-        """One iteration. The forward of this step is queued on the device before the previous step's
-        sampled tokens are read back, so the host's bookkeeping of step n overlaps the device's step n+1
-        (its inputs take those tokens on the device). Outputs therefore trail the device by one step."""
-        outputs, self._pending = self._pending, []
+    def step(self) -> list[RequestDelta]:
+        """One iteration; returns the deltas of the requests that progressed or ended. The forward of this
+        step is queued on the device before the previous step's sampled tokens are read back, so the host's
+        bookkeeping of step n overlaps the device's step n+1 (its inputs take those tokens on the device).
+        Outputs therefore trail the device by one step."""
+        updates, self._pending = self._pending, []
+        deltas: list[RequestDelta] = []
         prev, self._inflight = self._inflight, None
         if prev is not None:
             self.scheduler.on_step_done(prev.out)
             if self._num_penalized:  # penalties read every past token on the host: no overlap
-                outputs += self._finish(prev, pipelined=False)
-                prev = None
+                deltas = self._process(updates + self._read_back(prev, pipelined=False))
+                updates, prev = [], None
             else:
-                for item in prev.sampling:
-                    seq = item.seq
-                    # A token in flight that ends its sequence by length gets no placeholder, so nothing is
-                    # scheduled for it (a decode of a finished sequence could take a block, preempting a live one).
-                    if not seq.status.finished and not self.stop_checker.at_length_limit(
-                            seq, item.group.sampling_params, pending=1):
-                        seq.append_token(PLACEHOLDER)
+                self._append_placeholders(prev)
         out = self.scheduler.schedule()
         for group, reason in out.rejected:
             self._forget(group)
             group.set_status(SequenceStatus.FINISHED_ABORTED)
-            outputs.append(self._output(group, error=reason))
+            updates.append(_ended(group, reason))
         self.cache.swap_out(out.blocks_to_swap_out)
         self.cache.swap_in(out.blocks_to_swap_in)
         self.cache.copy(out.blocks_to_copy)
         if out.scheduled:
             self._inflight = self._launch(out, prev)
         if prev is not None:
-            outputs += self._finish(prev, pipelined=True)
-        return outputs
+            updates += self._read_back(prev, pipelined=True)
+        return deltas + self._process(updates)
+
+    def _append_placeholders(self, prev: _InFlight) -> None:
+        for item in prev.sampling:
+            seq = item.seq
+            # A token in flight that ends its sequence by length gets no placeholder, so nothing is
+            # scheduled for it (a decode of a finished sequence could take a block, preempting a live one).
+            if not seq.status.finished and not self.stop_checker.at_length_limit(
+                    seq, item.group.sampling_params, pending=1):
+                seq.append_token(PLACEHOLDER)
 
     def _launch(self, out: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
         now = time.monotonic()
@@ -229,37 +231,57 @@ class LLMEngine:
                                             [item.group.sampling_params for item in sampling])
         return _InFlight(out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)})
 
-    def _finish(self, step: _InFlight, pipelined: bool) -> list[RequestOutput]:
-        """Reads a launched step's tokens back and does its bookkeeping: append (or fill the placeholder),
-        detokenize, stop, free; returns the outputs of the requests that progressed."""
+    def _read_back(self, step: _InFlight, pipelined: bool) -> list[RequestUpdate]:
+        """Reads a launched step's tokens back and does the engine's bookkeeping: append (or fill the
+        placeholder), token-level stops, free; returns what is new for each request that progressed."""
         result = step.pending.result()
-        now = time.monotonic()
-        touched: dict[int, SequenceGroup] = {}
-        for i, (item, token) in enumerate(zip(step.sampling, result.token_ids)):
-            seq, group = item.seq, item.group
-            if seq.status.finished:  # aborted, or stopped a step earlier: this token is void
+        token_ids, logprobs = result.token_ids, result.logprobs
+        check = self.stop_checker.check
+        updates: dict[str, RequestUpdate] = {}
+        ended: list[SequenceGroup] = []
+        for i, item in enumerate(step.sampling):
+            seq = item.seq
+            if seq.status >= _FINISHED:  # aborted, or stopped a step earlier: this token is void
                 continue
+            token, group = token_ids[i], item.group
             if pipelined and seq.token_ids[-1] == PLACEHOLDER:
                 seq.token_ids[-1] = token
             else:
-                seq.append_token(token)
-            if result.logprobs is not None and group.sampling_params.logprobs is not None:
-                seq.output_logprobs.append(result.logprobs[i])
-            new_text = seq.detokenizer.step(seq.token_ids) if seq.detokenizer is not None else ""
-            seq.output_text += new_text
-            self.stop_checker.check(seq, group.sampling_params, new_text)
-            if group.first_token_time is None:
-                group.first_token_time = now
-            touched[id(group)] = group
-        self.scheduler.free_finished(touched.values())  # also those preempted since this step launched
-        outputs = []
-        for group in touched.values():
+                seq.token_ids.append(token)
+            params = group.sampling_params
+            reason, stop_token_id = check(seq, params)
+            update = updates.get(group.request_id)
+            if update is None:
+                update = updates[group.request_id] = RequestUpdate(group.request_id, [], group.num_cached_tokens,
+                                                                   group.first_scheduled_time)
+            update.seqs.append(SeqUpdate(seq.sample_index, [token],
+                                         [logprobs[i]] if logprobs is not None and params.logprobs is not None
+                                         else None, reason, stop_token_id))
+            if reason is not None:
+                ended.append(group)
+        # Free what ended (also sequences preempted since this step launched: their blocks may be on the host).
+        self.scheduler.free_finished(ended)
+        for group in ended:
             if group.finished:
                 self._forget(group)
-                outputs.append(self._output(group))
-            elif self.stream_outputs:
-                outputs.append(self._output(group))
-        return outputs
+        return list(updates.values())
+
+    def _process(self, updates: list[RequestUpdate]) -> list[RequestDelta]:
+        """Updates -> deltas; sequences a stop string ended are finished here (blocks freed at once)."""
+        if not updates:
+            return []
+        processed = self.output_processor.process(updates)
+        for hit in processed.stop_hits:
+            group = self._groups.get(hit.request_id)
+            if group is None:
+                continue
+            for seq in group.seqs:
+                if seq.sample_index == hit.index and not seq.status.finished:
+                    seq.status = SequenceStatus.FINISHED_STOPPED
+            self.scheduler.free_finished([group])
+            if group.finished:
+                self._forget(group)
+        return processed.deltas
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -274,22 +296,6 @@ class LLMEngine:
     def _forget(self, group: SequenceGroup) -> None:
         if self._groups.pop(group.request_id, None) is not None:
             self._num_penalized -= group.sampling_params.uses_penalties
-
-    def _output(self, group: SequenceGroup, error: str | None = None) -> RequestOutput:
-        params = group.sampling_params
-        completions = [
-            CompletionOutput(index=i, text=visible_text(seq, params), token_ids=seq.output_token_ids,
-                             finish_reason=FINISH_REASONS.get(seq.status),
-                             logprobs=list(seq.output_logprobs) if params.logprobs is not None else None,
-                             stop_reason=seq.stop_reason)
-            for i, seq in enumerate(group.seqs)]
-        output = RequestOutput(group.request_id, group.prompt, group.prompt_token_ids, completions,
-                               finished=group.finished, num_cached_tokens=group.num_cached_tokens, error=error)
-        if output.finished:  # monotonic-clock timings, for latency accounting
-            output.metrics = {"arrival_time": group.arrival_time,
-                              "first_scheduled_time": group.first_scheduled_time or -1.0,
-                              "first_token_time": group.first_token_time or -1.0}
-        return output
 
     def _tokenize(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
         if prompt_token_ids is None and isinstance(prompt, list):
@@ -360,3 +366,12 @@ def _eos_token_ids(loaded: LoadedModel) -> set[int]:
         elif isinstance(value, (list, tuple)):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+_FINISHED = SequenceStatus.FINISHED_STOPPED  # statuses from here on are finished
+
+
+def _ended(group: SequenceGroup, error: str | None = None) -> RequestUpdate:
+    """The update of a request the engine ended outside a step (abort, rejection, failure)."""
+    seqs = [SeqUpdate(seq.sample_index, [], finish_reason="abort") for seq in group.seqs]
+    return RequestUpdate(group.request_id, seqs, group.num_cached_tokens, group.first_scheduled_time, error)

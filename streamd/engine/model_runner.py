@@ -74,7 +74,7 @@ class ModelRunner:
         yet: it is taken on the device from `prev_tokens[prev_rows[seq_id]]`, so this step can start
         before the previous one's results reach the host."""
         assert self.kv_cache is not None, "bind_kv_cache first"
-        input_ids, positions, metadata, sample_idx, pending = self._prepare(out)
+        input_ids, positions, metadata, sample_idx, pending = self.prepare_inputs(out)
         if pending:
             assert prev_tokens is not None and prev_rows is not None
             dst, seq_ids = zip(*pending)
@@ -94,8 +94,8 @@ class ModelRunner:
             set_attention_metadata(None)
         return logits.float()
 
-    def _prepare(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor,
-                                                      list[tuple[int, int]]]:
+    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
+                                                            torch.Tensor, list[tuple[int, int]]]:
         """Host-built batch tensors, plus (input position, seq_id) of every PLACEHOLDER input."""
         bs = self.block_size
         tokens: list[int] = []
@@ -110,9 +110,14 @@ class ModelRunner:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             end = start + n
             table = seq.block_table
-            tokens.extend(seq.token_ids[start:end])
-            positions.extend(range(start, end))
-            slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+            if n == 1:  # a decode: the common case at large batch, without slices and ranges
+                tokens.append(seq.token_ids[start])
+                positions.append(start)
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                tokens.extend(seq.token_ids[start:end])
+                positions.extend(range(start, end))
+                slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
             seq_lens.append(end)
             query_lens.append(n)
             tables.append(table)

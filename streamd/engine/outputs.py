@@ -1,13 +1,98 @@
-"""RequestOutput and CompletionOutput: what the engine reports for a request after each step.
+"""What flows out of the engine, from the step to the user, in three shapes:
 
-Shaped like vLLM's so users know them. Fields are cumulative (the whole text and token ids so far);
-a streaming consumer takes the part past what it already sent. `text` only ever grows by whole
-characters: the detokenizer holds back incomplete UTF-8 and a tail that might still become a stop string.
+- `RequestUpdate` / `SeqUpdate`: what one engine step produced for a request, per sequence: only the new
+  token ids (and their logprobs when asked), plus the finish decided by the engine (EOS, stop token,
+  length, abort). Never a copy of what came before.
+- `RequestDelta` / `CompletionDelta`: what the output processor makes of an update: newly visible text
+  (detokenized, stop strings applied, a possible stop-string prefix held back), the same new token ids,
+  and the final finish reason. Streams hand these out; a slow consumer merges them.
+- `RequestOutput` / `CompletionOutput`: the offline API's final result (shaped like vLLM's), folded from
+  deltas by `RequestOutputBuilder`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
+
+# Why a sequence ended. "stop": EOS, a stop token or a stop string; "length": max_tokens or the model's
+# context; "abort": cancelled, or failed (the request's `error` says so).
+FinishReason = Literal["stop", "length", "abort"]
+
+
+@dataclass(slots=True)
+class SeqUpdate:
+    """One sequence's news from one step."""
+
+    index: int
+    token_ids: list[int]
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None  # the stop token (EOS excluded) that ended it
+
+
+@dataclass(slots=True)
+class RequestUpdate:
+    """One request's news from one step (only requests that progressed or ended get one)."""
+
+    request_id: str
+    seqs: list[SeqUpdate]
+    num_cached_tokens: int = 0
+    scheduled_time: float | None = None  # monotonic time of its first scheduling, once it has one
+    error: str | None = None  # the request failed inside the engine
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one choice produced since the previous delta."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop string or stop token id that ended it
+    logprobs: list[dict[int, float]] | None = None
+    num_tokens: int = 0  # cumulative output tokens of this choice
+
+    def merge(self, later: CompletionDelta) -> None:
+        self.text += later.text
+        self.token_ids.extend(later.token_ids)
+        if later.logprobs is not None:
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(later.logprobs)
+        self.finish_reason = later.finish_reason or self.finish_reason
+        self.stop_reason = later.stop_reason if later.stop_reason is not None else self.stop_reason
+        self.num_tokens = later.num_tokens
+
+
+@dataclass(slots=True)
+class RequestDelta:
+    """One item of a request's stream: the new part of every choice that progressed."""
+
+    request_id: str
+    num_prompt_tokens: int
+    outputs: list[CompletionDelta]
+    finished: bool = False
+    error: str | None = None
+    num_cached_tokens: int = 0
+    queue_time: float | None = None  # seconds from arrival to first scheduling, once known
+
+    def merge(self, later: RequestDelta) -> None:
+        for choice in later.outputs:
+            mine = next((c for c in self.outputs if c.index == choice.index), None)
+            if mine is None:
+                self.outputs.append(choice)
+            else:
+                mine.merge(choice)
+        self.finished = self.finished or later.finished
+        self.error = self.error or later.error
+        self.num_cached_tokens = later.num_cached_tokens
+        self.queue_time = self.queue_time if later.queue_time is None else later.queue_time
+
+    @property
+    def num_new_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.outputs)
 
 
 @dataclass(slots=True)
@@ -15,7 +100,7 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     logprobs: list[dict[int, float]] | None = None
     # The stop string or stop token id that ended the sequence, when one did.
     stop_reason: int | str | None = None
@@ -33,6 +118,53 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
-    # Set when the request failed inside the engine (the server turns it into an error event).
+    # Set when the request failed inside the engine.
     error: str | None = None
-    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RequestOutputBuilder:
+    """Folds one request's deltas into its final `RequestOutput` (text pieces joined once, at the end)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    num_choices: int = 1
+    _text: dict[int, list[str]] = field(default_factory=dict)
+    _choices: dict[int, CompletionOutput] = field(default_factory=dict)
+    _finished: bool = False
+    _error: str | None = None
+    _num_cached_tokens: int = 0
+
+    def add(self, delta: RequestDelta) -> None:
+        for part in delta.outputs:
+            choice = self._choices.get(part.index)
+            if choice is None:
+                choice = self._choices[part.index] = CompletionOutput(part.index, "", [])
+                self._text[part.index] = []
+            self._text[part.index].append(part.text)
+            choice.token_ids.extend(part.token_ids)
+            if part.logprobs is not None:
+                if choice.logprobs is None:
+                    choice.logprobs = []
+                choice.logprobs.extend(part.logprobs)
+            choice.finish_reason = part.finish_reason or choice.finish_reason
+            if part.stop_reason is not None:
+                choice.stop_reason = part.stop_reason
+        self._finished = self._finished or delta.finished
+        self._error = self._error or delta.error
+        self._num_cached_tokens = delta.num_cached_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def build(self) -> RequestOutput:
+        choices = []
+        for index in range(max(self.num_choices, len(self._choices))):
+            choice = self._choices.get(index) or CompletionOutput(index, "", [])
+            choice.text = "".join(self._text.get(index, ()))
+            choices.append(choice)
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, choices,
+                             finished=self._finished, num_cached_tokens=self._num_cached_tokens,
+                             error=self._error)

@@ -1,89 +1,36 @@
-"""RequestStream and the deltas it yields: one request's output as the event loop sees it.
+"""Where a request's deltas go on the event loop: the `DeltaSink` protocol and `RequestStream`, the
+sink that is an async iterator for one consumer.
 
 A `RequestStream` holds at most one pending `RequestDelta`; deltas that arrive while the consumer is busy
 merge into it (text and token ids concatenate), so a slow consumer never makes the engine wait and its
-memory is bounded by the request's own output. Lives on the event loop; `AsyncEngine` feeds it.
+memory is bounded by the request's own output. Other sinks (a WebSocket connection's outbox) take the
+deltas of many requests and write them together. Lives on the event loop; `AsyncEngine` feeds it.
 """
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Callable, Protocol
 
-if TYPE_CHECKING:
-    from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.outputs import RequestDelta
 
 
-@dataclass(slots=True)
-class CompletionDelta:
-    """What one choice produced since the previous delta."""
+class DeltaSink(Protocol):
+    """Receives one request's deltas on the event loop, in order; the last one has `finished` set."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    logprobs: list[dict[int, float]] | None = None
-    num_tokens: int = 0  # cumulative output tokens of this choice
-
-    def merge(self, later: CompletionDelta) -> None:
-        self.text += later.text
-        self.token_ids.extend(later.token_ids)
-        if later.logprobs is not None:
-            self.logprobs = (self.logprobs or []) + later.logprobs
-        self.finish_reason = later.finish_reason or self.finish_reason
-        self.stop_reason = later.stop_reason if later.stop_reason is not None else self.stop_reason
-        self.num_tokens = later.num_tokens
-
-
-@dataclass(slots=True)
-class RequestDelta:
-    """One item of a request's stream: the new part of every choice that progressed."""
-
-    request_id: str
-    num_prompt_tokens: int
-    outputs: list[CompletionDelta]
-    finished: bool = False
-    error: str | None = None
-    num_cached_tokens: int = 0
-    queue_time: float | None = None  # seconds from arrival to first scheduling, when the engine reports it
-
-    def merge(self, later: RequestDelta) -> None:
-        by_index = {c.index: c for c in self.outputs}
-        for choice in later.outputs:
-            if choice.index in by_index:
-                by_index[choice.index].merge(choice)
-            else:
-                self.outputs.append(choice)
-        self.finished = self.finished or later.finished
-        self.error = self.error or later.error
-        self.num_cached_tokens = later.num_cached_tokens
-        self.queue_time = self.queue_time if later.queue_time is None else later.queue_time
-
-
-class StreamObserver(Protocol):
-    """Receives request timings (the server's metrics implement it; the engine imports no server code)."""
-
-    def observe_first_token(self, seconds: float) -> None: ...
-    def observe_inter_token(self, seconds: float, count: int) -> None: ...
-    def observe_finished(self, e2e_seconds: float, queue_seconds: float | None) -> None: ...
+    def put(self, delta: RequestDelta) -> None: ...
 
 
 class RequestStream:
-    """Async iterator over one request's deltas; lives on the event loop.
+    """Async iterator over one request's deltas.
 
     Cancelling a task blocked in `__anext__`, or calling `cancel()`, aborts the request; the stream then
     ends with the engine's final delta (finish_reason "abort" unless it had already finished).
     """
 
-    def __init__(self, engine: AsyncEngine, request_id: str, arrival: float) -> None:
+    def __init__(self, request_id: str, abort: Callable[[str], None]) -> None:
         self.request_id = request_id
-        self.arrival = arrival
-        self.first_token_time: float | None = None
-        self.last_token_time: float | None = None
-        self.queue_time: float | None = None
-        self._engine = engine
+        self._abort = abort
         self._pending: RequestDelta | None = None
         self._waiter: asyncio.Future[None] | None = None
         self._received_final = False  # the engine's last delta arrived
@@ -97,7 +44,7 @@ class RequestStream:
     def cancel(self) -> None:
         if not self._received_final and not self._cancelled:
             self._cancelled = True
-            self._engine._abort(self.request_id)
+            self._abort(self.request_id)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -121,8 +68,8 @@ class RequestStream:
     async def aclose(self) -> None:
         self.cancel()
 
-    def _put(self, delta: RequestDelta) -> None:
-        """Loop side: merge into the pending delta and wake the consumer."""
+    def put(self, delta: RequestDelta) -> None:
+        """Merges into the pending delta and wakes the consumer."""
         if self._received_final:
             return
         self._received_final = delta.finished

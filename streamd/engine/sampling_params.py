@@ -41,34 +41,34 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        _check(_is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
+        _check(is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
         if self.max_tokens is not None:
-            _check(_is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
+            _check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
                    "must be an integer >= 1")
-        _check(_is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
+        _check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
                "must be an integer >= 0")
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"must not exceed max_tokens ({self.max_tokens})")
-        _check(_is_num(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
+        _check(is_num(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
                "must be a number >= 0")
-        _check(_is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        _check(_is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
+        _check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
+        _check(is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
                "must be an integer >= -1 (-1 or 0 disables it)")
-        _check(_is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
+        _check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
-            _check(_is_num(value) and -2 <= value <= 2, name, value, "must be in [-2, 2]")
-        _check(_is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
+            _check(is_num(value) and -2 <= value <= 2, name, value, "must be in [-2, 2]")
+        _check(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
                self.repetition_penalty, "must be a number > 0")
         if self.seed is not None:
-            _check(_is_int(self.seed), "seed", self.seed, "must be an integer")
+            _check(is_int(self.seed), "seed", self.seed, "must be an integer")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "must be a non-empty string or a list of them")
-        _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
+        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be a list of non-negative integers")
         if self.logprobs is not None:
-            _check(_is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
+            _check(is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
                    "must be an integer in [0, 20]")
         for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a boolean")
@@ -91,11 +91,11 @@ class SamplingParams:
         return cls(**params)
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_num(value: Any) -> bool:
+def is_num(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
 
 

@@ -30,6 +30,7 @@ from streamd.config import SchedulerConfig
 from streamd.engine.block_manager import BlockManager
 from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.stats import SchedulerStats
 
 _RUNNING = SequenceStatus.RUNNING
 _FINISHED = SequenceStatus.FINISHED_STOPPED  # statuses >= this one are finished
@@ -417,8 +418,6 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
-    def stats(self) -> dict[str, int]:
-        stats = self.block_manager.stats()
-        stats.update(preemptions_swap=self.preemptions_swap, preemptions_recompute=self.preemptions_recompute,
-                     recomputed_tokens=self.recomputed_tokens)
-        return stats
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(self.num_running, self.num_waiting, self.num_swapped, self.preemptions_swap,
+                              self.preemptions_recompute, self.recomputed_tokens)

@@ -1,6 +1,7 @@
-"""Sequence and SequenceGroup: the engine's record of one generation and of one request.
+"""Sequence and SequenceGroup: the engine's scheduling record of one generation and of one request.
 
-A `Sequence` owns its token ids, how many of them have KV in the cache (`num_computed_tokens`) and its
+Scheduling state only: what the block manager, scheduler and model runner need. Text, stop strings,
+logprobs and everything else a user sees of the output live in the output processor. A `Sequence` owns its token ids, how many of them have KV in the cache (`num_computed_tokens`) and its
 block table (list of physical block ids, mutated only by the BlockManager). A `SequenceGroup` is one
 request: its sequences (parallel samples share the prompt's blocks through fork) are scheduled,
 preempted and resumed together. Plain Python, no torch, so the block manager and scheduler that use
@@ -13,12 +14,8 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
 
 from streamd.engine.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from streamd.engine.detokenizer import IncrementalDetokenizer
 
 
 class SequenceStatus(enum.IntEnum):
@@ -33,12 +30,6 @@ class SequenceStatus(enum.IntEnum):
     def finished(self) -> bool:
         return self >= SequenceStatus.FINISHED_STOPPED
 
-
-FINISH_REASONS = {
-    SequenceStatus.FINISHED_STOPPED: "stop",
-    SequenceStatus.FINISHED_LENGTH: "length",
-    SequenceStatus.FINISHED_ABORTED: "abort",
-}
 
 _seq_ids = itertools.count()
 
@@ -58,11 +49,6 @@ class Sequence:
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
-    stop_reason: int | str | None = None
-    # One dict {token_id: logprob} per output token when logprobs were asked for.
-    output_logprobs: list[dict[int, float]] = field(default_factory=list)
-    output_text: str = ""
-    detokenizer: IncrementalDetokenizer | None = None
     # This sample's index within its request (CompletionOutput.index). Seeded sampling mixes it into the
     # seed so the n samples of one seeded request differ; the engine sets it when it creates/forks seqs.
     sample_index: int = 0
@@ -96,12 +82,9 @@ class Sequence:
 
     def fork(self) -> Sequence:
         """A child that shares everything computed so far; the BlockManager must fork the blocks."""
-        child = Sequence(prompt_token_ids=self.prompt_token_ids, token_ids=list(self.token_ids),
-                         num_computed_tokens=self.num_computed_tokens,
-                         block_table=list(self.block_table), status=self.status,
-                         output_logprobs=list(self.output_logprobs), output_text=self.output_text,
-                         detokenizer=self.detokenizer.fork() if self.detokenizer is not None else None)
-        return child
+        return Sequence(prompt_token_ids=self.prompt_token_ids, token_ids=list(self.token_ids),
+                        num_computed_tokens=self.num_computed_tokens, block_table=list(self.block_table),
+                        status=self.status)
 
 
 @dataclass(slots=True, eq=False)
@@ -114,10 +97,7 @@ class SequenceGroup:
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
     num_cached_tokens: int = 0
-    # Free for the layers above (server timing, tracing); the engine never reads it.
-    user_data: Any = None
 
     @property
     def prompt_token_ids(self) -> list[int]:

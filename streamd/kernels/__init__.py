@@ -1,4 +1,5 @@
-"""Paged-attention kernels: Triton implementations, exported here, and plain-torch references.
+"""Paged-attention and decoder-layer kernels: Triton implementations, exported here, and plain-torch
+references.
 
 ``streamd.kernels`` exports the Triton versions, which always run the Triton kernel: compiled on CUDA
 tensors, through Triton's interpreter on CPU tensors (slow; for tests). ``streamd.kernels.reference``
@@ -17,9 +18,10 @@ from typing import Any
 # Exported lazily, so that `streamd.kernels.reference` (the CPU path) imports without triton, which
 # exists only on Linux x86_64/aarch64.
 _EXPORTS = {"copy_blocks": "block_copy", "paged_decode_attention": "decode_attention",
-            "store_kv": "kv_store", "paged_prefill_attention": "prefill_attention"}
+            "store_kv": "kv_store", "paged_prefill_attention": "prefill_attention", "rmsnorm": "rmsnorm",
+            "fused_add_rmsnorm": "rmsnorm", "silu_and_mul": "activation", "rotary_store_kv": "rotary"}
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks"]
+__all__ = list(_EXPORTS)
 
 
 def __getattr__(name: str) -> Any:

@@ -9,9 +9,9 @@ and asks for the key itself; WebSocket auth happens in the handshake, see ws.py)
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from pathlib import Path
 from typing import AsyncIterator
 
@@ -21,7 +21,7 @@ from starlette.responses import HTMLResponse, JSONResponse, Response
 from starlette.routing import Route, WebSocketRoute
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from streamd.config import Config, ServerConfig
+from streamd.config import Config
 from streamd.engine.async_engine import AsyncEngine
 from streamd.engine.sampling_params import SamplingParams
 from streamd.logs import get_logger
@@ -31,30 +31,16 @@ from streamd.server.errors import ServiceError
 from streamd.server.generation import Generation, new_request_id
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import CONTENT_TYPE, Metrics
+from streamd.server.services import Services
 
 logger = get_logger(__name__)
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = frozenset({"/", "/health", "/ready"})
 
 
-@dataclass(slots=True)
-class Services:
-    """Everything a handler needs, on `app.state.services`."""
-
-    config: ServerConfig
-    engine: AsyncEngine
-    model_name: str
-    started: int
-    auth: Authenticator
-    metrics: Metrics
-    lifecycle: Lifecycle
-    generation: Generation
-
-
 def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> Starlette:
     server = config.server
     metrics = Metrics(engine)
-    engine.observer = metrics  # the app serving the engine records its request timings
     lifecycle = Lifecycle(engine, server.drain_timeout_s)
     services = Services(server, engine, server.served_model_name or engine.model_name, int(time.time()),
                         Authenticator(server.api_keys, server.allowed_origins), metrics, lifecycle,
@@ -148,6 +134,7 @@ async def _warm_up(services: Services) -> None:
             if delta.error:
                 raise RuntimeError(delta.error)
         services.lifecycle.warmed_up = True
+        gc.freeze()  # the model and everything built so far are permanent: keep them out of every collection
         logger.info("ready", model=services.model_name)
     except Exception:
         logger.exception("warm_up_failed")

@@ -18,7 +18,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import InvalidStatus
 
-from streamd.server.protocol import SUBPROTOCOL
+from streamd.server.protocol import SUBPROTOCOL_V1 as SUBPROTOCOL
 
 
 def run_chat(args: argparse.Namespace) -> int:

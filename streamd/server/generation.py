@@ -1,5 +1,6 @@
 """From a wire request to an engine request: prompt or messages to token ids, params to SamplingParams,
-limits (context length, max_tokens, overload, drain), and engine errors to ServiceErrors.
+limits (context length, max_tokens, overload, drain), engine errors to ServiceErrors, and the request's
+`RequestAccount` opened on submission.
 
 Shared by the WebSocket protocol and the OpenAI routes so both refuse and accept exactly the same things.
 Chat templates come only from the model (`AsyncEngine.apply_chat_template`), never from a request.
@@ -7,14 +8,17 @@ Chat templates come only from the model (`AsyncEngine.apply_chat_template`), nev
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
 from streamd.config import ServerConfig
-from streamd.engine.async_engine import AsyncEngine, EngineDeadError, RequestStream
+from streamd.engine.async_engine import AsyncEngine, EngineDeadError
 from streamd.engine.errors import RequestError
-from streamd.engine.sampling_params import SamplingParams, _is_int
+from streamd.engine.request_stream import DeltaSink, RequestStream
+from streamd.engine.sampling_params import SamplingParams, is_int
+from streamd.server.accounting import RequestAccount
 from streamd.server.errors import ServiceError
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
@@ -27,9 +31,6 @@ WIRE_PARAMS = frozenset({
 })
 MAX_N = 1  # parallel sampling is refused until the engine exposes it end to end
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
-
-# Engine finish reasons -> protocol finish reasons.
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "cancelled"}
 
 
 @dataclass(slots=True)
@@ -53,7 +54,7 @@ class Generation:
             if not prompt:
                 raise ServiceError("invalid_request", "prompt must not be empty", "prompt")
             return list(self.engine.tokenizer(prompt).input_ids)  # as LLMEngine tokenizes a text prompt
-        if isinstance(prompt, list) and prompt and all(_is_int(t) and t >= 0 for t in prompt):
+        if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
             return list(prompt)  # the engine checks them against the vocabulary
         raise ServiceError("invalid_request", "prompt must be a non-empty string or a list of token ids",
                            "prompt")
@@ -81,10 +82,10 @@ class Generation:
             room = context - n_prompt
             fields["max_tokens"] = min(default_max_tokens or room, room, limit or room)
         max_tokens = fields["max_tokens"]
-        if _is_int(max_tokens) and limit is not None and max_tokens > limit:
+        if is_int(max_tokens) and limit is not None and max_tokens > limit:
             raise ServiceError("invalid_request", f"max_tokens must be <= {limit}, got {max_tokens}",
                                "max_tokens")
-        if _is_int(max_tokens) and n_prompt + max_tokens > context:
+        if is_int(max_tokens) and n_prompt + max_tokens > context:
             raise ServiceError("context_length_exceeded", f"the prompt ({n_prompt} tokens) plus max_tokens "
                                f"({max_tokens}) exceeds this model's context of {context} tokens", "max_tokens")
         try:
@@ -96,23 +97,34 @@ class Generation:
         return Prepared(prompt_ids, params, prompt)
 
     # ---- running -----------------------------------------------------------------------------
-    async def submit(self, prepared: Prepared) -> RequestStream:
+    async def submit(self, prepared: Prepared, route: str,
+                     sink: DeltaSink | None = None) -> tuple[RequestAccount, RequestStream | None]:
+        """Submits a prepared request; returns its account and, without a `sink` of the caller's, the
+        stream its deltas come on. Raises ServiceError when refused (the request is then not counted)."""
         if self.lifecycle.draining:
             raise ServiceError("shutting_down", "the server is shutting down")
         if self.engine.num_waiting >= self.config.max_waiting_requests:
             raise ServiceError("overloaded", "too many requests are waiting; retry later")
+        engine, request_id = self.engine, new_request_id()
+        stream = RequestStream(request_id, engine.abort) if sink is None else None
+        account = RequestAccount(request_id, route, len(prepared.prompt_token_ids), self.metrics, self.lifecycle,
+                                 cancel=lambda: engine.abort(request_id))
         try:
-            return await self.engine.add_request(new_request_id(), prepared.prompt, prepared.params,
-                                                 prompt_token_ids=prepared.prompt_token_ids)
+            await engine.submit(request_id, prepared.prompt, prepared.params, stream or sink,
+                                prompt_token_ids=prepared.prompt_token_ids)
+        except asyncio.CancelledError:
+            account.close()  # cancelled while waiting for admission: counted as cancelled
+            raise
         except RequestError as exc:
+            account.discard()
             raise ServiceError(exc.code, str(exc)) from exc
         except EngineDeadError as exc:
+            account.discard()
             raise ServiceError("engine_unavailable", str(exc)) from exc
         except ValueError as exc:
+            account.discard()
             raise ServiceError("invalid_request", str(exc)) from exc
-
-    def finished(self, finish_reason: str) -> None:
-        self.metrics.requests.labels(finish_reason).inc()
+        return account, stream
 
 
 def normalize_messages(messages: Any) -> list[dict[str, str]]:
@@ -141,11 +153,3 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
 
 def new_request_id() -> str:
     return uuid.uuid4().hex
-
-
-def usage(num_prompt: int, num_completion: int, num_cached: int = 0) -> dict[str, Any]:
-    body: dict[str, Any] = {"prompt_tokens": num_prompt, "completion_tokens": num_completion,
-                            "total_tokens": num_prompt + num_completion}
-    if num_cached:
-        body["prompt_tokens_details"] = {"cached_tokens": num_cached}
-    return body

@@ -1,6 +1,7 @@
 """Readiness and graceful drain: what is in flight, and how it is wound down on SIGTERM.
 
-`Lifecycle` counts the requests in flight (any route) and the open WebSockets. `drain()` turns `/ready`
+`Lifecycle` holds the requests in flight (any route: each one's `RequestAccount` adds itself when the
+request is submitted and leaves when it is counted) and the open WebSockets. `drain()` turns `/ready`
 to 503 and refuses new work, lets in-flight requests finish for up to `drain_timeout_s`, then cancels the
 rest (each still gets its `done` once the engine confirms the abort), and finally closes every WebSocket
 with 1001. Waits are on events, never on sleeps.
@@ -10,10 +11,9 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import contextmanager
-from typing import Awaitable, Callable, Iterator
+from typing import Awaitable, Callable, Iterator, Protocol
 
-
-from streamd.engine.async_engine import AsyncEngine, RequestStream
+from streamd.engine.async_engine import AsyncEngine
 from streamd.logs import get_logger
 
 logger = get_logger(__name__)
@@ -22,13 +22,19 @@ logger = get_logger(__name__)
 CANCEL_GRACE_S = 10.0
 
 
+class InFlight(Protocol):
+    """A request in flight, as the drain sees it."""
+
+    def cancel(self) -> None: ...
+
+
 class Lifecycle:
     def __init__(self, engine: AsyncEngine, drain_timeout_s: float) -> None:
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
         self.warmed_up = False
         self.draining = False
-        self._streams: set[RequestStream] = set()
+        self._active: set[InFlight] = set()
         self._idle = asyncio.Event()
         self._idle.set()
         self._closers: dict[object, Callable[[int], Awaitable[None]]] = {}
@@ -40,23 +46,20 @@ class Lifecycle:
 
     @property
     def num_active(self) -> int:
-        return len(self._streams)
+        return len(self._active)
 
     @property
     def num_connections(self) -> int:
         return len(self._closers)
 
-    @contextmanager
-    def track(self, stream: RequestStream) -> Iterator[RequestStream]:
-        """Counts a request as in flight for the duration of the block."""
-        self._streams.add(stream)
+    def add(self, request: InFlight) -> None:
+        self._active.add(request)
         self._idle.clear()
-        try:
-            yield stream
-        finally:
-            self._streams.discard(stream)
-            if not self._streams:
-                self._idle.set()
+
+    def discard(self, request: InFlight) -> None:
+        self._active.discard(request)
+        if not self._active:
+            self._idle.set()
 
     @contextmanager
     def connection(self, key: object, close: Callable[[int], Awaitable[None]]) -> Iterator[None]:
@@ -78,8 +81,8 @@ class Lifecycle:
                     timeout_s=self.drain_timeout_s)
         if not await _wait(self._idle, self.drain_timeout_s):
             logger.warning("drain_timeout_cancelling", in_flight=self.num_active)
-            for stream in list(self._streams):
-                stream.cancel()
+            for request in list(self._active):
+                request.cancel()
             if not await _wait(self._idle, CANCEL_GRACE_S):
                 logger.error("drain_abort_unconfirmed", in_flight=self.num_active)
         closers = list(self._closers.values())

@@ -1,8 +1,9 @@
 """Prometheus metrics, named as in ARCHITECTURE.md, in a registry of the app's own.
 
-Request timings arrive through `StreamObserver` (the AsyncEngine calls it on the event loop); engine
-gauges and counters are read from `AsyncEngine.stats()` at scrape time by a custom collector, because the
-engine keeps those counts itself (exporting them as Counter families keeps their `_total` semantics).
+Request timings and counts are recorded by each request's `RequestAccount` (accounting.py); engine
+gauges and counters are read by name from the typed `AsyncEngine.stats()` at scrape time by a custom
+collector, because the engine keeps those counts itself (exporting them as Counter families keeps their
+`_total` semantics).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600
 
 
 class Metrics:
-    """The app's metrics; also the AsyncEngine's StreamObserver."""
+    """The app's metrics registry and the families the request accounts record into."""
 
     def __init__(self, engine: AsyncEngine | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
@@ -47,18 +48,10 @@ class Metrics:
         if engine is not None:
             r.register(EngineStatsCollector(engine))
 
-    # StreamObserver
-    def observe_first_token(self, seconds: float) -> None:
-        self.ttft.observe(seconds)
-
     def observe_inter_token(self, seconds: float, count: int) -> None:
+        """`count` tokens that arrived together, `seconds` apart on average."""
         for _ in range(count):
             self.itl.observe(seconds)
-
-    def observe_finished(self, e2e_seconds: float, queue_seconds: float | None) -> None:
-        self.e2e.observe(e2e_seconds)
-        if queue_seconds is not None:
-            self.queue.observe(queue_seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -74,34 +67,29 @@ class EngineStatsCollector(Collector):
         return []  # names are known only from collect(); avoids a stats read at registration
 
     def collect(self) -> Iterator[Metric]:
-        s = self._engine.stats()
-
-        def get(key: str) -> float:
-            return float(s.get(key, 0))
-
-        yield _gauge("streamd_requests_running", "Requests running in the batch.", get("num_running"))
-        yield _gauge("streamd_requests_waiting", "Requests waiting to be scheduled.", get("num_waiting"))
-        yield _gauge("streamd_requests_swapped", "Requests swapped out to host memory.", get("num_swapped"))
-        yield _gauge("streamd_kv_blocks_used", "KV cache blocks in use.",
-                     get("kv_blocks_total") - get("kv_blocks_free"))
-        yield _gauge("streamd_kv_blocks_free", "Free KV cache blocks.", get("kv_blocks_free"))
-        yield _gauge("streamd_swap_blocks_used", "Host swap blocks in use.",
-                     get("swap_blocks_total") - get("swap_blocks_free"))
+        stats = self._engine.stats()
+        kv, sched = stats.kv, stats.scheduler
+        yield _gauge("streamd_requests_running", "Requests running in the batch.", sched.num_running)
+        yield _gauge("streamd_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting)
+        yield _gauge("streamd_requests_swapped", "Requests swapped out to host memory.", sched.num_swapped)
+        yield _gauge("streamd_kv_blocks_used", "KV cache blocks in use.", kv.blocks_used)
+        yield _gauge("streamd_kv_blocks_free", "Free KV cache blocks.", kv.blocks_free)
+        yield _gauge("streamd_swap_blocks_used", "Host swap blocks in use.", kv.swap_blocks_used)
         yield _counter("streamd_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
-                       get("prefix_cache_queried_tokens"))
+                       kv.prefix_queried_tokens)
         yield _counter("streamd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
-                       get("prefix_cache_hit_tokens"))
+                       kv.prefix_hit_tokens)
         preemptions = CounterMetricFamily("streamd_preemptions", "Preemptions by mode.", labels=["mode"])
-        preemptions.add_metric(["swap"], get("preemptions_swap"))
-        preemptions.add_metric(["recompute"], get("preemptions_recompute"))
+        preemptions.add_metric(["swap"], sched.preemptions_swap)
+        preemptions.add_metric(["recompute"], sched.preemptions_recompute)
         yield preemptions
         swapped = CounterMetricFamily("streamd_swapped_blocks", "Blocks swapped by direction.",
                                       labels=["direction"])
-        swapped.add_metric(["out"], get("swapped_out_blocks"))
-        swapped.add_metric(["in"], get("swapped_in_blocks"))
+        swapped.add_metric(["out"], kv.swapped_out_blocks)
+        swapped.add_metric(["in"], kv.swapped_in_blocks)
         yield swapped
         yield _counter("streamd_recomputed_tokens", "Tokens prefilled again after recompute preemption.",
-                       get("recomputed_tokens"))
+                       sched.recomputed_tokens)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -14,28 +14,25 @@ import asyncio
 import json
 import time
 import uuid
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Callable
 
 import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
-from streamd.engine.async_engine import RequestDelta, RequestStream
+from streamd.engine.outputs import RequestDelta
+from streamd.engine.request_stream import RequestStream
 from streamd.logs import get_logger
+from streamd.server.accounting import RequestAccount
+from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError
-from streamd.server.generation import WIRE_PARAMS, Prepared, usage
-
-if TYPE_CHECKING:
-    from streamd.server.app import Services
+from streamd.server.generation import WIRE_PARAMS, Prepared
+from streamd.server.services import Services
 
 logger = get_logger(__name__)
 
-# OpenAI-facing finish reasons (engine "abort" stays "abort", as vLLM reports it).
-_HTTP_FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
-_METRIC_FINISH = {"stop": "stop", "length": "length", "abort": "cancelled"}
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -49,35 +46,28 @@ class _Call:
     created: int
     prepared: Prepared
     stream: RequestStream
-    completion_tokens: int = 0
-    finish: str | None = None
-    error: str | None = None
-    cached: int = 0
+    account: RequestAccount
 
-    def absorb(self, delta: RequestDelta) -> None:
-        for choice in delta.outputs:
-            self.completion_tokens = choice.num_tokens or self.completion_tokens
-            self.finish = choice.finish_reason or self.finish
-        self.error = delta.error or self.error
-        self.cached = delta.num_cached_tokens
+    def finish(self) -> None:
+        """The request is over for this call (finished, or its client left): abort if needed, count it."""
+        if not self.stream.finished:
+            self.stream.cancel()
+        self.account.close()
 
 
 class SSEResponse(StreamingResponse):
     """A StreamingResponse that always lets go of its request, even if its body never started."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None],
-                 track: AbstractContextManager[Any]) -> None:
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
         self._on_close = on_close
-        self._track = track
 
     async def stream_response(self, send: Send) -> None:
-        with self._track:
-            try:
-                await super().stream_response(send)
-            finally:
-                await self.body_iterator.aclose()  # type: ignore[attr-defined]
-                self._on_close()
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self._on_close()
 
 
 async def list_models(request: Request) -> Response:
@@ -125,54 +115,53 @@ async def _respond(request: Request, s: Services, body: dict[str, Any], kind: st
     if not isinstance(stream_flag, bool) or not isinstance(options, dict):
         raise ServiceError("invalid_request", "stream must be a boolean and stream_options an object", "stream")
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    rs = await s.generation.submit(prepared)
-    call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, rs)
+    account, stream = await s.generation.submit(prepared, kind)
+    assert stream is not None
+    call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, stream, account)
     structlog.contextvars.bind_contextvars(request_id=call.id)
     if stream_flag:
-        return SSEResponse(_sse(call, bool(options.get("include_usage"))), lambda: _finish(s, call),
-                           s.lifecycle.track(rs))
-    return await _until_disconnect(request, _collect(s, call))
+        return SSEResponse(_sse(call, bool(options.get("include_usage"))), call.finish)
+    return await _until_disconnect(request, _collect(call))
 
 
 async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[str]:
     extra = {"usage": None} if include_usage else {}
     if call.kind == "chat":
         yield _data(_chunk(call, {"role": "assistant", "content": ""}, None, extra))
+    account = call.account
     async for delta in call.stream:
-        call.absorb(delta)
-        for choice in delta.outputs:
-            if choice.text:
-                yield _data(_chunk(call, _piece(call, choice.text), None, extra))
-    if call.error:
-        yield _data(ServiceError("internal_error", call.error).openai_body())
+        account.absorb(delta)
+        text = "".join(choice.text for choice in delta.outputs)
+        if text:
+            yield _data(_chunk(call, _piece(call, text), None, extra))
+    if account.error:
+        yield _data(ServiceError("internal_error", account.error).openai_body())
     else:
-        yield _data(_chunk(call, _piece(call, ""), _HTTP_FINISH.get(call.finish or "abort"), extra))
+        yield _data(_chunk(call, _piece(call, ""), account.finish.openai, extra))
     if include_usage:
-        yield _data({**_envelope(call), "choices": [],
-                     "usage": usage(len(call.prepared.prompt_token_ids), call.completion_tokens, call.cached)})
+        yield _data({**_envelope(call), "choices": [], "usage": account.usage()})
     yield "data: [DONE]\n\n"
 
 
-async def _collect(s: Services, call: _Call) -> Response:
+async def _collect(call: _Call) -> Response:
     text = []
-    with s.lifecycle.track(call.stream):
-        try:
-            async for delta in call.stream:
-                call.absorb(delta)
-                text.extend(choice.text for choice in delta.outputs)
-        finally:
-            _finish(s, call)
-    if call.error:
-        raise ServiceError("internal_error", call.error)
+    account = call.account
+    try:
+        async for delta in call.stream:
+            account.absorb(delta)
+            text.extend(choice.text for choice in delta.outputs)
+    finally:
+        call.finish()
+    if account.error:
+        raise ServiceError("internal_error", account.error)
     content = "".join(text)
-    reason = _HTTP_FINISH.get(call.finish or "abort")
+    reason = account.finish.openai
     if call.kind == "chat":
         choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
                   "finish_reason": reason}
     else:
         choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
-    return JSONResponse({**_envelope(call, final=True), "choices": [choice],
-                         "usage": usage(len(call.prepared.prompt_token_ids), call.completion_tokens, call.cached)})
+    return JSONResponse({**_envelope(call, final=True), "choices": [choice], "usage": account.usage()})
 
 
 async def _until_disconnect(request: Request, work: Any) -> Response:
@@ -194,15 +183,6 @@ async def _until_disconnect(request: Request, work: Any) -> Response:
 async def _disconnected(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
-
-
-def _finish(s: Services, call: _Call) -> None:
-    if not call.stream.finished:
-        call.stream.cancel()
-    reason = "error" if call.error else _METRIC_FINISH.get(call.finish or "abort", "cancelled")
-    s.generation.finished(reason)
-    logger.info("request_done", finish_reason=reason, prompt_tokens=len(call.prepared.prompt_token_ids),
-                completion_tokens=call.completion_tokens)
 
 
 def _envelope(call: _Call, final: bool = False) -> dict[str, Any]:
@@ -227,7 +207,7 @@ def _chunk(call: _Call, piece: Any, finish: str | None, extra: dict[str, Any]) -
 
 
 def _data(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {dumps(obj)}\n\n"
 
 
 async def _json_body(request: Request) -> dict[str, Any]:

@@ -1,20 +1,31 @@
-"""The `streamd.v1` WebSocket protocol: parsing client frames and building server frames.
+"""The WebSocket protocol: parsing client frames, building server frames, encoding messages.
 
 Client: `{"type":"generate","id":ID,"prompt":TEXT|"messages":[...],"params":{...}}`,
 `{"type":"cancel","id":ID}`. Server: `start`, `delta` (seq from 0 per id), `done` (finish_reason,
-usage) and `error` (id or null). Pure functions, no I/O, so every rule is unit-testable.
+usage) and `error` (id or null). Two framings of the same frames, chosen by subprotocol:
+
+- `streamd.v1` (also the default when none is offered): one frame per WebSocket message;
+- `streamd.v2`: each message is a JSON array of frames: everything a connection has to send when the
+  writer wakes (typically one engine step's deltas of all its requests) goes out in one message.
+
+Pure functions, no I/O, so every rule is unit-testable. JSON goes through `encoding.dumps` (orjson).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
+from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError
 
-SUBPROTOCOL = "streamd.v1"
+SUBPROTOCOL_V1 = "streamd.v1"
+SUBPROTOCOL_V2 = "streamd.v2"
+SUBPROTOCOLS = (SUBPROTOCOL_V2, SUBPROTOCOL_V1)  # preference order when a client offers both
 MAX_ID_LENGTH = 256
+Frame = dict[str, Any]
 
 
 @dataclass(slots=True)
@@ -33,8 +44,8 @@ class Cancel:
 def parse_frame(text: str) -> Generate | Cancel:
     """Raises ServiceError (with `param` set to the frame's id when one could be read)."""
     try:
-        frame = json.loads(text)
-    except (json.JSONDecodeError, RecursionError):
+        frame = orjson.loads(text)
+    except (orjson.JSONDecodeError, RecursionError, UnicodeEncodeError):
         raise ServiceError("invalid_json", "the frame is not valid JSON") from None
     if not isinstance(frame, dict):
         raise ServiceError("invalid_json", "a frame must be a JSON object")
@@ -60,26 +71,29 @@ def parse_frame(text: str) -> Generate | Cancel:
     return Generate(frame_id, frame.get("prompt"), frame.get("messages"), params)
 
 
-def start_frame(request_id: str, prompt_tokens: int) -> str:
-    return _dump({"type": "start", "id": request_id, "prompt_tokens": prompt_tokens})
+def start_frame(request_id: str, prompt_tokens: int) -> Frame:
+    return {"type": "start", "id": request_id, "prompt_tokens": prompt_tokens}
 
 
 def delta_frame(request_id: str, seq: int, text: str, token_ids: list[int], index: int,
-                logprobs: list[dict[int, float]] | None = None) -> str:
-    frame: dict[str, Any] = {"type": "delta", "id": request_id, "seq": seq, "text": text,
-                             "token_ids": token_ids, "index": index}
+                logprobs: list[dict[int, float]] | None = None) -> Frame:
+    frame: Frame = {"type": "delta", "id": request_id, "seq": seq, "text": text, "token_ids": token_ids,
+                    "index": index}
     if logprobs is not None:
-        frame["logprobs"] = logprobs  # json.dumps writes the int token ids as string keys
-    return _dump(frame)
+        frame["logprobs"] = logprobs  # the int token ids become string keys
+    return frame
 
 
-def done_frame(request_id: str, finish_reason: str, usage: dict[str, Any]) -> str:
-    return _dump({"type": "done", "id": request_id, "finish_reason": finish_reason, "usage": usage})
+def done_frame(request_id: str, finish_reason: str, usage: dict[str, Any]) -> Frame:
+    return {"type": "done", "id": request_id, "finish_reason": finish_reason, "usage": usage}
 
 
-def error_frame(request_id: str | None, error: ServiceError) -> str:
-    return _dump({"type": "error", "id": request_id, "error": error.wire()})
+def error_frame(request_id: str | None, error: ServiceError) -> Frame:
+    return {"type": "error", "id": request_id, "error": error.wire()}
 
 
-def _dump(frame: dict[str, Any]) -> str:
-    return json.dumps(frame, ensure_ascii=False, separators=(",", ":"))
+def encode(frames: list[Frame], batched: bool) -> list[str]:
+    """The messages that carry `frames`: one (a JSON array) when batched (v2), else one per frame (v1)."""
+    if batched:
+        return [dumps(frames)]
+    return [dumps(frame) for frame in frames]

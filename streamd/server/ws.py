@@ -1,46 +1,34 @@
-"""`WS /v1/stream`: the `streamd.v1` protocol, many requests multiplexed on one socket.
+"""`WS /v1/stream`: many requests multiplexed on one socket, in `streamd.v1` or `streamd.v2` framing.
 
-One `Connection` per socket: a reader loop parses frames and starts one task per `generate`; each task
-sends its own `start` / `delta` / `done` frames. Frames are written whole (uvicorn writes each message in
-one call), so tasks need no send lock. When the client is slow, a task waits in `send` and its engine
-deltas merge in its RequestStream meanwhile, so neither the batch nor memory suffers. Policy failures
-(auth, origin, connection limit, drain) are refused before the handshake; oversize frames are closed
-with 1009 by uvicorn (`ws_max_size`).
+One `Connection` per socket: a reader loop parses frames and starts an admission task per `generate`;
+each admitted request is a `WsRequest`, the `DeltaSink` its engine deltas go to. One writer task per
+connection sends everything: when it wakes it takes every request that has something new (typically one
+engine step's deltas of all of them), builds their `start` / `delta` / `done` / `error` frames and writes
+them, as one message in v2 or one message per frame in v1. While the client is slow the writer waits in
+`send` and new deltas merge into each request's pending delta, so neither the batch nor memory suffers.
+Policy failures (auth, origin, connection limit, drain) are refused before the handshake; oversize frames
+are closed with 1009 by uvicorn (`ws_max_size`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import structlog
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamd.engine.async_engine import RequestStream
+from streamd.engine.outputs import RequestDelta
 from streamd.logs import get_logger
 from streamd.server import protocol
+from streamd.server.accounting import RequestAccount
 from streamd.server.errors import ServiceError
-from streamd.server.generation import FINISH_REASONS, Prepared, usage
-
-if TYPE_CHECKING:
-    from streamd.server.app import Services
+from streamd.server.generation import Prepared
+from streamd.server.services import Services
 
 logger = get_logger(__name__)
-
-
-class _Gone(Exception):
-    """The socket is closed; nothing more can be sent."""
-
-
-@dataclass(slots=True)
-class _Live:
-    task: asyncio.Task[None] | None = None
-    stream: RequestStream | None = None
-    cancel_requested: bool = False
-    counted: bool = False  # its finish_reason went into streamd_requests_total
 
 
 async def stream_endpoint(websocket: WebSocket) -> None:
@@ -50,10 +38,11 @@ async def stream_endpoint(websocket: WebSocket) -> None:
         await refuse(websocket, refusal)
         return
     offered = websocket.scope.get("subprotocols", [])
-    await websocket.accept(subprotocol=protocol.SUBPROTOCOL if protocol.SUBPROTOCOL in offered else None)
+    chosen = next((p for p in protocol.SUBPROTOCOLS if p in offered), None)
+    await websocket.accept(subprotocol=chosen)
     conn_id = uuid.uuid4().hex[:12]
     with structlog.contextvars.bound_contextvars(conn_id=conn_id):
-        await Connection(websocket, services).run()
+        await Connection(websocket, services, batched=chosen == protocol.SUBPROTOCOL_V2).run()
 
 
 def handshake_refusal(services: Services, websocket: WebSocket) -> ServiceError | None:
@@ -77,30 +66,101 @@ async def refuse(websocket: WebSocket, error: ServiceError) -> None:
         await websocket.close(1008, error.code)
 
 
+class WsRequest:
+    """One request in flight on a connection: its admission, its pending delta, its frame sequence."""
+
+    __slots__ = ("client_id", "prepared", "connection", "account", "task", "pending", "seq", "start_sent",
+                 "cancel_requested", "finished")
+
+    def __init__(self, client_id: str, prepared: Prepared, connection: Connection) -> None:
+        self.client_id = client_id
+        self.prepared = prepared
+        self.connection = connection
+        self.account: RequestAccount | None = None  # set once admitted
+        self.task: asyncio.Task[None] | None = None
+        self.pending: RequestDelta | None = None
+        self.seq = 0
+        self.start_sent = False
+        self.cancel_requested = False
+        self.finished = False  # its done frame is built (the account closes once it is sent)
+
+    def put(self, delta: RequestDelta) -> None:
+        """DeltaSink: merge, and tell the writer."""
+        if self.pending is None:
+            self.pending = delta
+        else:
+            self.pending.merge(delta)
+        self.connection.wake(self)
+
+    def cancel(self) -> None:
+        self.cancel_requested = True
+        if self.account is not None:
+            self.account.cancel()
+
+    def frames(self) -> list[protocol.Frame]:
+        """What this request has to send now (nothing before it is admitted)."""
+        account = self.account
+        if account is None:
+            return []
+        frames = []
+        if not self.start_sent:
+            frames.append(protocol.start_frame(self.client_id, len(self.prepared.prompt_token_ids)))
+            self.start_sent = True
+        delta, self.pending = self.pending, None
+        if delta is None:
+            return frames
+        account.absorb(delta)
+        for choice in delta.outputs:
+            if choice.text or choice.token_ids:
+                frames.append(protocol.delta_frame(self.client_id, self.seq, choice.text, choice.token_ids,
+                                                   choice.index, choice.logprobs))
+                self.seq += 1
+        if delta.finished:
+            if delta.error is not None:
+                frames.append(protocol.error_frame(self.client_id, ServiceError("internal_error", delta.error)))
+            frames.append(protocol.done_frame(self.client_id, account.finish.wire, account.usage()))
+            self.finished = True
+            self.connection.forget(self)
+        return frames
+
+
 class Connection:
-    def __init__(self, websocket: WebSocket, services: Services) -> None:
+    def __init__(self, websocket: WebSocket, services: Services, batched: bool) -> None:
         self.ws = websocket
         self.services = services
-        self.live: dict[str, _Live] = {}
+        self.batched = batched
+        self.live: dict[str, WsRequest] = {}
         self.close_code = 1006
         self.closed = False
+        self._ready: dict[WsRequest, None] = {}  # requests with something to send, in order
+        self._control: list[protocol.Frame] = []  # error frames not tied to a live request
+        self._wake = asyncio.Event()
 
     async def run(self) -> None:
         metrics = self.services.metrics
         metrics.ws_connections.inc()
-        logger.info("ws_open", client=_client(self.ws))
+        logger.info("ws_open", client=_client(self.ws), batched=self.batched)
+        writer = asyncio.create_task(self._write_loop())
         try:
             with self.services.lifecycle.connection(self, self.close):
                 await self._read()
         finally:
             self.closed = True
-            tasks = [live.task for live in self.live.values() if live.task is not None]
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            writer.cancel()
+            await self._let_go()
+            await asyncio.gather(writer, return_exceptions=True)
             metrics.ws_connections.dec()
             metrics.ws_closes.labels(str(self.close_code)).inc()
             logger.info("ws_close", code=self.close_code)
+
+    async def _let_go(self) -> None:
+        """The socket is gone: cancel admissions, abort what runs (accounts close on the final deltas)."""
+        tasks = [r.task for r in self.live.values() if r.task is not None and not r.task.done()]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for request in list(self.live.values()):
+            request.cancel()
 
     async def close(self, code: int) -> None:
         """Closes from the server side (drain); the reader then sees the disconnect."""
@@ -112,6 +172,52 @@ class Connection:
             except (RuntimeError, OSError):
                 pass
 
+    # ---- writing -----------------------------------------------------------------------------------
+    def wake(self, request: WsRequest) -> None:
+        if self.closed:
+            self._drop_unsent(request)
+            return
+        self._ready[request] = None
+        self._wake.set()
+
+    def forget(self, request: WsRequest) -> None:
+        self.live.pop(request.client_id, None)
+
+    def _drop_unsent(self, request: WsRequest) -> None:
+        """After the socket closed: nothing is sent, but the account still takes the deltas."""
+        delta, request.pending = request.pending, None
+        if delta is not None and request.account is not None:
+            request.account.absorb(delta)
+            if delta.finished:
+                request.account.close()
+                self.forget(request)
+
+    def send_error(self, client_id: str | None, error: ServiceError) -> None:
+        if not self.closed:
+            self._control.append(protocol.error_frame(client_id, error))
+            self._wake.set()
+
+    async def _write_loop(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            frames, self._control = self._control, []
+            ready, self._ready = self._ready, {}
+            for request in ready:
+                frames.extend(request.frames())
+            try:
+                for message in protocol.encode(frames, self.batched):
+                    await self.ws.send_text(message)
+            except (WebSocketDisconnect, RuntimeError, OSError):
+                self.closed = True
+            finally:  # a request is counted (and leaves the drain's view) once its done frame went out
+                for request in ready:
+                    if request.finished and request.account is not None:
+                        request.account.close()
+            if self.closed:
+                return
+
+    # ---- reading -----------------------------------------------------------------------------------
     async def _read(self) -> None:
         while True:
             message = await self.ws.receive()
@@ -121,28 +227,28 @@ class Connection:
                 return
             text = message.get("text")
             if text is None:
-                await self._error(None, ServiceError("invalid_request", "frames must be text (JSON)"))
+                self.send_error(None, ServiceError("invalid_request", "frames must be text (JSON)"))
                 continue
-            await self._on_frame(text)
+            self._on_frame(text)
 
-    async def _on_frame(self, text: str) -> None:
+    def _on_frame(self, text: str) -> None:
         try:
             frame = protocol.parse_frame(text)
         except ServiceError as exc:
-            await self._error(exc.param, exc)
+            self.send_error(exc.param, exc)
             return
         if isinstance(frame, protocol.Cancel):
-            await self._cancel(frame.id)
+            self._cancel(frame.id)
             return
         try:
-            prepared = self._admit(frame)
+            prepared = self._prepare(frame)
         except ServiceError as exc:
-            await self._error(frame.id, exc)
+            self.send_error(frame.id, exc)
             return
-        live = self.live[frame.id] = _Live()
-        live.task = asyncio.create_task(self._serve(frame.id, prepared, live))
+        request = self.live[frame.id] = WsRequest(frame.id, prepared, self)
+        request.task = asyncio.create_task(self._admit(request))
 
-    def _admit(self, frame: protocol.Generate) -> Prepared:
+    def _prepare(self, frame: protocol.Generate) -> Prepared:
         """Checks and tokenizes a generate frame; raises ServiceError."""
         if frame.id in self.live:
             raise ServiceError("duplicate_id", f"id {frame.id!r} is already in flight")
@@ -158,73 +264,24 @@ class Connection:
             ids, prompt = gen.prompt_ids(frame.prompt), frame.prompt if isinstance(frame.prompt, str) else None
         return gen.prepare(ids, frame.params, default_max_tokens=None, prompt=prompt)
 
-    async def _cancel(self, client_id: str) -> None:
-        live = self.live.get(client_id)
-        if live is None:
-            await self._error(client_id, ServiceError("unknown_id", f"no request {client_id!r} in flight"))
+    def _cancel(self, client_id: str) -> None:
+        request = self.live.get(client_id)
+        if request is None:
+            self.send_error(client_id, ServiceError("unknown_id", f"no request {client_id!r} in flight"))
             return
-        live.cancel_requested = True
-        if live.stream is not None:
-            live.stream.cancel()
+        request.cancel()
 
-    async def _serve(self, client_id: str, prepared: Prepared, live: _Live) -> None:
-        with structlog.contextvars.bound_contextvars(request_id=client_id):
-            try:
-                await self._generate(client_id, prepared, live)
-            except _Gone:
-                pass
-            finally:
-                if live.stream is not None and not live.stream.finished:
-                    live.stream.cancel()  # the client vanished or the task was cancelled: free the blocks
-                if live.stream is not None and not live.counted:
-                    self.services.generation.finished("cancelled")
-                self.live.pop(client_id, None)
-
-    async def _generate(self, client_id: str, prepared: Prepared, live: _Live) -> None:
-        gen = self.services.generation
+    async def _admit(self, request: WsRequest) -> None:
         try:
-            stream = await gen.submit(prepared)
+            account, _ = await self.services.generation.submit(request.prepared, "ws", sink=request)
         except ServiceError as exc:
-            await self._error(client_id, exc)
+            self.forget(request)
+            self.send_error(request.client_id, exc)
             return
-        live.stream = stream
-        if live.cancel_requested:
-            stream.cancel()
-        with self.services.lifecycle.track(stream):
-            await self._send(protocol.start_frame(client_id, len(prepared.prompt_token_ids)))
-            seq, completion, reason, error, cached = 0, 0, None, None, 0
-            async for delta in stream:
-                for choice in delta.outputs:
-                    if choice.text or choice.token_ids:
-                        await self._send(protocol.delta_frame(client_id, seq, choice.text, choice.token_ids,
-                                                              choice.index, choice.logprobs))
-                        seq += 1
-                    completion = choice.num_tokens or completion
-                    reason = choice.finish_reason or reason
-                error, cached = delta.error or error, delta.num_cached_tokens
-            finish = "error" if error else FINISH_REASONS.get(reason or "abort", "cancelled")
-            if error:
-                await self._error(client_id, ServiceError("internal_error", error))
-            gen.finished(finish)
-            live.counted = True
-            logger.info("request_done", finish_reason=finish, prompt_tokens=len(prepared.prompt_token_ids),
-                        completion_tokens=completion)
-            await self._send(protocol.done_frame(client_id, finish,
-                                                 usage(len(prepared.prompt_token_ids), completion, cached)))
-
-    async def _error(self, client_id: str | None, error: ServiceError) -> None:
-        try:
-            await self._send(protocol.error_frame(client_id, error))
-        except _Gone:
-            pass
-
-    async def _send(self, text: str) -> None:
-        if self.closed:
-            raise _Gone
-        try:
-            await self.ws.send_text(text)
-        except (WebSocketDisconnect, RuntimeError, OSError) as exc:
-            raise _Gone from exc
+        request.account = account
+        if request.cancel_requested:
+            account.cancel()
+        self.wake(request)
 
 
 def _client(websocket: WebSocket) -> Any:

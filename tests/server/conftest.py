@@ -43,4 +43,4 @@ async def _engine_idle_after_test(request: pytest.FixtureRequest) -> AsyncIterat
     if "async_engine" in request.fixturenames:
         engine: AsyncEngine = request.getfixturevalue("async_engine")
         stats = await engine.wait_idle(timeout=120)
-        assert stats["kv_blocks_free"] == stats["kv_blocks_total"], f"KV blocks leaked: {stats}"
+        assert stats.kv.blocks_free == stats.kv.blocks_total, f"KV blocks leaked: {stats}"

@@ -83,7 +83,7 @@ async def test_cancelling_the_consumer_aborts_the_request(async_engine: AsyncEng
         await task  # one consumer at a time: the cancelled reader lets go of the stream first
     rest = await consume(stream)  # the engine's final delta: an abort, long before 2000 tokens
     stats = await async_engine.wait_idle()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv.blocks_free == stats.kv.blocks_total
     assert stream.finished and rest[-1].finished
     assert rest[-1].outputs[-1].finish_reason == "abort"
     assert rest[-1].outputs[-1].num_tokens < 2000

@@ -6,21 +6,22 @@ import argparse
 import asyncio
 import sys
 
-from streamd.bench import serve as bench
+from streamd.bench import load as bench
+from streamd.bench import serve as bench_cli
 from tests.server.util import Server
 
 
 def bench_args(server: Server, **overrides: object) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
-    bench.add_arguments(parser)
+    bench_cli.add_arguments(parser)
     args = parser.parse_args(["--url", server.http, "--num-requests", "6", "--max-tokens", "3",
                               "--prompt-words", "8"])
     vars(args).update(overrides)
     return args
 
 
-async def test_bench_serve_over_websocket_and_http(server: Server) -> None:
-    for transport in ("ws", "http"):
+async def test_bench_serve_over_websocket_and_sse(server: Server) -> None:
+    for transport in ("ws", "sse"):
         args = bench_args(server, transport=transport, concurrency=3)
         timings, duration = await bench.run_load(args)
         result = bench.report(timings, duration, args)

@@ -25,5 +25,5 @@ async def test_200_concurrent_websocket_clients(server: Server, async_engine) ->
     connected = asyncio.Barrier(CLIENTS)
     await asyncio.wait_for(asyncio.gather(*(one_client(server, i, connected) for i in range(CLIENTS))), 600)
     stats = await async_engine.wait_idle()
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv.blocks_free == stats.kv.blocks_total
     assert server.services.lifecycle.num_active == 0

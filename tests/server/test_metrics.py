@@ -53,7 +53,7 @@ async def test_metrics_parse_and_move(async_engine) -> None:
     assert after["streamd_requests_total"][length] == before["streamd_requests_total"][length] + 2
     assert after["streamd_prefix_cache_queried_tokens_total"][()] > before["streamd_prefix_cache_queried_tokens_total"][()]
     assert after["streamd_ws_closes_total"][(("code", "1000"),)] >= 1
-    total = async_engine.stats()["kv_blocks_total"]
+    total = async_engine.stats().kv.blocks_total
     assert after["streamd_kv_blocks_free"][()] == total and after["streamd_kv_blocks_used"][()] == 0
     assert set(after["streamd_preemptions_total"]) == {(("mode", "recompute"),), (("mode", "swap"),)}
     assert set(after["streamd_swapped_blocks_total"]) == {(("direction", "in"),), (("direction", "out"),)}

@@ -105,7 +105,7 @@ async def test_disconnect_aborts_the_request(server: Server, async_engine) -> No
                 if '"content":"' in line and '"content":""' not in line:
                     break  # a real token arrived: now hang up
     stats = await async_engine.wait_idle(timeout=60)
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv.blocks_free == stats.kv.blocks_total
     assert cancelled._value.get() == before + 1
 
 

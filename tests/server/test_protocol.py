@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from streamd.engine.request_stream import CompletionDelta, RequestDelta
+from streamd.engine.outputs import CompletionDelta, RequestDelta
 from streamd.server import protocol
 from streamd.server.auth import Authenticator, bearer_token
 from streamd.server.errors import ServiceError
@@ -35,11 +35,11 @@ def test_good_frames_and_server_frames() -> None:
     frame = protocol.parse_frame('{"type":"generate","id":"a","prompt":"hi","params":{"max_tokens":3}}')
     assert frame == protocol.Generate("a", "hi", None, {"max_tokens": 3})
     assert protocol.parse_frame('{"type":"cancel","id":"a"}') == protocol.Cancel("a")
-    assert json.loads(protocol.delta_frame("a", 0, "é", [1], 0)) == {
+    assert protocol.delta_frame("a", 0, "é", [1], 0) == {
         "type": "delta", "id": "a", "seq": 0, "text": "é", "token_ids": [1], "index": 0}
-    done = json.loads(protocol.done_frame("a", "stop", {"prompt_tokens": 1}))
+    done = protocol.done_frame("a", "stop", {"prompt_tokens": 1})
     assert done == {"type": "done", "id": "a", "finish_reason": "stop", "usage": {"prompt_tokens": 1}}
-    error = json.loads(protocol.error_frame(None, ServiceError("overloaded", "busy")))
+    error = protocol.error_frame(None, ServiceError("overloaded", "busy"))
     assert error == {"type": "error", "id": None, "error": {"code": "overloaded", "message": "busy"}}
 
 

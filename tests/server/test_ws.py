@@ -9,7 +9,7 @@ import pytest
 from websockets.exceptions import ConnectionClosed
 
 from streamd import SamplingParams
-from tests.server.util import Result, Server, check_stream, gather_until_done, recv, send, ws_connect
+from tests.server.util import Result, Server, check_stream, gather_until_done, recv, recv_frames, send, ws_connect
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, there was a"]
 
@@ -30,6 +30,40 @@ async def test_multiplexed_requests_match_llm_generate(server: Server, async_eng
         assert result.done["finish_reason"] == ref.outputs[0].finish_reason
         assert result.of("start")[0]["prompt_tokens"] == len(ref.prompt_token_ids)
         assert all(f["index"] == 0 for f in result.of("delta"))
+
+
+async def test_batched_v2_and_v1_clients_get_the_same_deltas(server: Server) -> None:
+    """A streamd.v2 client (every message an array of frames: each write carries whatever all its requests
+    produced) and a streamd.v1 client (one frame per message) run the same seeded requests side by side."""
+    params = {"max_tokens": 24, "temperature": 0.9, "seed": 11, "logprobs": 1}
+    ids = {f"s{i}" for i in range(len(PROMPTS))}
+    messages: list[int] = []
+
+    async def run(subprotocol: str) -> dict[str, Result]:
+        async with ws_connect(server, subprotocols=[subprotocol]) as ws:
+            assert ws.subprotocol == subprotocol
+            for i, prompt in enumerate(PROMPTS):
+                await send(ws, type="generate", id=f"s{i}", prompt=prompt, params=params)
+            results: dict[str, Result] = {}
+            pending = set(ids)
+            while pending:
+                frames = await recv_frames(ws)
+                messages.append(len(frames)) if subprotocol == "streamd.v2" else None
+                for frame in frames:
+                    results.setdefault(frame["id"], Result()).frames.append(frame)
+                    pending.discard(frame["id"]) if frame["type"] == "done" else None
+            return results
+
+    v2, v1 = await asyncio.gather(run("streamd.v2"), run("streamd.v1"))
+    for request_id in ids:
+        check_stream(v1[request_id])
+        check_stream(v2[request_id])
+        assert v2[request_id].token_ids == v1[request_id].token_ids and len(v1[request_id].token_ids) == 24
+        assert v2[request_id].text == v1[request_id].text
+        assert v2[request_id].done == v1[request_id].done
+        logprobs = [lp for f in v2[request_id].of("delta") for lp in f["logprobs"]]
+        assert len(logprobs) == 24
+    assert max(messages) > 1, "v2 never carried several frames in one message"
 
 
 async def test_messages_use_the_models_chat_template(server: Server, smol_llm) -> None:
@@ -64,7 +98,7 @@ async def test_client_that_vanishes_frees_its_blocks(server: Server, async_engin
     assert (await recv(ws))["type"] == "delta"
     ws.transport.abort()  # no close frame: the client just disappears
     stats = await async_engine.wait_idle(timeout=60)
-    assert stats["kv_blocks_free"] == stats["kv_blocks_total"]
+    assert stats.kv.blocks_free == stats.kv.blocks_total
     assert cancelled._value.get() == before + 1
 
 

@@ -13,7 +13,8 @@ from websockets.asyncio.client import ClientConnection, connect
 
 from streamd.config import load_config
 from streamd.engine.async_engine import AsyncEngine
-from streamd.server.app import Services, create_app
+from streamd.server.app import create_app
+from streamd.server.services import Services
 from streamd.server.serve import DrainingServer, uvicorn_config
 
 WS_TIMEOUT = 120.0
@@ -42,7 +43,6 @@ class Server:
 async def running_server(engine: AsyncEngine, warm_up: bool = False, **server_keys: Any) -> AsyncIterator[Server]:
     overrides = {f"server.{k}": v for k, v in server_keys.items()}
     config = load_config(overrides={"server.host": "127.0.0.1", "server.port": 0, **overrides}, environ={})
-    observer = engine.observer
     app = create_app(config, engine, warm_up=warm_up)
     srv = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
     task = asyncio.create_task(srv.serve())
@@ -56,7 +56,6 @@ async def running_server(engine: AsyncEngine, warm_up: bool = False, **server_ke
     finally:
         srv.should_exit = True
         await task
-        engine.observer = observer  # metrics go back to the server that was there before
 
 
 def ws_connect(server: Server, **kwargs: Any) -> Any:
@@ -70,7 +69,17 @@ async def send(ws: ClientConnection, **frame: Any) -> None:
 
 
 async def recv(ws: ClientConnection, timeout: float = WS_TIMEOUT) -> dict[str, Any]:
+    """One streamd.v1 frame."""
     return json.loads(await asyncio.wait_for(ws.recv(), timeout))
+
+
+async def recv_frames(ws: ClientConnection, timeout: float = WS_TIMEOUT) -> list[dict[str, Any]]:
+    """The frames of one message: one in streamd.v1, a JSON array of them in streamd.v2."""
+    message = json.loads(await asyncio.wait_for(ws.recv(), timeout))
+    if ws.subprotocol == "streamd.v2":
+        assert isinstance(message, list) and message, message
+        return message
+    return [message]
 
 
 @dataclass
@@ -103,13 +112,13 @@ async def gather_until_done(ws: ClientConnection, ids: set[str], results: dict[s
     results = results if results is not None else {}
     pending = set(ids)
     while pending:
-        frame = await recv(ws, timeout)
-        if frame.get("id") in ids:
-            results.setdefault(frame["id"], Result()).frames.append(frame)
-            if frame["type"] == "done":
-                pending.discard(frame["id"])
-        elif stray is not None:
-            stray.append(frame)
+        for frame in await recv_frames(ws, timeout):
+            if frame.get("id") in ids:
+                results.setdefault(frame["id"], Result()).frames.append(frame)
+                if frame["type"] == "done":
+                    pending.discard(frame["id"])
+            elif stray is not None:
+                stray.append(frame)
     return results
 
 

@@ -1,0 +1,300 @@
+"""The load generator behind `streamd bench serve`: synthetic prompts, lean WebSocket and SSE clients,
+closed-loop and Poisson arrivals, and the latency/throughput report.
+
+Over WebSocket, requests are multiplexed on a small pool of sockets (32 requests per socket), in
+`streamd.v2` framing unless asked for v1; over SSE each request is a stream from `/v1/completions` on a
+keep-alive connection of a minimal HTTP/1.1 client (asyncio streams, no HTTP library), so the client costs
+less CPU per token than the server it measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+import orjson
+
+_WORDS = ("the a river city model token light stone paper garden engine quiet music north window "
+          "memory signal winter orange bridge cloud number story market forest letter ocean").split()
+
+
+@dataclass(slots=True)
+class Timing:
+    """One request: when it was sent, when each token arrived, how it ended."""
+
+    sent: float
+    token_times: list[float] = field(default_factory=list)
+    end: float = 0.0
+    tokens: int = 0
+    error: str | None = None
+
+    def add(self, now: float, count: int) -> None:
+        self.token_times.extend([now] * count)  # tokens of one frame arrived together
+        self.tokens += count
+
+
+def synthetic_prompts(count: int, words: int, seed: int) -> list[str]:
+    rng = random.Random(seed)
+    return [f"Request {i}: " + " ".join(rng.choice(_WORDS) for _ in range(words)) for i in range(count)]
+
+
+class WebSocketPool:
+    """A few sockets; requests are spread over them and their frames routed back by id."""
+
+    def __init__(self, url: str, size: int, api_key: str | None, framing: str = "v2") -> None:
+        self.url, self.size, self.api_key, self.framing = url, size, api_key, framing
+        self.sockets: list[Any] = []
+        self.routes: dict[str, asyncio.Queue[dict[str, Any]]] = {}
+        self._readers: list[asyncio.Task[None]] = []
+        self._next = itertools.count()
+
+    async def __aenter__(self) -> WebSocketPool:
+        from websockets.asyncio.client import connect
+
+        subprotocol = "streamd.v2" if self.framing == "v2" else "streamd.v1"
+        headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
+        for _ in range(self.size):
+            ws = await connect(self.url, subprotocols=[subprotocol], additional_headers=headers, max_size=None,
+                               compression=None)
+            self.sockets.append(ws)
+            self._readers.append(asyncio.create_task(self._read(ws)))
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for task in self._readers:
+            task.cancel()
+        await asyncio.gather(*(ws.close() for ws in self.sockets), return_exceptions=True)
+
+    async def _read(self, ws: Any) -> None:
+        routes = self.routes
+        async for raw in ws:
+            message = orjson.loads(raw)
+            for frame in message if isinstance(message, list) else (message,):
+                queue = routes.get(frame.get("id"))
+                if queue is not None:
+                    queue.put_nowait(frame)
+
+    async def generate(self, prompt: str, max_tokens: int) -> Timing:
+        number = next(self._next)
+        request_id = f"b{number}"
+        queue = self.routes[request_id] = asyncio.Queue()
+        ws = self.sockets[number % len(self.sockets)]
+        timing = Timing(time.perf_counter())
+        params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0}
+        try:
+            await ws.send(orjson.dumps({"type": "generate", "id": request_id, "prompt": prompt, "params": params}).decode())
+            while True:
+                frame = await queue.get()
+                if frame["type"] == "delta":
+                    timing.add(time.perf_counter(), len(frame["token_ids"]))
+                elif frame["type"] == "error":
+                    timing.error = frame["error"]["message"]
+                    if frame["error"]["code"] != "internal_error":
+                        break  # refused: no done follows
+                elif frame["type"] == "done":
+                    timing.error = timing.error or (None if frame["finish_reason"] in ("stop", "length")
+                                                    else frame["finish_reason"])
+                    break
+        finally:
+            del self.routes[request_id]
+        timing.end = time.perf_counter()
+        return timing
+
+
+class SSEClient:
+    """SSE streams from /v1/completions over keep-alive HTTP/1.1 connections, parsed with no HTTP library:
+    one `data:` event is one delta (its arrival time is every token's in it); the usage chunk at the end
+    gives the exact token count."""
+
+    def __init__(self, base: str, api_key: str | None, model: str | None, limit: int) -> None:
+        parts = urlsplit(base)
+        self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
+        self.auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
+        self.model = model
+        self.idle: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+
+    async def __aenter__(self) -> SSEClient:
+        if self.model is None:
+            status, body = await self._request("GET", "/v1/models", b"")
+            if status != 200:
+                raise RuntimeError(f"GET /v1/models: HTTP {status}")
+            self.model = orjson.loads(body)["data"][0]["id"]
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for _, writer in self.idle:
+            writer.close()
+
+    async def _connection(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        return self.idle.pop() if self.idle else await asyncio.open_connection(self.host, self.port)
+
+    def _head(self, method: str, path: str, body: bytes) -> bytes:
+        return (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.auth}Content-Type: application/json\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+
+    async def _send(self, request: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int, bool, int]:
+        """Sends on a kept-alive connection (a fresh one if the server closed it while idle); reads the head."""
+        for attempt in range(2):
+            reused = bool(self.idle)
+            reader, writer = await self._connection()
+            try:
+                writer.write(request)
+                return (reader, writer, *await _read_head(reader))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+                if not reused or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    async def _request(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
+        reader, writer, status, chunked, length = await self._send(self._head(method, path, body))
+        data = b"".join([c async for c in _chunks(reader)]) if chunked else await reader.readexactly(length)
+        self.idle.append((reader, writer))
+        return status, data
+
+    async def generate(self, prompt: str, max_tokens: int) -> Timing:
+        body = orjson.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+                             "stream": True, "stream_options": {"include_usage": True}})
+        timing = Timing(time.perf_counter())
+        reader, writer, status, chunked, length = await self._send(self._head("POST", "/v1/completions", body))
+        if status != 200 or not chunked:
+            data = await reader.readexactly(length) if not chunked else b"".join([c async for c in _chunks(reader)])
+            timing.error = f"HTTP {status}: {data[:200]!r}"
+        else:
+            events = 0
+            async for chunk in _chunks(reader):
+                now = time.perf_counter()
+                for event in chunk.split(b"\n\n"):
+                    if not event.startswith(b"data: {"):
+                        continue
+                    if b'"usage":{' in event:
+                        timing.tokens = orjson.loads(event[6:])["usage"]["completion_tokens"]
+                    elif b'"error":' in event:
+                        timing.error = orjson.loads(event[6:])["error"]["message"]
+                    elif b'"text":""' not in event:
+                        events += 1
+                        timing.token_times.append(now)
+            if timing.tokens == 0:
+                timing.tokens = events
+        self.idle.append((reader, writer))
+        timing.end = time.perf_counter()
+        return timing
+
+
+async def _read_head(reader: asyncio.StreamReader) -> tuple[int, bool, int]:
+    """Status, whether the body is chunked, and Content-Length (0 when absent)."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    status = int(lines[0].split(" ", 2)[1])
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines[1:] if line)}
+    return status, headers.get("transfer-encoding") == "chunked", int(headers.get("content-length", 0))
+
+
+async def _chunks(reader: asyncio.StreamReader) -> Any:
+    """The chunks of a chunked body, through the terminating empty chunk."""
+    while True:
+        size = int((await reader.readline()).split(b";")[0], 16)
+        data = await reader.readexactly(size + 2)
+        if size == 0:
+            return
+        yield data[:-2]
+
+
+async def run_load(args: argparse.Namespace) -> tuple[list[Timing], float]:
+    prompts = synthetic_prompts(args.num_requests, args.prompt_words, args.seed)
+    concurrency = args.concurrency or (None if args.rate else 8)
+    limit = concurrency or args.num_requests
+    base = args.url.rstrip("/")
+    if args.transport == "ws":
+        ws_url = base.replace("http://", "ws://").replace("https://", "wss://") + "/v1/stream"
+        size = args.connections or max(1, min(16, math.ceil(limit / 32)))
+        client: Any = WebSocketPool(ws_url, size, args.api_key, args.framing)
+    else:
+        client = SSEClient(base, args.api_key, args.model, limit)
+    async with client:
+        start = time.perf_counter()
+        if concurrency:
+            timings = await _closed_loop(client, prompts, args.max_tokens, concurrency)
+        else:
+            timings = await _poisson(client, prompts, args.max_tokens, args.rate, random.Random(args.seed))
+        return timings, time.perf_counter() - start
+
+
+async def _closed_loop(client: Any, prompts: list[str], max_tokens: int, concurrency: int) -> list[Timing]:
+    queue = list(reversed(prompts))
+    timings: list[Timing] = []
+
+    async def worker() -> None:
+        while queue:
+            timings.append(await _safe(client, queue.pop(), max_tokens))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return timings
+
+
+async def _poisson(client: Any, prompts: list[str], max_tokens: int, rate: float,
+                   rng: random.Random) -> list[Timing]:
+    tasks = []
+    for prompt in prompts:
+        tasks.append(asyncio.create_task(_safe(client, prompt, max_tokens)))
+        await asyncio.sleep(rng.expovariate(rate))  # the arrival schedule itself
+    return list(await asyncio.gather(*tasks))
+
+
+async def _safe(client: Any, prompt: str, max_tokens: int) -> Timing:
+    sent = time.perf_counter()
+    try:
+        return await client.generate(prompt, max_tokens)
+    except Exception as exc:  # a failed request is a data point, not the end of the run
+        return Timing(sent, end=time.perf_counter(), error=f"{type(exc).__name__}: {exc}")
+
+
+def percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None, "p99": None, "mean": None}
+    ordered = sorted(values)
+
+    def at(q: float) -> float:  # nearest-rank
+        return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+    return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99), "mean": sum(ordered) / len(ordered)}
+
+
+def report(timings: list[Timing], duration: float, args: argparse.Namespace) -> dict[str, Any]:
+    ok = [t for t in timings if t.error is None]
+    ttft = [t.token_times[0] - t.sent for t in ok if t.token_times]
+    itl = [b - a for t in ok for a, b in zip(t.token_times, t.token_times[1:])]
+    e2e = [t.end - t.sent for t in ok]
+    tokens = sum(t.tokens for t in ok)
+    errors = sorted({t.error for t in timings if t.error})[:5]
+    return {
+        "transport": args.transport, "mode": "poisson" if args.rate else "concurrency",
+        "rate": args.rate, "concurrency": args.concurrency or (None if args.rate else 8),
+        "num_requests": len(timings), "completed": len(ok), "failed": len(timings) - len(ok),
+        "duration_s": duration, "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_token_throughput": tokens / duration if duration else 0.0, "output_tokens": tokens,
+        "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e), "errors": errors,
+    }
+
+
+def format_table(result: dict[str, Any]) -> str:
+    lines = [f"streamd bench serve · {result['transport']} · {result['mode']} · "
+             f"{result['completed']}/{result['num_requests']} ok in {result['duration_s']:.2f} s",
+             f"throughput: {result['request_throughput']:.2f} req/s, "
+             f"{result['output_token_throughput']:.1f} output tok/s",
+             f"{'':<6}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'mean ms':>10}"]
+    for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("E2E", "e2e_s")):
+        row = result[key]
+        cells = "".join(f"{'-' if row[q] is None else f'{row[q] * 1000:.1f}':>10}" for q in ("p50", "p90", "p99", "mean"))
+        lines.append(f"{name:<6}{cells}")
+    lines += [f"error: {e}" for e in result["errors"]]
+    return "\n".join(lines)
+
+

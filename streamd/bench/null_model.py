@@ -1,0 +1,54 @@
+"""The null model executor, for benchmarks only: isolates the serving cost from the model's own.
+
+`null_engine(config)` builds a real `LLMEngine` (real tokenizer and vocabulary, block manager, scheduler,
+batch preparation, output processor, detokenizer) and replaces only the forward pass and the sampler:
+`NullRunner` prepares each step's batch tensors as the real runner does and runs no model, and
+`NullSampler` draws every token uniformly from the real vocabulary. What is left is what streamd itself
+costs per token. Every report made with it says `"model": "null"`; no correctness test may use it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamd.config import Config
+from streamd.engine.llm_engine import LLMEngine
+from streamd.engine.model_runner import ModelRunner
+from streamd.engine.sampler import PendingSample
+from streamd.engine.sampling_params import SamplingParams
+from streamd.engine.scheduler_output import SchedulerOutput
+from streamd.engine.sequence import Sequence
+
+NULL_MODEL = "null"
+
+
+class NullRunner:
+    """Builds the batch (positions, slot mapping, block tables) and skips the forward."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
+                prev_rows: dict[int, int] | None = None) -> torch.Tensor:
+        sample_idx = self.runner.prepare_inputs(out)[3]
+        return torch.empty((len(sample_idx), 0))
+
+
+class NullSampler:
+    """Uniform random tokens of the real vocabulary, one batched draw per step."""
+
+    def __init__(self, vocab_size: int, seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> PendingSample:
+        tokens = torch.randint(self.vocab_size, (logits.shape[0],), generator=self.generator)
+        return PendingSample(tokens, tokens, params, 0)
+
+
+def null_engine(config: Config) -> LLMEngine:
+    """An engine over the configured model's tokenizer and vocabulary whose steps run no model."""
+    engine = LLMEngine.from_config(config)
+    engine.runner = NullRunner(engine.runner)  # type: ignore[assignment]
+    engine.sampler = NullSampler(engine.vocab_size, config.model.seed or 0)  # type: ignore[assignment]
+    return engine

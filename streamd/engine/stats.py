@@ -1,0 +1,52 @@
+"""Typed statistics of the engine's parts, read by name (a misspelled field fails instead of reading 0).
+
+`KVCacheStats` comes from the block manager, `SchedulerStats` from the scheduler, and `EngineStats` joins
+them with the engine's own counts; `/metrics`, the benchmarks and the tests read these fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True, frozen=True)
+class KVCacheStats:
+    blocks_total: int
+    blocks_free: int
+    blocks_cached: int  # free blocks that still hold a findable prefix
+    swap_blocks_total: int
+    swap_blocks_free: int
+    swapped_out_blocks: int  # cumulative
+    swapped_in_blocks: int  # cumulative
+    prefix_queried_tokens: int  # cumulative prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int  # cumulative prompt tokens found there
+
+    @property
+    def blocks_used(self) -> int:
+        return self.blocks_total - self.blocks_free
+
+    @property
+    def swap_blocks_used(self) -> int:
+        return self.swap_blocks_total - self.swap_blocks_free
+
+
+@dataclass(slots=True, frozen=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    num_swapped: int
+    preemptions_swap: int  # cumulative
+    preemptions_recompute: int  # cumulative
+    recomputed_tokens: int  # cumulative tokens prefilled again after recompute preemption
+
+
+@dataclass(slots=True, frozen=True)
+class EngineStats:
+    kv: KVCacheStats
+    scheduler: SchedulerStats
+    num_requests: int  # requests the engine holds (waiting, running, swapped)
+
+    @property
+    def pool_whole(self) -> bool:
+        """Every device and host block is free (the leak check once no request is in flight)."""
+        return self.kv.blocks_free == self.kv.blocks_total and self.kv.swap_blocks_free == self.kv.swap_blocks_total

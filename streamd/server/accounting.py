@@ -1,0 +1,140 @@
+"""RequestAccount: the one server-side tally of a request, whatever route it came by.
+
+Every route (`/v1/stream`, the OpenAI routes, any later one) opens an account when it submits a request,
+feeds it every delta it delivers, and closes it once. The account owns:
+
+- usage: prompt, completion (all choices) and cached tokens;
+- the finish reason, through the one map `FINISH_NAMES` from the engine's reasons to each face's names;
+- timings: time to first token and inter-token latency as the client is handed the tokens, end-to-end
+  latency and queue time, recorded into the metrics;
+- `streamd_requests_total{finish_reason}` (counted once, when closed) and the `request_done` log line;
+- the request's place among the requests in flight, so a drain can find and cancel it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from streamd.engine.outputs import RequestDelta
+from streamd.logs import get_logger
+from streamd.server.lifecycle import Lifecycle
+from streamd.server.metrics import Metrics
+
+logger = get_logger(__name__)
+
+
+@dataclass(slots=True, frozen=True)
+class FinishNames:
+    wire: str  # streamd.v1 `done` frames and the `finish_reason` label of streamd_requests_total
+    openai: str  # OpenAI's `finish_reason`
+
+
+# The engine's finish reasons (plus "error": the request failed) -> what each face calls them.
+FINISH_NAMES: dict[str, FinishNames] = {
+    "stop": FinishNames("stop", "stop"),
+    "length": FinishNames("length", "length"),
+    "abort": FinishNames("cancelled", "abort"),
+    "error": FinishNames("error", "error"),
+}
+
+
+class RequestAccount:
+    def __init__(self, request_id: str, route: str, num_prompt_tokens: int, metrics: Metrics,
+                 lifecycle: Lifecycle, cancel: Callable[[], None]) -> None:
+        self.request_id = request_id
+        self.route = route
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_cached_tokens = 0
+        self.completion_tokens: dict[int, int] = {}  # per choice
+        self.finish_reasons: dict[int, str] = {}  # per choice, engine names
+        self.error: str | None = None
+        self.arrival = time.monotonic()
+        self._metrics = metrics
+        self._lifecycle = lifecycle
+        self._cancel = cancel
+        self._first_token: float | None = None
+        self._last_token: float | None = None
+        self._queue_time: float | None = None
+        self._closed = False
+        lifecycle.add(self)
+
+    # ---- feeding -----------------------------------------------------------------------------------
+    def absorb(self, delta: RequestDelta) -> None:
+        """Takes a delta as it is handed to the client."""
+        count = 0
+        for choice in delta.outputs:
+            count += len(choice.token_ids)
+            self.completion_tokens[choice.index] = choice.num_tokens
+            if choice.finish_reason is not None:
+                self.finish_reasons[choice.index] = choice.finish_reason
+        self.error = self.error or delta.error
+        self.num_cached_tokens = delta.num_cached_tokens or self.num_cached_tokens
+        if delta.queue_time is not None:
+            self._queue_time = delta.queue_time
+        if count:
+            self._observe_tokens(count)
+
+    def _observe_tokens(self, count: int) -> None:
+        now = time.monotonic()
+        if self._first_token is None:
+            self._first_token = now
+            self._metrics.ttft.observe(now - self.arrival)
+            count -= 1
+        elif self._last_token is not None:
+            self._metrics.observe_inter_token((now - self._last_token) / count, count)
+        self._last_token = now
+
+    def cancel(self) -> None:
+        """Aborts the request in the engine; its final delta still arrives and closes the account."""
+        self._cancel()
+
+    # ---- reading -----------------------------------------------------------------------------------
+    @property
+    def finish_reason(self) -> str:
+        """The request's finish reason in engine names ("error" when it failed; the first choice's)."""
+        if self.error is not None:
+            return "error"
+        return self.finish_reasons.get(0) or next(iter(self.finish_reasons.values()), "abort")
+
+    @property
+    def finish(self) -> FinishNames:
+        return FINISH_NAMES[self.finish_reason]
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return sum(self.completion_tokens.values())
+
+    def usage(self) -> dict[str, Any]:
+        completion = self.num_completion_tokens
+        body: dict[str, Any] = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
+                                "total_tokens": self.num_prompt_tokens + completion}
+        if self.num_cached_tokens:
+            body["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+        return body
+
+    # ---- closing -----------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Counts the request once (metrics, log line) and lets go of it; later calls do nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self._lifecycle.discard(self)
+        name = self.finish.wire
+        metrics = self._metrics
+        metrics.requests.labels(name).inc()
+        if self.error is None:
+            metrics.e2e.observe(time.monotonic() - self.arrival)
+            queue_s = self._queue_time
+            if queue_s is None and self._first_token is not None:
+                queue_s = self._first_token - self.arrival  # bounded by the wait for the first token
+            if queue_s is not None:
+                metrics.queue.observe(queue_s)
+        logger.info("request_done", request_id=self.request_id, route=self.route, finish_reason=name,
+                    prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_completion_tokens)
+
+    def discard(self) -> None:
+        """Lets go of a request the engine refused: it never ran, so it is not counted."""
+        self._closed = True
+        self._lifecycle.discard(self)

@@ -1,0 +1,28 @@
+"""Services: everything a route handler needs, built once by `create_app` and kept on `app.state.services`.
+
+Its own module so that the routes (ws.py, openai_routes.py) and the app that lists them import it without
+importing each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamd.config import ServerConfig
+from streamd.engine.async_engine import AsyncEngine
+from streamd.server.auth import Authenticator
+from streamd.server.generation import Generation
+from streamd.server.lifecycle import Lifecycle
+from streamd.server.metrics import Metrics
+
+
+@dataclass(slots=True)
+class Services:
+    config: ServerConfig
+    engine: AsyncEngine
+    model_name: str
+    started: int
+    auth: Authenticator
+    metrics: Metrics
+    lifecycle: Lifecycle
+    generation: Generation
