@@ -49,8 +49,7 @@ def save_report(report: dict[str, Any], out: str | os.PathLike[str] | None, name
     device = report["device"].replace("NVIDIA ", "").replace(" ", "-").lower()
     stem = folder / f"{name}-{report['date']}-{device}"
     # Names may hold dots ("llama3.2-1b"): append the suffixes, never replace one.
-    for path, text in ((Path(f"{stem}.json"), json.dumps(report, indent=2, default=str) + "
-"),
+    for path, text in ((Path(f"{stem}.json"), json.dumps(report, indent=2, default=str) + "\n"),
                        (Path(f"{stem}.md"), markdown)):
         tmp = Path(f"{path}.tmp")
         tmp.write_text(text)
