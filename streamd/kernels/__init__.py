@@ -10,21 +10,18 @@ KV cache layout (ARCHITECTURE.md): one block-major pool
 """
 
 
-from __future__ import annotations
+import importlib.util
 
-import importlib
-from typing import Any
+# Triton exists only on Linux x86_64/aarch64: elsewhere this package exports nothing and the CPU engine
+# uses `streamd.kernels.reference`, which imports no triton.
+if importlib.util.find_spec("triton") is not None:
+    from streamd.kernels.activation import silu_and_mul
+    from streamd.kernels.block_copy import copy_blocks
+    from streamd.kernels.decode_attention import paged_decode_attention
+    from streamd.kernels.kv_store import store_kv
+    from streamd.kernels.prefill_attention import paged_prefill_attention
+    from streamd.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+    from streamd.kernels.rotary import rotary_store_kv
 
-# Exported lazily, so that `streamd.kernels.reference` (the CPU path) imports without triton, which
-# exists only on Linux x86_64/aarch64.
-_EXPORTS = {"copy_blocks": "block_copy", "paged_decode_attention": "decode_attention",
-            "store_kv": "kv_store", "paged_prefill_attention": "prefill_attention", "rmsnorm": "rmsnorm",
-            "fused_add_rmsnorm": "rmsnorm", "silu_and_mul": "activation", "rotary_store_kv": "rotary"}
-
-__all__ = list(_EXPORTS)
-
-
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module 'streamd.kernels' has no attribute {name!r}")
-    return getattr(importlib.import_module(f"streamd.kernels.{_EXPORTS[name]}"), name)
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks", "rmsnorm",
+           "fused_add_rmsnorm", "silu_and_mul", "rotary_store_kv"]
