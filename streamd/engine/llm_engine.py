@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from streamd.config import Config
 from streamd.engine.block_manager import BlockManager
 from streamd.engine.cache_engine import CacheEngine, KVLayout
 from streamd.engine.chat_template import chat_template_ids
+from streamd.engine.cpu_threads import apply_num_threads
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
 from streamd.engine.executor import Executor, LocalExecutor
 from streamd.engine.fusion import fuse_layers
@@ -32,7 +34,7 @@ from streamd.engine.output_processor import OutputProcessor
 from streamd.engine.outputs import RequestDelta, RequestUpdate, SeqUpdate
 from streamd.engine.parallel.executor import TensorParallelExecutor
 from streamd.engine.parallel.workers import WorkerPool, start_tensor_parallel
-from streamd.engine.preemption_costs import measure_cost_model
+from streamd.engine.preemption_costs import cost_model
 from streamd.engine.sampler import PendingSample, Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.scheduler import Scheduler
@@ -88,10 +90,11 @@ class LLMEngine:
         self.eos_token_ids = _eos_token_ids(loaded)
         self.sampler = Sampler(vocab, self.eos_token_ids, seed=config.model.seed)
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
-        cost_model = None
+        costs = None
         if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
-            cost_model = measure_cost_model(self.cache, self.executor, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, cost_model)
+            costs = cost_model(self.cache, self.executor, self.runner, self.max_model_len,
+                               Path(config.model.cache_dir).expanduser())
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, costs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SequenceGroup] = {}
         self._num_penalized = 0  # live requests whose sampling reads their token history on the host
@@ -101,6 +104,7 @@ class LLMEngine:
     @classmethod
     def from_config(cls, config: Config, model_config: PretrainedConfig | None = None) -> LLMEngine:
         """Loads the configured model (or random weights for `model_config`) and builds the engine."""
+        apply_num_threads(config.model.num_threads)
         device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, device)
         workers = None

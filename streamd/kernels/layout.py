@@ -1,5 +1,5 @@
-"""Checks on the block-major KV pool shared by the Triton kernels and their references; no Triton import,
-so CPU-only installs (no triton) can use ``streamd.kernels.reference``."""
+"""The block-major KV pool's shape contract (and the rotary store's arguments), shared by the Triton kernels and their references (no triton
+import here: the CPU engine runs the references on machines without triton)."""
 
 from __future__ import annotations
 

@@ -117,9 +117,10 @@ def paged_prefill_attention(
         kv_seq = kv[tables[i, :n_blocks]]  # [n_blocks, 2, Hkv, page, D]
         kv_seq = kv_seq.permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, n_blocks * page, head_dim)
         dtype = _compute_dtype(query.dtype, query.device)
-        k = kv_seq[0, :, :seq_len].to(dtype)  # [Hkv, T, D]
-        v = kv_seq[1, :, :seq_len].to(dtype)
-        q = query[q_begin:q_end].to(dtype).transpose(0, 1)  # [H, q_len, D]
+        # 4-D [1, heads, tokens, D]: with 3-D tensors CPU SDPA falls back to its generic math path (~6x slower).
+        k = kv_seq[0, :, :seq_len].to(dtype)[None]  # [1, Hkv, T, D]
+        v = kv_seq[1, :, :seq_len].to(dtype)[None]
+        q = query[q_begin:q_end].to(dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
         if ctx == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -127,7 +128,7 @@ def paged_prefill_attention(
             k_pos = torch.arange(seq_len, device=query.device)
             mask = k_pos[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[q_begin:q_end] = o.transpose(0, 1).to(out.dtype)
+        out[q_begin:q_end] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
 
