@@ -2,8 +2,8 @@
 the token bitmask that gates the sampler.
 
 The grammar engine is xgrammar (chosen by measurement: `benchmarks/NOTES.md`). `GrammarCompiler` turns a
-request's `StructuredOutputs` into a compiled grammar; xgrammar's compiler caches them by grammar text, and
-JSON schemas are given in canonical form (sorted keys), so a schema is compiled once per process.
+request's `StructuredOutputs` into a compiled grammar; xgrammar's compiler caches them by grammar text (a
+schema by its compact JSON text, property order kept), so a schema is compiled once per process.
 A schema that cannot be compiled raises `GrammarError` naming the problem; the server compiles before
 submitting, so a bad schema is refused before its request takes any KV block.
 
@@ -65,7 +65,7 @@ class GrammarCompiler:
         kind = _kind(spec)
         try:
             if spec.json is not None:
-                return self._compiler.compile_json_schema(_canonical_schema(spec.json), any_whitespace=False)
+                return self._compiler.compile_json_schema(_schema_text(spec.json), any_whitespace=False)
             if spec.json_object:
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.regex is not None:
@@ -133,7 +133,7 @@ def _kind(spec: StructuredOutputs) -> str:
     return "json_object"
 
 
-def _canonical_schema(schema: dict[str, Any] | str) -> str:
+def _schema_text(schema: dict[str, Any] | str) -> str:
     if isinstance(schema, str):
         try:
             schema = json.loads(schema)
@@ -141,7 +141,7 @@ def _canonical_schema(schema: dict[str, Any] | str) -> str:
             raise GrammarError(f"structured_outputs.json is not valid JSON: {exc}") from exc
     if not isinstance(schema, dict):
         raise GrammarError("structured_outputs.json must be a JSON schema object")
-    return json.dumps(schema, sort_keys=True)
+    return json.dumps(schema)  # property order is kept: the grammar generates properties in schema order
 
 
 def _escape_regex(text: str) -> str:
