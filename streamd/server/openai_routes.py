@@ -169,11 +169,12 @@ async def _collect(call: _Call) -> Response:
     if account.error:
         raise ServiceError("internal_error", account.error)
     content = "".join(text)
+    if call.tool_call is not None:
+        call.tool_call.feed(content)
     reason = _finish_reason(call)
     if call.kind == "chat":
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if call.tool_call is not None:
-            call.tool_call.feed(content)
             whole = call.tool_call.final()
             message = {"role": "assistant", "content": None if whole else content,
                        "tool_calls": [whole] if whole else []}
