@@ -42,6 +42,7 @@ from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.stats import EngineStats
 from streamd.engine.stop_checker import StopChecker
+from streamd.engine.structured import GrammarCompiler, GrammarMatchers
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -89,6 +90,8 @@ class LLMEngine:
                                           cache_cfg.watermark, cache_cfg.enable_prefix_caching)
         self.eos_token_ids = _eos_token_ids(loaded)
         self.sampler = Sampler(vocab, self.eos_token_ids, seed=config.model.seed)
+        self.grammars = GrammarMatchers(GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)) \
+            if self.tokenizer is not None else None
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         costs = None
         if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
@@ -97,7 +100,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, costs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SequenceGroup] = {}
-        self._num_penalized = 0  # live requests whose sampling reads their token history on the host
+        # Live requests whose sampling needs their last token on the host (penalties, grammars): while
+        # any is live, each step reads the previous step's tokens back before it launches (no overlap).
+        self._num_serial = 0
         self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: _InFlight | None = None  # the launched step whose tokens are not read back yet
 
@@ -149,16 +154,41 @@ class LLMEngine:
         if params.detokenize and self.tokenizer is None:
             raise RequestError("this model has no tokenizer: set detokenize=False and send token ids")
         self._check_lengths(ids, params)
+        if params.n > 1 and params.structured_outputs is not None:
+            raise RequestError("n > 1 together with structured_outputs is not supported yet")
         group = SequenceGroup(request_id, [Sequence(prompt_token_ids=ids)], params, prompt=text,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        self._add_matchers(group)
         try:
             self.scheduler.add_seq_group(group)
         except ValueError as exc:
+            self._remove_matchers(group)
             raise KVCacheCapacityError(str(exc)) from exc
         self._groups[request_id] = group
         self.output_processor.add_request(request_id, ids, params, group.arrival_time)
-        self._num_penalized += params.uses_penalties
+        self._num_serial += params.needs_host_tokens
         return ids
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles (and caches) the request's grammar, if any; raises GrammarError naming what is wrong.
+        Thread-safe: the server calls it off its event loop before submitting."""
+        if params.structured_outputs is not None:
+            if self.grammars is None:
+                raise RequestError("structured_outputs needs a tokenizer; this model has none")
+            self.grammars.compiler.compile(params.structured_outputs)
+
+    def _add_matchers(self, group: SequenceGroup) -> None:
+        spec = group.sampling_params.structured_outputs
+        if spec is not None:
+            self.compile_grammar(group.sampling_params)
+            assert self.grammars is not None
+            for seq in group.seqs:
+                self.grammars.add(seq, spec)
+
+    def _remove_matchers(self, group: SequenceGroup) -> None:
+        if self.grammars is not None and group.sampling_params.structured_outputs is not None:
+            for seq in group.seqs:
+                self.grammars.remove(seq)
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; its final delta (finish_reason "abort") comes with the next step."""
@@ -203,7 +233,7 @@ class LLMEngine:
         if prev is not None:
             self.scheduler.on_step_done(prev.out)
             self._fork(prev)
-            if self._num_penalized:  # penalties read every past token on the host: no overlap
+            if self._num_serial:  # penalties and grammars need the last token on the host: no overlap
                 deltas = self._process(updates + self._read_back(prev, pipelined=False))
                 updates, prev = [], None
             else:
@@ -245,8 +275,10 @@ class LLMEngine:
         forks = [(item, _children(item.group)) for item in sampling if item.group.needs_fork]
         if forks:  # each sample draws from its prompt's logits row
             logits, sampling = self._with_samples(logits, sampling, forks)
-        pending = self.sampler.sample_async(logits, [item.seq for item in sampling],
-                                            [item.group.sampling_params for item in sampling])
+        seqs = [item.seq for item in sampling]
+        bitmask = self.grammars.bitmask(seqs, logits.device) if self.grammars is not None else None
+        pending = self.sampler.sample_async(logits, seqs, [item.group.sampling_params for item in sampling],
+                                            bitmask)
         return _InFlight(out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)}, forks)
 
     @staticmethod
@@ -280,7 +312,7 @@ class LLMEngine:
         placeholder), token-level stops, free; returns what is new for each request that progressed."""
         result = step.pending.result()
         token_ids, logprobs = result.token_ids, result.logprobs
-        check = self.stop_checker.check
+        check, grammars = self.stop_checker.check, self.grammars
         updates: dict[str, RequestUpdate] = {}
         ended: list[SequenceGroup] = []
         for i, item in enumerate(step.sampling):
@@ -293,11 +325,15 @@ class LLMEngine:
             else:
                 seq.token_ids.append(token)
             params = group.sampling_params
-            reason, stop_token_id = check(seq, params)
             update = updates.get(group.request_id)
             if update is None:
                 update = updates[group.request_id] = RequestUpdate(group.request_id, [], group.num_cached_tokens,
                                                                    group.first_scheduled_time)
+            if grammars is not None and not grammars.accept(seq, token):
+                update.seqs.append(self._dead_end(seq, update))
+                ended.append(group)
+                continue
+            reason, stop_token_id = check(seq, params)
             update.seqs.append(SeqUpdate(seq.sample_index, [token],
                                          [logprobs[i]] if logprobs is not None and params.logprobs is not None
                                          else None, reason, stop_token_id))
@@ -309,6 +345,16 @@ class LLMEngine:
             if group.finished:
                 self._forget(group)
         return list(updates.values())
+
+    @staticmethod
+    def _dead_end(seq: Sequence, update: RequestUpdate) -> SeqUpdate:
+        """A constrained sequence whose grammar allowed no token (e.g. min_tokens masked the only one
+        left): it ends, without the token sampled from nothing, and the request says why."""
+        seq.token_ids.pop()
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        update.error = (f"structured output reached a dead end after {seq.num_output_tokens} tokens: the grammar "
+                        "allows no token here (check min_tokens, stop settings and the schema)")
+        return SeqUpdate(seq.sample_index, [], finish_reason="abort")
 
     def _process(self, updates: list[RequestUpdate]) -> list[RequestDelta]:
         """Updates -> deltas; sequences a stop string ended are finished here (blocks freed at once)."""
@@ -339,7 +385,8 @@ class LLMEngine:
 
     def _forget(self, group: SequenceGroup) -> None:
         if self._groups.pop(group.request_id, None) is not None:
-            self._num_penalized -= group.sampling_params.uses_penalties
+            self._num_serial -= group.sampling_params.needs_host_tokens
+            self._remove_matchers(group)
 
     def _tokenize(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
         if prompt_token_ids is None and isinstance(prompt, list):

@@ -4,7 +4,7 @@ Owns the logits -> token step: repetition / frequency / presence penalties, min_
 temperature, min-p, top-k, top-p, per-request seeds and logprobs. Everything runs on the logits' device;
 the only device -> host transfer is one `.tolist()` of the results per call.
 
-Order of processing (as vLLM): penalties -> min_tokens mask -> [greedy rows: argmax] -> temperature ->
+Order of processing (as vLLM): penalties -> min_tokens mask -> grammar bitmask -> [greedy rows: argmax] -> temperature ->
 min-p -> top-k -> top-p -> sample. Logprobs are those of the model's raw distribution (log_softmax of the
 unprocessed logits).
 
@@ -23,6 +23,7 @@ import torch
 
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.sequence import Sequence
+from streamd.engine.structured import TokenBitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -45,11 +46,12 @@ class Sampler:
         self._seed = seed
         self._generator: torch.Generator | None = None
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> SamplerOutput:
-        return self.sample_async(logits, seqs, params).result()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+                 bitmask: TokenBitmask | None = None) -> SamplerOutput:
+        return self.sample_async(logits, seqs, params, bitmask).result()
 
-    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence],
-                     params: list[SamplingParams]) -> PendingSample:
+    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+                     bitmask: TokenBitmask | None = None) -> PendingSample:
         """Queues the sampling and the device -> host copy of its results without waiting for them; the
         chosen tokens stay usable on the device (as the next step's inputs) before the host has them."""
         n = logits.shape[0]
@@ -67,6 +69,8 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if want_logprobs else None
 
         x = self.penalize(logits, seqs, params, distinct)
+        if bitmask is not None:  # grammar: disallowed tokens of constrained rows -> -inf, one batched call
+            x = bitmask.apply(x.clone() if x is logits else x)
         random_params = [p for p in distinct if not p.greedy]
         if not random_params:
             tokens = x.argmax(dim=-1)

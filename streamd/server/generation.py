@@ -9,6 +9,7 @@ Chat templates come only from the model (`AsyncEngine.apply_chat_template`), nev
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -18,16 +19,18 @@ from streamd.engine.async_engine import AsyncEngine, EngineDeadError
 from streamd.engine.errors import RequestError
 from streamd.engine.request_stream import DeltaSink, RequestStream
 from streamd.engine.sampling_params import SamplingParams, is_int
+from streamd.engine.structured import GrammarError
 from streamd.server.accounting import RequestAccount
 from streamd.server.errors import ServiceError
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
+from streamd.server.structured_api import structured_from_response_format
 
 # Wire parameter names (OpenAI / vLLM) accepted on every route.
 WIRE_PARAMS = frozenset({
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "n", "ignore_eos",
-    "logprobs", "include_stop_str_in_output", "skip_special_tokens",
+    "logprobs", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "response_format",
 })
 MAX_N = 16  # parallel samples per request (each is a sequence of the batch)
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
@@ -59,10 +62,10 @@ class Generation:
         raise ServiceError("invalid_request", "prompt must be a non-empty string or a list of token ids",
                            "prompt")
 
-    def messages_ids(self, messages: Any) -> list[int]:
+    def messages_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
         messages = normalize_messages(messages)
         try:
-            return self.engine.apply_chat_template(messages)
+            return self.engine.apply_chat_template(messages, tools)
         except ValueError as exc:
             raise ServiceError("invalid_request", f"messages: {exc}", "messages") from exc
 
@@ -73,6 +76,13 @@ class Generation:
         if unknown:
             raise ServiceError("invalid_request", f"unknown parameter {unknown[0]!r}", unknown[0])
         fields = {k: v for k, v in raw.items() if v is not None}
+        if "response_format" in fields:
+            structured = structured_from_response_format(fields.pop("response_format"))
+            if structured is not None and "structured_outputs" in fields:
+                raise ServiceError("invalid_request", "give response_format or structured_outputs, not both",
+                                   "response_format")
+            if structured is not None:
+                fields["structured_outputs"] = structured
         context, n_prompt = self.engine.max_model_len, len(prompt_ids)
         if n_prompt >= context:
             raise ServiceError("context_length_exceeded", f"the prompt has {n_prompt} tokens; this model's "
@@ -105,6 +115,10 @@ class Generation:
             raise ServiceError("shutting_down", "the server is shutting down")
         if self.engine.num_waiting >= self.config.max_waiting_requests:
             raise ServiceError("overloaded", "too many requests are waiting; retry later")
+        try:  # before the request exists: a bad schema never takes a KV block
+            await self.engine.compile_grammar(prepared.params)
+        except GrammarError as exc:
+            raise ServiceError("invalid_request", str(exc), "structured_outputs") from exc
         engine, request_id = self.engine, new_request_id()
         stream = RequestStream(request_id, engine.abort) if sink is None else None
         account = RequestAccount(request_id, route, len(prepared.prompt_token_ids), self.metrics, self.lifecycle,
@@ -127,8 +141,10 @@ class Generation:
         return account, stream
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages to plain {role, content} dicts (text parts joined); anything else is refused."""
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages to plain {role, content} dicts (text parts joined), keeping an assistant's
+    `tool_calls` (arguments parsed to objects, as chat templates expect) and a tool message's
+    `tool_call_id`; anything else is refused."""
     if not isinstance(messages, list) or not messages:
         raise ServiceError("invalid_request", "messages must be a non-empty list", "messages")
     out = []
@@ -147,8 +163,24 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise ServiceError("invalid_request", f"messages[{i}].content must be a string", "messages")
-        out.append({"role": message["role"], "content": content})
+        out.append({"role": message["role"], "content": content, **_tool_fields(i, message)})
     return out
+
+
+def _tool_fields(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if message["role"] == "tool" and isinstance(message.get("tool_call_id"), str):
+        fields["tool_call_id"] = message["tool_call_id"]
+    calls = message.get("tool_calls")
+    if message["role"] == "assistant" and calls:
+        try:
+            fields["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+                for c in calls]
+        except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
+            raise ServiceError("invalid_request", f"messages[{i}].tool_calls must be OpenAI tool calls with "
+                               f"JSON-string arguments ({exc})", "messages") from exc
+    return fields
 
 
 def new_request_id() -> str:
