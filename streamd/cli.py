@@ -28,7 +28,9 @@ EXAMPLES: dict[str, str] = {
             '  streamd chat --port 9000 --prompt "Say hi in French."',
     "bench": "streamd bench throughput --device cpu --out benchmarks/results\n"
              "  streamd bench memory --quick",
+    "cluster": "streamd cluster --replicas 2 -- --set cache.num_kv_blocks=512",
 }
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="streamd", description=__doc__)
