@@ -84,23 +84,27 @@ class Replica:
         self.scheduler = Scheduler(config, self.block_manager, shape.max_model_len)
         self.outstanding = 0  # requests routed here and not finished (the router's load signal)
         self.busy = False  # a step is under way
+        self.outputs: dict[str, list[int]] = {}  # request id -> the token ids it will generate
 
-    def add(self, group: SequenceGroup) -> None:
+    def add(self, group: SequenceGroup, outputs: list[int]) -> None:
         self.scheduler.add_seq_group(group)
+        self.outputs[group.request_id] = outputs
         self.outstanding += 1
 
     def step(self) -> StepResult:
-        """One iteration; `group.user_data` holds the token ids the request will generate."""
+        """One iteration; `outputs` holds the token ids each request will generate."""
         out = self.scheduler.schedule()
         context = sum(item.seq.num_computed_tokens + item.num_new_tokens for item in out.scheduled)
         sampled = [item for item in out.scheduled if item.samples]
         self.scheduler.on_step_done(out)
         for item in sampled:
-            seq, outputs = item.seq, item.group.user_data
+            seq, outputs = item.seq, self.outputs[item.group.request_id]
             seq.append_token(outputs[seq.num_output_tokens])
             if seq.num_output_tokens >= len(outputs):
                 seq.status = SequenceStatus.FINISHED_LENGTH
         finished = self.scheduler.free_finished([item.group for item in sampled])
+        for group in finished:
+            del self.outputs[group.request_id]
         self.outstanding -= len(finished)
         return StepResult(out.num_prefill_tokens + out.num_decode_tokens, out.num_prefill_tokens, context,
                           [item.group for item in sampled], finished)
@@ -112,8 +116,7 @@ def replay_offline(prompts: list[list[int]], output_lens: list[int], shape: Engi
     replica = Replica(shape)
     for i, (prompt, n) in enumerate(zip(prompts, output_lens)):
         group = SequenceGroup(str(i), [Sequence(list(prompt))], _PARAMS, arrival_time=0.0)
-        group.user_data = [0] * n
-        replica.add(group)
+        replica.add(group, [0] * n)
     totals = StepTotals()
     while replica.scheduler.has_unfinished_seqs():
         result = replica.step()
@@ -296,6 +299,7 @@ def simulate(conversations: list[Conversation], num_replicas: int, policy: str, 
         conv = _start(next(pool))
         heapq.heappush(events, (conv.turns[0].think_s, next(order), _User(conv)))
     owner: dict[str, _User] = {}
+    started: set[str] = set()  # requests that have their first token
     ttfts: list[float] = []
     routed = [0] * num_replicas
     window_tokens, last, busy, prefill = 0, 0.0, 0.0, 0
@@ -315,11 +319,12 @@ def simulate(conversations: list[Conversation], num_replicas: int, policy: str, 
         measured = run.warmup_s <= end <= run.duration_s
         window_tokens += len(result.sampled) if measured else 0
         for group in result.sampled:
-            if group.first_token_time is None:
-                group.first_token_time = end
+            if group.request_id not in started:
+                started.add(group.request_id)
                 if run.warmup_s <= group.arrival_time <= run.duration_s:
                     ttfts.append(end - group.arrival_time)
         for group in result.finished:
+            started.discard(group.request_id)
             user = owner.pop(group.request_id)
             conv = user.conversation
             turn = conv.turns[conv.turns_done]
@@ -358,8 +363,7 @@ def _arrive(user: _User, now: float, router: RoundRobin | PrefixAware, replicas:
     prompt = conv.system + conv.history + turn.user_ids
     index = router.route(prompt)
     group = SequenceGroup(f"{conv.index}.{conv.turns_done}", [Sequence(prompt)], _PARAMS, arrival_time=now)
-    group.user_data = turn.output_ids
     owner[group.request_id] = user
-    replicas[index].add(group)
+    replicas[index].add(group, turn.output_ids)
     routed[index] += 1
     return replicas[index]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamd.bench.workloads import Workload
 from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -27,17 +28,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
 }
-
-
-@dataclass(slots=True)
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
 
 
 def random_workload(vocab: int, num_requests: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0) -> Workload:

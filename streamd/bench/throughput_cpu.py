@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from streamd.bench.report import BenchError, git_commit, results_dir, save_report
-from streamd.bench.throughput import Workload
+from streamd.bench.workloads import Workload
 
 BUSY_LOOP = "while True: pass"
 

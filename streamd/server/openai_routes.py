@@ -177,13 +177,14 @@ async def _collect(call: _Call) -> Response:
     choices = []
     for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
         content = "".join(pieces)
+        if call.tool_call is not None:  # (a grammar-enforced call: one choice)
+            call.tool_call.feed(content)
         reason = _finish_reason(call, finish.openai)
         if call.kind != "chat":
             choices.append({"index": index, "text": content, "logprobs": None, "finish_reason": reason})
             continue
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if call.tool_call is not None:  # (a grammar-enforced call: one choice)
-            call.tool_call.feed(content)
+        if call.tool_call is not None:
             whole = call.tool_call.final()
             message = {"role": "assistant", "content": None if whole else content,
                        "tool_calls": [whole] if whole else []}

@@ -70,7 +70,7 @@ async def test_plain_chat_and_completions(client: AsyncOpenAI, server: Server) -
     ({"top_p": 0}, 400, "invalid_request"),
     ({"max_tokens": 10 ** 7}, 400, "context_length_exceeded"),
     ({"n": 17}, 400, "invalid_request"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported"),
+    ({"functions": [{"name": "f"}]}, 400, "unsupported"),
     ({"model": "gpt-nonexistent"}, 404, "model_not_found"),
 ])
 async def test_bad_parameters_give_openai_errors(client: AsyncOpenAI, server: Server, extra: dict,
