@@ -5,20 +5,17 @@ model whose KV heads do not split is refused."""
 
 from __future__ import annotations
 
-import datetime
-import threading
 from pathlib import Path
 from typing import Iterator
 
 import pytest
 import torch
-import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from streamd import LLM, SamplingParams
 from streamd.config import ConfigError
 from streamd.engine.model_runner import ModelInput
-from streamd.engine.parallel.step_message import (CacheOrder, Command, OrderKind, StepChannel, StepMessage, decode,
+from streamd.engine.parallel.step_message import (CacheOrder, Command, OrderKind, StepMessage, decode,
                                                   encode)
 from tests.helpers import fold_deltas, hf_greedy, register_engine
 from tests.tp_models import VOCAB, save_random_model
@@ -121,32 +118,3 @@ def test_step_message_round_trip() -> None:
         assert torch.equal(getattr(got, name), want) and getattr(got, name).dtype == want.dtype, name
     empty = decode(encode(StepMessage(Command.ALLOCATE, args=(12, 34)), torch.device("cpu")))
     assert empty.command == Command.ALLOCATE and empty.batch is None and empty.args == (12, 34)
-
-
-def test_step_channel_grows_for_a_large_step() -> None:
-    """Two ranks in two threads of this process over gloo: a message larger than the channel's capacity
-    arrives whole (after one GROW message), and later messages use the grown buffer."""
-    store = dist.TCPStore("127.0.0.1", 0, 2, is_master=True, wait_for_workers=False)
-    timeout = datetime.timedelta(seconds=30)
-    groups: list[dist.ProcessGroup | None] = [None, None]
-
-    def join(rank: int) -> None:
-        groups[rank] = dist.ProcessGroupGloo(dist.PrefixStore("t", store), rank, 2, timeout)
-
-    threads = [threading.Thread(target=join, args=(r,)) for r in (0, 1)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    sender, receiver = (StepChannel(g, torch.device("cpu")) for g in groups)
-    sender.capacity = receiver.capacity = 16
-    pairs = [(i, i + 1) for i in range(40)]
-    received: list[StepMessage] = []
-    worker = threading.Thread(target=lambda: received.extend(receiver.recv() for _ in range(2)))
-    worker.start()
-    sender.send(encode(StepMessage(Command.STEP, [CacheOrder(OrderKind.COPY, pairs)]), torch.device("cpu")))
-    sender.send(encode(StepMessage(Command.SHUTDOWN), torch.device("cpu")))
-    worker.join()
-    assert received[0].orders == [CacheOrder(OrderKind.COPY, pairs)]
-    assert received[1].command == Command.SHUTDOWN
-    assert sender.capacity == receiver.capacity == 128

@@ -11,6 +11,7 @@ HTTP, WebSocket or threads (see AsyncEngine).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,8 +91,8 @@ class LLMEngine:
                                           cache_cfg.watermark, cache_cfg.enable_prefix_caching)
         self.eos_token_ids = _eos_token_ids(loaded)
         self.sampler = Sampler(vocab, self.eos_token_ids, seed=config.model.seed)
-        self.grammars = GrammarMatchers(GrammarCompiler(self.tokenizer, vocab, self.eos_token_ids)) \
-            if self.tokenizer is not None else None
+        self.grammars: GrammarMatchers | None = None  # made by the first constrained request (costs ~1 s)
+        self._grammars_lock = threading.Lock()
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         costs = None
         if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
@@ -173,9 +174,17 @@ class LLMEngine:
         """Compiles (and caches) the request's grammar, if any; raises GrammarError naming what is wrong.
         Thread-safe: the server calls it off its event loop before submitting."""
         if params.structured_outputs is not None:
+            self._grammar_matchers().compiler.compile(params.structured_outputs)
+
+    def _grammar_matchers(self) -> GrammarMatchers:
+        with self._grammars_lock:
             if self.grammars is None:
-                raise RequestError("structured_outputs needs a tokenizer; this model has none")
-            self.grammars.compiler.compile(params.structured_outputs)
+                if self.tokenizer is None or not self.eos_token_ids:
+                    raise RequestError("structured_outputs needs a tokenizer and an end-of-sequence token; "
+                                       "this model lacks one")
+                self.grammars = GrammarMatchers(GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                                self.eos_token_ids))
+            return self.grammars
 
     def _add_matchers(self, group: SequenceGroup) -> None:
         spec = group.sampling_params.structured_outputs
