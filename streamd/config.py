@@ -106,6 +106,13 @@ class ServerConfig:
     served_model_name: str | None = None  # None: derived from the model name
     responses_store_size: int = 1024  # finished Responses kept for previous_response_id (per server, LRU)
     responses_store_ttl_s: float = 3600.0  # how long a stored response can be continued
+    resume_grace_s: float = 30.0  # a dropped socket's requests keep running this long for a resume; 0: abort
+    resume_max_tokens_per_request: int = 16384  # retained output of one resumable request (over: aborted)
+    resume_max_tokens_total: int = 1_000_000  # retained output of all resumable requests (over: aborted)
+    max_unsent_tokens: int = 256  # a request whose reader is this far behind is paused; 0: never pause
+    socket_send_buffer_bytes: int = 0  # fixed SO_SNDBUF of accepted sockets; 0: the OS's autotuning
+    max_request_time_s: float | None = None  # default and cap of a request's timeout_s; None: no limit
+    max_queue_time_s: float | None = None  # longer before first scheduling: `overloaded`; None: no limit
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -116,8 +123,13 @@ class ServerConfig:
         _positive("server.max_tokens_limit", self.max_tokens_limit, allow_none=True)
         if self.responses_store_ttl_s <= 0:
             raise ConfigError(f"server.responses_store_ttl_s must be > 0, got {self.responses_store_ttl_s}")
-        if self.drain_timeout_s < 0:
-            raise ConfigError(f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
+        for key in ("drain_timeout_s", "resume_grace_s", "max_unsent_tokens", "socket_send_buffer_bytes"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"server.{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("resume_max_tokens_per_request", "resume_max_tokens_total"):
+            _positive(f"server.{key}", getattr(self, key))
+        for key in ("max_request_time_s", "max_queue_time_s"):
+            _positive(f"server.{key}", getattr(self, key), allow_none=True)
 
 
 @dataclass(slots=True)

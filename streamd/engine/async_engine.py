@@ -1,10 +1,12 @@
 """AsyncEngine: runs `LLMEngine.step()` on one dedicated thread and hands the deltas to asyncio.
 
 The engine thread owns the `LLMEngine`; nothing else touches it. The event loop talks to it through a
-thread-safe queue of typed commands (`AddRequest`, `AbortRequest`, `CallEngine`, `StopEngine`), and the
+thread-safe queue of typed commands (`AddRequest`, `AbortRequest`, `PauseRequest`, `CallEngine`,
+`StopEngine`), and the
 thread answers with one `loop.call_soon_threadsafe` per iteration carrying everything that iteration
-produced (`StepBatch`): admission results, the step's deltas and a stats snapshot. When no request is
-unfinished the thread blocks on the queue, so an idle server costs nothing.
+produced (`StepBatch`): admission results, the step's deltas and a stats snapshot. When no request can
+progress (none unfinished, or all paused) the thread blocks on the queue, until a command or the next
+request deadline, so an idle server costs nothing.
 
 Each request's deltas go to its `DeltaSink` (a `RequestStream`, or a connection's outbox that writes the
 deltas of many requests together). Deltas are produced once, by the engine's output processor; this
@@ -67,6 +69,12 @@ class AbortRequest:
 
 
 @dataclass(slots=True, frozen=True)
+class PauseRequest:
+    request_id: str
+    paused: bool
+
+
+@dataclass(slots=True, frozen=True)
 class CallEngine:
     fn: Callable[[LLMEngine], Any]
     future: asyncio.Future[Any]
@@ -77,7 +85,7 @@ class StopEngine:
     pass
 
 
-EngineCommand = AddRequest | AbortRequest | CallEngine | StopEngine
+EngineCommand = AddRequest | AbortRequest | PauseRequest | CallEngine | StopEngine
 
 
 # ---- what one iteration hands to the loop ---------------------------------------------------------
@@ -219,6 +227,10 @@ class AsyncEngine:
         """Asks the engine to abort a request; its sink then gets a final delta (unless already done)."""
         self._commands.put(AbortRequest(request_id))
 
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Stops (True) or restarts (False) scheduling a request whose consumer fell behind / caught up."""
+        self._commands.put(PauseRequest(request_id, paused))
+
     async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
         """Runs `fn(engine)` on the engine thread between steps (exact stats, test references)."""
         if not self.ready:
@@ -288,7 +300,7 @@ class AsyncEngine:
         try:
             while True:
                 batch = StepBatch()
-                if not self._take_commands(batch, block=not engine.has_unfinished_requests()):
+                if not self._take_commands(batch, block=not engine.has_runnable_work()):
                     return
                 if engine.has_unfinished_requests():
                     failures = self._step(batch, failures)
@@ -304,13 +316,15 @@ class AsyncEngine:
 
     def _take_commands(self, batch: StepBatch, block: bool) -> bool:
         """Runs queued commands; returns False to stop the thread."""
-        command = self._commands.get() if block else self._get_nowait()
+        command = self._wait_command() if block else self._get_nowait()
         while command is not None:
             match command:
                 case AddRequest():
                     self._add(batch, command)
                 case AbortRequest(request_id):
                     self._abort(request_id)
+                case PauseRequest(request_id, paused):
+                    self.engine.set_paused(request_id, paused)
                 case CallEngine(fn, future):
                     try:
                         batch.calls.append(CallResult(future, fn(self.engine)))
@@ -322,6 +336,16 @@ class AsyncEngine:
                     return False
             command = self._get_nowait()
         return True
+
+    def _wait_command(self) -> EngineCommand | None:
+        """The next command; None when the earliest request deadline comes first (a step expires it)."""
+        deadline = self.engine.next_deadline
+        if deadline is None:
+            return self._commands.get()
+        try:
+            return self._commands.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            return None
 
     def _get_nowait(self) -> EngineCommand | None:
         try:

@@ -30,9 +30,10 @@ from streamd.engine.executor import Executor, LocalExecutor
 from streamd.engine.fusion import fuse_layers
 from streamd.engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from streamd.engine.cuda_graphs import capture_sizes
+from streamd.engine.deadlines import Deadline, Deadlines
 from streamd.engine.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
 from streamd.engine.output_processor import OutputProcessor
-from streamd.engine.outputs import RequestDelta, RequestUpdate, SeqUpdate
+from streamd.engine.outputs import FinishReason, RequestDelta, RequestUpdate, SeqUpdate
 from streamd.engine.parallel.executor import TensorParallelExecutor
 from streamd.engine.parallel.workers import WorkerPool, start_tensor_parallel
 from streamd.engine.preemption_costs import cost_model
@@ -106,6 +107,7 @@ class LLMEngine:
         self._num_serial = 0
         self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: _InFlight | None = None  # the launched step whose tokens are not read back yet
+        self.deadlines = Deadlines()  # requests' timeout_s / queue_timeout_s, checked at each step
 
     @classmethod
     def from_config(cls, config: Config, model_config: PretrainedConfig | None = None) -> LLMEngine:
@@ -166,6 +168,7 @@ class LLMEngine:
             self._remove_matchers(group)
             raise KVCacheCapacityError(str(exc)) from exc
         self._groups[request_id] = group
+        self.deadlines.add(request_id, group.arrival_time, params)
         self.output_processor.add_request(request_id, ids, params, group.arrival_time)
         self._num_serial += params.needs_host_tokens
         return ids
@@ -202,11 +205,32 @@ class LLMEngine:
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; its final delta (finish_reason "abort") comes with the next step."""
         group = self._groups.get(request_id)
-        if group is None:
-            return
+        if group is not None:
+            self._end(group, "abort")
+
+    def _end(self, group: SequenceGroup, reason: FinishReason) -> None:
         self._forget(group)
-        self.scheduler.abort_seq_group(request_id)
-        self._pending.append(_ended(group))
+        self.scheduler.abort_seq_group(group.request_id)
+        self._pending.append(_ended(group, reason=reason))
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Stops or restarts scheduling a request (its reader fell behind / caught up); it keeps its blocks
+        and is the first to be preempted under memory pressure."""
+        self.scheduler.set_paused(request_id, paused)
+
+    def _expire(self) -> None:
+        """Ends the requests whose deadline passed: finish reason "timeout", output so far delivered."""
+        for deadline in self.deadlines.expired(time.monotonic()):
+            group = self._deadline_group(deadline)
+            if group is not None:
+                self._end(group, "timeout")
+
+    def _deadline_group(self, deadline: Deadline) -> SequenceGroup | None:
+        """The live request a deadline still applies to, if any."""
+        group = self._groups.get(deadline.request_id)
+        if group is None or (deadline.queue_only and group.first_scheduled_time is not None):
+            return None
+        return group
 
     def abort_all(self, error: str) -> list[RequestDelta]:
         """Fails every live request (after an exception inside a step); returns their final deltas."""
@@ -226,6 +250,19 @@ class LLMEngine:
         # executor keeps the loop stepping (each step fails at once) until the AsyncEngine declares it dead.
         return bool(self._groups) or bool(self._pending) or self.executor.failed
 
+    def has_runnable_work(self) -> bool:
+        """Whether a step now can make progress (False while every live request is paused)."""
+        return bool(self._pending) or self._inflight is not None or self.executor.failed \
+            or self.scheduler.has_runnable()
+
+    @property
+    def next_deadline(self) -> float | None:
+        """The monotonic time of the earliest deadline that still applies (a step at or after it expires
+        it); entries of requests that ended or were scheduled in time are dropped here."""
+        while (head := self.deadlines.head) is not None and self._deadline_group(head) is None:
+            self.deadlines.pop()
+        return head.at if head is not None else None
+
     def stats(self) -> EngineStats:
         return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups))
 
@@ -236,6 +273,8 @@ class LLMEngine:
         step is queued on the device before the previous step's sampled tokens are read back, so the host's
         bookkeeping of step n overlaps the device's step n+1 (its inputs take those tokens on the device).
         Outputs therefore trail the device by one step."""
+        if self.deadlines and self.deadlines.next_at <= time.monotonic():  # type: ignore[operator]
+            self._expire()
         updates, self._pending = self._pending, []
         deltas: list[RequestDelta] = []
         prev, self._inflight = self._inflight, None
@@ -477,8 +516,8 @@ def _children(group: SequenceGroup) -> list[Sequence]:
     return [Sequence(prompt_token_ids=prompt, sample_index=i) for i in range(len(group.seqs), group.width)]
 
 
-def _ended(group: SequenceGroup, error: str | None = None) -> RequestUpdate:
-    """The update of a request the engine ended outside a step (abort, rejection, failure): every choice,
-    forked or not yet (the output processor skips those already finished)."""
-    seqs = [SeqUpdate(index, [], finish_reason="abort") for index in range(max(group.width, len(group.seqs)))]
+def _ended(group: SequenceGroup, error: str | None = None, reason: FinishReason = "abort") -> RequestUpdate:
+    """The update of a request the engine ended outside a step (abort, timeout, rejection, failure): every
+    choice, forked or not yet (the output processor skips those already finished)."""
+    seqs = [SeqUpdate(index, [], finish_reason=reason) for index in range(max(group.width, len(group.seqs)))]
     return RequestUpdate(group.request_id, seqs, group.num_cached_tokens, group.first_scheduled_time, error)

@@ -7,8 +7,8 @@ decided (EOS, stop token, length, abort). This module owns everything a user see
 - stop strings, matched across token boundaries, and the *held-back* tail: while a choice runs, text that
   could still be the start of a stop string is not handed out, so text once streamed never has to be taken
   back. Only the unsent tail is kept, never the whole text, so a step costs the same at token 10 and 10,000;
-- the text of a stop token (dropped unless `include_stop_str_in_output`), the tail flushed on a length or
-  abort finish, the final finish reason and stop reason;
+- the text of a stop token (dropped unless `include_stop_str_in_output`), the tail flushed on a length,
+  timeout or abort finish, the final finish reason and stop reason;
 - queue times, cached-token counts, what has been handed out (first-token and inter-token times are
   measured where the deltas are delivered: `streamd.server.accounting`).
 
@@ -139,7 +139,7 @@ class OutputProcessor:
             # EOS or a stop token: its own text (and anything it completed) is output only when asked for.
             if not params.include_stop_str_in_output:
                 new_text = ""
-        elif reason == "length" and choice.detokenizer is not None:
+        elif (reason == "length" or reason == "timeout") and choice.detokenizer is not None:
             # Every token's text, an incomplete last character included (as U+FFFD).
             new_text += choice.detokenizer.flush()
         text = choice.unsent + new_text

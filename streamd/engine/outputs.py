@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 # Why a sequence ended. "stop": EOS, a stop token or a stop string; "length": max_tokens or the model's
-# context; "abort": cancelled, or failed (the request's `error` says so).
-FinishReason = Literal["stop", "length", "abort"]
+# context; "abort": cancelled, or failed (the request's `error` says so); "timeout": its deadline passed
+# (`timeout_s`, or `queue_timeout_s` before it was ever scheduled).
+FinishReason = Literal["stop", "length", "abort", "timeout"]
 
 
 @dataclass(slots=True)

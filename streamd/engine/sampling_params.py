@@ -72,6 +72,10 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    timeout_s: float | None = None  # seconds from arrival to the end: then it finishes with "timeout"
+    # Seconds it may wait before its first scheduling; past it, it ends with "timeout" and no output (the
+    # server sets it from `server.max_queue_time_s` and answers "overloaded"). Not a wire parameter.
+    queue_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -112,6 +116,9 @@ class SamplingParams:
         if self.logprobs is not None:
             _check(is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
                    "must be an integer in [0, 20]")
+        for name in ("timeout_s", "queue_timeout_s"):
+            value = getattr(self, name)
+            _check(value is None or (is_num(value) and value > 0), name, value, "must be a number of seconds > 0")
         for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a boolean")
 

@@ -12,6 +12,11 @@ and how many tokens each; every memory decision goes through the BlockManager. O
    that does not fit stops admission; nothing is admitted while any group is swapped out or when this
    step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
 
+Paused groups (`set_paused`: the server pauses a request whose reader fell behind) are skipped by every
+queue; they keep their blocks, and are the first victims when memory runs short: a running group that
+needs a block, or a waiting group that cannot be admitted, preempts a paused group before any other. A
+paused group swapped out or waiting does not hold back the admission of others.
+
 A prompt's blocks are allocated whole at admission, so chunks never need memory and a running prompt
 is only ever stopped by preemption. `max_num_seqs` and the token budget bind only beside other work:
 a group that forked past them still comes back alone. A group that outgrew the whole pool is rejected
@@ -72,6 +77,7 @@ class Scheduler:
         self._next_rank = 0
         self._lost_tokens: dict[str, int] = {}  # KV tokens a recompute preemption dropped, per request
         self._blocked: tuple[int, int, bool] | None = None  # (head group, free blocks, running?) that failed
+        self.paused: set[str] = set()  # request ids not to be scheduled (they keep their blocks)
         self.preemptions_swap = 0
         self.preemptions_recompute = 0
         self.recomputed_tokens = 0
@@ -138,6 +144,18 @@ class Scheduler:
         self._forget(group)
         return group
 
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Stops (or restarts) scheduling a request; unknown ids (already finished) are ignored."""
+        if paused and request_id in self._groups:
+            self.paused.add(request_id)
+        else:
+            self.paused.discard(request_id)
+        self._blocked = None
+
+    def has_runnable(self) -> bool:
+        """Whether some queued group is not paused (a step could make progress)."""
+        return len(self.running) + len(self.waiting) + len(self.swapped) > len(self.paused)
+
     def fork_seq(self, group: SequenceGroup, parent: Sequence, child: Sequence | None = None) -> Sequence:
         """A new sequence of `group` (or `child`, made beforehand) sharing `parent`'s blocks (parallel
         sampling). Its sample index is its place in the group: its own seeded random stream."""
@@ -165,7 +183,7 @@ class Scheduler:
             item.num_new_tokens = min(item.num_new_tokens, budget)
             budget -= item.num_new_tokens
             prefills.append(item)
-        if not preempted and not self.swapped:
+        if not preempted and not self._holds_back_admission():
             self._schedule_waiting(out, prefills, num_seqs, budget)
             self.block_manager.end_step()
         out.num_prefill_tokens = sum(item.num_new_tokens for item in prefills)
@@ -176,13 +194,16 @@ class Scheduler:
 
     def _schedule_running(self, out: SchedulerOutput, decodes: list[ScheduledSeq],
                           partial: list[ScheduledSeq]) -> tuple[int, bool]:
-        bm, running = self.block_manager, self.running
+        bm, running, paused = self.block_manager, self.running, self.paused
         budget = self.max_num_batched_tokens
         num_seqs, preempted, i = 0, False, 0
-        while i < len(running):  # victims are popped off the end
+        while i < len(running):  # victims are popped off the end (or are paused groups)
             group = running[i]
+            if paused and group.request_id in paused:
+                i += 1
+                continue
             if len(group.seqs) > 1:
-                count, group_preempted = self._schedule_group(group, i, out, decodes, partial, budget)
+                count, group_preempted, i = self._schedule_group(group, i, out, decodes, partial, budget)
                 preempted |= group_preempted
                 if count >= 0:
                     num_seqs += count
@@ -201,9 +222,11 @@ class Scheduler:
                 copies = bm.try_append_slots(seq)
                 while copies is None:
                     preempted = True
-                    if len(running) == i + 1:  # the latest-arrived group left is this one
+                    victim = self._victim(i)
+                    if victim is None:  # the latest-arrived group left is this one
                         break
-                    self._preempt(running.pop(), out)
+                    self._preempt(running.pop(victim), out)
+                    i -= victim < i
                     copies = bm.try_append_slots(seq)
                 if copies is None:
                     self._preempt(running.pop(i), out)
@@ -217,9 +240,9 @@ class Scheduler:
         return num_seqs, preempted
 
     def _schedule_group(self, group: SequenceGroup, i: int, out: SchedulerOutput, decodes: list[ScheduledSeq],
-                        partial: list[ScheduledSeq], budget: int) -> tuple[int, bool]:
+                        partial: list[ScheduledSeq], budget: int) -> tuple[int, bool, int]:
         """A group of several sequences at running[i], all or nothing. Returns (its live sequences, or
-        -1 when it preempted itself; whether anything was preempted)."""
+        -1 when it preempted itself; whether anything was preempted; its index now)."""
         bm, running = self.block_manager, self.running
         writers, prompts = [], []
         for seq in group.seqs:
@@ -234,15 +257,17 @@ class Scheduler:
         preempted = False
         while need > bm.num_free_blocks():
             preempted = True
-            if len(running) == i + 1:
+            victim = self._victim(i)
+            if victim is None:
                 self._preempt(running.pop(i), out)
-                return -1, True
-            self._preempt(running.pop(), out)
+                return -1, True, i
+            self._preempt(running.pop(victim), out)
+            i -= victim < i
         for seq in writers[:budget]:  # fewer only when forks outgrew the budget; the rest wait
             out.blocks_to_copy.extend(bm.append_slots(seq))
             decodes.append(ScheduledSeq(seq, group, 1))
         partial.extend(prompts)
-        return len(writers) + len(prompts), preempted
+        return len(writers) + len(prompts), preempted, i
 
     def _append_decodes(self, group: SequenceGroup, out: SchedulerOutput, decodes: list[ScheduledSeq],
                         budget: int) -> None:
@@ -255,22 +280,25 @@ class Scheduler:
 
     def _schedule_swapped(self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq],
                           num_seqs: int, budget: int) -> tuple[int, int]:
-        bm = self.block_manager
-        while self.swapped:
-            group = self.swapped[0]
+        bm, k = self.block_manager, 0
+        while k < len(self.swapped):
+            group = self.swapped[k]
+            if group.request_id in self.paused:
+                k += 1
+                continue
             seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
             # Limits bind only beside others: a group that outgrew them alone (forks) still runs.
             if num_seqs and (num_seqs + len(seqs) > self.max_num_seqs or len(seqs) > budget):
                 break
             needed = bm.blocks_to_swap_in(seqs)
             if needed > bm.num_blocks:
-                self._reject(self.swapped.pop(0), out, needed)
+                self._reject(self.swapped.pop(k), out, needed)
                 continue
             # The watermark must not keep the pool idle: with nothing running, anything that fits goes.
             if not bm.can_swap_in(seqs, None if self.running else 0):
                 break
             out.blocks_to_swap_in.extend(bm.swap_in(seqs))
-            self.swapped.pop(0)
+            self.swapped.pop(k)
             for seq in seqs:
                 seq.status = _RUNNING
                 left = seq.num_tokens - seq.num_computed_tokens
@@ -285,24 +313,30 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, prefills: list[ScheduledSeq], num_seqs: int,
                           budget: int) -> None:
-        bm, waiting = self.block_manager, self.waiting
-        while waiting and budget > 0:
-            group = waiting[0]
+        bm, waiting, k = self.block_manager, self.waiting, 0
+        while k < len(waiting) and budget > 0:
+            group = waiting[k]
+            if self.paused and group.request_id in self.paused:
+                k += 1
+                continue
             seqs = group.seqs_with_status(SequenceStatus.WAITING)
             if num_seqs and num_seqs + len(seqs) > self.max_num_seqs:
                 break
             needed = sum(bm.blocks_needed(s.num_tokens) for s in seqs)
             if needed > bm.num_blocks:  # grew past the pool before a recompute preemption
-                self._reject(waiting.popleft(), out, needed)
+                self._reject(waiting[k], out, needed)
+                del waiting[k]
                 continue
             # Re-checking a blocked head costs a prefix lookup; skip it until the free count changes (new
             # prefix-cache entries alone do not re-trigger it: they only delay admission by some steps).
             blocked = (id(group), bm.num_free_blocks(), bool(self.running))
             reserve = (bm.watermark_blocks if self.running else 0) + self._growth_blocks(group, needed)
             if blocked == self._blocked or not bm.can_allocate(seqs, reserve):
+                if self._preempt_paused(out):  # memory held by a stalled reader goes first
+                    continue
                 self._blocked = blocked
                 break
-            waiting.popleft()
+            del waiting[k]
             cached = 0
             for seq in seqs:
                 cached += bm.allocate(seq)
@@ -339,6 +373,28 @@ class Scheduler:
         return max(0, self._worst_case_blocks(group) - needed)
 
     # ---- preemption -----------------------------------------------------------------------------
+
+    def _victim(self, i: int) -> int | None:
+        """Which running group to preempt so that running[i] can go on: the latest-arrived paused group,
+        else the latest-arrived group; None when that is running[i] itself."""
+        running = self.running
+        if self.paused:
+            for j in range(len(running) - 1, -1, -1):
+                if j != i and running[j].request_id in self.paused:
+                    return j
+        return None if len(running) == i + 1 else len(running) - 1
+
+    def _preempt_paused(self, out: SchedulerOutput) -> bool:
+        """Preempts the latest-arrived running paused group, if any (to admit a waiting one)."""
+        victim = self._victim(-1) if self.paused else None
+        if victim is None or self.running[victim].request_id not in self.paused:
+            return False
+        self._preempt(self.running.pop(victim), out)
+        return True
+
+    def _holds_back_admission(self) -> bool:
+        """Swapped groups come back before anything new is admitted; paused ones do not hold it back."""
+        return len(self.swapped) > sum(1 for g in self.swapped if g.request_id in self.paused)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         bm = self.block_manager
@@ -425,6 +481,7 @@ class Scheduler:
 
     def _forget(self, group: SequenceGroup) -> None:
         self._blocked = None
+        self.paused.discard(group.request_id)
         self._groups.pop(group.request_id, None)
         self._arrival.pop(group.request_id, None)
         self._lost_tokens.pop(group.request_id, None)
@@ -446,4 +503,4 @@ class Scheduler:
 
     def stats(self) -> SchedulerStats:
         return SchedulerStats(self.num_running, self.num_waiting, self.num_swapped, self.preemptions_swap,
-                              self.preemptions_recompute, self.recomputed_tokens)
+                              self.preemptions_recompute, self.recomputed_tokens, len(self.paused))

@@ -29,6 +29,10 @@ logger = get_logger(__name__)
 class FinishNames:
     wire: str  # streamd.v1 `done` frames and the `finish_reason` label of streamd_requests_total
     openai: str  # OpenAI's `finish_reason`
+    openai_flag: str | None = None  # a field set to true in the OpenAI choice, for reasons OpenAI's enum lacks
+
+    def openai_extra(self) -> dict[str, bool]:
+        return {self.openai_flag: True} if self.openai_flag else {}
 
 
 # The engine's finish reasons (plus "error": the request failed) -> what each face calls them.
@@ -37,6 +41,7 @@ FINISH_NAMES: dict[str, FinishNames] = {
     "length": FinishNames("length", "length"),
     "abort": FinishNames("cancelled", "abort"),
     "error": FinishNames("error", "error"),
+    "timeout": FinishNames("timeout", "length", "streamd_timeout"),
 }
 
 
@@ -51,6 +56,7 @@ class RequestAccount:
         self.completion_tokens: dict[int, int] = {}  # per choice
         self.finish_reasons: dict[int, str] = {}  # per choice, engine names
         self.error: str | None = None
+        self.drained = False  # cancelled by the server's drain deadline
         self.arrival = time.monotonic()
         self._metrics = metrics
         self._lifecycle = lifecycle
@@ -87,8 +93,10 @@ class RequestAccount:
             self._metrics.observe_inter_token((now - self._last_token) / count, count)
         self._last_token = now
 
-    def cancel(self) -> None:
-        """Aborts the request in the engine; its final delta still arrives and closes the account."""
+    def cancel(self, drained: bool = False) -> None:
+        """Aborts the request in the engine (`drained`: the server's drain deadline did); its final delta
+        still arrives and closes the account."""
+        self.drained = self.drained or drained
         self._cancel()
 
     # ---- reading -----------------------------------------------------------------------------------
@@ -98,6 +106,11 @@ class RequestAccount:
         if self.error is not None:
             return "error"
         return self.finish_reasons.get(0) or next(iter(self.finish_reasons.values()), "abort")
+
+    @property
+    def overloaded(self) -> bool:
+        """It timed out before it was ever scheduled (`server.max_queue_time_s`): the server was too busy."""
+        return self.finish_reason == "timeout" and self._queue_time is None
 
     @property
     def finish(self) -> FinishNames:

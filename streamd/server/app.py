@@ -32,6 +32,7 @@ from streamd.server.generation import Generation, new_request_id
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import CONTENT_TYPE, Metrics
 from streamd.server.responses_store import ResponseStore
+from streamd.server.resume import ResumeStore
 from streamd.server.services import Services
 
 logger = get_logger(__name__)
@@ -46,7 +47,9 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
     services = Services(server, engine, server.served_model_name or engine.model_name, int(time.time()),
                         Authenticator(server.api_keys, server.allowed_origins), metrics, lifecycle,
                         Generation(engine, server, lifecycle, metrics),
-                        ResponseStore(server.responses_store_size, server.responses_store_ttl_s))
+                        ResponseStore(server.responses_store_size, server.responses_store_ttl_s),
+                        ResumeStore(server.resume_grace_s, server.resume_max_tokens_per_request,
+                                    server.resume_max_tokens_total, metrics))
     page = (STATIC / "index.html").read_text(encoding="utf-8")
 
     @asynccontextmanager

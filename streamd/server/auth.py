@@ -54,3 +54,12 @@ def bearer_token(header: str | None) -> str | None:
         return None
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
+
+
+def presented_key(headers: Mapping[str, str], subprotocols: Iterable[str]) -> str | None:
+    """The API key a WebSocket handshake presented (header first, then a `bearer.` subprotocol)."""
+    key = bearer_token(headers.get("authorization"))
+    if key:
+        return key
+    return next((p[len(BEARER_SUBPROTOCOL_PREFIX):] for p in subprotocols if p.startswith(BEARER_SUBPROTOCOL_PREFIX)),
+                None)

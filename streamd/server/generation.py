@@ -17,7 +17,7 @@ from typing import Any
 from streamd.config import ServerConfig
 from streamd.engine.async_engine import AsyncEngine, EngineDeadError
 from streamd.engine.errors import RequestError
-from streamd.engine.request_stream import DeltaSink, RequestStream
+from streamd.engine.request_stream import Backpressure, DeltaSink, RequestStream
 from streamd.engine.sampling_params import SamplingParams, is_int
 from streamd.engine.structured import GrammarError
 from streamd.server.accounting import RequestAccount
@@ -31,6 +31,7 @@ WIRE_PARAMS = frozenset({
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "n", "ignore_eos",
     "logprobs", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "response_format",
+    "timeout_s",
 })
 MAX_N = 16  # parallel samples per request (each is a sequence of the batch)
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
@@ -98,6 +99,7 @@ class Generation:
         if is_int(max_tokens) and n_prompt + max_tokens > context:
             raise ServiceError("context_length_exceeded", f"the prompt ({n_prompt} tokens) plus max_tokens "
                                f"({max_tokens}) exceeds this model's context of {context} tokens", "max_tokens")
+        self._deadlines(fields)
         try:
             params = SamplingParams.from_dict(fields)
         except (ValueError, TypeError) as exc:
@@ -105,6 +107,15 @@ class Generation:
         if params.n > MAX_N:
             raise ServiceError("invalid_request", f"n must be <= {MAX_N}, got {params.n}", "n")
         return Prepared(prompt_ids, params, prompt)
+
+    def _deadlines(self, fields: dict[str, Any]) -> None:
+        """`server.max_request_time_s` is the default and the cap of `timeout_s`; `server.max_queue_time_s`
+        bounds the wait before first scheduling."""
+        cap, timeout = self.config.max_request_time_s, fields.get("timeout_s")
+        if cap is not None and (timeout is None or (isinstance(timeout, (int, float)) and timeout > cap)):
+            fields["timeout_s"] = cap
+        if self.config.max_queue_time_s is not None:
+            fields["queue_timeout_s"] = self.config.max_queue_time_s
 
     # ---- running -----------------------------------------------------------------------------
     async def submit(self, prepared: Prepared, route: str,
@@ -120,7 +131,8 @@ class Generation:
         except GrammarError as exc:
             raise ServiceError("invalid_request", str(exc), "structured_outputs") from exc
         engine, request_id = self.engine, new_request_id()
-        stream = RequestStream(request_id, engine.abort) if sink is None else None
+        stream = None if sink is not None else RequestStream(
+            request_id, engine.abort, Backpressure(request_id, self.config.max_unsent_tokens, engine.set_paused))
         account = RequestAccount(request_id, route, len(prepared.prompt_token_ids), self.metrics, self.lifecycle,
                                  cancel=lambda: engine.abort(request_id), num_choices=prepared.params.n)
         try:

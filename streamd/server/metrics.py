@@ -43,7 +43,8 @@ class Metrics:
         self.ws_connections = Gauge("streamd_ws_connections", "Open WebSocket connections.", registry=r)
         self.ws_closes = Counter("streamd_ws_closes", "Closed WebSocket connections by close code.", ["code"],
                                  registry=r)
-        for reason in ("stop", "length", "cancelled", "error"):
+        self.resumes = Counter("streamd_resumes", "WebSocket resume attempts by outcome.", ["outcome"], registry=r)
+        for reason in ("stop", "length", "cancelled", "error", "timeout"):
             self.requests.labels(reason)
         if engine is not None:
             r.register(EngineStatsCollector(engine))
@@ -72,6 +73,8 @@ class EngineStatsCollector(Collector):
         yield _gauge("streamd_requests_running", "Requests running in the batch.", sched.num_running)
         yield _gauge("streamd_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting)
         yield _gauge("streamd_requests_swapped", "Requests swapped out to host memory.", sched.num_swapped)
+        yield _gauge("streamd_requests_paused", "Requests paused because their reader fell behind.",
+                     sched.num_paused)
         yield _gauge("streamd_kv_blocks_used", "KV cache blocks in use.", kv.blocks_used)
         yield _gauge("streamd_kv_blocks_free", "Free KV cache blocks.", kv.blocks_free)
         yield _gauge("streamd_swap_blocks_used", "Host swap blocks in use.", kv.swap_blocks_used)

@@ -130,19 +130,48 @@ async def _respond(request: Request, s: Services, body: dict[str, Any], kind: st
                  tool_call)
     structlog.contextvars.bind_contextvars(request_id=call.id)
     if stream_flag:
-        return SSEResponse(_sse(call, bool(options.get("include_usage"))), call.finish)
+        first = None
+        if prepared.params.queue_timeout_s is not None:  # a queue timeout must still be able to answer 503
+            first = await until_disconnect(request, _first_delta(call))
+            if isinstance(first, Response):
+                call.finish()
+                return first
+        return SSEResponse(_sse(call, bool(options.get("include_usage")), first), call.finish)
     return await until_disconnect(request, _collect(call))
 
 
-async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[str]:
+async def _first_delta(call: _Call) -> RequestDelta:
+    """The request's first delta (it has been scheduled, or timed out waiting: then 503 `overloaded`)."""
+    delta = await anext(call.stream)
+    call.account.absorb(delta)
+    if call.account.overloaded:
+        call.finish()
+        raise _overloaded()
+    return delta
+
+
+def _overloaded() -> ServiceError:
+    return ServiceError("overloaded", "the request waited longer than server.max_queue_time_s to be scheduled; "
+                        "retry later")
+
+
+async def _deltas(call: _Call, first: RequestDelta | None) -> AsyncIterator[RequestDelta]:
+    """The request's deltas, each absorbed by its account (`first`: already taken and absorbed)."""
+    if first is not None:
+        yield first
+    async for delta in call.stream:
+        call.account.absorb(delta)
+        yield delta
+
+
+async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = None) -> AsyncIterator[str]:
     """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end."""
     extra = {"usage": None} if include_usage else {}
     account = call.account
     if call.kind == "chat":
         for index in range(account.num_choices):
             yield _data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra))
-    async for delta in call.stream:
-        account.absorb(delta)
+    async for delta in _deltas(call, first):
         for choice in delta.outputs:
             if not choice.text:
                 continue
@@ -156,7 +185,8 @@ async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[str]:
         yield _data(ServiceError("internal_error", account.error).openai_body())
     else:
         for index, finish in enumerate(account.choice_finishes()):
-            yield _data(_chunk(call, index, _piece(call, ""), _finish_reason(call, finish.openai), extra))
+            yield _data(_chunk(call, index, _piece(call, ""), _finish_reason(call, finish.openai), extra,
+                               finish.openai_extra()))
     if include_usage:
         yield _data({**_envelope(call), "choices": [], "usage": account.usage()})
     yield "data: [DONE]\n\n"
@@ -174,6 +204,8 @@ async def _collect(call: _Call) -> Response:
         call.finish()
     if account.error:
         raise ServiceError("internal_error", account.error)
+    if account.overloaded:
+        raise _overloaded()
     choices = []
     for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
         content = "".join(pieces)
@@ -181,14 +213,16 @@ async def _collect(call: _Call) -> Response:
             call.tool_call.feed(content)
         reason = _finish_reason(call, finish.openai)
         if call.kind != "chat":
-            choices.append({"index": index, "text": content, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": index, "text": content, "logprobs": None, "finish_reason": reason,
+                            **finish.openai_extra()})
             continue
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if call.tool_call is not None:
             whole = call.tool_call.final()
             message = {"role": "assistant", "content": None if whole else content,
                        "tool_calls": [whole] if whole else []}
-        choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": reason})
+        choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": reason,
+                        **finish.openai_extra()})
     return JSONResponse({**_envelope(call, final=True), "choices": choices, "usage": account.usage()})
 
 
@@ -231,14 +265,16 @@ def _piece(call: _Call, text: str) -> dict[str, Any] | str:
     return {"content": text} if call.kind == "chat" else text
 
 
-def _chunk(call: _Call, index: int, piece: Any, finish: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+def _chunk(call: _Call, index: int, piece: Any, finish: str | None, extra: dict[str, Any],
+           flags: dict[str, bool] | None = None) -> dict[str, Any]:
+    """`extra`: top-level fields; `flags`: fields of the choice (e.g. `streamd_timeout`)."""
     if call.kind == "chat":
         if finish is not None:
             piece = {}
         choice = {"index": index, "delta": piece, "logprobs": None, "finish_reason": finish}
     else:
         choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": finish}
-    return {**_envelope(call), "choices": [choice], **extra}
+    return {**_envelope(call), "choices": [{**choice, **(flags or {})}], **extra}
 
 
 def _data(obj: dict[str, Any]) -> str:

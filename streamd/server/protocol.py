@@ -1,8 +1,9 @@
 """The WebSocket protocol: parsing client frames, building server frames, encoding messages.
 
 Client: `{"type":"generate","id":ID,"prompt":TEXT|"messages":[...],"params":{...}}`,
-`{"type":"cancel","id":ID}`. Server: `start`, `delta` (seq from 0 per id), `done` (finish_reason,
-usage) and `error` (id or null). Two framings of the same frames, chosen by subprotocol:
+`{"type":"cancel","id":ID}`, `{"type":"resume","id":ID,"resume_token":T,"after_seq":K}`. Server: `start`
+(with a `resume_token` when resumable), `delta` (seq from 0 per id), `done` (finish_reason, usage;
+`drained: true` when the server's drain cut it) and `error` (id or null). Two framings of the same frames, chosen by subprotocol:
 
 - `streamd.v1` (also the default when none is offered): one frame per WebSocket message;
 - `streamd.v2`: each message is a JSON array of frames: everything a connection has to send when the
@@ -41,7 +42,14 @@ class Cancel:
     id: str
 
 
-def parse_frame(text: str) -> Generate | Cancel:
+@dataclass(slots=True)
+class Resume:
+    id: str
+    resume_token: Any
+    after_seq: Any  # checked against the request's frames (resume.py)
+
+
+def parse_frame(text: str) -> Generate | Cancel | Resume:
     """Raises ServiceError (with `param` set to the frame's id when one could be read)."""
     try:
         frame = orjson.loads(text)
@@ -56,8 +64,11 @@ def parse_frame(text: str) -> Generate | Cancel:
     kind = frame.get("type")
     if kind == "cancel":
         return Cancel(frame_id)
+    if kind == "resume":
+        return Resume(frame_id, frame.get("resume_token"), frame.get("after_seq"))
     if kind != "generate":
-        raise ServiceError("unknown_type", f"unknown frame type {kind!r}; expected generate or cancel", frame_id)
+        raise ServiceError("unknown_type", f"unknown frame type {kind!r}; expected generate, cancel or resume",
+                           frame_id)
     unknown = sorted(set(frame) - {"type", "id", "prompt", "messages", "params"})
     if unknown:
         raise ServiceError("invalid_request", f"unknown field {unknown[0]!r}", frame_id)
@@ -71,8 +82,11 @@ def parse_frame(text: str) -> Generate | Cancel:
     return Generate(frame_id, frame.get("prompt"), frame.get("messages"), params)
 
 
-def start_frame(request_id: str, prompt_tokens: int) -> Frame:
-    return {"type": "start", "id": request_id, "prompt_tokens": prompt_tokens}
+def start_frame(request_id: str, prompt_tokens: int, resume_token: str | None = None) -> Frame:
+    frame: Frame = {"type": "start", "id": request_id, "prompt_tokens": prompt_tokens}
+    if resume_token is not None:
+        frame["resume_token"] = resume_token
+    return frame
 
 
 def delta_frame(request_id: str, seq: int, text: str, token_ids: list[int], index: int,
@@ -84,10 +98,15 @@ def delta_frame(request_id: str, seq: int, text: str, token_ids: list[int], inde
     return frame
 
 
-def done_frame(request_id: str, finish_reason: str, usage: dict[str, Any], finish_reasons: list[str]) -> Frame:
-    """`finish_reason` is the request's (its first choice's); `finish_reasons` has one per choice."""
-    return {"type": "done", "id": request_id, "finish_reason": finish_reason, "finish_reasons": finish_reasons,
-            "usage": usage}
+def done_frame(request_id: str, finish_reason: str, usage: dict[str, Any], finish_reasons: list[str],
+               drained: bool = False) -> Frame:
+    """`finish_reason` is the request's (its first choice's); `finish_reasons` has one per choice;
+    `drained`: the server's drain deadline cancelled it (reconnect elsewhere and ask again)."""
+    frame: Frame = {"type": "done", "id": request_id, "finish_reason": finish_reason,
+                    "finish_reasons": finish_reasons, "usage": usage}
+    if drained:
+        frame["drained"] = True
+    return frame
 
 
 def error_frame(request_id: str | None, error: ServiceError) -> Frame:

@@ -25,9 +25,10 @@ logger = get_logger(__name__)
 
 
 class DrainingServer(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle) -> None:
+    def __init__(self, config: uvicorn.Config, lifecycle: Lifecycle, send_buffer_bytes: int = 0) -> None:
         super().__init__(config)
         self.lifecycle = lifecycle
+        self.send_buffer_bytes = send_buffer_bytes  # server.socket_send_buffer_bytes (0: the OS's autotuning)
         self._drain_task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.port: int | None = None  # the bound port (useful with port 0)
@@ -35,6 +36,8 @@ class DrainingServer(uvicorn.Server):
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
+        if sockets is None and self.send_buffer_bytes:
+            sockets = [_listening_socket(self.config.host, self.config.port, self.send_buffer_bytes)]
         await super().startup(sockets)
         ports = [s.getsockname()[1] for server in self.servers for s in server.sockets]
         self.port = ports[0] if ports else self.config.port
@@ -59,6 +62,16 @@ class DrainingServer(uvicorn.Server):
             self.should_exit = True
 
 
+def _listening_socket(host: str, port: int, send_buffer_bytes: int) -> socket.socket:
+    """A bound socket whose accepted connections inherit a fixed send buffer: a reader that stops
+    reading then fills it (and the transport's buffer) soon, so its requests pause (max_unsent_tokens)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)
+    sock.bind((host, port))
+    return sock
+
+
 def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
     return uvicorn.Config(
         app, host=config.server.host, port=config.server.port, loop="none", lifespan="on",
@@ -76,7 +89,8 @@ async def serve(config: Config) -> int:
     logger.info("loading_model", model=config.model.name or "default")
     engine = AsyncEngine(LLMEngine.from_config(config))
     app = create_app(config, engine)
-    server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
+    server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle,
+                            config.server.socket_send_buffer_bytes)
     try:
         await server.serve()
     finally:

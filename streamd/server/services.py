@@ -15,6 +15,7 @@ from streamd.server.generation import Generation
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
 from streamd.server.responses_store import ResponseStore
+from streamd.server.resume import ResumeStore
 
 
 @dataclass(slots=True)
@@ -28,3 +29,4 @@ class Services:
     lifecycle: Lifecycle
     generation: Generation
     responses: ResponseStore  # finished Responses, for previous_response_id
+    resumes: ResumeStore  # resumable WebSocket requests' tokens and retained output

@@ -5,7 +5,12 @@ each admitted request is a `WsRequest`, the `DeltaSink` its engine deltas go to.
 connection sends everything: when it wakes it takes every request that has something new (typically one
 engine step's deltas of all of them), builds their `start` / `delta` / `done` / `error` frames and writes
 them, as one message in v2 or one message per frame in v1. While the client is slow the writer waits in
-`send` and new deltas merge into each request's pending delta, so neither the batch nor memory suffers.
+`send` and new deltas merge into each request's pending delta; past `server.max_unsent_tokens` unsent
+tokens the request is paused in the engine (`Backpressure`) until the writer takes them.
+
+Resumable requests (resume.py): when the socket drops, admitted requests are detached instead of aborted:
+their frames are built at once into their retained output, and a `resume` frame on another socket attaches
+them there (replay, then the live stream). The socket registers for the drain with close code 1012.
 Policy failures (auth, origin, connection limit, drain) are refused before the handshake; oversize frames
 are closed with 1009 by uvicorn (`ws_max_size`).
 """
@@ -21,11 +26,14 @@ from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from streamd.engine.outputs import RequestDelta
+from streamd.engine.request_stream import Backpressure
 from streamd.logs import get_logger
 from streamd.server import protocol
 from streamd.server.accounting import RequestAccount
+from streamd.server.auth import presented_key
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared
+from streamd.server.resume import Retention
 from streamd.server.services import Services
 
 logger = get_logger(__name__)
@@ -41,8 +49,9 @@ async def stream_endpoint(websocket: WebSocket) -> None:
     chosen = next((p for p in protocol.SUBPROTOCOLS if p in offered), None)
     await websocket.accept(subprotocol=chosen)
     conn_id = uuid.uuid4().hex[:12]
+    key = presented_key(websocket.headers, websocket.scope.get("subprotocols", []))
     with structlog.contextvars.bound_contextvars(conn_id=conn_id):
-        await Connection(websocket, services, batched=chosen == protocol.SUBPROTOCOL_V2).run()
+        await Connection(websocket, services, batched=chosen == protocol.SUBPROTOCOL_V2, api_key=key).run()
 
 
 def handshake_refusal(services: Services, websocket: WebSocket) -> ServiceError | None:
@@ -70,13 +79,18 @@ class WsRequest:
     """One request in flight on a connection: its admission, its pending delta, its frame sequence."""
 
     __slots__ = ("client_id", "prepared", "connection", "account", "task", "pending", "seq", "start_sent",
-                 "cancel_requested", "finished")
+                 "cancel_requested", "finished", "unsent", "backpressure", "retention", "resume_token", "replay")
 
     def __init__(self, client_id: str, prepared: Prepared, connection: Connection) -> None:
         self.client_id = client_id
         self.prepared = prepared
-        self.connection = connection
+        self.connection: Connection | None = connection  # None while detached (its socket dropped)
         self.account: RequestAccount | None = None  # set once admitted
+        self.unsent = 0  # tokens in `pending`
+        self.backpressure: Backpressure | None = None  # set once admitted
+        self.retention: Retention | None = None  # set once admitted when resumable
+        self.resume_token: str | None = None
+        self.replay: list[protocol.Frame] = []  # retained frames a resume asked for, sent first
         self.task: asyncio.Task[None] | None = None
         self.pending: RequestDelta | None = None
         self.seq = 0
@@ -85,17 +99,36 @@ class WsRequest:
         self.finished = False  # its done frame is built (the account closes once it is sent)
 
     def put(self, delta: RequestDelta) -> None:
-        """DeltaSink: merge, and tell the writer."""
+        """DeltaSink: merge, and tell the writer (or, detached, retain the frames now)."""
         if self.pending is None:
             self.pending = delta
         else:
             self.pending.merge(delta)
-        self.connection.wake(self)
+        if not delta.finished:
+            self.unsent += delta.num_new_tokens
+            if self.backpressure is not None:
+                self.backpressure.update(self.unsent)
+        if self.connection is None:
+            self.build_detached()
+        else:
+            self.connection.wake(self)
 
     def cancel(self) -> None:
         self.cancel_requested = True
         if self.account is not None:
             self.account.cancel()
+
+    def build_detached(self) -> None:
+        """No socket: the frames only go to the retained output; the account closes on the final delta."""
+        self.frames()
+        if self.finished and self.account is not None:
+            self.account.close()
+
+    def expire(self, reason: str) -> None:
+        """Resumable: the grace period ended without a resume (resume.py); abort it if still running."""
+        self.retention = None
+        if not self.finished:
+            self.cancel()
 
     def frames(self) -> list[protocol.Frame]:
         """What this request has to send now (nothing before it is admitted)."""
@@ -104,32 +137,61 @@ class WsRequest:
             return []
         frames = []
         if not self.start_sent:
-            frames.append(protocol.start_frame(self.client_id, len(self.prepared.prompt_token_ids)))
+            frames.append(protocol.start_frame(self.client_id, len(self.prepared.prompt_token_ids),
+                                               self.resume_token))
             self.start_sent = True
+        frames.extend(self.replay)
+        self.replay = []
         delta, self.pending = self.pending, None
+        self.unsent = 0
+        if self.backpressure is not None:
+            self.backpressure.update(0)
         if delta is None:
             return frames
         account.absorb(delta)
+        built = []
         for choice in delta.outputs:
             if choice.text or choice.token_ids:
-                frames.append(protocol.delta_frame(self.client_id, self.seq, choice.text, choice.token_ids,
-                                                   choice.index, choice.logprobs))
+                built.append(protocol.delta_frame(self.client_id, self.seq, choice.text, choice.token_ids,
+                                                  choice.index, choice.logprobs))
                 self.seq += 1
         if delta.finished:
             if delta.error is not None:
-                frames.append(protocol.error_frame(self.client_id, ServiceError("internal_error", delta.error)))
-            frames.append(protocol.done_frame(self.client_id, account.finish.wire, account.usage(),
-                                              [finish.wire for finish in account.choice_finishes()]))
+                built.append(protocol.error_frame(self.client_id, ServiceError("internal_error", delta.error)))
+            if account.overloaded:
+                built.append(protocol.error_frame(self.client_id, ServiceError(
+                    "overloaded", "the request waited longer than server.max_queue_time_s to be scheduled; "
+                    "retry later")))
+            built.append(protocol.done_frame(self.client_id, account.finish.wire, account.usage(),
+                                             [finish.wire for finish in account.choice_finishes()], account.drained))
             self.finished = True
-            self.connection.forget(self)
+            if self.connection is not None:
+                self.connection.forget(self)
+        if self.retention is not None:
+            self._retain(built)
+        frames.extend(built)
         return frames
+
+    def _retain(self, built: list[protocol.Frame]) -> None:
+        assert self.retention is not None and self.account is not None
+        store = self.retention.store
+        for frame in built:
+            over = store.retain(self.retention, frame, len(frame.get("token_ids", ())))
+            if over is not None:  # never truncated silently: the request ends, saying why
+                error = ServiceError("resume_retention_exceeded", f"request aborted: {over}")
+                built.append(protocol.error_frame(self.client_id, error))
+                store.release(self.retention, over)
+                self.retention = None
+                self.account.cancel()
+                return
 
 
 class Connection:
-    def __init__(self, websocket: WebSocket, services: Services, batched: bool) -> None:
+    def __init__(self, websocket: WebSocket, services: Services, batched: bool, api_key: str | None = None) -> None:
         self.ws = websocket
         self.services = services
         self.batched = batched
+        self.api_key = api_key  # what resumable requests are bound to
         self.live: dict[str, WsRequest] = {}
         self.close_code = 1006
         self.closed = False
@@ -143,7 +205,7 @@ class Connection:
         logger.info("ws_open", client=_client(self.ws), batched=self.batched)
         writer = asyncio.create_task(self._write_loop())
         try:
-            with self.services.lifecycle.connection(self, self.close):
+            with self.services.lifecycle.connection(self, self.close, code=1012):
                 await self._read()
         finally:
             self.closed = True
@@ -155,13 +217,25 @@ class Connection:
             logger.info("ws_close", code=self.close_code)
 
     async def _let_go(self) -> None:
-        """The socket is gone: cancel admissions, abort what runs (accounts close on the final deltas)."""
+        """The socket is gone: cancel admissions; detach resumable requests, abort the others (accounts
+        close on the final deltas)."""
         tasks = [r.task for r in self.live.values() if r.task is not None and not r.task.done()]
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         for request in list(self.live.values()):
-            request.cancel()
+            if request.retention is not None:
+                self._detach(request)
+            else:
+                request.cancel()
+
+    def _detach(self, request: WsRequest) -> None:
+        assert request.retention is not None
+        self.forget(request)
+        if request.connection is self:
+            request.connection = None
+            request.retention.store.detach(request.retention)
+            request.build_detached()
 
     async def close(self, code: int) -> None:
         """Closes from the server side (drain); the reader then sees the disconnect."""
@@ -176,7 +250,10 @@ class Connection:
     # ---- writing -----------------------------------------------------------------------------------
     def wake(self, request: WsRequest) -> None:
         if self.closed:
-            self._drop_unsent(request)
+            if request.retention is not None:
+                self._detach(request)
+            else:
+                self._drop_unsent(request)
             return
         self._ready[request] = None
         self._wake.set()
@@ -203,7 +280,8 @@ class Connection:
             await self._wake.wait()
             self._wake.clear()
             frames, self._control = self._control, []
-            ready, self._ready = self._ready, {}
+            ready = [r for r in self._ready if r.connection is self]  # (a resume elsewhere took it)
+            self._ready = {}
             for request in ready:
                 frames.extend(request.frames())
             try:
@@ -215,6 +293,12 @@ class Connection:
                 for request in ready:
                     if request.finished and request.account is not None:
                         request.account.close()
+            for request in ready:
+                if request.finished and request.retention is not None:
+                    if self.closed:  # its done may not have arrived: keep it for a resume
+                        self._detach(request)
+                    else:
+                        request.retention.store.release(request.retention)
             if self.closed:
                 return
 
@@ -241,6 +325,9 @@ class Connection:
         if isinstance(frame, protocol.Cancel):
             self._cancel(frame.id)
             return
+        if isinstance(frame, protocol.Resume):
+            self._resume(frame)
+            return
         try:
             prepared = self._prepare(frame)
         except ServiceError as exc:
@@ -265,6 +352,30 @@ class Connection:
             ids, prompt = gen.prompt_ids(frame.prompt), frame.prompt if isinstance(frame.prompt, str) else None
         return gen.prepare(ids, frame.params, default_max_tokens=None, prompt=prompt)
 
+    def _resume(self, frame: protocol.Resume) -> None:
+        """Attaches a resumable request to this socket: the frames after `after_seq`, then the live stream."""
+        store = self.services.resumes
+        try:
+            if frame.id in self.live:
+                raise ServiceError("duplicate_id", f"id {frame.id!r} is already in flight")
+            if len(self.live) >= self.services.config.max_requests_per_connection:
+                raise ServiceError("too_many_requests", "too many requests in flight on this connection")
+            retention, replay = store.claim(frame.id, frame.resume_token, frame.after_seq, self.api_key)
+        except ServiceError as exc:
+            self.send_error(frame.id, exc)
+            return
+        request = retention.owner
+        assert isinstance(request, WsRequest)
+        previous = request.connection
+        if previous is not None and previous is not self:  # its old socket is not known to be gone yet
+            previous.forget(request)
+        request.connection = self
+        request.replay = replay
+        if not request.finished:
+            self.live[frame.id] = request
+        logger.info("ws_resumed", id=frame.id, after_seq=frame.after_seq, replayed=len(replay))
+        self.wake(request)
+
     def _cancel(self, client_id: str) -> None:
         request = self.live.get(client_id)
         if request is None:
@@ -280,6 +391,12 @@ class Connection:
             self.send_error(request.client_id, exc)
             return
         request.account = account
+        config, engine = self.services.config, self.services.engine
+        request.backpressure = Backpressure(account.request_id, config.max_unsent_tokens, engine.set_paused)
+        request.backpressure.update(request.unsent)
+        if self.services.resumes.enabled:
+            request.retention, request.resume_token = self.services.resumes.open(
+                account.request_id, request.client_id, self.api_key, request)
         if request.cancel_requested:
             account.cancel()
         self.wake(request)

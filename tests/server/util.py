@@ -44,7 +44,8 @@ async def running_server(engine: AsyncEngine, warm_up: bool = False, **server_ke
     overrides = {f"server.{k}": v for k, v in server_keys.items()}
     config = load_config(overrides={"server.host": "127.0.0.1", "server.port": 0, **overrides}, environ={})
     app = create_app(config, engine, warm_up=warm_up)
-    srv = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
+    srv = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle,
+                         config.server.socket_send_buffer_bytes)
     task = asyncio.create_task(srv.serve())
     listening = asyncio.create_task(srv.listening.wait())
     await asyncio.wait({task, listening}, return_when=asyncio.FIRST_COMPLETED)

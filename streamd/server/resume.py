@@ -1,0 +1,178 @@
+"""Resumable WebSocket requests: resume tokens, retained output, and the grace after a dropped socket.
+
+Every request admitted on `/v1/stream` while `server.resume_grace_s` > 0 is resumable. Its `start` frame
+carries a `resume_token`: the engine request id and an HMAC-SHA256 of it under a secret made at start-up
+(so a token is unguessable and only this server process accepts it). The request is also bound to the
+API key that created it (a hash of it is kept) and to its client id.
+
+While it runs, every frame built for it after `start` (deltas with their `seq`, error, done) is retained,
+counted in tokens against `server.resume_max_tokens_per_request` and, over all requests,
+`server.resume_max_tokens_total`; a request that would go over is aborted with an error saying so (never
+truncated silently). When its socket drops it is *detached*: it keeps generating into its retained output
+for the grace period; a `resume` frame on a new socket (`attach`) replays the frames after the client's
+`after_seq` and the live stream continues there. When the grace ends first, the request is aborted (its
+blocks freed) and its id is remembered as expired. Once a request's `done` has been written to a live
+socket, its retained output is released.
+
+The store holds `Resumable` objects (the socket's request records, ws.py) and knows nothing of sockets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import hmac
+import secrets
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from streamd.server.errors import ServiceError
+from streamd.server.metrics import Metrics
+
+Frame = dict[str, Any]
+_TOMBSTONES = 4096  # ended resumable ids remembered, so a late resume hears why
+
+
+class Resumable(Protocol):
+    """A resumable request as the store sees it."""
+
+    client_id: str
+
+    def expire(self, reason: str) -> None: ...
+
+
+@dataclass(slots=True)
+class Retention:
+    """One resumable request's retained frames and its binding."""
+
+    request_id: str  # the engine's
+    client_id: str
+    key_hash: str
+    owner: Resumable
+    store: ResumeStore
+    frames: list[Frame] = field(default_factory=list)
+    tokens: int = 0
+    timer: asyncio.TimerHandle | None = None  # the grace timer while detached
+
+    def replay_after(self, after_seq: int) -> list[Frame]:
+        """The frames a client that has every delta up to `after_seq` is missing (-1: all of them)."""
+        start = 0
+        for i, frame in enumerate(self.frames):
+            if frame.get("type") == "delta" and frame["seq"] <= after_seq:
+                start = i + 1
+        return self.frames[start:]
+
+    @property
+    def last_seq(self) -> int:
+        return next((f["seq"] for f in reversed(self.frames) if f.get("type") == "delta"), -1)
+
+
+class ResumeStore:
+    def __init__(self, grace_s: float, max_tokens_per_request: int, max_tokens_total: int, metrics: Metrics):
+        self.grace_s = grace_s
+        self.max_tokens_per_request = max_tokens_per_request
+        self.max_tokens_total = max_tokens_total
+        self.total_tokens = 0
+        self._metrics = metrics
+        self._secret = secrets.token_bytes(32)
+        self._live: dict[str, Retention] = {}  # engine request id ->
+        self._ended: OrderedDict[str, str] = OrderedDict()  # engine request id -> why it is gone
+
+    @property
+    def enabled(self) -> bool:
+        return self.grace_s > 0
+
+    def __len__(self) -> int:
+        return len(self._live)
+
+    # ---- while it runs ------------------------------------------------------------------------
+    def open(self, request_id: str, client_id: str, api_key: str | None, owner: Resumable) -> tuple[Retention, str]:
+        """Starts retaining a request; returns its retention and its resume token."""
+        retention = Retention(request_id, client_id, _key_hash(api_key), owner, self)
+        self._live[request_id] = retention
+        return retention, f"{request_id}.{self._mac(request_id)}"
+
+    def retain(self, retention: Retention, frame: Frame, tokens: int) -> str | None:
+        """Keeps a frame; returns why the request must be aborted when it would go over a bound."""
+        if retention.tokens + tokens > self.max_tokens_per_request:
+            return (f"its output passed server.resume_max_tokens_per_request ({self.max_tokens_per_request} "
+                    "tokens retained for a resume)")
+        if self.total_tokens + tokens > self.max_tokens_total:
+            return (f"the server's retained output passed server.resume_max_tokens_total "
+                    f"({self.max_tokens_total} tokens)")
+        retention.frames.append(frame)
+        retention.tokens += tokens
+        self.total_tokens += tokens
+        return None
+
+    def release(self, retention: Retention, reason: str | None = None) -> None:
+        """Lets go of a request's retained output (delivered, or `reason`: why a resume is now refused)."""
+        if self._live.pop(retention.request_id, None) is None:
+            return
+        self.total_tokens -= retention.tokens
+        retention.frames, retention.tokens = [], 0
+        if retention.timer is not None:
+            retention.timer.cancel()
+            retention.timer = None
+        if reason is not None:
+            self._ended[retention.request_id] = reason
+            while len(self._ended) > _TOMBSTONES:
+                self._ended.popitem(last=False)
+
+    # ---- socket gone, socket back -------------------------------------------------------------
+    def detach(self, retention: Retention) -> None:
+        """Its socket dropped: the grace period starts."""
+        if retention.timer is None and retention.request_id in self._live:
+            retention.timer = asyncio.get_running_loop().call_later(self.grace_s, self._expire, retention)
+
+    def _expire(self, retention: Retention) -> None:
+        retention.timer = None
+        reason = f"its resume grace period ({self.grace_s:g} s) ended"
+        self._metrics.resumes.labels("expired").inc()
+        retention.owner.expire(reason)
+        self.release(retention, reason)
+
+    def claim(self, client_id: str, token: Any, after_seq: Any, api_key: str | None) -> tuple[Retention, list[Frame]]:
+        """Checks a resume; returns the retention (its timer stopped) and the frames to replay. Raises
+        ServiceError naming what is wrong."""
+        try:
+            retention = self._check(client_id, token, after_seq, api_key)
+        except ServiceError as exc:
+            self._metrics.resumes.labels(exc.code).inc()
+            raise
+        if retention.timer is not None:
+            retention.timer.cancel()
+            retention.timer = None
+        self._metrics.resumes.labels("resumed").inc()
+        return retention, retention.replay_after(after_seq)
+
+    def _check(self, client_id: str, token: Any, after_seq: Any, api_key: str | None) -> Retention:
+        request_id, _, mac = token.rpartition(".") if isinstance(token, str) else ("", "", "")
+        if not request_id or not hmac.compare_digest(mac, self._mac(request_id)):
+            raise ServiceError("invalid_resume_token", "this resume_token was not issued by this server (it "
+                               "may have restarted)", client_id)
+        retention = self._live.get(request_id)
+        if retention is None:
+            why = self._ended.get(request_id)
+            if why is not None:
+                raise ServiceError("resume_expired", f"request {client_id!r} can no longer be resumed: {why}",
+                                   client_id)
+            raise ServiceError("unknown_id", f"request {client_id!r} is not resumable (it finished and its "
+                               "done was delivered)", client_id)
+        if not hmac.compare_digest(retention.key_hash, _key_hash(api_key)):
+            raise ServiceError("resume_forbidden", "this request was created with another API key", client_id)
+        if retention.client_id != client_id:
+            raise ServiceError("invalid_resume_token", f"this resume_token belongs to id {retention.client_id!r}, "
+                               f"not {client_id!r}", client_id)
+        if not isinstance(after_seq, int) or isinstance(after_seq, bool) or not -1 <= after_seq <= retention.last_seq:
+            raise ServiceError("invalid_request", f"after_seq must be an integer from -1 (nothing received) to "
+                               f"{retention.last_seq} (the last seq sent), got {after_seq!r}", client_id)
+        return retention
+
+    def _mac(self, request_id: str) -> str:
+        return hmac.new(self._secret, request_id.encode(), hashlib.sha256).hexdigest()[:32]
+
+
+def _key_hash(api_key: str | None) -> str:
+    return hashlib.sha256((api_key or "").encode()).hexdigest()
