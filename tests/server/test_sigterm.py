@@ -1,5 +1,7 @@
 """SIGTERM on a real `streamd serve` process: /ready turns 503, streams that can finish within
-drain_timeout_s finish, the rest are cancelled, every stream gets its done, sockets close 1001, exit 0."""
+drain_timeout_s finish, the rest are cancelled (their `done` says `drained`), every stream gets its done,
+sockets close 1012 (service restart: reconnect elsewhere), exit 0; a resume token of the old process is
+refused by a new server."""
 
 from __future__ import annotations
 
@@ -14,6 +16,9 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
+
+from streamd.engine.async_engine import AsyncEngine
+from tests.server.util import recv, running_server, send, ws_connect
 
 DRAIN_S = 4.0
 SERVE = [sys.executable, "-m", "streamd.cli", "serve", "--host", "127.0.0.1", "--port", "0",
@@ -118,7 +123,8 @@ async def test_sigterm_drains_and_exits_zero() -> None:
         frames = seen + rest
         done = {f["id"]: f["finish_reason"] for f in frames if f["type"] == "done"}
         assert done == {"short": "length", "long": "cancelled"}
-        assert code == 1001
+        assert [f.get("drained") for f in frames if f["type"] == "done" and f["id"] == "long"] == [True]
+        assert code == 1012
         assert sse_items[-1] == "[DONE]" and sse_items[-2]["choices"][0]["finish_reason"] == "abort"
         assert await asyncio.wait_for(proc.wait(), 60) == 0, log.tail()
         assert any(e.get("event") == "drain_finished" for e in log.events)
@@ -126,3 +132,55 @@ async def test_sigterm_drains_and_exits_zero() -> None:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def start_server() -> tuple[asyncio.subprocess.Process, LogWatcher, int]:
+    env = {**os.environ, "STREAMD_LOG_FORMAT": "json"}
+    proc = await asyncio.create_subprocess_exec(*SERVE, stderr=asyncio.subprocess.PIPE,
+                                                stdout=asyncio.subprocess.DEVNULL, env=env)
+    assert proc.stderr is not None
+    log = LogWatcher(proc.stderr)
+    port = (await log.wait_for("listening", 180))["port"]
+    await log.wait_for("ready", 180)
+    return proc, log, port
+
+
+@pytest.mark.slow
+async def test_sigterm_with_20_resumable_streams(async_engine: AsyncEngine) -> None:
+    """Four sockets with five streams each (some short enough to finish within the drain, most not)."""
+    proc, log, port = await start_server()
+    try:
+        sockets = [await connect(f"ws://127.0.0.1:{port}/v1/stream", subprotocols=["streamd.v1"])
+                   for _ in range(4)]
+        seen: dict[int, list[dict[str, Any]]] = {}
+        for c, ws in enumerate(sockets):
+            for r in range(5):
+                tokens = 6 if r == 0 else 4000
+                await ws.send(json.dumps({"type": "generate", "id": f"s{c}.{r}", "prompt": "Hi",
+                                          "params": {"max_tokens": tokens, "ignore_eos": True}}))
+        for c, ws in enumerate(sockets):  # every stream is live: each has its start and a first delta
+            seen[c] = []
+            while len({f["id"] for f in seen[c] if f["type"] == "delta"}) < 5:
+                seen[c].append(json.loads(await asyncio.wait_for(ws.recv(), 120)))
+        proc.send_signal(signal.SIGTERM)
+        closes = await asyncio.wait_for(asyncio.gather(*(read_until_closed(ws) for ws in sockets)), 60)
+        assert await asyncio.wait_for(proc.wait(), 60) == 0, log.tail()
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    tokens: dict[str, str] = {}
+    for c, (rest, code) in enumerate(closes):
+        assert code == 1012
+        frames = seen[c] + rest
+        for r in range(5):
+            mine = [f for f in frames if f["id"] == f"s{c}.{r}"]
+            tokens[f"s{c}.{r}"] = mine[0]["resume_token"]
+            dones = [f for f in mine if f["type"] == "done"]
+            if dones:  # ended with its done: finished, or cut by the drain deadline and saying so
+                (done,) = dones
+                assert (done["finish_reason"], done.get("drained")) in {("length", None), ("cancelled", True)}
+    async with running_server(async_engine) as server, ws_connect(server) as ws:  # the old process is gone
+        await send(ws, type="resume", id="s0.1", resume_token=tokens["s0.1"], after_seq=0)
+        refused = await recv(ws)
+    assert refused["type"] == "error" and refused["error"]["code"] == "invalid_resume_token"
