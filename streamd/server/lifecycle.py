@@ -4,7 +4,7 @@
 request is submitted and leaves when it is counted) and the open WebSockets. `drain()` turns `/ready`
 to 503 and refuses new work, lets in-flight requests finish for up to `drain_timeout_s`, then cancels the
 rest (each still gets its `done` once the engine confirms the abort), and finally closes every WebSocket
-with the code it registered (1001 for `/v1/stream`, 1012 for the Responses socket, which the OpenAI SDK
+with the code it registered (1012, service restart, for `/v1/stream` and the Responses socket, which the OpenAI SDK
 reconnects after). Waits are on events, never on sleeps.
 """
 

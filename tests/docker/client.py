@@ -6,7 +6,7 @@ to Hugging Face `generate` on the host's copy of the default model; `/metrics` c
 starts a WebSocket stream sized to last several seconds, runs STOP_COMMAND (`docker compose stop`) once
 the first token has arrived, and checks that the stream goes on during the drain and ends with its `done`
 (`length`, or `cancelled` if the 30 s drain ran out on a slow machine), and that the socket closes with
-1001 as the server finishes its drain. Any failure exits non-zero, naming
+1012 (service restart) as the server finishes its drain. Any failure exits non-zero, naming
 the check.
 """
 
@@ -198,9 +198,9 @@ def check_stop(ws_url: str, tokens_per_s: float, command: list[str]) -> None:
     # `length`: it finished within the drain; `cancelled`: the drain timed out first (a slow machine).
     expected = "length" if tokens == max_tokens else "cancelled"
     assert done["finish_reason"] == expected, f"{done} after {tokens} of {max_tokens} tokens"
-    assert stream.close_code == 1001, f"the socket closed with {stream.close_code}, not 1001 (going away)"
+    assert stream.close_code == 1012, f"the socket closed with {stream.close_code}, not 1012 (service restart)"
     print(f"    {before} tokens before the stop, {tokens - before} during the drain, then done "
-          f"({done['finish_reason']}) and close 1001", flush=True)
+          f"({done['finish_reason']}) and close 1012", flush=True)
 
 
 def run(base: str, stop_command: list[str]) -> None:

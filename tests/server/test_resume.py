@@ -156,3 +156,69 @@ async def test_queue_timeout_is_overloaded(async_engine: AsyncEngine) -> None:
                 await gather_until_done(ws, {"busy"})
     finally:
         await async_engine.call(lambda e: setattr(e.scheduler, "max_num_seqs", hold))
+
+
+class CuttingProxy:
+    """A TCP proxy to the server that cuts its first connection (no close handshake, either side) once
+    `cut_after` bytes came from the server; later connections pass untouched."""
+
+    def __init__(self, port: int, cut_after: int) -> None:
+        self.port = port
+        self.cut_after = cut_after
+        self.cuts = 0
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> CuttingProxy:
+        self.server = await asyncio.start_server(self._connection, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"ws://127.0.0.1:{self.server.sockets[0].getsockname()[1]}/v1/stream"
+
+    async def _connection(self, client_r: asyncio.StreamReader, client_w: asyncio.StreamWriter) -> None:
+        server_r, server_w = await asyncio.open_connection("127.0.0.1", self.port)
+        cut = self.cuts == 0
+        limit = self.cut_after if cut else None
+        await asyncio.gather(self._pipe(client_r, server_w, None, client_w),
+                             self._pipe(server_r, client_w, limit, server_w), return_exceptions=True)
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, limit: int | None,
+                    other: asyncio.StreamWriter) -> None:
+        sent = 0
+        while data := await src.read(65536):
+            if limit is not None and sent + len(data) > limit:
+                self.cuts += 1
+                dst.transport.abort()
+                other.transport.abort()
+                return
+            dst.write(data)
+            sent += len(data)
+            await dst.drain()
+        dst.close()
+
+
+async def test_chat_cli_resumes_after_a_dropped_connection(async_engine: AsyncEngine, capsys: Any) -> None:
+    import argparse
+
+    from streamd.server.chat_client import _chat
+    from streamd.server.entry import add_chat_arguments
+
+    parser = argparse.ArgumentParser()
+    add_chat_arguments(parser)
+    async with running_server(async_engine) as server, CuttingProxy(server.port, cut_after=1200) as proxy:
+        args = parser.parse_args(["--url", proxy.url, "--prompt", "Name three colours.", "--max-tokens", "40",
+                                  "--temperature", "0"])
+        assert await _chat(args) == 0
+        out, err = capsys.readouterr()
+        async with ws_connect(server) as ws:
+            await send(ws, type="generate", id="ref", messages=[{"role": "user", "content": "Name three colours."}],
+                       params={"max_tokens": 40, "temperature": 0})
+            expected = (await gather_until_done(ws, {"ref"}))["ref"]
+    assert proxy.cuts == 1 and "[reconnecting" in err
+    assert out.strip() == expected.text.strip() and expected.text.strip()
