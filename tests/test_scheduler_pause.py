@@ -38,7 +38,8 @@ def test_paused_group_is_the_first_victim_and_does_not_block_admission(mode, swa
         if "late" in eng.finished and "new" in eng.finished:
             break
         eng.step()
-    assert eng.finished["late"] == [reference([5, 6, 7, 8], 12)] and eng.finished["new"] == [reference([9, 9, 9, 9], 2)]
+    assert eng.finished["late"] == [reference([5, 6, 7, 8], 12)]
+    assert eng.finished["new"] == [reference([9, 9, 9, 9], 2)]
     assert "early" not in eng.finished
     assert eng.sched.preemptions_swap + eng.sched.preemptions_recompute == 1  # early, and no one else
     assert all(g.request_id != "early" for g in eng.sched.running)

@@ -3,7 +3,8 @@
 Client: `{"type":"generate","id":ID,"prompt":TEXT|"messages":[...],"params":{...}}`,
 `{"type":"cancel","id":ID}`, `{"type":"resume","id":ID,"resume_token":T,"after_seq":K}`. Server: `start`
 (with a `resume_token` when resumable), `delta` (seq from 0 per id), `done` (finish_reason, usage;
-`drained: true` when the server's drain cut it) and `error` (id or null). Two framings of the same frames, chosen by subprotocol:
+`drained: true` when the server's drain cut it) and `error` (id or null). Two framings of the same
+frames, chosen by subprotocol:
 
 - `streamd.v1` (also the default when none is offered): one frame per WebSocket message;
 - `streamd.v2`: each message is a JSON array of frames: everything a connection has to send when the

@@ -30,7 +30,8 @@ async def reference(server: Server, params: dict[str, Any], prompt: str = "Tell 
     return result
 
 
-async def start_and_cut(server: Server, params: dict[str, Any], deltas: int, **connect: Any) -> tuple[list[dict[str, Any]], str]:
+async def start_and_cut(server: Server, params: dict[str, Any], deltas: int,
+                        **connect: Any) -> tuple[list[dict[str, Any]], str]:
     """Starts a request, reads its start and `deltas` deltas, then cuts the TCP connection with no close
     handshake; returns the frames read and the resume token."""
     frames: list[dict[str, Any]] = []
