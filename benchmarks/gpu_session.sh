@@ -40,9 +40,8 @@ PY
     fusion)
       python3 benchmarks/fusion.py --out "$OUT" 2>&1 | tail -30 | tee "$OUT/fusion.log" ;;
     second-wave)
-      slug=$(python3 -c "import torch; print(torch.cuda.get_device_name(0).lower().replace(' ', '-'))")
-      python3 benchmarks/second_wave_gpu.py --out "benchmarks/results/second-wave-$(date -u +%F)-$slug.json" \
-        2>"$OUT/second-wave-stderr.log" | tee "$OUT/second-wave.log"
-      cp benchmarks/results/second-wave-*.json "$OUT/" ;;
+      python3 benchmarks/second_wave_gpu.py --out benchmarks/results 2>"$OUT/second-wave-stderr.log" \
+        | tee "$OUT/second-wave.log"
+      cp benchmarks/results/second-wave-*.json benchmarks/results/second-wave-*.md "$OUT/" ;;
   esac
 done

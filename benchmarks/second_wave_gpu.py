@@ -13,12 +13,12 @@ to --out.
 from __future__ import annotations
 
 import argparse
-import json
+import datetime
 import time
 from pathlib import Path
 
 from streamd import LLM, SamplingParams
-from streamd.bench.report import git_commit
+from streamd.bench.report import git_commit, save_report
 
 SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
 
@@ -41,7 +41,7 @@ def timed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], repe
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="/tmp/streamd-serve-model")
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", default="benchmarks/results", help="folder for second-wave-<date>-<gpu>.json/.md")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
@@ -65,11 +65,17 @@ def main() -> None:
     for name, row in rows.items():
         row["cost_per_token_vs_unconstrained"] = base / row["tok_s"] if name.startswith("json") else None
         print(f"{name:<10} {row['tok_s']:10.0f} tok/s  {row['output_tokens']:7d} tokens  {row['seconds']:.2f} s")
-    report = {"device": __import__("torch").cuda.get_device_name(0), "git_commit": git_commit(),
-              "model": "random smollm2-135m shape, bf16, real tokenizer", "max_tokens": args.max_tokens,
-              "rows": rows}
-    args.out.write_text(json.dumps(report, indent=2))
-
+    report = {"date": datetime.date.today().isoformat(), "device": __import__("torch").cuda.get_device_name(0),
+              "git_commit": git_commit(), "model": "random smollm2-135m shape, bf16, real tokenizer",
+              "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows}
+    lines = [f"# Second-wave features on {report['device']}, {report['date']} (commit {report['git_commit']})", "",
+             f"{report['model']}, {args.max_tokens} output tokens a sequence, median of {args.repeats}.", "",
+             "| run | tok/s | tokens | seconds | cost per token vs unconstrained |", "|---|---|---|---|---|"]
+    for name, row in rows.items():
+        cost = row["cost_per_token_vs_unconstrained"]
+        lines.append(f"| {name} | {row['tok_s']:.0f} | {row['output_tokens']} | {row['seconds']:.2f} | "
+                     f"{'' if cost is None else f'{cost:.2f}x'} |")
+    save_report(report, args.out, "second-wave", "\n".join(lines) + "\n")
 
 if __name__ == "__main__":
     main()
