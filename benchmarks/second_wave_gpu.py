@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import time
-from pathlib import Path
 
 from streamd import LLM, SamplingParams
 from streamd.bench.report import git_commit, save_report
