@@ -394,6 +394,8 @@ class Scheduler:
 
     def _holds_back_admission(self) -> bool:
         """Swapped groups come back before anything new is admitted; paused ones do not hold it back."""
+        if not self.swapped or not self.paused:
+            return bool(self.swapped)
         return len(self.swapped) > sum(1 for g in self.swapped if g.request_id in self.paused)
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:

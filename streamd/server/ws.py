@@ -173,17 +173,18 @@ class WsRequest:
         return frames
 
     def _retain(self, built: list[protocol.Frame]) -> None:
+        """Keeps the frames for a resume; past a bound the request is aborted with an error saying so."""
         assert self.retention is not None and self.account is not None
         store = self.retention.store
-        for frame in built:
-            over = store.retain(self.retention, frame, len(frame.get("token_ids", ())))
-            if over is not None:  # never truncated silently: the request ends, saying why
-                error = ServiceError("resume_retention_exceeded", f"request aborted: {over}")
-                built.append(protocol.error_frame(self.client_id, error))
-                store.release(self.retention, over)
-                self.retention = None
-                self.account.cancel()
-                return
+        over = next((why for frame in built
+                     if (why := store.retain(self.retention, frame, len(frame.get("token_ids", ())))) is not None),
+                    None)
+        if over is not None:  # never truncated silently: the request ends, saying why
+            built.append(protocol.error_frame(self.client_id, ServiceError("resume_retention_exceeded",
+                                                                           f"request aborted: {over}")))
+            store.release(self.retention, over)
+            self.retention = None
+            self.account.cancel()
 
 
 class Connection:
@@ -297,8 +298,9 @@ class Connection:
                 if request.finished and request.retention is not None:
                     if self.closed:  # its done may not have arrived: keep it for a resume
                         self._detach(request)
-                    else:
+                    else:  # delivered
                         request.retention.store.release(request.retention)
+                        request.retention = None
             if self.closed:
                 return
 
