@@ -107,8 +107,8 @@ class ServerConfig:
     responses_store_size: int = 1024  # finished Responses kept for previous_response_id (per server, LRU)
     responses_store_ttl_s: float = 3600.0  # how long a stored response can be continued
     resume_grace_s: float = 30.0  # a dropped socket's requests keep running this long for a resume; 0: abort
-    resume_max_tokens_per_request: int = 16384  # retained output of one resumable request (over: aborted)
-    resume_max_tokens_total: int = 1_000_000  # retained output of all resumable requests (over: aborted)
+    resume_max_tokens_per_request: int = 16384  # retained for one resume (attached: newest half; detached: abort)
+    resume_max_tokens_total: int = 1_000_000  # retained for all resumes (attached: trimmed; detached: abort)
     max_unsent_tokens: int = 256  # a request whose reader is this far behind is paused; 0: never pause
     socket_send_buffer_bytes: int = 0  # fixed SO_SNDBUF of accepted sockets; 0: the OS's autotuning
     max_request_time_s: float | None = None  # default and cap of a request's timeout_s; None: no limit

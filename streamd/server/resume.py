@@ -5,14 +5,17 @@ carries a `resume_token`: the engine request id and an HMAC-SHA256 of it under a
 (so a token is unguessable and only this server process accepts it). The request is also bound to the
 API key that created it (a hash of it is kept) and to its client id.
 
-While it runs, every frame built for it after `start` (deltas with their `seq`, error, done) is retained,
-counted in tokens against `server.resume_max_tokens_per_request` and, over all requests,
-`server.resume_max_tokens_total`; a request that would go over is aborted with an error saying so (never
-truncated silently). When its socket drops it is *detached*: it keeps generating into its retained output
-for the grace period; a `resume` frame on a new socket (`attach`) replays the frames after the client's
-`after_seq` and the live stream continues there. When the grace ends first, the request is aborted (its
-blocks freed) and its id is remembered as expired. Once a request's `done` has been written to a live
-socket, its retained output is released.
+Every frame built for it after `start` (deltas with their `seq`, error, done) is retained, counted in
+tokens. While its socket is up, only the newest frames are kept: at most half of
+`server.resume_max_tokens_per_request`, and fewer when all requests' retained output would pass
+`server.resume_max_tokens_total` (those frames were written to a live socket long before; what a cut can
+lose is what was in flight). A resume asking for a dropped frame is refused (`resume_expired`), never
+answered with a gap. When its socket drops the request is *detached*: it keeps generating for the grace
+period and nothing more is dropped; a request whose retained output would then pass either bound is
+aborted with an error saying so (never truncated silently). A `resume` frame on a new socket replays the
+frames after the client's `after_seq` and the live stream continues there. When the grace ends first,
+the request is aborted (its blocks freed) and its id is remembered as expired. Once a request's `done`
+has been written to a live socket, its retained output is released.
 
 The store holds `Resumable` objects (the socket's request records, ws.py) and knows nothing of sockets.
 """
@@ -23,7 +26,7 @@ import asyncio
 import hashlib
 import hmac
 import secrets
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -51,21 +54,32 @@ class Retention:
     key_hash: str
     owner: Resumable
     store: ResumeStore
-    frames: list[Frame] = field(default_factory=list)
+    frames: deque[tuple[Frame, int]] = field(default_factory=deque)  # (frame, its tokens)
     tokens: int = 0
+    dropped_seq: int = -1  # the newest delta seq dropped from the front (-1: none)
+    detached: bool = False
     timer: asyncio.TimerHandle | None = None  # the grace timer while detached
 
     def replay_after(self, after_seq: int) -> list[Frame]:
         """The frames a client that has every delta up to `after_seq` is missing (-1: all of them)."""
+        frames = [frame for frame, _ in self.frames]
         start = 0
-        for i, frame in enumerate(self.frames):
+        for i, frame in enumerate(frames):
             if frame.get("type") == "delta" and frame["seq"] <= after_seq:
                 start = i + 1
-        return self.frames[start:]
+        return frames[start:]
 
     @property
     def last_seq(self) -> int:
-        return next((f["seq"] for f in reversed(self.frames) if f.get("type") == "delta"), -1)
+        return next((f["seq"] for f, _ in reversed(self.frames) if f.get("type") == "delta"), self.dropped_seq)
+
+    def drop_oldest(self) -> int:
+        """Drops the oldest frame; returns its tokens."""
+        frame, tokens = self.frames.popleft()
+        if frame.get("type") == "delta":
+            self.dropped_seq = frame["seq"]
+        self.tokens -= tokens
+        return tokens
 
 
 class ResumeStore:
@@ -94,16 +108,22 @@ class ResumeStore:
         return retention, f"{request_id}.{self._mac(request_id)}"
 
     def retain(self, retention: Retention, frame: Frame, tokens: int) -> str | None:
-        """Keeps a frame; returns why the request must be aborted when it would go over a bound."""
-        if retention.tokens + tokens > self.max_tokens_per_request:
-            return (f"its output passed server.resume_max_tokens_per_request ({self.max_tokens_per_request} "
-                    "tokens retained for a resume)")
-        if self.total_tokens + tokens > self.max_tokens_total:
-            return (f"the server's retained output passed server.resume_max_tokens_total "
-                    f"({self.max_tokens_total} tokens)")
-        retention.frames.append(frame)
+        """Keeps a frame; returns why the request must be aborted when, detached, it would pass a bound
+        (attached, it drops its oldest frames instead)."""
+        retention.frames.append((frame, tokens))
         retention.tokens += tokens
         self.total_tokens += tokens
+        if not retention.detached:
+            while retention.frames and (retention.tokens * 2 > self.max_tokens_per_request
+                                        or self.total_tokens > self.max_tokens_total):
+                self.total_tokens -= retention.drop_oldest()
+            return None
+        if retention.tokens > self.max_tokens_per_request:
+            return (f"its output retained for a resume passed server.resume_max_tokens_per_request "
+                    f"({self.max_tokens_per_request} tokens)")
+        if self.total_tokens > self.max_tokens_total:
+            return (f"the server's output retained for resumes passed server.resume_max_tokens_total "
+                    f"({self.max_tokens_total} tokens)")
         return None
 
     def release(self, retention: Retention, reason: str | None = None) -> None:
@@ -111,7 +131,7 @@ class ResumeStore:
         if self._live.pop(retention.request_id, None) is None:
             return
         self.total_tokens -= retention.tokens
-        retention.frames, retention.tokens = [], 0
+        retention.frames, retention.tokens = deque(), 0
         if retention.timer is not None:
             retention.timer.cancel()
             retention.timer = None
@@ -123,6 +143,7 @@ class ResumeStore:
     # ---- socket gone, socket back -------------------------------------------------------------
     def detach(self, retention: Retention) -> None:
         """Its socket dropped: the grace period starts."""
+        retention.detached = True
         if retention.timer is None and retention.request_id in self._live:
             retention.timer = asyncio.get_running_loop().call_later(self.grace_s, self._expire, retention)
 
@@ -144,6 +165,7 @@ class ResumeStore:
         if retention.timer is not None:
             retention.timer.cancel()
             retention.timer = None
+        retention.detached = False
         self._metrics.resumes.labels("resumed").inc()
         return retention, retention.replay_after(after_seq)
 
@@ -168,6 +190,10 @@ class ResumeStore:
         if not isinstance(after_seq, int) or isinstance(after_seq, bool) or not -1 <= after_seq <= retention.last_seq:
             raise ServiceError("invalid_request", f"after_seq must be an integer from -1 (nothing received) to "
                                f"{retention.last_seq} (the last seq sent), got {after_seq!r}", client_id)
+        if after_seq < retention.dropped_seq:
+            raise ServiceError("resume_expired", f"request {client_id!r}: the deltas up to seq "
+                               f"{retention.dropped_seq} are no longer retained (server.resume_max_tokens_per_request"
+                               " / resume_max_tokens_total)", client_id)
         return retention
 
     def _mac(self, request_id: str) -> str:

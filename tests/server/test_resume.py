@@ -98,14 +98,27 @@ async def test_refused_resumes_name_the_reason(async_engine: AsyncEngine) -> Non
         assert 'streamd_requests_total{finish_reason="cancelled"}' in metrics
 
 
-async def test_resume_retention_bound_aborts_with_reason(async_engine: AsyncEngine) -> None:
-    async with running_server(async_engine, resume_max_tokens_per_request=5) as server, ws_connect(server) as ws:
-        await send(ws, type="generate", id="big", prompt="Hi", params={"max_tokens": 30, "ignore_eos": True})
-        result = (await gather_until_done(ws, {"big"}))["big"]
-    (error,) = result.of("error")
-    assert error["error"]["code"] == "resume_retention_exceeded"
-    assert "server.resume_max_tokens_per_request" in error["error"]["message"]
-    assert result.done["finish_reason"] == "cancelled" and len(result.token_ids) < 30
+async def test_retention_bounds(async_engine: AsyncEngine) -> None:
+    """Attached, a request keeps only its newest frames (a resume from before them is refused, not
+    answered with a gap); detached, one that passes its bound is aborted and a resume hears why."""
+    async with running_server(async_engine, resume_max_tokens_per_request=8) as server:
+        async with ws_connect(server) as ws:
+            await send(ws, type="generate", id="big", prompt="Hi", params={"max_tokens": 30, "ignore_eos": True})
+            result = (await gather_until_done(ws, {"big"}))["big"]
+        check_stream(result)
+        assert not result.of("error") and len(result.token_ids) == 30
+        _, token = await start_and_cut(server, {"max_tokens": 400, "ignore_eos": True}, deltas=12)
+        async with ws_connect(server) as ws:
+            await send(ws, type="resume", id="r", resume_token=token, after_seq=0)
+            early = await recv(ws)
+            stats = await async_engine.wait_idle()  # detached, it passes its bound and is aborted
+            assert stats.pool_whole
+            await send(ws, type="resume", id="r", resume_token=token, after_seq=11)
+            late = await recv(ws)
+        assert len(server.services.resumes) == 0 and server.services.resumes.total_tokens == 0
+    assert early["error"]["code"] == "resume_expired" and "no longer retained" in early["error"]["message"]
+    assert late["error"]["code"] == "resume_expired"
+    assert "resume_max_tokens_per_request" in late["error"]["message"]
 
 
 async def test_run_timeout_delivers_partial_output(async_engine: AsyncEngine) -> None:
