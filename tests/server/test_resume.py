@@ -103,10 +103,10 @@ async def test_retention_bounds(async_engine: AsyncEngine) -> None:
     answered with a gap); detached, one that passes its bound is aborted and a resume hears why."""
     async with running_server(async_engine, resume_max_tokens_per_request=8) as server:
         async with ws_connect(server) as ws:
-            await send(ws, type="generate", id="big", prompt="Hi", params={"max_tokens": 30, "ignore_eos": True})
+            await send(ws, type="generate", id="big", prompt="Hi", params={"max_tokens": 20, "ignore_eos": True})
             result = (await gather_until_done(ws, {"big"}))["big"]
         check_stream(result)
-        assert not result.of("error") and len(result.token_ids) == 30
+        assert not result.of("error") and len(result.token_ids) == 20
         _, token = await start_and_cut(server, {"max_tokens": 400, "ignore_eos": True}, deltas=12)
         async with ws_connect(server) as ws:
             await send(ws, type="resume", id="r", resume_token=token, after_seq=0)
@@ -226,13 +226,13 @@ async def test_chat_cli_resumes_after_a_dropped_connection(async_engine: AsyncEn
     parser = argparse.ArgumentParser()
     add_chat_arguments(parser)
     async with running_server(async_engine) as server, CuttingProxy(server.port, cut_after=1200) as proxy:
-        args = parser.parse_args(["--url", proxy.url, "--prompt", "Name three colours.", "--max-tokens", "40",
+        args = parser.parse_args(["--url", proxy.url, "--prompt", "Name three colours.", "--max-tokens", "24",
                                   "--temperature", "0"])
         assert await _chat(args) == 0
         out, err = capsys.readouterr()
         async with ws_connect(server) as ws:
             await send(ws, type="generate", id="ref", messages=[{"role": "user", "content": "Name three colours."}],
-                       params={"max_tokens": 40, "temperature": 0})
+                       params={"max_tokens": 24, "temperature": 0})
             expected = (await gather_until_done(ws, {"ref"}))["ref"]
     assert proxy.cuts == 1 and "[reconnecting" in err
     assert out.strip() == expected.text.strip() and expected.text.strip()

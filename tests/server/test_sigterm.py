@@ -1,7 +1,7 @@
 """SIGTERM on a real `streamd serve` process: /ready turns 503, streams that can finish within
-drain_timeout_s finish, the rest are cancelled (their `done` says `drained`), every stream gets its done,
-sockets close 1012 (service restart: reconnect elsewhere), exit 0; a resume token of the old process is
-refused by a new server."""
+drain_timeout_s finish, the rest are cancelled (their `done` says `drained`), every one of 20 resumable
+WebSocket streams and an SSE stream gets its end, sockets close 1012 (service restart: reconnect
+elsewhere), exit 0; a resume token of the old process is refused by a new server."""
 
 from __future__ import annotations
 
@@ -87,53 +87,6 @@ async def sse_stream(base: str, started: asyncio.Event) -> list[dict[str, Any] |
     return items
 
 
-@pytest.mark.slow
-async def test_sigterm_drains_and_exits_zero() -> None:
-    env = {**os.environ, "STREAMD_LOG_FORMAT": "json"}
-    proc = await asyncio.create_subprocess_exec(*SERVE, stderr=asyncio.subprocess.PIPE,
-                                                stdout=asyncio.subprocess.DEVNULL, env=env)
-    assert proc.stderr is not None
-    log = LogWatcher(proc.stderr)
-    try:
-        port = (await log.wait_for("listening", 180))["port"]
-        await log.wait_for("ready", 180)
-        base = f"http://127.0.0.1:{port}"
-        async with httpx.AsyncClient(base_url=base, timeout=30) as http, \
-                connect(f"ws://127.0.0.1:{port}/v1/stream", subprotocols=["streamd.v1"]) as ws:
-            assert (await http.get("/ready")).status_code == 200
-            await ws.send(json.dumps({"type": "generate", "id": "short", "prompt": "Hi",
-                                      "params": {"max_tokens": 3, "ignore_eos": True}}))
-            await ws.send(json.dumps({"type": "generate", "id": "long", "prompt": "Hi",
-                                      "params": {"max_tokens": 4000, "ignore_eos": True}}))
-            sse_started = asyncio.Event()
-            sse = asyncio.create_task(sse_stream(base, sse_started))
-            seen: list[dict[str, Any]] = []
-            while not any(f["type"] == "delta" and f["id"] == "long" for f in seen):
-                seen.append(json.loads(await asyncio.wait_for(ws.recv(), 120)))
-            await asyncio.wait_for(sse_started.wait(), 120)
-            proc.send_signal(signal.SIGTERM)
-            await log.wait_for("drain_started", 30)
-            ready = await http.get("/ready")
-            assert ready.status_code == 503 and ready.json()["status"] == "draining"
-            async with httpx.AsyncClient(base_url=base) as late:
-                refused = await late.post("/v1/completions", json={"prompt": "x"})
-            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
-            rest, code = await asyncio.wait_for(read_until_closed(ws), 60)
-            sse_items = await asyncio.wait_for(sse, 60)
-        frames = seen + rest
-        done = {f["id"]: f["finish_reason"] for f in frames if f["type"] == "done"}
-        assert done == {"short": "length", "long": "cancelled"}
-        assert [f.get("drained") for f in frames if f["type"] == "done" and f["id"] == "long"] == [True]
-        assert code == 1012
-        assert sse_items[-1] == "[DONE]" and sse_items[-2]["choices"][0]["finish_reason"] == "abort"
-        assert await asyncio.wait_for(proc.wait(), 60) == 0, log.tail()
-        assert any(e.get("event") == "drain_finished" for e in log.events)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-
-
 async def start_server() -> tuple[asyncio.subprocess.Process, LogWatcher, int]:
     env = {**os.environ, "STREAMD_LOG_FORMAT": "json"}
     proc = await asyncio.create_subprocess_exec(*SERVE, stderr=asyncio.subprocess.PIPE,
@@ -145,42 +98,60 @@ async def start_server() -> tuple[asyncio.subprocess.Process, LogWatcher, int]:
     return proc, log, port
 
 
+async def start_streams(port: int) -> tuple[list[Any], dict[int, list[dict[str, Any]]]]:
+    """Four sockets with five resumable streams each (the first of each short enough to finish before
+    the drain ends, the others not); returns once every stream has its start and a first delta."""
+    sockets = [await connect(f"ws://127.0.0.1:{port}/v1/stream", subprotocols=["streamd.v1"]) for _ in range(4)]
+    for c, ws in enumerate(sockets):
+        for r in range(5):
+            await ws.send(json.dumps({"type": "generate", "id": f"s{c}.{r}", "prompt": "Hi",
+                                      "params": {"max_tokens": 3 if r == 0 else 4000, "ignore_eos": True}}))
+    seen: dict[int, list[dict[str, Any]]] = {}
+    for c, ws in enumerate(sockets):
+        seen[c] = []
+        while len({f["id"] for f in seen[c] if f["type"] == "delta"}) < 5:
+            seen[c].append(json.loads(await asyncio.wait_for(ws.recv(), 120)))
+    return sockets, seen
+
+
 @pytest.mark.slow
-async def test_sigterm_with_20_resumable_streams(async_engine: AsyncEngine) -> None:
-    """Four sockets with five streams each (some short enough to finish within the drain, most not)."""
+async def test_sigterm_drains_and_exits_zero(async_engine: AsyncEngine) -> None:
     proc, log, port = await start_server()
     try:
-        sockets = [await connect(f"ws://127.0.0.1:{port}/v1/stream", subprotocols=["streamd.v1"])
-                   for _ in range(4)]
-        seen: dict[int, list[dict[str, Any]]] = {}
-        for c, ws in enumerate(sockets):
-            for r in range(5):
-                tokens = 6 if r == 0 else 4000
-                await ws.send(json.dumps({"type": "generate", "id": f"s{c}.{r}", "prompt": "Hi",
-                                          "params": {"max_tokens": tokens, "ignore_eos": True}}))
-        for c, ws in enumerate(sockets):  # every stream is live: each has its start and a first delta
-            seen[c] = []
-            while len({f["id"] for f in seen[c] if f["type"] == "delta"}) < 5:
-                seen[c].append(json.loads(await asyncio.wait_for(ws.recv(), 120)))
-        proc.send_signal(signal.SIGTERM)
-        closes = await asyncio.wait_for(asyncio.gather(*(read_until_closed(ws) for ws in sockets)), 60)
+        base = f"http://127.0.0.1:{port}"
+        async with httpx.AsyncClient(base_url=base, timeout=30) as http:
+            assert (await http.get("/ready")).status_code == 200
+            sockets, seen = await start_streams(port)
+            sse_started = asyncio.Event()
+            sse = asyncio.create_task(sse_stream(base, sse_started))
+            await asyncio.wait_for(sse_started.wait(), 120)
+            proc.send_signal(signal.SIGTERM)
+            await log.wait_for("drain_started", 30)
+            ready = await http.get("/ready")
+            assert ready.status_code == 503 and ready.json()["status"] == "draining"
+            async with httpx.AsyncClient(base_url=base) as late:
+                refused = await late.post("/v1/completions", json={"prompt": "x"})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            closes = await asyncio.wait_for(asyncio.gather(*(read_until_closed(ws) for ws in sockets)), 60)
+            sse_items = await asyncio.wait_for(sse, 60)
+        assert sse_items[-1] == "[DONE]" and sse_items[-2]["choices"][0]["finish_reason"] == "abort"
         assert await asyncio.wait_for(proc.wait(), 60) == 0, log.tail()
+        assert any(e.get("event") == "drain_finished" for e in log.events)
     finally:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
-    tokens: dict[str, str] = {}
+    tokens = {}
     for c, (rest, code) in enumerate(closes):
-        assert code == 1012
+        assert code == 1012  # service restart: reconnect elsewhere
         frames = seen[c] + rest
         for r in range(5):
             mine = [f for f in frames if f["id"] == f"s{c}.{r}"]
             tokens[f"s{c}.{r}"] = mine[0]["resume_token"]
-            dones = [f for f in mine if f["type"] == "done"]
-            if dones:  # ended with its done: finished, or cut by the drain deadline and saying so
-                (done,) = dones
-                assert (done["finish_reason"], done.get("drained")) in {("length", None), ("cancelled", True)}
+            (done,) = [f for f in mine if f["type"] == "done"]  # the drain delivers every done before closing
+            expected = ("length", None) if r == 0 else ("cancelled", True)  # cut by the drain: it says so
+            assert (done["finish_reason"], done.get("drained")) == expected
     async with running_server(async_engine) as server, ws_connect(server) as ws:  # the old process is gone
         await send(ws, type="resume", id="s0.1", resume_token=tokens["s0.1"], after_seq=0)
-        refused = await recv(ws)
-    assert refused["type"] == "error" and refused["error"]["code"] == "invalid_resume_token"
+        refused_resume = await recv(ws)
+    assert refused_resume["type"] == "error" and refused_resume["error"]["code"] == "invalid_resume_token"
