@@ -198,6 +198,7 @@ _ENDINGS: dict[str, tuple[str, str, str | None]] = {
     "length": ("incomplete", "response.incomplete", "max_output_tokens"),
     "abort": ("cancelled", "response.incomplete", None),
     "error": ("failed", "response.failed", None),
+    "timeout": ("incomplete", "response.incomplete", "timeout"),  # timeout_s / server.max_request_time_s
 }
 
 
