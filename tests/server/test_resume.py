@@ -122,8 +122,9 @@ async def test_retention_bounds(async_engine: AsyncEngine) -> None:
 
 
 async def test_run_timeout_delivers_partial_output(async_engine: AsyncEngine) -> None:
-    params = {"max_tokens": 2000, "ignore_eos": True, "timeout_s": 1.0}
-    async with running_server(async_engine) as server:
+    """server.max_request_time_s caps a request's timeout_s and is the default of those without one."""
+    params = {"max_tokens": 2000, "ignore_eos": True, "timeout_s": 50.0}
+    async with running_server(async_engine, max_request_time_s=1.0) as server:
         async with ws_connect(server) as ws:
             await send(ws, type="generate", id="t", prompt="Hi", params=params)
             result = (await gather_until_done(ws, {"t"}))["t"]
@@ -131,7 +132,7 @@ async def test_run_timeout_delivers_partial_output(async_engine: AsyncEngine) ->
         assert result.done["finish_reason"] == "timeout" and 0 < len(result.token_ids) < 2000
         client = AsyncOpenAI(base_url=f"{server.http}/v1", api_key="x")
         body = {"model": server.services.model_name, "messages": [{"role": "user", "content": "Hi"}],
-                "max_tokens": 2000, "extra_body": {"ignore_eos": True, "timeout_s": 1.0}}
+                "max_tokens": 2000, "extra_body": {"ignore_eos": True}}
         reply = await client.chat.completions.create(**body)
         choice = reply.choices[0]
         assert choice.finish_reason == "length" and choice.model_extra["streamd_timeout"] is True
