@@ -106,6 +106,7 @@ class LLMEngine:
         self._num_serial = 0
         self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: _InFlight | None = None  # the launched step whose tokens are not read back yet
+        self._generated_tokens = 0  # cumulative tokens sampled and kept (EngineStats.generated_tokens)
 
     @classmethod
     def from_config(cls, config: Config, model_config: PretrainedConfig | None = None) -> LLMEngine:
@@ -227,7 +228,8 @@ class LLMEngine:
         return bool(self._groups) or bool(self._pending) or self.executor.failed
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups))
+        return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups),
+                           self._generated_tokens)
 
     # ---- the iteration --------------------------------------------------------------------------
 
@@ -342,6 +344,7 @@ class LLMEngine:
                 update.seqs.append(self._dead_end(seq, update))
                 ended.append(group)
                 continue
+            self._generated_tokens += 1
             reason, stop_token_id = check(seq, params)
             update.seqs.append(SeqUpdate(seq.sample_index, [token],
                                          [logprobs[i]] if logprobs is not None and params.logprobs is not None

@@ -2,8 +2,9 @@
 
 `create_app(config, engine)` serves an already-built `AsyncEngine` (the caller owns its lifetime, so tests
 can share one loaded model between apps). Routes are listed in ARCHITECTURE.md; every route but `/`,
-`/health` and `/ready` needs an API key when keys are configured (`/` is a static page that holds no data
-and asks for the key itself; WebSocket auth happens in the handshake, see ws.py).
+`/static/...`, `/favicon.ico`, `/v1/server-info`, `/health` and `/ready` needs an API key when keys are
+configured (`/` is a static page that holds no data and asks for the key itself; WebSocket auth happens in
+the handshake, see ws.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamd.config import Config
@@ -32,11 +34,13 @@ from streamd.server.generation import Generation, new_request_id
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import CONTENT_TYPE, Metrics
 from streamd.server.responses_store import ResponseStore
+from streamd.server.server_info import server_info_route
 from streamd.server.services import Services
 
 logger = get_logger(__name__)
 STATIC = Path(__file__).parent / "static"
-OPEN_PATHS = frozenset({"/", "/health", "/ready"})
+OPEN_PATHS = frozenset({"/", "/favicon.ico", "/v1/server-info", "/health", "/ready"})
+OPEN_PREFIX = "/static/"  # the chat page's scripts, styles, icon and vendored libraries
 
 
 def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> Starlette:
@@ -64,6 +68,9 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
 
     routes = [
         Route("/", index, methods=["GET"]),
+        Route("/favicon.ico", favicon, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+        Route("/v1/server-info", server_info_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
@@ -79,6 +86,10 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
     return app
 
 
+async def favicon(request: Request) -> Response:
+    return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
+
+
 async def health(request: Request) -> Response:
     engine: AsyncEngine = request.app.state.services.engine
     if engine.dead_reason is not None and not request.app.state.services.lifecycle.draining:
@@ -88,10 +99,7 @@ async def health(request: Request) -> Response:
 
 async def ready(request: Request) -> Response:
     lifecycle: Lifecycle = request.app.state.services.lifecycle
-    if lifecycle.ready:
-        return JSONResponse({"status": "ready"})
-    status = "draining" if lifecycle.draining else "warming_up" if not lifecycle.warmed_up else "engine_unavailable"
-    return JSONResponse({"status": status}, status_code=503)
+    return JSONResponse({"status": lifecycle.status}, status_code=200 if lifecycle.ready else 503)
 
 
 async def metrics_route(request: Request) -> Response:
@@ -116,7 +124,9 @@ class AuthMiddleware:
         self.auth = auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.auth.enabled and scope["path"] not in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.auth.enabled and path not in OPEN_PATHS \
+                and not path.startswith(OPEN_PREFIX):
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             if not self.auth.http_ok(headers):
                 error = ServiceError("unauthorized", "a valid API key is required (Authorization: Bearer KEY)")

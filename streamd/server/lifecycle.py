@@ -46,6 +46,13 @@ class Lifecycle:
         return self.warmed_up and not self.draining and self.engine.ready
 
     @property
+    def status(self) -> str:
+        """What `/ready` says: ready, draining, warming_up or engine_unavailable."""
+        if self.ready:
+            return "ready"
+        return "draining" if self.draining else "warming_up" if not self.warmed_up else "engine_unavailable"
+
+    @property
     def num_active(self) -> int:
         return len(self._active)
 
