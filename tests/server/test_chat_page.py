@@ -3,18 +3,19 @@ server and model: typed text is sent and streams in token by token, stop cancels
 work, markdown and code render, model output that tries HTML or script stays inert (through the rendering
 function directly and through the page's real socket handler), the engine view follows a generation, the
 key field shows only when the server needs a key, and an unfinished answer is resumed (client side) after
-a dropped connection. Every page must end without a script error or a failed load."""
+a dropped connection. Every page is served under a strict Content-Security-Policy (added here; the
+server's own headers come from the hardening work) and must end without a script error, a CSP violation
+or a failed load."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 import shutil
 from typing import Any, AsyncIterator
 
 import pytest
 import pytest_asyncio
-from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
+from playwright.async_api import Browser, ConsoleMessage, Page, Route, async_playwright
 
 from streamd.engine.async_engine import AsyncEngine
 from tests.server.util import Server, gather_until_done, running_server, send, ws_connect
@@ -22,12 +23,17 @@ from tests.server.util import Server, gather_until_done, running_server, send, w
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
 TIMEOUT = 120
+STRICT_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+              "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def browser() -> AsyncIterator[Browser]:
     async with async_playwright() as pw:
-        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
+        # The page is fulfilled by the test (to add the CSP header), so Chromium cannot tell it came from
+        # 127.0.0.1 and its local-network check would refuse the socket to 127.0.0.1.
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-features=LocalNetworkAccessChecks"])
         yield browser
         await browser.close()
 
@@ -37,8 +43,14 @@ async def open_page(browser: Browser, url: str, problems: list[str]) -> Page:
     page = await context.new_page()
     page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
     page.on("console", lambda message: _console(message, problems))
+    await page.route(url, _with_strict_csp)
     await page.goto(url)
     return page
+
+
+async def _with_strict_csp(route: Route) -> None:
+    response = await route.fetch()
+    await route.fulfill(response=response, headers={**response.headers, "content-security-policy": STRICT_CSP})
 
 
 def _console(message: ConsoleMessage, problems: list[str]) -> None:
@@ -254,7 +266,7 @@ async def test_engine_view_follows_a_generation(page: Page) -> None:
     assert seen["first"] == "busy" and seen["reason"] == "cancelled", seen
     assert seen["newFrames"] >= 1
     async with asyncio.timeout(TIMEOUT):  # the next frames show the engine idle again
-        await page.wait_for_function("document.getElementById('req-running').textContent === '0' && "
+        await page.wait_for_function("() => document.getElementById('req-running').textContent === '0' && "
                                      "document.getElementById('kv-used').textContent === '0'")
 
 
@@ -290,14 +302,15 @@ async def test_key_field_only_when_a_key_is_needed(browser: Browser, page: Page,
     async with running_server(async_engine, api_keys=["k1"]) as locked:
         keyed = await open_page(browser, locked.http + "/", problems)
         async with asyncio.timeout(TIMEOUT):
-            await keyed.wait_for_function("document.getElementById('status-text').textContent === 'API key required'")
+            await keyed.wait_for_function("() => document.getElementById('status-text').textContent === "
+                                          "'API key required'")
         assert await keyed.is_visible("#key-box") and await keyed.text_content("#model") == "enter an API key"
         await keyed.fill("#api-key", "k1")
         await keyed.click("#key-box button")
         await evaluate(keyed, "window.streamdChat.connected")
         async with asyncio.timeout(TIMEOUT):
-            await keyed.wait_for_function(f"document.getElementById('model').textContent === "
-                                          f"{json.dumps(locked.services.model_name)}")
+            await keyed.wait_for_function("(name) => document.getElementById('model').textContent === name",
+                                          arg=locked.services.model_name)
         got = await ask(keyed, "Hi", 3)
         assert got["detail"]["error"] is None and got["detail"]["tokens"] >= 1
         await keyed.context.close()
