@@ -84,7 +84,14 @@
     }
     updateButtons();
     markConnected();
-    loadServerInfo().catch(() => {});
+    loadServerInfo().then(showServerState, () => {});
+  }
+
+  // The server is up but not ready (warming up, draining, engine unavailable): say so while idle.
+  function showServerState(info) {
+    if (info.status !== "ready" && chat.current === null && socketOpen()) {
+      setStatus("warn", info.status.replace("_", " "));
+    }
   }
 
   function onClose(ws, event) {
@@ -228,9 +235,11 @@
     c.text += frame.text;
     c.tokens += frame.token_ids.length;
     c.deltas += 1;
+    const box = $("messages");
+    const following = box.scrollHeight - box.scrollTop - box.clientHeight < 48;  // the reader is at the end
     window.streamdRender.into(c.body, c.text);
     c.el.dataset.deltas = String(c.deltas);
-    c.el.scrollIntoView({block: "end"});
+    if (following) box.scrollTop = box.scrollHeight;
     const secs = (now - c.first) / 1000;
     if (c.tokens > 1 && secs > 0) $("tps").textContent = ((c.tokens - 1) / secs).toFixed(1);
     $("ntok").textContent = String(c.tokens);
