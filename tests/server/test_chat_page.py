@@ -182,21 +182,27 @@ async def test_stop_button_cancels(page: Page) -> None:
 
 async def test_markdown_and_code_render(page: Page) -> None:
     markdown = ("# Title\n\nSome **bold**, *em* and `inline()`.\n\n```python\ndef f(x):\n    return x < 1\n```\n\n"
-                "| a | b |\n|---|---|\n| 1 | 2 |\n\n- one\n- two\n\n[docs](https://example.com/d)")
+                "| a | b |\n|---|---|\n| 1 | 2 |\n\n- one\n- two\n\n[docs](https://example.com/d)\n\n"
+                "Raw <b>html</b> stays text; ![a picture](https://example.com/p.png) becomes a link.")
     html = await evaluate(page, RENDER, markdown)
     shape = await evaluate(page, """(html) => {
       const div = document.createElement('div');
       div.innerHTML = html;  // (the test's own parse of the sanitized result)
       const code = div.querySelector('pre > code.language-python');
       const link = div.querySelector('a');
+      const last = div.querySelector('p:last-of-type');
       return {h1: div.querySelector('h1')?.textContent, bold: div.querySelector('strong')?.textContent,
               inline: div.querySelector('p code')?.textContent, code: code?.textContent,
               copy: div.querySelector('pre > button.copy-code')?.textContent, cells: div.querySelectorAll('td').length,
-              items: div.querySelectorAll('ul > li').length, href: link?.href, target: link?.target, rel: link?.rel};
+              items: div.querySelectorAll('ul > li').length, href: link?.href, target: link?.target, rel: link?.rel,
+              last: last.textContent, bTags: div.querySelectorAll('b').length,
+              links: [...div.querySelectorAll('a')].map((a) => a.href), images: div.querySelectorAll('img').length};
     }""", html)
     assert shape == {"h1": "Title", "bold": "bold", "inline": "inline()", "code": "def f(x):\n    return x < 1\n",
                      "copy": "Copy", "cells": 2, "items": 2, "href": "https://example.com/d", "target": "_blank",
-                     "rel": "noopener noreferrer"}
+                     "rel": "noopener noreferrer", "bTags": 0, "images": 0,
+                     "last": "Raw <b>html</b> stays text; a picture becomes a link.",
+                     "links": ["https://example.com/d", "https://example.com/p.png"]}
 
 
 ATTACKS = ('<img src=x onerror="window.pwned=1"> <script>window.pwned=2</script>\n\n'

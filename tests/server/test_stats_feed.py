@@ -52,7 +52,7 @@ async def test_stats_follow_a_generation(server: Server, async_engine: AsyncEngi
         assert first["type"] == "stats" and first["requests"]["running"] == 0
         assert first["kv"]["used"] == 0 and first["kv"]["total"] == async_engine.stats().kv.blocks_total
         await send(ws, type="generate", id="g", prompt="Once upon a time",
-                   params={"max_tokens": 40, "ignore_eos": True, "temperature": 0})
+                   params={"max_tokens": 64, "ignore_eos": True, "temperature": 0})
         during, done = [], None
         while done is None:
             frame = await recv(ws)
@@ -64,7 +64,7 @@ async def test_stats_follow_a_generation(server: Server, async_engine: AsyncEngi
         await async_engine.wait_idle()
         while (last := await next_stats(ws))["requests"]["running"]:
             pass
-        assert last["generated_tokens"] - first["generated_tokens"] == done["usage"]["completion_tokens"] == 40
+        assert last["generated_tokens"] - first["generated_tokens"] == done["usage"]["completion_tokens"] == 64
         assert last["kv"]["used"] == 0
         await send(ws, type="unsubscribe_stats")
         await send(ws, type="generate", id="h", prompt="Hello", params={"max_tokens": 8, "ignore_eos": True})
