@@ -40,7 +40,7 @@ class SchedulerStats:
     preemptions_swap: int  # cumulative
     preemptions_recompute: int  # cumulative
     recomputed_tokens: int  # cumulative tokens prefilled again after recompute preemption
-    num_paused: int = 0  # requests paused for a slow reader (issue 12); this scheduler pauses none yet
+    num_paused: int = 0  # requests not scheduled because their reader fell behind (they keep their blocks)
 
 
 @dataclass(slots=True, frozen=True)
