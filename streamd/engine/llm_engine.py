@@ -101,12 +101,12 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, costs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SequenceGroup] = {}
+        self._generated_tokens = 0  # cumulative tokens sampled and kept (EngineStats.generated_tokens)
         # Live requests whose sampling needs their last token on the host (penalties, grammars): while
         # any is live, each step reads the previous step's tokens back before it launches (no overlap).
         self._num_serial = 0
         self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: _InFlight | None = None  # the launched step whose tokens are not read back yet
-        self._generated_tokens = 0  # cumulative tokens sampled and kept (EngineStats.generated_tokens)
 
     @classmethod
     def from_config(cls, config: Config, model_config: PretrainedConfig | None = None) -> LLMEngine:

@@ -1,15 +1,17 @@
 """The WebSocket protocol: parsing client frames, building server frames, encoding messages.
 
 Client: `{"type":"generate","id":ID,"prompt":TEXT|"messages":[...],"params":{...}}`,
-`{"type":"cancel","id":ID}`, `{"type":"subscribe_stats","interval_ms":MS}` and `{"type":"unsubscribe_stats"}`
-(the live engine view, no id). Server: `start`, `delta` (seq from 0 per id), `done` (finish_reason,
-usage), `error` (id or null) and `stats` (built in stats_feed.py, only while subscribed). Two framings of the same frames, chosen by subprotocol:
+`{"type":"cancel","id":ID}`. Server: `start`, `delta` (seq from 0 per id), `done` (finish_reason,
+usage) and `error` (id or null). Two framings of the same frames, chosen by subprotocol:
 
 - `streamd.v1` (also the default when none is offered): one frame per WebSocket message;
 - `streamd.v2`: each message is a JSON array of frames: everything a connection has to send when the
   writer wakes (typically one engine step's deltas of all its requests) goes out in one message.
 
 Pure functions, no I/O, so every rule is unit-testable. JSON goes through `encoding.dumps` (orjson).
+
+The live engine view: `{"type":"subscribe_stats","interval_ms":MS}` and `{"type":"unsubscribe_stats"}` (no
+id); while subscribed the server sends `stats` frames (built in stats_feed.py).
 """
 
 from __future__ import annotations
@@ -39,11 +41,6 @@ class Generate:
 
 
 @dataclass(slots=True)
-class Cancel:
-    id: str
-
-
-@dataclass(slots=True)
 class SubscribeStats:
     interval_s: float
 
@@ -53,10 +50,26 @@ class UnsubscribeStats:
     pass
 
 
-ClientFrame = Generate | Cancel | SubscribeStats | UnsubscribeStats
+def _stats_frame(frame: dict[str, Any]) -> SubscribeStats | UnsubscribeStats:
+    allowed = {"type", "interval_ms"} if frame["type"] == "subscribe_stats" else {"type"}
+    unknown = sorted(set(frame) - allowed)
+    if unknown:
+        raise ServiceError("invalid_request", f"unknown field {unknown[0]!r} in {frame['type']}")
+    if frame["type"] == "unsubscribe_stats":
+        return UnsubscribeStats()
+    low, default, high = STATS_INTERVAL_MS
+    interval = frame.get("interval_ms", default)
+    if isinstance(interval, bool) or not isinstance(interval, int) or not low <= interval <= high:
+        raise ServiceError("invalid_request", f"interval_ms must be an integer from {low} to {high}")
+    return SubscribeStats(interval / 1000)
 
 
-def parse_frame(text: str) -> ClientFrame:
+@dataclass(slots=True)
+class Cancel:
+    id: str
+
+
+def parse_frame(text: str) -> Generate | Cancel | SubscribeStats | UnsubscribeStats:
     """Raises ServiceError (with `param` set to the frame's id when one could be read)."""
     try:
         frame = orjson.loads(text)
@@ -87,20 +100,6 @@ def parse_frame(text: str) -> ClientFrame:
     if not isinstance(params, dict):
         raise ServiceError("invalid_request", "params must be an object", frame_id)
     return Generate(frame_id, frame.get("prompt"), frame.get("messages"), params)
-
-
-def _stats_frame(frame: dict[str, Any]) -> SubscribeStats | UnsubscribeStats:
-    allowed = {"type", "interval_ms"} if frame["type"] == "subscribe_stats" else {"type"}
-    unknown = sorted(set(frame) - allowed)
-    if unknown:
-        raise ServiceError("invalid_request", f"unknown field {unknown[0]!r} in {frame['type']}")
-    if frame["type"] == "unsubscribe_stats":
-        return UnsubscribeStats()
-    low, default, high = STATS_INTERVAL_MS
-    interval = frame.get("interval_ms", default)
-    if isinstance(interval, bool) or not isinstance(interval, int) or not low <= interval <= high:
-        raise ServiceError("invalid_request", f"interval_ms must be an integer from {low} to {high}")
-    return SubscribeStats(interval / 1000)
 
 
 def start_frame(request_id: str, prompt_tokens: int) -> Frame:

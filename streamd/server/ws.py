@@ -215,12 +215,12 @@ class Connection:
             await self._wake.wait()
             self._wake.clear()
             frames, self._control = self._control, []
-            if self._stats is not None:
-                frames.append(self._stats)
-                self._stats = None
             ready, self._ready = self._ready, {}
             for request in ready:
                 frames.extend(request.frames())
+            if self._stats is not None:
+                frames.append(self._stats)
+                self._stats = None
             try:
                 for message in protocol.encode(frames, self.batched):
                     await self.ws.send_text(message)
@@ -253,15 +253,15 @@ class Connection:
         except ServiceError as exc:
             self.send_error(exc.param, exc)
             return
-        if isinstance(frame, protocol.Cancel):
-            self._cancel(frame.id)
-            return
         if isinstance(frame, protocol.SubscribeStats):
             self.stats_feed.subscribe(frame.interval_s)
             return
         if isinstance(frame, protocol.UnsubscribeStats):
             self.stats_feed.stop()
             self._stats = None  # nothing of the feed goes out after this frame
+            return
+        if isinstance(frame, protocol.Cancel):
+            self._cancel(frame.id)
             return
         try:
             prepared = self._prepare(frame)
