@@ -166,7 +166,7 @@ async def test_page_streams_tokens_as_they_arrive(server: Server, page: Page) ->
     detail = got["detail"]
     assert detail["reason"] == reference.done["finish_reason"] and detail["text"] == reference.text
     assert detail["deltas"] >= 2 and len(set(got["texts"])) >= 2  # the text grew while streaming
-    assert await evaluate(page, "window.renderCalls") == detail["deltas"]  # every delta through the renderer
+    assert 2 <= await evaluate(page, "window.renderCalls") <= detail["deltas"]  # (at most once per frame)
     assert got["html"] == await evaluate(page, RENDER, reference.text)
     assert got["ttft"].endswith(" ms") and float(got["tps"]) > 0
     assert await page.text_content("#model") == server.services.model_name

@@ -1,7 +1,8 @@
 // The chat: one WebSocket on /v1/stream (streamd.v1), one answer generated at a time.
 // - Learns from GET /v1/server-info whether a key is needed (the key field shows only then) and the
 //   model's name. A key travels as a `bearer.<key>` subprotocol (browsers cannot set WebSocket headers).
-// - Streams an answer's deltas into its bubble through streamdRender.into (sanitized markdown).
+// - Streams an answer's deltas into its bubble through streamdRender.into (sanitized markdown), at most
+//   once per animation frame (re-rendering an 8 KB answer takes a few ms).
 // - Stop cancels, Regenerate asks again, New chat starts over, Copy copies an answer's markdown.
 // - After a dropped connection it reconnects with backoff; an unfinished answer whose `start` frame had
 //   a `resume_token` is resumed (`resume` frame, after the last delta seq received), else it ends with
@@ -154,7 +155,8 @@
   function start() {
     const {el, body} = addBubble("assistant");
     const c = {id: `r${chat.nextId++}`, el, body, text: "", tokens: 0, deltas: 0, sent: performance.now(),
-               first: null, started: false, resumeToken: null, resuming: false, lastSeq: -1, error: null};
+               first: null, started: false, resumeToken: null, resuming: false, lastSeq: -1, error: null,
+               renderPending: false};
     el.dataset.deltas = "0";
     el.classList.add("streaming");
     chat.current = c;
@@ -235,19 +237,30 @@
     c.text += frame.text;
     c.tokens += frame.token_ids.length;
     c.deltas += 1;
-    const box = $("messages");
-    const following = box.scrollHeight - box.scrollTop - box.clientHeight < 48;  // the reader is at the end
-    window.streamdRender.into(c.body, c.text);
     c.el.dataset.deltas = String(c.deltas);
-    if (following) box.scrollTop = box.scrollHeight;
+    if (!c.renderPending) {  // deltas that arrive within one frame are rendered once
+      c.renderPending = true;
+      requestAnimationFrame(() => render(c));
+    }
     const secs = (now - c.first) / 1000;
     if (c.tokens > 1 && secs > 0) $("tps").textContent = ((c.tokens - 1) / secs).toFixed(1);
     $("ntok").textContent = String(c.tokens);
   }
 
+  // Shows the answer's markdown so far (sanitized); keeps the view at the end if the reader was there.
+  function render(c) {
+    if (!c.renderPending) return;
+    c.renderPending = false;
+    const box = $("messages");
+    const following = box.scrollHeight - box.scrollTop - box.clientHeight < 48;
+    window.streamdRender.into(c.body, c.text);
+    if (following) box.scrollTop = box.scrollHeight;
+  }
+
   function finish(c, reason, usage, error) {
     if (chat.current !== c) return;
     chat.current = null;
+    render(c);
     c.el.classList.remove("streaming");
     if (c.text) chat.history.push({role: "assistant", content: c.text});
     if (error) {
