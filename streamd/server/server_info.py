@@ -9,6 +9,7 @@ would give them.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -26,7 +27,7 @@ class ServerInfo:
     max_model_len: int | None
 
 
-def server_info(services: Services, headers: dict[str, str]) -> ServerInfo:
+def server_info(services: Services, headers: Mapping[str, str]) -> ServerInfo:
     allowed = services.auth.http_ok(headers)
     return ServerInfo(auth_required=services.auth.enabled, status=services.lifecycle.status, version=__version__,
                       model=services.model_name if allowed else None,
@@ -34,5 +35,5 @@ def server_info(services: Services, headers: dict[str, str]) -> ServerInfo:
 
 
 async def server_info_route(request: Request) -> Response:
-    info = server_info(request.app.state.services, dict(request.headers))
+    info = server_info(request.app.state.services, request.headers)
     return JSONResponse({"object": "server_info", **asdict(info)}, headers={"Cache-Control": "no-store"})
