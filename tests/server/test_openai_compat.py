@@ -104,6 +104,9 @@ async def test_completion_logprobs_equal_the_websocket(client: AsyncOpenAI, serv
     assert [t for p in parts for t in p.tokens] == got.tokens
     assert [o for p in parts for o in p.text_offset] == got.text_offset
     assert [lp for p in parts for lp in p.token_logprobs] == pytest.approx(got.token_logprobs, abs=1e-4)
+    samples = await client.completions.create(**{**body, "n": 2, "max_tokens": 4})  # each choice its own
+    for choice in samples.choices:
+        assert len(choice.logprobs.tokens) == 4 and "".join(choice.logprobs.tokens) == choice.text
 
 
 @pytest.mark.parametrize("route, extra, param", [
