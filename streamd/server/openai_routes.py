@@ -8,9 +8,10 @@ Unknown top-level fields are ignored (as OpenAI clients and frontends send extra
 that would change the answer (functions, echo, suffix, logit_bias) are refused. `logprobs` (chat: with
 `top_logprobs` 0..20; completions: an integer 0..20) come in OpenAI's shapes (`logprobs.py`), streamed per
 chunk or whole. A finish reason is OpenAI's name for the engine's (`accounting.FINISH_NAMES`); a request the
-server cut (the drain) finishes "length" with an extra flag on the choice (`streamd_drained: true`). `response_format` and
-`structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice` "required" or a named
-function make the reply a grammar-enforced tool call (`structured_api.py`), returned as `tool_calls`.
+server cut (the drain) finishes "length" with an extra flag on the choice (`streamd_drained: true`).
+`response_format` and `structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice`
+"required" or a named function make the reply a grammar-enforced tool call (`structured_api.py`), returned
+as `tool_calls`.
 """
 
 from __future__ import annotations
