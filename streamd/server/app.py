@@ -39,6 +39,9 @@ from streamd.server.services import Services
 logger = get_logger(__name__)
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = frozenset({"/", "/health", "/ready"})
+# Why /ready answers 503 -> the code of its error body.
+_NOT_READY = {"draining": "shutting_down", "warming_up": "service_unavailable",
+              "engine_unavailable": "engine_unavailable"}
 
 
 def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> Starlette:
@@ -99,11 +102,6 @@ async def ready(request: Request) -> Response:
     status = "draining" if lifecycle.draining else "warming_up" if not lifecycle.warmed_up else "engine_unavailable"
     error = ServiceError(_NOT_READY[status], f"not ready: {status.replace('_', ' ')}")
     return JSONResponse({"status": status, **error.openai_body()}, status_code=503)
-
-
-# Why /ready answers 503 -> the code of its error body.
-_NOT_READY = {"draining": "shutting_down", "warming_up": "service_unavailable",
-              "engine_unavailable": "engine_unavailable"}
 
 
 async def metrics_route(request: Request) -> Response:
