@@ -215,6 +215,9 @@ async def test_tokenize_and_detokenize(server: Server, client: AsyncOpenAI, smol
                                                         "continue_final_message": True})).json()
         assert continued["tokens"] == list(tokenizer.apply_chat_template(
             open_turn, continue_final_message=True, tokenize=True, return_dict=False))
+        special = (await http.post("/tokenize", json={"messages": MESSAGES, "add_special_tokens": True})).json()
+        rendered = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=False)
+        assert special["tokens"] == tokenizer(rendered, add_special_tokens=True).input_ids
         text = (await http.post("/detokenize", json={"tokens": ids})).json()
         assert text == {"prompt": PROMPT}
         for path, bad, param in [("/tokenize", {"prompt": PROMPT, "messages": MESSAGES}, "prompt"),
