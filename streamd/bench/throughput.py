@@ -15,10 +15,10 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamd.bench.hf_peer import run_continuous_batching
 from streamd.bench.workloads import Workload
 from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
 
@@ -125,31 +125,14 @@ def run_streamd(config: Any, work: Workload, progress: Any, **overrides: Any) ->
 
 def run_hf_continuous(config: Any, work: Workload, progress: Any) -> dict[str, float]:
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
     model = model.eval()
-    gen = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
-    with model.continuous_batching_context_manager(generation_config=gen) as manager:
-        start = time.perf_counter()
-        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
-            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
-        done = 0
-        produced = 0
-        while done < len(work.prompts):
-            result = manager.get_result(timeout=5)
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers continuous batching stopped early")
-                continue
-            if result.is_finished():
-                done += 1
-                produced += len(result.generated_tokens)
-                progress.update(1)
-        seconds = time.perf_counter() - start
-    del model, manager
+    seconds, produced = run_continuous_batching(model, work, lambda: progress.update(1))
+    del model
     _free_cuda()
     return {"tok_s": produced / seconds, "seconds": seconds, "tokens": produced}
 

@@ -26,7 +26,7 @@ CANCEL_GRACE_S = 10.0
 class InFlight(Protocol):
     """A request in flight, as the drain sees it."""
 
-    def cancel(self) -> None: ...
+    def cancel(self, cause: str = "abort") -> None: ...
 
 
 class Lifecycle:
@@ -90,7 +90,7 @@ class Lifecycle:
         if not await _wait(self._idle, self.drain_timeout_s):
             logger.warning("drain_timeout_cancelling", in_flight=self.num_active)
             for request in list(self._active):
-                request.cancel()
+                request.cancel("drain")
             if not await _wait(self._idle, CANCEL_GRACE_S):
                 logger.error("drain_abort_unconfirmed", in_flight=self.num_active)
         closers = list(self._closers.values())
