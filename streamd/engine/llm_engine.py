@@ -102,6 +102,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, costs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SequenceGroup] = {}
+        self._generated_tokens = 0  # cumulative tokens sampled and kept (EngineStats.generated_tokens)
         # Live requests whose sampling needs their last token on the host (penalties, grammars): while
         # any is live, each step reads the previous step's tokens back before it launches (no overlap).
         self._num_serial = 0
@@ -264,7 +265,8 @@ class LLMEngine:
         return head.at if head is not None else None
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups))
+        return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups),
+                           self._generated_tokens)
 
     # ---- the iteration --------------------------------------------------------------------------
 
@@ -381,6 +383,7 @@ class LLMEngine:
                 update.seqs.append(self._dead_end(seq, update))
                 ended.append(group)
                 continue
+            self._generated_tokens += 1
             reason, stop_token_id = check(seq, params)
             update.seqs.append(SeqUpdate(seq.sample_index, [token],
                                          [logprobs[i]] if logprobs is not None and params.logprobs is not None

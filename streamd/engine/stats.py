@@ -48,6 +48,7 @@ class EngineStats:
     kv: KVCacheStats
     scheduler: SchedulerStats
     num_requests: int  # requests the engine holds (waiting, running, swapped)
+    generated_tokens: int  # cumulative output tokens sampled and kept (the engine view's tokens/s)
 
     @property
     def pool_whole(self) -> bool:

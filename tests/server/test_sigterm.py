@@ -134,7 +134,8 @@ async def test_sigterm_drains_and_exits_zero(async_engine: AsyncEngine) -> None:
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
             closes = await asyncio.wait_for(asyncio.gather(*(read_until_closed(ws) for ws in sockets)), 60)
             sse_items = await asyncio.wait_for(sse, 60)
-        assert sse_items[-1] == "[DONE]" and sse_items[-2]["choices"][0]["finish_reason"] == "abort"
+        assert sse_items[-1] == "[DONE]" and sse_items[-2]["choices"][0]["finish_reason"] == "length"
+        assert sse_items[-2]["choices"][0]["streamd_drained"] is True
         assert await asyncio.wait_for(proc.wait(), 60) == 0, log.tail()
         assert any(e.get("event") == "drain_finished" for e in log.events)
     finally:
