@@ -1,8 +1,8 @@
 """Resumable WebSocket requests: resume tokens, retained output, and the grace after a dropped socket.
 
 Every request admitted on `/v1/stream` while `server.resume_grace_s` > 0 is resumable. Its `start` frame
-carries a `resume_token`: the engine request id and an HMAC-SHA256 of it under a secret made at start-up
-(so a token is unguessable and only this server process accepts it). The request is also bound to the
+carries a `resume_token`: a random handle and an HMAC-SHA256 of it under a secret made at start-up (so a
+token is unguessable, only this server process accepts it, and no internal request id appears in it). The request is also bound to the
 API key that created it (a hash of it is kept) and to its client id.
 
 Every frame built for it after `start` (deltas with their `seq`, error, done) is retained, counted in
@@ -23,6 +23,7 @@ The store holds `Resumable` objects (the socket's request records, ws.py) and kn
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import hmac
 import secrets
@@ -49,7 +50,7 @@ class Resumable(Protocol):
 class Retention:
     """One resumable request's retained frames and its binding."""
 
-    request_id: str  # the engine's
+    handle: str  # the token's random part (not the engine's request id, which never leaves the server)
     client_id: str
     key_hash: str
     owner: Resumable
@@ -90,8 +91,8 @@ class ResumeStore:
         self.total_tokens = 0
         self._metrics = metrics
         self._secret = secrets.token_bytes(32)
-        self._live: dict[str, Retention] = {}  # engine request id ->
-        self._ended: OrderedDict[str, str] = OrderedDict()  # engine request id -> why it is gone
+        self._live: dict[str, Retention] = {}  # handle ->
+        self._ended: OrderedDict[str, str] = OrderedDict()  # handle -> why it is gone
 
     @property
     def enabled(self) -> bool:
@@ -101,11 +102,12 @@ class ResumeStore:
         return len(self._live)
 
     # ---- while it runs ------------------------------------------------------------------------
-    def open(self, request_id: str, client_id: str, api_key: str | None, owner: Resumable) -> tuple[Retention, str]:
+    def open(self, client_id: str, api_key: str | None, owner: Resumable) -> tuple[Retention, str]:
         """Starts retaining a request; returns its retention and its resume token."""
-        retention = Retention(request_id, client_id, _key_hash(api_key), owner, self)
-        self._live[request_id] = retention
-        return retention, f"{request_id}.{self._mac(request_id)}"
+        handle = secrets.token_urlsafe(12)
+        retention = Retention(handle, client_id, _key_hash(api_key), owner, self)
+        self._live[handle] = retention
+        return retention, f"{handle}.{self._mac(handle)}"
 
     def retain(self, retention: Retention, frame: Frame, tokens: int) -> str | None:
         """Keeps a frame; returns why the request must be aborted when, detached, it would pass a bound
@@ -128,7 +130,7 @@ class ResumeStore:
 
     def release(self, retention: Retention, reason: str | None = None) -> None:
         """Lets go of a request's retained output (delivered, or `reason`: why a resume is now refused)."""
-        if self._live.pop(retention.request_id, None) is None:
+        if self._live.pop(retention.handle, None) is None:
             return
         self.total_tokens -= retention.tokens
         retention.frames, retention.tokens = deque(), 0
@@ -136,7 +138,7 @@ class ResumeStore:
             retention.timer.cancel()
             retention.timer = None
         if reason is not None:
-            self._ended[retention.request_id] = reason
+            self._ended[retention.handle] = reason
             while len(self._ended) > _TOMBSTONES:
                 self._ended.popitem(last=False)
 
@@ -144,7 +146,7 @@ class ResumeStore:
     def detach(self, retention: Retention) -> None:
         """Its socket dropped: the grace period starts."""
         retention.detached = True
-        if retention.timer is None and retention.request_id in self._live:
+        if retention.timer is None and retention.handle in self._live:
             retention.timer = asyncio.get_running_loop().call_later(self.grace_s, self._expire, retention)
 
     def _expire(self, retention: Retention) -> None:
@@ -170,13 +172,13 @@ class ResumeStore:
         return retention, retention.replay_after(after_seq)
 
     def _check(self, client_id: str, token: Any, after_seq: Any, api_key: str | None) -> Retention:
-        request_id, _, mac = token.rpartition(".") if isinstance(token, str) else ("", "", "")
-        if not request_id or not hmac.compare_digest(mac, self._mac(request_id)):
+        handle, _, mac = token.rpartition(".") if isinstance(token, str) else ("", "", "")
+        if not handle or not hmac.compare_digest(mac.encode(), self._mac(handle).encode()):
             raise ServiceError("invalid_resume_token", "this resume_token was not issued by this server (it "
                                "may have restarted)", client_id)
-        retention = self._live.get(request_id)
+        retention = self._live.get(handle)
         if retention is None:
-            why = self._ended.get(request_id)
+            why = self._ended.get(handle)
             if why is not None:
                 raise ServiceError("resume_expired", f"request {client_id!r} can no longer be resumed: {why}",
                                    client_id)
@@ -196,8 +198,9 @@ class ResumeStore:
                                " / resume_max_tokens_total)", client_id)
         return retention
 
-    def _mac(self, request_id: str) -> str:
-        return hmac.new(self._secret, request_id.encode(), hashlib.sha256).hexdigest()[:32]
+    def _mac(self, handle: str) -> str:
+        digest = hmac.new(self._secret, handle.encode(), hashlib.sha256).digest()[:24]
+        return base64.urlsafe_b64encode(digest).decode()
 
 
 def _key_hash(api_key: str | None) -> str:

@@ -419,8 +419,8 @@ class Connection:
         request.backpressure = Backpressure(account.request_id, config.max_unsent_tokens, engine.set_paused)
         request.backpressure.update(request.unsent)
         if self.services.resumes.enabled:
-            request.retention, request.resume_token = self.services.resumes.open(
-                account.request_id, request.client_id, self.api_key, request)
+            request.retention, request.resume_token = self.services.resumes.open(request.client_id, self.api_key,
+                                                                                 request)
         if request.cancel_requested:
             account.cancel()
         self.wake(request)

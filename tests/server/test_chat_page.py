@@ -357,3 +357,25 @@ async def test_without_a_resume_token_a_drop_ends_the_answer(page: Page) -> None
     detail = await evaluate(page, "window.nextDone")
     assert (detail["reason"], detail["error"], detail["text"]) == ("error", "connection lost", "part0 part1 part2 ")
     assert await evaluate(page, "window.sentFrames.filter((f) => f.type === 'resume')") == []
+
+
+async def test_the_page_resumes_an_answer_on_the_real_server(page: Page, server: Server) -> None:
+    """End to end with the server's resume (issue 12): the page's socket closes mid-answer; the page
+    reconnects, sends `resume` after the last delta it has, and the answer it ends with is exactly the one
+    an uninterrupted request gives."""
+    await evaluate(page, SPY_SEND, False)
+    await evaluate(page, ARM_DONE)
+    await evaluate(page, ASK, {"prompt": "Name three colours and say why you like them.", "maxTokens": 40})
+    async with asyncio.timeout(TIMEOUT):
+        await page.wait_for_function("() => Number(document.querySelector('#messages .assistant:last-child')"
+                                     "?.dataset.deltas) >= 3")
+    await evaluate(page, "window.fakeWs.close()")
+    got = await evaluate(page, ANSWER)
+    generate = await evaluate(page, "window.sentFrames.filter((f) => f.type === 'generate').at(-1)")
+    (resume,) = await evaluate(page, "window.sentFrames.filter((f) => f.type === 'resume')")
+    assert resume["id"] == generate["id"] and resume["after_seq"] >= 2
+    async with ws_connect(server) as ws:
+        await send(ws, type="generate", id="ref", messages=generate["messages"], params=generate["params"])
+        expected = (await gather_until_done(ws, {"ref"}))["ref"]
+    assert got["detail"]["error"] is None and got["detail"]["reason"] == expected.done["finish_reason"]
+    assert got["detail"]["text"] == expected.text

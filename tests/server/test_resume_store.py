@@ -27,8 +27,8 @@ def delta(seq: int) -> protocol.Frame:
 
 async def test_attached_trims_detached_aborts_and_claims_check_everything() -> None:
     store = ResumeStore(30.0, max_tokens_per_request=8, max_tokens_total=6, metrics=Metrics())
-    first, token_1 = store.open("req1", "a", "key", Owner())
-    second, _ = store.open("req2", "a", "key", Owner())
+    first, token_1 = store.open("a", "key", Owner())
+    second, _ = store.open("a", "key", Owner())
     for seq in range(10):  # attached: the newest half of the per-request bound (4), then the total (6)
         assert store.retain(first, delta(seq), 1) is None
     assert first.tokens == 4 and first.dropped_seq == 5
