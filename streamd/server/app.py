@@ -60,6 +60,7 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
                         TokenTexts(engine.tokenizer),
                         ResumeStore(server.resume_grace_s, server.resume_max_tokens_per_request,
                                     server.resume_max_tokens_total, metrics))
+    lifecycle.on_drain(services.resumes.end_detached)
     page = (STATIC / "index.html").read_text(encoding="utf-8")
 
     @asynccontextmanager

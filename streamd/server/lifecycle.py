@@ -40,6 +40,7 @@ class Lifecycle:
         self._idle.set()
         self._closers: dict[object, tuple[Callable[[int], Awaitable[None]], int]] = {}
         self._drained: asyncio.Event | None = None
+        self._on_drain: list[Callable[[], None]] = []
 
     @property
     def ready(self) -> bool:
@@ -78,6 +79,10 @@ class Lifecycle:
         finally:
             self._closers.pop(key, None)
 
+    def on_drain(self, callback: Callable[[], None]) -> None:
+        """`callback()` runs when a drain starts (the resume store ends requests whose client is gone)."""
+        self._on_drain.append(callback)
+
     async def drain(self) -> None:
         """Idempotent; a second call waits for the first."""
         if self._drained is not None:
@@ -87,6 +92,8 @@ class Lifecycle:
         self.draining = True
         logger.info("drain_started", in_flight=self.num_active, connections=self.num_connections,
                     timeout_s=self.drain_timeout_s)
+        for callback in self._on_drain:
+            callback()
         if not await _wait(self._idle, self.drain_timeout_s):
             logger.warning("drain_timeout_cancelling", in_flight=self.num_active)
             for request in list(self._active):

@@ -43,7 +43,7 @@ class Resumable(Protocol):
 
     client_id: str
 
-    def expire(self, reason: str) -> None: ...
+    def expire(self, reason: str, cause: str) -> None: ...
 
 
 @dataclass(slots=True)
@@ -91,6 +91,7 @@ class ResumeStore:
         self.total_tokens = 0
         self._metrics = metrics
         self._secret = secrets.token_bytes(32)
+        self.closing = False  # the server drains: requests whose socket drops are cancelled at once
         self._live: dict[str, Retention] = {}  # handle ->
         self._ended: OrderedDict[str, str] = OrderedDict()  # handle -> why it is gone
 
@@ -144,7 +145,11 @@ class ResumeStore:
 
     # ---- socket gone, socket back -------------------------------------------------------------
     def detach(self, retention: Retention) -> None:
-        """Its socket dropped: the grace period starts."""
+        """Its socket dropped: the grace period starts (while the server drains, it ends at once)."""
+        if self.closing:
+            retention.owner.expire("the server shut down", "drain")
+            self.release(retention, "the server shut down before it was resumed")
+            return
         retention.detached = True
         if retention.timer is None and retention.handle in self._live:
             retention.timer = asyncio.get_running_loop().call_later(self.grace_s, self._expire, retention)
@@ -153,8 +158,15 @@ class ResumeStore:
         retention.timer = None
         reason = f"its resume grace period ({self.grace_s:g} s) ended"
         self._metrics.resumes.labels("expired").inc()
-        retention.owner.expire(reason)
+        retention.owner.expire(reason, "abort")
         self.release(retention, reason)
+
+    def end_detached(self) -> None:
+        """The server drains: no new socket can resume, so detached requests are cancelled at once."""
+        self.closing = True
+        for retention in [r for r in self._live.values() if r.detached]:
+            retention.owner.expire("the server shut down", "drain")
+            self.release(retention, "the server shut down before it was resumed")
 
     def claim(self, client_id: str, token: Any, after_seq: Any, api_key: str | None) -> tuple[Retention, list[Frame]]:
         """Checks a resume; returns the retention (its timer stopped) and the frames to replay. Raises

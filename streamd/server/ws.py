@@ -127,11 +127,12 @@ class WsRequest:
         if self.finished and self.account is not None:
             self.account.close()
 
-    def expire(self, reason: str) -> None:
-        """Resumable: the grace period ended without a resume (resume.py); abort it if still running."""
+    def expire(self, reason: str, cause: str) -> None:
+        """Resumable and detached: the grace period ended without a resume, or the server drains
+        (resume.py); abort it if still running (`cause`: the account's cancellation cause)."""
         self.retention = None
-        if not self.finished:
-            self.cancel()
+        if not self.finished and self.account is not None:
+            self.account.cancel(cause)
 
     def frames(self) -> list[protocol.Frame]:
         """What this request has to send now (nothing before it is admitted)."""

@@ -237,3 +237,13 @@ async def test_chat_cli_resumes_after_a_dropped_connection(async_engine: AsyncEn
             expected = (await gather_until_done(ws, {"ref"}))["ref"]
     assert proxy.cuts == 1 and "[reconnecting" in err
     assert out.strip() == expected.text.strip() and expected.text.strip()
+
+
+async def test_drain_cancels_requests_whose_client_is_gone(async_engine: AsyncEngine) -> None:
+    """No socket can resume while the server drains, so a detached request does not hold the drain up."""
+    async with running_server(async_engine, drain_timeout_s=300) as server:
+        await start_and_cut(server, {"max_tokens": 2000, "ignore_eos": True}, deltas=2)
+        async with asyncio.timeout(60):  # far less than drain_timeout_s
+            await server.services.lifecycle.drain()
+        assert len(server.services.resumes) == 0
+        assert 'streamd_requests_total{finish_reason="cancelled"} 1.0' in await metrics_text(server)

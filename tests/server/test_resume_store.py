@@ -17,7 +17,7 @@ class Owner:
     def __init__(self) -> None:
         self.expired: list[str] = []
 
-    def expire(self, reason: str) -> None:
+    def expire(self, reason: str, cause: str) -> None:
         self.expired.append(reason)
 
 
