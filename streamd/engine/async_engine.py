@@ -2,11 +2,10 @@
 
 The engine thread owns the `LLMEngine`; nothing else touches it. The event loop talks to it through a
 thread-safe queue of typed commands (`AddRequest`, `AbortRequest`, `PauseRequest`, `CallEngine`,
-`StopEngine`), and the
-thread answers with one `loop.call_soon_threadsafe` per iteration carrying everything that iteration
-produced (`StepBatch`): admission results, the step's deltas and a stats snapshot. When no request can
-progress (none unfinished, or all paused) the thread blocks on the queue, until a command or the next
-request deadline, so an idle server costs nothing.
+`StopEngine`), and the thread answers with one `loop.call_soon_threadsafe` per iteration carrying
+everything that iteration produced (`StepBatch`): admission results, the step's deltas and a stats
+snapshot. When no request can progress (none unfinished, or all paused) the thread blocks on the queue,
+until a command or the next request deadline, so an idle server costs nothing.
 
 Each request's deltas go to its `DeltaSink` (a `RequestStream`, or a connection's outbox that writes the
 deltas of many requests together). Deltas are produced once, by the engine's output processor; this

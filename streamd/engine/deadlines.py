@@ -22,21 +22,16 @@ class Deadline:
 
 
 class Deadlines:
+    """The engine's deadline heap, earliest first."""
+
     def __init__(self) -> None:
         self._heap: list[Deadline] = []
-
-    def __bool__(self) -> bool:
-        return bool(self._heap)
 
     def add(self, request_id: str, arrival: float, params: SamplingParams) -> None:
         if params.timeout_s is not None:
             heapq.heappush(self._heap, Deadline(arrival + params.timeout_s, request_id, False))
         if params.queue_timeout_s is not None:
             heapq.heappush(self._heap, Deadline(arrival + params.queue_timeout_s, request_id, True))
-
-    @property
-    def next_at(self) -> float | None:
-        return self._heap[0].at if self._heap else None
 
     @property
     def head(self) -> Deadline | None:

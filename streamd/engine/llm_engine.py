@@ -275,7 +275,8 @@ class LLMEngine:
         step is queued on the device before the previous step's sampled tokens are read back, so the host's
         bookkeeping of step n overlaps the device's step n+1 (its inputs take those tokens on the device).
         Outputs therefore trail the device by one step."""
-        if self.deadlines and self.deadlines.next_at <= time.monotonic():  # type: ignore[operator]
+        head = self.deadlines.head
+        if head is not None and head.at <= time.monotonic():
             self._expire()
         updates, self._pending = self._pending, []
         deltas: list[RequestDelta] = []

@@ -2,8 +2,8 @@
 
 Every request admitted on `/v1/stream` while `server.resume_grace_s` > 0 is resumable. Its `start` frame
 carries a `resume_token`: a random handle and an HMAC-SHA256 of it under a secret made at start-up (so a
-token is unguessable, only this server process accepts it, and no internal request id appears in it). The request is also bound to the
-API key that created it (a hash of it is kept) and to its client id.
+token is unguessable, only this server process accepts it, and no internal request id appears in it).
+The request is also bound to the API key that created it (a hash of it is kept) and to its client id.
 
 Every frame built for it after `start` (deltas with their `seq`, error, done) is retained, counted in
 tokens. While its socket is up, only the newest frames are kept: at most half of
@@ -84,6 +84,9 @@ class Retention:
 
 
 class ResumeStore:
+    """The server's resumable requests (by token handle), their retained output and the tombstones of
+    those that ended undelivered. Lives on the event loop."""
+
     def __init__(self, grace_s: float, max_tokens_per_request: int, max_tokens_total: int, metrics: Metrics):
         self.grace_s = grace_s
         self.max_tokens_per_request = max_tokens_per_request
@@ -147,8 +150,7 @@ class ResumeStore:
     def detach(self, retention: Retention) -> None:
         """Its socket dropped: the grace period starts (while the server drains, it ends at once)."""
         if self.closing:
-            retention.owner.expire("the server shut down", "drain")
-            self.release(retention, "the server shut down before it was resumed")
+            self._shut_down(retention)
             return
         retention.detached = True
         if retention.timer is None and retention.handle in self._live:
@@ -165,8 +167,11 @@ class ResumeStore:
         """The server drains: no new socket can resume, so detached requests are cancelled at once."""
         self.closing = True
         for retention in [r for r in self._live.values() if r.detached]:
-            retention.owner.expire("the server shut down", "drain")
-            self.release(retention, "the server shut down before it was resumed")
+            self._shut_down(retention)
+
+    def _shut_down(self, retention: Retention) -> None:
+        retention.owner.expire("the server shut down", "drain")
+        self.release(retention, "the server shut down before it was resumed")
 
     def claim(self, client_id: str, token: Any, after_seq: Any, api_key: str | None) -> tuple[Retention, list[Frame]]:
         """Checks a resume; returns the retention (its timer stopped) and the frames to replay. Raises
