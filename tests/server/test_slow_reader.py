@@ -96,6 +96,10 @@ async def test_stalled_reader_is_paused_and_the_others_keep_their_latency(async_
             async with httpx.AsyncClient() as http:
                 metrics = (await http.get(f"{server.http}/metrics")).text
             assert "streamd_requests_paused 2.0" in metrics
+            # Still paused and unfinished after the others' run: they made no progress, so the server holds
+            # at most max_unsent_tokens (plus one step) of their output, not a growing backlog.
+            assert await async_engine.call(lambda e: (e.stats().scheduler.num_paused, e.stats().num_requests)) \
+                == (2, 2)
             # They read again, while the same request runs for a reader that keeps up (seeded: same tokens).
             slow, expected, sse_body = await asyncio.gather(
                 gather_until_done(stalled, {"slow"}, {"slow": Result([start])}), uninterrupted(server),
