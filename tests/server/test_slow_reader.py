@@ -111,7 +111,7 @@ async def test_stalled_reader_is_paused_and_the_others_keep_their_latency(async_
     for index in range(16):
         assert choice(slow, index) == choice(expected, index)
     # The 30 see no rise in median inter-token latency beyond noise (a tolerant bound: shared 2-core box).
-    assert with_stalled <= 1.5 * baseline + 0.02, (baseline, with_stalled)
+    assert with_stalled <= 1.5 * baseline + 0.05, (baseline, with_stalled)
     assert (await async_engine.call(lambda e: e.stats().scheduler.num_paused)) == 0
 
 
