@@ -43,10 +43,9 @@ class Link:
         self.headers = headers
         self.ws: ClientConnection | None = None
 
-    async def open(self) -> ClientConnection:
+    async def open(self) -> None:
         self.ws = await connect(self.url, subprotocols=[SUBPROTOCOL], additional_headers=self.headers,
                                 max_size=None)
-        return self.ws
 
     async def reopen(self) -> bool:
         for delay in RECONNECT_DELAYS_S:
@@ -59,8 +58,14 @@ class Link:
         return False
 
     async def send(self, frame: dict[str, Any]) -> None:
+        """Sends a frame, opening the socket again first if it dropped while idle."""
         assert self.ws is not None
-        await self.ws.send(json.dumps(frame))
+        try:
+            await self.ws.send(json.dumps(frame))
+        except ConnectionClosed:
+            if not await self.reopen():
+                raise
+            await self.ws.send(json.dumps(frame))
 
     async def recv(self) -> dict[str, Any]:
         assert self.ws is not None
