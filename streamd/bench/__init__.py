@@ -14,6 +14,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "memory": ("streamd.bench.memory", "run"),
     "throughput": ("streamd.bench.throughput", "main"),
     "serve": ("streamd.bench.serve", "main"),
+    "chaos": ("streamd.bench.chaos", "main"),
 }
 
 
@@ -27,6 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Benchmarks: memory (CPU), throughput (CUDA, against transformers), serve (load a running server)."""
+    """Benchmarks: memory (CPU), throughput (CUDA, against transformers), serve (load a running server),
+    chaos (storms, fuzzing and slow readers against a running server)."""
     module_name, entry = BENCHMARKS[args.benchmark]
     return getattr(importlib.import_module(module_name), entry)(args)

@@ -21,6 +21,8 @@ _KINDS: dict[str, tuple[int, str]] = {
     "unauthorized": (401, "authentication_error"),
     "forbidden_origin": (403, "permission_error"),
     "model_not_found": (404, "invalid_request_error"),
+    "payload_too_large": (413, "invalid_request_error"),
+    "unsupported_media_type": (415, "invalid_request_error"),
     "too_many_requests": (429, "rate_limit_error"),
     "overloaded": (503, "server_error"),
     "shutting_down": (503, "server_error"),

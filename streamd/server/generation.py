@@ -22,6 +22,7 @@ from streamd.server.accounting import RequestAccount
 from streamd.server.errors import ServiceError
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
+from streamd.server.tokenizing import Tokenizing
 
 # Wire parameter names (OpenAI / vLLM) accepted on every route.
 WIRE_PARAMS = frozenset({
@@ -46,29 +47,40 @@ class Generation:
         self.config = config
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self.tokenizing = Tokenizing(engine.tokenizer)
 
     # ---- building ----------------------------------------------------------------------------
-    def prompt_ids(self, prompt: Any) -> list[int]:
-        """A text prompt, or a list of token ids."""
+    async def prompt_ids(self, prompt: Any) -> list[int]:
+        """A text prompt (tokenized off the loop when long), or a list of token ids."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ServiceError("invalid_request", "prompt must not be empty", "prompt")
-            return list(self.engine.tokenizer(prompt).input_ids)  # as LLMEngine tokenizes a text prompt
+            self._check_chars(len(prompt), "prompt")
+            return await self.tokenizing.encode(prompt)  # as LLMEngine tokenizes a text prompt
         if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
+            self._check_chars(len(prompt), "prompt")
             return list(prompt)  # the engine checks them against the vocabulary
         raise ServiceError("invalid_request", "prompt must be a non-empty string or a list of token ids",
                            "prompt")
 
-    def messages_ids(self, messages: Any) -> list[int]:
+    async def messages_ids(self, messages: Any) -> list[int]:
         messages = normalize_messages(messages)
+        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
         try:
-            return self.engine.apply_chat_template(messages)
+            return await self.tokenizing.chat(messages)
         except ValueError as exc:
             raise ServiceError("invalid_request", f"messages: {exc}", "messages") from exc
 
+    def _check_chars(self, size: int, param: str) -> None:
+        limit = self.config.max_prompt_chars
+        if size > limit:
+            raise ServiceError("payload_too_large", f"{param} is too long: {size} characters (or token ids); "
+                               f"this server takes at most {limit} (server.max_prompt_chars)", param)
+
     def prepare(self, prompt_ids: list[int], raw: dict[str, Any], *, default_max_tokens: int | None,
-                prompt: str | None = None) -> Prepared:
-        """Validates params against the context; `default_max_tokens` None means "the rest of the context"."""
+                prompt: str | None = None, prompt_param: str = "messages") -> Prepared:
+        """Validates params against the context; `default_max_tokens` None means "the rest of the context".
+        `prompt_param` names the field the prompt came in (`prompt` or `messages`) in context errors."""
         unknown = sorted(set(raw) - WIRE_PARAMS)
         if unknown:
             raise ServiceError("invalid_request", f"unknown parameter {unknown[0]!r}", unknown[0])
@@ -76,7 +88,7 @@ class Generation:
         context, n_prompt = self.engine.max_model_len, len(prompt_ids)
         if n_prompt >= context:
             raise ServiceError("context_length_exceeded", f"the prompt has {n_prompt} tokens; this model's "
-                               f"context is {context} tokens", "messages")
+                               f"context is {context} tokens", prompt_param)
         limit = self.config.max_tokens_limit
         if "max_tokens" not in fields:
             room = context - n_prompt
@@ -125,6 +137,11 @@ class Generation:
             account.discard()
             raise ServiceError("invalid_request", str(exc)) from exc
         return account, stream
+
+
+    def count_cancelled(self, route: str) -> None:
+        """Counts a request whose client left before it could even be submitted (as cancelled)."""
+        RequestAccount(new_request_id(), route, 0, self.metrics, self.lifecycle, cancel=lambda: None).close()
 
 
 def normalize_messages(messages: Any) -> list[dict[str, str]]:

@@ -11,7 +11,6 @@ that would change the answer (tools, logprobs, echo, suffix) are refused.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,7 +25,7 @@ from streamd.engine.outputs import RequestDelta
 from streamd.engine.request_stream import RequestStream
 from streamd.logs import get_logger
 from streamd.server.accounting import RequestAccount
-from streamd.server.encoding import dumps
+from streamd.server.encoding import dumps, loads
 from streamd.server.errors import ServiceError
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.services import Services
@@ -88,7 +87,7 @@ async def chat_completions(request: Request) -> Response:
     params = _params(body)
     if body.get("max_completion_tokens") is not None:
         params["max_tokens"] = body["max_completion_tokens"]
-    ids = s.generation.messages_ids(body.get("messages"))
+    ids = await s.generation.messages_ids(body.get("messages"))
     prepared = s.generation.prepare(ids, params, default_max_tokens=None)
     return await _respond(request, s, body, "chat", prepared)
 
@@ -103,9 +102,9 @@ async def completions(request: Request) -> Response:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    ids = s.generation.prompt_ids(prompt)
+    ids = await s.generation.prompt_ids(prompt)
     prepared = s.generation.prepare(ids, _params(body), default_max_tokens=16,
-                                    prompt=prompt if isinstance(prompt, str) else None)
+                                    prompt=prompt if isinstance(prompt, str) else None, prompt_param="prompt")
     return await _respond(request, s, body, "completion", prepared)
 
 
@@ -211,10 +210,8 @@ def _data(obj: dict[str, Any]) -> str:
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ServiceError("invalid_json", "the request body is not valid JSON") from None
+    """The body (already bounded by `server.max_body_bytes` and checked to be JSON by `http_guard`)."""
+    body = loads(await request.body(), "the request body")
     if not isinstance(body, dict):
         raise ServiceError("invalid_request", "the request body must be a JSON object")
     return body

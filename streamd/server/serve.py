@@ -20,6 +20,7 @@ from streamd.engine.async_engine import AsyncEngine
 from streamd.logs import get_logger
 from streamd.server.app import create_app
 from streamd.server.lifecycle import Lifecycle
+from streamd.server.ws_handshake import GuardedWebSocketProtocol
 
 logger = get_logger(__name__)
 
@@ -62,7 +63,7 @@ class DrainingServer(uvicorn.Server):
 def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
     return uvicorn.Config(
         app, host=config.server.host, port=config.server.port, loop="none", lifespan="on",
-        ws="websockets-sansio", ws_max_size=config.server.max_frame_bytes,
+        ws=GuardedWebSocketProtocol, ws_max_size=config.server.max_frame_bytes,
         ws_per_message_deflate=False,  # token frames are tiny; deflate costs more CPU than it saves
         log_config=None, access_log=False, timeout_graceful_shutdown=5,
     )

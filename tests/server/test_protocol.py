@@ -55,13 +55,18 @@ def test_openai_error_bodies() -> None:
 def test_auth_rules() -> None:
     assert bearer_token("Bearer abc") == "abc" and bearer_token("Basic abc") is None
     open_auth = Authenticator([], [])
-    assert open_auth.http_ok({}) and open_auth.websocket_ok({}, []) and open_auth.origin_ok("http://x")
+    assert open_auth.http_ok({}) and open_auth.websocket_ok({}, []) and open_auth.origin_ok(None, "h:1")
+    # issue 10: with no allowlist only loopback and same-origin pages may drive the server
+    for origin in ("http://localhost:3000", "http://127.0.0.1", "http://[::1]:8080", "http://srv.example:8000"):
+        assert open_auth.origin_ok(origin, "srv.example:8000"), origin
+    for origin in ("http://evil.example", "http://srv.example:9999", "null", "http://[bad"):
+        assert not open_auth.origin_ok(origin, "srv.example:8000"), origin
     auth = Authenticator(["k1", "k2"], ["https://ok.example/"])
     assert auth.http_ok({"authorization": "Bearer k2"}) and not auth.http_ok({"authorization": "Bearer k3"})
     assert not auth.http_ok({})
     assert auth.websocket_ok({}, ["streamd.v1", "bearer.k1"]) and not auth.websocket_ok({}, ["bearer.k3"])
-    assert auth.origin_ok("https://ok.example") and auth.origin_ok(None)
-    assert not auth.origin_ok("https://evil.example")
+    assert auth.origin_ok("https://ok.example", None) and auth.origin_ok(None, None)
+    assert not auth.origin_ok("https://evil.example", None) and not auth.origin_ok("http://localhost", None)
 
 
 def test_messages_are_normalized_or_refused() -> None:
