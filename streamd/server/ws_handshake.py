@@ -3,13 +3,17 @@
 The websockets parser refuses a handshake with a header line over 8 KiB or more than 128 headers (431),
 or a request line too long (414), and prepares that answer; uvicorn 0.54 never writes it and never closes
 the socket, so such a handshake would hold its connection (and file descriptor) for as long as the client
-liked. `GuardedWebSocketProtocol` writes the prepared answer and closes. Everything else is uvicorn's.
+liked. `GuardedWebSocketProtocol` writes the prepared answer and closes. It also counts a denial response
+(how ws.py refuses a handshake: 401, 403, 503) as the handshake's answer, so uvicorn does not log every
+refused handshake at ERROR ("ASGI callable returned without completing handshake"). Everything else is
+uvicorn's.
 """
 
 from __future__ import annotations
 
 import logging
 
+from uvicorn._types import ASGISendEvent
 from uvicorn.protocols.websockets.websockets_sansio_impl import WebSocketsSansIOProtocol
 
 logger = logging.getLogger("streamd.server.ws")
@@ -29,3 +33,8 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         self.handshake_initiated = self.handshake_complete = self.close_sent = True
         self.transport.write(b"".join(self.conn.data_to_send()))
         self.transport.close()
+
+    async def send(self, message: ASGISendEvent) -> None:
+        await super().send(message)
+        if message["type"] == "websocket.http.response.body" and not message.get("more_body", False):
+            self.handshake_complete = True  # the denial response answered the handshake
