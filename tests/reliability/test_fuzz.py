@@ -27,6 +27,7 @@ from tests.reliability.test_reproductions import CONTROL, reference_tokens
 from tests.server.util import Server, gather_until_done, send, ws_connect
 
 BATCH = 20
+CONTROL_EVERY = 10  # examples between control streams on the fuzzed socket itself
 FRAMES = int(os.environ.get("STREAMD_FUZZ_FRAMES", "2000"))
 HTTP_BODIES = int(os.environ.get("STREAMD_FUZZ_HTTP", "300"))
 SEED = int(os.environ.get("STREAMD_FUZZ_SEED", random.SystemRandom().randrange(2**32)))
@@ -97,14 +98,18 @@ async def test_websocket_fuzz(rserver: Server) -> None:
     stop = asyncio.Event()
     control = asyncio.create_task(_control_client(rserver, expected, stop))
     url = rserver.ws
+    examples: list[int] = []
 
     @_seeded
     @seed(SEED)
     @FUZZ
     @given(batch())
     def fuzz(sent: list[Sent]) -> None:
+        examples.append(len(sent))
         with connect(url, subprotocols=["streamd.v1"], max_size=None) as ws:
             check_batch(ws, sent)
+            if len(examples) % CONTROL_EVERY:
+                return
             ws.send(json.dumps({"type": "generate", "id": "same-socket", **CONTROL}))
             tokens = []
             while True:
@@ -119,7 +124,7 @@ async def test_websocket_fuzz(rserver: Server) -> None:
     finally:
         stop.set()
         rounds = await control
-    assert rounds >= 1
+    assert rounds >= 1 and sum(examples) >= FRAMES
 
 
 async def _control_client(server: Server, expected: list[int], stop: asyncio.Event) -> int:
