@@ -37,12 +37,13 @@ from streamd.server.services import Services
 logger = get_logger(__name__)
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = frozenset({"/", "/health", "/ready"})
-# The chat page: its own scripts and styles only, talks only to this server, never framed, never sniffed.
+# The chat page: its own scripts and styles only, never framed, never sniffed. connect-src names ws: and wss:
+# because older browsers do not match WebSocket URLs against 'self'.
 PAGE_HEADERS = {
     "Cache-Control": "no-cache",
     "Content-Security-Policy": "default-src 'none'; script-src 'self' 'unsafe-inline'; "
-                               "style-src 'self' 'unsafe-inline'; connect-src 'self'; img-src 'self' data:; "
-                               "base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+                               "style-src 'self' 'unsafe-inline'; connect-src 'self' ws: wss:; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
