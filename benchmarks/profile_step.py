@@ -31,7 +31,7 @@ def main() -> None:
     torch.cuda.synchronize()
     start = time.perf_counter()
     prefill_steps = 0
-    while engine.stats()["num_waiting"] or any(  # until every request is decoding
+    while engine.stats().scheduler.num_waiting or any(  # until every request is decoding
             s.num_computed_tokens < s.num_prompt_tokens for g in engine._groups.values() for s in g.seqs):
         engine.step()
         prefill_steps += 1
@@ -49,8 +49,8 @@ def main() -> None:
         engine.step()
     torch.cuda.synchronize()
     step_ms = (time.perf_counter() - start) / n * 1e3
-    print(f"[{args.shape}] batch {engine.stats()['num_running']}: {step_ms:.2f} ms/step "
-          f"= {engine.stats()['num_running'] / step_ms * 1e3:.0f} tok/s (decode only)")
+    print(f"[{args.shape}] batch {engine.stats().scheduler.num_running}: {step_ms:.2f} ms/step "
+          f"= {engine.stats().scheduler.num_running / step_ms * 1e3:.0f} tok/s (decode only)")
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(10):

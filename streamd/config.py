@@ -31,12 +31,17 @@ class ModelConfig:
     seed: int = 0
     cache_dir: str = "~/.cache/streamd"  # converted GGUF weights and tokenizer
     enforce_eager: bool = False  # True: no CUDA graphs
+    num_threads: int = 0  # torch's CPU threads; 0: the cores this process may use (affinity mask), less one
+    fuse_layers: str = "auto"  # off | auto | triton | compile | reference (see streamd/engine/fusion.py)
 
     def validate(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
+        if self.num_threads < 0:
+            raise ConfigError(f"model.num_threads must be >= 0 (0: one per usable core), got {self.num_threads}")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _positive("model.max_model_len", self.max_model_len, allow_none=True)
+        _one_of("model.fuse_layers", self.fuse_layers, ("off", "auto", "triton", "compile", "reference"))
 
 
 @dataclass(slots=True)
@@ -77,6 +82,16 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1  # N ranks, each holding 1/N of the heads, KV heads and MLP columns
+    collective_timeout_s: float = 60.0  # a collective not done by then fails the step (a lost worker)
+
+    def validate(self) -> None:
+        _positive("parallel.tensor_parallel_size", self.tensor_parallel_size)
+        _positive("parallel.collective_timeout_s", self.collective_timeout_s)
+
+
+@dataclass(slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -92,14 +107,19 @@ class ServerConfig:
     max_body_bytes: int = 8 << 20  # HTTP request bodies, counted as they arrive: larger ones get 413
     drain_timeout_s: float = 30.0
     served_model_name: str | None = None  # None: derived from the model name
+    responses_store_size: int = 1024  # finished Responses kept for previous_response_id (per server, LRU)
+    responses_store_ttl_s: float = 3600.0  # how long a stored response can be continued
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         for key in ("max_connections", "max_requests_per_connection", "max_frame_bytes",
-                    "max_waiting_requests", "default_max_tokens", "max_prompt_chars", "max_body_bytes"):
+                    "max_waiting_requests", "default_max_tokens", "max_prompt_chars", "max_body_bytes",
+                    "responses_store_size"):
             _positive(f"server.{key}", getattr(self, key))
         _positive("server.max_tokens_limit", self.max_tokens_limit, allow_none=True)
+        if self.responses_store_ttl_s <= 0:
+            raise ConfigError(f"server.responses_store_ttl_s must be > 0, got {self.responses_store_ttl_s}")
         if self.drain_timeout_s < 0:
             raise ConfigError(f"server.drain_timeout_s must be >= 0, got {self.drain_timeout_s}")
 
@@ -119,6 +139,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,26 +15,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
     parser.add_argument("--device", default=None)
     parser.add_argument("--dtype", default=None)
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (model.num_threads)")
 
 
 def run(args: argparse.Namespace) -> int:
-    from streamd.config import ConfigError
+    """Generate text from the command line with the offline engine."""
     from streamd.llm import LLM
     from streamd.logs import configure_logging
     from streamd.engine.sampling_params import SamplingParams
 
     configure_logging()
-    overrides = {k: v for k, v in (("device", args.device), ("dtype", args.dtype)) if v is not None}
-    try:
-        params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-        llm = LLM(args.model, config_path=args.config, **overrides)
-        if args.chat:
-            outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
-        else:
-            outputs = llm.generate(args.prompt, params)
-    except (ValueError, ConfigError) as exc:
-        print(f"streamd generate: {exc}", file=sys.stderr)
-        return 2
+    overrides = {k: v for k, v in (("device", args.device), ("dtype", args.dtype), ("num_threads", args.threads))
+                 if v is not None}
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
+    llm = LLM(args.model, config_path=args.config, **overrides)
+    if args.chat:
+        outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
+    else:
+        outputs = llm.generate(args.prompt, params)
     for prompt, output in zip(args.prompt, outputs):
         print(f"--- {prompt}")
         print(output.outputs[0].text)

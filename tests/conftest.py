@@ -26,10 +26,9 @@ def _kv_leak_check() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The default model converted to a safetensors directory (converted once, then cached on disk)."""
-    from streamd.engine.model_loader import _resolve_source
+    from streamd.engine.model_loader import default_model_dir
 
-    source, _ = _resolve_source(None, Path("~/.cache/streamd").expanduser())
-    return Path(source)
+    return default_model_dir()
 
 
 @pytest.fixture(scope="session")

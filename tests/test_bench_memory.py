@@ -75,3 +75,14 @@ def test_bench_subcommand_dispatch(tmp_path):
     assert streamd.bench.run(args) == 0  # no target workload in the run: nothing to miss
     assert list(tmp_path.iterdir()) == []
     assert memory.main(["--workloads", "nope", "--no-write"]) == 2
+
+
+def test_sharing_saves_blocks_and_beams_share_more_than_samples():
+    from streamd.bench.sharing import simulate_sharing
+
+    stream = RequestStream(WORKLOADS["alpaca"], seed=0)
+    runs = {mode: simulate_sharing(stream, mode, 4, steps=150, warmup=15, num_blocks=300, block_size=16,
+                                   max_num_seqs=256, max_num_batched_tokens=2048, seed=0, progress=lambda f: None)
+            for mode in ("parallel", "beam")}
+    assert 0 < runs["parallel"]["saving"] < runs["beam"]["saving"] < 1, runs
+    assert all(r["blocks_used"] <= 300 and r["blocks_used"] < r["blocks_unshared"] for r in runs.values())

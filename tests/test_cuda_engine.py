@@ -27,7 +27,8 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
 
 def test_llama_1b_float32_matches_transformers_on_cuda() -> None:
     config = llama_1b_shape()
-    llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=512, num_swap_blocks=64)
+    llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=512, num_swap_blocks=64,
+              fuse_layers="off")  # the unfused path; tests/test_fusion.py checks the fused one on CUDA
     prompts = _prompts(config.vocab_size, 12, seed=1)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
     replays_before = llm.engine.runner.graphs.replays  # the start-up warm-up replays some already

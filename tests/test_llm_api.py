@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from streamd import LLM, RequestOutput, SamplingParams
-from streamd.engine.errors import ContextLengthError, RequestError
+from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
 
 
 def test_generate_returns_outputs_in_prompt_order(smol_llm: LLM) -> None:
@@ -50,7 +50,7 @@ def test_logprobs_are_reported_per_token(smol_llm: LLM) -> None:
     ([], SamplingParams(), RequestError, "empty"),
     ("hi", SamplingParams(max_tokens=10**6), ContextLengthError, "context"),
     ([10**9], SamplingParams(), RequestError, "prompt_token_ids"),
-    ("hi", SamplingParams(n=2), RequestError, "n"),
+    ("hi", SamplingParams(n=64, max_tokens=200), KVCacheCapacityError, "n=64"),
 ])
 def test_bad_requests_raise_value_error(smol_llm: LLM, prompt, params, error, needle) -> None:
     with pytest.raises(error, match=needle):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamd.engine.model_loader import _converted_gguf, default_gguf_path, load_model, resolve_dtype
+from streamd.engine.model_loader import _converted_gguf, default_gguf_path, default_model_dir, load_model, resolve_dtype
 
 
 def test_gguf_conversion_is_cached(smol_dir: Path, tmp_path: Path) -> None:
@@ -19,6 +19,25 @@ def test_gguf_conversion_is_cached(smol_dir: Path, tmp_path: Path) -> None:
     assert again == smol_dir
     assert (again / "config.json").stat().st_mtime_ns == stamp
     assert time.perf_counter() - start < 1.0, "a cached conversion must not dequantize again"
+
+
+def test_conversion_cache_is_keyed_by_content_not_path(smol_dir: Path, tmp_path: Path) -> None:
+    """Another checkout (another copy of the same GGUF file) finds the converted copy; other bytes do not."""
+    import shutil
+
+    elsewhere = tmp_path / "other-venv" / default_gguf_path().name
+    elsewhere.parent.mkdir()
+    shutil.copyfile(default_gguf_path(), elsewhere)
+    assert _converted_gguf(elsewhere, smol_dir.parent.parent) == smol_dir
+    assert default_model_dir() == smol_dir
+    with elsewhere.open("r+b") as fh:  # one byte changed: another file, another key
+        fh.seek(-1, 2)
+        last = fh.read(1)
+        fh.seek(-1, 2)
+        fh.write(bytes([last[0] ^ 1]))
+    from streamd.engine.model_loader import gguf_content_key
+
+    assert gguf_content_key(elsewhere) != gguf_content_key(default_gguf_path())
 
 
 def test_local_directory_loads_weights_and_tokenizer(smol_dir: Path) -> None:

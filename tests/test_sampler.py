@@ -71,6 +71,25 @@ def test_mixed_temperatures_and_greedy_rows_in_one_batch(sampler) -> None:
     assert set(out.token_ids[2::3]) == {1}
 
 
+def test_mixed_batch_gives_each_row_the_token_it_gets_alone() -> None:
+    """Greedy rows beside sampled ones (seeded, so their draw is fixed), with every truncation path in
+    one batch: each row's token equals the one it gets in a batch of its own."""
+    torch.manual_seed(0)
+    vocab = 64
+    logits = torch.randn(9, vocab) * 3
+    params = [SamplingParams(temperature=0), SamplingParams(seed=1, top_p=0.8),
+              SamplingParams(temperature=0, repetition_penalty=1.3), SamplingParams(seed=2, top_k=5),
+              SamplingParams(seed=3, temperature=0.7), SamplingParams(seed=4, top_k=10, top_p=0.5),
+              SamplingParams(temperature=0), SamplingParams(seed=5, min_p=0.1, temperature=1.5),
+              SamplingParams(seed=6, top_p=0.3, temperature=0.9)]
+    seqs = [_seq(output=[i, 2 * i]) for i in range(len(params))]
+    batched = Sampler(vocab, {EOS}).sample_async(logits, seqs, params).result().token_ids
+    alone = [Sampler(vocab, {EOS})(logits[i:i + 1], [seqs[i]], [params[i]]).token_ids[0] for i in range(len(params))]
+    assert batched == alone
+    greedy_rows = [0, 6]
+    assert [batched[i] for i in greedy_rows] == logits[greedy_rows].argmax(-1).tolist()
+
+
 def test_top_k(sampler) -> None:
     row = [1.0, 0.5, 0.9, 0.2, 0.8, 0.0, 0.3, 0.1]
     out = sampler(*_batch(row, SamplingParams(temperature=2.0, top_k=1)))

@@ -14,7 +14,17 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "memory": ("streamd.bench.memory", "run"),
     "throughput": ("streamd.bench.throughput", "main"),
     "serve": ("streamd.bench.serve", "main"),
+    "cluster": ("streamd.bench.cluster", "run"),
     "chaos": ("streamd.bench.chaos", "main"),
+}
+EXAMPLES: dict[str, str] = {
+    "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
+    "throughput": "streamd bench throughput --device cpu              # ~10 minutes on 2 cores\n"
+                  "  streamd bench throughput --device cuda --shapes smollm2-135m --out results",
+    "serve": "streamd serve &  streamd bench serve --transport sse --concurrency 16 --num-requests 256\n"
+             "  streamd bench serve --offline-baseline --levels 64,256 --repeats 3   # starts its own server",
+    "cluster": "streamd bench cluster --replicas 1,2,4,8 --out /tmp/results",
+    "chaos": "streamd serve &  streamd bench chaos --url http://127.0.0.1:8000 --duration 60",
 }
 
 
@@ -24,11 +34,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         module = importlib.import_module(module_name)
         doc = (module.__doc__ or name).strip().splitlines()[0]
         module.add_arguments(sub.add_parser(name, help=doc, description=module.__doc__,
+                                            epilog=f"example:\n  {EXAMPLES[name]}" if name in EXAMPLES else None,
                                             formatter_class=argparse.RawDescriptionHelpFormatter))
 
 
 def run(args: argparse.Namespace) -> int:
     """Benchmarks: memory (CPU), throughput (CUDA, against transformers), serve (load a running server),
-    chaos (storms, fuzzing and slow readers against a running server)."""
+    cluster (CPU, simulated replicas behind a router), chaos (storms, fuzzing and slow readers against a
+    running server)."""
     module_name, entry = BENCHMARKS[args.benchmark]
     return getattr(importlib.import_module(module_name), entry)(args)

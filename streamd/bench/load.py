@@ -139,10 +139,22 @@ class SSEClient:
         return (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.auth}Content-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\n\r\n").encode() + body
 
+    async def _send(self, request: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, int, bool, int]:
+        """Sends on a kept-alive connection (a fresh one if the server closed it while idle); reads the head."""
+        for attempt in range(2):
+            reused = bool(self.idle)
+            reader, writer = await self._connection()
+            try:
+                writer.write(request)
+                return (reader, writer, *await _read_head(reader))
+            except (asyncio.IncompleteReadError, ConnectionError):
+                writer.close()
+                if not reused or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
     async def _request(self, method: str, path: str, body: bytes) -> tuple[int, bytes]:
-        reader, writer = await self._connection()
-        writer.write(self._head(method, path, body))
-        status, chunked, length = await _read_head(reader)
+        reader, writer, status, chunked, length = await self._send(self._head(method, path, body))
         data = b"".join([c async for c in _chunks(reader)]) if chunked else await reader.readexactly(length)
         self.idle.append((reader, writer))
         return status, data
@@ -151,9 +163,7 @@ class SSEClient:
         body = orjson.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
                              "stream": True, "stream_options": {"include_usage": True}})
         timing = Timing(time.perf_counter())
-        reader, writer = await self._connection()
-        writer.write(self._head("POST", "/v1/completions", body))
-        status, chunked, length = await _read_head(reader)
+        reader, writer, status, chunked, length = await self._send(self._head("POST", "/v1/completions", body))
         if status != 200 or not chunked:
             data = await reader.readexactly(length) if not chunked else b"".join([c async for c in _chunks(reader)])
             timing.error = f"HTTP {status}: {data[:200]!r}"

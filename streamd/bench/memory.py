@@ -5,7 +5,7 @@ the Scheduler and BlockManager run for real, the model does not (see `simulate.p
 workload (ShareGPT-like, Alpaca-like, long-tailed; seeded) and each system on the same pool, it reports
 the share of reserved KV slots that hold token states and the number of requests batched at once
 (time averages over the saturated run, after a warm-up). Writes `memory-<date>.json` and `.md` under
-`--out-dir` and prints the table. Targets (the paper's Fig. 2 and Fig. 13a, ShareGPT): token-state
+`--out` (see report.py) and prints the table. Targets (the paper's Fig. 2 and Fig. 13a, ShareGPT): token-state
 share >= 96.3% and >= 3x the batched requests of Orca (Max). Exit status 0 when they are met.
 """
 
@@ -19,6 +19,8 @@ import sys
 import time
 from pathlib import Path
 
+from streamd.bench.report import add_out_argument, git_commit, results_dir, save_report
+from streamd.bench.sharing import render_sharing, run_sharing
 from streamd.bench.simulate import simulate_orca, simulate_streamd
 from streamd.bench.workloads import WORKLOADS, RequestStream
 
@@ -43,8 +45,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run length per workload, in mean output lengths (steps)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="short runs (a smoke test, not a measurement)")
-    parser.add_argument("--out-dir", default="benchmarks/results")
+    add_out_argument(parser)
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--sharing", action="store_true",
+                        help="measure the blocks saved by sharing within a request (n = 2, 4, 6 parallel "
+                             "samples, beam widths 2, 4, 6; the paper's Fig. 15) instead")
+    parser.add_argument("--sharing-lifetimes", type=float, default=10.0,
+                        help="with --sharing: run length per configuration, in mean output lengths")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -54,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.sharing:
+        return _run_sharing(args)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown or not names:
@@ -76,9 +85,20 @@ def run(args: argparse.Namespace) -> int:
     table = render_markdown(report)
     print(table)
     if not args.no_write:
-        paths = write_report(report, table, Path(args.out_dir))
+        paths = write_report(report, table, results_dir(args.out))
         print("wrote " + ", ".join(map(str, paths)))
     return 0 if report["targets"].get("met", True) else 1
+
+
+def _run_sharing(args: argparse.Namespace) -> int:
+    report = run_sharing(args, WORKLOADS, _progress_line)
+    report.update(date=datetime.date.today().isoformat(), device="cpu", commit=git_commit())
+    table = render_sharing(report)
+    print(table)
+    if not args.no_write:
+        stem = save_report(report, str(results_dir(args.out)), "memory-sharing", table)
+        print(f"wrote {stem}.json, {stem}.md")
+    return 0
 
 
 def _run_workload(name: str, args: argparse.Namespace, lifetimes: float) -> dict[str, object]:

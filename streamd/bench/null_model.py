@@ -2,7 +2,7 @@
 
 `null_engine(config)` builds a real `LLMEngine` (real tokenizer and vocabulary, block manager, scheduler,
 batch preparation, output processor, detokenizer) and replaces only the forward pass and the sampler:
-`NullRunner` prepares each step's batch tensors as the real runner does and runs no model, and
+`NullExecutor` prepares each step's batch tensors as the real runner does and runs no model, and
 `NullSampler` draws every token uniformly from the real vocabulary. What is left is what streamd itself
 costs per token. Every report made with it says `"model": "null"`; no correctness test may use it.
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from streamd.config import Config
+from streamd.engine.executor import Executor
 from streamd.engine.llm_engine import LLMEngine
 from streamd.engine.model_runner import ModelRunner
 from streamd.engine.sampler import PendingSample
@@ -22,16 +23,35 @@ from streamd.engine.sequence import Sequence
 NULL_MODEL = "null"
 
 
-class NullRunner:
-    """Builds the batch (positions, slot mapping, block tables) and skips the forward."""
+class NullExecutor:
+    """Builds the batch (positions, slot mapping, block tables) and skips the forward; cache orders go to
+    the real executor."""
 
-    def __init__(self, runner: ModelRunner) -> None:
+    def __init__(self, executor: Executor, runner: ModelRunner) -> None:
+        self.executor = executor
         self.runner = runner
+        self.cache = executor.cache
+
+    @property
+    def failed(self) -> bool:
+        return self.executor.failed
 
     def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
                 prev_rows: dict[int, int] | None = None) -> torch.Tensor:
-        sample_idx = self.runner.prepare_inputs(out)[3]
-        return torch.empty((len(sample_idx), 0))
+        batch = self.runner.prepare(out, prev_tokens, prev_rows)
+        return torch.empty((len(batch.sample_idx), 0))
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self.executor.swap_out(pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self.executor.swap_in(pairs)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        self.executor.copy(pairs)
+
+    def shutdown(self) -> None:
+        self.executor.shutdown()
 
 
 class NullSampler:
@@ -49,6 +69,6 @@ class NullSampler:
 def null_engine(config: Config) -> LLMEngine:
     """An engine over the configured model's tokenizer and vocabulary whose steps run no model."""
     engine = LLMEngine.from_config(config)
-    engine.runner = NullRunner(engine.runner)  # type: ignore[assignment]
+    engine.executor = NullExecutor(engine.executor, engine.runner)
     engine.sampler = NullSampler(engine.vocab_size, config.model.seed or 0)  # type: ignore[assignment]
     return engine

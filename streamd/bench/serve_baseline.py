@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--baseline-model", default=NULL_MODEL,
                        help="'null' (the benchmark-only null model executor) or a model name/directory")
     group.add_argument("--levels", default="64,256", help="concurrency levels, comma-separated")
+    group.add_argument("--rates", default="", help="Poisson arrival rates (requests/s), comma-separated; "
+                       "each is served with --rate-requests requests and compared with the largest level's offline rate")
+    group.add_argument("--rate-requests", type=int, default=512)
     group.add_argument("--transports", default="ws,sse")
     group.add_argument("--repeats", type=int, default=3)
     group.add_argument("--requests-per-stream", type=int, default=4,
@@ -56,7 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 @dataclass(slots=True)
 class ServedRun:
     transport: str
-    concurrency: int
+    concurrency: int | None  # closed loop; None for a Poisson run
+    rate: float | None  # Poisson arrivals per second; None for a closed loop
     offline_tok_s: float
     served_tok_s: float
     ratio: float
@@ -70,6 +74,7 @@ class ServedRun:
     client_cpu_us_per_token: float
     offline_cpu_us_per_token: float
     failed: int
+    errors: list[str]
 
 
 class ServerProcess:
@@ -130,12 +135,12 @@ def offline_rate(engine: Any, prompts: list[str], max_tokens: int, concurrency: 
     return tokens / elapsed, cpu / tokens * 1e6
 
 
-async def _served(args: argparse.Namespace, server: ServerProcess, transport: str, concurrency: int,
-                  num_requests: int) -> tuple[dict[str, Any], dict[str, float], float]:
+async def _served(args: argparse.Namespace, server: ServerProcess, transport: str, concurrency: int | None,
+                  num_requests: int, rate: float | None = None) -> tuple[dict[str, Any], dict[str, float], float]:
     from streamd.bench.load import report, run_load
 
     run_args = copy.copy(args)
-    run_args.url, run_args.transport, run_args.concurrency, run_args.rate = server.url, transport, concurrency, None
+    run_args.url, run_args.transport, run_args.concurrency, run_args.rate = server.url, transport, concurrency, rate
     run_args.num_requests, run_args.framing = num_requests, "v2"
     before, client_before = server.cpu_seconds(), _own_cpu()
     timings, duration = await run_load(run_args)
@@ -151,6 +156,7 @@ def main(args: argparse.Namespace) -> int:
 
     settings = [*DEFAULT_SETTINGS, *args.settings]
     levels = [int(x) for x in args.levels.split(",")]
+    rates = [float(x) for x in args.rates.split(",") if x]
     transports = args.transports.split(",")
     engine = build_engine(args.baseline_model, build_config(args.baseline_model, settings))
     server = ServerProcess(args.baseline_model, settings)
@@ -162,7 +168,13 @@ def main(args: argparse.Namespace) -> int:
                 for transport in transports:
                     offline, offline_cpu = offline_rate(engine, prompts, args.max_tokens, level)
                     result, cpu, client_cpu = asyncio.run(_served(args, server, transport, level, len(prompts)))
-                    raw.append(_run_record(transport, level, offline, offline_cpu, result, cpu, client_cpu))
+                    raw.append(_run_record(transport, level, None, offline, offline_cpu, result, cpu, client_cpu))
+                    print(_line(raw[-1]), flush=True)
+            prompts = synthetic_prompts(args.rate_requests, args.prompt_words, args.seed + repeat)
+            for rate in rates:
+                for transport in transports:
+                    result, cpu, client_cpu = asyncio.run(_served(args, server, transport, None, len(prompts), rate))
+                    raw.append(_run_record(transport, None, rate, offline, offline_cpu, result, cpu, client_cpu))
                     print(_line(raw[-1]), flush=True)
     finally:
         server.stop()
@@ -172,18 +184,19 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_record(transport: str, level: int, offline: float, offline_cpu: float, result: dict[str, Any],
-                cpu: dict[str, float], client_cpu: float) -> ServedRun:
+def _run_record(transport: str, level: int | None, rate: float | None, offline: float, offline_cpu: float,
+                result: dict[str, Any], cpu: dict[str, float], client_cpu: float) -> ServedRun:
     tokens = max(1, result["output_tokens"])
     served = result["output_token_throughput"]
-    return ServedRun(transport, level, offline, served, served / offline, result["ttft_s"]["p50"],
+    return ServedRun(transport, level, rate, offline, served, served / offline, result["ttft_s"]["p50"],
                      result["ttft_s"]["p99"], result["itl_s"]["p50"], result["itl_s"]["p99"],
                      cpu["process"] / tokens * 1e6, cpu["engine"] / tokens * 1e6, cpu["loop"] / tokens * 1e6,
-                     client_cpu / tokens * 1e6, offline_cpu, result["failed"])
+                     client_cpu / tokens * 1e6, offline_cpu, result["failed"], result["errors"])
 
 
 def _line(run: ServedRun) -> str:
-    return (f"{run.transport:>4} c={run.concurrency:<4} offline {run.offline_tok_s:8.0f} tok/s  served "
+    load = f"c={run.concurrency}" if run.rate is None else f"rate={run.rate:g}/s"
+    return (f"{run.transport:>4} {load:<10} offline {run.offline_tok_s:8.0f} tok/s  served "
             f"{run.served_tok_s:8.0f} tok/s  ratio {run.ratio:.2f}  server {run.server_cpu_us_per_token:.1f} µs/tok "
             f"(engine {run.engine_cpu_us_per_token:.1f}, loop {run.loop_cpu_us_per_token:.1f})  client "
             f"{run.client_cpu_us_per_token:.1f} µs/tok  failed {run.failed}")
@@ -191,8 +204,8 @@ def _line(run: ServedRun) -> str:
 
 def _summary(args: argparse.Namespace, raw: list[ServedRun]) -> dict[str, Any]:
     runs = []
-    for key in dict.fromkeys((r.transport, r.concurrency) for r in raw):
-        group = [asdict(r) for r in raw if (r.transport, r.concurrency) == key]
+    for key in dict.fromkeys((r.transport, r.concurrency, r.rate) for r in raw):
+        group = [asdict(r) for r in raw if (r.transport, r.concurrency, r.rate) == key]
         median = {k: (statistics.median(g[k] for g in group) if isinstance(group[0][k], (int, float))
                       and not isinstance(group[0][k], bool) and all(g[k] is not None for g in group)
                       else group[0][k]) for k in group[0]}
@@ -200,10 +213,18 @@ def _summary(args: argparse.Namespace, raw: list[ServedRun]) -> dict[str, Any]:
     return {"benchmark": "serve --offline-baseline", "model": args.baseline_model,
             "model_note": "null = benchmark-only executor: no forward pass, uniform random tokens of the real "
                           "vocabulary; everything else real" if args.baseline_model == NULL_MODEL else "",
-            "device": f"cpu ({os.cpu_count()} cores)", "date": datetime.date.today().isoformat(),
+            "device": _device_name(), "cpu_cores": os.cpu_count(), "date": datetime.date.today().isoformat(),
             "git_commit": git_commit(), "max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
             "repeats": args.repeats, "statistic": "median of repeats", "runs": runs,
             "raw": [asdict(r) for r in raw]}
+
+
+def _device_name() -> str:
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name(0)
+    return "cpu"
 
 
 def _markdown(report: dict[str, Any]) -> str:
@@ -211,12 +232,13 @@ def _markdown(report: dict[str, Any]) -> str:
              f"commit {report['git_commit']})", "",
              f"Model: `{report['model']}`. {report['model_note']}", "",
              f"{report['max_tokens']} output tokens per request, median of {report['repeats']} runs.", "",
-             "| transport | concurrency | offline tok/s | served tok/s | served/offline | TTFT p50/p99 ms | "
+             "| transport | load | offline tok/s | served tok/s | served/offline | TTFT p50/p99 ms | "
              "ITL p50/p99 ms | server µs/tok (engine, loop) | client µs/tok | offline µs/tok |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"  # noqa: E731
-        lines.append(f"| {r['transport']} | {r['concurrency']} | {r['offline_tok_s']:.0f} | {r['served_tok_s']:.0f} | "
+        load = f"{r['concurrency']} streams" if r["rate"] is None else f"Poisson {r['rate']:g}/s"
+        lines.append(f"| {r['transport']} | {load} | {r['offline_tok_s']:.0f} | {r['served_tok_s']:.0f} | "
                      f"{r['ratio']:.2f} | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])} | {ms(r['itl_p50_s'])} / "
                      f"{ms(r['itl_p99_s'])} | {r['server_cpu_us_per_token']:.1f} ({r['engine_cpu_us_per_token']:.1f}, "
                      f"{r['loop_cpu_us_per_token']:.1f}) | {r['client_cpu_us_per_token']:.1f} | "

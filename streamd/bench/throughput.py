@@ -1,6 +1,7 @@
 """`streamd bench throughput`: offline throughput of streamd against Hugging Face transformers (continuous
 batching and static batching) on the same device in the same process, with the device's measured
-ceilings and the workload's roofline. Writes `benchmarks/results/throughput-<date>-<gpu>.json` and `.md`.
+ceilings and the workload's roofline. Writes `<--out>/throughput-<date>-<gpu>.json` and `.md`. With
+`--device cpu` (the default without CUDA) it runs the default model instead (see throughput_cpu.py).
 
 Workload (nano-vllm's): 256 requests, seed 0, random-token prompts and output lengths uniform in
 [100, 1024], EOS ignored, random bf16 weights of a named shape (or a real model directory).
@@ -18,7 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from streamd.bench.report import git_commit, save_report
+from streamd.bench.workloads import Workload
+from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
@@ -26,17 +28,6 @@ SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                          head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
 }
-
-
-@dataclass(slots=True)
-class Workload:
-    name: str
-    prompts: list[list[int]]
-    output_lens: list[int]
-
-    @property
-    def output_tokens(self) -> int:
-        return sum(self.output_lens)
 
 
 def random_workload(vocab: int, num_requests: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0) -> Workload:
@@ -196,23 +187,42 @@ def _free_cuda() -> None:
 # ---- entry point ------------------------------------------------------------------------------------
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shapes", default="llama3.2-1b,smollm2-135m", help="comma-separated model shapes")
-    parser.add_argument("--num-requests", type=int, default=256)
-    parser.add_argument("--peers", default="hf_cb,hf_static", help="comma-separated: hf_cb, hf_static (or none)")
+    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
+                        help="cuda: random weights of named shapes; cpu: the default model, CPU-sized workload "
+                        "(auto: cuda when available)")
+    parser.add_argument("--shapes", default="llama3.2-1b,smollm2-135m", help="CUDA: comma-separated model shapes")
+    parser.add_argument("--num-requests", type=int, default=None, help="default: 256 on CUDA, 32 on CPU")
+    parser.add_argument("--peers", default="hf_cb,hf_static", help="CUDA: comma-separated: hf_cb, hf_static (or none)")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run the shared-prefix workload with caching on and off")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for the JSON and markdown")
-    parser.add_argument("--merge", metavar="JSON", help="an earlier report of the same device and day whose runs "
-                        "of other shapes (and prefix-cache entry) are kept, for results gathered over several runs")
+                        help="CUDA: also run the shared-prefix workload with caching on and off")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="CPU: weights' dtype")
+    parser.add_argument("--repeats", type=int, default=3, help="CPU: alternating rounds (the median is reported)")
+    parser.add_argument("--contention", action=argparse.BooleanOptionalAction, default=True,
+                        help="CPU: also run while a process this benchmark starts keeps one core busy")
+    parser.add_argument("--threads", type=int, default=0, help="CPU: torch threads (0: one per usable core)")
+    add_out_argument(parser)
+    parser.add_argument("--merge", metavar="JSON", help="CUDA: an earlier report of the same device and day whose "
+                        "runs of other shapes (and prefix-cache entry) are kept, for results gathered over several runs")
 
 
 def main(args: argparse.Namespace) -> int:
     import torch
+
+    device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cpu":
+        from streamd.bench.throughput_cpu import main as cpu_main
+
+        return cpu_main(args)
+    if not torch.cuda.is_available():
+        raise BenchError("--device cuda needs a CUDA device (use --device cpu)")
+    return _cuda_main(args)
+
+
+def _cuda_main(args: argparse.Namespace) -> int:
+    import torch
     from tqdm import tqdm
 
-    if not torch.cuda.is_available():
-        print("streamd bench throughput needs a CUDA device")
-        return 2
+    num_requests = args.num_requests or 256
     ceilings = measure_ceilings()
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     report: dict[str, Any] = {
@@ -225,8 +235,10 @@ def main(args: argparse.Namespace) -> int:
         if "prefix_cache" in earlier and not args.prefix_cache:
             report["prefix_cache"] = earlier["prefix_cache"]
     for shape in args.shapes.split(","):
+        if shape not in SHAPES:
+            raise BenchError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
         config = model_config(shape)
-        work = random_workload(config.vocab_size, args.num_requests)
+        work = random_workload(config.vocab_size, num_requests)
         run: dict[str, Any] = {"model_shape": shape, "workload": work.name, "output_tokens": work.output_tokens,
                                "roofline_tok_s": roofline_tok_s(config, work, ceilings)}
         total = len(work.prompts) * (1 + len(peers))
@@ -242,7 +254,7 @@ def main(args: argparse.Namespace) -> int:
         report["runs"].append(run)
         save_report(report, args.out, "throughput", summary_markdown(report))
     if args.prefix_cache:
-        report["prefix_cache"] = prefix_cache_run(args.shapes.split(",")[0], args.num_requests)
+        report["prefix_cache"] = prefix_cache_run(args.shapes.split(",")[0], num_requests)
         save_report(report, args.out, "throughput", summary_markdown(report))
     print(summary_markdown(report))
     return 0

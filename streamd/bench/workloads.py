@@ -87,3 +87,16 @@ class RequestStream:
                                      MAX_SEQ_LEN - prompts)
         self._prompts.extend(prompts.tolist())
         self._outputs.extend(outputs.tolist())
+
+
+@dataclass(slots=True)
+class Workload:
+    """Token-id prompts and the output length of each (the throughput benchmarks' request lists)."""
+
+    name: str
+    prompts: list[list[int]]
+    output_lens: list[int]
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(self.output_lens)

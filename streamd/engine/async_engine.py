@@ -135,9 +135,16 @@ class AsyncEngine:
         used from two threads at once, and the engine thread decodes with the original."""
         return self._tokenizer
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The model's chat template (never one from a request), on the event loop's tokenizer."""
-        return chat_template_ids(self._tokenizer, messages)
+        return chat_template_ids(self._tokenizer, messages, tools)
+
+    async def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles (and caches) the request's grammar on a worker thread, so a slow schema never blocks
+        the event loop; raises GrammarError naming what is wrong, before the request is submitted."""
+        if params.structured_outputs is not None:
+            await asyncio.to_thread(self.engine.compile_grammar, params)
 
     @property
     def max_model_len(self) -> int:

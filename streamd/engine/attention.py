@@ -58,12 +58,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     md.ops.store_kv(k, v, md.kv_cache, layer, md.slot_mapping)
+    return paged_attend(md, q, layer, scale).unsqueeze(0), None  # transformers wants [batch, tokens, heads, dim]
+
+
+def paged_attend(md: AttentionMetadata, query: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
+    """Attention of query [tokens, heads, head_dim] over `layer` of the pool, whose new K/V are stored."""
     if md.decode_only:
-        out = md.ops.paged_decode_attention(q, md.kv_cache, layer, md.block_tables, md.seq_lens, scale)
-    else:
-        out = md.ops.paged_prefill_attention(q, md.kv_cache, layer, md.block_tables, md.query_start_loc,
-                                             md.seq_lens, scale)
-    return out.unsqueeze(0), None  # transformers expects [batch, tokens, heads, head_dim]
+        return md.ops.paged_decode_attention(query, md.kv_cache, layer, md.block_tables, md.seq_lens, scale)
+    return md.ops.paged_prefill_attention(query, md.kv_cache, layer, md.block_tables, md.query_start_loc,
+                                          md.seq_lens, scale)
 
 
 def register_paged_attention() -> None:

@@ -56,6 +56,8 @@ class BlockManager:
         self._host_tables: dict[int, list[int]] = {}
         self.swapped_out_blocks = 0
         self.swapped_in_blocks = 0
+        self.allocated_blocks = 0  # cumulative: blocks taken off the free lists for new content
+        self.copied_blocks = 0  # cumulative: copy-on-write copies ordered
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
 
@@ -72,6 +74,12 @@ class BlockManager:
 
     def can_ever_fit(self, num_tokens: int) -> bool:
         return self.blocks_needed(num_tokens) <= self.num_blocks - self.watermark_blocks
+
+    def worst_case_blocks(self, num_prompt_tokens: int, max_output_tokens: int, width: int) -> int:
+        """Blocks a request of `width` sequences forked after its prompt holds at most: the prompt's full
+        blocks once (shared), and each sequence's own blocks from the prompt's last partly filled one on."""
+        shared = num_prompt_tokens // self.block_size
+        return shared + width * (self.blocks_needed(num_prompt_tokens + max_output_tokens) - shared)
 
     # ---- admission ------------------------------------------------------------------------------
 
@@ -171,6 +179,7 @@ class BlockManager:
                 # Only the first written block holds KV this sequence still needs (slots before `start`).
                 if i == first and start % bs:
                     copies += ((shared, table[i]),)
+                    self.copied_blocks += 1
         while len(table) <= last:
             table.append(self._alloc())
         return copies
@@ -346,6 +355,7 @@ class BlockManager:
         else:
             raise RuntimeError("out of KV cache blocks")
         self._ref[block] = 1
+        self.allocated_blocks += 1
         return block
 
     def _take(self, block: int) -> None:
@@ -385,7 +395,8 @@ class BlockManager:
             blocks_cached=len(self._cached_free), swap_blocks_total=self.num_swap_blocks,
             swap_blocks_free=len(self._host_free), swapped_out_blocks=self.swapped_out_blocks,
             swapped_in_blocks=self.swapped_in_blocks, prefix_queried_tokens=self.prefix_cache_queried_tokens,
-            prefix_hit_tokens=self.prefix_cache_hit_tokens)
+            prefix_hit_tokens=self.prefix_cache_hit_tokens, allocated_blocks=self.allocated_blocks,
+            copied_blocks=self.copied_blocks)
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """Raises AssertionError unless the pools are consistent with `seqs` (every sequence that may

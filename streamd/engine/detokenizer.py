@@ -31,14 +31,16 @@ _MAX_PARTIAL_TOKENS = 4
 class IncrementalDetokenizer:
     """Detokenizes one sequence's output as tokens arrive. Not thread-safe; one per sequence."""
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "_window", "_read", "_prefix_len", "_num_seen")
+    __slots__ = ("tokenizer", "skip_special_tokens", "_window", "_read", "_prefix_len", "_byte_level")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Seq[int], skip_special_tokens: bool = True) -> None:
         # The Rust tokenizer under a transformers fast tokenizer: its decode is the same text without the
         # Python wrapper's per-call overhead (about 3x cheaper per token).
         self.tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.skip_special_tokens = skip_special_tokens
-        self._num_seen = len(prompt_token_ids)  # prompt + output tokens taken in so far
+        # Byte-level BPE decodes token by token into bytes: text that decoded whole is the text of the tokens
+        # alone too, so the next context's length is known without decoding it again.
+        self._byte_level = type(getattr(self.tokenizer, "decoder", None)).__name__ == "ByteLevel"
         window = list(prompt_token_ids[-(_INITIAL_CONTEXT_TOKENS + _MAX_PARTIAL_TOKENS):])
         read = len(window)
         prefix = self._decode(window[:read])
@@ -67,7 +69,6 @@ class IncrementalDetokenizer:
     def update(self, new_token_ids: Seq[int]) -> str:
         """Takes the token ids just appended to the sequence; returns the text they complete ("" while
         the last character is still incomplete)."""
-        self._num_seen += len(new_token_ids)
         self._window.extend(new_token_ids)
         text = self._decode(self._window)
         if text.endswith(_REPLACEMENT):
@@ -83,13 +84,11 @@ class IncrementalDetokenizer:
         # Slide: the tokens just read become the context of the next decode.
         self._window = self._window[self._read:]
         self._read = len(self._window)
-        self._prefix_len = len(self._decode(self._window))
+        if self._byte_level and _REPLACEMENT not in new_text:
+            self._prefix_len = len(new_text)
+        else:
+            self._prefix_len = len(self._decode(self._window))
         return new_text
-
-    def step(self, token_ids: Seq[int]) -> str:
-        """Same as `update`, given the sequence's whole token list (prompt + output): takes in the
-        tokens past those already seen. Only the tail is sliced, so it stays cheap per token."""
-        return self.update(token_ids[self._num_seen:])
 
     def flush(self) -> str:
         """Text still held back (an incomplete character, as U+FFFD); call once when the sequence ends."""
@@ -108,5 +107,5 @@ class IncrementalDetokenizer:
         child._window = list(self._window)
         child._read = self._read
         child._prefix_len = self._prefix_len
-        child._num_seen = self._num_seen
+        child._byte_level = self._byte_level
         return child

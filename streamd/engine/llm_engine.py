@@ -11,8 +11,10 @@ HTTP, WebSocket or threads (see AsyncEngine).
 from __future__ import annotations
 
 import os
+import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,13 +24,18 @@ from streamd.config import Config
 from streamd.engine.block_manager import BlockManager
 from streamd.engine.cache_engine import CacheEngine, KVLayout
 from streamd.engine.chat_template import chat_template_ids
+from streamd.engine.cpu_threads import apply_num_threads
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
+from streamd.engine.executor import Executor, LocalExecutor
+from streamd.engine.fusion import fuse_layers
 from streamd.engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from streamd.engine.cuda_graphs import capture_sizes
 from streamd.engine.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
 from streamd.engine.output_processor import OutputProcessor
 from streamd.engine.outputs import RequestDelta, RequestUpdate, SeqUpdate
-from streamd.engine.preemption_costs import measure_cost_model
+from streamd.engine.parallel.executor import TensorParallelExecutor
+from streamd.engine.parallel.workers import WorkerPool, start_tensor_parallel
+from streamd.engine.preemption_costs import cost_model
 from streamd.engine.sampler import PendingSample, Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.scheduler import Scheduler
@@ -36,6 +43,7 @@ from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.stats import EngineStats
 from streamd.engine.stop_checker import StopChecker
+from streamd.engine.structured import GrammarCompiler, GrammarMatchers
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -52,10 +60,15 @@ class _InFlight:
     sampling: list[ScheduledSeq]
     pending: PendingSample
     rows: dict[int, int]  # seq_id -> row of `pending.tokens`
+    # Prompts that completed in this step and the samples forked from them once their KV is written:
+    # each sample drew its first token from the prompt's logits in this step.
+    forks: list[tuple[ScheduledSeq, list[Sequence]]]
 
 
 class LLMEngine:
-    def __init__(self, config: Config, loaded: LoadedModel, device: torch.device) -> None:
+    def __init__(self, config: Config, loaded: LoadedModel, device: torch.device,
+                 workers: WorkerPool | None = None) -> None:
+        """`workers`: the other tensor-parallel ranks (then `loaded` is shard 0 of the model)."""
         self.config = config
         self.device = device
         self.model_name = config.server.served_model_name or loaded.name
@@ -65,35 +78,48 @@ class LLMEngine:
         cache_cfg = config.cache
         dtype = next(loaded.model.parameters()).dtype
         self.runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
-        layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype)
+        fuse_layers(loaded.model, config.model.fuse_layers, device)
+        layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype, config.parallel.tensor_parallel_size)
         num_blocks = cache_cfg.num_kv_blocks or self._auto_num_blocks(layout)
         self.cache = CacheEngine(layout, num_blocks, _num_swap_blocks(cache_cfg, layout), device, self.runner.ops)
         self.runner.bind_kv_cache(self.cache.kv_cache)
-        if device.type == "cuda" and not config.model.enforce_eager:
+        if device.type == "cuda" and not config.model.enforce_eager and workers is None:
             self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
+        self.executor: Executor = (LocalExecutor(self.runner, self.cache) if workers is None
+                                   else TensorParallelExecutor(self.runner, self.cache, workers))
         self.block_manager = BlockManager(num_blocks, cache_cfg.block_size, self.cache.num_swap_blocks,
                                           cache_cfg.watermark, cache_cfg.enable_prefix_caching)
         self.eos_token_ids = _eos_token_ids(loaded)
         self.sampler = Sampler(vocab, self.eos_token_ids, seed=config.model.seed)
+        self.grammars: GrammarMatchers | None = None  # made by the first constrained request (costs ~1 s)
+        self._grammars_lock = threading.Lock()
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
-        cost_model = None
+        costs = None
         if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
-            cost_model = measure_cost_model(self.cache, self.runner, self.max_model_len)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, cost_model)
+            costs = cost_model(self.cache, self.executor, self.runner, self.max_model_len,
+                               Path(config.model.cache_dir).expanduser())
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, costs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SequenceGroup] = {}
-        self._num_penalized = 0  # live requests whose sampling reads their token history on the host
+        # Live requests whose sampling needs their last token on the host (penalties, grammars): while
+        # any is live, each step reads the previous step's tokens back before it launches (no overlap).
+        self._num_serial = 0
         self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: _InFlight | None = None  # the launched step whose tokens are not read back yet
 
     @classmethod
     def from_config(cls, config: Config, model_config: PretrainedConfig | None = None) -> LLMEngine:
         """Loads the configured model (or random weights for `model_config`) and builds the engine."""
+        apply_num_threads(config.model.num_threads)
         device = resolve_device(config.model.device)
         dtype = resolve_dtype(config.model.dtype, device)
-        loaded = load_model(model_config or config.model.name, dtype, device, config.model.cache_dir,
-                            config.model.seed)
-        engine = cls(config, loaded, device)
+        workers = None
+        if config.parallel.tensor_parallel_size > 1:
+            loaded, workers = start_tensor_parallel(config, model_config, device, dtype)
+        else:
+            loaded = load_model(model_config or config.model.name, dtype, device, config.model.cache_dir,
+                                config.model.seed)
+        engine = cls(config, loaded, device, workers)
         if device.type == "cuda":
             engine.warm_up()
         return engine
@@ -125,22 +151,53 @@ class LLMEngine:
             raise RequestError(f"request_id {request_id!r} is already in flight")
         if not isinstance(params, SamplingParams):
             raise RequestError("params must be a SamplingParams")
-        if params.n != 1:
-            raise RequestError("n > 1 (parallel sampling) is not supported yet")
         text, ids = self._tokenize(prompt, prompt_token_ids)
         if params.detokenize and self.tokenizer is None:
             raise RequestError("this model has no tokenizer: set detokenize=False and send token ids")
         self._check_lengths(ids, params)
+        if params.n > 1 and params.structured_outputs is not None:
+            raise RequestError("n > 1 together with structured_outputs is not supported yet")
         group = SequenceGroup(request_id, [Sequence(prompt_token_ids=ids)], params, prompt=text,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        self._add_matchers(group)
         try:
             self.scheduler.add_seq_group(group)
         except ValueError as exc:
+            self._remove_matchers(group)
             raise KVCacheCapacityError(str(exc)) from exc
         self._groups[request_id] = group
         self.output_processor.add_request(request_id, ids, params, group.arrival_time)
-        self._num_penalized += params.uses_penalties
+        self._num_serial += params.needs_host_tokens
         return ids
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compiles (and caches) the request's grammar, if any; raises GrammarError naming what is wrong.
+        Thread-safe: the server calls it off its event loop before submitting."""
+        if params.structured_outputs is not None:
+            self._grammar_matchers().compiler.compile(params.structured_outputs)
+
+    def _grammar_matchers(self) -> GrammarMatchers:
+        with self._grammars_lock:
+            if self.grammars is None:
+                if self.tokenizer is None or not self.eos_token_ids:
+                    raise RequestError("structured_outputs needs a tokenizer and an end-of-sequence token; "
+                                       "this model lacks one")
+                self.grammars = GrammarMatchers(GrammarCompiler(self.tokenizer, self.vocab_size,
+                                                                self.eos_token_ids))
+            return self.grammars
+
+    def _add_matchers(self, group: SequenceGroup) -> None:
+        spec = group.sampling_params.structured_outputs
+        if spec is not None:
+            self.compile_grammar(group.sampling_params)
+            assert self.grammars is not None
+            for seq in group.seqs:
+                self.grammars.add(seq, spec)
+
+    def _remove_matchers(self, group: SequenceGroup) -> None:
+        if self.grammars is not None and group.sampling_params.structured_outputs is not None:
+            for seq in group.seqs:
+                self.grammars.remove(seq)
 
     def abort(self, request_id: str) -> None:
         """Frees the request's blocks now; its final delta (finish_reason "abort") comes with the next step."""
@@ -165,8 +222,9 @@ class LLMEngine:
         return self._process(updates)
 
     def has_unfinished_requests(self) -> bool:
-        # A launched step whose requests have all finished is void: it needs no more steps.
-        return bool(self._groups) or bool(self._pending)
+        # A launched step whose requests have all finished is void: it needs no more steps. A failed
+        # executor keeps the loop stepping (each step fails at once) until the AsyncEngine declares it dead.
+        return bool(self._groups) or bool(self._pending) or self.executor.failed
 
     def stats(self) -> EngineStats:
         return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups))
@@ -183,7 +241,8 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         if prev is not None:
             self.scheduler.on_step_done(prev.out)
-            if self._num_penalized:  # penalties read every past token on the host: no overlap
+            self._fork(prev)
+            if self._num_serial:  # penalties and grammars need the last token on the host: no overlap
                 deltas = self._process(updates + self._read_back(prev, pipelined=False))
                 updates, prev = [], None
             else:
@@ -193,9 +252,9 @@ class LLMEngine:
             self._forget(group)
             group.set_status(SequenceStatus.FINISHED_ABORTED)
             updates.append(_ended(group, reason))
-        self.cache.swap_out(out.blocks_to_swap_out)
-        self.cache.swap_in(out.blocks_to_swap_in)
-        self.cache.copy(out.blocks_to_copy)
+        self.executor.swap_out(out.blocks_to_swap_out)
+        self.executor.swap_in(out.blocks_to_swap_in)
+        self.executor.copy(out.blocks_to_copy)
         if out.scheduled:
             self._inflight = self._launch(out, prev)
         if prev is not None:
@@ -219,19 +278,50 @@ class LLMEngine:
                 group.first_scheduled_time = now
         sampling = [item for item in out.scheduled if item.samples]
         if prev is not None:
-            logits = self.runner.execute(out, prev.pending.tokens, prev.rows)
+            logits = self.executor.execute(out, prev.pending.tokens, prev.rows)
         else:
-            logits = self.runner.execute(out)
-        pending = self.sampler.sample_async(logits, [item.seq for item in sampling],
-                                            [item.group.sampling_params for item in sampling])
-        return _InFlight(out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)})
+            logits = self.executor.execute(out)
+        forks = [(item, _children(item.group)) for item in sampling if item.group.needs_fork]
+        if forks:  # each sample draws from its prompt's logits row
+            logits, sampling = self._with_samples(logits, sampling, forks)
+        seqs = [item.seq for item in sampling]
+        bitmask = self.grammars.bitmask(seqs, logits.device) if self.grammars is not None else None
+        pending = self.sampler.sample_async(logits, seqs, [item.group.sampling_params for item in sampling],
+                                            bitmask)
+        return _InFlight(out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)}, forks)
+
+    @staticmethod
+    def _with_samples(logits: torch.Tensor, sampling: list[ScheduledSeq],
+                      forks: list[tuple[ScheduledSeq, list[Sequence]]]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+        """The sampling rows with every forked sample's row appended (a copy of its prompt's logits)."""
+        row_of = {id(item): i for i, item in enumerate(sampling)}
+        rows = list(range(len(sampling)))
+        sampling = list(sampling)
+        for item, children in forks:
+            for child in children:
+                rows.append(row_of[id(item)])
+                sampling.append(ScheduledSeq(child, item.group, 0))
+        index = torch.tensor(rows, dtype=torch.int64).to(logits.device, non_blocking=True)
+        return logits.index_select(0, index), sampling
+
+    def _fork(self, step: _InFlight) -> None:
+        """The prompts that completed in `step` have their KV written: their samples now share its blocks
+        (copy-on-write will copy only the last, partly filled block). A request that ended meanwhile drops
+        them."""
+        for item, children in step.forks:
+            parent, group = item.seq, item.group
+            for child in children:
+                if parent.status is SequenceStatus.RUNNING and group.request_id in self._groups:
+                    self.scheduler.fork_seq(group, parent, child)
+                else:
+                    child.status = SequenceStatus.FINISHED_ABORTED
 
     def _read_back(self, step: _InFlight, pipelined: bool) -> list[RequestUpdate]:
         """Reads a launched step's tokens back and does the engine's bookkeeping: append (or fill the
         placeholder), token-level stops, free; returns what is new for each request that progressed."""
         result = step.pending.result()
         token_ids, logprobs = result.token_ids, result.logprobs
-        check = self.stop_checker.check
+        check, grammars = self.stop_checker.check, self.grammars
         updates: dict[str, RequestUpdate] = {}
         ended: list[SequenceGroup] = []
         for i, item in enumerate(step.sampling):
@@ -244,11 +334,15 @@ class LLMEngine:
             else:
                 seq.token_ids.append(token)
             params = group.sampling_params
-            reason, stop_token_id = check(seq, params)
             update = updates.get(group.request_id)
             if update is None:
                 update = updates[group.request_id] = RequestUpdate(group.request_id, [], group.num_cached_tokens,
                                                                    group.first_scheduled_time)
+            if grammars is not None and not grammars.accept(seq, token):
+                update.seqs.append(self._dead_end(seq, update))
+                ended.append(group)
+                continue
+            reason, stop_token_id = check(seq, params)
             update.seqs.append(SeqUpdate(seq.sample_index, [token],
                                          [logprobs[i]] if logprobs is not None and params.logprobs is not None
                                          else None, reason, stop_token_id))
@@ -260,6 +354,16 @@ class LLMEngine:
             if group.finished:
                 self._forget(group)
         return list(updates.values())
+
+    @staticmethod
+    def _dead_end(seq: Sequence, update: RequestUpdate) -> SeqUpdate:
+        """A constrained sequence whose grammar allowed no token (e.g. min_tokens masked the only one
+        left): it ends, without the token sampled from nothing, and the request says why."""
+        seq.token_ids.pop()
+        seq.status = SequenceStatus.FINISHED_ABORTED
+        update.error = (f"structured output reached a dead end after {seq.num_output_tokens} tokens: the grammar "
+                        "allows no token here (check min_tokens, stop settings and the schema)")
+        return SeqUpdate(seq.sample_index, [], finish_reason="abort")
 
     def _process(self, updates: list[RequestUpdate]) -> list[RequestDelta]:
         """Updates -> deltas; sequences a stop string ended are finished here (blocks freed at once)."""
@@ -290,7 +394,8 @@ class LLMEngine:
 
     def _forget(self, group: SequenceGroup) -> None:
         if self._groups.pop(group.request_id, None) is not None:
-            self._num_penalized -= group.sampling_params.uses_penalties
+            self._num_serial -= group.sampling_params.needs_host_tokens
+            self._remove_matchers(group)
 
     def _tokenize(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
         if prompt_token_ids is None and isinstance(prompt, list):
@@ -367,7 +472,14 @@ def _eos_token_ids(loaded: LoadedModel) -> set[int]:
 _FINISHED = SequenceStatus.FINISHED_STOPPED  # statuses from here on are finished
 
 
+def _children(group: SequenceGroup) -> list[Sequence]:
+    """The samples to fork from a request's prompt (the prompt's own sequence is sample 0)."""
+    prompt = group.prompt_token_ids
+    return [Sequence(prompt_token_ids=prompt, sample_index=i) for i in range(len(group.seqs), group.width)]
+
+
 def _ended(group: SequenceGroup, error: str | None = None) -> RequestUpdate:
-    """The update of a request the engine ended outside a step (abort, rejection, failure)."""
-    seqs = [SeqUpdate(seq.sample_index, [], finish_reason="abort") for seq in group.seqs]
+    """The update of a request the engine ended outside a step (abort, rejection, failure): every choice,
+    forked or not yet (the output processor skips those already finished)."""
+    seqs = [SeqUpdate(index, [], finish_reason="abort") for index in range(max(group.width, len(group.seqs)))]
     return RequestUpdate(group.request_id, seqs, group.num_cached_tokens, group.first_scheduled_time, error)

@@ -9,6 +9,7 @@ It also measures what the KV pool may use (`profile_num_blocks`).
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 from types import ModuleType
 
 import numpy as np
@@ -35,12 +36,27 @@ def kernel_ops(device: torch.device) -> ModuleType:
     return ops
 
 
-def kv_layout_of(model: PreTrainedModel, block_size: int, dtype: torch.dtype) -> KVLayout:
+def kv_layout_of(model: PreTrainedModel, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVLayout:
+    """The KV pool's layout; with tensor parallelism each rank holds `num_kv_heads / tp_size` heads."""
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return KVLayout(config.num_hidden_layers, kv_heads, head_dim, block_size, dtype)
+    return KVLayout(config.num_hidden_layers, kv_heads // tp_size, head_dim, block_size, dtype)
+
+
+@dataclass(slots=True)
+class ModelInput:
+    """One step's batch on the device: the flattened tokens and the paged-attention metadata."""
+
+    input_ids: torch.Tensor  # int64 [num_tokens]
+    positions: torch.Tensor  # int64 [num_tokens]
+    slot_mapping: torch.Tensor  # int64 [num_tokens]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor  # int32 [num_seqs]
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    sample_idx: torch.Tensor  # int64 [num_sampling_seqs]: the rows whose logits are computed
+    decode_only: bool
 
 
 class ModelRunner:
@@ -68,34 +84,61 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
                 prev_rows: dict[int, int] | None = None) -> torch.Tensor:
-        """Runs the scheduled tokens; returns float32 logits [num_sampling_seqs, vocab] in schedule order.
+        """Runs the scheduled tokens; returns float32 logits [num_sampling_seqs, vocab] in schedule order."""
+        return self.run(self.prepare(out, prev_tokens, prev_rows))
+
+    def prepare(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
+                prev_rows: dict[int, int] | None = None) -> ModelInput:
+        """The step's batch tensors on the device.
 
         A token id PLACEHOLDER stands for a token sampled by the previous step that the host does not have
         yet: it is taken on the device from `prev_tokens[prev_rows[seq_id]]`, so this step can start
         before the previous one's results reach the host."""
-        assert self.kv_cache is not None, "bind_kv_cache first"
-        input_ids, positions, metadata, sample_idx, pending = self.prepare_inputs(out)
+        batch, pending = self._prepare(out)
         if pending:
             assert prev_tokens is not None and prev_rows is not None
             dst, seq_ids = zip(*pending)
             src = [prev_rows[seq_id] for seq_id in seq_ids]
-            input_ids[self._to_device(list(dst), torch.int64)] = prev_tokens[self._to_device(src, torch.int64)]
+            batch.input_ids[self._to_device(list(dst), torch.int64)] = prev_tokens[self._to_device(src, torch.int64)]
+        return batch
+
+    @torch.inference_mode()
+    def run(self, batch: ModelInput) -> torch.Tensor:
+        """The forward of a prepared batch: float32 logits of its `sample_idx` rows."""
+        metadata = self._metadata(batch)
         graphs = self.graphs
         # A graph computes logits for every row, so it serves only batches in which every row samples.
-        if (graphs is not None and metadata.decode_only and len(sample_idx) == len(input_ids)
-                and graphs.can_run(len(input_ids), metadata.block_tables.shape[1])):
-            return graphs.run(input_ids, positions, metadata.slot_mapping, metadata.block_tables,
-                              metadata.seq_lens).float()
+        if (graphs is not None and batch.decode_only and len(batch.sample_idx) == len(batch.input_ids)
+                and graphs.can_run(len(batch.input_ids), batch.block_tables.shape[1])):
+            return graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
+                              batch.seq_lens).float()
         set_attention_metadata(metadata)
         try:
-            logits = self.model(input_ids=input_ids[None], position_ids=positions[None],
-                                logits_to_keep=sample_idx, use_cache=False).logits[0]
+            logits = self.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
+                                logits_to_keep=batch.sample_idx, use_cache=False).logits[0]
         finally:
             set_attention_metadata(None)
         return logits.float()
 
-    def prepare_inputs(self, out: SchedulerOutput) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata,
-                                                            torch.Tensor, list[tuple[int, int]]]:
+    @torch.inference_mode()
+    def run_layers(self, batch: ModelInput) -> None:
+        """The decoder layers only (no head, no logits): what a tensor-parallel worker rank runs, writing
+        its shard of the KV cache and taking part in the layers' all-reduces."""
+        set_attention_metadata(self._metadata(batch))
+        try:
+            self.model.base_model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
+                                  use_cache=False)
+        finally:
+            set_attention_metadata(None)
+
+    def _metadata(self, batch: ModelInput) -> AttentionMetadata:
+        assert self.kv_cache is not None, "bind_kv_cache first"
+        return AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=batch.slot_mapping,
+                                 block_tables=batch.block_tables, seq_lens=batch.seq_lens,
+                                 query_start_loc=batch.query_start_loc, decode_only=batch.decode_only,
+                                 ops=self.ops)
+
+    def _prepare(self, out: SchedulerOutput) -> tuple[ModelInput, list[tuple[int, int]]]:
         """Host-built batch tensors, plus (input position, seq_id) of every PLACEHOLDER input."""
         bs = self.block_size
         tokens: list[int] = []
@@ -127,17 +170,16 @@ class ModelRunner:
                 if tokens[-1] == PLACEHOLDER:
                     pending.append((len(tokens) - 1, seq.seq_id))
         query_start = [0, *itertools.accumulate(query_lens)]
-        metadata = AttentionMetadata(
-            kv_cache=self.kv_cache,
+        batch = ModelInput(
+            input_ids=self._to_device(tokens, torch.int64),
+            positions=self._to_device(positions, torch.int64),
             slot_mapping=self._to_device(slots, torch.int64),
             block_tables=self._block_tables(tables),
             seq_lens=self._to_device(seq_lens, torch.int32),
             query_start_loc=self._to_device(query_start, torch.int32),
-            decode_only=len(tokens) == len(seq_lens),
-            ops=self.ops,
-        )
-        return (self._to_device(tokens, torch.int64), self._to_device(positions, torch.int64), metadata,
-                self._to_device(sample_idx, torch.int64), pending)
+            sample_idx=self._to_device(sample_idx, torch.int64),
+            decode_only=len(tokens) == len(seq_lens))
+        return batch, pending
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
         # numpy row assignment is ~5x faster than torch.tensor on padded nested lists (hot at large batch)

@@ -129,8 +129,11 @@ class OutputProcessor:
     def _process_choice(self, state: RequestState, choice: ChoiceState, seq: SeqUpdate) -> CompletionDelta:
         params = state.params
         choice.num_tokens += len(seq.token_ids)
-        new_text = choice.detokenizer.update(seq.token_ids) if choice.detokenizer and seq.token_ids else ""
-        reason: FinishReason | None = seq.finish_reason
+        detokenizer, reason = choice.detokenizer, seq.finish_reason
+        if reason is None and not params.stop and detokenizer is not None:  # the common case, in short
+            return CompletionDelta(choice.index, detokenizer.update(seq.token_ids), seq.token_ids, None, None,
+                                   seq.logprobs, choice.num_tokens)
+        new_text = detokenizer.update(seq.token_ids) if detokenizer and seq.token_ids else ""
         stop_reason: int | str | None = seq.stop_token_id
         if reason == "stop":
             # EOS or a stop token: its own text (and anything it completed) is output only when asked for.

@@ -4,7 +4,7 @@ Owns the logits -> token step: repetition / frequency / presence penalties, min_
 temperature, min-p, top-k, top-p, per-request seeds and logprobs. Everything runs on the logits' device;
 the only device -> host transfer is one `.tolist()` of the results per call.
 
-Order of processing (as vLLM): penalties -> min_tokens mask -> [greedy rows: argmax] -> temperature ->
+Order of processing (as vLLM): penalties -> min_tokens mask -> grammar bitmask -> [greedy rows: argmax] -> temperature ->
 min-p -> top-k -> top-p -> sample. Logprobs are those of the model's raw distribution (log_softmax of the
 unprocessed logits).
 
@@ -16,13 +16,14 @@ else is in the batch, and the same again after a preemption that recomputes the 
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.sequence import Sequence
+from streamd.engine.structured import TokenBitmask
 
 _MASK64 = (1 << 64) - 1
 
@@ -45,11 +46,12 @@ class Sampler:
         self._seed = seed
         self._generator: torch.Generator | None = None
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> SamplerOutput:
-        return self.sample_async(logits, seqs, params).result()
+    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+                 bitmask: TokenBitmask | None = None) -> SamplerOutput:
+        return self.sample_async(logits, seqs, params, bitmask).result()
 
-    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence],
-                     params: list[SamplingParams]) -> PendingSample:
+    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+                     bitmask: TokenBitmask | None = None) -> PendingSample:
         """Queues the sampling and the device -> host copy of its results without waiting for them; the
         chosen tokens stay usable on the device (as the next step's inputs) before the host has them."""
         n = logits.shape[0]
@@ -67,14 +69,19 @@ class Sampler:
         raw_logprobs = torch.log_softmax(logits, dim=-1, dtype=torch.float32) if want_logprobs else None
 
         x = self.penalize(logits, seqs, params, distinct)
-        greedy = [p.greedy for p in distinct]
-        if all(greedy):
+        if bitmask is not None:  # grammar: disallowed tokens of constrained rows -> -inf, one batched call
+            x = bitmask.apply(x.clone() if x is logits else x)
+        random_params = [p for p in distinct if not p.greedy]
+        if not random_params:
             tokens = x.argmax(dim=-1)
-        else:
-            tokens = self._sample(x, seqs, params, distinct)
-            if any(greedy):
-                is_greedy = self._tensor([p.greedy for p in params], torch.bool, x.device)
-                tokens = torch.where(is_greedy, x.argmax(dim=-1), tokens)
+        elif len(random_params) == len(distinct):
+            tokens = self._sample(x, seqs, params, random_params)
+        else:  # greedy rows take the argmax; only the others go through temperature, top-k/top-p and the draw
+            rows = [i for i, p in enumerate(params) if not p.greedy]
+            index = self._tensor(rows, torch.long, x.device)
+            sampled = self._sample(x.index_select(0, index), [seqs[i] for i in rows], [params[i] for i in rows],
+                                   random_params)
+            tokens = x.argmax(dim=-1).index_copy_(0, index, sampled)
 
         if raw_logprobs is None:
             return PendingSample(tokens, tokens, params, 0)
@@ -150,76 +157,77 @@ class Sampler:
 
     def _sample(self, x: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
                 distinct: list[SamplingParams]) -> torch.Tensor:
-        """Random sampling for every row (greedy rows' results are replaced by the caller)."""
+        """Random sampling of rows none of which is greedy (`distinct`: their distinct params)."""
         dev = x.device
-        random_params = [p for p in distinct if not p.greedy]
         x = x.float()
-        # Temperature: a scalar when all random rows agree (the common case), else a column; greedy
-        # rows divide by 1 since their sample is discarded.
-        temps = {p.temperature for p in random_params}
-        if len(temps) == 1:
-            x = x / temps.pop()
-        else:
-            x = x / self._column([1.0 if p.greedy else p.temperature for p in params], dev)
+        # Temperature: a scalar when all rows agree (the common case), else a column.
+        x = x / self._scalar_or_column(params, "temperature", distinct, dev)
 
-        if any(p.min_p > 0 for p in random_params):
+        if any(p.min_p > 0 for p in distinct):
             # min-p: drop tokens less likely than min_p times the most likely one.
             probs = torch.softmax(x, dim=-1)
             min_p = self._scalar_or_column(params, "min_p", distinct, dev)
             x = x.masked_fill(probs < probs.amax(dim=-1, keepdim=True) * min_p, float("-inf"))
 
-        use_top_k = any(p.top_k > 0 for p in random_params)
-        use_top_p = any(p.top_p < 1.0 for p in random_params)
-        if use_top_p and any(p.top_p < 1.0 and p.top_k <= 0 for p in random_params):
-            x = self._top_k_top_p_sorted(x, params, distinct, use_top_k, dev)  # top-p over the whole vocab
-        elif use_top_k:
-            x = self._top_k_top_p_bounded(x, params, random_params, distinct, use_top_p, dev)
+        # Each row pays only for its own truncation: top-p alone needs a sort of the whole vocabulary,
+        # top-k (with or without top-p) only torch.topk's k values, neither nothing.
+        whole_vocab = [p for p in distinct if p.top_p < 1.0 and p.top_k <= 0]
+        bounded = [p for p in distinct if p.top_k > 0]
+        if whole_vocab:
+            x = self._on_rows(x, params, whole_vocab, self._top_p_sorted)
+        if bounded:
+            x = self._on_rows(x, params, bounded, self._top_k_top_p_bounded)
 
         probs = torch.softmax(x, dim=-1)
         q = _exponential(torch.empty_like(probs), self._unseeded_generator(dev))
-        if any(p.seed is not None for p in random_params):
+        if any(p.seed is not None for p in distinct):
             # Seeded rows: a fresh generator per row and step, keyed by (seed, sample, position) —
             # no state carried between steps, so batch composition and preemption cannot change it.
             for i, (s, p) in enumerate(zip(seqs, params)):
-                if p.seed is not None and not p.greedy:
+                if p.seed is not None:
                     gen = torch.Generator(device=dev)
                     gen.manual_seed(_mix(p.seed, s.sample_index, s.num_output_tokens))
                     _exponential(q[i], gen)
         return probs.div_(q).argmax(dim=-1)
 
+    def _on_rows(self, x: torch.Tensor, params: list[SamplingParams], chosen: list[SamplingParams],
+                 transform: Callable[[torch.Tensor, list[SamplingParams], list[SamplingParams]], torch.Tensor],
+                 ) -> torch.Tensor:
+        """`transform(rows, their params, their distinct params)` applied to the rows whose params are in
+        `chosen` only; the whole batch at once when every row's are."""
+        ids = {id(p) for p in chosen}
+        if all(id(p) in ids for p in params):
+            return transform(x, params, chosen)
+        rows = [i for i, p in enumerate(params) if id(p) in ids]
+        index = self._tensor(rows, torch.long, x.device)
+        done = transform(x.index_select(0, index), [params[i] for i in rows], chosen)
+        return x.index_copy(0, index, done)
+
     def _top_k_top_p_bounded(self, x: torch.Tensor, params: list[SamplingParams],
-                             random_params: list[SamplingParams], distinct: list[SamplingParams],
-                             use_top_p: bool, dev: torch.device) -> torch.Tensor:
-        """Top-k, and top-p where every top-p row also has a top-k: works on torch.topk's max_k values
-        (already sorted) instead of sorting the whole vocabulary, then masks below each row's threshold."""
-        vocab = x.shape[1]
-        max_k = min(max(p.top_k for p in random_params), vocab)
+                             distinct: list[SamplingParams]) -> torch.Tensor:
+        """Top-k, then top-p among the top k (rows that all have a top-k): works on torch.topk's max_k
+        values (already sorted) instead of sorting the whole vocabulary, then masks below each row's
+        threshold."""
+        dev = x.device
+        max_k = min(max(p.top_k for p in distinct), x.shape[1])
         top_values = x.topk(max_k, dim=-1).values  # descending
-        ks = self._tensor([min(p.top_k, max_k) if p.top_k > 0 else 0 for p in params], torch.long, dev)
-        off = ks == 0  # top-k off for this row: keep everything
-        keep = torch.arange(max_k, device=dev).unsqueeze(0) < ks.masked_fill(off, max_k).unsqueeze(1)
-        if use_top_p:
+        ks = self._tensor([min(p.top_k, max_k) for p in params], torch.long, dev)
+        keep = torch.arange(max_k, device=dev).unsqueeze(0) < ks.unsqueeze(1)
+        if any(p.top_p < 1.0 for p in distinct):
             # Top-p among the top-k, renormalized: keep a token while the mass strictly above it is < p.
             probs = torch.softmax(top_values.masked_fill(~keep, float("-inf")), dim=-1)
             above = probs.cumsum(dim=-1) - probs
             keep &= above < self._scalar_or_column(params, "top_p", distinct, dev)
         last_kept = keep.sum(dim=-1, keepdim=True) - 1
         threshold = top_values.gather(1, last_kept.clamp_(min=0))
-        threshold = threshold.masked_fill(off.unsqueeze(1), float("-inf"))
         return x.masked_fill(x < threshold, float("-inf"))
 
-    def _top_k_top_p_sorted(self, x: torch.Tensor, params: list[SamplingParams], distinct: list[SamplingParams],
-                            use_top_k: bool, dev: torch.device) -> torch.Tensor:
-        """Top-k and top-p on one ascending sort of the vocabulary: top-k masks the lowest vocab-k
-        positions; top-p then masks the low tail whose total probability is at most 1-p (the top token
-        always stays)."""
-        vocab = x.shape[1]
+    def _top_p_sorted(self, x: torch.Tensor, params: list[SamplingParams],
+                      distinct: list[SamplingParams]) -> torch.Tensor:
+        """Top-p over the whole vocabulary (rows without top-k) on one ascending sort: masks the low tail
+        whose total probability is at most 1-p (the top token always stays)."""
         sorted_x, order = x.sort(dim=-1)
-        if use_top_k:
-            ks = self._tensor([p.top_k if 0 < p.top_k < vocab else vocab for p in params], torch.long, dev)
-            positions = torch.arange(vocab, device=dev).unsqueeze(0)
-            sorted_x = sorted_x.masked_fill(positions < (vocab - ks).unsqueeze(1), float("-inf"))
-        top_p = self._scalar_or_column(params, "top_p", distinct, dev)
+        top_p = self._scalar_or_column(params, "top_p", distinct, x.device)
         cum = torch.softmax(sorted_x, dim=-1).cumsum(dim=-1)
         drop = cum <= 1.0 - top_p
         drop[:, -1] = False

@@ -21,6 +21,45 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 256
 
 
+@dataclass(slots=True, frozen=True)
+class StructuredOutputs:
+    """What a constrained request's output must match: exactly one of a JSON schema (`json`, a dict or
+    its JSON text), any JSON object (`json_object`), a regular expression, one of a list of strings
+    (`choice`) or an EBNF grammar (xgrammar's GBNF dialect). Names follow vLLM's `structured_outputs`."""
+
+    json: dict[str, Any] | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
+        given += ["json_object"] if self.json_object is True else []
+        _check(len(given) == 1, "structured_outputs", given, "must set exactly one of json, json_object, "
+               "regex, choice, grammar")
+        _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json", self.json,
+               "must be a JSON schema object")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            _check(value is None or (isinstance(value, str) and bool(value)), f"structured_outputs.{name}",
+                   value, "must be a non-empty string")
+        _check(self.choice is None or (isinstance(self.choice, list) and bool(self.choice)
+                                       and all(isinstance(c, str) and c for c in self.choice)),
+               "structured_outputs.choice", self.choice, "must be a non-empty list of non-empty strings")
+
+    @classmethod
+    def from_value(cls, value: Any) -> StructuredOutputs:
+        """From a StructuredOutputs or its wire dict (an unknown key is an error naming it)."""
+        if isinstance(value, cls):
+            return value
+        _check(isinstance(value, dict), "structured_outputs", value, "must be an object")
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(value) - known)
+        _check(not unknown, "structured_outputs", unknown[:1], f"has an unknown key (known: {sorted(known)})")
+        return cls(**value)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     n: int = 1
@@ -41,8 +80,11 @@ class SamplingParams:
     logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
+    structured_outputs: StructuredOutputs | None = None
 
     def __post_init__(self) -> None:
+        if self.structured_outputs is not None:
+            self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         _check(isinstance(self.stop, (list, tuple)) or self.stop is None, "stop", self.stop,
@@ -100,6 +142,12 @@ class SamplingParams:
     @property
     def uses_penalties(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Whether sampling this request's next token needs its previous token on the host (penalties
+        read the history; a grammar's mask follows every token), which rules out the engine's overlap."""
+        return self.uses_penalties or self.structured_outputs is not None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> SamplingParams:

@@ -98,6 +98,12 @@ class Scheduler:
                 f"request {rid!r}: prompt of {longest} tokens needs {needed} KV cache blocks but the KV cache "
                 f"can hold at most {usable} ({bm.num_blocks} blocks of {bm.block_size} tokens, less the "
                 f"watermark)")
+        worst = self._worst_case_blocks(group)
+        if worst > usable:
+            raise ValueError(
+                f"request {rid!r}: n={group.width} sequences of up to {longest} prompt + "
+                f"{self._max_output_tokens(group)} output tokens need up to {worst} KV cache blocks but the KV "
+                f"cache can hold at most {usable}; lower n or max_tokens")
         for seq in seqs:
             seq.status = SequenceStatus.WAITING
         self._groups[rid] = group
@@ -132,10 +138,11 @@ class Scheduler:
         self._forget(group)
         return group
 
-    def fork_seq(self, group: SequenceGroup, parent: Sequence) -> Sequence:
-        """A new sequence of `group` sharing `parent`'s blocks (parallel sampling, beam search)."""
-        child = parent.fork()
-        child.sample_index = len(group.seqs)  # its own seeded random stream
+    def fork_seq(self, group: SequenceGroup, parent: Sequence, child: Sequence | None = None) -> Sequence:
+        """A new sequence of `group` (or `child`, made beforehand) sharing `parent`'s blocks (parallel
+        sampling). Its sample index is its place in the group: its own seeded random stream."""
+        child = parent.fork(child)
+        child.sample_index = len(group.seqs)
         self.block_manager.fork(parent, child)
         group.seqs.append(child)
         return child
@@ -291,7 +298,8 @@ class Scheduler:
             # Re-checking a blocked head costs a prefix lookup; skip it until the free count changes (new
             # prefix-cache entries alone do not re-trigger it: they only delay admission by some steps).
             blocked = (id(group), bm.num_free_blocks(), bool(self.running))
-            if blocked == self._blocked or not bm.can_allocate(seqs, None if self.running else 0):
+            reserve = (bm.watermark_blocks if self.running else 0) + self._growth_blocks(group, needed)
+            if blocked == self._blocked or not bm.can_allocate(seqs, reserve):
                 self._blocked = blocked
                 break
             waiting.popleft()
@@ -311,6 +319,24 @@ class Scheduler:
                 self.recomputed_tokens += max(0, lost - cached)
             num_seqs += len(seqs)
             bisect.insort(self.running, group, key=self._rank)
+
+    def _max_output_tokens(self, group: SequenceGroup) -> int:
+        max_tokens = group.sampling_params.max_tokens
+        room = self.max_model_len - len(group.prompt_token_ids)
+        return room if max_tokens is None else min(max_tokens, room)
+
+    def _worst_case_blocks(self, group: SequenceGroup) -> int:
+        """The most blocks the group can hold at once (0 for one sequence: it is admitted on its prompt
+        and grows through preemption like any other)."""
+        if group.width == 1:
+            return 0
+        return self.block_manager.worst_case_blocks(len(group.prompt_token_ids), self._max_output_tokens(group),
+                                                    group.width)
+
+    def _growth_blocks(self, group: SequenceGroup, needed: int) -> int:
+        """Blocks a group of several sequences keeps free at admission beyond the `needed` ones it
+        allocates now, so that its worst case fits."""
+        return max(0, self._worst_case_blocks(group) - needed)
 
     # ---- preemption -----------------------------------------------------------------------------
 

@@ -80,11 +80,16 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
-    def fork(self) -> Sequence:
-        """A child that shares everything computed so far; the BlockManager must fork the blocks."""
-        return Sequence(prompt_token_ids=self.prompt_token_ids, token_ids=list(self.token_ids),
-                        num_computed_tokens=self.num_computed_tokens, block_table=list(self.block_table),
-                        status=self.status)
+    def fork(self, child: Sequence | None = None) -> Sequence:
+        """A child (`child`, made to continue this sequence, or a new one) that shares everything computed
+        so far; the BlockManager must fork the blocks."""
+        if child is None:
+            child = Sequence(prompt_token_ids=self.prompt_token_ids)
+        child.token_ids = list(self.token_ids)
+        child.num_computed_tokens = self.num_computed_tokens
+        child.block_table = list(self.block_table)
+        child.status = self.status
+        return child
 
 
 @dataclass(slots=True, eq=False)
@@ -102,6 +107,16 @@ class SequenceGroup:
     @property
     def prompt_token_ids(self) -> list[int]:
         return self.seqs[0].prompt_token_ids
+
+    @property
+    def width(self) -> int:
+        """How many sequences the request runs at once once its prompt is done (parallel samples)."""
+        return self.sampling_params.n
+
+    @property
+    def needs_fork(self) -> bool:
+        """The prompt's one sequence is still to be forked into the request's samples."""
+        return len(self.seqs) < self.sampling_params.n
 
     def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:
         return [s for s in self.seqs if s.status == status]

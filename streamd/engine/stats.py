@@ -20,6 +20,8 @@ class KVCacheStats:
     swapped_in_blocks: int  # cumulative
     prefix_queried_tokens: int  # cumulative prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int  # cumulative prompt tokens found there
+    allocated_blocks: int  # cumulative blocks taken off the free lists (sharing a block allocates nothing)
+    copied_blocks: int  # cumulative copy-on-write copies
 
     @property
     def blocks_used(self) -> int:

@@ -1,16 +1,39 @@
-"""Paged-attention kernels: Triton implementations, exported here, and plain-torch references.
+"""Paged-attention and decoder-layer kernels: Triton implementations, exported here, and plain-torch
+references.
 
 ``streamd.kernels`` exports the Triton versions, which always run the Triton kernel: compiled on CUDA
 tensors, through Triton's interpreter on CPU tensors (slow; for tests). ``streamd.kernels.reference``
-holds plain-torch functions with the same signatures; the engine uses those on CPU.
+holds plain-torch functions with the same signatures; the engine uses those on CPU. The Triton versions
+are imported on first use, so a CPU-only install without triton (the CPU container image) can import
+``streamd.kernels.reference``.
 
 KV cache layout (ARCHITECTURE.md): one block-major pool
 ``kv_cache[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`` (2 = key, value).
 """
 
-from streamd.kernels.block_copy import copy_blocks
-from streamd.kernels.decode_attention import paged_decode_attention
-from streamd.kernels.kv_store import store_kv
-from streamd.kernels.prefill_attention import paged_prefill_attention
+from __future__ import annotations
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks"]
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from streamd.kernels.block_copy import copy_blocks
+    from streamd.kernels.decode_attention import paged_decode_attention
+    from streamd.kernels.kv_store import store_kv
+    from streamd.kernels.prefill_attention import paged_prefill_attention
+    from streamd.kernels.activation import silu_and_mul
+    from streamd.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
+    from streamd.kernels.rotary import rotary_store_kv
+
+_MODULE_OF = {"paged_decode_attention": "decode_attention", "paged_prefill_attention": "prefill_attention",
+              "store_kv": "kv_store", "copy_blocks": "block_copy", "rmsnorm": "rmsnorm",
+              "fused_add_rmsnorm": "rmsnorm", "silu_and_mul": "activation", "rotary_store_kv": "rotary"}
+__all__ = list(_MODULE_OF)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_MODULE_OF[name]}"), name)
+    globals()[name] = value
+    return value

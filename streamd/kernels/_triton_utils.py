@@ -115,14 +115,3 @@ def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 16
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
-
-
-def check_cache(kv_cache: torch.Tensor, layer: int) -> None:
-    """Shape checks on the block-major pool; all host-side metadata, no device sync."""
-    if kv_cache.dim() != 6 or kv_cache.shape[2] != 2:
-        raise ValueError(
-            "kv_cache must be [num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim], "
-            f"got {tuple(kv_cache.shape)}"
-        )
-    if not 0 <= layer < kv_cache.shape[1]:
-        raise IndexError(f"layer {layer} out of range for {kv_cache.shape[1]} layers")

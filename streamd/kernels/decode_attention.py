@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from streamd.kernels._triton_utils import cdiv, check_cache, dot_upcast, dual_kernel, next_pow2, num_sms
+from streamd.kernels._triton_utils import cdiv, dot_upcast, dual_kernel, next_pow2, num_sms
+from streamd.kernels.layout import check_cache
 
 _LOG2E = 1.4426950408889634
 # A finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN for rows that see no

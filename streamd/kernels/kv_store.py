@@ -11,7 +11,8 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from streamd.kernels._triton_utils import cdiv, check_cache, dual_kernel, next_pow2
+from streamd.kernels._triton_utils import cdiv, dual_kernel, next_pow2
+from streamd.kernels.layout import check_cache
 
 # Elements one program moves per tensor: enough to keep loads wide, small enough for registers.
 _MAX_TILE = 4096

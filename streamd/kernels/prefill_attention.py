@@ -22,7 +22,8 @@ import math
 import torch
 import triton.language as tl
 
-from streamd.kernels._triton_utils import check_cache, dot_upcast, dual_kernel, next_pow2
+from streamd.kernels._triton_utils import dot_upcast, dual_kernel, next_pow2
+from streamd.kernels.layout import check_cache
 
 _LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max floor: rows with no visible key stay NaN-free

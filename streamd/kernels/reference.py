@@ -5,7 +5,9 @@ They work on CPU and CUDA tensors, accumulate in float32 (through SDPA, which ke
 accumulates in float32, as the Triton kernels do) and return the query's dtype. Unlike the Triton
 versions they may synchronise with the host (CPU is their production target): the decode reference
 trims the block table to the longest context on CPU, the prefill reference loops over sequences, and
-``store_kv`` drops ``-1`` slots with a boolean mask.
+``store_kv`` drops ``-1`` slots with a boolean mask. The decoder-layer references (RMSNorm, SiLU-and-mul,
+rotary) are transformers' own arithmetic, op for op in the activations' dtype, so a model rewired onto
+them computes what the unfused model computes.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from streamd.kernels._triton_utils import check_cache
+from streamd.kernels.layout import check_cache, check_rotary_args
 
 
 def _layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
@@ -115,9 +117,10 @@ def paged_prefill_attention(
         kv_seq = kv[tables[i, :n_blocks]]  # [n_blocks, 2, Hkv, page, D]
         kv_seq = kv_seq.permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, n_blocks * page, head_dim)
         dtype = _compute_dtype(query.dtype, query.device)
-        k = kv_seq[0, :, :seq_len].to(dtype)  # [Hkv, T, D]
-        v = kv_seq[1, :, :seq_len].to(dtype)
-        q = query[q_begin:q_end].to(dtype).transpose(0, 1)  # [H, q_len, D]
+        # 4-D [1, heads, tokens, D]: with 3-D tensors CPU SDPA falls back to its generic math path (~6x slower).
+        k = kv_seq[0, :, :seq_len].to(dtype)[None]  # [1, Hkv, T, D]
+        v = kv_seq[1, :, :seq_len].to(dtype)[None]
+        q = query[q_begin:q_end].to(dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
         if ctx == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:
@@ -125,7 +128,7 @@ def paged_prefill_attention(
             k_pos = torch.arange(seq_len, device=query.device)
             mask = k_pos[None, :] <= q_pos[:, None]
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
-        out[q_begin:q_end] = o.transpose(0, 1).to(out.dtype)
+        out[q_begin:q_end] = o[0].transpose(0, 1).to(out.dtype)
     return out
 
 
@@ -158,4 +161,62 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     kv_cache[dst] = kv_cache[src]
 
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks"]
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)), normalised in float32 and rounded to x's dtype first."""
+    xf = x.float()
+    return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual), x + residual); inputs untouched."""
+    summed = x + residual
+    return rmsnorm(summed, weight, eps), summed
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, 2 * inter] (gate, then up) -> silu(gate) * up."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
+           eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotated (and, with q_norm/k_norm, first per-head normalised) query and key, as transformers
+    computes them; [num_tokens, heads, head_dim] each, cos/sin [num_tokens, head_dim]."""
+    if q_norm is not None and k_norm is not None:
+        query, key = rmsnorm(query, q_norm, eps), rmsnorm(key, k_norm, eps)
+    cos, sin = cos[:, None], sin[:, None]
+
+    def rotate_half(x: torch.Tensor) -> torch.Tensor:
+        half = x.shape[-1] // 2
+        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+
+
+def rotary_store_kv(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_mapping: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """`rotary`, then `store_kv` of the rotated key and the value; returns the rotated query."""
+    check_rotary_args(query, key, value, cos, sin, kv_cache, layer)
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    query, key = rotary(query, key, cos, sin, q_norm, k_norm, eps)
+    store_kv(key, value, kv_cache, layer, slot_mapping)
+    return query.contiguous()
+
+
+__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks", "rmsnorm",
+           "fused_add_rmsnorm", "silu_and_mul", "rotary", "rotary_store_kv"]

@@ -42,10 +42,11 @@ FINISH_NAMES: dict[str, FinishNames] = {
 
 class RequestAccount:
     def __init__(self, request_id: str, route: str, num_prompt_tokens: int, metrics: Metrics,
-                 lifecycle: Lifecycle, cancel: Callable[[], None]) -> None:
+                 lifecycle: Lifecycle, cancel: Callable[[], None], num_choices: int = 1) -> None:
         self.request_id = request_id
         self.route = route
         self.num_prompt_tokens = num_prompt_tokens
+        self.num_choices = num_choices
         self.num_cached_tokens = 0
         self.completion_tokens: dict[int, int] = {}  # per choice
         self.finish_reasons: dict[int, str] = {}  # per choice, engine names
@@ -101,6 +102,15 @@ class RequestAccount:
     @property
     def finish(self) -> FinishNames:
         return FINISH_NAMES[self.finish_reason]
+
+    def choice_finish(self, index: int) -> FinishNames:
+        """One choice's finish reason (every choice's is "error" when the request failed)."""
+        if self.error is not None:
+            return FINISH_NAMES["error"]
+        return FINISH_NAMES[self.finish_reasons.get(index, "abort")]
+
+    def choice_finishes(self) -> list[FinishNames]:
+        return [self.choice_finish(index) for index in range(self.num_choices)]
 
     @property
     def num_completion_tokens(self) -> int:

@@ -25,13 +25,14 @@ from streamd.config import Config
 from streamd.engine.async_engine import AsyncEngine
 from streamd.engine.sampling_params import SamplingParams
 from streamd.logs import get_logger
-from streamd.server import openai_routes, ws
+from streamd.server import openai_routes, responses_api, responses_ws, ws
 from streamd.server.auth import Authenticator
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Generation, new_request_id
 from streamd.server.http_guard import HttpGuard
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import CONTENT_TYPE, Metrics
+from streamd.server.responses_store import ResponseStore
 from streamd.server.services import Services
 
 logger = get_logger(__name__)
@@ -56,7 +57,8 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
     lifecycle = Lifecycle(engine, server.drain_timeout_s)
     services = Services(server, engine, server.served_model_name or engine.model_name, int(time.time()),
                         Authenticator(server.api_keys, server.allowed_origins), metrics, lifecycle,
-                        Generation(engine, server, lifecycle, metrics))
+                        Generation(engine, server, lifecycle, metrics),
+                        ResponseStore(server.responses_store_size, server.responses_store_ttl_s))
     page = (STATIC / "index.html").read_text(encoding="utf-8")
 
     @asynccontextmanager
@@ -81,6 +83,8 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
         Route("/metrics", metrics_route, methods=["GET"]),
         WebSocketRoute("/v1/stream", ws.stream_endpoint),
         *(Route(path, fn, methods=methods) for path, fn, methods in openai_routes.make_routes()),
+        *(Route(path, fn, methods=methods) for path, fn, methods in responses_api.make_routes()),
+        WebSocketRoute("/v1/responses", responses_ws.responses_endpoint),  # same path: WebSocket mode
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ServiceError: service_error, Exception: internal_error})

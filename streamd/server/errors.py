@@ -18,6 +18,7 @@ _KINDS: dict[str, tuple[int, str]] = {
     "unknown_id": (400, "invalid_request_error"),
     "unknown_type": (400, "invalid_request_error"),
     "unsupported": (400, "invalid_request_error"),
+    "previous_response_not_found": (400, "invalid_request_error"),
     "unauthorized": (401, "authentication_error"),
     "forbidden_origin": (403, "permission_error"),
     "model_not_found": (404, "invalid_request_error"),

@@ -3,12 +3,13 @@ limits (context length, max_tokens, overload, drain), engine errors to ServiceEr
 `RequestAccount` opened on submission.
 
 Shared by the WebSocket protocol and the OpenAI routes so both refuse and accept exactly the same things.
-Chat templates come only from the model (`AsyncEngine.apply_chat_template`), never from a request.
+Chat templates come only from the model (`tokenizing.py` renders them), never from a request.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -18,19 +19,22 @@ from streamd.engine.async_engine import AsyncEngine, EngineDeadError
 from streamd.engine.errors import RequestError
 from streamd.engine.request_stream import DeltaSink, RequestStream
 from streamd.engine.sampling_params import SamplingParams, is_int
+from streamd.engine.structured import GrammarError
 from streamd.server.accounting import RequestAccount
+from streamd.server.encoding import loads
 from streamd.server.errors import ServiceError
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
+from streamd.server.structured_api import structured_from_response_format
 from streamd.server.tokenizing import Tokenizing
 
 # Wire parameter names (OpenAI / vLLM) accepted on every route.
 WIRE_PARAMS = frozenset({
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "n", "ignore_eos",
-    "logprobs", "include_stop_str_in_output", "skip_special_tokens",
+    "logprobs", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "response_format",
 })
-MAX_N = 1  # parallel sampling is refused until the engine exposes it end to end
+MAX_N = 16  # parallel samples per request (each is a sequence of the batch)
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
 
@@ -55,23 +59,27 @@ class Generation:
         if isinstance(prompt, str):
             if not prompt:
                 raise ServiceError("invalid_request", "prompt must not be empty", "prompt")
-            self._check_chars(len(prompt), "prompt")
+            self.check_chars(len(prompt), "prompt")
             return await self.tokenizing.encode(prompt)  # as LLMEngine tokenizes a text prompt
         if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
-            self._check_chars(len(prompt), "prompt")
+            self.check_chars(len(prompt), "prompt")
             return list(prompt)  # the engine checks them against the vocabulary
         raise ServiceError("invalid_request", "prompt must be a non-empty string or a list of token ids",
                            "prompt")
 
-    async def messages_ids(self, messages: Any) -> list[int]:
+    async def messages_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None, *,
+                           param: str = "messages") -> list[int]:
+        """Chat messages (and OpenAI function `tools`) through the model's chat template, off the loop
+        when long; errors name `param`, the field they came in."""
         messages = normalize_messages(messages)
-        self._check_chars(sum(len(m["content"]) for m in messages), "messages")
+        chars = chat_chars(messages, tools)
+        self.check_chars(chars, param)
         try:
-            return await self.tokenizing.chat(messages)
+            return await self.tokenizing.chat(messages, tools, chars)
         except ValueError as exc:
-            raise ServiceError("invalid_request", f"messages: {exc}", "messages") from exc
+            raise ServiceError("invalid_request", f"{param}: {exc}", param) from exc
 
-    def _check_chars(self, size: int, param: str) -> None:
+    def check_chars(self, size: int, param: str) -> None:
         limit = self.config.max_prompt_chars
         if size > limit:
             raise ServiceError("payload_too_large", f"{param} is too long: {size} characters (or token ids); "
@@ -85,6 +93,13 @@ class Generation:
         if unknown:
             raise ServiceError("invalid_request", f"unknown parameter {unknown[0]!r}", unknown[0])
         fields = {k: v for k, v in raw.items() if v is not None}
+        if "response_format" in fields:
+            structured = structured_from_response_format(fields.pop("response_format"))
+            if structured is not None and "structured_outputs" in fields:
+                raise ServiceError("invalid_request", "give response_format or structured_outputs, not both",
+                                   "response_format")
+            if structured is not None:
+                fields["structured_outputs"] = structured
         context, n_prompt = self.engine.max_model_len, len(prompt_ids)
         if n_prompt >= context:
             raise ServiceError("context_length_exceeded", f"the prompt has {n_prompt} tokens; this model's "
@@ -105,7 +120,7 @@ class Generation:
         except (ValueError, TypeError) as exc:
             raise ServiceError("invalid_request", str(exc), str(exc).split(" ", 1)[0]) from exc
         if params.n > MAX_N:
-            raise ServiceError("unsupported", f"n must be <= {MAX_N} (parallel sampling is not served yet)", "n")
+            raise ServiceError("invalid_request", f"n must be <= {MAX_N}, got {params.n}", "n")
         return Prepared(prompt_ids, params, prompt)
 
     # ---- running -----------------------------------------------------------------------------
@@ -117,10 +132,14 @@ class Generation:
             raise ServiceError("shutting_down", "the server is shutting down")
         if self.engine.num_waiting >= self.config.max_waiting_requests:
             raise ServiceError("overloaded", "too many requests are waiting; retry later")
+        try:  # before the request exists: a bad schema never takes a KV block
+            await self.engine.compile_grammar(prepared.params)
+        except GrammarError as exc:
+            raise ServiceError("invalid_request", str(exc), "structured_outputs") from exc
         engine, request_id = self.engine, new_request_id()
         stream = RequestStream(request_id, engine.abort) if sink is None else None
         account = RequestAccount(request_id, route, len(prepared.prompt_token_ids), self.metrics, self.lifecycle,
-                                 cancel=lambda: engine.abort(request_id))
+                                 cancel=lambda: engine.abort(request_id), num_choices=prepared.params.n)
         try:
             await engine.submit(request_id, prepared.prompt, prepared.params, stream or sink,
                                 prompt_token_ids=prepared.prompt_token_ids)
@@ -144,8 +163,17 @@ class Generation:
         RequestAccount(new_request_id(), route, 0, self.metrics, self.lifecycle, cancel=lambda: None).close()
 
 
-def normalize_messages(messages: Any) -> list[dict[str, str]]:
-    """OpenAI chat messages to plain {role, content} dicts (text parts joined); anything else is refused."""
+def chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """What `server.max_prompt_chars` counts of a chat: every message's content, its tool calls' arguments
+    and the tools' definitions (as JSON)."""
+    size = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
+    return size + (len(json.dumps(tools)) if tools else 0)
+
+
+def normalize_messages(messages: Any) -> list[dict[str, Any]]:
+    """OpenAI chat messages to plain {role, content} dicts (text parts joined), keeping an assistant's
+    `tool_calls` (arguments parsed to objects, as chat templates expect) and a tool message's
+    `tool_call_id`; anything else is refused."""
     if not isinstance(messages, list) or not messages:
         raise ServiceError("invalid_request", "messages must be a non-empty list", "messages")
     out = []
@@ -164,8 +192,24 @@ def normalize_messages(messages: Any) -> list[dict[str, str]]:
             content = ""
         if not isinstance(content, str):
             raise ServiceError("invalid_request", f"messages[{i}].content must be a string", "messages")
-        out.append({"role": message["role"], "content": content})
+        out.append({"role": message["role"], "content": content, **_tool_fields(i, message)})
     return out
+
+
+def _tool_fields(i: int, message: dict[str, Any]) -> dict[str, Any]:
+    fields: dict[str, Any] = {}
+    if message["role"] == "tool" and isinstance(message.get("tool_call_id"), str):
+        fields["tool_call_id"] = message["tool_call_id"]
+    calls = message.get("tool_calls")
+    if message["role"] == "assistant" and calls:
+        try:  # `loads` refuses unencodable text and deep nesting in the arguments as in a body
+            fields["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": loads(c["function"]["arguments"], "arguments")}}
+                for c in calls]
+        except (TypeError, KeyError, AttributeError, ServiceError) as exc:
+            raise ServiceError("invalid_request", f"messages[{i}].tool_calls must be OpenAI tool calls with "
+                               f"JSON-string arguments ({exc})", "messages") from exc
+    return fields
 
 
 def new_request_id() -> str:

@@ -4,7 +4,8 @@
 request is submitted and leaves when it is counted) and the open WebSockets. `drain()` turns `/ready`
 to 503 and refuses new work, lets in-flight requests finish for up to `drain_timeout_s`, then cancels the
 rest (each still gets its `done` once the engine confirms the abort), and finally closes every WebSocket
-with 1001. Waits are on events, never on sleeps.
+with the code it registered (1001 for `/v1/stream`, 1012 for the Responses socket, which the OpenAI SDK
+reconnects after). Waits are on events, never on sleeps.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ class Lifecycle:
         self._active: set[InFlight] = set()
         self._idle = asyncio.Event()
         self._idle.set()
-        self._closers: dict[object, Callable[[int], Awaitable[None]]] = {}
+        self._closers: dict[object, tuple[Callable[[int], Awaitable[None]], int]] = {}
         self._drained: asyncio.Event | None = None
 
     @property
@@ -62,9 +63,9 @@ class Lifecycle:
             self._idle.set()
 
     @contextmanager
-    def connection(self, key: object, close: Callable[[int], Awaitable[None]]) -> Iterator[None]:
-        """Registers an open WebSocket and how to close it at the end of a drain."""
-        self._closers[key] = close
+    def connection(self, key: object, close: Callable[[int], Awaitable[None]], code: int = 1001) -> Iterator[None]:
+        """Registers an open WebSocket and how to close it at the end of a drain (with `code`)."""
+        self._closers[key] = (close, code)
         try:
             yield
         finally:
@@ -86,7 +87,7 @@ class Lifecycle:
             if not await _wait(self._idle, CANCEL_GRACE_S):
                 logger.error("drain_abort_unconfirmed", in_flight=self.num_active)
         closers = list(self._closers.values())
-        await asyncio.gather(*(close(1001) for close in closers), return_exceptions=True)
+        await asyncio.gather(*(close(code) for close, code in closers), return_exceptions=True)
         logger.info("drain_finished", closed_connections=len(closers))
         self._drained.set()
 

@@ -5,7 +5,9 @@
 ServiceError, rendered by the app's handler). A client that disconnects aborts its request: for SSE,
 Starlette cancels the body iterator; otherwise a watcher on `http.disconnect` cancels the collection.
 Unknown top-level fields are ignored (as OpenAI clients and frontends send extras); unsupported features
-that would change the answer (tools, logprobs, echo, suffix) are refused.
+that would change the answer (functions, logprobs, echo, suffix) are refused. `response_format` and
+`structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice` "required" or a named
+function make the reply a grammar-enforced tool call (`structured_api.py`), returned as `tool_calls`.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from streamd.server.encoding import dumps, loads
 from streamd.server.errors import ServiceError
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.services import Services
+from streamd.server.structured_api import ToolCallStream, plan_tools
 
 logger = get_logger(__name__)
 
@@ -46,6 +49,7 @@ class _Call:
     prepared: Prepared
     stream: RequestStream
     account: RequestAccount
+    tool_call: ToolCallStream | None = None  # set when the reply is a grammar-enforced tool call
 
     def finish(self) -> None:
         """The request is over for this call (finished, or its client left): abort if needed, count it."""
@@ -78,24 +82,28 @@ async def list_models(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     s: Services = request.app.state.services
-    body = await _json_body(request)
-    _check_model(s, body)
-    _refuse(body, tools=None, functions=None, logprobs=False, top_logprobs=None, logit_bias=None)
-    if body.get("response_format") not in (None, {"type": "text"}):
-        raise ServiceError("unsupported", "only response_format {\"type\": \"text\"} is supported",
-                           "response_format")
+    body = await json_body(request)
+    check_model(s, body)
+    _refuse(body, functions=None, logprobs=False, top_logprobs=None, logit_bias=None)
     params = _params(body)
     if body.get("max_completion_tokens") is not None:
         params["max_tokens"] = body["max_completion_tokens"]
-    ids = await s.generation.messages_ids(body.get("messages"))
+    plan = plan_tools(body.get("tools"), body.get("tool_choice"))
+    if plan is not None and plan.structured is not None:
+        if params.get("response_format") or params.get("structured_outputs"):
+            raise ServiceError("invalid_request", "a required or named tool_choice cannot be combined with "
+                               "response_format or structured_outputs", "tool_choice")
+        params["structured_outputs"] = plan.structured
+    ids = await s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None)
     prepared = s.generation.prepare(ids, params, default_max_tokens=None)
-    return await _respond(request, s, body, "chat", prepared)
+    tool_call = ToolCallStream() if plan is not None and plan.structured is not None else None
+    return await _respond(request, s, body, "chat", prepared, tool_call)
 
 
 async def completions(request: Request) -> Response:
     s: Services = request.app.state.services
-    body = await _json_body(request)
-    _check_model(s, body)
+    body = await json_body(request)
+    check_model(s, body)
     _refuse(body, echo=False, suffix=None, logprobs=None, logit_bias=None)
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ServiceError("unsupported", "best_of must equal n", "best_of")
@@ -108,7 +116,8 @@ async def completions(request: Request) -> Response:
     return await _respond(request, s, body, "completion", prepared)
 
 
-async def _respond(request: Request, s: Services, body: dict[str, Any], kind: str, prepared: Prepared) -> Response:
+async def _respond(request: Request, s: Services, body: dict[str, Any], kind: str, prepared: Prepared,
+                   tool_call: ToolCallStream | None = None) -> Response:
     stream_flag = body.get("stream") or False
     options = body.get("stream_options") or {}
     if not isinstance(stream_flag, bool) or not isinstance(options, dict):
@@ -116,54 +125,80 @@ async def _respond(request: Request, s: Services, body: dict[str, Any], kind: st
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     account, stream = await s.generation.submit(prepared, kind)
     assert stream is not None
-    call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, stream, account)
+    call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, stream, account,
+                 tool_call)
     structlog.contextvars.bind_contextvars(request_id=call.id)
     if stream_flag:
         return SSEResponse(_sse(call, bool(options.get("include_usage"))), call.finish)
-    return await _until_disconnect(request, _collect(call))
+    return await until_disconnect(request, _collect(call))
 
 
 async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[str]:
+    """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end."""
     extra = {"usage": None} if include_usage else {}
-    if call.kind == "chat":
-        yield _data(_chunk(call, {"role": "assistant", "content": ""}, None, extra))
     account = call.account
+    if call.kind == "chat":
+        for index in range(account.num_choices):
+            yield _data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra))
     async for delta in call.stream:
         account.absorb(delta)
-        text = "".join(choice.text for choice in delta.outputs)
-        if text:
-            yield _data(_chunk(call, _piece(call, text), None, extra))
+        for choice in delta.outputs:
+            if not choice.text:
+                continue
+            if call.tool_call is not None:
+                pieces = call.tool_call.feed(choice.text)
+                if pieces:
+                    yield _data(_chunk(call, choice.index, {"tool_calls": pieces}, None, extra))
+            else:
+                yield _data(_chunk(call, choice.index, _piece(call, choice.text), None, extra))
     if account.error:
         yield _data(ServiceError("internal_error", account.error).openai_body())
     else:
-        yield _data(_chunk(call, _piece(call, ""), account.finish.openai, extra))
+        for index, finish in enumerate(account.choice_finishes()):
+            yield _data(_chunk(call, index, _piece(call, ""), _finish_reason(call, finish.openai), extra))
     if include_usage:
         yield _data({**_envelope(call), "choices": [], "usage": account.usage()})
     yield "data: [DONE]\n\n"
 
 
 async def _collect(call: _Call) -> Response:
-    text = []
     account = call.account
+    texts: list[list[str]] = [[] for _ in range(account.num_choices)]
     try:
         async for delta in call.stream:
             account.absorb(delta)
-            text.extend(choice.text for choice in delta.outputs)
+            for choice in delta.outputs:
+                texts[choice.index].append(choice.text)
     finally:
         call.finish()
     if account.error:
         raise ServiceError("internal_error", account.error)
-    content = "".join(text)
-    reason = account.finish.openai
-    if call.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": content}, "logprobs": None,
-                  "finish_reason": reason}
-    else:
-        choice = {"index": 0, "text": content, "logprobs": None, "finish_reason": reason}
-    return JSONResponse({**_envelope(call, final=True), "choices": [choice], "usage": account.usage()})
+    choices = []
+    for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
+        content = "".join(pieces)
+        if call.tool_call is not None:  # (a grammar-enforced call: one choice)
+            call.tool_call.feed(content)
+        reason = _finish_reason(call, finish.openai)
+        if call.kind != "chat":
+            choices.append({"index": index, "text": content, "logprobs": None, "finish_reason": reason})
+            continue
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if call.tool_call is not None:
+            whole = call.tool_call.final()
+            message = {"role": "assistant", "content": None if whole else content,
+                       "tool_calls": [whole] if whole else []}
+        choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": reason})
+    return JSONResponse({**_envelope(call, final=True), "choices": choices, "usage": account.usage()})
 
 
-async def _until_disconnect(request: Request, work: Any) -> Response:
+def _finish_reason(call: _Call, reason: str) -> str:
+    """"tool_calls" when a grammar-enforced call completed, else the choice's OpenAI finish reason."""
+    if call.tool_call is not None and reason == "stop" and call.tool_call.final() is not None:
+        return "tool_calls"
+    return reason
+
+
+async def until_disconnect(request: Request, work: Any) -> Response:
     """Runs `work`; cancels it (aborting its request) if the client disconnects first."""
     task = asyncio.ensure_future(work)
     watcher = asyncio.ensure_future(_disconnected(request))
@@ -195,13 +230,13 @@ def _piece(call: _Call, text: str) -> dict[str, Any] | str:
     return {"content": text} if call.kind == "chat" else text
 
 
-def _chunk(call: _Call, piece: Any, finish: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+def _chunk(call: _Call, index: int, piece: Any, finish: str | None, extra: dict[str, Any]) -> dict[str, Any]:
     if call.kind == "chat":
         if finish is not None:
             piece = {}
-        choice = {"index": 0, "delta": piece, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": piece, "logprobs": None, "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": finish}
     return {**_envelope(call), "choices": [choice], **extra}
 
 
@@ -209,7 +244,7 @@ def _data(obj: dict[str, Any]) -> str:
     return f"data: {dumps(obj)}\n\n"
 
 
-async def _json_body(request: Request) -> dict[str, Any]:
+async def json_body(request: Request) -> dict[str, Any]:
     """The body (already bounded by `server.max_body_bytes` and checked to be JSON by `http_guard`)."""
     body = loads(await request.body(), "the request body")
     if not isinstance(body, dict):
@@ -217,7 +252,7 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def _check_model(s: Services, body: dict[str, Any]) -> None:
+def check_model(s: Services, body: dict[str, Any]) -> None:
     model = body.get("model")
     if model is not None and model != s.model_name:
         raise ServiceError("model_not_found", f"the model {model!r} does not exist; this server serves "

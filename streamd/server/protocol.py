@@ -79,8 +79,10 @@ def delta_frame(request_id: str, seq: int, text: str, token_ids: list[int], inde
     return frame
 
 
-def done_frame(request_id: str, finish_reason: str, usage: dict[str, Any]) -> Frame:
-    return {"type": "done", "id": request_id, "finish_reason": finish_reason, "usage": usage}
+def done_frame(request_id: str, finish_reason: str, usage: dict[str, Any], finish_reasons: list[str]) -> Frame:
+    """`finish_reason` is the request's (its first choice's); `finish_reasons` has one per choice."""
+    return {"type": "done", "id": request_id, "finish_reason": finish_reason, "finish_reasons": finish_reasons,
+            "usage": usage}
 
 
 def error_frame(request_id: str | None, error: ServiceError) -> Frame:

@@ -14,6 +14,7 @@ from streamd.server.auth import Authenticator
 from streamd.server.generation import Generation
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
+from streamd.server.responses_store import ResponseStore
 
 
 @dataclass(slots=True)
@@ -26,3 +27,4 @@ class Services:
     metrics: Metrics
     lifecycle: Lifecycle
     generation: Generation
+    responses: ResponseStore  # finished Responses, for previous_response_id

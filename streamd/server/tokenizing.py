@@ -34,17 +34,19 @@ class Tokenizing:
         """Token ids of a text prompt, as `LLMEngine` tokenizes one."""
         if self._loop_tokenizer is None:
             raise ServiceError("invalid_request", "this model has no tokenizer: send prompt token ids", "prompt")
-        if len(text) <= INLINE_CHARS:
-            return list(self._loop_tokenizer(text).input_ids)
-        worker = self._worker_tokenizer
-        return await self._offload(lambda: list(worker(text).input_ids))
+        return await self.run(lambda tokenizer: list(tokenizer(text).input_ids), len(text))
 
-    async def chat(self, messages: list[dict[str, str]]) -> list[int]:
-        """The model's chat template over `messages`; raises the engine's RequestError if it refuses them."""
-        if sum(len(m["content"]) for m in messages) <= INLINE_CHARS:
-            return chat_template_ids(self._loop_tokenizer, messages)
+    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, chars: int) -> list[int]:
+        """The model's chat template over `messages` (and OpenAI function `tools`), `chars` long in all;
+        raises the engine's RequestError if it refuses them."""
+        return await self.run(lambda tokenizer: chat_template_ids(tokenizer, messages, tools), chars)
+
+    async def run(self, fn: Callable[[Any], T], chars: int) -> T:
+        """`fn(tokenizer)` for an input `chars` long: on the loop's tokenizer when short, else on the worker."""
+        if chars <= INLINE_CHARS:
+            return fn(self._loop_tokenizer)
         worker = self._worker_tokenizer
-        return await self._offload(lambda: chat_template_ids(worker, messages))
+        return await self._offload(lambda: fn(worker))
 
     async def _offload(self, fn: Callable[[], T]) -> T:
         if self._queued >= MAX_QUEUED:

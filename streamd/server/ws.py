@@ -118,7 +118,8 @@ class WsRequest:
         if delta.finished:
             if delta.error is not None:
                 frames.append(protocol.error_frame(self.client_id, ServiceError("internal_error", delta.error)))
-            frames.append(protocol.done_frame(self.client_id, account.finish.wire, account.usage()))
+            frames.append(protocol.done_frame(self.client_id, account.finish.wire, account.usage(),
+                                              [finish.wire for finish in account.choice_finishes()]))
             self.finished = True
             self.connection.forget(self)
         return frames

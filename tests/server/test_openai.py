@@ -69,8 +69,8 @@ async def test_plain_chat_and_completions(client: AsyncOpenAI, server: Server) -
     ({"temperature": -1}, 400, "invalid_request"),
     ({"top_p": 0}, 400, "invalid_request"),
     ({"max_tokens": 10 ** 7}, 400, "context_length_exceeded"),
-    ({"n": 3}, 400, "unsupported"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "unsupported"),
+    ({"n": 17}, 400, "invalid_request"),
+    ({"functions": [{"name": "f"}]}, 400, "unsupported"),
     ({"model": "gpt-nonexistent"}, 404, "model_not_found"),
 ])
 async def test_bad_parameters_give_openai_errors(client: AsyncOpenAI, server: Server, extra: dict,

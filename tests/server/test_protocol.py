@@ -37,8 +37,9 @@ def test_good_frames_and_server_frames() -> None:
     assert protocol.parse_frame('{"type":"cancel","id":"a"}') == protocol.Cancel("a")
     assert protocol.delta_frame("a", 0, "é", [1], 0) == {
         "type": "delta", "id": "a", "seq": 0, "text": "é", "token_ids": [1], "index": 0}
-    done = protocol.done_frame("a", "stop", {"prompt_tokens": 1})
-    assert done == {"type": "done", "id": "a", "finish_reason": "stop", "usage": {"prompt_tokens": 1}}
+    done = protocol.done_frame("a", "stop", {"prompt_tokens": 1}, ["stop", "length"])
+    assert done == {"type": "done", "id": "a", "finish_reason": "stop", "finish_reasons": ["stop", "length"],
+                    "usage": {"prompt_tokens": 1}}
     error = protocol.error_frame(None, ServiceError("overloaded", "busy"))
     assert error == {"type": "error", "id": None, "error": {"code": "overloaded", "message": "busy"}}
 

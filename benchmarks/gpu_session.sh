@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# One device call of issue 18's measurements. Usage (from the repository root on the device machine):
+#   benchmarks/gpu_session.sh PHASES...     PHASES: setup cuda-tests serve throughput fusion
+# Writes logs and results under $OUT (the device tool's folder) and benchmarks/results/.
+# `setup` installs the carried wheels (.whl) and makes a random-weight SmolLM2-135M-shaped model (bf16) with
+# the real tokenizer from .assets at /tmp/streamd-serve-model.
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT" benchmarks/results
+export PYTHONUNBUFFERED=1 STREAMD_LOG_FORMAT=json
+for phase in "$@"; do
+  echo "=== $phase $(date -u +%T)"
+  case $phase in
+    setup)
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+      python3 - <<'PY'
+import shutil, torch
+from transformers import AutoModelForCausalLM
+from streamd.bench.throughput import model_config
+with torch.device("cuda"):
+    m = AutoModelForCausalLM.from_config(model_config("smollm2-135m"), dtype=torch.bfloat16)
+m.save_pretrained("/tmp/streamd-serve-model")
+for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(f".assets/{name}", "/tmp/streamd-serve-model")
+print(torch.cuda.get_device_name(0), torch.__version__)
+PY
+      ;;
+    cuda-tests)
+      python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda_engine.py tests/test_cache_engine.py \
+        tests/kernels/test_cuda.py 2>&1 | tail -25 | tee "$OUT/cuda-tests.log" ;;
+    serve)
+      python3 -m streamd.cli bench serve --offline-baseline --baseline-model /tmp/streamd-serve-model \
+        --levels 256 --rates 32,128,512 --rate-requests 512 --repeats 1 --requests-per-stream 2 \
+        --prompt-words 200 --max-tokens 128 --set cache.num_kv_blocks=16384 --set model.dtype='"bfloat16"' \
+        --out benchmarks/results 2>"$OUT/serve-stderr.log" | tee "$OUT/serve.log"
+      cp benchmarks/results/serve-*.json benchmarks/results/serve-*.md "$OUT/" 2>/dev/null ;;
+    throughput)
+      python3 -m streamd.bench.throughput --shapes llama3.2-1b,smollm2-135m --peers hf_cb \
+        --out benchmarks/results 2>"$OUT/throughput-stderr.log" | tail -40 | tee "$OUT/throughput.log"
+      cp benchmarks/results/throughput-*.json benchmarks/results/throughput-*.md "$OUT/" 2>/dev/null ;;
+    fusion)
+      python3 benchmarks/fusion.py --out "$OUT" 2>&1 | tail -30 | tee "$OUT/fusion.log" ;;
+  esac
+done

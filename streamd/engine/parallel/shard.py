@@ -1,0 +1,102 @@
+"""Cuts a loaded transformers model into the shard of one tensor-parallel rank, in place.
+
+Which linear layer is split how comes from transformers' own plan for the architecture
+(`config.base_model_tp_plan`: "colwise" for q/k/v/gate/up, "rowwise" for o/down); the cutting itself is
+done here on plain tensors rather than through transformers' DTensor path (`from_pretrained(tp_plan=...)`):
+that path loads only through `from_pretrained` (no random-weight models), wraps every weight in a DTensor
+whose per-op dispatch cost a quarter more per forward on the CPU (measured: 8.4 ms against 6.7 ms on a
+2-layer model with gloo), and forces every rank to run the replicated `lm_head` and gather its output,
+while here only rank 0 computes logits. A row-parallel layer sums its partial outputs with one
+`all_reduce` (a forward hook); its bias is added by rank 0 alone.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import PreTrainedModel
+
+COLWISE = "colwise"
+ROWWISE = "rowwise"
+# Styles that only matter for training (gradients) or leave the module whole: nothing to do for inference.
+_REPLICATED = frozenset({"replicated_with_grad_allreduce"})
+
+
+@dataclass(slots=True, frozen=True)
+class ShardSpec:
+    rank: int
+    world_size: int
+    group: dist.ProcessGroup  # the group of the row-parallel all-reduces
+
+
+def check_divisible(model: PreTrainedModel, world_size: int) -> None:
+    """Raises ValueError unless every head count and the MLP width split evenly over `world_size` ranks."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    for name, value in (("num_key_value_heads", kv_heads), ("num_attention_heads", heads),
+                        ("intermediate_size", getattr(config, "intermediate_size", 0))):
+        if value % world_size:
+            raise ValueError(f"parallel.tensor_parallel_size {world_size} does not divide the model's "
+                             f"{name} ({value}): every rank must hold whole heads and an equal MLP slice")
+
+
+def shard_model(model: PreTrainedModel, spec: ShardSpec) -> None:
+    """Replaces each planned linear layer's weight (and bias) by this rank's slice; hooks row-parallel ones."""
+    check_divisible(model, spec.world_size)
+    plan = model.config.get_text_config().base_model_tp_plan
+    if not plan:
+        raise ValueError(f"transformers has no tensor-parallel plan for model type {model.config.model_type!r}")
+    base = model.base_model
+    for name, module in base.named_modules():
+        style = _style_of(plan, name)
+        if style is None or style in _REPLICATED:
+            continue
+        if not isinstance(module, nn.Linear):
+            raise ValueError(f"tensor-parallel plan style {style!r} on {name} ({type(module).__name__}) "
+                             "is not supported: only plain linear layers are split")
+        if style == COLWISE:
+            _split_columns(module, spec)
+        elif style == ROWWISE:
+            _split_rows(module, spec)
+        else:
+            raise ValueError(f"tensor-parallel plan style {style!r} (on {name}) is not supported; "
+                             f"supported: {COLWISE}, {ROWWISE}")
+
+
+def _style_of(plan: dict[str, str], name: str) -> str | None:
+    for pattern, style in plan.items():
+        if fnmatch.fnmatchcase(name, pattern):
+            return style
+    return None
+
+
+def _split_columns(linear: nn.Linear, spec: ShardSpec) -> None:
+    """Output features (heads, MLP columns) split into `world_size` contiguous slices."""
+    linear.weight = nn.Parameter(_slice(linear.weight, 0, spec), requires_grad=False)
+    if linear.bias is not None:
+        linear.bias = nn.Parameter(_slice(linear.bias, 0, spec), requires_grad=False)
+    linear.out_features = linear.weight.shape[0]
+
+
+def _split_rows(linear: nn.Linear, spec: ShardSpec) -> None:
+    """Input features split; the partial outputs are summed over the ranks after the matmul."""
+    linear.weight = nn.Parameter(_slice(linear.weight, 1, spec), requires_grad=False)
+    linear.in_features = linear.weight.shape[1]
+    if linear.bias is not None and spec.rank != 0:
+        linear.bias = None  # added once, by rank 0, before the sum
+    group = spec.group
+    linear.register_forward_hook(lambda _module, _args, output: _all_reduce(output, group))
+
+
+def _all_reduce(output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    group.allreduce(output).wait()  # raises when a rank is gone or the group's timeout passes
+    return output
+
+
+def _slice(tensor: torch.Tensor, dim: int, spec: ShardSpec) -> torch.Tensor:
+    return tensor.detach().chunk(spec.world_size, dim)[spec.rank].contiguous()

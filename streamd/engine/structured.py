@@ -1,0 +1,148 @@
+"""Structured outputs: grammars compiled from `StructuredOutputs`, one matcher per constrained sequence, and
+the token bitmask that gates the sampler.
+
+The grammar engine is xgrammar (chosen by measurement: `benchmarks/NOTES.md`). `GrammarCompiler` turns a
+request's `StructuredOutputs` into a compiled grammar; xgrammar's compiler caches them by grammar text (a
+schema by its compact JSON text, property order kept), so a schema is compiled once per process.
+A schema that cannot be compiled raises `GrammarError` naming the problem; the server compiles before
+submitting, so a bad schema is refused before its request takes any KV block.
+
+`GrammarMatchers` (owned by the engine, next to the sampler) keeps a matcher per constrained sequence:
+`bitmask(seqs)` fills the allowed-token bitmask of every constrained row of a batch in one call (xgrammar's
+batch matcher, threads inside), `accept(seq, token)` advances a matcher with each token the sequence keeps.
+A recompute preemption keeps a sequence's tokens, so its matcher stays valid; `rebuild` replays a
+sequence's output tokens into a fresh matcher where one is needed. Unconstrained batches cost one empty-dict
+check per step.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import xgrammar as xgr
+
+from streamd.engine.errors import RequestError
+from streamd.engine.sampling_params import StructuredOutputs
+from streamd.engine.sequence import Sequence
+
+_REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before its message
+
+
+class GrammarError(RequestError):
+    """A structured-output spec that cannot be compiled (bad schema, unsupported feature, bad grammar)."""
+
+
+@dataclass(slots=True)
+class TokenBitmask:
+    """Allowed tokens of the constrained rows of one batch: bit t of row i set = token t allowed."""
+
+    mask: torch.Tensor  # int32 [rows, ceil(vocab / 32)], on the logits' device
+    rows: list[int]  # the constrained rows (others are left untouched)
+    vocab_size: int
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sets the disallowed logits of the constrained rows to -inf, in place, in one batched call."""
+        xgr.apply_token_bitmask_inplace(logits, self.mask, vocab_size=self.vocab_size, indices=self.rows)
+        return logits
+
+
+class GrammarCompiler:
+    """StructuredOutputs -> xgrammar CompiledGrammar for one tokenizer; thread-safe, cached by grammar text."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=sorted(stop_token_ids))
+        self.vocab_size = vocab_size
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+
+    def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
+        kind = _kind(spec)
+        try:
+            if spec.json is not None:
+                return self._compiler.compile_json_schema(_schema_text(spec.json), any_whitespace=False)
+            if spec.json_object:
+                return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+            if spec.regex is not None:
+                return self._compiler.compile_regex(spec.regex)
+            if spec.choice is not None:
+                return self._compiler.compile_regex("|".join(_escape_regex(c) for c in spec.choice))
+            assert spec.grammar is not None
+            return self._compiler.compile_grammar(spec.grammar)
+        except GrammarError:
+            raise
+        except Exception as exc:  # xgrammar raises RuntimeError/ValueError/its own types: all the spec's fault
+            text = str(exc).strip()
+            first_line = _LOG_PREFIX.sub("", text.splitlines()[0]) if text else type(exc).__name__
+            raise GrammarError(f"structured_outputs.{kind} cannot be compiled: {first_line}") from exc
+
+
+class GrammarMatchers:
+    """The engine's matchers, one per live constrained sequence (by seq_id)."""
+
+    def __init__(self, compiler: GrammarCompiler) -> None:
+        self.compiler = compiler
+        self._matchers: dict[int, xgr.GrammarMatcher] = {}
+        self._batch = xgr.BatchGrammarMatcher(max_threads=2)
+
+    def __len__(self) -> int:
+        return len(self._matchers)
+
+    def add(self, seq: Sequence, spec: StructuredOutputs) -> None:
+        self._matchers[seq.seq_id] = xgr.GrammarMatcher(self.compiler.compile(spec))
+
+    def rebuild(self, seq: Sequence, spec: StructuredOutputs) -> bool:
+        """A fresh matcher fed the sequence's output tokens; False if they do not fit the grammar."""
+        self.add(seq, spec)
+        matcher = self._matchers[seq.seq_id]
+        return all(matcher.accept_token(t) for t in seq.output_token_ids)
+
+    def remove(self, seq: Sequence) -> None:
+        self._matchers.pop(seq.seq_id, None)
+
+    def accept(self, seq: Sequence, token: int) -> bool:
+        """Advances the sequence's matcher (if constrained); False when the grammar does not allow `token`
+        (only possible when no token was allowed: a dead end)."""
+        matcher = self._matchers.get(seq.seq_id)
+        return matcher is None or matcher.accept_token(token)
+
+    def bitmask(self, seqs: list[Sequence], device: torch.device) -> TokenBitmask | None:
+        """The batch's bitmask, or None when no row is constrained (then sampling is untouched)."""
+        if not self._matchers:
+            return None
+        get = self._matchers.get
+        rows = [i for i, seq in enumerate(seqs) if seq.seq_id in self._matchers]
+        if not rows:
+            return None
+        mask = xgr.allocate_token_bitmask(len(seqs), self.compiler.vocab_size)
+        self._batch.batch_fill_next_token_bitmask([get(seqs[i].seq_id) for i in rows], mask, indices=rows)
+        if device.type == "cuda":
+            mask = mask.pin_memory().to(device, non_blocking=True)
+        return TokenBitmask(mask, rows, self.compiler.vocab_size)
+
+
+def _kind(spec: StructuredOutputs) -> str:
+    for name in ("json", "regex", "choice", "grammar"):
+        if getattr(spec, name) is not None:
+            return name
+    return "json_object"
+
+
+def _schema_text(schema: dict[str, Any] | str) -> str:
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as exc:
+            raise GrammarError(f"structured_outputs.json is not valid JSON: {exc}") from exc
+    if not isinstance(schema, dict):
+        raise GrammarError("structured_outputs.json must be a JSON schema object")
+    return json.dumps(schema)  # property order is kept: the grammar generates properties in schema order
+
+
+def _escape_regex(text: str) -> str:
+    return "".join("\\" + c if c in _REGEX_SPECIAL else c for c in text)

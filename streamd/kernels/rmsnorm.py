@@ -1,0 +1,86 @@
+"""RMSNorm, alone or fused with the residual add before it (Triton).
+
+Owns ``rmsnorm`` and ``fused_add_rmsnorm``: one program per row keeps the whole hidden vector in
+registers, so the residual sum, the mean of squares, the scaling and the weight take one read of each
+input and one write of each output. Rounding follows the unfused transformers sequence: the residual
+sum is rounded to the activations' dtype before it is normalised, and the normalised row is rounded
+to that dtype before the weight multiplies it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton.language as tl
+
+from streamd.kernels._triton_utils import dual_kernel, next_pow2
+
+
+@dual_kernel
+def _rmsnorm_kernel(
+    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
+    hidden, eps,
+    s_x, s_res, s_out, s_res_out,
+    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < hidden
+    dtype = out_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
+        summed = x.to(dtype)
+        tl.store(res_out_ptr + row * s_res_out + offs, summed, mask=mask)
+        x = summed.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = (x * inv_rms).to(dtype).to(tl.float32) * w
+    tl.store(out_ptr + row * s_out + offs, y.to(dtype), mask=mask)
+
+
+def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(f"rmsnorm wants x [rows, hidden] and weight [hidden], got {tuple(x.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if x.stride(1) != 1:
+        raise ValueError("rmsnorm wants rows with unit stride along hidden")
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+            out: torch.Tensor, residual_out: torch.Tensor | None) -> None:
+    rows, hidden = x.shape
+    if rows == 0:
+        return
+    block = next_pow2(hidden)
+    res = residual if residual is not None else x
+    res_out = residual_out if residual_out is not None else out
+    _rmsnorm_kernel.launch(
+        x.device, (rows,),
+        x, res, weight, out, res_out, hidden, eps,
+        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
+        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(8, max(1, block // 256)),
+    )
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * (x / sqrt(mean(x^2) + eps)) per row of x [rows, hidden]; a new tensor of x's dtype."""
+    _check(x, weight)
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x, None, weight, eps, out, None)
+    return out
+
+
+def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rmsnorm(x + residual), x + residual) for x, residual [rows, hidden]; new tensors, inputs untouched."""
+    _check(x, weight)
+    if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
+        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
+                         f"{tuple(x.shape)} {x.dtype}")
+    out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    residual_out = torch.empty_like(out)
+    _launch(x, residual, weight, eps, out, residual_out)
+    return out, residual_out
+
+
+__all__ = ["rmsnorm", "fused_add_rmsnorm"]
