@@ -153,13 +153,38 @@ async def test_sampling_values_are_bounded(rserver: Server, raw: str, field: str
         assert answer.status_code == 400 and answer.json()["error"]["param"] == field
 
 
-async def test_infinity_is_not_json(rserver: Server) -> None:
-    """Infinity (which Python's json writes) and 1e999 are not JSON numbers: refused as such, not sampled."""
+# The fuzzer's seed 1386874302 found this frame (batch 80, frame 14): Python's json writes -Infinity for
+# float("-inf"), orjson refused the frame as a whole, and its error came with id null, so the request's own
+# id never got an answer. The server now reads these literals; the field's check refuses the value.
+FUZZ_FRAME_80_14 = ('{"type": "generate", "id": "14::\\u00d9\\u0006\\u00cb", "messages": null, "params": '
+                    '{"top_k": 8.190189112598961e+24, "min_tokens": ["/proc/cpuinfo", [2.0, 2.0000001], [true]], '
+                    '"skip_special_tokens": true, "presence_penalty": -54230, "temperature": -Infinity, '
+                    '"max_tokens": 2}}')
+
+
+@pytest.mark.parametrize("value", ["Infinity", "-Infinity", "1e999", "NaN"])
+async def test_non_finite_numbers_are_refused_under_the_frames_id(rserver: Server, value: str) -> None:
+    """What Python's json writes for non-finite floats is not JSON; it is read so that the answer carries
+    the request's id, and refused by the field's own check, naming it (never sampled)."""
+    expected = await reference_tokens(rserver)
     async with ws_connect(rserver) as ws:
-        for value in ("Infinity", "1e999", "NaN"):
-            error = await error_for(ws, '{"type":"generate","id":"t","prompt":"Hi","params":{"temperature":'
-                                    + value + "}}")
-            assert error["error"]["code"] == "invalid_json", value
+        await send(ws, type="generate", id="ctl", **CONTROL)
+        error = await error_for(ws, '{"type":"generate","id":"t","prompt":"Hi","params":{"temperature":'
+                                + value + "}}")
+        assert (error["id"], error["error"]["code"]) == ("t", "invalid_request")
+        assert error["error"]["message"].startswith("temperature"), error
+        assert (await gather_until_done(ws, {"ctl"}))["ctl"].token_ids == expected
+    async with httpx.AsyncClient(base_url=rserver.http, timeout=60) as http:
+        answer = await http.post("/v1/chat/completions", headers={"Content-Type": "application/json"},
+                                 content=b'{"messages":[{"role":"user","content":"Hi"}],"temperature":'
+                                 + value.encode() + b"}")
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "temperature", answer.text
+
+
+async def test_fuzz_frame_with_minus_infinity_is_answered_under_its_id(rserver: Server) -> None:
+    async with ws_connect(rserver) as ws:
+        error = await error_for(ws, FUZZ_FRAME_80_14)
+        assert error["id"] == json.loads(FUZZ_FRAME_80_14)["id"] and error["error"]["code"] == "invalid_request"
 
 
 async def test_origin_policy_by_default(rserver: Server) -> None:

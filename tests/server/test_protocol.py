@@ -31,6 +31,19 @@ def test_bad_frames(text: str, code: str, frame_id: str | None) -> None:
     assert info.value.code == code and info.value.param == frame_id
 
 
+def test_non_finite_literals_keep_the_frames_id() -> None:
+    """Python's json writes NaN / Infinity; such a frame is read (its id kept), anything unencodable in it
+    is still refused."""
+    frame = protocol.parse_frame('{"type":"generate","id":"a","prompt":"hi","params":{"temperature":-Infinity}}')
+    assert frame.id == "a" and frame.params["temperature"] == float("-inf")
+    for text in ('{"type":"generate","id":"a","prompt":"\\ud800","params":{"temperature":NaN}}',
+                 '{"type":"generate","id":"a","prompt":NaN,"x":"\\udc00"}'):
+        with pytest.raises(ServiceError, match="cannot be encoded as UTF-8"):
+            protocol.parse_frame(text)
+    with pytest.raises(ServiceError, match="not valid JSON"):
+        protocol.parse_frame('{"type":"generate","id":"a","prompt":NaN')
+
+
 def test_good_frames_and_server_frames() -> None:
     frame = protocol.parse_frame('{"type":"generate","id":"a","prompt":"hi","params":{"max_tokens":3}}')
     assert frame == protocol.Generate("a", "hi", None, {"max_tokens": 3})
