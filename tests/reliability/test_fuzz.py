@@ -31,7 +31,7 @@ CONTROL_EVERY = 10  # examples between control streams on the fuzzed socket itse
 FRAMES = int(os.environ.get("STREAMD_FUZZ_FRAMES", "2000"))
 HTTP_BODIES = int(os.environ.get("STREAMD_FUZZ_HTTP", "300"))
 SEED = int(os.environ.get("STREAMD_FUZZ_SEED", random.SystemRandom().randrange(2**32)))
-TIMEOUT = 120.0
+TIMEOUT = 60.0  # per read; a batch of 20 small frames is answered in well under a second
 FUZZ = settings(max_examples=max(1, FRAMES // BATCH), deadline=None, database=None, phases=[Phase.generate],
                 suppress_health_check=list(HealthCheck))
 
@@ -72,7 +72,13 @@ def check_batch(ws: ClientConnection, sent: list[Sent]) -> None:
     answered: dict[str, str] = {}
     got_nulls = 0
     while set(answered) != expected or got_nulls < nulls:
-        for f in _frames(ws):
+        try:
+            frames = _frames(ws)
+        except TimeoutError:
+            unanswered = [s.text for s in sent if s.answer_id in expected - set(answered)]
+            raise AssertionError(f"no answer in {TIMEOUT:.0f} s to {unanswered} (id-null errors: {got_nulls} "
+                                 f"of {nulls})") from None
+        for f in frames:
             fid = f.get("id")
             if f["type"] == "error" and fid is None:
                 got_nulls += 1
