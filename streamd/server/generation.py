@@ -19,7 +19,6 @@ from streamd.engine.async_engine import AsyncEngine, EngineDeadError
 from streamd.engine.errors import RequestError
 from streamd.engine.request_stream import DeltaSink, RequestStream
 from streamd.engine.sampling_params import SamplingParams, is_int
-from streamd.engine.structured import GrammarError
 from streamd.server.accounting import RequestAccount
 from streamd.server.encoding import loads
 from streamd.server.errors import ServiceError
@@ -134,8 +133,8 @@ class Generation:
             raise ServiceError("overloaded", "too many requests are waiting; retry later")
         try:  # before the request exists: a bad schema never takes a KV block
             await self.engine.compile_grammar(prepared.params)
-        except GrammarError as exc:
-            raise ServiceError("invalid_request", str(exc), "structured_outputs") from exc
+        except RequestError as exc:  # a GrammarError, or a model that cannot constrain its output
+            raise ServiceError(exc.code, str(exc), "structured_outputs") from exc
         engine, request_id = self.engine, new_request_id()
         stream = RequestStream(request_id, engine.abort) if sink is None else None
         account = RequestAccount(request_id, route, len(prepared.prompt_token_ids), self.metrics, self.lifecycle,

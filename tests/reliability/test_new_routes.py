@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 from websockets.asyncio.client import ClientConnection, connect
 
+from tests.reliability.test_reproductions import error_for
 from tests.reliability.util import LIMITS, settle
 from tests.server.util import Server, gather_until_done, send, ws_connect
 
@@ -134,3 +135,19 @@ async def test_responses_cancelled_before_admission_are_counted(rserver: Server)
     await settle(rserver)
     await rserver.services.engine.wait_idle(timeout=120)
     assert total() - before == 7
+
+
+async def test_deep_schemas_are_refused_before_compiling(rserver: Server) -> None:
+    """A schema nested 300 objects deep would keep a compile thread busy for many seconds per request."""
+    schema: dict[str, Any] = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "object", "properties": {"a": schema}, "required": ["a"]}
+    async with httpx.AsyncClient(base_url=rserver.http, timeout=120) as http:
+        answer = await http.post("/v1/chat/completions", json={
+            "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "deep", "schema": schema}}})
+        assert answer.status_code == 400 and "nested too deeply" in answer.json()["error"]["message"], answer.text
+    async with ws_connect(rserver) as ws:
+        error = await error_for(ws, json.dumps({"type": "generate", "id": "deep", "prompt": "Hi",
+                                                "params": {"structured_outputs": {"json": schema}}}))
+        assert error["id"] == "deep" and "nested too deeply" in error["error"]["message"], error
