@@ -19,6 +19,7 @@ MAX_TEMPERATURE = 2.0
 MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 100.0
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (as OpenAI)
 
 
 @dataclass(slots=True, frozen=True)
@@ -130,8 +131,8 @@ class SamplingParams:
         _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be a list of non-negative integers")
         if self.logprobs is not None:
-            _check(is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
-                   "must be an integer in [0, 20]")
+            _check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+                   f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a boolean")
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from streamd.config import ServerConfig
 from streamd.engine.async_engine import AsyncEngine, EngineDeadError
+from streamd.engine.chat_template import DEFAULT_OPTIONS, TemplateOptions
 from streamd.engine.errors import RequestError
 from streamd.engine.request_stream import DeltaSink, RequestStream
 from streamd.engine.sampling_params import SamplingParams, is_int
@@ -53,35 +54,36 @@ class Generation:
         self.tokenizing = Tokenizing(engine.tokenizer)
 
     # ---- building ----------------------------------------------------------------------------
-    async def prompt_ids(self, prompt: Any) -> list[int]:
-        """A text prompt (tokenized off the loop when long), or a list of token ids."""
+    async def prompt_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt (tokenized as LLMEngine tokenizes one, unless told to leave out special tokens; off
+        the loop when long), or a list of token ids."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ServiceError("invalid_request", "prompt must not be empty", "prompt")
             self.check_chars(len(prompt), "prompt")
-            return await self.tokenizing.encode(prompt)  # as LLMEngine tokenizes a text prompt
+            return await self.tokenizing.encode(prompt, add_special_tokens)
         if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
             self.check_chars(len(prompt), "prompt")
             return list(prompt)  # the engine checks them against the vocabulary
         raise ServiceError("invalid_request", "prompt must be a non-empty string or a list of token ids",
                            "prompt")
 
-    async def messages_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None, *,
-                           param: str = "messages") -> list[int]:
-        """Chat messages (and OpenAI function `tools`) through the model's chat template, off the loop
-        when long; errors name `param`, the field they came in."""
+    async def messages_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None,
+                           options: TemplateOptions = DEFAULT_OPTIONS, *, param: str = "messages") -> list[int]:
+        """Chat messages (and OpenAI function `tools`) through the model's chat template as `options` say,
+        off the loop when long; errors name `param`, the field they came in."""
         messages = normalize_messages(messages)
         chars = chat_chars(messages, tools)
         self.check_chars(chars, param)
         try:
-            return await self.tokenizing.chat(messages, tools, chars)
+            return await self.tokenizing.chat(messages, tools, options, chars)
         except ValueError as exc:
             raise ServiceError("invalid_request", f"{param}: {exc}", param) from exc
 
     def check_chars(self, size: int, param: str) -> None:
         limit = self.config.max_prompt_chars
         if size > limit:
-            raise ServiceError("payload_too_large", f"{param} is too long: {size} characters (or token ids); "
+            raise ServiceError("request_too_large", f"{param} is too long: {size} characters (or token ids); "
                                f"this server takes at most {limit} (server.max_prompt_chars)", param)
 
     def prepare(self, prompt_ids: list[int], raw: dict[str, Any], *, default_max_tokens: int | None,

@@ -14,11 +14,10 @@ A body within limits is read here and handed to the route as one message.
 from __future__ import annotations
 
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from streamd.server.auth import Authenticator
-from streamd.server.errors import ServiceError
+from streamd.server.errors import ServiceError, error_response
 
 
 class HttpGuard:
@@ -38,7 +37,7 @@ class HttpGuard:
             if error is None:
                 receive = _replay(body, receive)
         if error is not None:
-            await JSONResponse(error.openai_body(), status_code=error.status)(scope, receive, send)
+            await error_response(error)(scope, receive, send)
             return
         await self.app(scope, receive, send)
 
@@ -71,7 +70,7 @@ class HttpGuard:
                 return b"".join(chunks), None
 
     def _too_large(self) -> ServiceError:
-        return ServiceError("payload_too_large", f"the request body is larger than {self.max_body_bytes} "
+        return ServiceError("request_too_large", f"the request body is larger than {self.max_body_bytes} "
                             "bytes (server.max_body_bytes)")
 
 

@@ -14,7 +14,7 @@ import copy
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-from streamd.engine.chat_template import chat_template_ids
+from streamd.engine.chat_template import TemplateOptions, chat_template_ids
 from streamd.server.errors import ServiceError
 
 INLINE_CHARS = 4096  # inputs up to this many characters are tokenized on the loop
@@ -30,16 +30,18 @@ class Tokenizing:
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="streamd-tokenize")
         self._queued = 0
 
-    async def encode(self, text: str) -> list[int]:
-        """Token ids of a text prompt, as `LLMEngine` tokenizes one."""
+    async def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a text prompt, as `LLMEngine` tokenizes one (unless told to leave out special tokens)."""
         if self._loop_tokenizer is None:
             raise ServiceError("invalid_request", "this model has no tokenizer: send prompt token ids", "prompt")
-        return await self.run(lambda tokenizer: list(tokenizer(text).input_ids), len(text))
+        return await self.run(lambda tokenizer: list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids),
+                              len(text))
 
-    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, chars: int) -> list[int]:
-        """The model's chat template over `messages` (and OpenAI function `tools`), `chars` long in all;
-        raises the engine's RequestError if it refuses them."""
-        return await self.run(lambda tokenizer: chat_template_ids(tokenizer, messages, tools), chars)
+    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   options: TemplateOptions, chars: int) -> list[int]:
+        """The model's chat template over `messages` (and OpenAI function `tools`), `chars` long in all, as
+        `options` say; raises the engine's RequestError if it refuses them."""
+        return await self.run(lambda tokenizer: chat_template_ids(tokenizer, messages, tools, options), chars)
 
     async def run(self, fn: Callable[[Any], T], chars: int) -> T:
         """`fn(tokenizer)` for an input `chars` long: on the loop's tokenizer when short, else on the worker."""

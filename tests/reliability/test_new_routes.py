@@ -27,10 +27,10 @@ BAD_EVENTS: list[tuple[str, str, str | None, str]] = [
     ('{"type":"response.create","stream_id":"s2","input":"Hi","temperature":-Infinity}', "invalid_request", "s2",
      "temperature"),
     ('{"type":"response.create","stream_id":"s3","input":"Hi","top_p":1e300}', "invalid_request", "s3", "top_p"),
-    (json.dumps({"type": "response.create", "stream_id": "s4", "input": "y" * (CHARS + 1)}), "payload_too_large",
+    (json.dumps({"type": "response.create", "stream_id": "s4", "input": "y" * (CHARS + 1)}), "request_too_large",
      "s4", "max_prompt_chars"),
     (json.dumps({"type": "response.create", "stream_id": "s5", "input": "Hi", "instructions": "z" * CHARS}),
-     "payload_too_large", "s5", "max_prompt_chars"),
+     "request_too_large", "s5", "max_prompt_chars"),
 ]
 
 

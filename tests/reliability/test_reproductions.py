@@ -101,10 +101,10 @@ async def test_body_limits_and_content_type(rserver: Server) -> None:
         assert nested.status_code == 400 and "nested too deeply" in nested.json()["error"]["message"]
     async with ws_connect(rserver) as ws:
         error = await error_for(ws, json.dumps({"type": "generate", "id": "big", "prompt": "z" * (chars + 1)}))
-        assert (error["id"], error["error"]["code"]) == ("big", "payload_too_large")
+        assert (error["id"], error["error"]["code"]) == ("big", "request_too_large")
         error = await error_for(ws, json.dumps({"type": "generate", "id": "msgs", "messages": [
             {"role": "user", "content": "z" * (chars // 2 + 1)}, {"role": "assistant", "content": "z" * (chars // 2 + 1)}]}))
-        assert (error["id"], error["error"]["code"]) == ("msgs", "payload_too_large")
+        assert (error["id"], error["error"]["code"]) == ("msgs", "request_too_large")
 
 
 @pytest.mark.parametrize("headers", [
