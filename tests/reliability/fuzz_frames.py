@@ -121,20 +121,31 @@ def _is_object(text: str) -> bool:
         return False
 
 
+HTTP_PATHS = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/tokenize"]
+
+
 @st.composite
 def http_body(draw: st.DrawFn) -> tuple[str, bytes, str]:
-    """(path, body, content type) for a POST to an OpenAI route."""
-    path = draw(st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
+    """(path, body, content type) for a POST to an OpenAI (or vLLM tokenizer) route."""
+    path = draw(st.sampled_from(HTTP_PATHS))
     body: dict[str, Any] = {}
     if path == "/v1/completions":
         body["prompt"] = draw(PROMPT)
+    elif path == "/v1/responses":
+        body["input"] = draw(st.one_of(PROMPT, MESSAGES))
+        if draw(st.booleans()):
+            body["instructions"] = draw(st.one_of(TEXT, JSONISH))
+    elif path == "/tokenize":
+        body[draw(st.sampled_from(["prompt", "messages"]))] = draw(st.one_of(PROMPT, MESSAGES))
     else:
         body["messages"] = draw(MESSAGES)
     params = draw(PARAMS)
     if isinstance(params, dict):
         body.update(params)
-    body["max_tokens"] = draw(st.one_of(st.integers(1, 2), PARAM_VALUES["max_tokens"]))
-    for key in draw(st.lists(st.sampled_from(["stream", "model", "n", "stream_options", "tools", "echo"]),
+    limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
+    body[limit] = draw(st.one_of(st.integers(1, 2), PARAM_VALUES["max_tokens"]))
+    for key in draw(st.lists(st.sampled_from(["stream", "model", "n", "stream_options", "tools", "echo",
+                                              "previous_response_id", "store", "return_token_strs"]),
                              max_size=2)):
         body[key] = draw(JSONISH)
     raw = draw(st.one_of(st.just(json.dumps(body).encode()), st.binary(max_size=40),

@@ -15,7 +15,7 @@ from tests.server.util import Server
 # Small limits so that "at and over every limit" stays cheap.
 LIMITS: dict[str, Any] = {
     "max_frame_bytes": 65536, "max_requests_per_connection": 8, "max_prompt_chars": 9000,
-    "max_body_bytes": 65536, "default_max_tokens": 4,
+    "max_body_bytes": 65536, "default_max_tokens": 4, "max_tokens_limit": 256,
 }
 SETTLE_S = 30.0
 
