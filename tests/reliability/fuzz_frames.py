@@ -29,6 +29,14 @@ JSONISH = st.recursive(st.one_of(st.none(), st.booleans(), NUMBER, TEXT),
 STOP = st.one_of(TEXT, NUMBER, st.lists(TEXT, max_size=4),
                  st.sampled_from([MAX_STOP_STRINGS, MAX_STOP_STRINGS + 1]).map(lambda n: ["x"] * n),
                  st.sampled_from([MAX_STOP_CHARS, MAX_STOP_CHARS + 1]).map(lambda n: ["y" * n]))
+SCHEMA_KEYS = st.sampled_from(["type", "properties", "items", "enum", "required", "anyOf", "$ref", "pattern"])
+STRUCTURED = st.one_of(
+    st.fixed_dictionaries({"json": st.one_of(JSONISH, st.dictionaries(SCHEMA_KEYS, JSONISH, max_size=4))}),
+    st.fixed_dictionaries({"regex": TEXT}), st.fixed_dictionaries({"choice": st.lists(TEXT, max_size=3)}),
+    st.fixed_dictionaries({"grammar": TEXT}), st.fixed_dictionaries({"json_object": st.booleans()}), JSONISH)
+RESPONSE_FORMAT = st.one_of(JSONISH, st.fixed_dictionaries(
+    {"type": st.sampled_from(["json_object", "json_schema", "text", "xml"])},
+    optional={"json_schema": st.fixed_dictionaries({"name": TEXT, "schema": JSONISH})}))
 PARAM_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "max_tokens": st.one_of(st.integers(1, 3), st.integers(max_value=0), st.integers(min_value=10**4), JSONISH),
     "min_tokens": st.one_of(st.integers(0, 2), st.integers(), JSONISH),
@@ -40,6 +48,7 @@ PARAM_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "seed": st.one_of(st.integers(), JSONISH), "n": st.one_of(st.integers(0, 3), JSONISH),
     "ignore_eos": st.one_of(st.booleans(), JSONISH), "logprobs": st.one_of(st.integers(-1, 21), JSONISH),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.one_of(st.booleans(), JSONISH),
+    "structured_outputs": STRUCTURED, "response_format": RESPONSE_FORMAT,
 }
 PARAMS = st.one_of(
     st.fixed_dictionaries({}, optional={k: v for k, v in PARAM_VALUES.items()}).map(
@@ -144,7 +153,7 @@ def http_body(draw: st.DrawFn) -> tuple[str, bytes, str]:
         body.update(params)
     limit = "max_output_tokens" if path == "/v1/responses" else "max_tokens"
     body[limit] = draw(st.one_of(st.integers(1, 2), PARAM_VALUES["max_tokens"]))
-    for key in draw(st.lists(st.sampled_from(["stream", "model", "n", "stream_options", "tools", "echo",
+    for key in draw(st.lists(st.sampled_from(["stream", "model", "n", "stream_options", "tools", "tool_choice", "echo",
                                               "previous_response_id", "store", "return_token_strs"]),
                              max_size=2)):
         body[key] = draw(JSONISH)

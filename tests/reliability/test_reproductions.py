@@ -102,8 +102,9 @@ async def test_body_limits_and_content_type(rserver: Server) -> None:
     async with ws_connect(rserver) as ws:
         error = await error_for(ws, json.dumps({"type": "generate", "id": "big", "prompt": "z" * (chars + 1)}))
         assert (error["id"], error["error"]["code"]) == ("big", "request_too_large")
+        half = "z" * (chars // 2 + 1)
         error = await error_for(ws, json.dumps({"type": "generate", "id": "msgs", "messages": [
-            {"role": "user", "content": "z" * (chars // 2 + 1)}, {"role": "assistant", "content": "z" * (chars // 2 + 1)}]}))
+            {"role": "user", "content": half}, {"role": "assistant", "content": half}]}))
         assert (error["id"], error["error"]["code"]) == ("msgs", "request_too_large")
 
 
@@ -220,9 +221,9 @@ async def test_requests_cancelled_before_admission_are_counted(rserver: Server) 
 
 async def test_kv_capacity_is_refused_at_admission(tiny_server: Server) -> None:
     async with ws_connect(tiny_server) as ws:
-        # The prompt fits the pool; prompt + max_tokens never can.
-        error = await error_for(ws, json.dumps({"type": "generate", "id": "k", "prompt": "Hi",
-                                                "params": {"max_tokens": 2000, "ignore_eos": True}}))
+        # The prompt fits the pool (16 blocks of 16 tokens); prompt + the most max_tokens allowed never can.
+        error = await error_for(ws, json.dumps({"type": "generate", "id": "k", "prompt": "Hi", "params": {
+            "max_tokens": LIMITS["max_tokens_limit"], "ignore_eos": True}}))
         assert (error["id"], error["error"]["code"]) == ("k", "kv_cache_capacity_exceeded")
 
 
