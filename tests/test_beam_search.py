@@ -1,0 +1,159 @@
+"""Beam search in the engine: token ids equal Hugging Face `generate(num_beams=K, do_sample=False)` on the
+default model (float32) for widths 2-4, both early-stopping modes and "never"; beam groups of different
+widths share one batched candidate selection; a preempted beam group (swap and recompute) gives the same
+beams; an aborted one frees every candidate's blocks at once; copy-on-write copies only the last, partly
+filled block of a forked beam."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from streamd import LLM, SamplingParams
+from streamd.engine.errors import KVCacheCapacityError
+from tests.helpers import fold_deltas, register_engine, run_to_completion
+
+CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
+# (beam width, early_stopping, length_penalty)
+SEARCHES = [(2, True, 1.0), (3, False, 1.0), (4, True, 1.0), (4, False, 0.5), (3, "never", 1.0)]
+MAX_TOKENS = 20
+
+CONFIG = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                     initializer_range=0.1)
+
+
+def _beams(width: int, early_stopping: bool | str = False, length_penalty: float = 1.0, **kw) -> SamplingParams:
+    return SamplingParams(use_beam_search=True, beam_width=width, n=kw.pop("n", width), early_stopping=early_stopping,
+                          length_penalty=length_penalty, **{"max_tokens": MAX_TOKENS, "detokenize": False, **kw})
+
+
+@torch.inference_mode()
+def _hf_beams(model, ids: list[int], width: int, early_stopping: bool | str, length_penalty: float,
+              eos: int) -> list[list[int]]:
+    x = torch.tensor([ids])
+    out = model.generate(x, attention_mask=torch.ones_like(x), num_beams=width, num_return_sequences=width,
+                         do_sample=False, early_stopping=early_stopping, length_penalty=length_penalty,
+                         max_new_tokens=MAX_TOKENS, eos_token_id=eos, pad_token_id=eos)
+    beams = []
+    for row in out[:, len(ids):].tolist():  # shorter beams are padded (with EOS) after their EOS
+        beams.append(row[:row.index(eos) + 1] if eos in row else row)
+    return beams
+
+
+def test_beams_equal_hf_generate(smol_llm: LLM, hf_smol) -> None:
+    engine = smol_llm.engine
+    (eos,) = engine.eos_token_ids
+    prompts = [engine.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+    cases = [(ids, search) for search in SEARCHES for ids in prompts]
+    # Every case in one run: groups of widths 2, 3 and 4 share each step's candidate selection.
+    outputs = run_to_completion(engine, [ids for ids, _ in cases], [_beams(*search) for _, search in cases])
+    finishes = set()
+    for (ids, search), out in zip(cases, outputs):
+        got = [choice.token_ids for choice in out.outputs]
+        assert got == _hf_beams(hf_smol, ids, *search, eos), f"{search} on {ids[-12:]} diverged from transformers"
+        finishes |= {choice.finish_reason for choice in out.outputs}
+    assert finishes == {"stop", "length"}  # beams ended by EOS and by max_tokens both compared
+
+
+def test_best_n_of_the_beams_with_text(smol_llm: LLM) -> None:
+    ids = smol_llm.engine.apply_chat_template([{"role": "user", "content": CHATS[0]}])
+    params = _beams(4, True, detokenize=True)
+    best2 = run_to_completion(smol_llm.engine, [ids], _beams(4, True, n=2, detokenize=True))[0]
+    every = run_to_completion(smol_llm.engine, [ids], params)[0]
+    assert [c.index for c in best2.outputs] == [0, 1]
+    assert [c.token_ids for c in best2.outputs] == [c.token_ids for c in every.outputs[:2]]
+    for choice in every.outputs:  # the text is the beam's, without the EOS token's
+        body = choice.token_ids[:-1] if choice.finish_reason == "stop" else choice.token_ids
+        assert choice.text == smol_llm.tokenizer.decode(body, skip_special_tokens=True)
+
+
+def _random_prompt(seed: int, length: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, CONFIG.vocab_size, (length,), generator=gen).tolist()
+
+
+def _tiny(**overrides) -> LLM:
+    base = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, seed=5, watermark=0.0)
+    llm = LLM(CONFIG, **{**base, **overrides})
+    register_engine(llm.engine)
+    return llm
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preempting_a_beam_group_keeps_its_beams(mode: str) -> None:
+    prompts = [_random_prompt(i, 10) for i in range(6)] + [_random_prompt(9, 20)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, detokenize=False)
+    params = [greedy] * 6 + [_beams(3, False, max_tokens=40, ignore_eos=True)]
+    roomy = run_to_completion(_tiny(num_kv_blocks=200, num_swap_blocks=0).engine, prompts, params)
+    # 34 blocks of 8: the beam group's worst case (20 blocks) fits at admission beside the six prompts, but
+    # not beside the six single sequences growing: the group, the latest arrival, is preempted.
+    engine = _tiny(num_kv_blocks=34, num_swap_blocks=64 if mode == "swap" else 0, preemption_mode=mode,
+                   enable_prefix_caching=False).engine  # recomputed beams share nothing: their prefills are chunked
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(f"r{i}", prompt, p)
+    folded: dict = {}
+    beams_preempted = False
+    while engine.has_unfinished_requests():
+        fold_deltas(engine.step(), folded)
+        preempted = engine.scheduler.swapped if mode == "swap" else engine.scheduler.waiting
+        beams_preempted |= any(g.request_id == "r6" and len(g.seqs) == 3 for g in preempted)
+    assert beams_preempted
+    tight = [folded[f"r{i}"].build() for i in range(len(prompts))]
+    assert [[c.token_ids for c in o.outputs] for o in tight] == [[c.token_ids for c in o.outputs] for o in roomy]
+    assert len({tuple(c.token_ids) for c in tight[6].outputs}) == 3
+
+
+@pytest.mark.parametrize("steps", [1, 6])  # before the beams are forked, and after
+def test_aborting_a_beam_group_frees_every_candidate(steps: int) -> None:
+    engine = _tiny(num_kv_blocks=60, num_swap_blocks=0).engine
+    engine.add_request("b", _random_prompt(4, 21), _beams(4, n=2, max_tokens=30, ignore_eos=True))
+    folded: dict = {}
+    for _ in range(steps):
+        fold_deltas(engine.step(), folded)
+    live = engine.stats().kv
+    assert live.blocks_free < live.blocks_total
+    engine.abort("b")
+    assert engine.stats().kv.blocks_free == engine.stats().kv.blocks_total
+    while engine.has_unfinished_requests():
+        fold_deltas(engine.step(), folded)
+    out = folded["b"].build()
+    assert [c.index for c in out.outputs] == [0, 1]
+    assert {c.finish_reason for c in out.outputs} == {"abort"}
+
+
+@pytest.mark.parametrize("prompt_len", [37, 40])  # the prompt's last block partly filled, and full
+def test_copy_on_write_copies_only_the_last_partly_filled_block(prompt_len: int) -> None:
+    llm = _tiny(num_kv_blocks=120, num_swap_blocks=0)
+    engine, bs = llm.engine, 8
+    copies: list[tuple[int, int]] = []
+    expected = [0]  # copies due: forks whose next write lands inside a partly filled block
+    copy, replace = engine.cache.copy, engine.scheduler.replace_beams
+
+    def recording_copy(pairs):
+        copies.extend(pairs)
+        return copy(pairs)
+
+    def recording_replace(group, parents):
+        for parent in set(parents):
+            if parent.num_computed_tokens % bs:
+                expected[0] += parents.count(parent) - 1
+        return replace(group, parents)
+
+    engine.cache.copy, engine.scheduler.replace_beams = recording_copy, recording_replace
+    try:
+        before = engine.stats().kv
+        out = run_to_completion(engine, [_random_prompt(prompt_len, prompt_len)],
+                                _beams(4, max_tokens=24, ignore_eos=True))[0]
+    finally:
+        del engine.cache.copy, engine.scheduler.replace_beams
+    assert all(len(c.token_ids) == 24 for c in out.outputs)
+    copied = engine.stats().kv.copied_blocks - before.copied_blocks
+    assert copied == len(copies) == expected[0] > 0
+
+
+def test_a_beam_group_whose_worst_case_never_fits_is_refused() -> None:
+    engine = _tiny(num_kv_blocks=30, num_swap_blocks=0).engine
+    with pytest.raises(KVCacheCapacityError, match="beam_width=6"):
+        engine.add_request("big", _random_prompt(5, 20), _beams(6, max_tokens=60))
