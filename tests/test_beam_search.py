@@ -31,14 +31,17 @@ def _beams(width: int, early_stopping: bool | str = False, length_penalty: float
 
 @torch.inference_mode()
 def _hf_beams(model, ids: list[int], width: int, early_stopping: bool | str, length_penalty: float,
-              eos: int) -> list[list[int]]:
+              eos: int | list[int], min_new_tokens: int = 0) -> list[list[int]]:
+    stops = eos if isinstance(eos, list) else [eos]
     x = torch.tensor([ids])
     out = model.generate(x, attention_mask=torch.ones_like(x), num_beams=width, num_return_sequences=width,
                          do_sample=False, early_stopping=early_stopping, length_penalty=length_penalty,
-                         max_new_tokens=MAX_TOKENS, eos_token_id=eos, pad_token_id=eos)
+                         max_new_tokens=MAX_TOKENS, min_new_tokens=min_new_tokens or None, eos_token_id=stops,
+                         pad_token_id=stops[0])
     beams = []
-    for row in out[:, len(ids):].tolist():  # shorter beams are padded (with EOS) after their EOS
-        beams.append(row[:row.index(eos) + 1] if eos in row else row)
+    for row in out[:, len(ids):].tolist():  # shorter beams are padded (with EOS) after their stop token
+        end = next((i for i, t in enumerate(row) if t in stops), None)
+        beams.append(row if end is None else row[:end + 1])
     return beams
 
 
@@ -55,6 +58,20 @@ def test_beams_equal_hf_generate(smol_llm: LLM, hf_smol) -> None:
         assert got == _hf_beams(hf_smol, ids, *search, eos), f"{search} on {ids[-12:]} diverged from transformers"
         finishes |= {choice.finish_reason for choice in out.outputs}
     assert finishes == {"stop", "length"}  # beams ended by EOS and by max_tokens both compared
+
+
+def test_min_tokens_and_stop_token_ids_equal_hf_generate(smol_llm: LLM, hf_smol) -> None:
+    engine = smol_llm.engine
+    (eos,) = engine.eos_token_ids
+    ids = engine.apply_chat_template([{"role": "user", "content": CHATS[0]}])
+    period = smol_llm.tokenizer.convert_tokens_to_ids(".")
+    params = [_beams(2, False, min_tokens=12), _beams(3, True, stop_token_ids=[period])]
+    late, stopped = run_to_completion(engine, [ids, ids], params)
+    assert [c.token_ids for c in late.outputs] == _hf_beams(hf_smol, ids, 2, False, 1.0, eos, min_new_tokens=12)
+    assert all(len(c.token_ids) > 12 for c in late.outputs)
+    assert [c.token_ids for c in stopped.outputs] == _hf_beams(hf_smol, ids, 3, True, 1.0, [eos, period])
+    assert {c.finish_reason for c in stopped.outputs} == {"stop"}
+    assert any(c.stop_reason == period and c.token_ids[-1] == period for c in stopped.outputs)
 
 
 def test_best_n_of_the_beams_with_text(smol_llm: LLM) -> None:

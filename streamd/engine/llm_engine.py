@@ -64,7 +64,7 @@ class _InFlight:
     # Prompts that completed in this step and the samples forked from them once their KV is written:
     # each sample drew its first token from the prompt's logits in this step.
     forks: list[tuple[ScheduledSeq, list[Sequence]]]
-    beams: PendingCandidates | None = None  # the beam search requests' candidates (their rows sample not)
+    beams: PendingCandidates | None = None  # beam search requests' candidates (their rows are not in `sampling`)
 
 
 class LLMEngine:
