@@ -11,7 +11,9 @@ import torch
 from transformers import LlamaConfig
 
 from streamd import LLM, SamplingParams
+from streamd.engine.beam_search import BeamHypothesis, BeamSearch, BeamStep, Candidate
 from streamd.engine.errors import KVCacheCapacityError
+from streamd.engine.sequence import Sequence
 from tests.helpers import fold_deltas, register_engine, run_to_completion
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -174,3 +176,41 @@ def test_a_beam_group_whose_worst_case_never_fits_is_refused() -> None:
     engine = _tiny(num_kv_blocks=30, num_swap_blocks=0).engine
     with pytest.raises(KVCacheCapacityError, match="beam_width=6"):
         engine.add_request("big", _random_prompt(5, 20), _beams(6, max_tokens=60))
+
+
+def _search(width: int, early_stopping: bool | str, length_penalty: float = 1.0, max_tokens: int = 10) -> BeamSearch:
+    params = SamplingParams(use_beam_search=True, beam_width=width, early_stopping=early_stopping,
+                            length_penalty=length_penalty, max_tokens=max_tokens)
+    return BeamSearch.create(params, {2}, max_tokens)
+
+
+def _step(search: BeamSearch, beams: list[Sequence], candidates: list[tuple[float, int, int]]) -> BeamStep:
+    return search.step([Candidate(score, beam, token) for score, beam, token in candidates], beams)
+
+
+def test_beam_step_rules() -> None:
+    """HF's rules on hand-made candidates (EOS is token 2; two beams of one output token each)."""
+    beams = [Sequence([7, 8], token_ids=[7, 8, t]) for t in (5, 6)]
+    # An EOS candidate ranked below K is not kept; one within the top K is, scored sum / length.
+    search = _search(2, True)
+    step = _step(search, beams, [(-1.0, 0, 9), (-1.5, 1, 9), (-2.0, 1, 2), (-3.0, 0, 4)])
+    assert not step.done and not search.finished
+    assert [(c.beam, c.token_id) for c in step.beams] == [(0, 9), (1, 9)] and search.scores == [-1.0, -1.5]
+    step = _step(search, beams, [(-1.0, 0, 2), (-1.2, 1, 3), (-1.4, 1, 4), (-5.0, 0, 2)])
+    assert [(h.token_ids, h.score, h.finish_reason) for h in search.finished] == [([5, 2], -0.5, "stop")]
+    assert [(c.beam, c.token_id) for c in step.beams] == [(1, 3), (1, 4)] and not step.done
+    # With K hypotheses finished (here from earlier steps), early_stopping=True stops; False goes on while
+    # the best running beam, at the current length, beats the worst of them; "never" (positive penalty)
+    # measures it at the longest length (10 tokens).
+    earlier = [BeamHypothesis([4, 2], -1.0, "stop", None), BeamHypothesis([3, 2], -1.0, "stop", None)]
+    for early, running, done in ((True, -1.5, True), (False, -1.5, False), (False, -2.5, True),
+                                 ("never", -2.5, False)):
+        search = _search(2, early)
+        search.finished = list(earlier)
+        step = _step(search, beams, [(running, 0, 3), (running - 0.1, 1, 3), (running - 0.2, 0, 4)])
+        assert step.done is done, (early, running)  # -1.5 / 2 > -1.0 >= -2.5 / 2; -2.5 / 10 > -1.0
+    # At the length limit the top K candidates finish by length.
+    search = _search(2, False, max_tokens=2)
+    step = _step(search, beams, [(-1.0, 0, 9), (-1.1, 1, 2), (-1.2, 0, 3)])
+    assert step.done and [(h.token_ids, h.finish_reason) for h in search.finished] == [([5, 9], "length"),
+                                                                                       ([6, 2], "stop")]
