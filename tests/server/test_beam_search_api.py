@@ -56,6 +56,10 @@ async def test_openai_client_with_use_beam_search(client: AsyncOpenAI, server: S
         (choice,) = chunk.choices
         pieces[choice.index] += choice.text
     assert [pieces[i] for i in range(3)] == want
+    # vLLM's legacy form: best_of is the beam width, n how many beams come back.
+    legacy = await client.completions.create(model=model, prompt=QUESTION, n=2, best_of=3, max_tokens=10,
+                                             extra_body={"use_beam_search": True, "early_stopping": True})
+    assert [c.text for c in sorted(legacy.choices, key=lambda c: c.index)] == want[:2]
 
     chat_want = await _reference(async_engine, smol_llm, 2, 12, chat=True)
     chat = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": QUESTION}],
