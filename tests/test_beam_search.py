@@ -214,3 +214,29 @@ def test_beam_step_rules() -> None:
     step = _step(search, beams, [(-1.0, 0, 9), (-1.1, 1, 2), (-1.2, 0, 3)])
     assert step.done and [(h.token_ids, h.finish_reason) for h in search.finished] == [([5, 9], "length"),
                                                                                        ([6, 2], "stop")]
+
+
+def test_one_batched_candidate_selection_per_step(monkeypatch) -> None:
+    """Every beam request's candidates come from one device operation per step (one transfer to the
+    host), whatever the number of requests and their widths; other requests still sample beside them."""
+    import streamd.engine.llm_engine as llm_engine
+
+    engine = _tiny(num_kv_blocks=200, num_swap_blocks=0).engine
+    calls: list[list[tuple[str, int]]] = []
+    select = llm_engine.select_candidates
+
+    def recording_select(logits, groups, vocab_size):
+        calls.append([(g.request_id, len(g.rows)) for g in groups])
+        return select(logits, groups, vocab_size)
+
+    monkeypatch.setattr(llm_engine, "select_candidates", recording_select)
+    for i, width in enumerate((2, 3, 4)):
+        engine.add_request(f"b{i}", _random_prompt(20 + i, 12 + i), _beams(width, max_tokens=10, ignore_eos=True))
+    engine.add_request("g", _random_prompt(30, 9), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                                  detokenize=False))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert len(calls) <= steps and {rid for call in calls for rid, _ in call} == {"b0", "b1", "b2"}
+    assert calls[1] == [("b0", 2), ("b1", 3), ("b2", 4)]  # after the prompts: every beam of every request
