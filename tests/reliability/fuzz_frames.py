@@ -49,6 +49,8 @@ PARAM_VALUES: dict[str, st.SearchStrategy[Any]] = {
     "ignore_eos": st.one_of(st.booleans(), JSONISH), "logprobs": st.one_of(st.integers(-1, 21), JSONISH),
     "include_stop_str_in_output": st.booleans(), "skip_special_tokens": st.one_of(st.booleans(), JSONISH),
     "structured_outputs": STRUCTURED, "response_format": RESPONSE_FORMAT,
+    "use_beam_search": st.one_of(st.booleans(), JSONISH), "beam_width": st.one_of(st.integers(0, 20), JSONISH),
+    "length_penalty": NUMBER, "early_stopping": st.one_of(st.booleans(), st.just("never"), JSONISH),
 }
 PARAMS = st.one_of(
     st.fixed_dictionaries({}, optional={k: v for k, v in PARAM_VALUES.items()}).map(
