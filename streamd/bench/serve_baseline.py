@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from streamd import heap
 from streamd.bench.null_model import NULL_MODEL
 from streamd.bench.report import git_commit, save_report
 
@@ -159,6 +160,7 @@ def main(args: argparse.Namespace) -> int:
     rates = [float(x) for x in args.rates.split(",") if x]
     transports = args.transports.split(",")
     engine = build_engine(args.baseline_model, build_config(args.baseline_model, settings))
+    heap.settle()  # as the server does after its warm-up: the offline rate pays the same collector
     server = ServerProcess(args.baseline_model, settings)
     raw: list[ServedRun] = []
     try:
