@@ -1,20 +1,23 @@
 """A `streamd serve` process for `streamd bench serve --offline-baseline`: the real server path (AsyncEngine,
 app, uvicorn) over the engine the benchmark asks for, the null model executor included.
 
-Run as `python -m streamd.bench.serve_target --model null|NAME [--set key=value ...]`. It prints
-`LISTENING <port> <engine thread id>` once ready, so the benchmark can reach it and read its threads'
-CPU time from the OS; SIGTERM drains and exits as `streamd serve` does.
+Run as `python -m streamd.bench.serve_target --model null|NAME [--engine-process] [--set key=value ...]`.
+It prints `LISTENING <port> <engine thread id> <engine process id>` once ready, so the benchmark can reach
+it and read its threads' CPU time from the OS; SIGTERM drains and exits as `streamd serve` does. With
+`--engine-process` the engine runs in a child process (`ProcessEngine`, the issue-9 prototype).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from streamd.bench.null_model import NULL_MODEL, null_engine
 from streamd.config import Config, load_config, parse_value
 from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.engine_process import ProcessEngine
 from streamd.engine.llm_engine import LLMEngine
 from streamd.server.app import create_app
 from streamd.server.serve import DrainingServer, uvicorn_config
@@ -34,15 +37,16 @@ def build_engine(model: str, config: Config) -> LLMEngine:
     return null_engine(config) if model == NULL_MODEL else LLMEngine.from_config(config)
 
 
-async def serve(model: str, config: Config) -> int:
-    engine = AsyncEngine(build_engine(model, config))
+async def serve(model: str, config: Config, engine_process: bool = False) -> int:
+    engine = ProcessEngine(build_engine, model, config) if engine_process else AsyncEngine(build_engine(model, config))
     app = create_app(config, engine)
     server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
     task = asyncio.create_task(server.serve())
     await server.listening.wait()
     while not app.state.services.lifecycle.ready:  # warm-up runs one request through the engine
         await asyncio.sleep(0.05)
-    print(f"LISTENING {server.port} {engine.thread_id}", flush=True)
+    engine_pid = engine.process.pid if isinstance(engine, ProcessEngine) else os.getpid()
+    print(f"LISTENING {server.port} {engine.thread_id} {engine_pid}", flush=True)
     await task
     await engine.shutdown()
     return 0
@@ -52,10 +56,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=NULL_MODEL)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--engine-process", action="store_true", help="the engine in a child process")
     args = parser.parse_args()
     import uvloop
 
-    return uvloop.run(serve(args.model, build_config(args.model, args.set)))
+    return uvloop.run(serve(args.model, build_config(args.model, args.set), args.engine_process))
 
 
 if __name__ == "__main__":
