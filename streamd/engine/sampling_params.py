@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (as OpenAI)
 
 
 @dataclass(slots=True, frozen=True)
@@ -110,8 +111,8 @@ class SamplingParams:
         _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be a list of non-negative integers")
         if self.logprobs is not None:
-            _check(is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
-                   "must be an integer in [0, 20]")
+            _check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+                   f"must be an integer in [0, {MAX_LOGPROBS}]")
         for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a boolean")
 

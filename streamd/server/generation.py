@@ -16,6 +16,7 @@ from typing import Any
 
 from streamd.config import ServerConfig
 from streamd.engine.async_engine import AsyncEngine, EngineDeadError
+from streamd.engine.chat_template import DEFAULT_OPTIONS, TemplateOptions
 from streamd.engine.errors import RequestError
 from streamd.engine.request_stream import DeltaSink, RequestStream
 from streamd.engine.sampling_params import SamplingParams, is_int
@@ -51,21 +52,23 @@ class Generation:
         self.metrics = metrics
 
     # ---- building ----------------------------------------------------------------------------
-    def prompt_ids(self, prompt: Any) -> list[int]:
-        """A text prompt, or a list of token ids."""
+    def prompt_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt (tokenized as LLMEngine tokenizes one, unless told to leave out special tokens), or
+        a list of token ids."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ServiceError("invalid_request", "prompt must not be empty", "prompt")
-            return list(self.engine.tokenizer(prompt).input_ids)  # as LLMEngine tokenizes a text prompt
+            return list(self.engine.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids)
         if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
             return list(prompt)  # the engine checks them against the vocabulary
         raise ServiceError("invalid_request", "prompt must be a non-empty string or a list of token ids",
                            "prompt")
 
-    def messages_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    def messages_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None,
+                     options: TemplateOptions = DEFAULT_OPTIONS) -> list[int]:
         messages = normalize_messages(messages)
         try:
-            return self.engine.apply_chat_template(messages, tools)
+            return self.engine.apply_chat_template(messages, tools, options)
         except ValueError as exc:
             raise ServiceError("invalid_request", f"messages: {exc}", "messages") from exc
 

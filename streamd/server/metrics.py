@@ -115,6 +115,7 @@ class EngineStatsCollector(Collector):
         yield swapped
         yield _counter("streamd_recomputed_tokens", "Tokens prefilled again after recompute preemption.",
                        sched.recomputed_tokens)
+        yield _counter("streamd_generation_tokens", "Output tokens generated.", stats.generated_tokens)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

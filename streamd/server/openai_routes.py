@@ -5,9 +5,13 @@
 ServiceError, rendered by the app's handler). A client that disconnects aborts its request: for SSE,
 Starlette cancels the body iterator; otherwise a watcher on `http.disconnect` cancels the collection.
 Unknown top-level fields are ignored (as OpenAI clients and frontends send extras); unsupported features
-that would change the answer (functions, logprobs, echo, suffix) are refused. `response_format` and
-`structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice` "required" or a named
-function make the reply a grammar-enforced tool call (`structured_api.py`), returned as `tool_calls`.
+that would change the answer (functions, echo, suffix, logit_bias) are refused. `logprobs` (chat: with
+`top_logprobs` 0..20; completions: an integer 0..20) come in OpenAI's shapes (`logprobs.py`), streamed per
+chunk or whole. A finish reason is OpenAI's name for the engine's (`accounting.FINISH_NAMES`); a request the
+server cut (the drain) finishes "length" with an extra flag on the choice (`streamd_drained: true`).
+`response_format` and `structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice`
+"required" or a named function make the reply a grammar-enforced tool call (`structured_api.py`), returned
+as `tool_calls`.
 """
 
 from __future__ import annotations
@@ -27,11 +31,13 @@ from starlette.types import Send
 
 from streamd.engine.outputs import RequestDelta
 from streamd.engine.request_stream import RequestStream
+from streamd.engine.sampling_params import MAX_LOGPROBS, is_int
 from streamd.logs import get_logger
-from streamd.server.accounting import RequestAccount
+from streamd.server.accounting import FinishNames, RequestAccount
 from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError
 from streamd.server.generation import WIRE_PARAMS, Prepared
+from streamd.server.logprobs import LogprobsBuilder
 from streamd.server.services import Services
 from streamd.server.structured_api import ToolCallStream, plan_tools
 
@@ -52,6 +58,7 @@ class _Call:
     stream: RequestStream
     account: RequestAccount
     tool_call: ToolCallStream | None = None  # set when the reply is a grammar-enforced tool call
+    logprobs: LogprobsBuilder | None = None  # set when the request asked for logprobs
 
     def finish(self) -> None:
         """The request is over for this call (finished, or its client left): abort if needed, count it."""
@@ -86,8 +93,9 @@ async def chat_completions(request: Request) -> Response:
     s: Services = request.app.state.services
     body = await json_body(request)
     check_model(s, body)
-    _refuse(body, functions=None, logprobs=False, top_logprobs=None, logit_bias=None)
+    _refuse(body, functions=None, logit_bias=None)
     params = _params(body)
+    params["logprobs"] = _chat_logprobs(body)
     if body.get("max_completion_tokens") is not None:
         params["max_tokens"] = body["max_completion_tokens"]
     plan = plan_tools(body.get("tools"), body.get("tool_choice"))
@@ -106,14 +114,16 @@ async def completions(request: Request) -> Response:
     s: Services = request.app.state.services
     body = await json_body(request)
     check_model(s, body)
-    _refuse(body, echo=False, suffix=None, logprobs=None, logit_bias=None)
+    _refuse(body, echo=False, suffix=None, logit_bias=None)
     if body.get("best_of") not in (None, 1, body.get("n", 1)):
         raise ServiceError("unsupported", "best_of must equal n", "best_of")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     ids = s.generation.prompt_ids(prompt)
-    prepared = s.generation.prepare(ids, _params(body), default_max_tokens=16,
+    params = _params(body)
+    params["logprobs"] = _completion_logprobs(body)
+    prepared = s.generation.prepare(ids, params, default_max_tokens=16,
                                     prompt=prompt if isinstance(prompt, str) else None)
     return await _respond(request, s, body, "completion", prepared)
 
@@ -127,8 +137,10 @@ async def _respond(request: Request, s: Services, body: dict[str, Any], kind: st
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     account, stream = await s.generation.submit(prepared, kind)
     assert stream is not None
+    top = prepared.params.logprobs
+    logprobs = None if top is None else LogprobsBuilder(s.token_texts, kind, top, prepared.params.n)
     call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, stream, account,
-                 tool_call)
+                 tool_call, logprobs)
     structlog.contextvars.bind_contextvars(request_id=call.id)
     if stream_flag:
         return SSEResponse(_sse(call, bool(options.get("include_usage"))), call.finish)
@@ -148,14 +160,18 @@ async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[bytes]:
         account.absorb(delta)
         events = []
         for choice in delta.outputs:
+            if call.logprobs is not None:
+                call.logprobs.add(choice)
             if not choice.text:
                 continue
             if call.tool_call is not None:
                 pieces = call.tool_call.feed(choice.text)
                 if pieces:
                     events.append(_data(_chunk(call, choice.index, {"tool_calls": pieces}, None, extra)).encode())
-            else:
+            elif call.logprobs is None:
                 events.append(texts.event(choice.index, choice.text))
+            else:  # the chunk carries the logprobs of its tokens
+                events.append(_data(_chunk(call, choice.index, _piece(call, choice.text), None, extra)).encode())
         if events:
             yield b"".join(events)
     tail = []
@@ -163,7 +179,7 @@ async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[bytes]:
         tail.append(_data(ServiceError("internal_error", account.error).openai_body()))
     else:
         for index, finish in enumerate(account.choice_finishes()):
-            tail.append(_data(_chunk(call, index, _piece(call, ""), _finish_reason(call, finish.openai), extra)))
+            tail.append(_data(_chunk(call, index, _piece(call, ""), finish, extra)))
     if include_usage:
         tail.append(_data({**_envelope(call), "choices": [], "usage": account.usage()}))
     tail.append("data: [DONE]\n\n")
@@ -171,7 +187,7 @@ async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[bytes]:
 
 
 class TextEvents:
-    """A call's text chunks as bytes: per choice, the chunk is encoded once around a placeholder text and
+    """A call's text chunks (without logprobs) as bytes: per choice, the chunk is encoded once around a placeholder text and
     split there, so each delta costs one orjson call on its text instead of building and encoding the
     whole chunk (the same bytes: the placeholder's JSON is replaced by the text's JSON)."""
 
@@ -204,6 +220,8 @@ async def _collect(call: _Call) -> Response:
             account.absorb(delta)
             for choice in delta.outputs:
                 texts[choice.index].append(choice.text)
+                if call.logprobs is not None:
+                    call.logprobs.add(choice)
     finally:
         call.finish()
     if account.error:
@@ -213,24 +231,27 @@ async def _collect(call: _Call) -> Response:
         content = "".join(pieces)
         if call.tool_call is not None:  # (a grammar-enforced call: one choice)
             call.tool_call.feed(content)
-        reason = _finish_reason(call, finish.openai)
+        logprobs = call.logprobs.take(index) if call.logprobs is not None else None
+        ending = _ending(call, finish)
         if call.kind != "chat":
-            choices.append({"index": index, "text": content, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": index, "text": content, "logprobs": logprobs, **ending})
             continue
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if call.tool_call is not None:
             whole = call.tool_call.final()
             message = {"role": "assistant", "content": None if whole else content,
                        "tool_calls": [whole] if whole else []}
-        choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": reason})
+        choices.append({"index": index, "message": message, "logprobs": logprobs, **ending})
     return JSONResponse({**_envelope(call, final=True), "choices": choices, "usage": account.usage()})
 
 
-def _finish_reason(call: _Call, reason: str) -> str:
-    """"tool_calls" when a grammar-enforced call completed, else the choice's OpenAI finish reason."""
+def _ending(call: _Call, finish: FinishNames) -> dict[str, Any]:
+    """A finished choice's `finish_reason` ("tool_calls" when a grammar-enforced call completed, else
+    OpenAI's name for the engine's) and its extra flag, if the finish has one (`streamd_drained`)."""
+    reason = finish.openai
     if call.tool_call is not None and reason == "stop" and call.tool_call.final() is not None:
-        return "tool_calls"
-    return reason
+        reason = "tool_calls"
+    return {"finish_reason": reason, **({finish.flag: True} if finish.flag else {})}
 
 
 async def until_disconnect(request: Request, work: Any) -> Response:
@@ -265,13 +286,17 @@ def _piece(call: _Call, text: str) -> dict[str, Any] | str:
     return {"content": text} if call.kind == "chat" else text
 
 
-def _chunk(call: _Call, index: int, piece: Any, finish: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+def _chunk(call: _Call, index: int, piece: Any, finish: FinishNames | None,
+           extra: dict[str, Any]) -> dict[str, Any]:
+    """A chunk of one choice: its new piece or (`finish` given) its ending, with the logprobs of the choice's
+    tokens since its previous chunk (null when none: the role chunk, text held back and released later)."""
+    builder = call.logprobs
+    logprobs = builder.take(index) if builder is not None and builder.has_pending(index) else None
+    ending = {"finish_reason": None} if finish is None else _ending(call, finish)
     if call.kind == "chat":
-        if finish is not None:
-            piece = {}
-        choice = {"index": index, "delta": piece, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": piece if finish is None else {}, "logprobs": logprobs, **ending}
     else:
-        choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": piece, "logprobs": logprobs, **ending}
     return {**_envelope(call), "choices": [choice], **extra}
 
 
@@ -307,6 +332,28 @@ def _refuse(body: dict[str, Any], **allowed: Any) -> None:
 
 def _params(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k in WIRE_PARAMS and k != "logprobs"}
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs: true` + `top_logprobs` -> how many top logprobs per token (None: none asked)."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ServiceError("invalid_request", f"logprobs must be a boolean, got {wanted!r}", "logprobs")
+    if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise ServiceError("invalid_request", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                           f"got {top!r}", "top_logprobs")
+    if top is not None and not wanted:
+        raise ServiceError("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions' `logprobs`: how many top logprobs per token (the sampled token's always comes too)."""
+    top = body.get("logprobs")
+    if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise ServiceError("invalid_request", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}",
+                           "logprobs")
+    return top
 
 
 def make_routes() -> list[tuple[str, Callable[..., Any], list[str]]]:

@@ -31,6 +31,7 @@ from streamd.server.auth import bearer_token
 from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared, normalize_messages
+from streamd.server.logprobs import TokenTexts, chat_entries
 from streamd.server.openai_routes import SSEResponse, check_model, json_body, until_disconnect
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
@@ -207,7 +208,7 @@ class ResponseBuilder:
 
     plan: ResponsePlan
     model: str
-    decode: Callable[[int], str]  # one token id -> its text (for logprobs)
+    token_texts: TokenTexts  # for logprobs
     created_at: int = field(default_factory=lambda: int(time.time()))
     seq: int = 0
     text: list[str] = field(default_factory=list)
@@ -285,10 +286,8 @@ class ResponseBuilder:
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> list[dict[str, Any]]:
         if logprobs is None:
             return []
-        out = []
-        for token_id, top in zip(token_ids, logprobs):
-            out.append({"token": self.decode(token_id), "logprob": top.get(token_id, float("-inf")),
-                        "top_logprobs": [{"token": self.decode(t), "logprob": lp} for t, lp in top.items()]})
+        top = self.plan.prepared.params.logprobs or 0
+        out = chat_entries(self.token_texts, token_ids, logprobs, top)
         self.logprobs.extend(out)
         return out
 
@@ -332,8 +331,7 @@ def api_key(headers: Any) -> str:
 
 
 def builder_for(s: Services, plan: ResponsePlan) -> ResponseBuilder:
-    tokenizer = s.engine.tokenizer
-    return ResponseBuilder(plan, s.model_name, lambda t: tokenizer.decode([t]))
+    return ResponseBuilder(plan, s.model_name, s.token_texts)
 
 
 async def create_response(request: Request) -> Response:

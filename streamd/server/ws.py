@@ -7,7 +7,9 @@ engine step's deltas of all of them), builds their `start` / `delta` / `done` / 
 them, as one message in v2 or one message per frame in v1. While the client is slow the writer waits in
 `send` and new deltas merge into each request's pending delta, so neither the batch nor memory suffers.
 Policy failures (auth, origin, connection limit, drain) are refused before the handshake; oversize frames
-are closed with 1009 by uvicorn (`ws_max_size`).
+are closed with 1009 by uvicorn (`ws_max_size`). A connection that sends `subscribe_stats` also gets the
+live engine view (`stats` frames, stats_feed.py); only the newest unsent one is kept, so a slow reader
+never queues them up.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from streamd.server.accounting import RequestAccount
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared
 from streamd.server.services import Services
+from streamd.server.stats_feed import StatsFeed
 
 logger = get_logger(__name__)
 
@@ -135,6 +138,8 @@ class Connection:
         self.closed = False
         self._ready: dict[WsRequest, None] = {}  # requests with something to send, in order
         self._control: list[protocol.Frame] = []  # error frames not tied to a live request
+        self._stats: protocol.Frame | None = None  # the newest unsent stats frame
+        self.stats_feed = StatsFeed(services.engine, self.push_stats)
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
@@ -147,6 +152,7 @@ class Connection:
                 await self._read()
         finally:
             self.closed = True
+            self.stats_feed.stop()
             writer.cancel()
             await self._let_go()
             await asyncio.gather(writer, return_exceptions=True)
@@ -198,6 +204,12 @@ class Connection:
             self._control.append(protocol.error_frame(client_id, error))
             self._wake.set()
 
+    def push_stats(self, frame: protocol.Frame) -> None:
+        """Replaces any stats frame not yet written (the view wants the newest, not every one)."""
+        if not self.closed:
+            self._stats = frame
+            self._wake.set()
+
     async def _write_loop(self) -> None:
         while True:
             await self._wake.wait()
@@ -206,6 +218,9 @@ class Connection:
             ready, self._ready = self._ready, {}
             for request in ready:
                 frames.extend(request.frames())
+            if self._stats is not None:
+                frames.append(self._stats)
+                self._stats = None
             try:
                 for message in protocol.encode(frames, self.batched):
                     await self.ws.send_text(message)
@@ -237,6 +252,13 @@ class Connection:
             frame = protocol.parse_frame(text)
         except ServiceError as exc:
             self.send_error(exc.param, exc)
+            return
+        if isinstance(frame, protocol.SubscribeStats):
+            self.stats_feed.subscribe(frame.interval_s)
+            return
+        if isinstance(frame, protocol.UnsubscribeStats):
+            self.stats_feed.stop()
+            self._stats = None  # nothing of the feed goes out after this frame
             return
         if isinstance(frame, protocol.Cancel):
             self._cancel(frame.id)

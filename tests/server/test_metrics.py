@@ -13,7 +13,8 @@ HISTOGRAMS = ["streamd_time_to_first_token_seconds", "streamd_inter_token_latenc
 GAUGES = ["streamd_requests_running", "streamd_requests_waiting", "streamd_requests_swapped",
           "streamd_kv_blocks_used", "streamd_kv_blocks_free", "streamd_swap_blocks_used", "streamd_ws_connections"]
 COUNTERS = ["streamd_prefix_cache_queried_tokens", "streamd_prefix_cache_hit_tokens", "streamd_preemptions",
-            "streamd_swapped_blocks", "streamd_recomputed_tokens", "streamd_requests", "streamd_ws_closes"]
+            "streamd_swapped_blocks", "streamd_recomputed_tokens", "streamd_requests", "streamd_ws_closes",
+            "streamd_generation_tokens"]
 
 
 async def scrape(http: httpx.AsyncClient) -> dict[str, dict[tuple, float]]:
@@ -53,6 +54,8 @@ async def test_metrics_parse_and_move(async_engine) -> None:
     assert after["streamd_requests_total"][length] == before["streamd_requests_total"][length] + 2
     assert after["streamd_prefix_cache_queried_tokens_total"][()] > before["streamd_prefix_cache_queried_tokens_total"][()]
     assert after["streamd_ws_closes_total"][(("code", "1000"),)] >= 1
+    generated = "streamd_generation_tokens_total"
+    assert after[generated][()] == before[generated][()] + 10  # 5 tokens each, eos ignored
     total = async_engine.stats().kv.blocks_total
     assert after["streamd_kv_blocks_free"][()] == total and after["streamd_kv_blocks_used"][()] == 0
     assert set(after["streamd_preemptions_total"]) == {(("mode", "recompute"),), (("mode", "swap"),)}

@@ -79,3 +79,23 @@ def test_deltas_merge() -> None:
     first.merge(RequestDelta("r", 3, [CompletionDelta(0, "lo", [3], "stop", num_tokens=3)], finished=True))
     assert first.outputs == [CompletionDelta(0, "Hello", [1, 2, 3], "stop", num_tokens=3)]
     assert first.finished
+
+
+@pytest.mark.parametrize("text, message", [
+    ('{"type": "subscribe_stats", "interval_ms": 99}', "interval_ms must be an integer from 100 to 10000"),
+    ('{"type": "subscribe_stats", "interval_ms": 10001}', "interval_ms must be an integer from 100 to 10000"),
+    ('{"type": "subscribe_stats", "interval_ms": "500"}', "interval_ms must be an integer from 100 to 10000"),
+    ('{"type": "subscribe_stats", "interval_ms": true}', "interval_ms must be an integer from 100 to 10000"),
+    ('{"type": "subscribe_stats", "every": 5}', "unknown field 'every' in subscribe_stats"),
+    ('{"type": "unsubscribe_stats", "interval_ms": 500}', "unknown field 'interval_ms' in unsubscribe_stats"),
+])
+def test_bad_stats_frames(text: str, message: str) -> None:
+    with pytest.raises(ServiceError) as info:
+        protocol.parse_frame(text)
+    assert (info.value.code, info.value.message, info.value.param) == ("invalid_request", message, None)
+
+
+def test_stats_frames_need_no_id() -> None:
+    assert protocol.parse_frame('{"type": "subscribe_stats"}') == protocol.SubscribeStats(0.5)
+    assert protocol.parse_frame('{"type": "subscribe_stats", "interval_ms": 100}') == protocol.SubscribeStats(0.1)
+    assert protocol.parse_frame('{"type": "unsubscribe_stats"}') == protocol.UnsubscribeStats()
