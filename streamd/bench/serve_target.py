@@ -20,7 +20,7 @@ from streamd.engine.async_engine import AsyncEngine
 from streamd.engine.engine_process import ProcessEngine
 from streamd.engine.llm_engine import LLMEngine
 from streamd.server.app import create_app
-from streamd.server.serve import DrainingServer, uvicorn_config
+from streamd.server.serve import DrainingServer, configure_server_logging, uvicorn_config
 
 
 def build_config(model: str, settings: list[str]) -> Config:
@@ -60,7 +60,9 @@ def main() -> int:
     args = parser.parse_args()
     import uvloop
 
-    return uvloop.run(serve(args.model, build_config(args.model, args.set), args.engine_process))
+    config = build_config(args.model, args.set)
+    configure_server_logging(config)  # as `streamd serve` does (the benchmark asks for warnings only)
+    return uvloop.run(serve(args.model, config, args.engine_process))
 
 
 if __name__ == "__main__":
