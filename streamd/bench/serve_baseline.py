@@ -56,15 +56,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="engine/server setting for both runs (repeatable)")
     group.add_argument("--layouts", default="thread",
                        help="server layouts, comma-separated: 'thread' (the engine on a thread of the server "
-                       "process) and/or 'process' (the engine in a child process: the issue-9 prototype); "
-                       "with both, each run alternates them")
+                       "process), 'process' (the engine in a child process: the issue-9 prototype), 'split' "
+                       "(the same, detokenizing in the server process); each run alternates them")
     group.add_argument("--out", default="benchmarks/results", help="folder for the JSON and markdown report")
 
 
 @dataclass(slots=True)
 class ServedRun:
     transport: str
-    layout: str  # "thread": engine thread in the server process; "process": engine in its own process
+    layout: str  # "thread": engine thread in the server process; "process"/"split": engine in its own process
     concurrency: int | None  # closed loop; None for a Poisson run
     rate: float | None  # Poisson arrivals per second; None for a closed loop
     offline_tok_s: float
@@ -86,10 +86,8 @@ class ServedRun:
 class ServerProcess:
     """The benchmark's own server, and the CPU time of its threads."""
 
-    def __init__(self, model: str, settings: list[str], engine_process: bool = False) -> None:
-        cmd = [sys.executable, "-m", "streamd.bench.serve_target", "--model", model]
-        if engine_process:
-            cmd.append("--engine-process")
+    def __init__(self, model: str, settings: list[str], layout: str = "thread") -> None:
+        cmd = [sys.executable, "-m", "streamd.bench.serve_target", "--model", model, "--layout", layout]
         for item in settings:
             cmd += ["--set", item]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -169,7 +167,7 @@ def main(args: argparse.Namespace) -> int:
     transports = args.transports.split(",")
     engine = build_engine(args.baseline_model, build_config(args.baseline_model, settings))
     heap.settle()  # as the server does after its warm-up: the offline rate pays the same collector
-    servers = {layout: ServerProcess(args.baseline_model, settings, layout == "process")
+    servers = {layout: ServerProcess(args.baseline_model, settings, layout)
                for layout in args.layouts.split(",")}
     raw: list[ServedRun] = []
     try:

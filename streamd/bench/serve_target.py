@@ -1,10 +1,12 @@
 """A `streamd serve` process for `streamd bench serve --offline-baseline`: the real server path (AsyncEngine,
 app, uvicorn) over the engine the benchmark asks for, the null model executor included.
 
-Run as `python -m streamd.bench.serve_target --model null|NAME [--engine-process] [--set key=value ...]`.
+Run as `python -m streamd.bench.serve_target --model null|NAME [--layout L] [--set key=value ...]`.
 It prints `LISTENING <port> <engine thread id> <engine process id>` once ready, so the benchmark can reach
-it and read its threads' CPU time from the OS; SIGTERM drains and exits as `streamd serve` does. With
-`--engine-process` the engine runs in a child process (`ProcessEngine`, the issue-9 prototype).
+it and read its threads' CPU time from the OS; SIGTERM drains and exits as `streamd serve` does. Layouts:
+`thread` (the engine on a thread of the server process, as `streamd serve`), `process` (the engine in a
+child process, `ProcessEngine`, the issue-9 prototype) and `split` (the same, with the output processor
+in the server process).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ from streamd.server.app import create_app
 from streamd.server.serve import DrainingServer, configure_server_logging, uvicorn_config
 
 
+LAYOUTS = ("thread", "process", "split")
+
+
 def build_config(model: str, settings: list[str]) -> Config:
     overrides: dict[str, object] = {"server.host": "127.0.0.1", "server.port": 0}
     if model != NULL_MODEL:
@@ -37,8 +42,11 @@ def build_engine(model: str, config: Config) -> LLMEngine:
     return null_engine(config) if model == NULL_MODEL else LLMEngine.from_config(config)
 
 
-async def serve(model: str, config: Config, engine_process: bool = False) -> int:
-    engine = ProcessEngine(build_engine, model, config) if engine_process else AsyncEngine(build_engine(model, config))
+async def serve(model: str, config: Config, layout: str = "thread") -> int:
+    if layout == "thread":
+        engine = AsyncEngine(build_engine(model, config))
+    else:
+        engine = ProcessEngine(build_engine, model, config, outputs="network" if layout == "split" else "engine")
     app = create_app(config, engine)
     server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
     task = asyncio.create_task(server.serve())
@@ -56,13 +64,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=NULL_MODEL)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--engine-process", action="store_true", help="the engine in a child process")
+    parser.add_argument("--layout", choices=LAYOUTS, default="thread")
     args = parser.parse_args()
     import uvloop
 
     config = build_config(args.model, args.set)
     configure_server_logging(config)  # as `streamd serve` does (the benchmark asks for warnings only)
-    return uvloop.run(serve(args.model, config, args.engine_process))
+    return uvloop.run(serve(args.model, config, args.layout))
 
 
 if __name__ == "__main__":

@@ -9,6 +9,12 @@ pickle whose deltas are plain tuples (a pickled slots dataclass costs a Python c
 of builtins is pickled in C). The loop reads the socket when it is readable and hands each batch to the
 same `_deliver` as in one process, so sinks, accounts and frames are unchanged.
 
+With `outputs="network"` the output processor (detokenizer, stop strings, deltas) runs in the network
+process instead, as in engines whose front end detokenizes: the child sends each step's `RequestUpdate`s
+(new token ids per sequence) and the network process turns them into deltas; a choice that a stop string
+ended is finished in the engine by a `StopChoice` command, a step or two later (the tokens sampled
+meanwhile are void to the output processor, as when the engine finishes it itself).
+
 Not supported here: `call()` (functions run on the engine thread) and grammar pre-compilation off the
 loop (the child compiles a request's grammar when it admits it).
 """
@@ -21,11 +27,14 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from streamd.engine.async_engine import AsyncEngine, EngineCommand, Rejection, StepBatch, StopEngine
-from streamd.engine.outputs import CompletionDelta, RequestDelta
+from streamd.engine.async_engine import (AsyncEngine, CallEngine, EngineCommand, EngineDeadError, Rejection,
+                                         StepBatch, StopEngine)
+from streamd.engine.output_processor import OutputProcessor, ProcessedStep
+from streamd.engine.outputs import CompletionDelta, RequestDelta, RequestUpdate, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import EngineStats
 
@@ -43,6 +52,14 @@ class EngineInfo:
     stats: EngineStats
     pid: int
     thread_id: int
+
+
+@dataclass(slots=True, frozen=True)
+class StopChoice:
+    """Network process -> engine: a stop string ended this choice (outputs in the network process)."""
+
+    request_id: str
+    index: int
 
 
 def _send(sock: socket.socket, payload: Any) -> None:
@@ -67,20 +84,26 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
     return b"".join(chunks)
 
 
-def encode_batch(batch: StepBatch) -> tuple[Any, ...]:
+def encode_batch(batch: StepBatch, updates: list[RequestUpdate]) -> tuple[Any, ...]:
     rejected = [(r.request_id, _portable(r.error)) for r in batch.rejected]
     deltas = [(d.request_id, d.num_prompt_tokens, [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
                                                     c.logprobs, c.num_tokens) for c in d.outputs],
                d.finished, d.error, d.num_cached_tokens, d.queue_time) for d in batch.deltas]
-    return batch.accepted, rejected, deltas, batch.stats, batch.dead
+    news = [(u.request_id, [(q.index, q.token_ids, q.logprobs, q.finish_reason, q.stop_token_id) for q in u.seqs],
+             u.num_cached_tokens, u.scheduled_time, u.error) for u in updates]
+    return batch.accepted, rejected, deltas, news, batch.stats, batch.dead
 
 
-def decode_batch(wire: tuple[Any, ...]) -> StepBatch:
-    accepted, rejected, deltas, stats, dead = wire
-    return StepBatch(accepted, [Rejection(rid, error) for rid, error in rejected],
-                     [RequestDelta(rid, prompt, [CompletionDelta(*c) for c in outputs], finished, error, cached, queue)
-                      for rid, prompt, outputs, finished, error, cached, queue in deltas],
-                     stats=stats, dead=dead)
+def decode_batch(wire: tuple[Any, ...]) -> tuple[StepBatch, list[RequestUpdate]]:
+    accepted, rejected, deltas, news, stats, dead = wire
+    batch = StepBatch(accepted, [Rejection(rid, error) for rid, error in rejected],
+                      [RequestDelta(rid, prompt, [CompletionDelta(*c) for c in outputs], finished, error, cached,
+                                    queue)
+                       for rid, prompt, outputs, finished, error, cached, queue in deltas],
+                      stats=stats, dead=dead)
+    updates = [RequestUpdate(rid, [SeqUpdate(*q) for q in seqs], cached, scheduled, error)
+               for rid, seqs, cached, scheduled, error in news]
+    return batch, updates
 
 
 def _portable(error: BaseException) -> BaseException:
@@ -94,26 +117,49 @@ def _portable(error: BaseException) -> BaseException:
 
 # ---- the engine process --------------------------------------------------------------------------
 
+class _UpdateRelay:
+    """Stands in for the engine's output processor when outputs are made in the network process: keeps
+    each step's updates for the batch that carries them there (no deltas, no stop hits here)."""
+
+    def __init__(self) -> None:
+        self.updates: list[RequestUpdate] = []
+
+    def add_request(self, *args: Any) -> None:
+        pass
+
+    def process(self, updates: list[RequestUpdate]) -> ProcessedStep:
+        self.updates.extend(updates)
+        return ProcessedStep()
+
+    def take(self) -> list[RequestUpdate]:
+        updates, self.updates = self.updates, []
+        return updates
+
+
 class _ChildEngine(AsyncEngine):
     """The engine loop of `AsyncEngine`, publishing to the socket instead of an event loop."""
 
-    def __init__(self, engine: Any, sock: socket.socket) -> None:
+    def __init__(self, engine: Any, sock: socket.socket, relay: _UpdateRelay | None) -> None:
         super().__init__(engine)
         self._sock = sock
+        self._relay = relay
 
     def _publish(self, batch: StepBatch) -> None:
         try:
-            _send(self._sock, encode_batch(batch))
+            _send(self._sock, encode_batch(batch, self._relay.take() if self._relay is not None else []))
         except OSError:  # the network process is gone; the engine loop stops at its StopEngine or EOF
             pass
 
 
-def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], commands: socket.socket,
+def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here: bool, commands: socket.socket,
                 sock: socket.socket) -> None:
     from streamd import heap
 
     engine = factory(*args)
-    child = _ChildEngine(engine, sock)
+    relay = None if outputs_here else _UpdateRelay()
+    if relay is not None:
+        engine.output_processor = relay
+    child = _ChildEngine(engine, sock, relay)
     heap.settle()
     _send(sock, EngineInfo(engine.model_name, engine.max_model_len, engine.tokenizer, engine.stats(),
                            multiprocessing.current_process().pid or 0, threading.get_native_id()))
@@ -121,12 +167,20 @@ def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], commands: so
     def read_commands() -> None:
         try:
             while True:
-                child._commands.put(_receive(commands))
+                command = _receive(commands)
+                if isinstance(command, StopChoice):
+                    command = _finish_choice(command)
+                child._commands.put(command)
         except (EOFError, OSError):
             child._commands.put(StopEngine())
 
     threading.Thread(target=read_commands, name="streamd-engine-commands", daemon=True).start()
     child._run()
+
+
+def _finish_choice(stop: StopChoice) -> CallEngine:
+    """The engine-thread call that ends a choice (its result goes nowhere)."""
+    return CallEngine(lambda engine: engine.finish_choice(stop.request_id, stop.index), None)  # type: ignore[arg-type]
 
 
 # ---- the network side ----------------------------------------------------------------------------
@@ -142,15 +196,19 @@ class _SocketCommands:
 
 
 class ProcessEngine(AsyncEngine):
-    """`AsyncEngine` over an engine in a child process; `factory(*args)` builds the `LLMEngine` there."""
+    """`AsyncEngine` over an engine in a child process; `factory(*args)` builds the `LLMEngine` there.
+    `outputs`: "engine" (deltas made in the child) or "network" (made here from the child's updates)."""
 
-    def __init__(self, factory: Callable[..., Any], *args: Any) -> None:  # noqa: D107 (no super: no engine here)
+    def __init__(self, factory: Callable[..., Any], *args: Any, outputs: str = "engine") -> None:
         # Two socket pairs: commands (blocking sends; the child's reader thread always drains them) and
         # batches (read by the event loop when readable).
         commands, their_commands = socket.socketpair()
         ours, theirs = socket.socketpair()
         context = multiprocessing.get_context("spawn")
-        self.process = context.Process(target=_child_main, args=(factory, args, their_commands, theirs),
+        if outputs not in ("engine", "network"):
+            raise ValueError(f"outputs must be 'engine' or 'network', not {outputs!r}")
+        self.process = context.Process(target=_child_main,
+                                       args=(factory, args, outputs == "engine", their_commands, theirs),
                                        name="streamd-engine", daemon=True)
         self.process.start()
         their_commands.close()
@@ -169,6 +227,8 @@ class ProcessEngine(AsyncEngine):
         self._stats = info.stats
         self._dead = None
         self.steps = 0
+        self.outputs = OutputProcessor(info.tokenizer) if outputs == "network" else None
+        self._prompts: dict[str, tuple[list[int], SamplingParams, float]] = {}  # submitted, not yet admitted
 
     @property
     def model_name(self) -> str:
@@ -195,6 +255,19 @@ class ProcessEngine(AsyncEngine):
         self._loop = asyncio.get_running_loop()
         self._sock.setblocking(False)
         self._loop.add_reader(self._sock.fileno(), self._on_readable)
+
+    async def submit(self, request_id: str, prompt: str | None, params: SamplingParams, sink: Any, *,
+                     prompt_token_ids: list[int] | None = None) -> None:
+        if self.outputs is not None and request_id not in self._sinks:
+            ids = prompt_token_ids
+            if ids is None and isinstance(prompt, str):
+                ids = list(self._tokenizer(prompt).input_ids)  # as LLMEngine tokenizes a text prompt
+            self._prompts[request_id] = (list(ids or []), params, time.monotonic())
+        try:
+            await super().submit(request_id, prompt, params, sink, prompt_token_ids=prompt_token_ids)
+        except EngineDeadError:  # never sent; a refusal or a later admission pops it when it arrives
+            self._prompts.pop(request_id, None)
+            raise
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         raise NotImplementedError("call() is not supported with the engine in its own process")
@@ -231,7 +304,24 @@ class ProcessEngine(AsyncEngine):
                 break
             with memoryview(buffer) as view:
                 wire = pickle.loads(view[start + _HEADER.size:end])
-            self._deliver(decode_batch(wire))
+            self._deliver(self._with_deltas(*decode_batch(wire)))
             start = end
         del buffer[:start]
+
+    def _with_deltas(self, batch: StepBatch, updates: list[RequestUpdate]) -> StepBatch:
+        """Outputs made here: admitted requests join the output processor, the updates become the
+        batch's deltas, and choices a stop string ended are finished in the engine."""
+        outputs = self.outputs
+        if outputs is None:
+            return batch
+        for request_id in batch.accepted:
+            ids, params, arrival = self._prompts.pop(request_id)
+            outputs.add_request(request_id, ids, params, arrival)
+        for rejection in batch.rejected:
+            self._prompts.pop(rejection.request_id, None)
+        processed = outputs.process(updates)
+        batch.deltas = processed.deltas
+        for hit in processed.stop_hits:
+            self._commands.put(StopChoice(hit.request_id, hit.index))
+        return batch
 
