@@ -106,6 +106,9 @@ class ServerConfig:
     served_model_name: str | None = None  # None: derived from the model name
     responses_store_size: int = 1024  # finished Responses kept for previous_response_id (per server, LRU)
     responses_store_ttl_s: float = 3600.0  # how long a stored response can be continued
+    # The engine in a child process, detokenizing here (ProcessEngine outputs="network"): the network side
+    # and the engine stop sharing one GIL. No grammar pre-compilation off the loop, no tensor parallelism.
+    engine_process: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -142,6 +145,8 @@ class Config:
     def validate(self) -> Config:
         for section in SECTIONS:
             getattr(self, section).validate()
+        if self.server.engine_process and self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("server.engine_process does not support parallel.tensor_parallel_size > 1 yet")
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

@@ -54,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="requests per concurrent stream in each run (num requests = level x this)")
     group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                        help="engine/server setting for both runs (repeatable)")
-    group.add_argument("--layouts", default="thread",
+    group.add_argument("--layouts", default="thread,split",
                        help="server layouts, comma-separated: 'thread' (the engine on a thread of the server "
                        "process), 'process' (the engine in a child process: the issue-9 prototype), 'split' "
                        "(the same, detokenizing in the server process); each run alternates them")
