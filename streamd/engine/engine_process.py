@@ -7,7 +7,9 @@ driven there by the same `AsyncEngine._run` loop as in one process: a reader thr
 socket pair into its command queue, and each iteration's `StepBatch` goes back as one length-prefixed
 pickle whose deltas are plain tuples (a pickled slots dataclass costs a Python call per object; a tuple
 of builtins is pickled in C). The loop reads the socket when it is readable and hands each batch to the
-same `_deliver` as in one process, so sinks, accounts and frames are unchanged.
+same `_deliver` as in one process, so sinks, accounts and frames are unchanged. The engine publishes at
+most `MAX_BATCHES_IN_FLIGHT` batches ahead of their delivery (each delivered batch sends a `Delivered`
+credit back), so it cannot run ahead of a slower network side and hand streams many steps at once.
 
 With `outputs="network"` the output processor (detokenizer, stop strings, deltas) runs in the network
 process instead, as in engines whose front end detokenizes: the child sends each step's `RequestUpdate`s
@@ -15,8 +17,8 @@ process instead, as in engines whose front end detokenizes: the child sends each
 ended is finished in the engine by a `StopChoice` command, a step or two later (the tokens sampled
 meanwhile are void to the output processor, as when the engine finishes it itself).
 
-Not supported here: `call()` (functions run on the engine thread) and grammar pre-compilation off the
-loop (the child compiles a request's grammar when it admits it).
+Not supported here: `call()` (functions run on the engine thread), grammar pre-compilation off the loop
+(the child compiles a request's grammar when it admits it) and tensor parallelism.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ from streamd.engine.stats import EngineStats
 
 _HEADER = struct.Struct("<I")
 _READ_SIZE = 1 << 20
+# Batches the engine may publish before the network process has delivered them: without this bound the
+# engine runs ahead while the network side is the bottleneck, and streams get many steps' tokens at once
+# (measured at 256 SSE streams: ITL p50 87 ms, TTFT p50 0.5 s, against 22 ms and 0.3 s on one thread).
+MAX_BATCHES_IN_FLIGHT = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -55,11 +61,19 @@ class EngineInfo:
 
 
 @dataclass(slots=True, frozen=True)
+class Delivered:
+    """Network process -> engine: one more batch was handed to the sinks (a credit back)."""
+
+
+@dataclass(slots=True, frozen=True)
 class StopChoice:
     """Network process -> engine: a stop string ended this choice (outputs in the network process)."""
 
     request_id: str
     index: int
+
+
+DELIVERED = Delivered()
 
 
 def _send(sock: socket.socket, payload: Any) -> None:
@@ -143,8 +157,10 @@ class _ChildEngine(AsyncEngine):
         super().__init__(engine)
         self._sock = sock
         self._relay = relay
+        self.credits = threading.Semaphore(MAX_BATCHES_IN_FLIGHT)
 
     def _publish(self, batch: StepBatch) -> None:
+        self.credits.acquire()  # waits while the network side is MAX_BATCHES_IN_FLIGHT batches behind
         try:
             _send(self._sock, encode_batch(batch, self._relay.take() if self._relay is not None else []))
         except OSError:  # the network process is gone; the engine loop stops at its StopEngine or EOF
@@ -168,11 +184,15 @@ def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here
         try:
             while True:
                 command = _receive(commands)
+                if isinstance(command, Delivered):
+                    child.credits.release()
+                    continue
                 if isinstance(command, StopChoice):
                     command = _finish_choice(command)
                 child._commands.put(command)
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the network process is gone: stop, never wait for its credits again
             child._commands.put(StopEngine())
+            child.credits.release(1 << 20)
 
     threading.Thread(target=read_commands, name="streamd-engine-commands", daemon=True).start()
     child._run()
@@ -305,6 +325,10 @@ class ProcessEngine(AsyncEngine):
             with memoryview(buffer) as view:
                 wire = pickle.loads(view[start + _HEADER.size:end])
             self._deliver(self._with_deltas(*decode_batch(wire)))
+            try:
+                self._commands.put(DELIVERED)
+            except OSError:  # the engine process is gone; the socket's end marks the engine dead
+                pass
             start = end
         del buffer[:start]
 
