@@ -73,6 +73,12 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    # Beam search (Hugging Face `generate(num_beams=beam_width)` semantics; `beam_search.py`): the best `n`
+    # of `beam_width` beams are returned. `beam_width` None means n (vLLM's legacy default).
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -82,6 +88,13 @@ class SamplingParams:
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        if self.use_beam_search:
+            if self.beam_width is None:
+                self.beam_width = self.n
+            self._validate_beam_search()
+        else:
+            for name, default in (("beam_width", None), ("length_penalty", 1.0), ("early_stopping", False)):
+                _check(getattr(self, name) == default, name, getattr(self, name), "needs use_beam_search=true")
 
     def _validate(self) -> None:
         _check(is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
@@ -113,8 +126,29 @@ class SamplingParams:
         if self.logprobs is not None:
             _check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
                    f"must be an integer in [0, {MAX_LOGPROBS}]")
-        for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens"):
+        for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
+                     "use_beam_search"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a boolean")
+
+    def _validate_beam_search(self) -> None:
+        """Beam search scores the model's own log-probabilities (as Hugging Face beam search without
+        sampling): parameters that would sample, reshape the distribution or read text mid-way are refused."""
+        width = self.beam_width
+        _check(is_int(width) and width >= 1, "beam_width", width, "must be an integer >= 1")
+        assert width is not None
+        _check(self.n <= width, "n", self.n, f"must not exceed beam_width ({width}) with use_beam_search")
+        _check(is_num(self.length_penalty) and abs(self.length_penalty) != float("inf"), "length_penalty",
+               self.length_penalty, "must be a finite number")
+        _check(self.early_stopping in (True, False, "never") and not is_int(self.early_stopping),
+               "early_stopping", self.early_stopping, 'must be true, false or "never"')
+        _check(self.temperature in (0, 1), "temperature", self.temperature,
+               "must be 1 (the default) or 0 with use_beam_search: beam search does not sample, it scores the "
+               "model's log-probabilities")
+        for name, default in _NOT_WITH_BEAMS:
+            value = getattr(self, name)
+            _check(value == default or (name == "top_k" and value == 0), name, value,
+                   "is not supported with use_beam_search (beam search does not sample)"
+                   if name in _SAMPLING_ONLY else "is not supported with use_beam_search")
 
     @property
     def greedy(self) -> bool:
@@ -127,8 +161,9 @@ class SamplingParams:
     @property
     def needs_host_tokens(self) -> bool:
         """Whether sampling this request's next token needs its previous token on the host (penalties
-        read the history; a grammar's mask follows every token), which rules out the engine's overlap."""
-        return self.uses_penalties or self.structured_outputs is not None
+        read the history; a grammar's mask follows every token; beams are chosen on the host before the
+        next step), which rules out the engine's overlap."""
+        return self.uses_penalties or self.structured_outputs is not None or self.use_beam_search
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> SamplingParams:
@@ -138,6 +173,14 @@ class SamplingParams:
         if unknown:
             raise ValueError(f"unknown sampling parameter {unknown[0]!r}")
         return cls(**params)
+
+
+# What beam search refuses, with the value that means "unused" (sampling knobs, then features that would
+# need text or per-token state across beams that swap parents).
+_SAMPLING_ONLY = frozenset({"top_p", "top_k", "min_p", "seed"})
+_NOT_WITH_BEAMS = (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("seed", None), ("presence_penalty", 0.0),
+                   ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("stop", []), ("logprobs", None),
+                   ("structured_outputs", None))
 
 
 def is_int(value: Any) -> bool:

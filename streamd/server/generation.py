@@ -32,8 +32,9 @@ WIRE_PARAMS = frozenset({
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "n", "ignore_eos",
     "logprobs", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "response_format",
+    "use_beam_search", "beam_width", "length_penalty", "early_stopping",  # beam search (vLLM's extra fields)
 })
-MAX_N = 16  # parallel samples per request (each is a sequence of the batch)
+MAX_N = 16  # parallel samples or beams per request (each is a sequence of the batch)
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
 
@@ -107,6 +108,9 @@ class Generation:
             raise ServiceError("invalid_request", str(exc), str(exc).split(" ", 1)[0]) from exc
         if params.n > MAX_N:
             raise ServiceError("invalid_request", f"n must be <= {MAX_N}, got {params.n}", "n")
+        if params.beam_width is not None and params.beam_width > MAX_N:
+            raise ServiceError("invalid_request", f"beam_width must be <= {MAX_N}, got {params.beam_width}",
+                               "beam_width")
         return Prepared(prompt_ids, params, prompt)
 
     # ---- running -----------------------------------------------------------------------------

@@ -115,8 +115,12 @@ async def completions(request: Request) -> Response:
     body = await json_body(request)
     check_model(s, body)
     _refuse(body, echo=False, suffix=None, logit_bias=None)
-    if body.get("best_of") not in (None, 1, body.get("n", 1)):
-        raise ServiceError("unsupported", "best_of must equal n", "best_of")
+    best_of = body.get("best_of")
+    if body.get("use_beam_search") is True and best_of is not None and body.get("beam_width") is None:
+        body["beam_width"] = best_of  # vLLM's legacy beam search: best_of is the beam width
+    elif best_of not in (None, 1, body.get("n", 1)):
+        raise ServiceError("unsupported", "best_of must equal n (or be the beam width with use_beam_search)",
+                           "best_of")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
