@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import pickle
+import signal
 import socket
 import struct
 import threading
@@ -171,6 +172,10 @@ def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here
                 sock: socket.socket) -> None:
     from streamd import heap
 
+    # The network process owns the lifecycle (a terminal's Ctrl-C or SIGTERM reaches the whole process
+    # group): the engine stops on its StopEngine, or when the network process's socket closes.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     engine = factory(*args)
     relay = None if outputs_here else _UpdateRelay()
     if relay is not None:
