@@ -102,6 +102,9 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20
     max_waiting_requests: int = 4096  # beyond this new requests get 503 / an `overloaded` error
     max_tokens_limit: int | None = None  # upper bound on a request's max_tokens; None: the context
+    default_max_tokens: int = 256  # a WebSocket generate without max_tokens
+    max_prompt_chars: int = 1 << 20  # a text prompt (or all messages' contents) longer than this is refused
+    max_body_bytes: int = 8 << 20  # HTTP request bodies, counted as they arrive: larger ones get 413
     drain_timeout_s: float = 30.0
     served_model_name: str | None = None  # None: derived from the model name
     responses_store_size: int = 1024  # finished Responses kept for previous_response_id (per server, LRU)
@@ -114,7 +117,8 @@ class ServerConfig:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         for key in ("max_connections", "max_requests_per_connection", "max_frame_bytes",
-                    "max_waiting_requests", "responses_store_size"):
+                    "max_waiting_requests", "default_max_tokens", "max_prompt_chars", "max_body_bytes",
+                    "responses_store_size"):
             _positive(f"server.{key}", getattr(self, key))
         _positive("server.max_tokens_limit", self.max_tokens_limit, allow_none=True)
         if self.responses_store_ttl_s <= 0:

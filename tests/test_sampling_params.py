@@ -22,6 +22,11 @@ from streamd.engine.sampling_params import SamplingParams
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
     ("logprobs", -1), ("logprobs", 21),
     ("ignore_eos", 1), ("include_stop_str_in_output", "yes"), ("skip_special_tokens", None),
+    # issue 10: OpenAI's bounds, no infinities, nothing so small that scaled logits overflow to NaN
+    ("temperature", float("inf")), ("temperature", 1e-300), ("temperature", 2.5), ("top_p", float("inf")),
+    ("repetition_penalty", 1e-300), ("repetition_penalty", float("inf")), ("presence_penalty", float("-inf")),
+    # issue 10: a non-list stop names `stop` (not "'int' object is not iterable"); number and length capped
+    ("stop", 5), ("stop", ["x"] * 65), ("stop", ["x" * 257]), ("stop_token_ids", 7),
 ])
 def test_bad_value_names_the_field(field, value) -> None:
     with pytest.raises(ValueError, match=field):

@@ -489,10 +489,11 @@ class LLMEngine:
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's context "
                 f"length ({self.max_model_len} tokens)")
-        if not self.block_manager.can_ever_fit(len(ids)):
+        if not self.block_manager.can_ever_fit(wanted):  # else it would fail mid-generation, not here
             raise KVCacheCapacityError(
-                f"prompt ({len(ids)} tokens) needs more KV cache blocks than the pool can ever hold "
-                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs more KV cache blocks "
+                f"than the pool can ever hold ({self.block_manager.num_blocks} blocks of "
+                f"{self.block_manager.block_size} tokens)")
 
     def _auto_num_blocks(self, layout: KVLayout) -> int:
         if self.device.type == "cuda":

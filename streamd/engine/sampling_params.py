@@ -1,15 +1,24 @@
 """SamplingParams: how one request's tokens are chosen and when its generation stops.
 
 Field names follow OpenAI / vLLM so users and the wire protocol share one vocabulary. Every value is
-checked when the object is built; a bad one raises ValueError naming the field.
+checked when the object is built; a bad one raises ValueError naming the field. Numeric values are bounded
+as OpenAI bounds them (temperature in [0, 2], penalties in [-2, 2]); values so small that dividing logits by
+them overflows (temperature or repetition_penalty of 1e-300) are out of range, not NaN at sampling time. Stop
+strings are capped in number and length: every running request's are scanned on the engine thread each step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MIN_TEMPERATURE = 1e-3  # a temperature in (0, this) would overflow the scaled logits
+MAX_TEMPERATURE = 2.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 100.0
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (as OpenAI)
 
 
@@ -85,6 +94,10 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(isinstance(self.stop, (list, tuple)) or self.stop is None, "stop", self.stop,
+               "must be a string or a list of strings")
+        _check(isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None, "stop_token_ids",
+               self.stop_token_ids, "must be a list of non-negative integers")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
@@ -106,8 +119,9 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"must not exceed max_tokens ({self.max_tokens})")
-        _check(is_num(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
-               "must be a number >= 0")
+        _check(is_num(self.temperature) and (self.temperature == 0
+                                             or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE),
+               "temperature", self.temperature, f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
         _check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _check(is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
                "must be an integer >= -1 (-1 or 0 disables it)")
@@ -115,12 +129,18 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(is_num(value) and -2 <= value <= 2, name, value, "must be in [-2, 2]")
-        _check(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               self.repetition_penalty, "must be a number > 0")
+        _check(is_num(self.repetition_penalty)
+               and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               "repetition_penalty", self.repetition_penalty,
+               f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 disables it)")
         if self.seed is not None:
             _check(is_int(self.seed), "seed", self.seed, "must be an integer")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "must be a non-empty string or a list of them")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"{len(self.stop)} strings",
+               f"must have at most {MAX_STOP_STRINGS} strings")
+        _check(all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop", "a longer string",
+               f"strings must have at most {MAX_STOP_CHARS} characters")
         _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be a list of non-negative integers")
         if self.logprobs is not None:
@@ -188,7 +208,8 @@ def is_int(value: Any) -> bool:
 
 
 def is_num(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A finite int or float (no bool, NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, value: Any, rule: str) -> None:

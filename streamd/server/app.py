@@ -32,6 +32,7 @@ from streamd.server import openai_routes, responses_api, responses_ws, tokenize_
 from streamd.server.auth import Authenticator
 from streamd.server.errors import ServiceError, error_response, http_error
 from streamd.server.generation import Generation, new_request_id
+from streamd.server.http_guard import HttpGuard
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.logprobs import TokenTexts
 from streamd.server.metrics import CONTENT_TYPE, Metrics
@@ -46,6 +47,17 @@ OPEN_PREFIX = "/static/"  # the chat page's scripts, styles, icon and vendored l
 # Why /ready answers 503 -> the code of its error body.
 _NOT_READY = {"draining": "shutting_down", "warming_up": "service_unavailable",
               "engine_unavailable": "engine_unavailable"}
+# The chat page: its own scripts (files only, no inline script) and styles, never framed, never sniffed.
+# connect-src names ws: and wss: because older browsers do not match WebSocket URLs against 'self'.
+PAGE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; "
+                               "style-src 'self' 'unsafe-inline'; connect-src 'self' ws: wss:; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> Starlette:
@@ -61,6 +73,7 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        logger.info("origin_policy", allowed=services.auth.describe_origin_policy())
         engine.start()
         task = asyncio.create_task(_warm_up(services)) if warm_up else None
         if task is None:
@@ -68,9 +81,10 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
         yield
         if task is not None:
             task.cancel()
+        services.generation.tokenizing.close()
 
     async def index(request: Request) -> Response:
-        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(page, headers=PAGE_HEADERS)
 
     routes = [
         Route("/", index, methods=["GET"]),
@@ -89,6 +103,7 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         ServiceError: service_error, HTTPException: http_exception, Exception: internal_error})
     app.state.services = services
+    app.add_middleware(HttpGuard, auth=services.auth, max_body_bytes=server.max_body_bytes)
     app.add_middleware(AuthMiddleware, auth=services.auth)
     return app
 
@@ -172,7 +187,7 @@ async def _warm_up(services: Services) -> None:
     """One tiny generation so the first user does not pay for lazy initialisation; then ready."""
     engine = services.engine
     try:
-        ids = services.generation.prompt_ids("Hello")
+        ids = await services.generation.prompt_ids("Hello")
         stream = await engine.add_request(new_request_id(), None, SamplingParams(max_tokens=1, temperature=0.0),
                                           prompt_token_ids=ids)
         async for delta in stream:

@@ -17,7 +17,6 @@ as `tool_calls`.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from streamd.engine.request_stream import RequestStream
 from streamd.engine.sampling_params import MAX_LOGPROBS, is_int
 from streamd.logs import get_logger
 from streamd.server.accounting import FinishNames, RequestAccount
-from streamd.server.encoding import dumps
+from streamd.server.encoding import dumps, loads
 from streamd.server.errors import ServiceError
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.logprobs import LogprobsBuilder
@@ -104,7 +103,7 @@ async def chat_completions(request: Request) -> Response:
             raise ServiceError("invalid_request", "a required or named tool_choice cannot be combined with "
                                "response_format or structured_outputs", "tool_choice")
         params["structured_outputs"] = plan.structured
-    ids = s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None)
+    ids = await s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None)
     prepared = s.generation.prepare(ids, params, default_max_tokens=None)
     tool_call = ToolCallStream() if plan is not None and plan.structured is not None else None
     return await _respond(request, s, body, "chat", prepared, tool_call)
@@ -124,11 +123,11 @@ async def completions(request: Request) -> Response:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    ids = s.generation.prompt_ids(prompt)
+    ids = await s.generation.prompt_ids(prompt)
     params = _params(body)
     params["logprobs"] = _completion_logprobs(body)
     prepared = s.generation.prepare(ids, params, default_max_tokens=16,
-                                    prompt=prompt if isinstance(prompt, str) else None)
+                                    prompt=prompt if isinstance(prompt, str) else None, prompt_param="prompt")
     return await _respond(request, s, body, "completion", prepared)
 
 
@@ -309,10 +308,8 @@ def _data(obj: dict[str, Any]) -> str:
 
 
 async def json_body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ServiceError("invalid_json", "the request body is not valid JSON") from None
+    """The body (already bounded by `server.max_body_bytes` and checked to be JSON by `http_guard`)."""
+    body = loads(await request.body(), "the request body")
     if not isinstance(body, dict):
         raise ServiceError("invalid_request", "the request body must be a JSON object")
     return body

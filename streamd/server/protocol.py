@@ -19,9 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from streamd.server.encoding import dumps
+from streamd.server.encoding import dumps, loads
 from streamd.server.errors import ServiceError
 
 SUBPROTOCOL_V1 = "streamd.v1"
@@ -71,10 +69,7 @@ class Cancel:
 
 def parse_frame(text: str) -> Generate | Cancel | SubscribeStats | UnsubscribeStats:
     """Raises ServiceError (with `param` set to the frame's id when one could be read)."""
-    try:
-        frame = orjson.loads(text)
-    except (orjson.JSONDecodeError, RecursionError, UnicodeEncodeError):
-        raise ServiceError("invalid_json", "the frame is not valid JSON") from None
+    frame = loads(text, "the frame")
     if not isinstance(frame, dict):
         raise ServiceError("invalid_json", "a frame must be a JSON object")
     if frame.get("type") in ("subscribe_stats", "unsubscribe_stats"):

@@ -7,7 +7,8 @@ false, `tools`), and `return_token_strs` (default false); it answers `{"count", 
 conversations go through the same code as a generation request's (`Generation.prompt_ids` /
 `messages_ids`), so with the defaults `count` is the `prompt_tokens` that request would be charged.
 `/detokenize` takes `tokens` (ids in the vocabulary) and answers `{"prompt": text}`. Both check `model`
-like every OpenAI route and ignore fields they do not know, as vLLM does.
+like every OpenAI route and ignore fields they do not know, as vLLM does. Long inputs and outputs are
+(de)tokenized on the tokenizer worker (`tokenizing.py`), within `server.max_prompt_chars`.
 """
 
 from __future__ import annotations
@@ -35,13 +36,13 @@ async def tokenize(request: Request) -> Response:
     if has_prompt:
         if not isinstance(body["prompt"], str):
             raise ServiceError("invalid_request", "prompt must be a string", "prompt")
-        ids = s.generation.prompt_ids(body["prompt"], _flag(body, "add_special_tokens", True))
+        ids = await s.generation.prompt_ids(body["prompt"], _flag(body, "add_special_tokens", True))
     else:
-        ids = s.generation.messages_ids(body["messages"], _tools(body), _template_options(body))
+        ids = await s.generation.messages_ids(body["messages"], _tools(body), _template_options(body))
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": s.engine.max_model_len, "tokens": ids,
                               "token_strs": None}
     if _flag(body, "return_token_strs", False):
-        answer["token_strs"] = s.engine.tokenizer.convert_ids_to_tokens(ids)
+        answer["token_strs"] = await s.generation.tokenizing.run(lambda t: t.convert_ids_to_tokens(ids), len(ids))
     return JSONResponse(answer)
 
 
@@ -52,7 +53,8 @@ async def detokenize(request: Request) -> Response:
     tokens, vocab = body.get("tokens"), len(s.engine.tokenizer)
     if not isinstance(tokens, list) or not all(is_int(t) and 0 <= t < vocab for t in tokens):
         raise ServiceError("invalid_request", f"tokens must be a list of token ids in [0, {vocab})", "tokens")
-    return JSONResponse({"prompt": s.engine.tokenizer.decode(tokens)})
+    s.generation.check_chars(len(tokens), "tokens")
+    return JSONResponse({"prompt": await s.generation.tokenizing.run(lambda t: t.decode(tokens), len(tokens))})
 
 
 def _template_options(body: dict[str, Any]) -> TemplateOptions:
