@@ -116,6 +116,9 @@ class ServerConfig:
     socket_send_buffer_bytes: int = 0  # fixed SO_SNDBUF of accepted sockets; 0: the OS's autotuning
     max_request_time_s: float | None = None  # default and cap of a request's timeout_s; None: no limit
     max_queue_time_s: float | None = None  # longer before first scheduling: `overloaded`; None: no limit
+    # The engine in a child process, detokenizing here (ProcessEngine outputs="network"): the network side
+    # and the engine stop sharing one GIL. No grammar pre-compilation off the loop, no tensor parallelism.
+    engine_process: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -158,6 +161,8 @@ class Config:
     def validate(self) -> Config:
         for section in SECTIONS:
             getattr(self, section).validate()
+        if self.server.engine_process and self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("server.engine_process does not support parallel.tensor_parallel_size > 1 yet")
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

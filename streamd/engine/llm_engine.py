@@ -472,16 +472,21 @@ class LLMEngine:
             return []
         processed = self.output_processor.process(updates)
         for hit in processed.stop_hits:
-            group = self._groups.get(hit.request_id)
-            if group is None:
-                continue
-            for seq in group.seqs:
-                if seq.sample_index == hit.index and not seq.status.finished:
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-            self.scheduler.free_finished([group])
-            if group.finished:
-                self._forget(group)
+            self.finish_choice(hit.request_id, hit.index)
         return processed.deltas
+
+    def finish_choice(self, request_id: str, index: int) -> None:
+        """Ends one choice that a stop string ended (its blocks are freed at once); its later tokens, if any
+        are in flight, are void to the output processor."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for seq in group.seqs:
+            if seq.sample_index == index and not seq.status.finished:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+        self.scheduler.free_finished([group])
+        if group.finished:
+            self._forget(group)
 
     # ---- helpers --------------------------------------------------------------------------------
 

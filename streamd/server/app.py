@@ -10,7 +10,6 @@ the handshake, see ws.py).
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +23,7 @@ from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from streamd import heap
 from streamd.config import Config
 from streamd.engine.async_engine import AsyncEngine
 from streamd.engine.sampling_params import SamplingParams
@@ -198,7 +198,7 @@ async def _warm_up(services: Services) -> None:
             if delta.error:
                 raise RuntimeError(delta.error)
         services.lifecycle.warmed_up = True
-        gc.freeze()  # the model and everything built so far are permanent: keep them out of every collection
+        heap.settle()  # the model and everything built so far are permanent: out of every collection
         logger.info("ready", model=services.model_name)
     except Exception:
         logger.exception("warm_up_failed")

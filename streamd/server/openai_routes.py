@@ -22,6 +22,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Callable
 
+import orjson
 import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -68,7 +69,7 @@ class _Call:
 class SSEResponse(StreamingResponse):
     """A StreamingResponse that always lets go of its request, even if its body never started."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str] | AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
         self._on_close = on_close
 
@@ -179,14 +180,17 @@ async def _deltas(call: _Call, first: RequestDelta | None) -> AsyncIterator[Requ
         yield delta
 
 
-async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = None) -> AsyncIterator[str]:
-    """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end."""
+async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = None) -> AsyncIterator[bytes]:
+    """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end.
+    The chunks of one delta go out in one write, and so do the closing ones."""
     extra = {"usage": None} if include_usage else {}
     account = call.account
     if call.kind == "chat":
-        for index in range(account.num_choices):
-            yield _data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra))
+        yield b"".join(_data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra)).encode()
+                       for index in range(account.num_choices))
+    texts = TextEvents(call, extra)
     async for delta in _deltas(call, first):
+        events = []
         for choice in delta.outputs:
             if call.logprobs is not None:
                 call.logprobs.add(choice)
@@ -195,17 +199,49 @@ async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = No
             if call.tool_call is not None:
                 pieces = call.tool_call.feed(choice.text)
                 if pieces:
-                    yield _data(_chunk(call, choice.index, {"tool_calls": pieces}, None, extra))
-            else:
-                yield _data(_chunk(call, choice.index, _piece(call, choice.text), None, extra))
+                    events.append(_data(_chunk(call, choice.index, {"tool_calls": pieces}, None, extra)).encode())
+            elif call.logprobs is None:
+                events.append(texts.event(choice.index, choice.text))
+            else:  # the chunk carries the logprobs of its tokens
+                events.append(_data(_chunk(call, choice.index, _piece(call, choice.text), None, extra)).encode())
+        if events:
+            yield b"".join(events)
+    tail = []
     if account.error:
-        yield _data(ServiceError("internal_error", account.error).openai_body())
+        tail.append(_data(ServiceError("internal_error", account.error).openai_body()))
     else:
         for index, finish in enumerate(account.choice_finishes()):
-            yield _data(_chunk(call, index, _piece(call, ""), finish, extra))
+            tail.append(_data(_chunk(call, index, _piece(call, ""), finish, extra)))
     if include_usage:
-        yield _data({**_envelope(call), "choices": [], "usage": account.usage()})
-    yield "data: [DONE]\n\n"
+        tail.append(_data({**_envelope(call), "choices": [], "usage": account.usage()}))
+    tail.append("data: [DONE]\n\n")
+    yield "".join(tail).encode()
+
+
+class TextEvents:
+    """A call's text chunks (without logprobs) as bytes: per choice, the chunk is encoded once around a placeholder text and
+    split there, so each delta costs one orjson call on its text instead of building and encoding the
+    whole chunk (the same bytes: the placeholder's JSON is replaced by the text's JSON)."""
+
+    HOLE = "\x00streamd-text\x00"
+
+    def __init__(self, call: _Call, extra: dict[str, Any]) -> None:
+        self.call = call
+        self.extra = extra
+        self.parts: dict[int, tuple[bytes, bytes]] = {}
+
+    def event(self, index: int, text: str) -> bytes:
+        parts = self.parts.get(index)
+        if parts is None:
+            before, _, after = self._whole(index, self.HOLE).partition(orjson.dumps(self.HOLE))
+            parts = self.parts[index] = (before, after)
+        try:
+            return parts[0] + orjson.dumps(text) + parts[1]
+        except TypeError:  # text orjson refuses (a lone surrogate): the generic encoder decides
+            return self._whole(index, text)
+
+    def _whole(self, index: int, text: str) -> bytes:
+        return _data(_chunk(self.call, index, _piece(self.call, text), None, self.extra)).encode()
 
 
 async def _collect(call: _Call) -> Response:

@@ -87,8 +87,13 @@ def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
 async def serve(config: Config) -> int:
     from streamd.engine.llm_engine import LLMEngine
 
-    logger.info("loading_model", model=config.model.name or "default")
-    engine = AsyncEngine(LLMEngine.from_config(config))
+    logger.info("loading_model", model=config.model.name or "default", engine_process=config.server.engine_process)
+    if config.server.engine_process:
+        from streamd.engine.engine_process import ProcessEngine
+
+        engine: AsyncEngine = ProcessEngine(LLMEngine.from_config, config, outputs="network")
+    else:
+        engine = AsyncEngine(LLMEngine.from_config(config))
     app = create_app(config, engine)
     server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle,
                             config.server.socket_send_buffer_bytes)
