@@ -52,3 +52,23 @@ def test_paused_request_times_out_and_the_idle_engine_wakes_for_it(smol_llm: LLM
     out = step_until_idle(engine, builders)["p"]
     assert out.outputs[0].finish_reason == "timeout" and engine.stats().scheduler.num_paused == 0
     assert engine.next_deadline is None
+
+
+async def test_pause_and_deadlines_cross_into_an_engine_process(smol_llm: LLM) -> None:
+    """`ProcessEngine`: the pause command reaches the child, whose idle wait still wakes at the deadline."""
+    from streamd.engine.engine_process import ProcessEngine
+    from streamd.engine.llm_engine import LLMEngine
+
+    engine = ProcessEngine(LLMEngine.from_config, smol_llm.config, outputs="network")
+    engine.start()
+    try:
+        stream = await engine.add_request("p", "Once upon a time", SamplingParams(**LONG, timeout_s=1.5))
+        first = await anext(stream)
+        engine.set_paused("p", True)
+        deltas = [first] + [delta async for delta in stream]
+        assert deltas[-1].finished and deltas[-1].outputs[-1].finish_reason == "timeout"
+        after_pause = sum(len(c.token_ids) for d in deltas[1:] for c in d.outputs)
+        assert after_pause <= 5  # at most the steps already in flight when the pause arrived
+        assert engine.stats().pool_whole and engine.stats().scheduler.num_paused == 0
+    finally:
+        await engine.shutdown()
