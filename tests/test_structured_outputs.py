@@ -48,7 +48,8 @@ def engine() -> LLMEngine:
 
 
 def constrained(temperature: float = 0.0, **kw) -> SamplingParams:
-    return SamplingParams(temperature=temperature, max_tokens=48, seed=kw.pop("seed", None),
+    # The longest FINITE document is 66 characters: even one token a character ends before max_tokens.
+    return SamplingParams(temperature=temperature, max_tokens=80, seed=kw.pop("seed", None),
                           structured_outputs=StructuredOutputs(json=FINITE), **kw)
 
 
@@ -62,6 +63,16 @@ def test_constrained_outputs_validate(engine: LLMEngine, temperature: float) -> 
     outs = run_to_completion(engine, PROMPTS, constrained(temperature))
     check_valid([o.outputs[0].text for o in outs])
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
+
+
+def test_every_parallel_sample_follows_its_own_grammar_state(engine: LLMEngine) -> None:
+    # n > 1: each sample forks its prompt's matcher and then advances on its own tokens only.
+    outs = run_to_completion(engine, PROMPTS[:4], constrained(1.0, n=4, seed=11))
+    texts = [c.text for o in outs for c in o.outputs]
+    assert len(texts) == 16 and len(set(texts)) > 4, texts  # distinct samples, each a valid document
+    check_valid(texts)
+    assert all(c.finish_reason == "stop" for o in outs for c in o.outputs)
+    assert engine.grammars is not None and len(engine.grammars) == 0  # every matcher went with its sequence
 
 
 def test_unconstrained_neighbour_is_unaffected(engine: LLMEngine) -> None:
@@ -81,6 +92,7 @@ def test_constrained_requests_survive_preemption(mode: str) -> None:
     check_valid([o.outputs[0].text for o in outs])
     stats = tight.stats().scheduler
     assert (stats.preemptions_swap if mode == "swap" else stats.preemptions_recompute) > 0, stats
+    assert tight.grammars is not None and len(tight.grammars) == 0
 
 
 def test_choice_regex_and_grammar(engine: LLMEngine) -> None:

@@ -125,9 +125,10 @@ class SamplingParams:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Whether sampling this request's next token needs its previous token on the host (penalties
-        read the history; a grammar's mask follows every token), which rules out the engine's overlap."""
-        return self.uses_penalties or self.structured_outputs is not None
+        """Whether sampling this request's next token needs its token history on the host (penalties read
+        it), which rules out the engine's overlap. A grammar's mask also follows every token, but the
+        engine reads the previous tokens back while the forward runs (see `LLMEngine.step`)."""
+        return self.uses_penalties
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> SamplingParams:

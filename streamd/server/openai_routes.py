@@ -7,7 +7,9 @@ Starlette cancels the body iterator; otherwise a watcher on `http.disconnect` ca
 Unknown top-level fields are ignored (as OpenAI clients and frontends send extras); unsupported features
 that would change the answer (functions, logprobs, echo, suffix) are refused. `response_format` and
 `structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice` "required" or a named
-function make the reply a grammar-enforced tool call (`structured_api.py`), returned as `tool_calls`.
+function make the reply a grammar-enforced tool call (`structured_api.py`), and with "auto" the model's
+own tool-call format is parsed where its chat template defines one (`tool_parsers.py`): either way the
+calls are returned as `tool_calls` (streamed as `delta.tool_calls`) with finish reason "tool_calls".
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import asyncio
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import structlog
@@ -32,7 +34,8 @@ from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.services import Services
-from streamd.server.structured_api import ToolCallStream, plan_tools
+from streamd.server.structured_api import plan_tools
+from streamd.server.tool_parsers import ToolCallParser, tool_format
 
 logger = get_logger(__name__)
 
@@ -50,7 +53,14 @@ class _Call:
     prepared: Prepared
     stream: RequestStream
     account: RequestAccount
-    tool_call: ToolCallStream | None = None  # set when the reply is a grammar-enforced tool call
+    tool_format: str | None = None  # the format the replies' tool calls are parsed in (None: text)
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice
+
+    def parser(self, index: int) -> ToolCallParser:
+        assert self.tool_format is not None
+        if index not in self.parsers:
+            self.parsers[index] = ToolCallParser(self.tool_format)
+        return self.parsers[index]
 
     def finish(self) -> None:
         """The request is over for this call (finished, or its client left): abort if needed, count it."""
@@ -89,7 +99,8 @@ async def chat_completions(request: Request) -> Response:
     params = _params(body)
     if body.get("max_completion_tokens") is not None:
         params["max_tokens"] = body["max_completion_tokens"]
-    plan = plan_tools(body.get("tools"), body.get("tool_choice"))
+    model_format = tool_format(getattr(s.engine.tokenizer, "chat_template", None))
+    plan = plan_tools(body.get("tools"), body.get("tool_choice"), model_format)
     if plan is not None and plan.structured is not None:
         if params.get("response_format") or params.get("structured_outputs"):
             raise ServiceError("invalid_request", "a required or named tool_choice cannot be combined with "
@@ -97,8 +108,7 @@ async def chat_completions(request: Request) -> Response:
         params["structured_outputs"] = plan.structured
     ids = s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None)
     prepared = s.generation.prepare(ids, params, default_max_tokens=None)
-    tool_call = ToolCallStream() if plan is not None and plan.structured is not None else None
-    return await _respond(request, s, body, "chat", prepared, tool_call)
+    return await _respond(request, s, body, "chat", prepared, plan.parser if plan is not None else None)
 
 
 async def completions(request: Request) -> Response:
@@ -118,7 +128,7 @@ async def completions(request: Request) -> Response:
 
 
 async def _respond(request: Request, s: Services, body: dict[str, Any], kind: str, prepared: Prepared,
-                   tool_call: ToolCallStream | None = None) -> Response:
+                   tool_format: str | None = None) -> Response:
     stream_flag = body.get("stream") or False
     options = body.get("stream_options") or {}
     if not isinstance(stream_flag, bool) or not isinstance(options, dict):
@@ -127,7 +137,7 @@ async def _respond(request: Request, s: Services, body: dict[str, Any], kind: st
     account, stream = await s.generation.submit(prepared, kind)
     assert stream is not None
     call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, stream, account,
-                 tool_call)
+                 tool_format)
     structlog.contextvars.bind_contextvars(request_id=call.id)
     if stream_flag:
         return SSEResponse(_sse(call, bool(options.get("include_usage"))), call.finish)
@@ -146,17 +156,19 @@ async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[str]:
         for choice in delta.outputs:
             if not choice.text:
                 continue
-            if call.tool_call is not None:
-                pieces = call.tool_call.feed(choice.text)
-                if pieces:
-                    yield _data(_chunk(call, choice.index, {"tool_calls": pieces}, None, extra))
+            if call.tool_format is not None:
+                for piece in _parsed(call, choice.index, choice.text, final=False):
+                    yield _data(_chunk(call, choice.index, piece, None, extra))
             else:
                 yield _data(_chunk(call, choice.index, _piece(call, choice.text), None, extra))
     if account.error:
         yield _data(ServiceError("internal_error", account.error).openai_body())
     else:
         for index, finish in enumerate(account.choice_finishes()):
-            yield _data(_chunk(call, index, _piece(call, ""), _finish_reason(call, finish.openai), extra))
+            if call.tool_format is not None:  # what was held back (text that might have become a call)
+                for piece in _parsed(call, index, "", final=True):
+                    yield _data(_chunk(call, index, piece, None, extra))
+            yield _data(_chunk(call, index, _piece(call, ""), _finish_reason(call, index, finish.openai), extra))
     if include_usage:
         yield _data({**_envelope(call), "choices": [], "usage": account.usage()})
     yield "data: [DONE]\n\n"
@@ -177,26 +189,36 @@ async def _collect(call: _Call) -> Response:
     choices = []
     for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
         content = "".join(pieces)
-        if call.tool_call is not None:  # (a grammar-enforced call: one choice)
-            call.tool_call.feed(content)
-        reason = _finish_reason(call, finish.openai)
+        if call.tool_format is not None:
+            call.parser(index).feed(content, final=True)
+        reason = _finish_reason(call, index, finish.openai)
         if call.kind != "chat":
             choices.append({"index": index, "text": content, "logprobs": None, "finish_reason": reason})
             continue
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if call.tool_call is not None:
-            whole = call.tool_call.final()
-            message = {"role": "assistant", "content": None if whole else content,
-                       "tool_calls": [whole] if whole else []}
+        if call.tool_format is not None:
+            reply = call.parser(index).result()
+            if reply.tool_calls:
+                message = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
         choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": reason})
     return JSONResponse({**_envelope(call, final=True), "choices": choices, "usage": account.usage()})
 
 
-def _finish_reason(call: _Call, reason: str) -> str:
-    """"tool_calls" when a grammar-enforced call completed, else the choice's OpenAI finish reason."""
-    if call.tool_call is not None and reason == "stop" and call.tool_call.final() is not None:
+def _finish_reason(call: _Call, index: int, reason: str) -> str:
+    """"tool_calls" when the choice ended (as "stop") with a complete tool call, else its OpenAI finish
+    reason."""
+    if call.tool_format is not None and reason == "stop" and call.parser(index).called:
         return "tool_calls"
     return reason
+
+
+def _parsed(call: _Call, index: int, text: str, final: bool) -> list[dict[str, Any]]:
+    """A choice's new text through its tool-call parser -> the chat deltas to send (content, tool calls)."""
+    out = call.parser(index).feed(text, final)
+    pieces: list[dict[str, Any]] = [{"content": out.content}] if out.content else []
+    if out.tool_calls:
+        pieces.append({"tool_calls": out.tool_calls})
+    return pieces
 
 
 async def until_disconnect(request: Request, work: Any) -> Response:
