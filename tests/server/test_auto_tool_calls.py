@@ -87,6 +87,13 @@ async def test_auto_parses_the_families_own_tool_calls(family_server: tuple[str,
     assert finish == "tool_calls" and name == "get_weather" and content == ""
     assert json.loads("".join(pieces)) == json.loads(call.function.arguments)  # greedy: the same call
 
+    # The second turn: the call and the tool's result go back through the family's template.
+    follow = kwargs["messages"] + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                                   {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 C"}]
+    answer = await client.chat.completions.create(**{**_request(srv, r"It is (sunny|warm)\."), "messages": follow})
+    assert answer.choices[0].message.content in ("It is sunny.", "It is warm.")
+    assert answer.choices[0].finish_reason == "stop"
+
 
 async def test_auto_without_a_call_is_plain_text(family_server: tuple[str, Server]) -> None:
     _, srv = family_server
