@@ -1,4 +1,5 @@
-# streamd: `make serve` starts the server with the default model; `make test` runs the whole suite;
+# streamd: `make serve` starts the server with the default model; `make test` runs the whole suite
+# (`make soak`: the reliability suite with ten times the fuzzing);
 # `make docker-test` builds the CPU image and runs it under `docker compose` (tests/docker/run.sh).
 # All set up .venv first if needed (idempotent: a stamp file records the installed pyproject.toml).
 
@@ -13,7 +14,7 @@ STAMP  := $(VENV)/.streamd-installed
 TORCH_SPEC      ?= torch==2.13.0+cpu
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup test docker-test serve browser nginx cluster clean
+.PHONY: setup test soak docker-test serve browser nginx cluster clean
 
 setup: $(STAMP)
 
@@ -38,6 +39,10 @@ nginx:
 
 test: setup browser nginx
 	$(PY) -m pytest -q
+
+# The reliability suite with ten times the fuzzing of `make test` (a fresh seed each run; ~15 minutes on 2 cores).
+soak: setup
+	STREAMD_FUZZ_FRAMES=20000 STREAMD_FUZZ_HTTP=3000 $(PY) -m pytest -q tests/reliability
 
 # Needs root: a private Docker daemon (installed with apt if missing); caches in /var/cache/streamd-docker.
 docker-test: setup

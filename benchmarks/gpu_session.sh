@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call of issue 18's measurements. Usage (from the repository root on the device machine):
-#   benchmarks/gpu_session.sh PHASES...     PHASES: setup cuda-tests serve throughput fusion
+#   benchmarks/gpu_session.sh PHASES...     PHASES: setup cuda-tests serve throughput fusion second-wave
 # Writes logs and results under $OUT (the device tool's folder) and benchmarks/results/.
 # `setup` installs the carried wheels (.whl) and makes a random-weight SmolLM2-135M-shaped model (bf16) with
 # the real tokenizer from .assets at /tmp/streamd-serve-model.
@@ -39,5 +39,9 @@ PY
       cp benchmarks/results/throughput-*.json benchmarks/results/throughput-*.md "$OUT/" 2>/dev/null ;;
     fusion)
       python3 benchmarks/fusion.py --out "$OUT" 2>&1 | tail -30 | tee "$OUT/fusion.log" ;;
+    second-wave)
+      python3 benchmarks/second_wave_gpu.py --out benchmarks/results 2>"$OUT/second-wave-stderr.log" \
+        | tee "$OUT/second-wave.log"
+      cp benchmarks/results/second-wave-*.json benchmarks/results/second-wave-*.md "$OUT/" ;;
   esac
 done

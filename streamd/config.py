@@ -102,16 +102,23 @@ class ServerConfig:
     max_frame_bytes: int = 1 << 20
     max_waiting_requests: int = 4096  # beyond this new requests get 503 / an `overloaded` error
     max_tokens_limit: int | None = None  # upper bound on a request's max_tokens; None: the context
+    default_max_tokens: int = 256  # a WebSocket generate without max_tokens
+    max_prompt_chars: int = 1 << 20  # a text prompt (or all messages' contents) longer than this is refused
+    max_body_bytes: int = 8 << 20  # HTTP request bodies, counted as they arrive: larger ones get 413
     drain_timeout_s: float = 30.0
     served_model_name: str | None = None  # None: derived from the model name
     responses_store_size: int = 1024  # finished Responses kept for previous_response_id (per server, LRU)
     responses_store_ttl_s: float = 3600.0  # how long a stored response can be continued
+    # The engine in a child process, detokenizing here (ProcessEngine outputs="network"): the network side
+    # and the engine stop sharing one GIL. No grammar pre-compilation off the loop, no tensor parallelism.
+    engine_process: bool = False
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         for key in ("max_connections", "max_requests_per_connection", "max_frame_bytes",
-                    "max_waiting_requests", "responses_store_size"):
+                    "max_waiting_requests", "default_max_tokens", "max_prompt_chars", "max_body_bytes",
+                    "responses_store_size"):
             _positive(f"server.{key}", getattr(self, key))
         _positive("server.max_tokens_limit", self.max_tokens_limit, allow_none=True)
         if self.responses_store_ttl_s <= 0:
@@ -142,6 +149,8 @@ class Config:
     def validate(self) -> Config:
         for section in SECTIONS:
             getattr(self, section).validate()
+        if self.server.engine_process and self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("server.engine_process does not support parallel.tensor_parallel_size > 1 yet")
         return self
 
     def to_dict(self) -> dict[str, dict[str, Any]]:

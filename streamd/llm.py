@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import contextlib
-import gc
 import itertools
 import os
 from typing import Any, Sequence as Seq
 
 from transformers import PretrainedConfig
 
+from streamd import heap
 from streamd.config import Config, load_config
 from streamd.engine.llm_engine import LLMEngine
 from streamd.engine.outputs import RequestOutput, RequestOutputBuilder
@@ -30,7 +30,7 @@ class LLM:
             overrides["model.name"] = model
         self.config: Config = load_config(config_path, overrides)
         self.engine = LLMEngine.from_config(self.config, model if isinstance(model, PretrainedConfig) else None)
-        gc.freeze()  # the model's objects are permanent: keep them out of every future collection
+        heap.settle()  # the model's objects are permanent: keep them out of every future collection
         self._ids = itertools.count()
 
     @property

@@ -8,6 +8,8 @@ from pathlib import Path
 from typing import Iterator
 
 import pytest
+import pytest_asyncio
+from pytest_asyncio import is_async_test
 
 os.environ.setdefault("STREAMD_LOG_FORMAT", "console")
 
@@ -47,3 +49,23 @@ def hf_smol(smol_dir: Path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(smol_dir, dtype=torch.float32).eval()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Server and reliability tests share the session's event loop: the engine thread delivers to one loop."""
+    marker = pytest.mark.asyncio(loop_scope="session")
+    for item in items:
+        path = str(item.path).replace("\\", "/")
+        if is_async_test(item) and ("tests/server/" in path or "tests/reliability/" in path):
+            item.add_marker(marker, append=False)
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def async_engine(smol_llm):
+    """One AsyncEngine over the shared model for every server and reliability test (one engine thread)."""
+    from streamd.engine.async_engine import AsyncEngine
+
+    engine = AsyncEngine(smol_llm.engine)
+    engine.start()
+    yield engine
+    await engine.shutdown()

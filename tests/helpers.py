@@ -67,3 +67,27 @@ def fold_deltas(deltas, builders: dict) -> None:
         if builder is None:
             builder = builders[delta.request_id] = RequestOutputBuilder(delta.request_id, None, [])
         builder.add(delta)
+
+
+def random_engine_and_hf_twin(config, perturb_seed: int, num_prompts: int, max_prompt_len: int, **engine_kwargs):
+    """A CPU float32 engine of random weights whose 1-D parameters are perturbed (transformers initialises
+    biases to 0 and norms to 1: make them matter), the same weights in a transformers model (EOS off), and
+    `num_prompts` random prompts of 1..max_prompt_len-1 tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from streamd import LLM
+
+    llm = LLM(config, device="cpu", dtype="float32", num_swap_blocks=0, **engine_kwargs)
+    register_engine(llm.engine)
+    model = llm.engine.runner.model
+    gen = torch.Generator().manual_seed(perturb_seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    reference.load_state_dict(model.state_dict())
+    reference.generation_config.eos_token_id = None
+    prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, max_prompt_len, (num_prompts,), generator=gen)]
+    return llm, reference, prompts

@@ -4,11 +4,10 @@ chunked prefills and decodes: the default model (float32) and random-weight mode
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
 from streamd import LLM, SamplingParams
-from tests.helpers import fold_deltas, register_engine
+from tests.helpers import fold_deltas, random_engine_and_hf_twin
 from tests.helpers import hf_greedy
 
 CHATS = [
@@ -71,20 +70,9 @@ def _tiny(kind: str):
 @pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
 def test_random_architectures_match_hf_generate(kind: str) -> None:
     config = _tiny(kind)
-    llm = LLM(config, device="cpu", dtype="float32", num_kv_blocks=160, block_size=8,
-              max_num_batched_tokens=48, num_swap_blocks=0, seed=7)
-    register_engine(llm.engine)
-    model = llm.engine.runner.model
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    reference.load_state_dict(model.state_dict())
-    reference.generation_config.eos_token_id = None
-    prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
-               for n in torch.randint(1, 60, (8,), generator=gen)]
+    llm, reference, prompts = random_engine_and_hf_twin(config, perturb_seed=3, num_prompts=8, max_prompt_len=60,
+                                                        num_kv_blocks=160, block_size=8, max_num_batched_tokens=48,
+                                                        seed=7)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
     got = _run_staggered(llm, prompts, params)
     for i, ids in enumerate(prompts):

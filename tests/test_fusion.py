@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Con
 
 from streamd import LLM, SamplingParams
 from streamd.engine.fusion import FusedDecoder, fuse_layers
-from tests.helpers import hf_greedy, register_engine, run_to_completion
+from tests.helpers import hf_greedy, random_engine_and_hf_twin, register_engine, run_to_completion
 
 
 def _tiny(kind: str):
@@ -28,22 +28,8 @@ def _tiny(kind: str):
 
 def _engine_and_reference(kind: str, num_prompts: int):
     """An unfused CPU engine of random weights whose norms and biases matter, and the same weights in HF."""
-    config = _tiny(kind)
-    llm = LLM(config, device="cpu", dtype="float32", num_kv_blocks=120, block_size=8,
-              max_num_batched_tokens=40, num_swap_blocks=0, seed=11)
-    register_engine(llm.engine)
-    model = llm.engine.runner.model
-    gen = torch.Generator().manual_seed(5)
-    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    reference.load_state_dict(model.state_dict())
-    reference.generation_config.eos_token_id = None
-    prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
-               for n in torch.randint(1, 50, (num_prompts,), generator=gen)]
-    return llm, reference, prompts
+    return random_engine_and_hf_twin(_tiny(kind), perturb_seed=5, num_prompts=num_prompts, max_prompt_len=50,
+                                     num_kv_blocks=120, block_size=8, max_num_batched_tokens=40, seed=11)
 
 
 @pytest.mark.parametrize("mode", ["reference", "triton", "compile"])

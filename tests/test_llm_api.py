@@ -50,6 +50,10 @@ def test_logprobs_are_reported_per_token(smol_llm: LLM) -> None:
     ([], SamplingParams(), RequestError, "empty"),
     ("hi", SamplingParams(max_tokens=10**6), ContextLengthError, "context"),
     ([10**9], SamplingParams(), RequestError, "prompt_token_ids"),
+    ([5, -1], SamplingParams(), RequestError, "prompt_token_ids"),
+    ([5, True], SamplingParams(), RequestError, "prompt_token_ids"),
+    ([5, 7.0], SamplingParams(), RequestError, "prompt_token_ids"),
+    ([5, "7"], SamplingParams(), RequestError, "prompt_token_ids"),
     ("hi", SamplingParams(n=64, max_tokens=200), KVCacheCapacityError, "n=64"),
 ])
 def test_bad_requests_raise_value_error(smol_llm: LLM, prompt, params, error, needle) -> None:

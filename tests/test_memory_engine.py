@@ -92,6 +92,16 @@ def test_never_fit_is_rejected_while_others_complete(prompts, unconstrained) -> 
     assert done == {"ok": unconstrained[0]}
 
 
+def test_prompt_plus_max_tokens_beyond_the_pool_is_refused_at_admission(prompts) -> None:
+    # issue 10: the prompt alone fits 24 blocks of 8, but with max_tokens it never can; it used to be admitted
+    # and fail mid-generation with internal_error.
+    engine = register_engine(_llm(num_kv_blocks=24, num_swap_blocks=0).engine)
+    long_run = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True, detokenize=False)
+    with pytest.raises(KVCacheCapacityError, match="plus max_tokens"):
+        engine.add_request("outgrows", prompts[0], long_run)
+    assert not engine.has_unfinished_requests()
+
+
 def test_chunked_prefill_runs_beside_decodes(prompts) -> None:
     llm = _llm(num_kv_blocks=200, num_swap_blocks=0, max_num_batched_tokens=16)
     engine = register_engine(llm.engine)

@@ -22,6 +22,11 @@ from streamd.engine.sampling_params import SamplingParams
     ("stop_token_ids", [-1]), ("stop_token_ids", ["a"]),
     ("logprobs", -1), ("logprobs", 21),
     ("ignore_eos", 1), ("include_stop_str_in_output", "yes"), ("skip_special_tokens", None),
+    # issue 10: OpenAI's bounds, no infinities, nothing so small that scaled logits overflow to NaN
+    ("temperature", float("inf")), ("temperature", 1e-300), ("temperature", 2.5), ("top_p", float("inf")),
+    ("repetition_penalty", 1e-300), ("repetition_penalty", float("inf")), ("presence_penalty", float("-inf")),
+    # issue 10: a non-list stop names `stop` (not "'int' object is not iterable"); number and length capped
+    ("stop", 5), ("stop", ["x"] * 65), ("stop", ["x" * 257]), ("stop_token_ids", 7),
 ])
 def test_bad_value_names_the_field(field, value) -> None:
     with pytest.raises(ValueError, match=field):
@@ -61,3 +66,33 @@ def test_from_dict() -> None:
         SamplingParams.from_dict({"best_of": 2})
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams.from_dict({"top_p": 0})
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    (dict(beam_width=2), "beam_width"), (dict(length_penalty=0.5), "length_penalty"),
+    (dict(early_stopping=True), "early_stopping"),  # beam settings without use_beam_search
+    (dict(use_beam_search=True, beam_width=0), "beam_width"),
+    (dict(use_beam_search=True, beam_width=2, n=3), "n"),
+    (dict(use_beam_search=True, early_stopping="always"), "early_stopping"),
+    (dict(use_beam_search=True, early_stopping=1), "early_stopping"),
+    (dict(use_beam_search=True, length_penalty=float("inf")), "length_penalty"),
+    (dict(use_beam_search=True, temperature=0.7), "temperature"),
+    (dict(use_beam_search=True, top_p=0.9), "top_p"), (dict(use_beam_search=True, top_k=5), "top_k"),
+    (dict(use_beam_search=True, min_p=0.1), "min_p"), (dict(use_beam_search=True, seed=1), "seed"),
+    (dict(use_beam_search=True, repetition_penalty=1.2), "repetition_penalty"),
+    (dict(use_beam_search=True, stop=["\n"]), "stop"), (dict(use_beam_search=True, logprobs=2), "logprobs"),
+    (dict(use_beam_search=True, structured_outputs={"regex": "a+"}), "structured_outputs"),
+    (dict(use_beam_search="yes"), "use_beam_search"),
+])
+def test_beam_search_refuses_what_it_cannot_honour(kwargs, field) -> None:
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_beam_search_settings() -> None:
+    params = SamplingParams(use_beam_search=True, n=2)
+    assert params.beam_width == 2 and params.needs_host_tokens  # beam_width defaults to n (vLLM)
+    params = SamplingParams.from_dict({"use_beam_search": True, "beam_width": 4, "length_penalty": -1.0,
+                                       "early_stopping": "never", "temperature": 0, "stop_token_ids": [7],
+                                       "min_tokens": 2, "ignore_eos": True})
+    assert (params.beam_width, params.length_penalty, params.early_stopping) == (4, -1.0, "never")

@@ -15,6 +15,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("streamd.bench.throughput", "main"),
     "serve": ("streamd.bench.serve", "main"),
     "cluster": ("streamd.bench.cluster", "run"),
+    "chaos": ("streamd.bench.chaos", "main"),
 }
 EXAMPLES: dict[str, str] = {
     "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
@@ -23,6 +24,7 @@ EXAMPLES: dict[str, str] = {
     "serve": "streamd serve &  streamd bench serve --transport sse --concurrency 16 --num-requests 256\n"
              "  streamd bench serve --offline-baseline --levels 64,256 --repeats 3   # starts its own server",
     "cluster": "streamd bench cluster --replicas 1,2,4,8 --out /tmp/results",
+    "chaos": "streamd serve &  streamd bench chaos --url http://127.0.0.1:8000 --duration 60",
 }
 
 
@@ -38,6 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Benchmarks: memory (CPU), throughput (CUDA, against transformers), serve (load a running server),
-    cluster (CPU, simulated replicas behind a router)."""
+    cluster (CPU, simulated replicas behind a router), chaos (storms, fuzzing and slow readers against a
+    running server)."""
     module_name, entry = BENCHMARKS[args.benchmark]
     return getattr(importlib.import_module(module_name), entry)(args)

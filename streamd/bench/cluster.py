@@ -103,7 +103,9 @@ def calibrate(results_dir: Path) -> tuple[StepCost, dict[str, object]]:
     vocab = SHAPES[CALIBRATION_SHAPE]["vocab_size"]
     run = next(r for r in throughput["runs"] if r["model_shape"] == CALIBRATION_SHAPE)
     shared = shared_prefix_workload(vocab)
-    prefix = throughput["prefix_cache"]
+    prefix = throughput["prefix_cache"]  # one run (older reports) or one per system-prompt length
+    if isinstance(prefix, list):
+        prefix = next(p for p in prefix if p["workload"] == shared.name)
     random_work = random_workload(vocab)
     measured = [  # (name, prompts, output lengths, prefix caching, measured seconds)
         ("random-256", random_work.prompts, random_work.output_lens, True, run["streamd"]["seconds"]),

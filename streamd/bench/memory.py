@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "samples, beam widths 2, 4, 6; the paper's Fig. 15) instead")
     parser.add_argument("--sharing-lifetimes", type=float, default=10.0,
                         help="with --sharing: run length per configuration, in mean output lengths")
+    parser.add_argument("--sharing-model", action="store_true",
+                        help="with --sharing: also measure the engine's real beam search on the default model "
+                             "(CPU; loads the model)")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,6 +95,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _run_sharing(args: argparse.Namespace) -> int:
     report = run_sharing(args, WORKLOADS, _progress_line)
+    if args.sharing_model:  # imported here: only this measurement needs torch and the model
+        from streamd.bench.sharing_engine import measure_engine_beams
+
+        report["engine_beams"] = measure_engine_beams(WORKLOADS["alpaca"], args.seed, _progress_line)
     report.update(date=datetime.date.today().isoformat(), device="cpu", commit=git_commit())
     table = render_sharing(report)
     print(table)

@@ -19,6 +19,7 @@ from streamd.engine.sampler import PendingSample
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.scheduler_output import SchedulerOutput
 from streamd.engine.sequence import Sequence
+from streamd.engine.structured import TokenBitmask
 
 NULL_MODEL = "null"
 
@@ -61,7 +62,8 @@ class NullSampler:
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> PendingSample:
+    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
+                     bitmask: TokenBitmask | None = None) -> PendingSample:
         tokens = torch.randint(self.vocab_size, (logits.shape[0],), generator=self.generator)
         return PendingSample(tokens, tokens, params, 0)
 

@@ -1,11 +1,14 @@
 """`streamd bench serve --offline-baseline`: what serving costs on top of the engine, measured in one run.
 
-It starts its own server (`serve_target`, the real server path over the chosen engine: by default the null
+It starts its own servers (`serve_target`, the real server path over the chosen engine: by default the null
 model executor, so the model's own cost is taken out), and, alternating in each repetition, measures:
 
 - the offline rate of the same engine configuration and prompts in this process (closed loop at the same
   concurrency, `LLMEngine.step()` directly);
-- the served rate over WebSocket (`streamd.v2` framing) and over SSE, with this process as the client.
+- the served rate over WebSocket (`streamd.v2` framing) and over SSE, with this process as the client,
+  for each server layout asked for (`--layouts`, default `thread,split`: the engine on a thread of the
+  server process, as `streamd serve` by default, and in its own process with detokenizing in the
+  server's, as `server.engine_process = true`; `process` keeps the output processor in the engine's).
 
 Per run it records TTFT and inter-token latency percentiles, the server's CPU time per delivered token
 (engine thread, event loop, whole process, read from /proc) and the client's. Reports the median of the
@@ -27,6 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from streamd import heap
 from streamd.bench.null_model import NULL_MODEL
 from streamd.bench.report import git_commit, save_report
 
@@ -53,12 +57,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="requests per concurrent stream in each run (num requests = level x this)")
     group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
                        help="engine/server setting for both runs (repeatable)")
+    group.add_argument("--layouts", default="thread,split",
+                       help="server layouts, comma-separated: 'thread' (the engine on a thread of the server "
+                       "process), 'process' (the engine in a child process: the issue-9 prototype), 'split' "
+                       "(the same, detokenizing in the server process); each run alternates them")
     group.add_argument("--out", default="benchmarks/results", help="folder for the JSON and markdown report")
 
 
 @dataclass(slots=True)
 class ServedRun:
     transport: str
+    layout: str  # "thread": engine thread in the server process; "process"/"split": engine in its own process
     concurrency: int | None  # closed loop; None for a Poisson run
     rate: float | None  # Poisson arrivals per second; None for a closed loop
     offline_tok_s: float
@@ -80,8 +89,8 @@ class ServedRun:
 class ServerProcess:
     """The benchmark's own server, and the CPU time of its threads."""
 
-    def __init__(self, model: str, settings: list[str]) -> None:
-        cmd = [sys.executable, "-m", "streamd.bench.serve_target", "--model", model]
+    def __init__(self, model: str, settings: list[str], layout: str = "thread") -> None:
+        cmd = [sys.executable, "-m", "streamd.bench.serve_target", "--model", model, "--layout", layout]
         for item in settings:
             cmd += ["--set", item]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -89,14 +98,15 @@ class ServerProcess:
         if not line.startswith("LISTENING"):
             self.proc.kill()
             raise RuntimeError(f"the benchmark server did not start (exit {self.proc.wait()})")
-        _, port, engine_tid = line.split()
-        self.url, self.engine_tid = f"http://127.0.0.1:{port}", int(engine_tid)
+        _, port, engine_tid, engine_pid = line.split()
+        self.url, self.engine_tid, self.engine_pid = f"http://127.0.0.1:{port}", int(engine_tid), int(engine_pid)
 
     def cpu_seconds(self) -> dict[str, float]:
-        """CPU seconds so far: the event loop (main thread), the engine thread, and the whole process."""
-        pid = self.proc.pid
-        return {"loop": _thread_cpu(pid, pid), "engine": _thread_cpu(pid, self.engine_tid),
-                "process": _thread_cpu(pid, None)}
+        """CPU seconds so far: the event loop (main thread), the engine thread, and the whole server (both
+        processes when the engine runs in its own)."""
+        pid, engine_pid = self.proc.pid, self.engine_pid
+        total = _thread_cpu(pid, None) + (_thread_cpu(engine_pid, None) if engine_pid != pid else 0.0)
+        return {"loop": _thread_cpu(pid, pid), "engine": _thread_cpu(engine_pid, self.engine_tid), "process": total}
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -159,36 +169,44 @@ def main(args: argparse.Namespace) -> int:
     rates = [float(x) for x in args.rates.split(",") if x]
     transports = args.transports.split(",")
     engine = build_engine(args.baseline_model, build_config(args.baseline_model, settings))
-    server = ServerProcess(args.baseline_model, settings)
+    heap.settle()  # as the server does after its warm-up: the offline rate pays the same collector
+    servers = {layout: ServerProcess(args.baseline_model, settings, layout)
+               for layout in args.layouts.split(",")}
     raw: list[ServedRun] = []
     try:
         for repeat in range(args.repeats):
             for level in levels:
                 prompts = synthetic_prompts(level * args.requests_per_stream, args.prompt_words, args.seed + repeat)
                 for transport in transports:
-                    offline, offline_cpu = offline_rate(engine, prompts, args.max_tokens, level)
-                    result, cpu, client_cpu = asyncio.run(_served(args, server, transport, level, len(prompts)))
-                    raw.append(_run_record(transport, level, None, offline, offline_cpu, result, cpu, client_cpu))
-                    print(_line(raw[-1]), flush=True)
+                    for layout, server in servers.items():
+                        offline, offline_cpu = offline_rate(engine, prompts, args.max_tokens, level)
+                        result, cpu, client_cpu = asyncio.run(_served(args, server, transport, level, len(prompts)))
+                        raw.append(_run_record(transport, layout, level, None, offline, offline_cpu, result, cpu,
+                                               client_cpu))
+                        print(_line(raw[-1]), flush=True)
             prompts = synthetic_prompts(args.rate_requests, args.prompt_words, args.seed + repeat)
             for rate in rates:
                 for transport in transports:
-                    result, cpu, client_cpu = asyncio.run(_served(args, server, transport, None, len(prompts), rate))
-                    raw.append(_run_record(transport, None, rate, offline, offline_cpu, result, cpu, client_cpu))
-                    print(_line(raw[-1]), flush=True)
+                    for layout, server in servers.items():
+                        result, cpu, client_cpu = asyncio.run(_served(args, server, transport, None, len(prompts),
+                                                                      rate))
+                        raw.append(_run_record(transport, layout, None, rate, offline, offline_cpu, result, cpu,
+                                               client_cpu))
+                        print(_line(raw[-1]), flush=True)
     finally:
-        server.stop()
+        for server in servers.values():
+            server.stop()
     report = _summary(args, raw)
     stem = save_report(report, args.out, "serve", _markdown(report))
     print(f"wrote {stem}.json and .md")
     return 0
 
 
-def _run_record(transport: str, level: int | None, rate: float | None, offline: float, offline_cpu: float,
+def _run_record(transport: str, layout: str, level: int | None, rate: float | None, offline: float, offline_cpu: float,
                 result: dict[str, Any], cpu: dict[str, float], client_cpu: float) -> ServedRun:
     tokens = max(1, result["output_tokens"])
     served = result["output_token_throughput"]
-    return ServedRun(transport, level, rate, offline, served, served / offline, result["ttft_s"]["p50"],
+    return ServedRun(transport, layout, level, rate, offline, served, served / offline, result["ttft_s"]["p50"],
                      result["ttft_s"]["p99"], result["itl_s"]["p50"], result["itl_s"]["p99"],
                      cpu["process"] / tokens * 1e6, cpu["engine"] / tokens * 1e6, cpu["loop"] / tokens * 1e6,
                      client_cpu / tokens * 1e6, offline_cpu, result["failed"], result["errors"])
@@ -196,7 +214,7 @@ def _run_record(transport: str, level: int | None, rate: float | None, offline: 
 
 def _line(run: ServedRun) -> str:
     load = f"c={run.concurrency}" if run.rate is None else f"rate={run.rate:g}/s"
-    return (f"{run.transport:>4} {load:<10} offline {run.offline_tok_s:8.0f} tok/s  served "
+    return (f"{run.transport:>4} {run.layout:<7} {load:<10} offline {run.offline_tok_s:8.0f} tok/s  served "
             f"{run.served_tok_s:8.0f} tok/s  ratio {run.ratio:.2f}  server {run.server_cpu_us_per_token:.1f} µs/tok "
             f"(engine {run.engine_cpu_us_per_token:.1f}, loop {run.loop_cpu_us_per_token:.1f})  client "
             f"{run.client_cpu_us_per_token:.1f} µs/tok  failed {run.failed}")
@@ -204,8 +222,8 @@ def _line(run: ServedRun) -> str:
 
 def _summary(args: argparse.Namespace, raw: list[ServedRun]) -> dict[str, Any]:
     runs = []
-    for key in dict.fromkeys((r.transport, r.concurrency, r.rate) for r in raw):
-        group = [asdict(r) for r in raw if (r.transport, r.concurrency, r.rate) == key]
+    for key in dict.fromkeys((r.transport, r.layout, r.concurrency, r.rate) for r in raw):
+        group = [asdict(r) for r in raw if (r.transport, r.layout, r.concurrency, r.rate) == key]
         median = {k: (statistics.median(g[k] for g in group) if isinstance(group[0][k], (int, float))
                       and not isinstance(group[0][k], bool) and all(g[k] is not None for g in group)
                       else group[0][k]) for k in group[0]}
@@ -215,7 +233,8 @@ def _summary(args: argparse.Namespace, raw: list[ServedRun]) -> dict[str, Any]:
                           "vocabulary; everything else real" if args.baseline_model == NULL_MODEL else "",
             "device": _device_name(), "cpu_cores": os.cpu_count(), "date": datetime.date.today().isoformat(),
             "git_commit": git_commit(), "max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
-            "repeats": args.repeats, "statistic": "median of repeats", "runs": runs,
+            "repeats": args.repeats, "statistic": "median of repeats",
+            "runs": runs,
             "raw": [asdict(r) for r in raw]}
 
 
@@ -232,13 +251,14 @@ def _markdown(report: dict[str, Any]) -> str:
              f"commit {report['git_commit']})", "",
              f"Model: `{report['model']}`. {report['model_note']}", "",
              f"{report['max_tokens']} output tokens per request, median of {report['repeats']} runs.", "",
-             "| transport | load | offline tok/s | served tok/s | served/offline | TTFT p50/p99 ms | "
+             "| transport | layout | load | offline tok/s | served tok/s | served/offline | TTFT p50/p99 ms | "
              "ITL p50/p99 ms | server µs/tok (engine, loop) | client µs/tok | offline µs/tok |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["runs"]:
         ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"  # noqa: E731
         load = f"{r['concurrency']} streams" if r["rate"] is None else f"Poisson {r['rate']:g}/s"
-        lines.append(f"| {r['transport']} | {load} | {r['offline_tok_s']:.0f} | {r['served_tok_s']:.0f} | "
+        lines.append(f"| {r['transport']} | {r['layout']} | {load} | {r['offline_tok_s']:.0f} | "
+                     f"{r['served_tok_s']:.0f} | "
                      f"{r['ratio']:.2f} | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])} | {ms(r['itl_p50_s'])} / "
                      f"{ms(r['itl_p99_s'])} | {r['server_cpu_us_per_token']:.1f} ({r['engine_cpu_us_per_token']:.1f}, "
                      f"{r['loop_cpu_us_per_token']:.1f}) | {r['client_cpu_us_per_token']:.1f} | "

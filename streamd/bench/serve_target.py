@@ -1,23 +1,31 @@
 """A `streamd serve` process for `streamd bench serve --offline-baseline`: the real server path (AsyncEngine,
 app, uvicorn) over the engine the benchmark asks for, the null model executor included.
 
-Run as `python -m streamd.bench.serve_target --model null|NAME [--set key=value ...]`. It prints
-`LISTENING <port> <engine thread id>` once ready, so the benchmark can reach it and read its threads'
-CPU time from the OS; SIGTERM drains and exits as `streamd serve` does.
+Run as `python -m streamd.bench.serve_target --model null|NAME [--layout L] [--set key=value ...]`.
+It prints `LISTENING <port> <engine thread id> <engine process id>` once ready, so the benchmark can reach
+it and read its threads' CPU time from the OS; SIGTERM drains and exits as `streamd serve` does. Layouts:
+`thread` (the engine on a thread of the server process, as `streamd serve`), `process` (the engine in a
+child process, `ProcessEngine`, the issue-9 prototype) and `split` (the same, with the output processor
+in the server process).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from streamd.bench.null_model import NULL_MODEL, null_engine
 from streamd.config import Config, load_config, parse_value
 from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.engine_process import ProcessEngine
 from streamd.engine.llm_engine import LLMEngine
 from streamd.server.app import create_app
-from streamd.server.serve import DrainingServer, uvicorn_config
+from streamd.server.serve import DrainingServer, configure_server_logging, uvicorn_config
+
+
+LAYOUTS = ("thread", "process", "split")
 
 
 def build_config(model: str, settings: list[str]) -> Config:
@@ -34,15 +42,19 @@ def build_engine(model: str, config: Config) -> LLMEngine:
     return null_engine(config) if model == NULL_MODEL else LLMEngine.from_config(config)
 
 
-async def serve(model: str, config: Config) -> int:
-    engine = AsyncEngine(build_engine(model, config))
+async def serve(model: str, config: Config, layout: str = "thread") -> int:
+    if layout == "thread":
+        engine = AsyncEngine(build_engine(model, config))
+    else:
+        engine = ProcessEngine(build_engine, model, config, outputs="network" if layout == "split" else "engine")
     app = create_app(config, engine)
     server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
     task = asyncio.create_task(server.serve())
     await server.listening.wait()
     while not app.state.services.lifecycle.ready:  # warm-up runs one request through the engine
         await asyncio.sleep(0.05)
-    print(f"LISTENING {server.port} {engine.thread_id}", flush=True)
+    engine_pid = engine.process.pid if isinstance(engine, ProcessEngine) else os.getpid()
+    print(f"LISTENING {server.port} {engine.thread_id} {engine_pid}", flush=True)
     await task
     await engine.shutdown()
     return 0
@@ -52,10 +64,13 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default=NULL_MODEL)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--layout", choices=LAYOUTS, default="thread")
     args = parser.parse_args()
     import uvloop
 
-    return uvloop.run(serve(args.model, build_config(args.model, args.set)))
+    config = build_config(args.model, args.set)
+    configure_server_logging(config)  # as `streamd serve` does (the benchmark asks for warnings only)
+    return uvloop.run(serve(args.model, config, args.layout))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,12 @@ warm-up, as the paper measures it.
 
 - Parallel sampling: the prompt's sequence is forked into n samples when its prompt is done (as the
   engine does); samples append their own tokens, copy-on-write copies the last partly filled block.
-- Beam search: every step each live beam's successor parents are drawn uniformly from the k beams (the
-  genealogy of neutral selection; a model's scores concentrate parents more, which shares more): a parent
-  drawn j times is forked j - 1 times, a parent never drawn is freed at once.
+- Beam search: beam search requests (`use_beam_search`, so the scheduler runs their beams together) whose
+  next beams' parents are drawn uniformly from the k beams each step (the genealogy of neutral selection),
+  applied by the engine's own `Scheduler.replace_beams`: a parent drawn j times continues and is forked
+  j - 1 times, a parent never drawn is freed at once.
+- With `--sharing-model`, `sharing_engine.py` also measures the engine's real beam search on the default
+  model, where the model's scores pick the parents.
 """
 
 from __future__ import annotations
@@ -44,7 +47,8 @@ def simulate_sharing(stream: RequestStream, mode: str, width: int, steps: int, w
         while sched.num_waiting < 8:  # a backlog: memory, not arrivals, is the limit
             prompt_len, output_len = stream[next_req]
             base = next_req * _ID_STRIDE
-            params = SamplingParams(n=width, max_tokens=output_len)
+            params = (SamplingParams(use_beam_search=True, beam_width=width, max_tokens=output_len) if mode == "beam"
+                      else SamplingParams(n=width, max_tokens=output_len))
             group = SequenceGroup(str(next_req), [Sequence(list(range(base, base + prompt_len)))], params)
             output_lens[group.request_id] = output_len
             sched.add_seq_group(group)
@@ -70,33 +74,16 @@ def _advance(sched: Scheduler, group: SequenceGroup, mode: str, output_len: int,
     live = [s for s in group.seqs if s.status is SequenceStatus.RUNNING and s.num_tokens == s.num_computed_tokens]
     if not live:
         return
-    if len(group.seqs) == 1 and live[0].num_output_tokens == 0:
-        for _ in range(group.width - 1):  # the prompt is done: fork the samples (or the first beams)
+    if mode == "beam":  # the next beams' parents, drawn uniformly (the prompt's alone at first)
+        live = sched.replace_beams(group, [live[rng.randrange(len(live))] for _ in range(group.width)])
+    elif len(group.seqs) == 1 and live[0].num_output_tokens == 0:
+        for _ in range(group.width - 1):  # the prompt is done: fork the samples
             live.append(sched.fork_seq(group, live[0]))
-    elif mode == "beam":
-        live = _reselect(sched, group, live, rng)
     for seq in live:
         seq.append_token(0)
         if seq.num_output_tokens >= output_len:
             seq.status = SequenceStatus.FINISHED_LENGTH
     group.seqs = [s for s in group.seqs if s.block_table or not s.status.finished]
-
-
-def _reselect(sched: Scheduler, group: SequenceGroup, beams: list[Sequence], rng: random.Random) -> list[Sequence]:
-    """The next beams: parents drawn uniformly; a parent drawn j times continues and is forked j - 1 times,
-    one never drawn is freed now."""
-    counts = [0] * len(beams)
-    for _ in beams:
-        counts[rng.randrange(len(beams))] += 1
-    nxt = []
-    for beam, count in zip(beams, counts):
-        if count == 0:
-            beam.status = SequenceStatus.FINISHED_ABORTED
-            sched.block_manager.free(beam)
-            continue
-        nxt.append(beam)
-        nxt.extend(sched.fork_seq(group, beam) for _ in range(count - 1))
-    return nxt
 
 
 # The paper's Fig. 15 (OPT-13B, Alpaca): memory saved by sharing.
@@ -141,7 +128,24 @@ def render_sharing(report: dict) -> str:
             paper = report["paper_alpaca"][r["mode"]] if name == "alpaca" else ""
             lines.append(f"| {name} | {r['mode']} | {r['width']} | {r['blocks_used']:.1f} | "
                          f"{r['blocks_unshared']:.1f} | {r['saving']:.1%} | {paper} |")
-    lines += ["", "Beam parents are drawn uniformly (neutral selection); a model's scores concentrate parents "
-                  "on fewer beams, which would share longer prefixes; this is not a measurement of the engine's "
-                  "beam search (not built yet)."]
+    lines += ["", "Simulated beam rows: parents drawn uniformly (neutral selection), applied by the engine's "
+                  "own fork/free path (`Scheduler.replace_beams`); a model's scores concentrate parents on fewer "
+                  "beams, which shares longer prefixes (see the engine rows, when measured)."]
+    if report.get("engine_beams"):
+        lines += render_engine_beams(report["engine_beams"])
     return "\n".join(lines) + "\n"
+
+
+def render_engine_beams(engine: dict) -> list[str]:
+    """The markdown of `sharing_engine.measure_engine_beams`' runs."""
+    lines = ["", f"## The engine's beam search ({engine['model']}, CPU)", "",
+             f"The real engine (`use_beam_search`, early_stopping false, length_penalty 1) on {engine['requests']} "
+             "Alpaca-like instructions at once, max_tokens drawn from the Alpaca-like output lengths, prefix "
+             "caching off (only sharing within a request counts): the model's scores pick the parents. Blocks "
+             "counted after every step, averaged over the run.", "",
+             "| width | steps | blocks used | blocks without sharing | saving | paper (Alpaca) |",
+             "|---:|---:|---:|---:|---:|---|"]
+    for r in engine["runs"]:
+        lines.append(f"| {r['width']} | {r['steps']} | {r['blocks_used']:.1f} | {r['blocks_unshared']:.1f} | "
+                     f"{r['saving']:.1%} | {PAPER_ALPACA['beam']} |")
+    return lines

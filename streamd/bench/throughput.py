@@ -15,10 +15,10 @@ import json
 import random
 import statistics
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from streamd.bench.hf_peer import run_continuous_batching
 from streamd.bench.workloads import Workload
 from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
 
@@ -37,6 +37,8 @@ def random_workload(vocab: int, num_requests: int = 256, lo: int = 100, hi: int 
 
 
 def shared_prefix_workload(vocab: int, num_requests: int = 256, prefix: int = 500, seed: int = 0) -> Workload:
+    """Chat requests behind one system prompt of `prefix` tokens (2048 is SGLang's generated-shared-prefix
+    default), each with 50-150 tokens of its own and 128 output tokens, all arriving at once."""
     rng = random.Random(seed + 1)
     system = [rng.randrange(vocab) for _ in range(prefix)]
     prompts = [system + [rng.randrange(vocab) for _ in range(rng.randint(50, 150))] for _ in range(num_requests)]
@@ -123,31 +125,14 @@ def run_streamd(config: Any, work: Workload, progress: Any, **overrides: Any) ->
 
 def run_hf_continuous(config: Any, work: Workload, progress: Any) -> dict[str, float]:
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     with torch.device("cuda"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="paged|sdpa")
     model = model.eval()
-    gen = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1, pad_token_id=0)
-    with model.continuous_batching_context_manager(generation_config=gen) as manager:
-        start = time.perf_counter()
-        for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
-            manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
-        done = 0
-        produced = 0
-        while done < len(work.prompts):
-            result = manager.get_result(timeout=5)
-            if result is None:
-                if not manager.is_running():
-                    raise RuntimeError("transformers continuous batching stopped early")
-                continue
-            if result.is_finished():
-                done += 1
-                produced += len(result.generated_tokens)
-                progress.update(1)
-        seconds = time.perf_counter() - start
-    del model, manager
+    seconds, produced = run_continuous_batching(model, work, lambda: progress.update(1))
+    del model
     _free_cuda()
     return {"tok_s": produced / seconds, "seconds": seconds, "tokens": produced}
 
@@ -195,6 +180,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", default="hf_cb,hf_static", help="CUDA: comma-separated: hf_cb, hf_static (or none)")
     parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
                         help="CUDA: also run the shared-prefix workload with caching on and off")
+    parser.add_argument("--prefix-lens", default="500,2048",
+                        help="CUDA: system-prompt lengths of the shared-prefix runs (comma-separated)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="CPU: weights' dtype")
     parser.add_argument("--repeats", type=int, default=3, help="CPU: alternating rounds (the median is reported)")
     parser.add_argument("--contention", action=argparse.BooleanOptionalAction, default=True,
@@ -254,23 +241,25 @@ def _cuda_main(args: argparse.Namespace) -> int:
         report["runs"].append(run)
         save_report(report, args.out, "throughput", summary_markdown(report))
     if args.prefix_cache:
-        report["prefix_cache"] = prefix_cache_run(args.shapes.split(",")[0], num_requests)
+        shape = args.shapes.split(",")[0]
+        report["prefix_cache"] = [prefix_cache_run(shape, num_requests, int(n)) for n in args.prefix_lens.split(",")]
         save_report(report, args.out, "throughput", summary_markdown(report))
     print(summary_markdown(report))
     return 0
 
 
-def prefix_cache_run(shape: str, num_requests: int) -> dict[str, Any]:
+def prefix_cache_run(shape: str, num_requests: int, prefix: int) -> dict[str, Any]:
     from tqdm import tqdm
 
     config = model_config(shape)
-    work = shared_prefix_workload(config.vocab_size, num_requests)
-    with tqdm(total=2 * num_requests, desc="prefix cache on/off", unit="req") as bar:
+    work = shared_prefix_workload(config.vocab_size, num_requests, prefix)
+    with tqdm(total=2 * num_requests, desc=f"prefix {prefix} cache on/off", unit="req") as bar:
         on = run_streamd(config, work, bar, enable_prefix_caching=True)
         off = run_streamd(config, work, bar, enable_prefix_caching=False)
     return {"model_shape": shape, "workload": work.name, "tok_s_on": on["tok_s"], "tok_s_off": off["tok_s"],
             "median_ttft_on_s": on["median_ttft_s"], "median_ttft_off_s": off["median_ttft_s"],
-            "hit_tokens_on": on["prefix_cache_hit_tokens"]}
+            "hit_tokens_on": on["prefix_cache_hit_tokens"], "tok_s_ratio": on["tok_s"] / off["tok_s"],
+            "median_ttft_ratio": off["median_ttft_s"] / on["median_ttft_s"]}
 
 
 def summary_markdown(report: dict[str, Any]) -> str:
@@ -286,11 +275,13 @@ def summary_markdown(report: dict[str, Any]) -> str:
                      f"{run.get('hf_static_tok_s') or float('nan'):.0f} | {run['roofline_tok_s']:.0f} | "
                      f"{(run['streamd_tok_s'] / cb) if cb else float('nan'):.1f}x | "
                      f"{100 * run['streamd_tok_s'] / run['roofline_tok_s']:.0f}% |")
-    if "prefix_cache" in report:
-        p = report["prefix_cache"]
-        lines += ["", "| prefix caching | tok/s | median TTFT s |", "|---|---|---|",
-                  f"| on | {p['tok_s_on']:.0f} | {p['median_ttft_on_s']:.3f} |",
-                  f"| off | {p['tok_s_off']:.0f} | {p['median_ttft_off_s']:.3f} |"]
+    if report.get("prefix_cache"):
+        lines += ["", "| prefix caching, workload | tok/s on | tok/s off | throughput | median TTFT on s | "
+                  "median TTFT off s | TTFT lower by |", "|---|---|---|---|---|---|---|"]
+        for p in report["prefix_cache"]:
+            lines.append(f"| {p['workload']} | {p['tok_s_on']:.0f} | {p['tok_s_off']:.0f} | "
+                         f"{p['tok_s_on'] / p['tok_s_off']:.2f}x | {p['median_ttft_on_s']:.3f} | "
+                         f"{p['median_ttft_off_s']:.3f} | {p['median_ttft_off_s'] / p['median_ttft_on_s']:.2f}x |")
     return "\n".join(lines) + "\n"
 
 

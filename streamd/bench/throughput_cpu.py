@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from streamd.bench.report import BenchError, git_commit, results_dir, save_report
+from streamd.bench.hf_peer import run_continuous_batching
 from streamd.bench.workloads import Workload
 
 BUSY_LOOP = "while True: pass"
@@ -95,25 +96,7 @@ class HfContinuousRunner:
         self.model = _hf_model(settings, "paged|sdpa")
 
     def run(self, work: Workload) -> float:
-        from transformers import GenerationConfig
-
-        gen = GenerationConfig(max_new_tokens=max(work.output_lens), do_sample=False, eos_token_id=-1,
-                               pad_token_id=0)
-        with self.model.continuous_batching_context_manager(generation_config=gen) as manager:
-            start = time.perf_counter()
-            for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
-                manager.add_request(prompt, request_id=f"r{i}", max_new_tokens=n)
-            done = produced = 0
-            while done < len(work.prompts):
-                result = manager.get_result(timeout=5)
-                if result is None:
-                    if not manager.is_running():
-                        raise RuntimeError("transformers continuous batching stopped early")
-                    continue
-                if result.is_finished():
-                    done += 1
-                    produced += len(result.generated_tokens)
-            seconds = time.perf_counter() - start
+        seconds, produced = run_continuous_batching(self.model, work)
         if produced != work.output_tokens:
             raise RuntimeError(f"transformers continuous batching produced {produced} of {work.output_tokens} tokens")
         return seconds

@@ -24,7 +24,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable
 
-from streamd.engine.chat_template import chat_template_ids
 from streamd.engine.outputs import RequestDelta
 from streamd.engine.request_stream import DeltaSink, RequestStream
 from streamd.engine.sampling_params import SamplingParams
@@ -134,11 +133,6 @@ class AsyncEngine:
         """The event loop's own copy of the engine's tokenizer: a Hugging Face fast tokenizer must not be
         used from two threads at once, and the engine thread decodes with the original."""
         return self._tokenizer
-
-    def apply_chat_template(self, messages: list[dict[str, Any]],
-                            tools: list[dict[str, Any]] | None = None) -> list[int]:
-        """The model's chat template (never one from a request), on the event loop's tokenizer."""
-        return chat_template_ids(self._tokenizer, messages, tools)
 
     async def compile_grammar(self, params: SamplingParams) -> None:
         """Compiles (and caches) the request's grammar on a worker thread, so a slow schema never blocks

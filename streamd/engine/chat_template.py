@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from streamd.engine.errors import RequestError
 
 
-def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]],
-                      tools: list[dict[str, Any]] | None = None) -> list[int]:
+@dataclass(slots=True, frozen=True)
+class TemplateOptions:
+    """How a conversation is rendered; the defaults are how every generation request's is."""
+
+    add_generation_prompt: bool = True  # end with the template's opening of the assistant's turn
+    continue_final_message: bool = False  # leave the last message open, for the model to continue
+    add_special_tokens: bool = False  # also the tokenizer's own special tokens (e.g. BOS) around the text
+
+
+DEFAULT_OPTIONS = TemplateOptions()
+
+
+def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
+                      options: TemplateOptions = DEFAULT_OPTIONS) -> list[int]:
     """Validates `messages` and renders them (and `tools`, OpenAI function tools, which the template
-    shows the model its own way) with the generation prompt; any failure is a RequestError."""
+    shows the model its own way) as `options` say; any failure is a RequestError."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
         raise RequestError("this model has no chat template; send a plain prompt")
     if not isinstance(messages, list) or not messages:
@@ -20,8 +33,11 @@ def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]],
                 or not isinstance(message.get("content"), str):
             raise RequestError(f"messages[{i}] must be an object with string 'role' and 'content'")
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
-                                            tokenize=True)
+        ids = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=not options.add_special_tokens,
+                                            add_generation_prompt=options.add_generation_prompt,
+                                            continue_final_message=options.continue_final_message)
+        if options.add_special_tokens:  # the rendered text, tokenized as a plain prompt is
+            ids = tokenizer(ids, add_special_tokens=True).input_ids
     except Exception as exc:  # templates raise jinja errors (e.g. roles must alternate): the request's fault
         raise RequestError(f"the model's chat template rejected these messages: {exc}") from exc
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)

@@ -21,6 +21,7 @@ import torch
 from transformers import PretrainedConfig
 
 from streamd.config import Config
+from streamd.engine.beam_search import BeamRows, BeamSearch, Candidate, PendingCandidates, select_candidates
 from streamd.engine.block_manager import BlockManager
 from streamd.engine.cache_engine import CacheEngine, KVLayout
 from streamd.engine.chat_template import chat_template_ids
@@ -61,6 +62,7 @@ class _Forward:
     sampling: list[ScheduledSeq]
     logits: torch.Tensor
     forks: list[tuple[ScheduledSeq, list[Sequence]]]
+    beams: PendingCandidates | None  # beam search requests' candidates (their rows are not in `sampling`)
 
 
 @dataclass(slots=True)
@@ -74,6 +76,7 @@ class _InFlight:
     # Prompts that completed in this step and the samples forked from them once their KV is written:
     # each sample drew its first token from the prompt's logits in this step.
     forks: list[tuple[ScheduledSeq, list[Sequence]]]
+    beams: PendingCandidates | None = None  # beam search requests' candidates (their rows are not in `sampling`)
 
 
 class LLMEngine:
@@ -112,8 +115,10 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, costs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SequenceGroup] = {}
-        # Live requests whose sampling needs their token history on the host (penalties): while any is
-        # live, each step reads the previous step's tokens back before it launches (no overlap).
+        self._beams: dict[str, BeamSearch] = {}  # the live beam search requests' search states
+        self._generated_tokens = 0  # cumulative tokens sampled and kept (EngineStats.generated_tokens)
+        # Live requests whose sampling needs their token history on the host (penalties, beam search):
+        # while any is live, each step reads the previous step's tokens back before it launches (no overlap).
         self._num_serial = 0
         self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: _InFlight | None = None  # the launched step whose tokens are not read back yet
@@ -175,6 +180,10 @@ class LLMEngine:
             self._remove_matchers(group)
             raise KVCacheCapacityError(str(exc)) from exc
         self._groups[request_id] = group
+        if params.use_beam_search:
+            room = self.max_model_len - len(ids)
+            self._beams[request_id] = BeamSearch.create(params, self.eos_token_ids,
+                                                        min(params.max_tokens or room, room))
         self.output_processor.add_request(request_id, ids, params, group.arrival_time)
         self._num_serial += params.needs_host_tokens
         return ids
@@ -238,7 +247,8 @@ class LLMEngine:
         return bool(self._groups) or bool(self._pending) or self.executor.failed
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups))
+        return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups),
+                           self._generated_tokens)
 
     # ---- the iteration --------------------------------------------------------------------------
 
@@ -302,6 +312,9 @@ class LLMEngine:
             logits = self.executor.execute(out, prev.pending.tokens, prev.rows)
         else:
             logits = self.executor.execute(out)
+        beams = None
+        if self._beams:  # beam rows leave the sampler's batch for one batched candidate selection
+            logits, sampling, beams = self._select_beam_candidates(logits, sampling)
         forks = [(item, _children(item.group)) for item in sampling if item.group.needs_fork]
         if forks:  # each sample draws from its prompt's logits row
             logits, sampling = self._with_samples(logits, sampling, forks)
@@ -309,7 +322,7 @@ class LLMEngine:
                 for item, children in forks:
                     for child in children:
                         self.grammars.fork(item.seq, child)
-        return _Forward(out, sampling, logits, forks)
+        return _Forward(out, sampling, logits, forks, beams)
 
     def _sample(self, step: _Forward) -> _InFlight:
         """Fills the grammar masks (their matchers are up to date) and queues the sampling."""
@@ -319,7 +332,32 @@ class LLMEngine:
         pending = self.sampler.sample_async(logits, seqs, [item.group.sampling_params for item in sampling],
                                             bitmask, owns_logits=True)
         return _InFlight(step.out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)},
-                         step.forks)
+                         step.forks, step.beams)
+
+    def _select_beam_candidates(self, logits: torch.Tensor, sampling: list[ScheduledSeq],
+                                ) -> tuple[torch.Tensor, list[ScheduledSeq], PendingCandidates | None]:
+        """Splits the beam search rows off the sampling rows and starts their candidate selection (one
+        device operation for all beam requests); returns the other rows' logits and items."""
+        rows: dict[str, list[int]] = {}
+        keep: list[int] = []
+        for i, item in enumerate(sampling):
+            if item.group.request_id in self._beams:
+                rows.setdefault(item.group.request_id, []).append(i)
+            else:
+                keep.append(i)
+        if not rows:
+            return logits, sampling, None
+        groups: list[BeamRows] = []
+        for request_id, group_rows in rows.items():
+            group = self._groups[request_id]
+            place = {id(seq): j for j, seq in enumerate(group.seqs)}
+            group_rows.sort(key=lambda i: place[id(sampling[i].seq)])
+            # The scheduler runs a beam group's beams together: one row per beam (its prompt at first).
+            assert len(group_rows) == len(group.seqs), "a beam group sampled only some of its beams"
+            groups.append(self._beams[request_id].rows(request_id, group_rows, group.seqs[0].num_output_tokens))
+        beams = select_candidates(logits, groups, self.vocab_size)
+        index = torch.tensor(keep, dtype=torch.int64).to(logits.device, non_blocking=True)
+        return logits.index_select(0, index), [sampling[i] for i in keep], beams
 
     @staticmethod
     def _with_samples(logits: torch.Tensor, sampling: list[ScheduledSeq],
@@ -375,18 +413,41 @@ class LLMEngine:
                 update.seqs.append(self._dead_end(seq, update))
                 ended.append(group)
                 continue
+            self._generated_tokens += 1
             reason, stop_token_id = check(seq, params)
             update.seqs.append(SeqUpdate(seq.sample_index, [token],
                                          [logprobs[i]] if logprobs is not None and params.logprobs is not None
                                          else None, reason, stop_token_id))
             if reason is not None:
                 ended.append(group)
+        if step.beams is not None:
+            for request_id, candidates in step.beams.result():
+                group = self._groups.get(request_id)
+                if group is not None:  # else aborted meanwhile
+                    self._advance_beams(group, candidates, updates, ended)
         # Free what ended (also sequences preempted since this step launched: their blocks may be on the host).
         self.scheduler.free_finished(ended)
         for group in ended:
             if group.finished:
                 self._forget(group)
         return list(updates.values())
+
+    def _advance_beams(self, group: SequenceGroup, candidates: list[Candidate], updates: dict[str, RequestUpdate],
+                       ended: list[SequenceGroup]) -> None:
+        """One beam search step of `group`: the next beams (forked from their parents, dropped beams freed
+        at once) get their tokens; or the search is over and the best beams are the request's choices."""
+        search = self._beams[group.request_id]
+        step = search.step(candidates, group.seqs)
+        if step.done:
+            group.set_status(SequenceStatus.FINISHED_STOPPED)
+            ended.append(group)
+            updates[group.request_id] = RequestUpdate(group.request_id, search.final_updates(),
+                                                      group.num_cached_tokens, group.first_scheduled_time)
+            return
+        beams = self.scheduler.replace_beams(group, [group.seqs[c.beam] for c in step.beams])
+        for beam, candidate in zip(beams, step.beams):
+            beam.append_token(candidate.token_id)
+        self._generated_tokens += len(beams)  # the engine's work: every beam's token
 
     @staticmethod
     def _dead_end(seq: Sequence, update: RequestUpdate) -> SeqUpdate:
@@ -404,16 +465,21 @@ class LLMEngine:
             return []
         processed = self.output_processor.process(updates)
         for hit in processed.stop_hits:
-            group = self._groups.get(hit.request_id)
-            if group is None:
-                continue
-            for seq in group.seqs:
-                if seq.sample_index == hit.index and not seq.status.finished:
-                    seq.status = SequenceStatus.FINISHED_STOPPED
-            self.scheduler.free_finished([group])
-            if group.finished:
-                self._forget(group)
+            self.finish_choice(hit.request_id, hit.index)
         return processed.deltas
+
+    def finish_choice(self, request_id: str, index: int) -> None:
+        """Ends one choice that a stop string ended (its blocks are freed at once); its later tokens, if any
+        are in flight, are void to the output processor."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return
+        for seq in group.seqs:
+            if seq.sample_index == index and not seq.status.finished:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+        self.scheduler.free_finished([group])
+        if group.finished:
+            self._forget(group)
 
     # ---- helpers --------------------------------------------------------------------------------
 
@@ -428,6 +494,7 @@ class LLMEngine:
     def _forget(self, group: SequenceGroup) -> None:
         if self._groups.pop(group.request_id, None) is not None:
             self._num_serial -= group.sampling_params.needs_host_tokens
+            self._beams.pop(group.request_id, None)
             self._remove_matchers(group)
 
     def _tokenize(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
@@ -435,7 +502,8 @@ class LLMEngine:
             prompt, prompt_token_ids = None, prompt
         if prompt_token_ids is not None:
             ids = list(prompt_token_ids)
-            if not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < self.vocab_size for t in ids):
+            # C-speed checks (a per-token generator cost ~1.5 us a token: most of a long prompt's admission)
+            if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= self.vocab_size):
                 raise RequestError(f"prompt_token_ids must be integers in [0, {self.vocab_size})")
             text = prompt if isinstance(prompt, str) else None
         elif isinstance(prompt, str):
@@ -454,10 +522,11 @@ class LLMEngine:
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's context "
                 f"length ({self.max_model_len} tokens)")
-        if not self.block_manager.can_ever_fit(len(ids)):
+        if not self.block_manager.can_ever_fit(wanted):  # else it would fail mid-generation, not here
             raise KVCacheCapacityError(
-                f"prompt ({len(ids)} tokens) needs more KV cache blocks than the pool can ever hold "
-                f"({self.block_manager.num_blocks} blocks of {self.block_manager.block_size} tokens)")
+                f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs more KV cache blocks "
+                f"than the pool can ever hold ({self.block_manager.num_blocks} blocks of "
+                f"{self.block_manager.block_size} tokens)")
 
     def _auto_num_blocks(self, layout: KVLayout) -> int:
         if self.device.type == "cuda":
@@ -513,5 +582,5 @@ def _children(group: SequenceGroup) -> list[Sequence]:
 def _ended(group: SequenceGroup, error: str | None = None) -> RequestUpdate:
     """The update of a request the engine ended outside a step (abort, rejection, failure): every choice,
     forked or not yet (the output processor skips those already finished)."""
-    seqs = [SeqUpdate(index, [], finish_reason="abort") for index in range(max(group.width, len(group.seqs)))]
+    seqs = [SeqUpdate(index, [], finish_reason="abort") for index in range(group.sampling_params.n)]
     return RequestUpdate(group.request_id, seqs, group.num_cached_tokens, group.first_scheduled_time, error)

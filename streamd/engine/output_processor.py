@@ -115,7 +115,10 @@ class OutputProcessor:
                 state.num_unfinished -= 1
                 if seq.finish_reason is None:  # a stop string: the engine does not know yet
                     stop_hits.append(StopHit(state.request_id, seq.index))
-            outputs.append(delta)
+            if outputs and outputs[-1].index == delta.index:  # a final beam comes as text, then its stop token
+                outputs[-1].merge(delta)
+            else:
+                outputs.append(delta)
         if update.error is not None:
             outputs.extend(self._finish_rest(state))
         finished = state.num_unfinished == 0 or update.error is not None

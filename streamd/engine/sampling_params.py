@@ -1,15 +1,25 @@
 """SamplingParams: how one request's tokens are chosen and when its generation stops.
 
 Field names follow OpenAI / vLLM so users and the wire protocol share one vocabulary. Every value is
-checked when the object is built; a bad one raises ValueError naming the field.
+checked when the object is built; a bad one raises ValueError naming the field. Numeric values are bounded
+as OpenAI bounds them (temperature in [0, 2], penalties in [-2, 2]); values so small that dividing logits by
+them overflows (temperature or repetition_penalty of 1e-300) are out of range, not NaN at sampling time. Stop
+strings are capped in number and length: every running request's are scanned on the engine thread each step.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 _GREEDY_EPS = 1e-5
+MIN_TEMPERATURE = 1e-3  # a temperature in (0, this) would overflow the scaled logits
+MAX_TEMPERATURE = 2.0
+MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 100.0
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 256
+MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (as OpenAI)
 
 
 @dataclass(slots=True, frozen=True)
@@ -72,15 +82,32 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    # Beam search (Hugging Face `generate(num_beams=beam_width)` semantics; `beam_search.py`): the best `n`
+    # of `beam_width` beams are returned. `beam_width` None means n (vLLM's legacy default).
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+    early_stopping: bool | str = False
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
             self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        _check(isinstance(self.stop, (list, tuple)) or self.stop is None, "stop", self.stop,
+               "must be a string or a list of strings")
+        _check(isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None, "stop_token_ids",
+               self.stop_token_ids, "must be a list of non-negative integers")
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
+        if self.use_beam_search:
+            if self.beam_width is None:
+                self.beam_width = self.n
+            self._validate_beam_search()
+        else:
+            for name, default in (("beam_width", None), ("length_penalty", 1.0), ("early_stopping", False)):
+                _check(getattr(self, name) == default, name, getattr(self, name), "needs use_beam_search=true")
 
     def _validate(self) -> None:
         _check(is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
@@ -92,8 +119,9 @@ class SamplingParams:
         if self.max_tokens is not None:
             _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
                    f"must not exceed max_tokens ({self.max_tokens})")
-        _check(is_num(self.temperature) and self.temperature >= 0, "temperature", self.temperature,
-               "must be a number >= 0")
+        _check(is_num(self.temperature) and (self.temperature == 0
+                                             or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE),
+               "temperature", self.temperature, f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
         _check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
         _check(is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
                "must be an integer >= -1 (-1 or 0 disables it)")
@@ -101,19 +129,46 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(is_num(value) and -2 <= value <= 2, name, value, "must be in [-2, 2]")
-        _check(is_num(self.repetition_penalty) and self.repetition_penalty > 0, "repetition_penalty",
-               self.repetition_penalty, "must be a number > 0")
+        _check(is_num(self.repetition_penalty)
+               and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+               "repetition_penalty", self.repetition_penalty,
+               f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 disables it)")
         if self.seed is not None:
             _check(is_int(self.seed), "seed", self.seed, "must be an integer")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
                "must be a non-empty string or a list of them")
+        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"{len(self.stop)} strings",
+               f"must have at most {MAX_STOP_STRINGS} strings")
+        _check(all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop", "a longer string",
+               f"strings must have at most {MAX_STOP_CHARS} characters")
         _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                self.stop_token_ids, "must be a list of non-negative integers")
         if self.logprobs is not None:
-            _check(is_int(self.logprobs) and 0 <= self.logprobs <= 20, "logprobs", self.logprobs,
-                   "must be an integer in [0, 20]")
-        for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens"):
+            _check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
+                   f"must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
+                     "use_beam_search"):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a boolean")
+
+    def _validate_beam_search(self) -> None:
+        """Beam search scores the model's own log-probabilities (as Hugging Face beam search without
+        sampling): parameters that would sample, reshape the distribution or read text mid-way are refused."""
+        width = self.beam_width
+        _check(is_int(width) and width >= 1, "beam_width", width, "must be an integer >= 1")
+        assert width is not None
+        _check(self.n <= width, "n", self.n, f"must not exceed beam_width ({width}) with use_beam_search")
+        _check(is_num(self.length_penalty) and abs(self.length_penalty) != float("inf"), "length_penalty",
+               self.length_penalty, "must be a finite number")
+        _check(self.early_stopping in (True, False, "never") and not is_int(self.early_stopping),
+               "early_stopping", self.early_stopping, 'must be true, false or "never"')
+        _check(self.temperature in (0, 1), "temperature", self.temperature,
+               "must be 1 (the default) or 0 with use_beam_search: beam search does not sample, it scores the "
+               "model's log-probabilities")
+        for name, default in _NOT_WITH_BEAMS:
+            value = getattr(self, name)
+            _check(value == default or (name == "top_k" and value == 0), name, value,
+                   "is not supported with use_beam_search (beam search does not sample)"
+                   if name in _SAMPLING_ONLY else "is not supported with use_beam_search")
 
     @property
     def greedy(self) -> bool:
@@ -126,9 +181,10 @@ class SamplingParams:
     @property
     def needs_host_tokens(self) -> bool:
         """Whether sampling this request's next token needs its token history on the host (penalties read
-        it), which rules out the engine's overlap. A grammar's mask also follows every token, but the
-        engine reads the previous tokens back while the forward runs (see `LLMEngine.step`)."""
-        return self.uses_penalties
+        it; beams are chosen on the host before the next step), which rules out the engine's overlap. A
+        grammar's mask also follows every token, but the engine reads the previous tokens back while the
+        forward runs (see `LLMEngine.step`)."""
+        return self.uses_penalties or self.use_beam_search
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> SamplingParams:
@@ -140,12 +196,21 @@ class SamplingParams:
         return cls(**params)
 
 
+# What beam search refuses, with the value that means "unused" (sampling knobs, then features that would
+# need text or per-token state across beams that swap parents).
+_SAMPLING_ONLY = frozenset({"top_p", "top_k", "min_p", "seed"})
+_NOT_WITH_BEAMS = (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("seed", None), ("presence_penalty", 0.0),
+                   ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("stop", []), ("logprobs", None),
+                   ("structured_outputs", None))
+
+
 def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
 def is_num(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    """A finite int or float (no bool, NaN or infinity)."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def _check(ok: bool, name: str, value: Any, rule: str) -> None:

@@ -12,6 +12,11 @@ and how many tokens each; every memory decision goes through the BlockManager. O
    that does not fit stops admission; nothing is admitted while any group is swapped out or when this
    step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
 
+A group of several sequences (parallel samples, beams) decodes together; a beam group's decodes run all
+at once or wait (a beam search step needs every beam's logits), and after a recompute its beams are
+prefilled up to their last token, which they then decode together. `replace_beams` applies a beam search
+step to the blocks (forks of parents picked several times, dropped beams freed at once).
+
 A prompt's blocks are allocated whole at admission, so chunks never need memory and a running prompt
 is only ever stopped by preemption. `max_num_seqs` and the token budget bind only beside other work:
 a group that forked past them still comes back alone. A group that outgrew the whole pool is rejected
@@ -98,12 +103,17 @@ class Scheduler:
                 f"request {rid!r}: prompt of {longest} tokens needs {needed} KV cache blocks but the KV cache "
                 f"can hold at most {usable} ({bm.num_blocks} blocks of {bm.block_size} tokens, less the "
                 f"watermark)")
+        params = group.sampling_params
+        width = f"beam_width={group.width}" if params.use_beam_search else f"n={group.width}"
+        if params.use_beam_search and group.width > self.max_num_seqs:
+            raise ValueError(f"request {rid!r}: {width} exceeds the sequences one step can run "
+                             f"({self.max_num_seqs}); all beams decode in the same step")
         worst = self._worst_case_blocks(group)
         if worst > usable:
             raise ValueError(
-                f"request {rid!r}: n={group.width} sequences of up to {longest} prompt + "
+                f"request {rid!r}: {width} sequences of up to {longest} prompt + "
                 f"{self._max_output_tokens(group)} output tokens need up to {worst} KV cache blocks but the KV "
-                f"cache can hold at most {usable}; lower n or max_tokens")
+                f"cache can hold at most {usable}; lower {width.split('=')[0]} or max_tokens")
         for seq in seqs:
             seq.status = SequenceStatus.WAITING
         self._groups[rid] = group
@@ -146,6 +156,28 @@ class Scheduler:
         self.block_manager.fork(parent, child)
         group.seqs.append(child)
         return child
+
+    def replace_beams(self, group: SequenceGroup, parents: list[Sequence]) -> list[Sequence]:
+        """A beam search step: the group's next beams, one per entry of `parents` (each next beam's
+        parent, best first). A parent's first child continues the parent itself, further children are
+        forks sharing its blocks; a beam no child continues is freed at once. Returns the next beams in
+        the order of `parents` (the caller appends their tokens)."""
+        chosen = {id(parent) for parent in parents}
+        for beam in group.seqs:
+            if id(beam) not in chosen:
+                beam.status = SequenceStatus.FINISHED_ABORTED
+                self.block_manager.free(beam)
+        group.seqs = [beam for beam in group.seqs if id(beam) in chosen]
+        continued: set[int] = set()
+        beams = []
+        for parent in parents:
+            if id(parent) in continued:
+                beams.append(self.fork_seq(group, parent))
+            else:
+                continued.add(id(parent))
+                beams.append(parent)
+        group.seqs = beams
+        return beams
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -229,7 +261,9 @@ class Scheduler:
             if left == 1:
                 writers.append(seq)
             elif left > 1:
-                prompts.append(ScheduledSeq(seq, group, left))
+                prompts.append(ScheduledSeq(seq, group, group.prefill_end(seq) - seq.num_computed_tokens))
+        if not _decode_now(group, writers, prompts, budget):
+            writers = []
         need = bm.blocks_to_append_all(writers) if writers else 0
         preempted = False
         while need > bm.num_free_blocks():
@@ -245,13 +279,14 @@ class Scheduler:
         return len(writers) + len(prompts), preempted
 
     def _append_decodes(self, group: SequenceGroup, out: SchedulerOutput, decodes: list[ScheduledSeq],
-                        budget: int) -> None:
+                        partial: list[ScheduledSeq], budget: int) -> None:
         bm = self.block_manager
-        for seq in group.seqs:
-            if budget and seq.status is _RUNNING and seq.num_tokens - seq.num_computed_tokens == 1:
-                out.blocks_to_copy.extend(bm.append_slots(seq))
-                decodes.append(ScheduledSeq(seq, group, 1))
-                budget -= 1
+        writers = [s for s in group.seqs if s.status is _RUNNING and s.num_tokens - s.num_computed_tokens == 1]
+        if not _decode_now(group, writers, [item for item in partial if item.group is group], budget):
+            return
+        for seq in writers[:budget]:
+            out.blocks_to_copy.extend(bm.append_slots(seq))
+            decodes.append(ScheduledSeq(seq, group, 1))
 
     def _schedule_swapped(self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq],
                           num_seqs: int, budget: int) -> tuple[int, int]:
@@ -273,11 +308,10 @@ class Scheduler:
             self.swapped.pop(0)
             for seq in seqs:
                 seq.status = _RUNNING
-                left = seq.num_tokens - seq.num_computed_tokens
-                if left > 1:  # swapped in the middle of its prompt
-                    partial.append(ScheduledSeq(seq, group, left))
+                if seq.num_tokens - seq.num_computed_tokens > 1:  # swapped in the middle of its prompt
+                    partial.append(ScheduledSeq(seq, group, group.prefill_end(seq) - seq.num_computed_tokens))
             before = len(decodes)
-            self._append_decodes(group, out, decodes, budget)
+            self._append_decodes(group, out, decodes, partial, budget)
             budget -= len(decodes) - before
             num_seqs += len(seqs)
             bisect.insort(self.running, group, key=self._rank)
@@ -307,7 +341,7 @@ class Scheduler:
             for seq in seqs:
                 cached += bm.allocate(seq)
                 seq.status = _RUNNING
-                chunk = min(seq.num_tokens - seq.num_computed_tokens, budget)
+                chunk = min(group.prefill_end(seq) - seq.num_computed_tokens, budget)
                 if chunk > 0:  # otherwise it continues as a running prompt next step
                     prefills.append(ScheduledSeq(seq, group, chunk))
                     budget -= chunk
@@ -447,3 +481,12 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(self.num_running, self.num_waiting, self.num_swapped, self.preemptions_swap,
                               self.preemptions_recompute, self.recomputed_tokens)
+
+
+def _decode_now(group: SequenceGroup, writers: list[Sequence], prompts: list[ScheduledSeq], budget: int) -> bool:
+    """Whether the group's decoding sequences run this step: always for parallel samples (as many as the
+    budget allows); for beams only all together, once none is still prefilling (a beam search step takes
+    every beam's logits at once)."""
+    if not group.sampling_params.use_beam_search:
+        return True
+    return not prompts and len(writers) <= budget

@@ -3,7 +3,7 @@
 Scheduling state only: what the block manager, scheduler and model runner need. Text, stop strings,
 logprobs and everything else a user sees of the output live in the output processor. A `Sequence` owns its token ids, how many of them have KV in the cache (`num_computed_tokens`) and its
 block table (list of physical block ids, mutated only by the BlockManager). A `SequenceGroup` is one
-request: its sequences (parallel samples share the prompt's blocks through fork) are scheduled,
+request: its sequences (parallel samples or beams, sharing blocks through fork) are scheduled,
 preempted and resumed together. Plain Python, no torch, so the block manager and scheduler that use
 these records stay testable in milliseconds.
 """
@@ -110,13 +110,24 @@ class SequenceGroup:
 
     @property
     def width(self) -> int:
-        """How many sequences the request runs at once once its prompt is done (parallel samples)."""
-        return self.sampling_params.n
+        """How many sequences the request runs at once once its prompt is done (parallel samples, or
+        the beams of a beam search)."""
+        params = self.sampling_params
+        return params.beam_width if params.beam_width is not None else params.n
 
     @property
     def needs_fork(self) -> bool:
-        """The prompt's one sequence is still to be forked into the request's samples."""
-        return len(self.seqs) < self.sampling_params.n
+        """The prompt's one sequence is still to be forked into the request's samples (beams are forked
+        by the beam search step instead)."""
+        return len(self.seqs) < self.sampling_params.n and not self.sampling_params.use_beam_search
+
+    def prefill_end(self, seq: Sequence) -> int:
+        """Up to which token a prefill of `seq` may compute: all its tokens, except that a beam recomputed
+        after a preemption stops before its last token and then decodes it with its sibling beams (a beam
+        search step needs the logits of all the group's beams in one step)."""
+        if self.sampling_params.use_beam_search and seq.num_output_tokens:
+            return seq.num_tokens - 1
+        return seq.num_tokens
 
     def seqs_with_status(self, status: SequenceStatus) -> list[Sequence]:
         return [s for s in self.seqs if s.status == status]

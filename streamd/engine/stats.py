@@ -40,6 +40,7 @@ class SchedulerStats:
     preemptions_swap: int  # cumulative
     preemptions_recompute: int  # cumulative
     recomputed_tokens: int  # cumulative tokens prefilled again after recompute preemption
+    num_paused: int = 0  # requests not scheduled because their reader fell behind (they keep their blocks)
 
 
 @dataclass(slots=True, frozen=True)
@@ -47,6 +48,7 @@ class EngineStats:
     kv: KVCacheStats
     scheduler: SchedulerStats
     num_requests: int  # requests the engine holds (waiting, running, swapped)
+    generated_tokens: int  # cumulative output tokens sampled and kept (the engine view's tokens/s)
 
     @property
     def pool_whole(self) -> bool:

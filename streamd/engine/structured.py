@@ -31,6 +31,9 @@ from streamd.engine.sampling_params import StructuredOutputs
 from streamd.engine.sequence import Sequence
 
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
+# Compiling a schema costs time growing steeply with its nesting (one core for ~20 s at 600 levels, on a
+# compile thread); real schemas stay far below this.
+MAX_SCHEMA_DEPTH = 64
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before its message
 
 
@@ -166,7 +169,23 @@ def _schema_text(schema: dict[str, Any] | str) -> str:
             raise GrammarError(f"structured_outputs.json is not valid JSON: {exc}") from exc
     if not isinstance(schema, dict):
         raise GrammarError("structured_outputs.json must be a JSON schema object")
+    depth = _depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise GrammarError(f"structured_outputs.json is nested too deeply ({depth} levels of objects and arrays; "
+                           f"at most {MAX_SCHEMA_DEPTH})")
     return json.dumps(schema)  # property order is kept: the grammar generates properties in schema order
+
+
+def _depth(value: Any) -> int:
+    """How deeply objects and arrays nest in a JSON value (iterative: no recursion limit to hit)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, level = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, level)
+            stack.extend((child, level + 1) for child in children)
+    return deepest
 
 
 def _escape_regex(text: str) -> str:

@@ -4,7 +4,9 @@ Every route (`/v1/stream`, the OpenAI routes, any later one) opens an account wh
 feeds it every delta it delivers, and closes it once. The account owns:
 
 - usage: prompt, completion (all choices) and cached tokens;
-- the finish reason, through the one map `FINISH_NAMES` from the engine's reasons to each face's names;
+- the finish reason, through the one map `FINISH_NAMES` from the finish reasons to each face's names. The
+  engine ends a cancelled request with "abort" whoever cancelled it; the account knows why (`cancel(cause)`:
+  "abort" for the client, "drain" for the server's drain), so the faces can tell a client what happened;
 - timings: time to first token and inter-token latency as the client is handed the tokens, end-to-end
   latency and queue time, recorded into the metrics;
 - `streamd_requests_total{finish_reason}` (counted once, when closed) and the `request_done` log line;
@@ -28,14 +30,19 @@ logger = get_logger(__name__)
 @dataclass(slots=True, frozen=True)
 class FinishNames:
     wire: str  # streamd.v1 `done` frames and the `finish_reason` label of streamd_requests_total
-    openai: str  # OpenAI's `finish_reason`
+    openai: str  # OpenAI's `finish_reason` (one of OpenAI's values)
+    flag: str | None = None  # an extra field set to true on the OpenAI choice, saying what OpenAI cannot
 
 
-# The engine's finish reasons (plus "error": the request failed) -> what each face calls them.
+# The engine's finish reasons, the causes of a cancellation ("drain") and "error" (the request failed) ->
+# what each face calls them. OpenAI has no "cancelled": a cut request ends "length" (its output is
+# incomplete, as at a token limit) with a flag naming why ("abort": a client's own cancel, which over HTTP
+# nobody reads, the client being gone).
 FINISH_NAMES: dict[str, FinishNames] = {
     "stop": FinishNames("stop", "stop"),
     "length": FinishNames("length", "length"),
-    "abort": FinishNames("cancelled", "abort"),
+    "abort": FinishNames("cancelled", "length", "streamd_cancelled"),
+    "drain": FinishNames("cancelled", "length", "streamd_drained"),
     "error": FinishNames("error", "error"),
 }
 
@@ -59,6 +66,7 @@ class RequestAccount:
         self._last_token: float | None = None
         self._queue_time: float | None = None
         self._closed = False
+        self._cause: str | None = None  # why it was cancelled, once it was (a key of FINISH_NAMES)
         lifecycle.add(self)
 
     # ---- feeding -----------------------------------------------------------------------------------
@@ -87,8 +95,10 @@ class RequestAccount:
             self._metrics.observe_inter_token((now - self._last_token) / count, count)
         self._last_token = now
 
-    def cancel(self) -> None:
-        """Aborts the request in the engine; its final delta still arrives and closes the account."""
+    def cancel(self, cause: str = "abort") -> None:
+        """Aborts the request in the engine; its final delta still arrives and closes the account. `cause`
+        (the first one given counts) names the finish of every choice the abort ends."""
+        self._cause = self._cause or cause
         self._cancel()
 
     # ---- reading -----------------------------------------------------------------------------------
@@ -101,13 +111,19 @@ class RequestAccount:
 
     @property
     def finish(self) -> FinishNames:
-        return FINISH_NAMES[self.finish_reason]
+        return self._names(self.finish_reason)
 
     def choice_finish(self, index: int) -> FinishNames:
         """One choice's finish reason (every choice's is "error" when the request failed)."""
         if self.error is not None:
             return FINISH_NAMES["error"]
-        return FINISH_NAMES[self.finish_reasons.get(index, "abort")]
+        return self._names(self.finish_reasons.get(index, "abort"))
+
+    def _names(self, reason: str) -> FinishNames:
+        """An aborted choice finishes as its cancellation's cause says."""
+        if reason == "abort" and self._cause is not None:
+            reason = self._cause
+        return FINISH_NAMES[reason]
 
     def choice_finishes(self) -> list[FinishNames]:
         return [self.choice_finish(index) for index in range(self.num_choices)]

@@ -2,41 +2,62 @@
 
 `create_app(config, engine)` serves an already-built `AsyncEngine` (the caller owns its lifetime, so tests
 can share one loaded model between apps). Routes are listed in ARCHITECTURE.md; every route but `/`,
-`/health` and `/ready` needs an API key when keys are configured (`/` is a static page that holds no data
-and asks for the key itself; WebSocket auth happens in the handshake, see ws.py).
+`/static/...`, `/favicon.ico`, `/v1/server-info`, `/health` and `/ready` needs an API key when keys are
+configured (`/` is a static page that holds no data and asks for the key itself; WebSocket auth happens in
+the handshake, see ws.py).
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import time
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import AsyncIterator
 
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, JSONResponse, Response
-from starlette.routing import Route, WebSocketRoute
+from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from starlette.routing import Mount, Route, WebSocketRoute
+from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from streamd import heap
 from streamd.config import Config
 from streamd.engine.async_engine import AsyncEngine
 from streamd.engine.sampling_params import SamplingParams
 from streamd.logs import get_logger
-from streamd.server import openai_routes, responses_api, responses_ws, ws
+from streamd.server import openai_routes, responses_api, responses_ws, tokenize_api, ws
 from streamd.server.auth import Authenticator
-from streamd.server.errors import ServiceError
+from streamd.server.errors import ServiceError, error_response, http_error
 from streamd.server.generation import Generation, new_request_id
+from streamd.server.http_guard import HttpGuard
 from streamd.server.lifecycle import Lifecycle
+from streamd.server.logprobs import TokenTexts
 from streamd.server.metrics import CONTENT_TYPE, Metrics
 from streamd.server.responses_store import ResponseStore
+from streamd.server.server_info import server_info_route
 from streamd.server.services import Services
 
 logger = get_logger(__name__)
 STATIC = Path(__file__).parent / "static"
-OPEN_PATHS = frozenset({"/", "/health", "/ready"})
+OPEN_PATHS = frozenset({"/", "/favicon.ico", "/v1/server-info", "/health", "/ready"})
+OPEN_PREFIX = "/static/"  # the chat page's scripts, styles, icon and vendored libraries
+# Why /ready answers 503 -> the code of its error body.
+_NOT_READY = {"draining": "shutting_down", "warming_up": "service_unavailable",
+              "engine_unavailable": "engine_unavailable"}
+# The chat page: its own scripts (files only, no inline script) and styles, never framed, never sniffed.
+# connect-src names ws: and wss: because older browsers do not match WebSocket URLs against 'self'.
+PAGE_HEADERS = {
+    "Cache-Control": "no-cache",
+    "Content-Security-Policy": "default-src 'none'; script-src 'self'; "
+                               "style-src 'self' 'unsafe-inline'; connect-src 'self' ws: wss:; "
+                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "X-Frame-Options": "DENY",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+}
 
 
 def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> Starlette:
@@ -46,11 +67,13 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
     services = Services(server, engine, server.served_model_name or engine.model_name, int(time.time()),
                         Authenticator(server.api_keys, server.allowed_origins), metrics, lifecycle,
                         Generation(engine, server, lifecycle, metrics),
-                        ResponseStore(server.responses_store_size, server.responses_store_ttl_s))
+                        ResponseStore(server.responses_store_size, server.responses_store_ttl_s),
+                        TokenTexts(engine.tokenizer))
     page = (STATIC / "index.html").read_text(encoding="utf-8")
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        logger.info("origin_policy", allowed=services.auth.describe_origin_policy())
         engine.start()
         task = asyncio.create_task(_warm_up(services)) if warm_up else None
         if task is None:
@@ -58,40 +81,53 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
         yield
         if task is not None:
             task.cancel()
+        services.generation.tokenizing.close()
 
     async def index(request: Request) -> Response:
-        return HTMLResponse(page, headers={"Cache-Control": "no-cache"})
+        return HTMLResponse(page, headers=PAGE_HEADERS)
 
     routes = [
         Route("/", index, methods=["GET"]),
+        Route("/favicon.ico", favicon, methods=["GET"]),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+        Route("/v1/server-info", server_info_route, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/ready", ready, methods=["GET"]),
         Route("/metrics", metrics_route, methods=["GET"]),
         WebSocketRoute("/v1/stream", ws.stream_endpoint),
         *(Route(path, fn, methods=methods) for path, fn, methods in openai_routes.make_routes()),
         *(Route(path, fn, methods=methods) for path, fn, methods in responses_api.make_routes()),
+        *(Route(path, fn, methods=methods) for path, fn, methods in tokenize_api.make_routes()),
         WebSocketRoute("/v1/responses", responses_ws.responses_endpoint),  # same path: WebSocket mode
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
-                    exception_handlers={ServiceError: service_error, Exception: internal_error})
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        ServiceError: service_error, HTTPException: http_exception, Exception: internal_error})
     app.state.services = services
+    app.add_middleware(HttpGuard, auth=services.auth, max_body_bytes=server.max_body_bytes)
     app.add_middleware(AuthMiddleware, auth=services.auth)
     return app
+
+
+async def favicon(request: Request) -> Response:
+    return FileResponse(STATIC / "favicon.svg", media_type="image/svg+xml")
 
 
 async def health(request: Request) -> Response:
     engine: AsyncEngine = request.app.state.services.engine
     if engine.dead_reason is not None and not request.app.state.services.lifecycle.draining:
-        return JSONResponse({"status": "engine_dead", "reason": engine.dead_reason}, status_code=503)
+        error = ServiceError("engine_unavailable", f"the engine is dead: {engine.dead_reason}")
+        return JSONResponse({"status": "engine_dead", "reason": engine.dead_reason, **error.openai_body()},
+                            status_code=503)
     return JSONResponse({"status": "ok"})
 
 
 async def ready(request: Request) -> Response:
     lifecycle: Lifecycle = request.app.state.services.lifecycle
-    if lifecycle.ready:
-        return JSONResponse({"status": "ready"})
-    status = "draining" if lifecycle.draining else "warming_up" if not lifecycle.warmed_up else "engine_unavailable"
-    return JSONResponse({"status": status}, status_code=503)
+    status = lifecycle.status
+    if status == "ready":
+        return JSONResponse({"status": status})
+    error = ServiceError(_NOT_READY[status], f"not ready: {status.replace('_', ' ')}")
+    return JSONResponse({"status": status, **error.openai_body()}, status_code=503)
 
 
 async def metrics_route(request: Request) -> Response:
@@ -100,12 +136,31 @@ async def metrics_route(request: Request) -> Response:
 
 async def service_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, ServiceError)
-    return JSONResponse(exc.openai_body(), status_code=exc.status)
+    return error_response(exc)
+
+
+async def http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (unknown route, wrong method) and any guard's HTTPException, as JSON."""
+    assert isinstance(exc, HTTPException)
+    where = f"{request.method} {request.url.path}"
+    if exc.status_code == 404:
+        message = f"no route {where}"
+    elif exc.status_code == 405:
+        message = f"{where}: method not allowed (allowed: {(exc.headers or {}).get('Allow', 'none')})"
+    else:
+        message = f"{where}: {exc.detail}"
+    return error_response(http_error(exc.status_code, message), exc.status_code, exc.headers)
 
 
 async def internal_error(request: Request, exc: Exception) -> Response:
+    """Anything unhandled (also what a middleware raises): a ServiceError or HTTPException keeps its status,
+    the rest is a 500; always a JSON error body."""
+    if isinstance(exc, ServiceError):
+        return await service_error(request, exc)
+    if isinstance(exc, HTTPException):
+        return await http_exception(request, exc)
     logger.exception("unhandled_error", path=request.url.path)
-    return JSONResponse(ServiceError("internal_error", "internal server error").openai_body(), status_code=500)
+    return error_response(ServiceError("internal_error", "internal server error"))
 
 
 class AuthMiddleware:
@@ -116,12 +171,13 @@ class AuthMiddleware:
         self.auth = auth
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and self.auth.enabled and scope["path"] not in OPEN_PATHS:
+        path = scope.get("path", "")
+        if scope["type"] == "http" and self.auth.enabled and path not in OPEN_PATHS \
+                and not path.startswith(OPEN_PREFIX):
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             if not self.auth.http_ok(headers):
                 error = ServiceError("unauthorized", "a valid API key is required (Authorization: Bearer KEY)")
-                response = JSONResponse(error.openai_body(), status_code=401,
-                                        headers={"WWW-Authenticate": "Bearer"})
+                response = error_response(error, headers={"WWW-Authenticate": "Bearer"})
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
@@ -131,14 +187,14 @@ async def _warm_up(services: Services) -> None:
     """One tiny generation so the first user does not pay for lazy initialisation; then ready."""
     engine = services.engine
     try:
-        ids = services.generation.prompt_ids("Hello")
+        ids = await services.generation.prompt_ids("Hello")
         stream = await engine.add_request(new_request_id(), None, SamplingParams(max_tokens=1, temperature=0.0),
                                           prompt_token_ids=ids)
         async for delta in stream:
             if delta.error:
                 raise RuntimeError(delta.error)
         services.lifecycle.warmed_up = True
-        gc.freeze()  # the model and everything built so far are permanent: keep them out of every collection
+        heap.settle()  # the model and everything built so far are permanent: out of every collection
         logger.info("ready", model=services.model_name)
     except Exception:
         logger.exception("warm_up_failed")

@@ -2,13 +2,20 @@
 
 Keys come as `Authorization: Bearer <key>` on HTTP and WebSocket, or, for browsers (which cannot set
 headers on a WebSocket), as a `bearer.<key>` entry in `Sec-WebSocket-Protocol`. Keys are compared in
-constant time. An empty key list disables authentication; an empty origin list allows any Origin.
+constant time. An empty key list disables authentication.
+
+Origins (what a browser says about the page that opened a WebSocket or sent a POST): a request without
+one comes from a non-browser client and is allowed. With no allowlist, only pages served from a loopback
+host (`localhost`, `127.0.0.0/8`, `::1`) or from this server itself (Origin host equal to Host) are
+allowed, so a web page a local user visits cannot drive the server. `"*"` in the allowlist allows any.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 from typing import Iterable, Mapping
+from urllib.parse import urlsplit
 
 BEARER_SUBPROTOCOL_PREFIX = "bearer."
 
@@ -42,11 +49,36 @@ class Authenticator:
         return any(self.key_ok(p[len(BEARER_SUBPROTOCOL_PREFIX):]) for p in subprotocols
                    if p.startswith(BEARER_SUBPROTOCOL_PREFIX))
 
-    def origin_ok(self, origin: str | None) -> bool:
-        """A missing Origin is a non-browser client; browsers always send one."""
-        if not self._origins or origin is None or "*" in self._origins:
+    def origin_ok(self, origin: str | None, host: str | None) -> bool:
+        """A missing Origin is a non-browser client; browsers always send one. `host`: the Host header."""
+        if origin is None or "*" in self._origins:
             return True
-        return origin.rstrip("/") in self._origins
+        if self._origins:
+            return origin.rstrip("/") in self._origins
+        try:
+            netloc = urlsplit(origin).netloc
+            hostname = urlsplit(origin).hostname
+        except ValueError:
+            return False
+        return (host is not None and netloc.lower() == host.lower()) or is_loopback(hostname)
+
+    def describe_origin_policy(self) -> str:
+        if "*" in self._origins:
+            return "any Origin"
+        if self._origins:
+            return "Origins " + ", ".join(sorted(self._origins))
+        return "loopback and same-origin pages only (set server.allowed_origins to allow others)"
+
+
+def is_loopback(hostname: str | None) -> bool:
+    if not hostname:
+        return False
+    if hostname == "localhost" or hostname.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(hostname).is_loopback
+    except ValueError:
+        return False
 
 
 def bearer_token(header: str | None) -> str | None:

@@ -1,12 +1,17 @@
 """ServiceError: a request the server refuses, with its wire code, HTTP status and OpenAI error type.
 
 One vocabulary for both faces: the WebSocket sends `{"type":"error","error":{"code","message"}}`,
-the OpenAI routes send `{"error":{"message","type","param","code"}}` with `status`.
+every HTTP error (a route's refusal, an unknown route, a wrong method, a guard's 413/415, a 500) is
+`{"error":{"message","type","param","code"}}` with its status (`error_response`; `HTTP_CODES` names the
+statuses that Starlette or a guard raise as `HTTPException`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Mapping
+
+from starlette.responses import JSONResponse
 
 # code -> (HTTP status, OpenAI error type)
 _KINDS: dict[str, tuple[int, str]] = {
@@ -22,12 +27,24 @@ _KINDS: dict[str, tuple[int, str]] = {
     "unauthorized": (401, "authentication_error"),
     "forbidden_origin": (403, "permission_error"),
     "model_not_found": (404, "invalid_request_error"),
+    "not_found": (404, "invalid_request_error"),
+    "method_not_allowed": (405, "invalid_request_error"),
+    "request_too_large": (413, "invalid_request_error"),
+    "unsupported_media_type": (415, "invalid_request_error"),
+    "unprocessable_entity": (422, "invalid_request_error"),
     "too_many_requests": (429, "rate_limit_error"),
     "overloaded": (503, "server_error"),
     "shutting_down": (503, "server_error"),
     "engine_unavailable": (503, "server_error"),
     "internal_error": (500, "server_error"),
+    "service_unavailable": (503, "server_error"),
 }
+
+# An HTTPException's status -> the code of its error body (other statuses: "http_error").
+HTTP_CODES: dict[int, str] = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
+                              413: "request_too_large", 415: "unsupported_media_type",
+                              422: "unprocessable_entity", 429: "too_many_requests", 500: "internal_error",
+                              503: "service_unavailable"}
 
 
 @dataclass(slots=True)
@@ -52,3 +69,14 @@ class ServiceError(Exception):
 
     def openai_body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def error_response(error: ServiceError, status: int | None = None,
+                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """The HTTP answer to a refusal: its OpenAI error body, with its status (or `status`)."""
+    return JSONResponse(error.openai_body(), status_code=status or error.status, headers=headers)
+
+
+def http_error(status: int, message: str) -> ServiceError:
+    """The ServiceError for an HTTP status raised without one (Starlette's 404/405, a guard's 413/415)."""
+    return ServiceError(HTTP_CODES.get(status, "http_error"), message)

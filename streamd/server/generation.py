@@ -3,7 +3,7 @@ limits (context length, max_tokens, overload, drain), engine errors to ServiceEr
 `RequestAccount` opened on submission.
 
 Shared by the WebSocket protocol and the OpenAI routes so both refuse and accept exactly the same things.
-Chat templates come only from the model (`AsyncEngine.apply_chat_template`), never from a request.
+Chat templates come only from the model (`tokenizing.py` renders them), never from a request.
 """
 
 from __future__ import annotations
@@ -16,23 +16,26 @@ from typing import Any
 
 from streamd.config import ServerConfig
 from streamd.engine.async_engine import AsyncEngine, EngineDeadError
+from streamd.engine.chat_template import DEFAULT_OPTIONS, TemplateOptions
 from streamd.engine.errors import RequestError
 from streamd.engine.request_stream import DeltaSink, RequestStream
 from streamd.engine.sampling_params import SamplingParams, is_int
-from streamd.engine.structured import GrammarError
 from streamd.server.accounting import RequestAccount
+from streamd.server.encoding import loads
 from streamd.server.errors import ServiceError
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
 from streamd.server.structured_api import structured_from_response_format
+from streamd.server.tokenizing import Tokenizing
 
 # Wire parameter names (OpenAI / vLLM) accepted on every route.
 WIRE_PARAMS = frozenset({
     "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
     "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "n", "ignore_eos",
     "logprobs", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "response_format",
+    "use_beam_search", "beam_width", "length_penalty", "early_stopping",  # beam search (vLLM's extra fields)
 })
-MAX_N = 16  # parallel samples per request (each is a sequence of the batch)
+MAX_N = 16  # parallel samples or beams per request (each is a sequence of the batch)
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
 
@@ -49,29 +52,45 @@ class Generation:
         self.config = config
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self.tokenizing = Tokenizing(engine.tokenizer)
 
     # ---- building ----------------------------------------------------------------------------
-    def prompt_ids(self, prompt: Any) -> list[int]:
-        """A text prompt, or a list of token ids."""
+    async def prompt_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
+        """A text prompt (tokenized as LLMEngine tokenizes one, unless told to leave out special tokens; off
+        the loop when long), or a list of token ids."""
         if isinstance(prompt, str):
             if not prompt:
                 raise ServiceError("invalid_request", "prompt must not be empty", "prompt")
-            return list(self.engine.tokenizer(prompt).input_ids)  # as LLMEngine tokenizes a text prompt
+            self.check_chars(len(prompt), "prompt")
+            return await self.tokenizing.encode(prompt, add_special_tokens)
         if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
+            self.check_chars(len(prompt), "prompt")
             return list(prompt)  # the engine checks them against the vocabulary
         raise ServiceError("invalid_request", "prompt must be a non-empty string or a list of token ids",
                            "prompt")
 
-    def messages_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None) -> list[int]:
+    async def messages_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None,
+                           options: TemplateOptions = DEFAULT_OPTIONS, *, param: str = "messages") -> list[int]:
+        """Chat messages (and OpenAI function `tools`) through the model's chat template as `options` say,
+        off the loop when long; errors name `param`, the field they came in."""
         messages = normalize_messages(messages)
+        chars = chat_chars(messages, tools)
+        self.check_chars(chars, param)
         try:
-            return self.engine.apply_chat_template(messages, tools)
+            return await self.tokenizing.chat(messages, tools, options, chars)
         except ValueError as exc:
-            raise ServiceError("invalid_request", f"messages: {exc}", "messages") from exc
+            raise ServiceError("invalid_request", f"{param}: {exc}", param) from exc
+
+    def check_chars(self, size: int, param: str) -> None:
+        limit = self.config.max_prompt_chars
+        if size > limit:
+            raise ServiceError("request_too_large", f"{param} is too long: {size} characters (or token ids); "
+                               f"this server takes at most {limit} (server.max_prompt_chars)", param)
 
     def prepare(self, prompt_ids: list[int], raw: dict[str, Any], *, default_max_tokens: int | None,
-                prompt: str | None = None) -> Prepared:
-        """Validates params against the context; `default_max_tokens` None means "the rest of the context"."""
+                prompt: str | None = None, prompt_param: str = "messages") -> Prepared:
+        """Validates params against the context; `default_max_tokens` None means "the rest of the context".
+        `prompt_param` names the field the prompt came in (`prompt` or `messages`) in context errors."""
         unknown = sorted(set(raw) - WIRE_PARAMS)
         if unknown:
             raise ServiceError("invalid_request", f"unknown parameter {unknown[0]!r}", unknown[0])
@@ -86,7 +105,7 @@ class Generation:
         context, n_prompt = self.engine.max_model_len, len(prompt_ids)
         if n_prompt >= context:
             raise ServiceError("context_length_exceeded", f"the prompt has {n_prompt} tokens; this model's "
-                               f"context is {context} tokens", "messages")
+                               f"context is {context} tokens", prompt_param)
         limit = self.config.max_tokens_limit
         if "max_tokens" not in fields:
             room = context - n_prompt
@@ -104,6 +123,9 @@ class Generation:
             raise ServiceError("invalid_request", str(exc), str(exc).split(" ", 1)[0]) from exc
         if params.n > MAX_N:
             raise ServiceError("invalid_request", f"n must be <= {MAX_N}, got {params.n}", "n")
+        if params.beam_width is not None and params.beam_width > MAX_N:
+            raise ServiceError("invalid_request", f"beam_width must be <= {MAX_N}, got {params.beam_width}",
+                               "beam_width")
         return Prepared(prompt_ids, params, prompt)
 
     # ---- running -----------------------------------------------------------------------------
@@ -117,8 +139,8 @@ class Generation:
             raise ServiceError("overloaded", "too many requests are waiting; retry later")
         try:  # before the request exists: a bad schema never takes a KV block
             await self.engine.compile_grammar(prepared.params)
-        except GrammarError as exc:
-            raise ServiceError("invalid_request", str(exc), "structured_outputs") from exc
+        except RequestError as exc:  # a GrammarError, or a model that cannot constrain its output
+            raise ServiceError(exc.code, str(exc), "structured_outputs") from exc
         engine, request_id = self.engine, new_request_id()
         stream = RequestStream(request_id, engine.abort) if sink is None else None
         account = RequestAccount(request_id, route, len(prepared.prompt_token_ids), self.metrics, self.lifecycle,
@@ -139,6 +161,18 @@ class Generation:
             account.discard()
             raise ServiceError("invalid_request", str(exc)) from exc
         return account, stream
+
+
+    def count_cancelled(self, route: str) -> None:
+        """Counts a request whose client left before it could even be submitted (as cancelled)."""
+        RequestAccount(new_request_id(), route, 0, self.metrics, self.lifecycle, cancel=lambda: None).close()
+
+
+def chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:
+    """What `server.max_prompt_chars` counts of a chat: every message's content, its tool calls' arguments
+    and the tools' definitions (as JSON)."""
+    size = sum(len(m["content"]) + len(json.dumps(m.get("tool_calls") or "")) for m in messages)
+    return size + (len(json.dumps(tools)) if tools else 0)
 
 
 def normalize_messages(messages: Any) -> list[dict[str, Any]]:
@@ -173,11 +207,11 @@ def _tool_fields(i: int, message: dict[str, Any]) -> dict[str, Any]:
         fields["tool_call_id"] = message["tool_call_id"]
     calls = message.get("tool_calls")
     if message["role"] == "assistant" and calls:
-        try:
+        try:  # `loads` refuses unencodable text and deep nesting in the arguments as in a body
             fields["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
-                "name": c["function"]["name"], "arguments": json.loads(c["function"]["arguments"])}}
+                "name": c["function"]["name"], "arguments": loads(c["function"]["arguments"], "arguments")}}
                 for c in calls]
-        except (TypeError, KeyError, AttributeError, json.JSONDecodeError) as exc:
+        except (TypeError, KeyError, AttributeError, ServiceError) as exc:
             raise ServiceError("invalid_request", f"messages[{i}].tool_calls must be OpenAI tool calls with "
                                f"JSON-string arguments ({exc})", "messages") from exc
     return fields

@@ -26,7 +26,7 @@ CANCEL_GRACE_S = 10.0
 class InFlight(Protocol):
     """A request in flight, as the drain sees it."""
 
-    def cancel(self) -> None: ...
+    def cancel(self, cause: str = "abort") -> None: ...
 
 
 class Lifecycle:
@@ -44,6 +44,13 @@ class Lifecycle:
     @property
     def ready(self) -> bool:
         return self.warmed_up and not self.draining and self.engine.ready
+
+    @property
+    def status(self) -> str:
+        """What `/ready` says: ready, draining, warming_up or engine_unavailable."""
+        if self.ready:
+            return "ready"
+        return "draining" if self.draining else "warming_up" if not self.warmed_up else "engine_unavailable"
 
     @property
     def num_active(self) -> int:
@@ -83,7 +90,7 @@ class Lifecycle:
         if not await _wait(self._idle, self.drain_timeout_s):
             logger.warning("drain_timeout_cancelling", in_flight=self.num_active)
             for request in list(self._active):
-                request.cancel()
+                request.cancel("drain")
             if not await _wait(self._idle, CANCEL_GRACE_S):
                 logger.error("drain_abort_unconfirmed", in_flight=self.num_active)
         closers = list(self._closers.values())

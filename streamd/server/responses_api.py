@@ -31,6 +31,7 @@ from streamd.server.auth import bearer_token
 from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared, normalize_messages
+from streamd.server.logprobs import TokenTexts, chat_entries
 from streamd.server.openai_routes import SSEResponse, check_model, json_body, until_disconnect
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
@@ -57,8 +58,10 @@ class ResponsePlan:
     stream_id: str | None = None  # WebSocket mode's lane
 
 
-def plan_response(s: Services, body: dict[str, Any], find: Lookup, *, stream_id: str | None = None) -> ResponsePlan:
-    """Checks a Responses request; raises ServiceError naming the field that is wrong."""
+async def plan_response(s: Services, body: dict[str, Any], find: Lookup, *,
+                        stream_id: str | None = None) -> ResponsePlan:
+    """Checks a Responses request and tokenizes it (off the event loop when long); raises ServiceError
+    naming the field that is wrong."""
     check_model(s, body)
     _refuse_features(body)
     _check_text_format(body.get("text"))
@@ -66,15 +69,15 @@ def plan_response(s: Services, body: dict[str, Any], find: Lookup, *, stream_id:
     new = _input_messages(body.get("input"), body.get("instructions"))
     previous_id = body.get("previous_response_id")
     if previous_id is None:
-        messages, ids = new, s.generation.messages_ids(new)
+        messages, ids = new, await s.generation.messages_ids(new, param="input")
     else:
         previous = find(previous_id) if isinstance(previous_id, str) else None
         if previous is None:
             raise ServiceError("previous_response_not_found", f"previous response {previous_id!r} is not found "
                                "(unknown, expired, not stored, or another key's)", "previous_response_id")
         messages = previous.messages + new
-        ids = continuation_ids(s, previous, new)
-    prepared = s.generation.prepare(ids, _sampling(body), default_max_tokens=None)
+        ids = await continuation_ids(s, previous, new)
+    prepared = s.generation.prepare(ids, _sampling(body), default_max_tokens=None, prompt_param="input")
     echo = {"instructions": body.get("instructions"), "metadata": _metadata(body.get("metadata")),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": previous_id,
@@ -82,26 +85,37 @@ def plan_response(s: Services, body: dict[str, Any], find: Lookup, *, stream_id:
     return ResponsePlan("resp_" + uuid.uuid4().hex, prepared, messages, echo, store, stream, stream_id)
 
 
-def continuation_ids(s: Services, previous: StoredResponse, new: list[dict[str, str]]) -> list[int]:
+async def continuation_ids(s: Services, previous: StoredResponse, new: list[dict[str, str]]) -> list[int]:
     """The previous response's exact prompt + output ids, then the new turn as the chat template renders it
     after that conversation: the text the template puts after the previous answer (its end-of-turn, less
     the end-of-turn token the model already produced) followed by the new messages and the generation
     prompt. The earlier ids are kept verbatim, so the prefix cache covers them whatever re-tokenizing the
     answer would give. A template whose rendering of a longer conversation does not extend the shorter
-    one's text gets the whole conversation rendered afresh (the cache then covers the common prefix)."""
-    tokenizer = s.engine.tokenizer
+    one's text gets the whole conversation rendered afresh (the cache then covers the common prefix).
+    The whole conversation counts against `server.max_prompt_chars`."""
+    conversation = previous.messages + new
+    chars = sum(len(m["content"]) for m in conversation)
+    s.generation.check_chars(chars, "input")
+    turn = await s.generation.tokenizing.run(lambda tokenizer: _new_turn_ids(tokenizer, previous, new), chars)
+    if turn is None:
+        return await s.generation.messages_ids(conversation, param="input")
+    return previous.token_ids + turn
+
+
+def _new_turn_ids(tokenizer: Any, previous: StoredResponse, new: list[dict[str, str]]) -> list[int] | None:
+    """The new turn's ids after `previous` (see continuation_ids); None when the template does not extend."""
     history = previous.messages
     answer_open = _render(tokenizer, history[:-1], True) + history[-1]["content"]
     closed = _render(tokenizer, history, False)
     full = _render(tokenizer, history + new, True)
     if not (closed.startswith(answer_open) and full.startswith(closed)):
-        return s.generation.messages_ids(history + new)
+        return None
     between = closed[len(answer_open):]
     last = previous.token_ids[-1]
     if last in tokenizer.all_special_ids:  # the answer ended with the model's own end-of-turn token
         between = between.removeprefix(tokenizer.decode([last]))
     turn = between + full[len(closed):]
-    return previous.token_ids + list(tokenizer(turn, add_special_tokens=False).input_ids)
+    return list(tokenizer(turn, add_special_tokens=False).input_ids)
 
 
 def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: bool) -> str:
@@ -207,7 +221,7 @@ class ResponseBuilder:
 
     plan: ResponsePlan
     model: str
-    decode: Callable[[int], str]  # one token id -> its text (for logprobs)
+    token_texts: TokenTexts  # for logprobs
     created_at: int = field(default_factory=lambda: int(time.time()))
     seq: int = 0
     text: list[str] = field(default_factory=list)
@@ -285,10 +299,8 @@ class ResponseBuilder:
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> list[dict[str, Any]]:
         if logprobs is None:
             return []
-        out = []
-        for token_id, top in zip(token_ids, logprobs):
-            out.append({"token": self.decode(token_id), "logprob": top.get(token_id, float("-inf")),
-                        "top_logprobs": [{"token": self.decode(t), "logprob": lp} for t, lp in top.items()]})
+        top = self.plan.prepared.params.logprobs or 0
+        out = chat_entries(self.token_texts, token_ids, logprobs, top)
         self.logprobs.extend(out)
         return out
 
@@ -332,8 +344,7 @@ def api_key(headers: Any) -> str:
 
 
 def builder_for(s: Services, plan: ResponsePlan) -> ResponseBuilder:
-    tokenizer = s.engine.tokenizer
-    return ResponseBuilder(plan, s.model_name, lambda t: tokenizer.decode([t]))
+    return ResponseBuilder(plan, s.model_name, s.token_texts)
 
 
 async def create_response(request: Request) -> Response:
@@ -342,7 +353,7 @@ async def create_response(request: Request) -> Response:
     key = api_key(request.headers)
     if "stream_id" in body:
         raise ServiceError("invalid_request", "stream_id is for WebSocket mode only", "stream_id")
-    plan = plan_response(s, body, lambda rid: s.responses.get(key, rid))
+    plan = await plan_response(s, body, lambda rid: s.responses.get(key, rid))
     account, stream = await s.generation.submit(plan.prepared, "responses")
     assert stream is not None
     run = ResponseRun(builder_for(s, plan), stream, account)

@@ -14,7 +14,6 @@ the socket with 1012 once its responses finish, which the SDK's reconnect logic 
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections import OrderedDict
 from typing import Any
@@ -23,7 +22,7 @@ import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from streamd.logs import get_logger
-from streamd.server.encoding import dumps
+from streamd.server.encoding import dumps, loads
 from streamd.server.errors import ServiceError
 from streamd.server.responses_api import ResponsePlan, ResponseRun, api_key, builder_for, keep, plan_response
 from streamd.server.responses_store import StoredResponse
@@ -131,16 +130,18 @@ class ResponsesConnection:
                                "response.cancel)", "type")
         stream_id = event.get("stream_id")
         try:
-            plan = self._plan(event, stream_id)
+            self._check_room(stream_id)
         except ServiceError as exc:
             self.emit_error(exc, stream_id if isinstance(stream_id, str) else None)
             return
-        task = asyncio.create_task(self._respond(plan, self.lanes.get(stream_id)))
+        body = {k: v for k, v in event.items() if k not in ("type", "stream_id", "stream", "event_id")}
+        task = asyncio.create_task(self._respond(body, stream_id, self.lanes.get(stream_id)))
         self.lanes[stream_id] = task
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
 
-    def _plan(self, event: dict[str, Any], stream_id: Any) -> ResponsePlan:
+    def _check_room(self, stream_id: Any) -> None:
+        """Raises ServiceError if this connection cannot take another response now."""
         if stream_id is not None and not isinstance(stream_id, str):
             raise ServiceError("invalid_request", "stream_id must be a string", "stream_id")
         limit = self.services.config.max_requests_per_connection
@@ -148,8 +149,19 @@ class ResponsesConnection:
             raise ServiceError("too_many_requests", f"too many responses in flight on this connection (limit {limit})")
         if self.services.lifecycle.draining:
             raise ServiceError("shutting_down", "the server is shutting down")
-        body = {k: v for k, v in event.items() if k not in ("type", "stream_id", "stream", "event_id")}
-        return plan_response(self.services, body, self._find, stream_id=stream_id)
+
+    async def _plan(self, body: dict[str, Any], stream_id: str | None,
+                    after: asyncio.Task[None] | None) -> ResponsePlan:
+        """Checks and tokenizes the event, then waits for the lane's previous response (FIFO within a
+        lane); a socket that goes away meanwhile still counts the request, as cancelled."""
+        try:
+            plan = await plan_response(self.services, body, self._find, stream_id=stream_id)
+            if after is not None:
+                await asyncio.gather(after, return_exceptions=True)
+            return plan
+        except asyncio.CancelledError:
+            self.services.generation.count_cancelled("responses")
+            raise
 
     def _find(self, response_id: str) -> StoredResponse | None:
         return self.recent.get(response_id) or self.services.responses.get(self.key, response_id)
@@ -165,13 +177,16 @@ class ResponsesConnection:
         run.stream.cancel()
 
     # ---- one response ------------------------------------------------------------------------------
-    async def _respond(self, plan: ResponsePlan, after: asyncio.Task[None] | None) -> None:
-        if after is not None:  # FIFO within a lane
-            await asyncio.gather(after, return_exceptions=True)
+    async def _respond(self, body: dict[str, Any], stream_id: str | None, after: asyncio.Task[None] | None) -> None:
         try:
+            plan = await self._plan(body, stream_id, after)
             account, stream = await self.services.generation.submit(plan.prepared, "responses")
         except ServiceError as exc:
-            self.emit_error(exc, plan.stream_id)
+            self.emit_error(exc, stream_id)
+            return
+        except Exception:  # a bug must not leave the event without an answer
+            logger.exception("responses_ws_admission_failed", stream_id=stream_id)
+            self.emit_error(ServiceError("internal_error", "the response could not be started"), stream_id)
             return
         assert stream is not None
         run = self.running[plan.id] = ResponseRun(builder_for(self.services, plan), stream, account)
@@ -196,10 +211,7 @@ class ResponsesConnection:
 def _parse(text: str | None) -> dict[str, Any]:
     if text is None:
         raise ServiceError("invalid_request", "events must be text (JSON)")
-    try:
-        event = json.loads(text)
-    except json.JSONDecodeError:
-        raise ServiceError("invalid_json", "the event is not valid JSON") from None
+    event = loads(text, "the event")  # refuses unencodable text and deep nesting, naming which
     if not isinstance(event, dict):
         raise ServiceError("invalid_request", "an event must be a JSON object")
     return event

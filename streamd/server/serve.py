@@ -20,6 +20,7 @@ from streamd.engine.async_engine import AsyncEngine
 from streamd.logs import get_logger
 from streamd.server.app import create_app
 from streamd.server.lifecycle import Lifecycle
+from streamd.server.ws_handshake import GuardedWebSocketProtocol
 
 logger = get_logger(__name__)
 
@@ -64,7 +65,7 @@ def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
         app, host=config.server.host, port=config.server.port, loop="none", lifespan="on",
         # httptools (C) parses requests and frames each SSE chunk with one transport write; h11 (pure
         # Python) cost several times more event-loop time per streamed chunk.
-        http="httptools", ws="websockets-sansio", ws_max_size=config.server.max_frame_bytes,
+        http="httptools", ws=GuardedWebSocketProtocol, ws_max_size=config.server.max_frame_bytes,
         ws_per_message_deflate=False,  # token frames are tiny; deflate costs more CPU than it saves
         log_config=None, access_log=False, timeout_graceful_shutdown=5,
     )
@@ -73,8 +74,13 @@ def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
 async def serve(config: Config) -> int:
     from streamd.engine.llm_engine import LLMEngine
 
-    logger.info("loading_model", model=config.model.name or "default")
-    engine = AsyncEngine(LLMEngine.from_config(config))
+    logger.info("loading_model", model=config.model.name or "default", engine_process=config.server.engine_process)
+    if config.server.engine_process:
+        from streamd.engine.engine_process import ProcessEngine
+
+        engine: AsyncEngine = ProcessEngine(LLMEngine.from_config, config, outputs="network")
+    else:
+        engine = AsyncEngine(LLMEngine.from_config(config))
     app = create_app(config, engine)
     server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
     try:

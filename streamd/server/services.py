@@ -13,6 +13,7 @@ from streamd.engine.async_engine import AsyncEngine
 from streamd.server.auth import Authenticator
 from streamd.server.generation import Generation
 from streamd.server.lifecycle import Lifecycle
+from streamd.server.logprobs import TokenTexts
 from streamd.server.metrics import Metrics
 from streamd.server.responses_store import ResponseStore
 
@@ -28,3 +29,4 @@ class Services:
     lifecycle: Lifecycle
     generation: Generation
     responses: ResponseStore  # finished Responses, for previous_response_id
+    token_texts: TokenTexts  # token id -> text and bytes, for logprobs

@@ -41,7 +41,7 @@ class ToolPlan:
     parser: str | None  # the format the reply's tool calls are parsed in (None: the reply is text)
 
 
-def plan_tools(tools: Any, tool_choice: Any, model_format: str | None) -> ToolPlan | None:
+def plan_tools(tools: Any, tool_choice: Any, model_format: str | None = None) -> ToolPlan | None:
     """Validates `tools` / `tool_choice`; None when the request has no tools. `model_format`: the tool-call
     format of the model's chat template (`tool_parsers.tool_format`)."""
     if tools is None or tools == []:

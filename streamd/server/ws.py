@@ -7,7 +7,9 @@ engine step's deltas of all of them), builds their `start` / `delta` / `done` / 
 them, as one message in v2 or one message per frame in v1. While the client is slow the writer waits in
 `send` and new deltas merge into each request's pending delta, so neither the batch nor memory suffers.
 Policy failures (auth, origin, connection limit, drain) are refused before the handshake; oversize frames
-are closed with 1009 by uvicorn (`ws_max_size`).
+are closed with 1009 by uvicorn (`ws_max_size`). A connection that sends `subscribe_stats` also gets the
+live engine view (`stats` frames, stats_feed.py); only the newest unsent one is kept, so a slow reader
+never queues them up.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from streamd.server.accounting import RequestAccount
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared
 from streamd.server.services import Services
+from streamd.server.stats_feed import StatsFeed
 
 logger = get_logger(__name__)
 
@@ -49,7 +52,7 @@ def handshake_refusal(services: Services, websocket: WebSocket) -> ServiceError 
     headers = websocket.headers
     if services.lifecycle.draining:
         return ServiceError("shutting_down", "the server is shutting down")
-    if not services.auth.origin_ok(headers.get("origin")):
+    if not services.auth.origin_ok(headers.get("origin"), headers.get("host")):
         return ServiceError("forbidden_origin", "this Origin is not allowed")
     if not services.auth.websocket_ok(headers, websocket.scope.get("subprotocols", [])):
         return ServiceError("unauthorized", "a valid API key is required")
@@ -72,9 +75,9 @@ class WsRequest:
     __slots__ = ("client_id", "prepared", "connection", "account", "task", "pending", "seq", "start_sent",
                  "cancel_requested", "finished")
 
-    def __init__(self, client_id: str, prepared: Prepared, connection: Connection) -> None:
+    def __init__(self, client_id: str, connection: Connection) -> None:
         self.client_id = client_id
-        self.prepared = prepared
+        self.prepared: Prepared | None = None  # set once tokenized and checked
         self.connection = connection
         self.account: RequestAccount | None = None  # set once admitted
         self.task: asyncio.Task[None] | None = None
@@ -99,12 +102,12 @@ class WsRequest:
 
     def frames(self) -> list[protocol.Frame]:
         """What this request has to send now (nothing before it is admitted)."""
-        account = self.account
-        if account is None:
+        account, prepared = self.account, self.prepared
+        if account is None or prepared is None:
             return []
         frames = []
         if not self.start_sent:
-            frames.append(protocol.start_frame(self.client_id, len(self.prepared.prompt_token_ids)))
+            frames.append(protocol.start_frame(self.client_id, len(prepared.prompt_token_ids)))
             self.start_sent = True
         delta, self.pending = self.pending, None
         if delta is None:
@@ -135,6 +138,8 @@ class Connection:
         self.closed = False
         self._ready: dict[WsRequest, None] = {}  # requests with something to send, in order
         self._control: list[protocol.Frame] = []  # error frames not tied to a live request
+        self._stats: protocol.Frame | None = None  # the newest unsent stats frame
+        self.stats_feed = StatsFeed(services.engine, self.push_stats)
         self._wake = asyncio.Event()
 
     async def run(self) -> None:
@@ -147,6 +152,7 @@ class Connection:
                 await self._read()
         finally:
             self.closed = True
+            self.stats_feed.stop()
             writer.cancel()
             await self._let_go()
             await asyncio.gather(writer, return_exceptions=True)
@@ -198,6 +204,12 @@ class Connection:
             self._control.append(protocol.error_frame(client_id, error))
             self._wake.set()
 
+    def push_stats(self, frame: protocol.Frame) -> None:
+        """Replaces any stats frame not yet written (the view wants the newest, not every one)."""
+        if not self.closed:
+            self._stats = frame
+            self._wake.set()
+
     async def _write_loop(self) -> None:
         while True:
             await self._wake.wait()
@@ -206,6 +218,9 @@ class Connection:
             ready, self._ready = self._ready, {}
             for request in ready:
                 frames.extend(request.frames())
+            if self._stats is not None:
+                frames.append(self._stats)
+                self._stats = None
             try:
                 for message in protocol.encode(frames, self.batched):
                     await self.ws.send_text(message)
@@ -238,32 +253,44 @@ class Connection:
         except ServiceError as exc:
             self.send_error(exc.param, exc)
             return
+        if isinstance(frame, protocol.SubscribeStats):
+            self.stats_feed.subscribe(frame.interval_s)
+            return
+        if isinstance(frame, protocol.UnsubscribeStats):
+            self.stats_feed.stop()
+            self._stats = None  # nothing of the feed goes out after this frame
+            return
         if isinstance(frame, protocol.Cancel):
             self._cancel(frame.id)
             return
         try:
-            prepared = self._prepare(frame)
+            self._check_room(frame.id)
         except ServiceError as exc:
             self.send_error(frame.id, exc)
             return
-        request = self.live[frame.id] = WsRequest(frame.id, prepared, self)
-        request.task = asyncio.create_task(self._admit(request))
+        request = self.live[frame.id] = WsRequest(frame.id, self)
+        request.task = asyncio.create_task(self._admit(request, frame))
 
-    def _prepare(self, frame: protocol.Generate) -> Prepared:
-        """Checks and tokenizes a generate frame; raises ServiceError."""
-        if frame.id in self.live:
-            raise ServiceError("duplicate_id", f"id {frame.id!r} is already in flight")
+    def _check_room(self, client_id: str) -> None:
+        """Raises ServiceError if this connection cannot take another request now."""
+        if client_id in self.live:
+            raise ServiceError("duplicate_id", f"id {client_id!r} is already in flight")
         if len(self.live) >= self.services.config.max_requests_per_connection:
             raise ServiceError("too_many_requests", "too many requests in flight on this connection "
                                f"(limit {self.services.config.max_requests_per_connection})")
         if self.services.lifecycle.draining:
             raise ServiceError("shutting_down", "the server is shutting down")
+
+    async def _prepare(self, frame: protocol.Generate) -> Prepared:
+        """Tokenizes (off the loop when long) and checks a generate frame; raises ServiceError."""
         gen = self.services.generation
         if frame.messages is not None:
-            ids, prompt = gen.messages_ids(frame.messages), None
+            ids, prompt, param = await gen.messages_ids(frame.messages), None, "messages"
         else:
-            ids, prompt = gen.prompt_ids(frame.prompt), frame.prompt if isinstance(frame.prompt, str) else None
-        return gen.prepare(ids, frame.params, default_max_tokens=None, prompt=prompt)
+            ids = await gen.prompt_ids(frame.prompt)
+            prompt, param = (frame.prompt if isinstance(frame.prompt, str) else None), "prompt"
+        return gen.prepare(ids, frame.params, default_max_tokens=self.services.config.default_max_tokens,
+                           prompt=prompt, prompt_param=param)
 
     def _cancel(self, client_id: str) -> None:
         request = self.live.get(client_id)
@@ -272,12 +299,23 @@ class Connection:
             return
         request.cancel()
 
-    async def _admit(self, request: WsRequest) -> None:
+    async def _admit(self, request: WsRequest, frame: protocol.Generate) -> None:
+        gen = self.services.generation
         try:
-            account, _ = await self.services.generation.submit(request.prepared, "ws", sink=request)
+            try:
+                request.prepared = await self._prepare(frame)
+            except asyncio.CancelledError:
+                gen.count_cancelled("ws")  # the socket went away while it was tokenized
+                raise
+            account, _ = await gen.submit(request.prepared, "ws", sink=request)
         except ServiceError as exc:
             self.forget(request)
             self.send_error(request.client_id, exc)
+            return
+        except Exception:  # a bug must not leave the id without an answer (or its slot taken)
+            logger.exception("ws_admission_failed", id=request.client_id)
+            self.forget(request)
+            self.send_error(request.client_id, ServiceError("internal_error", "the request could not be started"))
             return
         request.account = account
         if request.cancel_requested:

@@ -1,6 +1,6 @@
-"""Server test fixtures: one AsyncEngine over the session's shared model, and real uvicorn servers on
-random 127.0.0.1 ports built around it. Every test ends by waiting (on engine deliveries, not sleeps)
-until the engine is idle; the root conftest's leak check then finds the KV pool whole."""
+"""Server test fixtures: real uvicorn servers on random 127.0.0.1 ports built around the session's one
+AsyncEngine (`async_engine`, in tests/conftest.py: tests/reliability shares it). Every test ends by
+waiting (on engine deliveries, not sleeps) until the engine is idle; the root conftest's leak check then finds the KV pool whole."""
 
 from __future__ import annotations
 
@@ -8,26 +8,9 @@ from typing import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from pytest_asyncio import is_async_test
 
 from streamd.engine.async_engine import AsyncEngine
 from tests.server.util import Server, running_server
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Server tests share the session's event loop: the engine thread delivers to one loop."""
-    marker = pytest.mark.asyncio(loop_scope="session")
-    for item in items:
-        if is_async_test(item) and "tests/server/" in str(item.path).replace("\\", "/"):
-            item.add_marker(marker, append=False)
-
-
-@pytest_asyncio.fixture(scope="session", loop_scope="session")
-async def async_engine(smol_llm) -> AsyncIterator[AsyncEngine]:
-    engine = AsyncEngine(smol_llm.engine)
-    engine.start()
-    yield engine
-    await engine.shutdown()
 
 
 @pytest_asyncio.fixture(scope="session", loop_scope="session")

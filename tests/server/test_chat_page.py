@@ -1,121 +1,154 @@
-"""The chat page at `/` in headless Chromium (Debian's `chromium`), driven over the DevTools protocol:
-typed text is sent, streamed text appears token by token, the stop button cancels."""
+"""The chat page at `/` in headless Chromium (Debian's `chromium`, driven by playwright) against a real
+server and model: typed text is sent and streams in token by token, stop cancels, regenerate and new chat
+work, markdown and code render, model output that tries HTML or script stays inert (through the rendering
+function directly and through the page's real socket handler), the engine view follows a generation, the
+key field shows only when the server needs a key, and an unfinished answer is resumed (client side) after
+a dropped connection. Every page is served under a strict Content-Security-Policy (added here; the
+server's own headers come from the hardening work) and must end without a script error, a CSP violation
+or a failed load."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import json
 import shutil
-import tempfile
 from typing import Any, AsyncIterator
 
 import pytest
 import pytest_asyncio
-from websockets.asyncio.client import ClientConnection, connect
+from playwright.async_api import Browser, ConsoleMessage, Page, Route, async_playwright
 
-from tests.server.util import Server, gather_until_done, send, ws_connect
+from streamd.engine.async_engine import AsyncEngine
+from tests.server.util import Server, gather_until_done, running_server, send, ws_connect
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
-FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         "--remote-debugging-port=0", "--remote-allow-origins=*"]
+TIMEOUT = 120
+STRICT_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
+              "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
-class Page:
-    """A page target over a flat DevTools session on the browser's socket."""
-
-    def __init__(self, ws: ClientConnection, session: str) -> None:
-        self.ws, self.session, self._ids = ws, session, itertools.count(1000)
-
-    async def evaluate(self, expression: str, timeout: float = 120) -> Any:
-        result = await cdp(self.ws, "Runtime.evaluate", {"expression": expression, "awaitPromise": True,
-                                                         "returnByValue": True}, self.session, timeout)
-        if "exceptionDetails" in result:
-            raise AssertionError(f"page script failed: {result['exceptionDetails']}")
-        return result["result"].get("value")
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def browser() -> AsyncIterator[Browser]:
+    async with async_playwright() as pw:
+        # The page is fulfilled by the test (to add the CSP header), so Chromium cannot tell it came from
+        # 127.0.0.1 and its local-network check would refuse the socket to 127.0.0.1.
+        browser = await pw.chromium.launch(executable_path=CHROMIUM, args=[
+            "--no-sandbox", "--disable-gpu", "--disable-features=LocalNetworkAccessChecks"])
+        yield browser
+        await browser.close()
 
 
-_ids = itertools.count(1)
+async def open_page(browser: Browser, url: str, problems: list[str]) -> Page:
+    context = await browser.new_context(viewport={"width": 1280, "height": 800}, color_scheme="light")
+    page = await context.new_page()
+    page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
+    page.on("console", lambda message: _console(message, problems))
+    await page.route(url, _with_strict_csp)
+    await page.goto(url)
+    return page
 
 
-async def cdp(ws: ClientConnection, method: str, params: dict[str, Any] | None = None,
-              session: str | None = None, timeout: float = 60) -> dict[str, Any]:
-    message_id = next(_ids)
-    message: dict[str, Any] = {"id": message_id, "method": method, "params": params or {}}
-    if session:
-        message["sessionId"] = session
-    await ws.send(json.dumps(message))
-    async with asyncio.timeout(timeout):
-        while True:
-            reply = json.loads(await ws.recv())
-            if reply.get("id") == message_id:
-                if "error" in reply:
-                    raise AssertionError(f"{method}: {reply['error']}")
-                return reply["result"]
+async def _with_strict_csp(route: Route) -> None:
+    response = await route.fetch()
+    await route.fulfill(response=response, headers={**response.headers, "content-security-policy": STRICT_CSP})
+
+
+def _console(message: ConsoleMessage, problems: list[str]) -> None:
+    if message.type == "error":
+        problems.append(f"console: {message.text}")
 
 
 @pytest_asyncio.fixture(loop_scope="session")
-async def page(server: Server) -> AsyncIterator[Page]:
-    with tempfile.TemporaryDirectory(prefix="streamd-chromium-") as profile:
-        proc = await asyncio.create_subprocess_exec(CHROMIUM, *FLAGS, f"--user-data-dir={profile}", "about:blank",
-                                                    stdout=asyncio.subprocess.DEVNULL,
-                                                    stderr=asyncio.subprocess.PIPE)
-        try:
-            url = await asyncio.wait_for(_devtools_url(proc.stderr), 60)
-            async with connect(url, max_size=None) as ws:
-                target = await cdp(ws, "Target.createTarget", {"url": "about:blank"})
-                attached = await cdp(ws, "Target.attachToTarget", {"targetId": target["targetId"], "flatten": True})
-                session = attached["sessionId"]
-                await cdp(ws, "Page.enable", session=session)
-                await cdp(ws, "Page.navigate", {"url": server.http + "/"}, session)
-                page = Page(ws, session)
-                await page.evaluate("new Promise(r => document.readyState === 'complete' ? r() : "
-                                    "addEventListener('load', () => r()))")
-                await page.evaluate("window.streamdChat.connected")
-                yield page
-        finally:
-            proc.kill()
-            await proc.wait()
+async def page(browser: Browser, server: Server) -> AsyncIterator[Page]:
+    problems: list[str] = []
+    page = await open_page(browser, server.http + "/", problems)
+    await evaluate(page, "window.streamdChat.connected")
+    yield page
+    await page.context.close()
+    assert problems == []
 
 
-async def _devtools_url(stderr: asyncio.StreamReader) -> str:
-    while line := (await stderr.readline()).decode(errors="replace"):
-        if "DevTools listening on " in line:
-            return line.split("DevTools listening on ", 1)[1].strip()
-    raise AssertionError("chromium exited without opening DevTools")
+async def evaluate(page: Page, script: str, arg: Any = None) -> Any:
+    async with asyncio.timeout(TIMEOUT):
+        return await page.evaluate(script, arg)
 
 
-ASK = """(async () => {
+# Arms window.nextDone: the detail of the next `streamd:done` event.
+ARM_DONE = """() => {
+  window.nextDone = new Promise((r) => document.addEventListener('streamd:done', (e) => r(e.detail), {once: true}));
+}"""
+
+# Sends `prompt` with the page's own controls, recording the texts the answer shows while streaming.
+ASK = """({prompt, maxTokens}) => {
   const $ = (id) => document.getElementById(id);
-  const texts = [];
-  const observer = new MutationObserver(() => {
-    const el = document.querySelector('#messages .assistant:last-child');
-    if (el && el.firstChild) texts.push(el.firstChild.textContent);
+  window.shownTexts = [];
+  window.textObserver = new MutationObserver(() => {
+    const body = document.querySelector('#messages .assistant:last-child .body');
+    if (body) window.shownTexts.push(body.textContent);
   });
-  observer.observe($('messages'), {subtree: true, childList: true, characterData: true});
-  const done = new Promise(r => document.addEventListener('streamd:done', e => r(e.detail), {once: true}));
-  $('max-tokens').value = '%(max_tokens)d';
+  window.textObserver.observe($('messages'), {subtree: true, childList: true, characterData: true});
+  $('max-tokens').value = String(maxTokens);
   $('temperature').value = '0';
-  $('prompt').value = %(prompt)s;
+  $('prompt').value = prompt;
   $('send').click();
-  %(then)s
-  const detail = await done;
-  observer.disconnect();
-  const el = document.querySelector('#messages .assistant:last-child');
-  return {detail, texts, shown: el.firstChild ? el.firstChild.textContent : '',
-          ttft: $('ttft').textContent, tps: $('tps').textContent};
-})()"""
+}"""
 
-STOP_AFTER_FIRST_DELTA = """await new Promise(r => {
-    const check = new MutationObserver(() => {
-      const el = document.querySelector('#messages .assistant:last-child');
-      if (el && Number(el.dataset.deltas) > 0) { check.disconnect(); r(); }
-    });
-    check.observe($('messages'), {subtree: true, attributes: true, attributeFilter: ['data-deltas']});
+# Resolves with the finished answer's event detail, the texts it showed, its HTML and the stats line.
+ANSWER = """async () => {
+  const $ = (id) => document.getElementById(id);
+  const detail = await window.nextDone;
+  window.textObserver.disconnect();
+  const body = document.querySelector('#messages .assistant:last-child .body');
+  return {detail, texts: window.shownTexts, html: body.innerHTML, ttft: $('ttft').textContent,
+          tps: $('tps').textContent};
+}"""
+
+STOP_AFTER_FIRST_DELTA = """() => new Promise((r) => {
+  const check = new MutationObserver(() => {
+    const el = document.querySelector('#messages .assistant:last-child');
+    if (el && Number(el.dataset.deltas) > 0) { check.disconnect(); document.getElementById('stop').click(); r(); }
   });
-  $('stop').click();"""
+  check.observe(document.getElementById('messages'), {subtree: true, attributes: true, attributeFilter: ['data-deltas']});
+})"""
+
+RENDER = """(markdown) => {
+  const div = document.createElement('div');
+  window.streamdRender.into(div, markdown);
+  return div.innerHTML;
+}"""
+
+# Records the frames the page sends; generate frames are swallowed (the test answers them itself)
+# when `swallow` is set. Returns nothing; frames land in window.sentFrames, the socket in window.fakeWs.
+SPY_SEND = """(swallow) => {
+  window.sentFrames = [];
+  const original = WebSocket.prototype.send;
+  WebSocket.prototype.send = function (data) {
+    const frame = JSON.parse(data);
+    window.sentFrames.push(frame);
+    window.fakeWs = this;
+    if (swallow && frame.type === 'generate') return;
+    return original.call(this, data);
+  };
+}"""
+
+# Sends `prompt` (its generate frame swallowed) and feeds `frames` through the real socket's handler.
+FEED = """async ({prompt, frames}) => {
+  const $ = (id) => document.getElementById(id);
+  $('prompt').value = prompt;
+  $('send').click();
+  const id = window.sentFrames.filter((f) => f.type === 'generate').at(-1).id;
+  for (const frame of frames) {
+    window.fakeWs.dispatchEvent(new MessageEvent('message', {data: JSON.stringify({...frame, id})}));
+  }
+  return id;
+}"""
+
+async def ask(page: Page, prompt: str, max_tokens: int, then: str | None = None) -> dict[str, Any]:
+    await evaluate(page, ARM_DONE)
+    await evaluate(page, ASK, {"prompt": prompt, "maxTokens": max_tokens})
+    if then is not None:
+        await evaluate(page, then)
+    return await evaluate(page, ANSWER)
 
 
 async def test_page_streams_tokens_as_they_arrive(server: Server, page: Page) -> None:
@@ -124,16 +157,203 @@ async def test_page_streams_tokens_as_they_arrive(server: Server, page: Page) ->
         await send(ws, type="generate", id="ref", messages=[{"role": "user", "content": prompt}],
                    params={"max_tokens": 12, "temperature": 0})
         reference = (await gather_until_done(ws, {"ref"}))["ref"]
-    got = await page.evaluate(ASK % {"max_tokens": 12, "prompt": json.dumps(prompt), "then": ""})
+    await evaluate(page, """() => {
+      const original = window.streamdRender.into;
+      window.renderCalls = 0;
+      window.streamdRender.into = (el, markdown) => { window.renderCalls += 1; return original(el, markdown); };
+    }""")
+    got = await ask(page, prompt, 12)
     detail = got["detail"]
-    assert detail["reason"] == reference.done["finish_reason"]
-    assert detail["text"] == reference.text and got["shown"] == reference.text
+    assert detail["reason"] == reference.done["finish_reason"] and detail["text"] == reference.text
     assert detail["deltas"] >= 2 and len(set(got["texts"])) >= 2  # the text grew while streaming
+    assert 2 <= await evaluate(page, "window.renderCalls") <= detail["deltas"]  # (at most once per frame)
+    assert got["html"] == await evaluate(page, RENDER, reference.text)
     assert got["ttft"].endswith(" ms") and float(got["tps"]) > 0
+    assert await page.text_content("#model") == server.services.model_name
+    assert await page.text_content("#status-text") == "ready"
 
 
-async def test_stop_button_cancels(server: Server, page: Page) -> None:
-    got = await page.evaluate(ASK % {"max_tokens": 2000, "prompt": json.dumps("Write a very long story."),
-                                     "then": STOP_AFTER_FIRST_DELTA})
+async def test_stop_button_cancels(page: Page) -> None:
+    got = await ask(page, "Write a very long story.", 2000, STOP_AFTER_FIRST_DELTA)
     assert got["detail"]["reason"] == "cancelled"
     assert 1 <= got["detail"]["tokens"] < 2000
+    assert await page.is_enabled("#send") and await page.is_disabled("#stop")
+
+
+async def test_markdown_and_code_render(page: Page) -> None:
+    markdown = ("# Title\n\nSome **bold**, *em* and `inline()`.\n\n```python\ndef f(x):\n    return x < 1\n```\n\n"
+                "| a | b |\n|---|---|\n| 1 | 2 |\n\n- one\n- two\n\n[docs](https://example.com/d)\n\n"
+                "Raw <b>html</b> stays text; ![a picture](https://example.com/p.png) becomes a link.")
+    html = await evaluate(page, RENDER, markdown)
+    shape = await evaluate(page, """(html) => {
+      const div = document.createElement('div');
+      div.innerHTML = html;  // (the test's own parse of the sanitized result)
+      const code = div.querySelector('pre > code.language-python');
+      const link = div.querySelector('a');
+      const last = div.querySelector('p:last-of-type');
+      return {h1: div.querySelector('h1')?.textContent, bold: div.querySelector('strong')?.textContent,
+              inline: div.querySelector('p code')?.textContent, code: code?.textContent,
+              copy: div.querySelector('pre > button.copy-code')?.textContent, cells: div.querySelectorAll('td').length,
+              items: div.querySelectorAll('ul > li').length, href: link?.href, target: link?.target, rel: link?.rel,
+              last: last.textContent, bTags: div.querySelectorAll('b').length,
+              links: [...div.querySelectorAll('a')].map((a) => a.href), images: div.querySelectorAll('img').length};
+    }""", html)
+    assert shape == {"h1": "Title", "bold": "bold", "inline": "inline()", "code": "def f(x):\n    return x < 1\n",
+                     "copy": "Copy", "cells": 2, "items": 2, "href": "https://example.com/d", "target": "_blank",
+                     "rel": "noopener noreferrer", "bTags": 0, "images": 0,
+                     "last": "Raw <b>html</b> stays text; a picture becomes a link.",
+                     "links": ["https://example.com/d", "https://example.com/p.png"]}
+
+
+ATTACKS = ('<img src=x onerror="window.pwned=1"> <script>window.pwned=2</script>\n\n'
+           '[click](javascript:window.pwned=3) ![img](x" onerror="window.pwned=4)\n\n'
+           '<svg onload="window.pwned=5"></svg><iframe srcdoc="<script>parent.pwned=6</script>"></iframe>\n\n'
+           '<a href="javascript:window.pwned=7">a</a> <details open ontoggle="window.pwned=8">d</details>')
+
+INERT = """async (selector) => {
+  await new Promise((r) => setTimeout(r, 50));  // let any handler that got through run
+  const root = document.querySelector(selector);
+  const bad = root.querySelectorAll('img, script, svg, iframe, details, object, embed, style');
+  const handlers = [...root.querySelectorAll('*')].filter((el) => [...el.attributes].some((a) => a.name.startsWith('on')));
+  const scripted = [...root.querySelectorAll('[href], [src], [srcdoc], [action], [formaction]')]
+    .filter((el) => !el.hasAttribute('href') || /^\\s*(javascript|data|vbscript):/i.test(el.getAttribute('href')));
+  return {pwned: window.pwned ?? null, bad: bad.length, handlers: handlers.length, scripted: scripted.length,
+          text: root.textContent};
+}"""
+
+
+async def test_html_in_model_output_is_inert(page: Page) -> None:
+    # The rendering function itself, on hostile markdown, attached to the live document.
+    await evaluate(page, """(markdown) => {
+      const div = document.createElement('div');
+      div.id = 'probe';
+      document.body.appendChild(div);
+      window.streamdRender.into(div, markdown);
+    }""", ATTACKS)
+    direct = await evaluate(page, INERT, "#probe")
+    assert (direct["pwned"], direct["bad"], direct["handlers"], direct["scripted"]) == (None, 0, 0, 0), direct
+    assert '<img src=x onerror="window.pwned=1">' in direct["text"]  # shown as text, not interpreted
+    # The same text arriving as frames on the page's real socket handler, split mid-tag.
+    await evaluate(page, SPY_SEND, True)
+    cut = ATTACKS.index("onerror")
+    frames = [{"type": "start", "prompt_tokens": 3},
+              {"type": "delta", "seq": 0, "text": ATTACKS[:cut], "token_ids": [1], "index": 0},
+              {"type": "delta", "seq": 1, "text": ATTACKS[cut:], "token_ids": [2], "index": 0},
+              {"type": "done", "finish_reason": "stop", "finish_reasons": ["stop"], "usage": {}}]
+    await evaluate(page, ARM_DONE)
+    await evaluate(page, FEED, {"prompt": "hi", "frames": frames})
+    assert (await evaluate(page, "window.nextDone"))["text"] == ATTACKS
+    streamed = await evaluate(page, INERT, "#messages .assistant:last-child .body")
+    assert (streamed["pwned"], streamed["bad"], streamed["handlers"], streamed["scripted"]) == (None, 0, 0, 0)
+    assert streamed["text"].startswith(direct["text"])
+
+
+async def test_engine_view_follows_a_generation(page: Page) -> None:
+    seen = await evaluate(page, """async () => {
+      const $ = (id) => document.getElementById(id);
+      const num = (id) => Number($(id).textContent);
+      const busy = () => num('req-running') >= 1 && num('kv-used') > 0 && num('engine-tps') > 0;
+      const done = new Promise((r) => document.addEventListener('streamd:done', (e) => r(e.detail), {once: true}));
+      const view = new Promise((r) => {
+        const observer = new MutationObserver(() => { if (busy()) { observer.disconnect(); r('busy'); } });
+        observer.observe($('engine'), {subtree: true, childList: true, characterData: true});
+      });
+      const frames = Number($('engine').dataset.frames);
+      $('max-tokens').value = '2000';
+      $('temperature').value = '0';
+      $('prompt').value = 'Write a very long story.';
+      $('send').click();
+      const first = await Promise.race([view, done.then(() => 'finished first')]);
+      const shown = {running: num('req-running'), used: num('kv-used'), tps: num('engine-tps')};
+      $('stop').click();
+      const detail = await done;
+      return {first, shown, reason: detail.reason, newFrames: Number($('engine').dataset.frames) - frames};
+    }""")
+    assert seen["first"] == "busy" and seen["reason"] == "cancelled", seen
+    assert seen["newFrames"] >= 1
+    async with asyncio.timeout(TIMEOUT):  # the next frames show the engine idle again
+        await page.wait_for_function("() => document.getElementById('req-running').textContent === '0' && "
+                                     "document.getElementById('kv-used').textContent === '0'")
+
+
+async def test_regenerate_new_chat_settings_and_copy(page: Page, server: Server) -> None:
+    await page.context.grant_permissions(["clipboard-read", "clipboard-write"], origin=server.http)
+    await evaluate(page, SPY_SEND, False)
+    await page.click("#settings summary")
+    await page.fill("#system-prompt", "Answer in one word.")
+    await page.fill("#seed", "7")
+    first = (await ask(page, "Name a colour.", 8))["detail"]
+    await evaluate(page, ARM_DONE)
+    await page.click(".msg.assistant .regenerate")
+    second = await evaluate(page, "window.nextDone")
+    generates = await evaluate(page, "window.sentFrames.filter((f) => f.type === 'generate')")
+    assert [g["messages"] for g in generates] == [[{"role": "system", "content": "Answer in one word."},
+                                                   {"role": "user", "content": "Name a colour."}]] * 2
+    assert generates[0]["params"] == {"max_tokens": 8, "temperature": 0, "seed": 7}
+    assert second["text"] == first["text"] and second["id"] != first["id"]  # greedy: the same answer again
+    assert await page.locator("#messages .msg").count() == 2  # the old answer was replaced
+    await page.click(".msg.assistant .meta .copy")
+    assert await evaluate(page, "navigator.clipboard.readText()") == second["text"]
+    await page.click("#new-chat")
+    assert await page.locator("#messages .msg").count() == 0
+    third = (await ask(page, "Say hi.", 4))["detail"]
+    assert await evaluate(page, "window.sentFrames.filter((f) => f.type === 'generate').at(-1).messages") == [
+        {"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Say hi."}]
+    assert third["error"] is None
+
+
+async def test_key_field_only_when_a_key_is_needed(browser: Browser, page: Page, async_engine: AsyncEngine) -> None:
+    assert await page.is_hidden("#key-box")
+    problems: list[str] = []
+    async with running_server(async_engine, api_keys=["k1"]) as locked:
+        keyed = await open_page(browser, locked.http + "/", problems)
+        async with asyncio.timeout(TIMEOUT):
+            await keyed.wait_for_function("() => document.getElementById('status-text').textContent === "
+                                          "'API key required'")
+        assert await keyed.is_visible("#key-box") and await keyed.text_content("#model") == "enter an API key"
+        await keyed.fill("#api-key", "k1")
+        await keyed.click("#key-box button")
+        await evaluate(keyed, "window.streamdChat.connected")
+        async with asyncio.timeout(TIMEOUT):
+            await keyed.wait_for_function("(name) => document.getElementById('model').textContent === name",
+                                          arg=locked.services.model_name)
+        got = await ask(keyed, "Hi", 3)
+        assert got["detail"]["error"] is None and got["detail"]["tokens"] >= 1
+        await keyed.context.close()
+    assert problems == []
+
+
+RESUME_FRAMES = [{"type": "start", "prompt_tokens": 3, "resume_token": "T1"},
+                 *({"type": "delta", "seq": k, "text": f"part{k} ", "token_ids": [k], "index": 0} for k in range(3))]
+
+
+async def test_a_dropped_connection_resumes_the_answer(page: Page) -> None:
+    """Client side of resume: after the socket drops the page shows it is reconnecting, reconnects and asks
+    for the deltas after the last one it has; this server cannot resume, so its error ends the answer."""
+    await evaluate(page, SPY_SEND, True)
+    await evaluate(page, ARM_DONE)
+    await evaluate(page, FEED, {"prompt": "hi", "frames": RESUME_FRAMES})
+    await evaluate(page, """() => {
+      window.statuses = [];
+      const status = document.getElementById('status-text');
+      new MutationObserver(() => window.statuses.push(status.textContent)).observe(status, {childList: true});
+      window.fakeWs.close();
+    }""")
+    detail = await evaluate(page, "window.nextDone")
+    assert (await evaluate(page, "window.statuses"))[0].startswith("reconnecting")
+    resumes = await evaluate(page, "window.sentFrames.filter((f) => f.type === 'resume')")
+    assert resumes == [{"type": "resume", "id": detail["id"], "resume_token": "T1", "after_seq": 2}]
+    assert detail["reason"] == "error" and detail["error"] and detail["text"] == "part0 part1 part2 "
+    await evaluate(page, "window.streamdChat.connected")
+    assert await page.is_enabled("#send")
+
+
+async def test_without_a_resume_token_a_drop_ends_the_answer(page: Page) -> None:
+    await evaluate(page, SPY_SEND, True)
+    await evaluate(page, ARM_DONE)
+    frames = [{**RESUME_FRAMES[0], "resume_token": None}, *RESUME_FRAMES[1:]]
+    await evaluate(page, FEED, {"prompt": "hi", "frames": frames})
+    await evaluate(page, "window.fakeWs.close()")
+    detail = await evaluate(page, "window.nextDone")
+    assert (detail["reason"], detail["error"], detail["text"]) == ("error", "connection lost", "part0 part1 part2 ")
+    assert await evaluate(page, "window.sentFrames.filter((f) => f.type === 'resume')") == []

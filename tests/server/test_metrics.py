@@ -13,7 +13,8 @@ HISTOGRAMS = ["streamd_time_to_first_token_seconds", "streamd_inter_token_latenc
 GAUGES = ["streamd_requests_running", "streamd_requests_waiting", "streamd_requests_swapped",
           "streamd_kv_blocks_used", "streamd_kv_blocks_free", "streamd_swap_blocks_used", "streamd_ws_connections"]
 COUNTERS = ["streamd_prefix_cache_queried_tokens", "streamd_prefix_cache_hit_tokens", "streamd_preemptions",
-            "streamd_swapped_blocks", "streamd_recomputed_tokens", "streamd_requests", "streamd_ws_closes"]
+            "streamd_swapped_blocks", "streamd_recomputed_tokens", "streamd_requests", "streamd_ws_closes",
+            "streamd_generation_tokens"]
 
 
 async def scrape(http: httpx.AsyncClient) -> dict[str, dict[tuple, float]]:
@@ -53,7 +54,37 @@ async def test_metrics_parse_and_move(async_engine) -> None:
     assert after["streamd_requests_total"][length] == before["streamd_requests_total"][length] + 2
     assert after["streamd_prefix_cache_queried_tokens_total"][()] > before["streamd_prefix_cache_queried_tokens_total"][()]
     assert after["streamd_ws_closes_total"][(("code", "1000"),)] >= 1
+    generated = "streamd_generation_tokens_total"
+    assert after[generated][()] == before[generated][()] + 10  # 5 tokens each, eos ignored
     total = async_engine.stats().kv.blocks_total
     assert after["streamd_kv_blocks_free"][()] == total and after["streamd_kv_blocks_used"][()] == 0
     assert set(after["streamd_preemptions_total"]) == {(("mode", "recompute"),), (("mode", "swap"),)}
     assert set(after["streamd_swapped_blocks_total"]) == {(("direction", "in"),), (("direction", "out"),)}
+
+
+def test_counted_histogram_matches_prometheus_histogram() -> None:
+    """Observing `count` equal values at once exports what prometheus-client's Histogram exports for the
+    same values observed one by one (bounds inclusive, +Inf, count and sum)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from streamd.server.metrics import CountedHistogram
+
+    bounds = (0.001, 0.01, 0.1, 1.0)
+    ours_registry, reference_registry = CollectorRegistry(), CollectorRegistry()
+    ours = CountedHistogram("h_seconds", "doc", bounds, ours_registry)
+    reference = Histogram("h_seconds", "doc", buckets=bounds, registry=reference_registry)
+    for value, count in [(0.0005, 1), (0.001, 2), (0.05, 3), (1.0, 1), (7.5, 2), (0.01, 4)]:
+        ours.observe(value, count)
+        for _ in range(count):
+            reference.observe(value)
+
+    def samples(registry: CollectorRegistry) -> dict[tuple, float]:
+        text = generate_latest(registry).decode()
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples
+                if not s.name.endswith("_created")}
+
+    ours_samples, reference_samples = samples(ours_registry), samples(reference_registry)
+    total = ("h_seconds_sum", ())
+    assert abs(ours_samples.pop(total) - reference_samples.pop(total)) < 1e-9  # summed in another order
+    assert ours_samples == reference_samples

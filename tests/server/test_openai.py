@@ -118,3 +118,18 @@ async def test_non_streaming_disconnect_aborts_too(server: Server, async_engine)
             await http.post("/v1/completions", json=body)
     await async_engine.wait_idle(timeout=60)
     assert cancelled._value.get() == before + 1
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+@pytest.mark.parametrize("include_usage", [False, True])
+def test_text_events_are_the_chunks_encoded_whole(kind: str, include_usage: bool) -> None:
+    """The pre-split SSE chunk gives, for any text, the bytes of the chunk built and encoded whole."""
+    from streamd.server.openai_routes import TextEvents, _Call, _chunk, _data, _piece
+
+    call = _Call(kind, "cmpl-x\"y", "model \u00e9", 1700000000, None, None, None)  # type: ignore[arg-type]
+    extra = {"usage": None} if include_usage else {}
+    events = TextEvents(call, extra)
+    for index in (0, 3):
+        for text in ["Hello", " world", "\"quoted\" \\ back", "line\nbreak\ttab", "\u00fc\u65e5\U0001f600", "\x00",
+                     TextEvents.HOLE, "{}", "\ud800"]:
+            assert events.event(index, text) == _data(_chunk(call, index, _piece(call, text), None, extra)).encode()

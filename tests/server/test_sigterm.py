@@ -119,7 +119,8 @@ async def test_sigterm_drains_and_exits_zero() -> None:
         done = {f["id"]: f["finish_reason"] for f in frames if f["type"] == "done"}
         assert done == {"short": "length", "long": "cancelled"}
         assert code == 1001
-        assert sse_items[-1] == "[DONE]" and sse_items[-2]["choices"][0]["finish_reason"] == "abort"
+        assert sse_items[-1] == "[DONE]" and sse_items[-2]["choices"][0]["finish_reason"] == "length"
+        assert sse_items[-2]["choices"][0]["streamd_drained"] is True
         assert await asyncio.wait_for(proc.wait(), 60) == 0, log.tail()
         assert any(e.get("event") == "drain_finished" for e in log.events)
     finally:

@@ -1,0 +1,287 @@
+"""Chaos against a running server (`streamd bench chaos`): storms, fuzzing and slow readers for a while.
+
+Scenarios, all at once for `--duration` seconds:
+- storm: clients open a WebSocket, start several streams, then cancel them, reset the TCP connection
+  (SO_LINGER 0), close cleanly or half-handshake and vanish;
+- fuzz: malformed frames (bad JSON, lone surrogates, deep nesting, bad ids, unknown types and fields,
+  out-of-range params, binary frames); every frame must be answered and the socket must stay open;
+- slow reader: a client that starts streams and never reads, for the whole run;
+- control: one stream after another on its own socket, whose inter-token latency (ITL) is reported.
+
+Afterwards it waits for the server to go idle and reads its KV gauges from `/metrics`: blocks still used
+then are leaks. Reports requests, tokens, errors by code, leaks and the control stream's p99 ITL, as a
+table and as JSON. Example: `streamd bench chaos --url http://127.0.0.1:8000 --duration 60`
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import socket
+import struct
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlsplit
+
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+IDLE_TIMEOUT_S = 60.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--url", default="http://127.0.0.1:8000", help="the server's base URL")
+    parser.add_argument("--duration", type=float, default=30.0, help="seconds of chaos")
+    parser.add_argument("--storm-clients", type=int, default=8, help="storm clients running at once")
+    parser.add_argument("--fuzzers", type=int, default=2)
+    parser.add_argument("--slow-readers", type=int, default=2)
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per storm and control stream")
+    parser.add_argument("--api-key")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON here ('-' for stdout)")
+
+
+@dataclass(slots=True)
+class Tally:
+    requests: int = 0  # generate frames sent
+    tokens: int = 0
+    errors: Counter[str] = field(default_factory=Counter)  # error frames by code (+ client-side failures)
+    unanswered: int = 0  # fuzz frames that got no answer
+    control_itl: list[float] = field(default_factory=list)
+    control_streams: int = 0
+
+
+@dataclass(slots=True)
+class Target:
+    http: str
+    ws: str
+    host: str
+    port: int
+    headers: dict[str, str]
+    max_tokens: int
+
+
+def target_of(args: argparse.Namespace) -> Target:
+    parts = urlsplit(args.url)
+    scheme = "wss" if parts.scheme == "https" else "ws"
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    return Target(args.url.rstrip("/"), f"{scheme}://{parts.netloc}/v1/stream", parts.hostname or "127.0.0.1",
+                  port, headers, args.max_tokens)
+
+
+def _connect(target: Target) -> Any:
+    return connect(target.ws, subprotocols=["streamd.v1"], additional_headers=target.headers, max_size=None,
+                   open_timeout=30)
+
+
+def _generate(request_id: str, prompt: str, max_tokens: int) -> str:
+    return json.dumps({"type": "generate", "id": request_id, "prompt": prompt,
+                       "params": {"max_tokens": max_tokens, "ignore_eos": True}})
+
+
+def _reset(ws: ClientConnection) -> None:
+    sock = ws.transport.get_extra_info("socket")
+    if sock is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    ws.transport.abort()
+
+
+async def _read_frame(ws: ClientConnection, tally: Tally) -> dict[str, Any]:
+    frame = json.loads(await ws.recv())
+    if frame["type"] == "delta":
+        tally.tokens += len(frame["token_ids"])
+    elif frame["type"] == "error":
+        tally.errors[frame["error"]["code"]] += 1
+    return frame
+
+
+# ---- scenarios ----------------------------------------------------------------------------------------
+async def storm(target: Target, tally: Tally, rng: random.Random, until: float) -> None:
+    n = 0
+    while time.monotonic() < until:
+        n += 1
+        try:
+            async with _connect(target) as ws:
+                ids = [f"s{n}-{i}" for i in range(rng.randint(1, 6))]
+                for request_id in ids:
+                    await ws.send(_generate(request_id, f"Story {rng.random()}", target.max_tokens))
+                    tally.requests += 1
+                for _ in range(rng.randint(0, 3 * len(ids))):
+                    await _read_frame(ws, tally)
+                action = rng.choice(["cancel", "reset", "close", "finish"])
+                if action == "reset":
+                    _reset(ws)
+                    continue
+                if action == "close":
+                    continue
+                if action == "cancel":
+                    for request_id in ids:
+                        await ws.send(json.dumps({"type": "cancel", "id": request_id}))
+                pending = set(ids)
+                while pending:
+                    frame = await _read_frame(ws, tally)
+                    if frame["type"] in ("done", "error") and frame.get("id") in pending:
+                        pending.discard(frame["id"])
+        except (ConnectionClosed, InvalidStatus, OSError) as exc:
+            tally.errors[f"client:{type(exc).__name__}"] += 1
+
+
+def fuzz_frame(rng: random.Random, index: int) -> tuple[str | bytes, bool]:
+    """A malformed or odd frame, and whether its answer carries its id (else an error with id null)."""
+    fid = f"f{index}"
+    kind = rng.randrange(9)
+    if kind == 0:
+        return "{not json", False
+    if kind == 1:
+        return json.dumps({"type": "generate", "id": fid, "prompt": "Hi \ud800"}), False
+    if kind == 2:
+        return "[" * 3000 + "]" * 3000, False
+    if kind == 3:
+        return json.dumps({"type": "generate", "id": rng.choice(["", 7, None, "x" * 300]), "prompt": "Hi"}), False
+    if kind == 4:
+        return json.dumps({"type": "launch", "id": fid}), True
+    if kind == 5:
+        return json.dumps({"type": "generate", "id": fid, "prompt": "Hi", "params": {"temperature": 1e300}}), True
+    if kind == 6:
+        return json.dumps({"type": "generate", "id": fid, "prompt": "Hi", "params": {"stop": ["s"] * 1000}}), True
+    if kind == 7:
+        return bytes(rng.randrange(256) for _ in range(16)), False
+    return json.dumps({"type": "cancel", "id": fid}), True
+
+
+async def fuzz(target: Target, tally: Tally, rng: random.Random, until: float) -> None:
+    index = 0
+    try:
+        async with _connect(target) as ws:
+            while time.monotonic() < until:
+                batch = [fuzz_frame(rng, index + i) for i in range(20)]
+                index += len(batch)
+                expected = {f"f{index - len(batch) + i}" for i, (_, has_id) in enumerate(batch) if has_id}
+                nulls = sum(1 for _, has_id in batch if not has_id)
+                for text, _ in batch:
+                    await ws.send(text)
+                    tally.requests += 1
+                try:
+                    async with asyncio.timeout(30):
+                        while expected or nulls:
+                            frame = await _read_frame(ws, tally)
+                            if frame["type"] in ("error", "done") and frame.get("id") in expected:
+                                expected.discard(frame["id"])
+                            elif frame["type"] == "error" and frame.get("id") is None:
+                                nulls -= 1
+                except TimeoutError:
+                    tally.unanswered += len(expected) + nulls
+    except (ConnectionClosed, InvalidStatus, OSError) as exc:
+        tally.errors[f"client:{type(exc).__name__}"] += 1
+
+
+async def slow_reader(target: Target, tally: Tally, until: float) -> None:
+    try:
+        async with _connect(target) as ws:
+            for i in range(4):
+                await ws.send(_generate(f"slow{i}", "Write a long story", 10 * target.max_tokens))
+                tally.requests += 1
+            ws.transport.pause_reading()  # never read: the server's writes back up
+            await asyncio.sleep(max(0.0, until - time.monotonic()))
+            _reset(ws)
+    except (ConnectionClosed, InvalidStatus, OSError) as exc:
+        tally.errors[f"client:{type(exc).__name__}"] += 1
+
+
+async def control(target: Target, tally: Tally, until: float) -> None:
+    try:
+        async with _connect(target) as ws:
+            while time.monotonic() < until:
+                request_id = f"ctl{tally.control_streams}"
+                await ws.send(_generate(request_id, "Count to one hundred:", target.max_tokens))
+                tally.requests += 1
+                last = None
+                while True:
+                    frame = await _read_frame(ws, tally)
+                    now = time.monotonic()
+                    if frame["type"] == "delta":
+                        if last is not None:
+                            tally.control_itl.append(now - last)
+                        last = now
+                    if frame["type"] in ("done", "error") and frame.get("id") == request_id:
+                        break
+                tally.control_streams += 1
+    except (ConnectionClosed, InvalidStatus, OSError) as exc:
+        tally.errors[f"client:{type(exc).__name__}"] += 1
+
+
+# ---- after the run ------------------------------------------------------------------------------------
+async def metrics(target: Target) -> dict[str, float]:
+    """The server's unlabelled gauges and counters (sums over labels) from /metrics."""
+    reader, writer = await asyncio.open_connection(target.host, target.port)
+    auth = "".join(f"{k}: {v}\r\n" for k, v in target.headers.items())
+    writer.write(f"GET /metrics HTTP/1.1\r\nHost: {target.host}\r\n{auth}Connection: close\r\n\r\n".encode())
+    body = (await reader.read()).decode(errors="replace").split("\r\n\r\n", 1)[-1]
+    writer.close()
+    values: dict[str, float] = {}
+    for line in body.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            key = name.split("{", 1)[0]
+            try:
+                values[key] = values.get(key, 0.0) + float(value)
+            except ValueError:
+                continue
+    return values
+
+
+async def leaks(target: Target) -> dict[str, float]:
+    """Once the server is idle (nothing running, waiting or swapped): its KV and swap blocks still used."""
+    deadline = time.monotonic() + IDLE_TIMEOUT_S
+    while True:
+        m = await metrics(target)
+        busy = sum(m.get(f"streamd_requests_{k}", 0.0) for k in ("running", "waiting", "swapped"))
+        if not busy or time.monotonic() > deadline:
+            return {"idle": float(not busy), "kv_blocks_used": m.get("streamd_kv_blocks_used", 0.0),
+                    "swap_blocks_used": m.get("streamd_swap_blocks_used", 0.0)}
+        await asyncio.sleep(0.5)  # polling a remote server's gauges: there is nothing to wait on
+
+
+async def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
+    target, tally, rng = target_of(args), Tally(), random.Random(args.seed)
+    start = time.monotonic()
+    until = start + args.duration
+    tasks = [control(target, tally, until)]
+    tasks += [storm(target, tally, random.Random(rng.random()), until) for _ in range(args.storm_clients)]
+    tasks += [fuzz(target, tally, random.Random(rng.random()), until) for _ in range(args.fuzzers)]
+    tasks += [slow_reader(target, tally, until) for _ in range(args.slow_readers)]
+    await asyncio.gather(*tasks)
+    elapsed = time.monotonic() - start
+    return report(tally, elapsed, await leaks(target))
+
+
+def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, Any]:
+    itl = sorted(tally.control_itl)
+    p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else None
+    return {"duration_s": round(elapsed, 2), "requests": tally.requests, "tokens": tally.tokens,
+            "errors_by_code": dict(sorted(tally.errors.items())), "unanswered_frames": tally.unanswered,
+            "control_streams": tally.control_streams,
+            "control_itl_p99_ms": round(p99 * 1000, 2) if p99 is not None else None,
+            "idle_after": bool(leaked["idle"]), "leaked_kv_blocks": int(leaked["kv_blocks_used"]),
+            "leaked_swap_blocks": int(leaked["swap_blocks_used"])}
+
+
+def main(args: argparse.Namespace) -> int:
+    result = asyncio.run(run_chaos(args))
+    width = max(len(k) for k in result)
+    for key, value in result.items():
+        print(f"{key:<{width}}  {value}")
+    if args.json == "-":
+        json.dump(result, sys.stdout, indent=2)
+        print()
+    elif args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=2)
+    ok = result["idle_after"] and not result["leaked_kv_blocks"] and not result["leaked_swap_blocks"]
+    return 0 if ok and not result["unanswered_frames"] else 1

@@ -1,0 +1,59 @@
+"""Reliability fixtures: a live server with small limits around the session's shared engine, and the
+checks that end every test: the engine idle with its KV pool whole, no connection left open, and the
+process's file descriptor count back where it started (client and server live in this process)."""
+
+from __future__ import annotations
+
+from typing import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from streamd.engine.async_engine import AsyncEngine
+from tests.reliability.util import LIMITS, fd_count, settle
+from tests.server.util import Server, running_server
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def rserver(async_engine: AsyncEngine) -> AsyncIterator[Server]:
+    async with running_server(async_engine, **LIMITS) as srv:
+        yield srv
+
+
+@pytest_asyncio.fixture(autouse=True, loop_scope="session")
+async def _whole_after_test(request: pytest.FixtureRequest) -> AsyncIterator[None]:
+    names = request.fixturenames
+    servers = [request.getfixturevalue(n) for n in ("rserver", "tiny_server") if n in names]
+    for srv in servers:
+        await settle(srv)
+    before = fd_count()
+    yield
+    for name in ("async_engine", "tiny_engine"):
+        if name in names:
+            stats = await request.getfixturevalue(name).wait_idle(timeout=120)
+            assert stats.kv.blocks_free == stats.kv.blocks_total, f"KV blocks leaked: {stats}"
+    for srv in servers:
+        await settle(srv)
+    if servers:
+        assert fd_count() <= before, "file descriptors leaked"
+
+
+@pytest_asyncio.fixture(scope="session", loop_scope="session")
+async def tiny_engine() -> AsyncIterator[AsyncEngine]:
+    """The default model with a KV pool of 16 blocks (256 tokens) and a small swap pool: a few streams
+    preempt each other (swap or recompute, whichever the engine estimates cheaper)."""
+    from streamd import LLM
+    from tests.helpers import register_engine
+
+    llm = LLM(device="cpu", dtype="float32", num_kv_blocks=16, num_swap_blocks=8, max_num_batched_tokens=64)
+    register_engine(llm.engine)
+    engine = AsyncEngine(llm.engine)
+    engine.start()
+    yield engine
+    await engine.shutdown()
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
+async def tiny_server(tiny_engine: AsyncEngine) -> AsyncIterator[Server]:
+    async with running_server(tiny_engine, **LIMITS) as srv:
+        yield srv

@@ -1,0 +1,22 @@
+"""`streamd bench chaos` against a live server for a few seconds: it reports every scenario's traffic,
+finds the server idle with no leaked block afterwards, and every fuzz frame answered."""
+
+from __future__ import annotations
+
+import argparse
+
+from streamd.bench import chaos
+from tests.server.util import Server
+
+
+async def test_chaos_bench_reports_a_clean_run(rserver: Server) -> None:
+    parser = argparse.ArgumentParser()
+    chaos.add_arguments(parser)
+    args = parser.parse_args(["--url", rserver.http, "--duration", "6", "--storm-clients", "3",
+                              "--max-tokens", "8", "--seed", "3"])
+    result = await chaos.run_chaos(args)
+    assert result["idle_after"] and result["leaked_kv_blocks"] == 0 and result["leaked_swap_blocks"] == 0
+    assert result["unanswered_frames"] == 0, result
+    assert result["requests"] > 0 and result["tokens"] > 0 and result["control_streams"] >= 1
+    assert result["control_itl_p99_ms"] is not None
+    assert "invalid_json" in result["errors_by_code"]

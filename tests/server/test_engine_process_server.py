@@ -1,0 +1,37 @@
+"""`server.engine_process`: the real server over an engine in its own process, detokenizing in the server
+process (`ProcessEngine(outputs="network")`): `/v1/stream` (v1 and v2 framing) and streamed
+`/v1/completions` give the offline engine's greedy tokens and text, and the pool is whole afterwards."""
+
+from __future__ import annotations
+
+import openai
+
+from streamd.engine.engine_process import ProcessEngine
+from streamd.engine.llm_engine import LLMEngine
+from streamd.engine.sampling_params import SamplingParams
+from tests.server.util import gather_until_done, running_server, send, ws_connect
+
+PROMPT = "The three primary colors are"
+
+
+async def test_engine_process_server_matches_the_offline_engine(smol_llm) -> None:
+    (expected,) = smol_llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+    want = expected.outputs[0]
+    engine = ProcessEngine(LLMEngine.from_config, smol_llm.config, outputs="network")
+    try:
+        async with running_server(engine) as srv:
+            for subprotocol in ("streamd.v1", "streamd.v2"):
+                async with ws_connect(srv, subprotocols=[subprotocol]) as ws:
+                    await send(ws, type="generate", id="a", prompt=PROMPT,
+                               params={"max_tokens": 10, "temperature": 0, "ignore_eos": True})
+                    got = (await gather_until_done(ws, {"a"}))["a"]
+                assert (got.token_ids, got.text, got.done["finish_reason"]) == (want.token_ids, want.text, "length")
+            client = openai.AsyncOpenAI(base_url=f"{srv.http}/v1", api_key="unused", max_retries=0, timeout=120)
+            stream = await client.completions.create(model=srv.services.model_name, prompt=PROMPT, max_tokens=10,
+                                                     temperature=0.0, stream=True, extra_body={"ignore_eos": True})
+            text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
+            assert text == want.text
+        assert engine.stats().pool_whole and engine.stats().num_requests == 0
+    finally:
+        await engine.shutdown()
+    assert not engine.process.is_alive()
