@@ -265,7 +265,7 @@ class LLMEngine:
         if prev is not None:
             self.scheduler.on_step_done(prev.out)
             self._fork(prev)
-            if self._num_serial:  # penalties need the token history on the host: no overlap
+            if self._num_serial:  # penalties and beam search need the tokens on the host: no overlap
                 deltas = self._process(updates + self._read_back(prev, pipelined=False))
                 updates, prev = [], None
             else:
