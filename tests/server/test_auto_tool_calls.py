@@ -6,6 +6,7 @@ regex (`structured_outputs`) makes each reply a call in its family's format, or 
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any, AsyncIterator
 
@@ -44,7 +45,7 @@ async def family_server(request: pytest.FixtureRequest) -> AsyncIterator[tuple[s
     family = request.param
     config_class, template = FAMILIES[family]
     loaded = load_model(config_class(**SMALL), torch.float32, torch.device("cpu"), seed=5)
-    loaded.tokenizer = smollm2_tokenizer()
+    loaded.tokenizer = copy.deepcopy(smollm2_tokenizer())  # (the session's shared one keeps its own template)
     loaded.tokenizer.chat_template = template
     config = load_config(None, {"model.device": "cpu", "model.dtype": "float32", "cache.block_size": 8,
                                 "cache.num_kv_blocks": 256, "cache.num_swap_blocks": 0})
