@@ -19,7 +19,10 @@ import time
 from streamd import LLM, SamplingParams
 from streamd.bench.report import git_commit, save_report
 
-SCHEMA = {"type": "object", "properties": {"text": {"type": "string"}}, "required": ["text"]}
+# The string must end in " THE END" (which a random-ish reply does not write): constrained replies run to
+# max_tokens like the unconstrained ones, so both shares are timed at the same batch size throughout.
+SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "pattern": "^.* THE END$"}},
+          "required": ["text"]}
 
 
 def timed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], repeats: int = 1,

@@ -48,7 +48,8 @@ def engine() -> LLMEngine:
 
 
 def constrained(temperature: float = 0.0, **kw) -> SamplingParams:
-    return SamplingParams(temperature=temperature, max_tokens=48, seed=kw.pop("seed", None),
+    # The longest FINITE document is 66 characters: even one token a character ends before max_tokens.
+    return SamplingParams(temperature=temperature, max_tokens=80, seed=kw.pop("seed", None),
                           structured_outputs=StructuredOutputs(json=FINITE), **kw)
 
 
@@ -64,6 +65,16 @@ def test_constrained_outputs_validate(engine: LLMEngine, temperature: float) -> 
     assert all(o.outputs[0].finish_reason == "stop" for o in outs)
 
 
+def test_every_parallel_sample_follows_its_own_grammar_state(engine: LLMEngine) -> None:
+    # n > 1: each sample forks its prompt's matcher and then advances on its own tokens only.
+    outs = run_to_completion(engine, PROMPTS[:4], constrained(1.0, n=4, seed=11))
+    texts = [c.text for o in outs for c in o.outputs]
+    assert len(texts) == 16 and len(set(texts)) > 4, texts  # distinct samples, each a valid document
+    check_valid(texts)
+    assert all(c.finish_reason == "stop" for o in outs for c in o.outputs)
+    assert engine.grammars is not None and len(engine.grammars) == 0  # every matcher went with its sequence
+
+
 def test_unconstrained_neighbour_is_unaffected(engine: LLMEngine) -> None:
     plain = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     solo = run_to_completion(engine, PROMPTS[:1], plain)[0].outputs[0].token_ids
@@ -74,13 +85,15 @@ def test_unconstrained_neighbour_is_unaffected(engine: LLMEngine) -> None:
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_constrained_requests_survive_preemption(mode: str) -> None:
-    # 12 blocks of 8 tokens cannot hold these 8 sequences at once: most of the batch gets preempted.
-    tight = tiny_engine(**{"cache.num_kv_blocks": 12, "cache.num_swap_blocks": 64 if mode == "swap" else 0,
+    # 16 blocks of 8 tokens cannot hold these 8 sequences at once (their prompts alone need 24): most of the
+    # batch gets preempted. (One sequence's worst case, 30 prompt + 80 tokens, fits: 14 blocks.)
+    tight = tiny_engine(**{"cache.num_kv_blocks": 16, "cache.num_swap_blocks": 64 if mode == "swap" else 0,
                            "scheduler.preemption_mode": mode, "cache.watermark": 0.0})
     outs = run_to_completion(tight, PROMPTS, constrained(1.0, seed=9))
     check_valid([o.outputs[0].text for o in outs])
     stats = tight.stats().scheduler
     assert (stats.preemptions_swap if mode == "swap" else stats.preemptions_recompute) > 0, stats
+    assert tight.grammars is not None and len(tight.grammars) == 0
 
 
 def test_choice_regex_and_grammar(engine: LLMEngine) -> None:
@@ -115,6 +128,11 @@ def test_bad_specs_are_refused_before_admission(engine: LLMEngine, spec: dict, m
     with pytest.raises(GrammarError, match=message):
         engine.add_request("bad", PROMPTS[0], SamplingParams(structured_outputs=spec))
     assert not engine.has_unfinished_requests() and engine.stats().kv == used
+
+
+def test_beam_search_with_a_grammar_is_refused() -> None:
+    with pytest.raises(ValueError, match="structured_outputs is not supported with use_beam_search"):
+        SamplingParams(use_beam_search=True, n=2, structured_outputs={"json_object": True})
 
 
 @pytest.mark.parametrize("spec, message", [

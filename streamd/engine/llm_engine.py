@@ -55,6 +55,18 @@ _GRAPH_SLACK_BYTES = 320 << 20  # decode-graph activations (measured < 40 MiB) a
 
 
 @dataclass(slots=True)
+class _Forward:
+    """A step whose forward is queued: its plan, the rows that sample (forked samples appended) and their
+    logits (on CUDA still being computed while the host prepares the grammar masks)."""
+
+    out: SchedulerOutput
+    sampling: list[ScheduledSeq]
+    logits: torch.Tensor
+    forks: list[tuple[ScheduledSeq, list[Sequence]]]
+    beams: PendingCandidates | None  # beam search requests' candidates (their rows are not in `sampling`)
+
+
+@dataclass(slots=True)
 class _InFlight:
     """A launched step: its plan, the rows that sample, and their tokens on the way to the host."""
 
@@ -106,8 +118,8 @@ class LLMEngine:
         self._groups: dict[str, SequenceGroup] = {}
         self._beams: dict[str, BeamSearch] = {}  # the live beam search requests' search states
         self._generated_tokens = 0  # cumulative tokens sampled and kept (EngineStats.generated_tokens)
-        # Live requests whose sampling needs their last token on the host (penalties, grammars): while
-        # any is live, each step reads the previous step's tokens back before it launches (no overlap).
+        # Live requests whose sampling needs their token history on the host (penalties, beam search):
+        # while any is live, each step reads the previous step's tokens back before it launches (no overlap).
         self._num_serial = 0
         self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: _InFlight | None = None  # the launched step whose tokens are not read back yet
@@ -161,8 +173,6 @@ class LLMEngine:
         if params.detokenize and self.tokenizer is None:
             raise RequestError("this model has no tokenizer: set detokenize=False and send token ids")
         self._check_lengths(ids, params)
-        if params.n > 1 and params.structured_outputs is not None:
-            raise RequestError("n > 1 together with structured_outputs is not supported yet")
         group = SequenceGroup(request_id, [Sequence(prompt_token_ids=ids)], params, prompt=text,
                               arrival_time=arrival_time if arrival_time is not None else time.monotonic())
         self._add_matchers(group)
@@ -243,6 +253,8 @@ class LLMEngine:
     def abort_all(self, error: str) -> list[RequestDelta]:
         """Fails every live request (after an exception inside a step); returns their final deltas."""
         self._inflight = None  # its results are void; its blocks go back with their requests
+        if self.grammars is not None:  # (also the matchers of samples not forked yet)
+            self.grammars.clear()
         updates, self._pending = self._pending, []
         for request_id, group in list(self._groups.items()):
             for seq in group.seqs:  # a token the host never received is not part of any output
@@ -281,7 +293,9 @@ class LLMEngine:
         """One iteration; returns the deltas of the requests that progressed or ended. The forward of this
         step is queued on the device before the previous step's sampled tokens are read back, so the host's
         bookkeeping of step n overlaps the device's step n+1 (its inputs take those tokens on the device).
-        Outputs therefore trail the device by one step."""
+        Outputs therefore trail the device by one step. A batch with grammar-constrained rows keeps the
+        overlap: its forward is queued first, then the previous step's tokens are read back and advance
+        the matchers, and the masks are filled while the device runs the forward."""
         head = self.deadlines.head
         if head is not None and head.at <= time.monotonic():
             self._expire()
@@ -291,7 +305,7 @@ class LLMEngine:
         if prev is not None:
             self.scheduler.on_step_done(prev.out)
             self._fork(prev)
-            if self._num_serial:  # penalties and grammars need the last token on the host: no overlap
+            if self._num_serial:  # penalties and beam search need the tokens on the host: no overlap
                 deltas = self._process(updates + self._read_back(prev, pipelined=False))
                 updates, prev = [], None
             else:
@@ -305,7 +319,13 @@ class LLMEngine:
         self.executor.swap_in(out.blocks_to_swap_in)
         self.executor.copy(out.blocks_to_copy)
         if out.scheduled:
-            self._inflight = self._launch(out, prev)
+            forward = self._forward(out, prev)
+            if prev is not None and self.grammars is not None and self.grammars.constrains(
+                    [item.seq for item in forward.sampling]):
+                # The masks of this step follow the previous step's tokens: take them first.
+                updates += self._read_back(prev, pipelined=True)
+                prev = None
+            self._inflight = self._sample(forward)
         if prev is not None:
             updates += self._read_back(prev, pipelined=True)
         return deltas + self._process(updates)
@@ -319,7 +339,9 @@ class LLMEngine:
                     seq, item.group.sampling_params, pending=1):
                 seq.append_token(PLACEHOLDER)
 
-    def _launch(self, out: SchedulerOutput, prev: _InFlight | None) -> _InFlight:
+    def _forward(self, out: SchedulerOutput, prev: _InFlight | None) -> _Forward:
+        """Queues the step's forward (its inputs take `prev`'s tokens on the device); makes the samples
+        of prompts that complete in it, each with its prompt's logits row and grammar state."""
         now = time.monotonic()
         for item in out.scheduled:
             group = item.group
@@ -336,12 +358,21 @@ class LLMEngine:
         forks = [(item, _children(item.group)) for item in sampling if item.group.needs_fork]
         if forks:  # each sample draws from its prompt's logits row
             logits, sampling = self._with_samples(logits, sampling, forks)
+            if self.grammars is not None:
+                for item, children in forks:
+                    for child in children:
+                        self.grammars.fork(item.seq, child)
+        return _Forward(out, sampling, logits, forks, beams)
+
+    def _sample(self, step: _Forward) -> _InFlight:
+        """Fills the grammar masks (their matchers are up to date) and queues the sampling."""
+        sampling, logits = step.sampling, step.logits
         seqs = [item.seq for item in sampling]
         bitmask = self.grammars.bitmask(seqs, logits.device) if self.grammars is not None else None
         pending = self.sampler.sample_async(logits, seqs, [item.group.sampling_params for item in sampling],
-                                            bitmask)
-        return _InFlight(out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)}, forks,
-                         beams)
+                                            bitmask, owns_logits=True)
+        return _InFlight(step.out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)},
+                         step.forks, step.beams)
 
     def _select_beam_candidates(self, logits: torch.Tensor, sampling: list[ScheduledSeq],
                                 ) -> tuple[torch.Tensor, list[ScheduledSeq], PendingCandidates | None]:
@@ -393,6 +424,8 @@ class LLMEngine:
                     self.scheduler.fork_seq(group, parent, child)
                 else:
                     child.status = SequenceStatus.FINISHED_ABORTED
+                    if self.grammars is not None:
+                        self.grammars.remove(child)
 
     def _read_back(self, step: _InFlight, pipelined: bool) -> list[RequestUpdate]:
         """Reads a launched step's tokens back and does the engine's bookkeeping: append (or fill the

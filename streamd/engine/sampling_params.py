@@ -187,10 +187,11 @@ class SamplingParams:
 
     @property
     def needs_host_tokens(self) -> bool:
-        """Whether sampling this request's next token needs its previous token on the host (penalties
-        read the history; a grammar's mask follows every token; beams are chosen on the host before the
-        next step), which rules out the engine's overlap."""
-        return self.uses_penalties or self.structured_outputs is not None or self.use_beam_search
+        """Whether sampling this request's next token needs its token history on the host (penalties read
+        it; beams are chosen on the host before the next step), which rules out the engine's overlap. A
+        grammar's mask also follows every token, but the engine reads the previous tokens back while the
+        forward runs (see `LLMEngine.step`)."""
+        return self.uses_penalties or self.use_beam_search
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> SamplingParams:

@@ -10,8 +10,10 @@ that would change the answer (functions, echo, suffix, logit_bias) are refused. 
 chunk or whole. A finish reason is OpenAI's name for the engine's (`accounting.FINISH_NAMES`); a request the
 server cut (the drain) finishes "length" with an extra flag on the choice (`streamd_drained: true`).
 `response_format` and `structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice`
-"required" or a named function make the reply a grammar-enforced tool call (`structured_api.py`), returned
-as `tool_calls`.
+"required" or a named function make the reply a grammar-enforced tool call (`structured_api.py`), and with
+"auto" the model's own tool-call format is parsed where its chat template defines one (`tool_parsers.py`):
+either way the calls are returned as `tool_calls` (streamed as `delta.tool_calls`), finish reason
+"tool_calls".
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import orjson
@@ -38,7 +40,8 @@ from streamd.server.errors import ServiceError
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.logprobs import LogprobsBuilder
 from streamd.server.services import Services
-from streamd.server.structured_api import ToolCallStream, plan_tools
+from streamd.server.structured_api import plan_tools
+from streamd.server.tool_parsers import ToolCallParser, tool_format
 
 logger = get_logger(__name__)
 
@@ -56,8 +59,15 @@ class _Call:
     prepared: Prepared
     stream: RequestStream
     account: RequestAccount
-    tool_call: ToolCallStream | None = None  # set when the reply is a grammar-enforced tool call
+    tool_format: str | None = None  # the format the replies' tool calls are parsed in (None: text)
     logprobs: LogprobsBuilder | None = None  # set when the request asked for logprobs
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice, with a tool_format
+
+    def parser(self, index: int) -> ToolCallParser:
+        assert self.tool_format is not None
+        if index not in self.parsers:
+            self.parsers[index] = ToolCallParser(self.tool_format)
+        return self.parsers[index]
 
     def finish(self) -> None:
         """The request is over for this call (finished, or its client left): abort if needed, count it."""
@@ -97,7 +107,8 @@ async def chat_completions(request: Request) -> Response:
     params["logprobs"] = _chat_logprobs(body)
     if body.get("max_completion_tokens") is not None:
         params["max_tokens"] = body["max_completion_tokens"]
-    plan = plan_tools(body.get("tools"), body.get("tool_choice"))
+    model_format = tool_format(getattr(s.engine.tokenizer, "chat_template", None))
+    plan = plan_tools(body.get("tools"), body.get("tool_choice"), model_format)
     if plan is not None and plan.structured is not None:
         if params.get("response_format") or params.get("structured_outputs"):
             raise ServiceError("invalid_request", "a required or named tool_choice cannot be combined with "
@@ -105,8 +116,7 @@ async def chat_completions(request: Request) -> Response:
         params["structured_outputs"] = plan.structured
     ids = await s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None)
     prepared = s.generation.prepare(ids, params, default_max_tokens=None)
-    tool_call = ToolCallStream() if plan is not None and plan.structured is not None else None
-    return await _respond(request, s, body, "chat", prepared, tool_call)
+    return await _respond(request, s, body, "chat", prepared, plan.parser if plan is not None else None)
 
 
 async def completions(request: Request) -> Response:
@@ -132,7 +142,7 @@ async def completions(request: Request) -> Response:
 
 
 async def _respond(request: Request, s: Services, body: dict[str, Any], kind: str, prepared: Prepared,
-                   tool_call: ToolCallStream | None = None) -> Response:
+                   tool_format: str | None = None) -> Response:
     stream_flag = body.get("stream") or False
     options = body.get("stream_options") or {}
     if not isinstance(stream_flag, bool) or not isinstance(options, dict):
@@ -143,7 +153,7 @@ async def _respond(request: Request, s: Services, body: dict[str, Any], kind: st
     top = prepared.params.logprobs
     logprobs = None if top is None else LogprobsBuilder(s.token_texts, kind, top, prepared.params.n)
     call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, stream, account,
-                 tool_call, logprobs)
+                 tool_format, logprobs)
     structlog.contextvars.bind_contextvars(request_id=call.id)
     if stream_flag:
         first = None
@@ -196,10 +206,9 @@ async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = No
                 call.logprobs.add(choice)
             if not choice.text:
                 continue
-            if call.tool_call is not None:
-                pieces = call.tool_call.feed(choice.text)
-                if pieces:
-                    events.append(_data(_chunk(call, choice.index, {"tool_calls": pieces}, None, extra)).encode())
+            if call.tool_format is not None:
+                events += [_data(_chunk(call, choice.index, piece, None, extra)).encode()
+                           for piece in _parsed(call, choice.index, choice.text, final=False)]
             elif call.logprobs is None:
                 events.append(texts.event(choice.index, choice.text))
             else:  # the chunk carries the logprobs of its tokens
@@ -211,6 +220,8 @@ async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = No
         tail.append(_data(ServiceError("internal_error", account.error).openai_body()))
     else:
         for index, finish in enumerate(account.choice_finishes()):
+            if call.tool_format is not None:  # what was held back (text that might have become a call)
+                tail += [_data(_chunk(call, index, piece, None, extra)) for piece in _parsed(call, index, "", True)]
             tail.append(_data(_chunk(call, index, _piece(call, ""), finish, extra)))
     if include_usage:
         tail.append(_data({**_envelope(call), "choices": [], "usage": account.usage()}))
@@ -263,29 +274,38 @@ async def _collect(call: _Call) -> Response:
     choices = []
     for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
         content = "".join(pieces)
-        if call.tool_call is not None:  # (a grammar-enforced call: one choice)
-            call.tool_call.feed(content)
+        if call.tool_format is not None:
+            call.parser(index).feed(content, final=True)
         logprobs = call.logprobs.take(index) if call.logprobs is not None else None
-        ending = _ending(call, finish)
+        ending = _ending(call, index, finish)
         if call.kind != "chat":
             choices.append({"index": index, "text": content, "logprobs": logprobs, **ending})
             continue
         message: dict[str, Any] = {"role": "assistant", "content": content}
-        if call.tool_call is not None:
-            whole = call.tool_call.final()
-            message = {"role": "assistant", "content": None if whole else content,
-                       "tool_calls": [whole] if whole else []}
+        if call.tool_format is not None:
+            reply = call.parser(index).result()
+            if reply.tool_calls:
+                message = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
         choices.append({"index": index, "message": message, "logprobs": logprobs, **ending})
     return JSONResponse({**_envelope(call, final=True), "choices": choices, "usage": account.usage()})
 
 
-def _ending(call: _Call, finish: FinishNames) -> dict[str, Any]:
-    """A finished choice's `finish_reason` ("tool_calls" when a grammar-enforced call completed, else
+def _ending(call: _Call, index: int, finish: FinishNames) -> dict[str, Any]:
+    """A finished choice's `finish_reason` ("tool_calls" when it stopped with a complete tool call, else
     OpenAI's name for the engine's) and its extra flag, if the finish has one (`streamd_drained`)."""
     reason = finish.openai
-    if call.tool_call is not None and reason == "stop" and call.tool_call.final() is not None:
+    if call.tool_format is not None and reason == "stop" and call.parser(index).called:
         reason = "tool_calls"
     return {"finish_reason": reason, **({finish.flag: True} if finish.flag else {})}
+
+
+def _parsed(call: _Call, index: int, text: str, final: bool) -> list[dict[str, Any]]:
+    """A choice's new text through its tool-call parser -> the chat deltas to send (content, tool calls)."""
+    out = call.parser(index).feed(text, final)
+    pieces: list[dict[str, Any]] = [{"content": out.content}] if out.content else []
+    if out.tool_calls:
+        pieces.append({"tool_calls": out.tool_calls})
+    return pieces
 
 
 async def until_disconnect(request: Request, work: Any) -> Response:
@@ -326,7 +346,7 @@ def _chunk(call: _Call, index: int, piece: Any, finish: FinishNames | None,
     tokens since its previous chunk (null when none: the role chunk, text held back and released later)."""
     builder = call.logprobs
     logprobs = builder.take(index) if builder is not None and builder.has_pending(index) else None
-    ending = {"finish_reason": None} if finish is None else _ending(call, finish)
+    ending = {"finish_reason": None} if finish is None else _ending(call, index, finish)
     if call.kind == "chat":
         choice = {"index": index, "delta": piece if finish is None else {}, "logprobs": logprobs, **ending}
     else:

@@ -31,8 +31,15 @@ SCHEMAS: list[dict[str, Any]] = [
                                                            {"enum": ["unknown"]}]}},
      "required": ["answer"], "additionalProperties": False},
 ]
-QUESTIONS = ["Tell me about a person.", "Pick a colour.", "Give me some tags for a cat photo.",
-             "Where do you live?"]
+# 20 prompts, four under each of the five schemas (prompt i under schema i % 5).
+QUESTIONS = ["Tell me about a person.", "Pick a colour.", "Give me some tags for a cat photo.", "Where do you live?",
+             "How many legs does a spider have?", "Describe your best friend.", "What colour is the sky at dusk?",
+             "Tag this photo of a beach.", "Which city has the best food?", "How old is the universe in eons?",
+             "Who wrote your favourite book?", "Is grass green or blue?", "List words about winter.",
+             "Where is the Eiffel Tower?", "How many days are in a week?", "Name a famous scientist.",
+             "Pick the colour of a ripe banana.", "Give tags for a mountain hike.", "Where was pizza invented?",
+             "What is 12 times 12?"]
+CASES = [(SCHEMAS[i % len(SCHEMAS)], question) for i, question in enumerate(QUESTIONS)]
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
            "parameters": {"type": "object", "properties": {"city": NAME, "unit": {"enum": ["celsius", "fahrenheit"]}},
                           "required": ["city", "unit"], "additionalProperties": False}}}
@@ -62,7 +69,7 @@ async def test_openai_client_outputs_validate(client: AsyncOpenAI, server: Serve
         jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
         assert reply.choices[0].finish_reason == "stop"
 
-    await asyncio.gather(*(one(schema, q, sampling) for schema in SCHEMAS for q in QUESTIONS
+    await asyncio.gather(*(one(schema, q, sampling) for schema, q in CASES
                            for sampling in ({"temperature": 0.0}, SAMPLED)))
 
 
@@ -70,7 +77,7 @@ async def test_websocket_outputs_validate(server: Server) -> None:
     async def one_schema(k: int, schema: dict[str, Any]) -> None:
         async with ws_connect(server) as ws:
             ids = set()
-            for i, question in enumerate(QUESTIONS):
+            for i, question in enumerate(q for s, q in CASES if s is schema):  # 4 x 2: the 8 a socket may run
                 for j, sampling in enumerate(({"temperature": 0.0}, SAMPLED)):
                     ids.add(f"{k}-{i}-{j}")
                     params = {"max_tokens": 80, "structured_outputs": {"json": schema}, **sampling}
@@ -81,6 +88,24 @@ async def test_websocket_outputs_validate(server: Server) -> None:
             jsonschema.validate(json.loads(result.text), schema)
 
     await asyncio.gather(*(one_schema(k, schema) for k, schema in enumerate(SCHEMAS)))
+
+
+async def test_parallel_samples_each_validate(client: AsyncOpenAI, server: Server) -> None:
+    # n > 1: every choice follows the schema (its own grammar state), and every choice of a required tool
+    # call is a call.
+    reply = await client.chat.completions.create(model=server.services.model_name, n=3, max_tokens=80,
+                                                 messages=_messages(QUESTIONS[0]), response_format=_format(SCHEMAS[0]),
+                                                 **SAMPLED)
+    assert len(reply.choices) == 3
+    for choice in reply.choices:
+        jsonschema.validate(json.loads(choice.message.content), SCHEMAS[0])
+    calls = await client.chat.completions.create(model=server.services.model_name, n=2, max_tokens=60,
+                                                 messages=[{"role": "user", "content": "Time in Paris?"}],
+                                                 tools=[TIME], tool_choice="required", **SAMPLED)
+    for choice in calls.choices:
+        assert choice.finish_reason == "tool_calls", choice
+        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments),
+                            TIME["function"]["parameters"])
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])
