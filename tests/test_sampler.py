@@ -321,7 +321,7 @@ def test_one_host_sync_per_call_on_cuda() -> None:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
-        assert len(syncs) == 1, (name, syncs)
+        assert len(syncs) <= 1, (name, syncs)  # all-greedy batches need none (tokens stay on the device)
         assert len(out.token_ids) == n and all(0 <= t < vocab for t in out.token_ids)
 
 
