@@ -290,7 +290,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.cuda
 @CUDA
 def test_one_host_sync_per_call_on_cuda() -> None:
-    """Every feature at once, and the common cases: exactly one synchronizing operation per call (the
+    """Every feature at once, and the common cases: at most one synchronizing operation per call (the
     final transfer), parameter tensors staged through pinned memory without blocking."""
     import warnings
 
