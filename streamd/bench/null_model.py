@@ -63,7 +63,7 @@ class NullSampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def sample_async(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
-                     bitmask: TokenBitmask | None = None) -> PendingSample:
+                     bitmask: TokenBitmask | None = None, *, owns_logits: bool = False) -> PendingSample:
         tokens = torch.randint(self.vocab_size, (logits.shape[0],), generator=self.generator)
         return PendingSample(tokens, tokens, params, 0)
 

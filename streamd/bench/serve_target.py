@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 
 from streamd.bench.null_model import NULL_MODEL, null_engine
 from streamd.config import Config, load_config, parse_value
@@ -26,6 +27,7 @@ from streamd.server.serve import DrainingServer, configure_server_logging, uvico
 
 
 LAYOUTS = ("thread", "process", "split")
+WARM_UP_TIMEOUT_S = 120.0  # the warm-up is one token; the model is loaded before
 
 
 def build_config(model: str, settings: list[str]) -> Config:
@@ -51,7 +53,10 @@ async def serve(model: str, config: Config, layout: str = "thread") -> int:
     server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
     task = asyncio.create_task(server.serve())
     await server.listening.wait()
+    deadline = time.monotonic() + WARM_UP_TIMEOUT_S
     while not app.state.services.lifecycle.ready:  # warm-up runs one request through the engine
+        if time.monotonic() > deadline or not engine.ready:  # its failure is logged; never hang the bench
+            raise SystemExit(f"the benchmark server did not get ready (status {app.state.services.lifecycle.status})")
         await asyncio.sleep(0.05)
     engine_pid = engine.process.pid if isinstance(engine, ProcessEngine) else os.getpid()
     print(f"LISTENING {server.port} {engine.thread_id} {engine_pid}", flush=True)
