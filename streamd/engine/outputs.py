@@ -57,13 +57,7 @@ class CompletionDelta:
 
     def merge(self, later: CompletionDelta) -> None:
         self.text += later.text
-        self.token_ids.extend(later.token_ids)
-        if later.logprobs is not None:
-            if self.logprobs is None:
-                self.logprobs = []
-            self.logprobs.extend(later.logprobs)
-        self.finish_reason = later.finish_reason or self.finish_reason
-        self.stop_reason = later.stop_reason if later.stop_reason is not None else self.stop_reason
+        _extend(self, later)
         self.num_tokens = later.num_tokens
 
 
@@ -144,14 +138,7 @@ class RequestOutputBuilder:
                 choice = self._choices[part.index] = CompletionOutput(part.index, "", [])
                 self._text[part.index] = []
             self._text[part.index].append(part.text)
-            choice.token_ids.extend(part.token_ids)
-            if part.logprobs is not None:
-                if choice.logprobs is None:
-                    choice.logprobs = []
-                choice.logprobs.extend(part.logprobs)
-            choice.finish_reason = part.finish_reason or choice.finish_reason
-            if part.stop_reason is not None:
-                choice.stop_reason = part.stop_reason
+            _extend(choice, part)
         self._finished = self._finished or delta.finished
         self._error = self._error or delta.error
         self._num_cached_tokens = delta.num_cached_tokens
@@ -169,3 +156,15 @@ class RequestOutputBuilder:
         return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, choices,
                              finished=self._finished, num_cached_tokens=self._num_cached_tokens,
                              error=self._error)
+
+
+def _extend(choice: CompletionDelta | CompletionOutput, later: CompletionDelta) -> None:
+    """Everything of `later` but its text (joined differently by the two callers) folded into `choice`."""
+    choice.token_ids.extend(later.token_ids)
+    if later.logprobs is not None:
+        if choice.logprobs is None:
+            choice.logprobs = []
+        choice.logprobs.extend(later.logprobs)
+    choice.finish_reason = later.finish_reason or choice.finish_reason
+    if later.stop_reason is not None:
+        choice.stop_reason = later.stop_reason
