@@ -342,11 +342,6 @@ class LLMEngine:
     def _forward(self, out: SchedulerOutput, prev: _InFlight | None) -> _Forward:
         """Queues the step's forward (its inputs take `prev`'s tokens on the device); makes the samples
         of prompts that complete in it, each with its prompt's logits row and grammar state."""
-        now = time.monotonic()
-        for item in out.scheduled:
-            group = item.group
-            if group.first_scheduled_time is None:  # (the scheduler recorded num_cached_tokens)
-                group.first_scheduled_time = now
         sampling = [item for item in out.scheduled if item.samples]
         if prev is not None:
             logits = self.executor.execute(out, prev.pending.tokens, prev.rows)

@@ -31,6 +31,7 @@ a group that forked past them still comes back alone. A group that outgrew the w
 from __future__ import annotations
 
 import bisect
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -381,8 +382,9 @@ class Scheduler:
                     budget -= chunk
                     bm.publish_in_step(seq, seq.num_computed_tokens + chunk)
             lost = self._lost_tokens.pop(group.request_id, None)
-            if lost is None:
+            if lost is None:  # its first admission (a recompute preemption leaves its lost tokens)
                 group.num_cached_tokens = cached
+                group.first_scheduled_time = time.monotonic()
             else:
                 self.recomputed_tokens += max(0, lost - cached)
             num_seqs += len(seqs)

@@ -101,7 +101,7 @@ class SequenceGroup:
     sampling_params: SamplingParams
     prompt: str | None = None
     arrival_time: float = field(default_factory=time.monotonic)
-    first_scheduled_time: float | None = None
+    first_scheduled_time: float | None = None  # monotonic; set by the scheduler when it first admits it
     num_cached_tokens: int = 0
 
     @property
