@@ -321,7 +321,7 @@ class LLMEngine:
         if out.scheduled:
             forward = self._forward(out, prev)
             if prev is not None and self.grammars is not None and self.grammars.constrains(
-                    [item.seq for item in forward.sampling]):
+                    item.seq for item in forward.sampling):
                 # The masks of this step follow the previous step's tokens: take them first.
                 updates += self._read_back(prev, pipelined=True)
                 prev = None

@@ -119,8 +119,9 @@ class GrammarMatchers:
         """Drops every matcher (the engine failed every live request)."""
         self._matchers.clear()
 
-    def constrains(self, seqs: list[Sequence]) -> bool:
-        """Whether any of these sequences is constrained (then its mask needs its previous token)."""
+    def constrains(self, seqs: Iterable[Sequence]) -> bool:
+        """Whether any of these sequences is constrained (then its mask needs its previous token); `seqs`
+        is not iterated while no sequence is (the engine keeps its matchers once a request made them)."""
         matchers = self._matchers
         return bool(matchers) and any(seq.seq_id in matchers for seq in seqs)
 
