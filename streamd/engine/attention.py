@@ -28,9 +28,9 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     decode_only: bool  # every sequence has exactly one query token
     ops: ModuleType  # streamd.kernels (Triton) or streamd.kernels.reference (plain torch)
-    # CPU only: host query starts when no sequence has earlier context (a fresh prompt's single chunk). Such
-    # a step attends over the K/V it just computed, as transformers does, instead of gathering them back
-    # out of the pool; None otherwise.
+    # CPU only, not fp16 (the ModelRunner decides): host query starts when no sequence has earlier context
+    # (a fresh prompt's single chunk). Such a step attends over the K/V it just computed, as transformers
+    # does, instead of gathering them back out of the pool; None otherwise.
     fresh_query_starts: list[int] | None = None
 
 
@@ -62,7 +62,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     md.ops.store_kv(k, v, md.kv_cache, layer, md.slot_mapping)
-    if md.fresh_query_starts is not None and query.dtype != torch.float16:
+    if md.fresh_query_starts is not None:
         return fresh_causal_attention(query, key, value, md.fresh_query_starts, scale), None
     return paged_attend(md, q, layer, scale).unsqueeze(0), None  # transformers wants [batch, tokens, heads, dim]
 

@@ -73,6 +73,9 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self._pin = device.type == "cuda"
+        # A fresh prompt's single chunk attends over the K/V it just computed (see AttentionMetadata): on
+        # the CPU, except in fp16, whose attention the reference kernels upcast to float32.
+        self._fresh_prefill = device.type == "cpu" and model.dtype != torch.float16
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -182,7 +185,7 @@ class ModelRunner:
             query_start_loc=self._to_device(query_start, torch.int32),
             sample_idx=self._to_device(sample_idx, torch.int64),
             decode_only=len(tokens) == len(seq_lens),
-            fresh_query_starts=query_start if self.device.type == "cpu" and seq_lens == query_lens else None)
+            fresh_query_starts=query_start if self._fresh_prefill and seq_lens == query_lens else None)
         return batch, pending
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
