@@ -79,13 +79,6 @@ class OutputProcessor:
         self._requests[request_id] = RequestState(request_id, params, len(prompt_token_ids), arrival_time,
                                                   choices, len(choices))
 
-    def fork_choice(self, request_id: str, parent: int, child: int) -> None:
-        """A new choice that continues `parent`'s text state (parallel samples forked after the prompt)."""
-        state = self._requests[request_id]
-        source = state.choices[parent]
-        detok = source.detokenizer.fork() if source.detokenizer is not None else None
-        state.choices[child] = ChoiceState(child, detok, source.unsent, source.num_tokens)
-
     def process(self, updates: Iterable[RequestUpdate]) -> ProcessedStep:
         step = ProcessedStep()
         for update in updates:

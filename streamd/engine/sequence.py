@@ -73,10 +73,6 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
 
-    @property
-    def last_token_id(self) -> int:
-        return self.token_ids[-1]
-
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
