@@ -277,15 +277,7 @@ class Scheduler:
         """A group of several sequences at running[i], all or nothing. Returns (its live sequences, or
         -1 when it preempted itself; whether anything was preempted; its index now)."""
         bm, running = self.block_manager, self.running
-        writers, prompts = [], []
-        for seq in group.seqs:
-            if seq.status is not _RUNNING:
-                continue
-            left = seq.num_tokens - seq.num_computed_tokens
-            if left == 1:
-                writers.append(seq)
-            elif left > 1:
-                prompts.append(ScheduledSeq(seq, group, group.prefill_end(seq) - seq.num_computed_tokens))
+        writers, prompts = _running_parts(group)
         if not _decode_now(group, writers, prompts, budget):
             writers = []
         need = bm.blocks_to_append_all(writers) if writers else 0
@@ -298,18 +290,15 @@ class Scheduler:
                 return -1, True, i
             self._preempt(running.pop(victim), out)
             i -= victim < i
-        for seq in writers[:budget]:  # fewer only when forks outgrew the budget; the rest wait
-            out.blocks_to_copy.extend(bm.append_slots(seq))
-            decodes.append(ScheduledSeq(seq, group, 1))
+        self._append_decodes(group, writers, out, decodes, budget)
         partial.extend(prompts)
         return len(writers) + len(prompts), preempted, i
 
-    def _append_decodes(self, group: SequenceGroup, out: SchedulerOutput, decodes: list[ScheduledSeq],
-                        partial: list[ScheduledSeq], budget: int) -> None:
+    def _append_decodes(self, group: SequenceGroup, writers: list[Sequence], out: SchedulerOutput,
+                        decodes: list[ScheduledSeq], budget: int) -> None:
+        """Each writer's next slot (its blocks checked beforehand); fewer only when forks outgrew the
+        budget, the rest wait."""
         bm = self.block_manager
-        writers = [s for s in group.seqs if s.status is _RUNNING and s.num_tokens - s.num_computed_tokens == 1]
-        if not _decode_now(group, writers, [item for item in partial if item.group is group], budget):
-            return
         for seq in writers[:budget]:
             out.blocks_to_copy.extend(bm.append_slots(seq))
             decodes.append(ScheduledSeq(seq, group, 1))
@@ -337,11 +326,12 @@ class Scheduler:
             self.swapped.pop(k)
             for seq in seqs:
                 seq.status = _RUNNING
-                if seq.num_tokens - seq.num_computed_tokens > 1:  # swapped in the middle of its prompt
-                    partial.append(ScheduledSeq(seq, group, group.prefill_end(seq) - seq.num_computed_tokens))
-            before = len(decodes)
-            self._append_decodes(group, out, decodes, partial, budget)
-            budget -= len(decodes) - before
+            writers, prompts = _running_parts(group)  # prompts: swapped in the middle of their prompt
+            partial.extend(prompts)
+            if _decode_now(group, writers, prompts, budget):
+                before = len(decodes)
+                self._append_decodes(group, writers, out, decodes, budget)
+                budget -= len(decodes) - before
             num_seqs += len(seqs)
             bisect.insort(self.running, group, key=self._rank)
         return num_seqs, budget
@@ -542,6 +532,21 @@ class Scheduler:
     def stats(self) -> SchedulerStats:
         return SchedulerStats(self.num_running, self.num_waiting, self.num_swapped, self.preemptions_swap,
                               self.preemptions_recompute, self.recomputed_tokens, len(self.paused))
+
+
+def _running_parts(group: SequenceGroup) -> tuple[list[Sequence], list[ScheduledSeq]]:
+    """The group's running sequences split: those decoding (one token left) and its prompts' chunks (sized
+    to the whole rest of the prompt; the step's budget trims them)."""
+    writers, prompts = [], []
+    for seq in group.seqs:
+        if seq.status is not _RUNNING:
+            continue
+        left = seq.num_tokens - seq.num_computed_tokens
+        if left == 1:
+            writers.append(seq)
+        elif left > 1:
+            prompts.append(ScheduledSeq(seq, group, group.prefill_end(seq) - seq.num_computed_tokens))
+    return writers, prompts
 
 
 def _decode_now(group: SequenceGroup, writers: list[Sequence], prompts: list[ScheduledSeq], budget: int) -> bool:
