@@ -70,6 +70,7 @@ class FakeEngine:
         assert sum(i.num_new_tokens for i in out.scheduled) <= self.sched.max_num_batched_tokens
         assert len({id(i.seq) for i in out.scheduled}) == len(out.scheduled)
         sampling = [item for item in out.scheduled if item.samples]
+        assert out.sampling() == sampling, "SchedulerOutput.sampling: every decode samples, after the prompts"
         for item in out.scheduled:
             self._forward(item.seq, item.num_new_tokens)
         self.sched.on_step_done(out)

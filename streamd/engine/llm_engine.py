@@ -342,7 +342,7 @@ class LLMEngine:
     def _forward(self, out: SchedulerOutput, prev: _InFlight | None) -> _Forward:
         """Queues the step's forward (its inputs take `prev`'s tokens on the device); makes the samples
         of prompts that complete in it, each with its prompt's logits row and grammar state."""
-        sampling = [item for item in out.scheduled if item.samples]
+        sampling = out.sampling()
         if prev is not None:
             logits = self.executor.execute(out, prev.pending.tokens, prev.rows)
         else:

@@ -36,3 +36,9 @@ class SchedulerOutput:
     rejected: list[tuple[SequenceGroup, str]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+
+    def sampling(self) -> list[ScheduledSeq]:
+        """The items that sample, in schedule order: the prompt chunks that reach their sequence's end, and
+        every decode (the last `num_decode_tokens` items), which needs no check."""
+        num_prefills = len(self.scheduled) - self.num_decode_tokens
+        return [item for item in self.scheduled[:num_prefills] if item.samples] + self.scheduled[num_prefills:]
