@@ -225,9 +225,9 @@ def test_one_batched_candidate_selection_per_step(monkeypatch) -> None:
     calls: list[list[tuple[str, int]]] = []
     select = llm_engine.select_candidates
 
-    def recording_select(logits, groups, vocab_size):
+    def recording_select(logits, groups, vocab_size, bitmask=None):
         calls.append([(g.request_id, len(g.rows)) for g in groups])
-        return select(logits, groups, vocab_size)
+        return select(logits, groups, vocab_size, bitmask)
 
     monkeypatch.setattr(llm_engine, "select_candidates", recording_select)
     for i, width in enumerate((2, 3, 4)):
@@ -240,3 +240,54 @@ def test_one_batched_candidate_selection_per_step(monkeypatch) -> None:
         steps += 1
     assert len(calls) <= steps and {rid for call in calls for rid, _ in call} == {"b0", "b1", "b2"}
     assert calls[1] == [("b0", 2), ("b1", 3), ("b2", 4)]  # after the prompts: every beam of every request
+
+
+class _GrammarMask:
+    """A transformers logits processor for the reference: each row's mask from a fresh xgrammar matcher fed
+    that row's generated tokens (stateless, so it stays right however beam search reorders rows)."""
+
+    def __init__(self, compiled, prompt_len: int, vocab_size: int) -> None:
+        self.compiled, self.prompt_len, self.vocab_size = compiled, prompt_len, vocab_size
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(input_ids.shape[0], self.vocab_size)
+        for row, ids in enumerate(input_ids.tolist()):
+            matcher = xgr.GrammarMatcher(self.compiled)
+            assert all(matcher.accept_token(t) for t in ids[self.prompt_len:])
+            matcher.fill_next_token_bitmask(mask, row)
+        xgr.apply_token_bitmask_inplace(scores, mask, vocab_size=self.vocab_size)
+        return scores
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_constrained_beams_equal_hf_generate_under_the_same_grammar(smol_llm: LLM, hf_smol, width: int) -> None:
+    """Beam search with a JSON schema: every beam parses and validates, and the beams equal transformers'
+    beam search gated by the same grammar (masks after the log-softmax, as transformers applies them)."""
+    import json
+
+    import jsonschema
+    from transformers import LogitsProcessorList
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    engine = smol_llm.engine
+    (eos,) = engine.eos_token_ids
+    ids = engine.apply_chat_template([{"role": "user", "content": "Name a city in France as JSON."}])
+    params = _beams(width, True, detokenize=True, max_tokens=24, structured_outputs={"json": schema})
+    (out,) = run_to_completion(engine, [ids], [params])
+    for choice in out.outputs:
+        jsonschema.validate(json.loads(choice.text), schema)
+    assert len(engine.grammars) == 0  # dropped and finished beams left no grammar state behind
+    compiled = engine.grammars.compiler.compile(params.structured_outputs)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        ref = hf_smol.generate(x, attention_mask=torch.ones_like(x), num_beams=width, num_return_sequences=width,
+                               do_sample=False, early_stopping=True, max_new_tokens=24, eos_token_id=eos,
+                               pad_token_id=eos,
+                               logits_processor=LogitsProcessorList([_GrammarMask(compiled, len(ids),
+                                                                                  engine.vocab_size)]))
+    want = [row[:row.index(eos) + 1] if eos in row else row for row in ref[:, len(ids):].tolist()]
+    assert [c.token_ids for c in out.outputs] == want[:len(out.outputs)]
+    assert len(out.outputs) == width

@@ -130,11 +130,6 @@ def test_bad_specs_are_refused_before_admission(engine: LLMEngine, spec: dict, m
     assert not engine.has_unfinished_requests() and engine.stats().kv == used
 
 
-def test_beam_search_with_a_grammar_is_refused() -> None:
-    with pytest.raises(ValueError, match="structured_outputs is not supported with use_beam_search"):
-        SamplingParams(use_beam_search=True, n=2, structured_outputs={"json_object": True})
-
-
 @pytest.mark.parametrize("spec, message", [
     ({}, "exactly one of"), ({"json": {}, "regex": "a"}, "exactly one of"), ({"choice": []}, "choice"),
     ({"jsn": {}}, "unknown key"),
