@@ -105,9 +105,7 @@ def rotary_store_kv(
     projection are fine); cos, sin [num_tokens, head_dim]; q_norm, k_norm: per-head RMSNorm weights
     [head_dim], both or neither, applied before the rotation.
     """
-    check_rotary_args(query, key, value, cos, sin, kv_cache, layer)
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm come together")
+    check_rotary_args(query, key, value, cos, sin, kv_cache, layer, q_norm, k_norm)
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0:
