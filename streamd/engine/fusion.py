@@ -33,12 +33,12 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 import streamd.kernels.reference as reference
+from streamd.config import FUSE_MODES
 from streamd.engine.attention import get_attention_metadata, paged_attend
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
 
-FUSE_MODES = ("off", "auto", "triton", "compile", "reference")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
