@@ -6,6 +6,7 @@ shutdown ends the child."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -39,6 +40,8 @@ async def test_process_engine_matches_the_offline_engine(smol_llm, outputs: str)
     engine.start()
     try:
         assert engine.model_name == smol_llm.engine.model_name and engine.ready
+        assert engine.max_model_len == smol_llm.engine.max_model_len
+        assert engine.thread_id is not None and engine.thread_id != threading.get_native_id()
         builders = await asyncio.gather(*(_fold(engine, f"p{i}", p, params) for i, p in enumerate(PROMPTS)),
                                         _fold(engine, "stop", PROMPTS[1], stopping))
         for builder, reference in zip(builders, [*expected, expected_stop]):

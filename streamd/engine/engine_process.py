@@ -51,14 +51,17 @@ MAX_BATCHES_IN_FLIGHT = 2
 
 @dataclass(slots=True, frozen=True)
 class EngineInfo:
-    """What the child tells the network side once its engine is built."""
+    """What the child tells the network side once its engine is built; it stands in for the engine in
+    `AsyncEngine.__init__` and the loop side's `model_name`/`max_model_len`."""
 
     model_name: str
     max_model_len: int
     tokenizer: Any
-    stats: EngineStats
-    pid: int
+    initial_stats: EngineStats
     thread_id: int
+
+    def stats(self) -> EngineStats:
+        return self.initial_stats
 
 
 @dataclass(slots=True, frozen=True)
@@ -183,7 +186,7 @@ def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here
     child = _ChildEngine(engine, sock, relay)
     heap.settle()
     _send(sock, EngineInfo(engine.model_name, engine.max_model_len, engine.tokenizer, engine.stats(),
-                           multiprocessing.current_process().pid or 0, threading.get_native_id()))
+                           threading.get_native_id()))
 
     def read_commands() -> None:
         try:
@@ -239,29 +242,13 @@ class ProcessEngine(AsyncEngine):
         their_commands.close()
         theirs.close()
         info: EngineInfo = _receive(ours)
+        super().__init__(info)  # type: ignore[arg-type]  # the loop side reads only what EngineInfo holds
         self.info = info
         self._sock = ours
         self._buffer = bytearray()
-        self._tokenizer = info.tokenizer
         self._commands = _SocketCommands(commands)  # type: ignore[assignment]
-        self._sinks = {}
-        self._admissions = {}
-        self._calls = set()
-        self._loop = None
-        self._thread = None
-        self._stats = info.stats
-        self._dead = None
-        self.steps = 0
         self.outputs = OutputProcessor(info.tokenizer) if outputs == "network" else None
         self._prompts: dict[str, tuple[list[int], SamplingParams, float]] = {}  # submitted, not yet admitted
-
-    @property
-    def model_name(self) -> str:
-        return self.info.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
 
     @property
     def ready(self) -> bool:
