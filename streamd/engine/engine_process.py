@@ -271,10 +271,11 @@ class ProcessEngine(AsyncEngine):
     async def submit(self, request_id: str, prompt: str | None, params: SamplingParams, sink: Any, *,
                      prompt_token_ids: list[int] | None = None) -> None:
         if self.outputs is not None and request_id not in self._sinks:
-            ids = prompt_token_ids
-            if ids is None and isinstance(prompt, str):
-                ids = list(self._tokenizer(prompt).input_ids)  # as LLMEngine tokenizes a text prompt
-            self._prompts[request_id] = (list(ids or []), params, time.monotonic())
+            if prompt_token_ids is None and isinstance(prompt, str):
+                # Tokenized once, here (as LLMEngine tokenizes a text prompt): the child takes these ids
+                # and keeps the text, instead of tokenizing it again on the engine's side of the split.
+                prompt_token_ids = list(self._tokenizer(prompt).input_ids)
+            self._prompts[request_id] = (list(prompt_token_ids or []), params, time.monotonic())
         try:
             await super().submit(request_id, prompt, params, sink, prompt_token_ids=prompt_token_ids)
         except EngineDeadError:  # never sent; a refusal or a later admission pops it when it arrives
