@@ -1,5 +1,6 @@
-"""The block-major KV pool's shape contract (and the rotary store's arguments), shared by the Triton kernels and their references (no triton
-import here: the CPU engine runs the references on machines without triton)."""
+"""The block-major KV pool's shape contract (and the rotary store's arguments), shared by the Triton
+kernels and their references (no triton import here: the CPU engine runs the references on machines
+without triton)."""
 
 from __future__ import annotations
 
