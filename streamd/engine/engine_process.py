@@ -77,12 +77,17 @@ class StopChoice:
     index: int
 
 
-DELIVERED = Delivered()
+def _frame(payload: Any) -> bytes:
+    """One length-prefixed pickle."""
+    data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(data)) + data
 
 
 def _send(sock: socket.socket, payload: Any) -> None:
-    data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_HEADER.pack(len(data)) + data)
+    sock.sendall(_frame(payload))
+
+
+DELIVERED_FRAME = _frame(Delivered())  # sent after every delivered batch: pickled once
 
 
 def _receive(sock: socket.socket) -> Any:
@@ -246,6 +251,7 @@ class ProcessEngine(AsyncEngine):
         self.info = info
         self._sock = ours
         self._buffer = bytearray()
+        self._command_sock = commands
         self._commands = _SocketCommands(commands)  # type: ignore[assignment]
         self.outputs = OutputProcessor(info.tokenizer) if outputs == "network" else None
         self._prompts: dict[str, tuple[list[int], SamplingParams, float]] = {}  # submitted, not yet admitted
@@ -319,7 +325,7 @@ class ProcessEngine(AsyncEngine):
                 wire = pickle.loads(view[start + _HEADER.size:end])
             self._deliver(self._with_deltas(*decode_batch(wire)))
             try:
-                self._commands.put(DELIVERED)
+                self._command_sock.sendall(DELIVERED_FRAME)
             except OSError:  # the engine process is gone; the socket's end marks the engine dead
                 pass
             start = end
