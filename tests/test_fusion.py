@@ -44,7 +44,9 @@ def test_fused_layers_match_hf_generate(kind: str, mode: str) -> None:
     assert fuse_layers(model, mode, torch.device("cpu"), compile_backend="aot_eager") == mode
     assert isinstance(model.model, FusedDecoder)
     layer = model.model.layers[0]
-    assert not hasattr(layer, "self_attn") and layer.qkv_proj.out_features == 6 * layer.head_dim + 2 * 2 * layer.head_dim
+    q_size, kv_size, head_dim = layer.qkv_sizes
+    assert not hasattr(layer, "self_attn") and (q_size, kv_size) == (6 * head_dim, 2 * head_dim)
+    assert layer.qkv_proj.out_features == q_size + 2 * kv_size
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     outs = run_to_completion(llm.engine, prompts, params)
     for ids, out in zip(prompts, outs):
