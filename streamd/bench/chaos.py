@@ -21,7 +21,6 @@ import json
 import random
 import socket
 import struct
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -30,6 +29,8 @@ from urllib.parse import urlsplit
 
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from streamd.bench.report import add_json_argument, write_json
 
 IDLE_TIMEOUT_S = 60.0
 
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per storm and control stream")
     parser.add_argument("--api-key")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON here ('-' for stdout)")
+    add_json_argument(parser)
 
 
 @dataclass(slots=True)
@@ -277,11 +278,6 @@ def main(args: argparse.Namespace) -> int:
     width = max(len(k) for k in result)
     for key, value in result.items():
         print(f"{key:<{width}}  {value}")
-    if args.json == "-":
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    elif args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(result, args.json)
     ok = result["idle_after"] and not result["leaked_kv_blocks"] and not result["leaked_swap_blocks"]
     return 0 if ok and not result["unanswered_frames"] else 1
