@@ -113,7 +113,7 @@ class SSEClient:
     one `data:` event is one delta (its arrival time is every token's in it); the usage chunk at the end
     gives the exact token count."""
 
-    def __init__(self, base: str, api_key: str | None, model: str | None, limit: int) -> None:
+    def __init__(self, base: str, api_key: str | None, model: str | None) -> None:
         parts = urlsplit(base)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
@@ -217,7 +217,7 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Timing], float]:
         size = args.connections or max(1, min(16, math.ceil(limit / 32)))
         client: Any = WebSocketPool(ws_url, size, args.api_key, args.framing)
     else:
-        client = SSEClient(base, args.api_key, args.model, limit)
+        client = SSEClient(base, args.api_key, args.model)
     async with client:
         start = time.perf_counter()
         if concurrency:
