@@ -103,7 +103,7 @@ def _run_sharing(args: argparse.Namespace) -> int:
     table = render_sharing(report)
     print(table)
     if not args.no_write:
-        stem = save_report(report, str(results_dir(args.out)), "memory-sharing", table)
+        stem = save_report(report, args.out, "memory-sharing", table)
         print(f"wrote {stem}.json, {stem}.md")
     return 0
 
