@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
@@ -226,14 +227,9 @@ async def metrics(target: Target) -> dict[str, float]:
     body = (await reader.read()).decode(errors="replace").split("\r\n\r\n", 1)[-1]
     writer.close()
     values: dict[str, float] = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            key = name.split("{", 1)[0]
-            try:
-                values[key] = values.get(key, 0.0) + float(value)
-            except ValueError:
-                continue
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
 
 
