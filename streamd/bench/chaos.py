@@ -31,6 +31,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
+from streamd.bench.load import percentiles
 from streamd.bench.report import add_json_argument, write_json
 
 IDLE_TIMEOUT_S = 60.0
@@ -259,8 +260,7 @@ async def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, Any]:
-    itl = sorted(tally.control_itl)
-    p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else None
+    p99 = percentiles(tally.control_itl)["p99"]
     return {"duration_s": round(elapsed, 2), "requests": tally.requests, "tokens": tally.tokens,
             "errors_by_code": dict(sorted(tally.errors.items())), "unanswered_frames": tally.unanswered,
             "control_streams": tally.control_streams,
