@@ -34,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import streamd.kernels as K  # noqa: E402
 from streamd import LLM, SamplingParams  # noqa: E402
 from streamd.bench import cuda_timing  # noqa: E402
-from streamd.bench.report import git_commit, save_report  # noqa: E402
+from streamd.bench.report import add_out_argument, git_commit, save_report  # noqa: E402
 from streamd.bench.throughput import SHAPES, measure_ceilings  # noqa: E402
 from streamd.engine.attention import AttentionMetadata, set_attention_metadata  # noqa: E402
 from streamd.engine.llm_engine import LLMEngine  # noqa: E402
@@ -439,7 +439,7 @@ def shape_report(shape: str, modes: list[str], setup: Setup, ceilings: dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results")
+    add_out_argument(parser)
     parser.add_argument("--shapes", default="smollm2-135m,llama3.2-1b")
     parser.add_argument("--modes", default="off,triton,compile", help="first = the baseline for the token check")
     parser.add_argument("--batch", type=int, default=256)
