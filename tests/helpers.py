@@ -91,3 +91,30 @@ def random_engine_and_hf_twin(config, perturb_seed: int, num_prompts: int, max_p
     prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
                for n in torch.randint(1, max_prompt_len, (num_prompts,), generator=gen)]
     return llm, reference, prompts
+
+
+def tiny_llama_config(vocab_size: int = 300):
+    """The 2-layer random-weight Llama (hidden 64, 4 query heads over 2 KV heads) of the engine unit tests."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       initializer_range=0.1)
+
+
+def tiny_arch_config(kind: str, hidden_size: int, intermediate_size: int, num_attention_heads: int,
+                     qwen3_head_dim: int):
+    """A 3-layer random-weight model of a real architecture with 2 KV heads: "llama" (GQA, head_dim 16),
+    "qwen2" (QKV bias) or "qwen3" (per-head q/k norm, head_dim `qwen3_head_dim`)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=320, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=3, num_attention_heads=num_attention_heads, num_key_value_heads=2,
+                  max_position_embeddings=512, initializer_range=0.08, tie_word_embeddings=False)
+    if kind == "llama":
+        return LlamaConfig(**common, head_dim=16)
+    if kind == "qwen2":
+        return Qwen2Config(**common)
+    if kind == "qwen3":
+        return Qwen3Config(**common, head_dim=qwen3_head_dim)
+    raise ValueError(kind)

@@ -8,22 +8,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from streamd import LLM, SamplingParams
 from streamd.engine.beam_search import BeamHypothesis, BeamSearch, BeamStep, Candidate
 from streamd.engine.errors import KVCacheCapacityError
 from streamd.engine.sequence import Sequence
-from tests.helpers import fold_deltas, register_engine, run_to_completion
+from tests.helpers import fold_deltas, register_engine, run_to_completion, tiny_llama_config
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 # (beam width, early_stopping, length_penalty)
 SEARCHES = [(2, True, 1.0), (3, False, 1.0), (4, True, 1.0), (4, False, 0.5), (3, "never", 1.0)]
 MAX_TOKENS = 20
 
-CONFIG = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                     initializer_range=0.1)
+CONFIG = tiny_llama_config()
 
 
 def _beams(width: int, early_stopping: bool | str = False, length_penalty: float = 1.0, **kw) -> SamplingParams:
