@@ -34,6 +34,14 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
     return out[0, len(prompt_ids):].tolist()
 
 
+@torch.inference_mode()
+def hf_logprobs(model, prompt_ids: list[int], output_ids: list[int]) -> list[torch.Tensor]:
+    """The raw (temperature 1, unpenalised) log-probabilities over the vocabulary that `model` gives before
+    each of `output_ids`, continuing `prompt_ids`: one row per output token."""
+    ids = torch.tensor([prompt_ids + output_ids])
+    logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt_ids) - 1:-1]
+    return list(torch.log_softmax(logits.float(), -1))
+
 def run_to_completion(engine, prompts: list, params) -> list:
     """Adds every prompt to `engine` (with one SamplingParams, or one each) and steps until all finish;
     final RequestOutputs in prompt order."""
