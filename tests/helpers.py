@@ -126,3 +126,20 @@ def tiny_arch_config(kind: str, hidden_size: int, intermediate_size: int, num_at
     if kind == "qwen3":
         return Qwen3Config(**common, head_dim=qwen3_head_dim)
     raise ValueError(kind)
+
+
+def tiny_llm(**overrides):
+    """An LLM of `tiny_llama_config()` on CPU (float32, blocks of 8, seed 5, no watermark) under the leak check;
+    `overrides` are LLM keyword arguments (num_kv_blocks, num_swap_blocks, preemption_mode, ...)."""
+    from streamd import LLM
+
+    base = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, seed=5, watermark=0.0)
+    llm = LLM(tiny_llama_config(), **{**base, **overrides})
+    register_engine(llm.engine)
+    return llm
+
+
+def random_prompt(seed: int, length: int, vocab_size: int = 300) -> list[int]:
+    """`length` token ids drawn (seeded) from 10..vocab_size-1: clear of the special tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab_size, (length,), generator=gen).tolist()
