@@ -6,24 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 from streamd import LLM, SamplingParams
 from streamd.engine.fusion import FusedDecoder, fuse_layers
-from tests.helpers import hf_greedy, random_engine_and_hf_twin, register_engine, run_to_completion
+from tests.helpers import hf_greedy, random_engine_and_hf_twin, register_engine, run_to_completion, tiny_arch_config
 
 
 def _tiny(kind: str):
-    common = dict(vocab_size=320, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.08, tie_word_embeddings=False)
-    if kind == "llama":
-        return LlamaConfig(**common, head_dim=16)
-    if kind == "qwen2":
-        return Qwen2Config(**common)
-    if kind == "qwen3":
-        return Qwen3Config(**common, head_dim=24)
-    raise ValueError(kind)
+    return tiny_arch_config(kind, hidden_size=96, intermediate_size=200, num_attention_heads=6, qwen3_head_dim=24)
 
 
 def _engine_and_reference(kind: str, num_prompts: int):

@@ -84,13 +84,17 @@ def test_unconstrained_neighbour_is_unaffected(engine: LLMEngine) -> None:
 
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
-def test_constrained_requests_survive_preemption(mode: str) -> None:
+def test_constrained_requests_survive_preemption(engine: LLMEngine, mode: str) -> None:
     # 16 blocks of 8 tokens cannot hold these 8 sequences at once (their prompts alone need 24): most of the
     # batch gets preempted. (One sequence's worst case, 30 prompt + 80 tokens, fits: 14 blocks.)
     tight = tiny_engine(**{"cache.num_kv_blocks": 16, "cache.num_swap_blocks": 64 if mode == "swap" else 0,
                            "scheduler.preemption_mode": mode, "cache.watermark": 0.0})
     outs = run_to_completion(tight, PROMPTS, constrained(1.0, seed=9))
     check_valid([o.outputs[0].text for o in outs])
+    # Seeded: the same tokens as on a pool that never preempts (a matcher left out of step after a swap or a
+    # recompute would mask other tokens, or allow ones the grammar forbids).
+    roomy = run_to_completion(engine, PROMPTS, constrained(1.0, seed=9))
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in roomy]
     stats = tight.stats().scheduler
     assert (stats.preemptions_swap if mode == "swap" else stats.preemptions_recompute) > 0, stats
     assert tight.grammars is not None and len(tight.grammars) == 0
