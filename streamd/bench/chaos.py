@@ -159,7 +159,9 @@ def fuzz_frame(rng: random.Random, index: int) -> tuple[str | bytes, bool]:
 
 
 async def fuzz(target: Target, tally: Tally, rng: random.Random, until: float) -> None:
-    index = 0
+    """Batches of fuzz frames; a frame is unanswered when its answer does not come in 30 s or the server
+    closes the socket before it (the server must answer bad frames, never drop the connection)."""
+    index, expected, nulls = 0, set[str](), 0
     try:
         async with _connect(target) as ws:
             while time.monotonic() < until:
@@ -179,8 +181,11 @@ async def fuzz(target: Target, tally: Tally, rng: random.Random, until: float) -
                             elif frame["type"] == "error" and frame.get("id") is None:
                                 nulls -= 1
                 except TimeoutError:
-                    tally.unanswered += len(expected) + nulls
+                    pass
+                tally.unanswered += len(expected) + nulls
+                expected, nulls = set(), 0
     except (ConnectionClosed, InvalidStatus, OSError) as exc:
+        tally.unanswered += len(expected) + nulls  # the frames a dropped socket left unanswered
         tally.errors[f"client:{type(exc).__name__}"] += 1
 
 
