@@ -276,7 +276,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     @rule(i=st.integers(0, 99))
     def decode(self, i: int) -> None:
         seq = self._pick(self.live, i)
-        if seq.num_tokens - seq.num_computed_tokens == 1 and self.bm.can_append_slots([seq]):
+        if seq.num_tokens - seq.num_computed_tokens == 1 and self.bm.blocks_to_append_all([seq]) <= self.bm.num_free_blocks():
             self.kv.copy(self.bm.append_slots(seq), self.kv.device, self.kv.device)
             compute(self.bm, self.kv, seq)
 
@@ -335,7 +335,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.kv.check(seq, seq.num_computed_tokens)
         # can_swap_in promised room for every decoding sequence's next slot as well.
         decoders = [s for s in family if s.num_tokens - s.num_computed_tokens == 1]
-        assert self.bm.can_append_slots(decoders)
+        assert self.bm.blocks_to_append_all(decoders) <= self.bm.num_free_blocks()
         for seq in decoders:
             self.kv.copy(self.bm.append_slots(seq), self.kv.device, self.kv.device)
 

@@ -142,16 +142,3 @@ def test_long_run_of_skipped_special_tokens(tok) -> None:
     assert len(det._window) <= 12
     pieces += [det.update([t]) for t in out[-3:]]
     assert "".join(pieces) == tok.decode(out, skip_special_tokens=True) == "Hi there 🎉"
-
-
-def test_fork_is_independent(tok) -> None:
-    # Fork in the middle of a character: each copy must hold the pending bytes on its own.
-    ids = tok.encode(" common 🎉")
-    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))
-    det = IncrementalDetokenizer(tok, tok.encode("Start"))
-    det.update(ids[:cut])
-    child = det.fork()
-    assert det.update(ids[cut:]) == " common 🎉"  # nothing is emitted while a character is incomplete
-    assert child.update(ids[cut:]) == " common 🎉"
-    assert det.update(tok.encode(" left")) == " left"
-    assert child.update(tok.encode(" right")) == " right"

@@ -149,9 +149,6 @@ class BlockManager:
                 writers[table[i]] = writers.get(table[i], 0) + 1
         return new_blocks + sum(min(w, self._ref[b] - 1) for b, w in writers.items())
 
-    def can_append_slots(self, seqs: list[Sequence], num_new_tokens: int = 1) -> bool:
-        return self.blocks_to_append_all(seqs, num_new_tokens) <= self.num_free_blocks()
-
     def try_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> CopyPairs | None:
         """`append_slots` if the free blocks suffice, else None (and nothing changes)."""
         start = seq.num_computed_tokens

@@ -98,14 +98,3 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         self._prefix_len = len(self._decode(self._window))
         return new_text
-
-    def fork(self) -> IncrementalDetokenizer:
-        """An independent copy for a forked sequence (parallel sampling, beams)."""
-        child = IncrementalDetokenizer.__new__(IncrementalDetokenizer)
-        child.tokenizer = self.tokenizer
-        child.skip_special_tokens = self.skip_special_tokens
-        child._window = list(self._window)
-        child._read = self._read
-        child._prefix_len = self._prefix_len
-        child._byte_level = self._byte_level
-        return child
