@@ -206,16 +206,6 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- events ------------------------------------------------------------------------------------------
-# The engine's finish reasons -> (response status, terminal event, incomplete_details reason)
-_ENDINGS: dict[str, tuple[str, str, str | None]] = {
-    "stop": ("completed", "response.completed", None),
-    "length": ("incomplete", "response.incomplete", "max_output_tokens"),
-    "abort": ("cancelled", "response.incomplete", None),
-    "error": ("failed", "response.failed", None),
-    "timeout": ("incomplete", "response.incomplete", "timeout"),  # timeout_s / server.max_request_time_s
-}
-
-
 @dataclass(slots=True)
 class ResponseBuilder:
     """One response's events, in order, numbered from 0; also its final `response` object."""
@@ -260,13 +250,13 @@ class ResponseBuilder:
         return events
 
     def closing(self, account: RequestAccount) -> list[dict[str, Any]]:
-        status, terminal, _ = _ENDINGS[account.finish_reason]
+        finish = account.finish
         text, at = "".join(self.text), {"output_index": 0, "item_id": self.item_id}
-        item_status = "completed" if status == "completed" else "incomplete"
+        item_status = "completed" if finish.status == "completed" else "incomplete"
         return [self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=self.logprobs),
                 self.event("response.content_part.done", **at, content_index=0, part=self.part(text)),
                 self.event("response.output_item.done", output_index=0, item=self.item(item_status, [self.part(text)])),
-                self.event(terminal, response=self.response(account))]
+                self.event(finish.terminal_event, response=self.response(account))]
 
     def response(self, account: RequestAccount | None) -> dict[str, Any]:
         """The `response` object: in progress (no account) or as the account ended it."""
@@ -277,12 +267,12 @@ class ResponseBuilder:
             "usage": None, **self.plan.echo}
         if account is None:
             return body
-        status, _, reason = _ENDINGS[account.finish_reason]
+        finish = account.finish  # (FINISH_NAMES: the Responses API's status and incomplete reason)
         text = "".join(self.text)
-        body.update(status=status, output=[self.item("completed" if status == "completed" else "incomplete",
-                                                     [self.part(text)])], usage=_usage(account))
-        if reason is not None:
-            body["incomplete_details"] = {"reason": reason}
+        body.update(status=finish.status, output=[self.item(
+            "completed" if finish.status == "completed" else "incomplete", [self.part(text)])], usage=_usage(account))
+        if finish.incomplete is not None:
+            body["incomplete_details"] = {"reason": finish.incomplete}
         if account.error is not None:
             body["error"] = {"code": "server_error", "message": account.error}
         return body
