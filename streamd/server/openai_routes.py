@@ -36,7 +36,7 @@ from streamd.engine.sampling_params import MAX_LOGPROBS, is_int
 from streamd.logs import get_logger
 from streamd.server.accounting import FinishNames, RequestAccount
 from streamd.server.encoding import dumps, loads
-from streamd.server.errors import ServiceError
+from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.logprobs import LogprobsBuilder
 from streamd.server.services import Services
@@ -172,13 +172,8 @@ async def _first_delta(call: _Call) -> RequestDelta:
     call.account.absorb(delta)
     if call.account.overloaded:
         call.finish()
-        raise _overloaded()
+        raise queue_timed_out()
     return delta
-
-
-def _overloaded() -> ServiceError:
-    return ServiceError("overloaded", "the request waited longer than server.max_queue_time_s to be scheduled; "
-                        "retry later")
 
 
 async def _deltas(call: _Call, first: RequestDelta | None) -> AsyncIterator[RequestDelta]:
@@ -270,7 +265,7 @@ async def _collect(call: _Call) -> Response:
     if account.error:
         raise ServiceError("internal_error", account.error)
     if account.overloaded:
-        raise _overloaded()
+        raise queue_timed_out()
     choices = []
     for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
         content = "".join(pieces)

@@ -29,7 +29,7 @@ from streamd.logs import get_logger
 from streamd.server import protocol
 from streamd.server.accounting import RequestAccount
 from streamd.server.auth import presented_key
-from streamd.server.errors import ServiceError
+from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import Prepared
 from streamd.server.resume import Retention
 from streamd.server.services import Services
@@ -133,9 +133,7 @@ class WsRequest:
             if delta.error is not None:
                 built.append(protocol.error_frame(self.client_id, ServiceError("internal_error", delta.error)))
             if account.overloaded:
-                built.append(protocol.error_frame(self.client_id, ServiceError(
-                    "overloaded", "the request waited longer than server.max_queue_time_s to be scheduled; "
-                    "retry later")))
+                built.append(protocol.error_frame(self.client_id, queue_timed_out()))
             built.append(protocol.done_frame(self.client_id, account.finish.wire, account.usage(),
                                              [finish.wire for finish in account.choice_finishes()], account.drained))
             self.finished = True

@@ -158,6 +158,7 @@ async def test_queue_timeout_is_overloaded(async_engine: AsyncEngine) -> None:
                 late = (await gather_until_done(ws, {"late"}))["late"]
                 (error,) = late.of("error")
                 assert error["error"]["code"] == "overloaded" and late.done["finish_reason"] == "timeout"
+                assert "server.max_queue_time_s" in error["error"]["message"]
                 assert late.token_ids == []
                 client = AsyncOpenAI(base_url=f"{server.http}/v1", api_key="x", max_retries=0)
                 for stream in (False, True):
@@ -167,6 +168,7 @@ async def test_queue_timeout_is_overloaded(async_engine: AsyncEngine) -> None:
                         raise AssertionError("not refused")
                     except APIStatusError as exc:
                         assert exc.status_code == 503 and exc.body["code"] == "overloaded", exc.body
+                        assert exc.body["message"] == error["error"]["message"]  # one refusal on every route
                 await send(ws, type="cancel", id="busy")
                 await gather_until_done(ws, {"busy"})
     finally:
