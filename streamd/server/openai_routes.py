@@ -225,9 +225,9 @@ async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = No
 
 
 class TextEvents:
-    """A call's text chunks (without logprobs) as bytes: per choice, the chunk is encoded once around a placeholder text and
-    split there, so each delta costs one orjson call on its text instead of building and encoding the
-    whole chunk (the same bytes: the placeholder's JSON is replaced by the text's JSON)."""
+    """A call's text chunks (without logprobs) as bytes: per choice, the chunk is encoded once around a
+    placeholder text and split there, so each delta costs one orjson call on its text instead of building
+    and encoding the whole chunk (the same bytes: the placeholder's JSON is replaced by the text's JSON)."""
 
     HOLE = "\x00streamd-text\x00"
 
@@ -254,8 +254,7 @@ async def _collect(call: _Call) -> Response:
     account = call.account
     texts: list[list[str]] = [[] for _ in range(account.num_choices)]
     try:
-        async for delta in call.stream:
-            account.absorb(delta)
+        async for delta in _deltas(call, None):
             for choice in delta.outputs:
                 texts[choice.index].append(choice.text)
                 if call.logprobs is not None:
