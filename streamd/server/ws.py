@@ -297,13 +297,17 @@ class Connection(SocketConnection):
 
     def _check_room(self, client_id: str) -> None:
         """Raises ServiceError if this connection cannot take another request now."""
+        self._check_slot(client_id)
+        if self.services.lifecycle.draining:
+            raise ServiceError("shutting_down", "the server is shutting down")
+
+    def _check_slot(self, client_id: str) -> None:
+        """Raises ServiceError if `client_id` cannot be one more live request (a generate or a resume)."""
         if client_id in self.live:
             raise ServiceError("duplicate_id", f"id {client_id!r} is already in flight")
         if len(self.live) >= self.services.config.max_requests_per_connection:
             raise ServiceError("too_many_requests", "too many requests in flight on this connection "
                                f"(limit {self.services.config.max_requests_per_connection})")
-        if self.services.lifecycle.draining:
-            raise ServiceError("shutting_down", "the server is shutting down")
 
     async def _prepare(self, frame: protocol.Generate) -> Prepared:
         """Tokenizes (off the loop when long) and checks a generate frame; raises ServiceError."""
@@ -320,10 +324,7 @@ class Connection(SocketConnection):
         """Attaches a resumable request to this socket: the frames after `after_seq`, then the live stream."""
         store = self.services.resumes
         try:
-            if frame.id in self.live:
-                raise ServiceError("duplicate_id", f"id {frame.id!r} is already in flight")
-            if len(self.live) >= self.services.config.max_requests_per_connection:
-                raise ServiceError("too_many_requests", "too many requests in flight on this connection")
+            self._check_slot(frame.id)
             retention, replay = store.claim(frame.id, frame.resume_token, frame.after_seq, self.api_key)
         except ServiceError as exc:
             self.send_error(frame.id, exc)

@@ -86,6 +86,13 @@ async def test_refused_resumes_name_the_reason(async_engine: AsyncEngine) -> Non
                 frame = await recv(ws)
                 assert frame["type"] == "error" and frame["error"]["code"] == code, (code, frame)
                 assert frame["id"] == rid and frame["error"]["message"]
+        async with ws_connect(server, additional_headers=keys["k1"]) as ws:  # its id is live on this socket
+            await send(ws, type="generate", id="r", prompt="Hi", params=long)
+            await send(ws, type="resume", id="r", resume_token=token, after_seq=0)
+            await send(ws, type="cancel", id="r")
+            live = (await gather_until_done(ws, {"r"}))["r"]
+        assert [f["error"]["code"] for f in live.of("error")] == ["duplicate_id"]
+        assert live.done["finish_reason"] == "cancelled"  # the live request, not the detached one
         stats = await async_engine.wait_idle()  # the grace ends: the request is aborted, its blocks freed
         assert stats.pool_whole
         async with ws_connect(server, additional_headers=keys["k1"]) as ws:
