@@ -37,7 +37,9 @@ def _check_events(events: list[Any]) -> str:
                          "response.content_part.added"], kinds
     assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done",
                             "response.output_item.done"], kinds
-    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    status = events[-1].response.status  # the terminal event follows the status
+    assert kinds[-1] == ("response.completed" if status == "completed" else "response.incomplete"), (kinds, status)
+    assert (events[-1].response.incomplete_details is None) == (status != "incomplete"), events[-1].response
     assert set(kinds[4:-4]) <= {"response.output_text.delta"}, kinds
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
