@@ -360,6 +360,16 @@ async def json_body(request: Request) -> dict[str, Any]:
     return body
 
 
+def body_flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A boolean field of a body (`default` when absent or null); anything else is refused, naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ServiceError("invalid_request", f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
 def check_model(s: Services, body: dict[str, Any]) -> None:
     model = body.get("model")
     if model is not None and model != s.model_name:

@@ -32,7 +32,7 @@ from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared, normalize_messages
 from streamd.server.logprobs import TokenTexts, chat_entries
-from streamd.server.openai_routes import SSEResponse, check_model, json_body, until_disconnect
+from streamd.server.openai_routes import SSEResponse, body_flag, check_model, json_body, until_disconnect
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
 
@@ -65,7 +65,7 @@ async def plan_response(s: Services, body: dict[str, Any], find: Lookup, *,
     check_model(s, body)
     _refuse_features(body)
     _check_text_format(body.get("text"))
-    stream, store = _flag(body, "stream", False), _flag(body, "store", True)
+    stream, store = body_flag(body, "stream", False), body_flag(body, "store", True)
     new = _input_messages(body.get("input"), body.get("instructions"))
     previous_id = body.get("previous_response_id")
     if previous_id is None:
@@ -172,15 +172,6 @@ def _check_text_format(text: Any) -> None:
     if kind != "text":
         raise ServiceError("unsupported", f"text.format {kind!r} is unsupported: only {{'type': 'text'}} is served "
                            "(structured outputs are not available yet)", "text.format")
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ServiceError("invalid_request", f"{name} must be a boolean", name)
-    return value
 
 
 def _metadata(value: Any) -> dict[str, str] | None:

@@ -88,6 +88,7 @@ async def test_http_errors_are_openai_bodies(client: AsyncOpenAI, server: Server
         ({"model": model, "input": 5}, openai.BadRequestError, "invalid_request"),
         ({"model": model, "input": "x", "max_output_tokens": "many"}, openai.BadRequestError, "invalid_request"),
         ({"model": model, "input": "x", "temperature": "hot"}, openai.BadRequestError, "invalid_request"),
+        ({"model": model, "input": "x", "store": "yes"}, openai.BadRequestError, "invalid_request"),
         ({"model": model, "input": "x " * 9000}, openai.BadRequestError, "context_length_exceeded"),
         ({"model": model, "input": "x", "previous_response_id": "resp_nope"}, openai.BadRequestError,
          "previous_response_not_found"),
