@@ -35,7 +35,7 @@ from streamd.engine.request_stream import RequestStream
 from streamd.engine.sampling_params import MAX_LOGPROBS, is_int
 from streamd.logs import get_logger
 from streamd.server.accounting import FinishNames, RequestAccount
-from streamd.server.encoding import dumps, loads
+from streamd.server.encoding import dumps, loads_object
 from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.logprobs import LogprobsBuilder
@@ -354,10 +354,7 @@ def _data(obj: dict[str, Any]) -> str:
 
 async def json_body(request: Request) -> dict[str, Any]:
     """The body (already bounded by `server.max_body_bytes` and checked to be JSON by `http_guard`)."""
-    body = loads(await request.body(), "the request body")
-    if not isinstance(body, dict):
-        raise ServiceError("invalid_request", "the request body must be a JSON object")
-    return body
+    return loads_object(await request.body(), "the request body")
 
 
 def body_flag(body: dict[str, Any], name: str, default: bool) -> bool:

@@ -21,7 +21,7 @@ from typing import Any
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from streamd.logs import get_logger
-from streamd.server.encoding import dumps, loads
+from streamd.server.encoding import dumps, loads_object
 from streamd.server.errors import ServiceError
 from streamd.server.responses_api import ResponsePlan, ResponseRun, api_key, builder_for, keep, plan_response
 from streamd.server.responses_store import StoredResponse
@@ -173,7 +173,4 @@ class ResponsesConnection(SocketConnection):
 def _parse(text: str | None) -> dict[str, Any]:
     if text is None:
         raise ServiceError("invalid_request", "events must be text (JSON)")
-    event = loads(text, "the event")  # refuses unencodable text and deep nesting, naming which
-    if not isinstance(event, dict):
-        raise ServiceError("invalid_request", "an event must be a JSON object")
-    return event
+    return loads_object(text, "the event")  # also refuses unencodable text and deep nesting, naming which
