@@ -195,3 +195,5 @@ async def test_drain_closes_with_1012_and_the_sdk_reconnects(async_engine) -> No
                         srv.uvicorn.handle_exit(signal.SIGTERM, None)  # what the SIGTERM handler does
         assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 8
         assert reconnects == [1012] and closed.value.rcvd.code == 1012
+    metrics = srv.services.metrics  # (the server has shut down: its handlers are done) counted as every socket
+    assert metrics.ws_closes.labels("1012")._value.get() == 1 and metrics.ws_connections._value.get() == 0
