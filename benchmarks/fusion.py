@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import gc
-import math
 import os
 import statistics
 import sys
@@ -34,7 +33,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import streamd.kernels as K  # noqa: E402
 from streamd import LLM, SamplingParams  # noqa: E402
-from streamd.bench.report import git_commit, save_report  # noqa: E402
+from streamd.bench import cuda_timing  # noqa: E402
+from streamd.bench.report import add_out_argument, git_commit, save_report  # noqa: E402
 from streamd.bench.throughput import SHAPES, measure_ceilings  # noqa: E402
 from streamd.engine.attention import AttentionMetadata, set_attention_metadata  # noqa: E402
 from streamd.engine.llm_engine import LLMEngine  # noqa: E402
@@ -42,7 +42,6 @@ from streamd.kernels import reference as R  # noqa: E402
 
 DRY_SHAPE = dict(hidden_size=72, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, head_dim=24,
                  intermediate_size=100, vocab_size=256, tie_word_embeddings=True)
-ROTATE_BYTES = 256 << 20  # working set of one timed graph: ~5x an H100/H200 L2
 PREFILL_ROWS = 8192
 
 
@@ -63,7 +62,7 @@ class Setup:
 # ---- timing -----------------------------------------------------------------------------------------
 
 def time_calls(fns: list[Callable[[], Any]], setup: Setup, min_calls: int = 24) -> float:
-    """Median seconds per call of `fns` (rotated): on CUDA all captured in one graph and replayed."""
+    """Median seconds per call of `fns` (rotated): on CUDA all captured in one graph and replayed (`time_graph`)."""
     if setup.device.type != "cuda":
         for f in fns:  # compile outside the timing
             f()
@@ -71,25 +70,7 @@ def time_calls(fns: list[Callable[[], Any]], setup: Setup, min_calls: int = 24) 
         for f in fns:
             f()
         return (time.perf_counter() - start) / len(fns)
-    import triton
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:  # compile, autotune and allocate outside the capture
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    reps = max(1, math.ceil(min_calls / len(fns)))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for f in fns:
-                f()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(graph.replay, warmup=20, rep=80, return_mode="median")
-    del graph
-    return ms * 1e-3 / (reps * len(fns))
+    return cuda_timing.time_graph(fns, min_calls)
 
 
 def sync(device: torch.device) -> None:
@@ -286,7 +267,7 @@ class MicroCase:
 
 
 def copies_for(nbytes: int, setup: Setup) -> int:
-    return 1 if setup.dry_run else max(1, min(64, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
+    return 1 if setup.dry_run else cuda_timing.copies_for(nbytes, cap=64)
 
 
 def _max_diff(a: Any, b: Any) -> float:
@@ -458,7 +439,7 @@ def shape_report(shape: str, modes: list[str], setup: Setup, ceilings: dict[str,
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default="benchmarks/results")
+    add_out_argument(parser)
     parser.add_argument("--shapes", default="smollm2-135m,llama3.2-1b")
     parser.add_argument("--modes", default="off,triton,compile", help="first = the baseline for the token check")
     parser.add_argument("--batch", type=int, default=256)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import math
 import os
 import sys
 import time
@@ -28,42 +27,17 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import streamd.kernels as K  # noqa: E402
+from streamd.bench.cuda_timing import copies_for, time_graph  # noqa: E402
 from streamd.kernels import reference as R  # noqa: E402
 
 DEV = "cuda"
 PAGE = 16
 MODELS = {"llama3-8b": (32, 8, 128), "llama3.2-1b": (32, 8, 64)}  # q heads, kv heads, head dim
-ROTATE_BYTES = 256 << 20  # working set per timed graph: ~5x the L2
 MIB = 1 << 20
 
 
 def log(*a: Any) -> None:
     print(*a, flush=True)
-
-
-def time_graph(fns: list[Callable[[], Any]], min_calls: int = 24) -> float:
-    """Median seconds per call of fns (rotated), all captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for f in fns:  # compile / autotune / allocate outside the capture
-            f()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    reps = max(1, math.ceil(min_calls / len(fns)))
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for f in fns:
-                f()
-    torch.cuda.synchronize()
-    ms = triton.testing.do_bench(graph.replay, warmup=20, rep=80, return_mode="median")
-    del graph
-    return ms * 1e-3 / (reps * len(fns))
-
-
-def copies_for(nbytes: int, cap: int = 256) -> int:
-    return max(1, min(cap, math.ceil(ROTATE_BYTES / max(nbytes, 1))))
 
 
 def measure_hbm() -> dict[str, float]:

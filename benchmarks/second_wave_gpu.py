@@ -17,7 +17,7 @@ import datetime
 import time
 
 from streamd import LLM, SamplingParams
-from streamd.bench.report import git_commit, save_report
+from streamd.bench.report import add_out_argument, git_commit, save_report
 
 # The string must end in " THE END" (which a random-ish reply does not write): constrained replies run to
 # max_tokens like the unconstrained ones, so both shares are timed at the same batch size throughout.
@@ -43,7 +43,7 @@ def timed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], repe
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="/tmp/streamd-serve-model")
-    parser.add_argument("--out", default="benchmarks/results", help="folder for second-wave-<date>-<gpu>.json/.md")
+    add_out_argument(parser)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()

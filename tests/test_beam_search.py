@@ -8,22 +8,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from streamd import LLM, SamplingParams
 from streamd.engine.beam_search import BeamHypothesis, BeamSearch, BeamStep, Candidate
 from streamd.engine.errors import KVCacheCapacityError
 from streamd.engine.sequence import Sequence
-from tests.helpers import fold_deltas, register_engine, run_to_completion
+from tests.helpers import fold_deltas, random_prompt, run_to_completion, tiny_llm
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 # (beam width, early_stopping, length_penalty)
 SEARCHES = [(2, True, 1.0), (3, False, 1.0), (4, True, 1.0), (4, False, 0.5), (3, "never", 1.0)]
 MAX_TOKENS = 20
-
-CONFIG = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                     initializer_range=0.1)
 
 
 def _beams(width: int, early_stopping: bool | str = False, length_penalty: float = 1.0, **kw) -> SamplingParams:
@@ -88,27 +83,15 @@ def test_best_n_of_the_beams_with_text(smol_llm: LLM) -> None:
         assert choice.text == smol_llm.tokenizer.decode(body, skip_special_tokens=True)
 
 
-def _random_prompt(seed: int, length: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(10, CONFIG.vocab_size, (length,), generator=gen).tolist()
-
-
-def _tiny(**overrides) -> LLM:
-    base = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, seed=5, watermark=0.0)
-    llm = LLM(CONFIG, **{**base, **overrides})
-    register_engine(llm.engine)
-    return llm
-
-
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preempting_a_beam_group_keeps_its_beams(mode: str) -> None:
-    prompts = [_random_prompt(i, 10) for i in range(6)] + [_random_prompt(9, 20)]
+    prompts = [random_prompt(i, 10) for i in range(6)] + [random_prompt(9, 20)]
     greedy = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True, detokenize=False)
     params = [greedy] * 6 + [_beams(3, False, max_tokens=40, ignore_eos=True)]
-    roomy = run_to_completion(_tiny(num_kv_blocks=200, num_swap_blocks=0).engine, prompts, params)
+    roomy = run_to_completion(tiny_llm(num_kv_blocks=200, num_swap_blocks=0).engine, prompts, params)
     # 34 blocks of 8: the beam group's worst case (20 blocks) fits at admission beside the six prompts, but
     # not beside the six single sequences growing: the group, the latest arrival, is preempted.
-    engine = _tiny(num_kv_blocks=34, num_swap_blocks=64 if mode == "swap" else 0, preemption_mode=mode,
+    engine = tiny_llm(num_kv_blocks=34, num_swap_blocks=64 if mode == "swap" else 0, preemption_mode=mode,
                    enable_prefix_caching=False).engine  # recomputed beams share nothing: their prefills are chunked
     for i, (prompt, p) in enumerate(zip(prompts, params)):
         engine.add_request(f"r{i}", prompt, p)
@@ -126,8 +109,8 @@ def test_preempting_a_beam_group_keeps_its_beams(mode: str) -> None:
 
 @pytest.mark.parametrize("steps", [1, 6])  # before the beams are forked, and after
 def test_aborting_a_beam_group_frees_every_candidate(steps: int) -> None:
-    engine = _tiny(num_kv_blocks=60, num_swap_blocks=0).engine
-    engine.add_request("b", _random_prompt(4, 21), _beams(4, n=2, max_tokens=30, ignore_eos=True))
+    engine = tiny_llm(num_kv_blocks=60, num_swap_blocks=0).engine
+    engine.add_request("b", random_prompt(4, 21), _beams(4, n=2, max_tokens=30, ignore_eos=True))
     folded: dict = {}
     for _ in range(steps):
         fold_deltas(engine.step(), folded)
@@ -144,7 +127,7 @@ def test_aborting_a_beam_group_frees_every_candidate(steps: int) -> None:
 
 @pytest.mark.parametrize("prompt_len", [37, 40])  # the prompt's last block partly filled, and full
 def test_copy_on_write_copies_only_the_last_partly_filled_block(prompt_len: int) -> None:
-    llm = _tiny(num_kv_blocks=120, num_swap_blocks=0)
+    llm = tiny_llm(num_kv_blocks=120, num_swap_blocks=0)
     engine, bs = llm.engine, 8
     copies: list[tuple[int, int]] = []
     expected = [0]  # copies due: forks whose next write lands inside a partly filled block
@@ -163,7 +146,7 @@ def test_copy_on_write_copies_only_the_last_partly_filled_block(prompt_len: int)
     engine.cache.copy, engine.scheduler.replace_beams = recording_copy, recording_replace
     try:
         before = engine.stats().kv
-        out = run_to_completion(engine, [_random_prompt(prompt_len, prompt_len)],
+        out = run_to_completion(engine, [random_prompt(prompt_len, prompt_len)],
                                 _beams(4, max_tokens=24, ignore_eos=True))[0]
     finally:
         del engine.cache.copy, engine.scheduler.replace_beams
@@ -173,9 +156,9 @@ def test_copy_on_write_copies_only_the_last_partly_filled_block(prompt_len: int)
 
 
 def test_a_beam_group_whose_worst_case_never_fits_is_refused() -> None:
-    engine = _tiny(num_kv_blocks=30, num_swap_blocks=0).engine
+    engine = tiny_llm(num_kv_blocks=30, num_swap_blocks=0).engine
     with pytest.raises(KVCacheCapacityError, match="beam_width=6"):
-        engine.add_request("big", _random_prompt(5, 20), _beams(6, max_tokens=60))
+        engine.add_request("big", random_prompt(5, 20), _beams(6, max_tokens=60))
 
 
 def _search(width: int, early_stopping: bool | str, length_penalty: float = 1.0, max_tokens: int = 10) -> BeamSearch:
@@ -221,18 +204,18 @@ def test_one_batched_candidate_selection_per_step(monkeypatch) -> None:
     host), whatever the number of requests and their widths; other requests still sample beside them."""
     import streamd.engine.llm_engine as llm_engine
 
-    engine = _tiny(num_kv_blocks=200, num_swap_blocks=0).engine
+    engine = tiny_llm(num_kv_blocks=200, num_swap_blocks=0).engine
     calls: list[list[tuple[str, int]]] = []
     select = llm_engine.select_candidates
 
-    def recording_select(logits, groups, vocab_size):
+    def recording_select(logits, groups, vocab_size, bitmask=None):
         calls.append([(g.request_id, len(g.rows)) for g in groups])
-        return select(logits, groups, vocab_size)
+        return select(logits, groups, vocab_size, bitmask)
 
     monkeypatch.setattr(llm_engine, "select_candidates", recording_select)
     for i, width in enumerate((2, 3, 4)):
-        engine.add_request(f"b{i}", _random_prompt(20 + i, 12 + i), _beams(width, max_tokens=10, ignore_eos=True))
-    engine.add_request("g", _random_prompt(30, 9), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+        engine.add_request(f"b{i}", random_prompt(20 + i, 12 + i), _beams(width, max_tokens=10, ignore_eos=True))
+    engine.add_request("g", random_prompt(30, 9), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
                                                                   detokenize=False))
     steps = 0
     while engine.has_unfinished_requests():
@@ -240,3 +223,54 @@ def test_one_batched_candidate_selection_per_step(monkeypatch) -> None:
         steps += 1
     assert len(calls) <= steps and {rid for call in calls for rid, _ in call} == {"b0", "b1", "b2"}
     assert calls[1] == [("b0", 2), ("b1", 3), ("b2", 4)]  # after the prompts: every beam of every request
+
+
+class _GrammarMask:
+    """A transformers logits processor for the reference: each row's mask from a fresh xgrammar matcher fed
+    that row's generated tokens (stateless, so it stays right however beam search reorders rows)."""
+
+    def __init__(self, compiled, prompt_len: int, vocab_size: int) -> None:
+        self.compiled, self.prompt_len, self.vocab_size = compiled, prompt_len, vocab_size
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        import xgrammar as xgr
+
+        mask = xgr.allocate_token_bitmask(input_ids.shape[0], self.vocab_size)
+        for row, ids in enumerate(input_ids.tolist()):
+            matcher = xgr.GrammarMatcher(self.compiled)
+            assert all(matcher.accept_token(t) for t in ids[self.prompt_len:])
+            matcher.fill_next_token_bitmask(mask, row)
+        xgr.apply_token_bitmask_inplace(scores, mask, vocab_size=self.vocab_size)
+        return scores
+
+
+@pytest.mark.parametrize("width", [2, 3])
+def test_constrained_beams_equal_hf_generate_under_the_same_grammar(smol_llm: LLM, hf_smol, width: int) -> None:
+    """Beam search with a JSON schema: every beam parses and validates, and the beams equal transformers'
+    beam search gated by the same grammar (masks after the log-softmax, as transformers applies them)."""
+    import json
+
+    import jsonschema
+    from transformers import LogitsProcessorList
+
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+              "required": ["city"], "additionalProperties": False}
+    engine = smol_llm.engine
+    (eos,) = engine.eos_token_ids
+    ids = engine.apply_chat_template([{"role": "user", "content": "Name a city in France as JSON."}])
+    params = _beams(width, True, detokenize=True, max_tokens=24, structured_outputs={"json": schema})
+    (out,) = run_to_completion(engine, [ids], [params])
+    for choice in out.outputs:
+        jsonschema.validate(json.loads(choice.text), schema)
+    assert len(engine.grammars) == 0  # dropped and finished beams left no grammar state behind
+    compiled = engine.grammars.compiler.compile(params.structured_outputs)
+    x = torch.tensor([ids])
+    with torch.inference_mode():
+        ref = hf_smol.generate(x, attention_mask=torch.ones_like(x), num_beams=width, num_return_sequences=width,
+                               do_sample=False, early_stopping=True, max_new_tokens=24, eos_token_id=eos,
+                               pad_token_id=eos,
+                               logits_processor=LogitsProcessorList([_GrammarMask(compiled, len(ids),
+                                                                                  engine.vocab_size)]))
+    want = [row[:row.index(eos) + 1] if eos in row else row for row in ref[:, len(ids):].tolist()]
+    assert [c.token_ids for c in out.outputs] == want[:len(out.outputs)]
+    assert len(out.outputs) == width

@@ -1,6 +1,7 @@
 """`streamd bench serve --offline-baseline` end to end at a tiny size: its own servers (every layout: the
 engine on a thread; in its own process, making deltas there or in the server process), the offline rate, WebSocket and SSE clients, and the report
-in the schema issue 9 asks for. The null model runs here because this tests the benchmark, not outputs."""
+in the schema issue 9 asks for. The null model runs here because this tests the benchmark, not outputs. Also the `--json` writer that
+`bench serve` and `bench chaos` share."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from streamd.bench.report import write_json
 
 RUN_FIELDS = {"transport", "concurrency", "offline_tok_s", "served_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
               "itl_p99_s", "server_cpu_us_per_token", "client_cpu_us_per_token"}
@@ -30,3 +35,13 @@ def test_offline_baseline_writes_the_report(tmp_path: Path) -> None:
         assert run["served_tok_s"] > 0 and run["offline_tok_s"] > 0
         assert run["server_cpu_us_per_token"] >= 0  # /proc counts in 10 ms ticks: a run this small may read 0
     assert path.with_suffix(".md").exists()
+
+
+def test_json_flag_writes_the_report_to_a_file_or_stdout(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    report = {"completed": 3, "ttft_s": {"p50": 0.25, "p99": None}, "errors": []}
+    write_json(report, str(tmp_path / "report.json"))
+    assert json.loads((tmp_path / "report.json").read_text()) == report
+    write_json(report, "-")
+    assert json.loads(capsys.readouterr().out) == report
+    write_json(report, None)
+    assert capsys.readouterr().out == "" and [p.name for p in tmp_path.iterdir()] == ["report.json"]

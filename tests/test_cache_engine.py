@@ -201,14 +201,10 @@ def test_contiguous_runs() -> None:
 
 def test_engine_swap_preemption_through_the_staged_path(monkeypatch) -> None:
     """Greedy outputs under swap preemption with every swap staged equal an unconstrained run."""
-    from transformers import LlamaConfig
-
     from streamd import LLM, SamplingParams
-    from tests.helpers import register_engine
+    from tests.helpers import register_engine, tiny_llama_config
 
-    config = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         initializer_range=0.1)
+    config = tiny_llama_config()
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 300, (int(n),), generator=gen).tolist()

@@ -4,11 +4,8 @@ chunked prefills and decodes: the default model (float32) and random-weight mode
 from __future__ import annotations
 
 import pytest
-from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
 from streamd import LLM, SamplingParams
-from tests.helpers import fold_deltas, random_engine_and_hf_twin
-from tests.helpers import hf_greedy
+from tests.helpers import fold_deltas, hf_greedy, random_engine_and_hf_twin, tiny_arch_config
 
 CHATS = [
     "What is the capital of France?",
@@ -54,22 +51,9 @@ def test_default_model_matches_hf_generate(smol_llm: LLM, hf_smol) -> None:
     assert any(len(got[f"r{i}"]) == 32 for i in range(len(prompts)))
 
 
-def _tiny(kind: str):
-    common = dict(vocab_size=320, hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                  num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.08, tie_word_embeddings=False)
-    if kind == "llama-gqa":
-        return LlamaConfig(**common, head_dim=16)
-    if kind == "qwen2-bias":
-        return Qwen2Config(**common)
-    if kind == "qwen3-qknorm":
-        return Qwen3Config(**common, head_dim=32)
-    raise ValueError(kind)
-
-
-@pytest.mark.parametrize("kind", ["llama-gqa", "qwen2-bias", "qwen3-qknorm"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])  # GQA, QKV bias, q/k norm
 def test_random_architectures_match_hf_generate(kind: str) -> None:
-    config = _tiny(kind)
+    config = tiny_arch_config(kind, hidden_size=128, intermediate_size=256, num_attention_heads=8, qwen3_head_dim=32)
     llm, reference, prompts = random_engine_and_hf_twin(config, perturb_seed=3, num_prompts=8, max_prompt_len=60,
                                                         num_kv_blocks=160, block_size=8, max_num_batched_tokens=48,
                                                         seed=7)

@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig
 
 from streamd import LLM, SamplingParams
 from streamd.engine.sequence import PLACEHOLDER
-from tests.helpers import fold_deltas, register_engine, run_to_completion, step_until_idle
+from tests.helpers import fold_deltas, register_engine, run_to_completion, step_until_idle, tiny_llama_config
 
-CONFIG = LlamaConfig(vocab_size=200, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                     initializer_range=0.1)
+CONFIG = tiny_llama_config(200)
 
 
 @pytest.fixture(scope="module")

@@ -6,6 +6,7 @@ shutdown ends the child."""
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -17,9 +18,13 @@ from streamd.engine.sampling_params import SamplingParams
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):"]
 
 
-async def _fold(engine: ProcessEngine, request_id: str, prompt: str, params: SamplingParams) -> RequestOutputBuilder:
-    ids = engine.tokenizer(prompt).input_ids
-    stream = await engine.add_request(request_id, None, params, prompt_token_ids=list(ids))
+async def _fold(engine: ProcessEngine, request_id: str, prompt: str, params: SamplingParams, *,
+                as_text: bool = False) -> RequestOutputBuilder:
+    if as_text:  # tokenized by the engine (outputs="engine") or by ProcessEngine (outputs="network")
+        stream = await engine.add_request(request_id, prompt, params)
+    else:
+        ids = engine.tokenizer(prompt).input_ids
+        stream = await engine.add_request(request_id, None, params, prompt_token_ids=list(ids))
     builder = RequestOutputBuilder(request_id, prompt, [])
     async for delta in stream:
         builder.add(delta)
@@ -39,8 +44,10 @@ async def test_process_engine_matches_the_offline_engine(smol_llm, outputs: str)
     engine.start()
     try:
         assert engine.model_name == smol_llm.engine.model_name and engine.ready
+        assert engine.max_model_len == smol_llm.engine.max_model_len
+        assert engine.thread_id is not None and engine.thread_id != threading.get_native_id()
         builders = await asyncio.gather(*(_fold(engine, f"p{i}", p, params) for i, p in enumerate(PROMPTS)),
-                                        _fold(engine, "stop", PROMPTS[1], stopping))
+                                        _fold(engine, "stop", PROMPTS[1], stopping, as_text=True))
         for builder, reference in zip(builders, [*expected, expected_stop]):
             (got,) = builder.build().outputs
             want = reference.outputs[0]

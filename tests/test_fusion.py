@@ -6,24 +6,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config, Qwen3Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
 
 from streamd import LLM, SamplingParams
 from streamd.engine.fusion import FusedDecoder, fuse_layers
-from tests.helpers import hf_greedy, random_engine_and_hf_twin, register_engine, run_to_completion
+from tests.helpers import hf_greedy, random_engine_and_hf_twin, register_engine, run_to_completion, tiny_arch_config
 
 
 def _tiny(kind: str):
-    common = dict(vocab_size=320, hidden_size=96, intermediate_size=200, num_hidden_layers=3,
-                  num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=512,
-                  initializer_range=0.08, tie_word_embeddings=False)
-    if kind == "llama":
-        return LlamaConfig(**common, head_dim=16)
-    if kind == "qwen2":
-        return Qwen2Config(**common)
-    if kind == "qwen3":
-        return Qwen3Config(**common, head_dim=24)
-    raise ValueError(kind)
+    return tiny_arch_config(kind, hidden_size=96, intermediate_size=200, num_attention_heads=6, qwen3_head_dim=24)
 
 
 def _engine_and_reference(kind: str, num_prompts: int):
@@ -44,7 +35,9 @@ def test_fused_layers_match_hf_generate(kind: str, mode: str) -> None:
     assert fuse_layers(model, mode, torch.device("cpu"), compile_backend="aot_eager") == mode
     assert isinstance(model.model, FusedDecoder)
     layer = model.model.layers[0]
-    assert not hasattr(layer, "self_attn") and layer.qkv_proj.out_features == 6 * layer.head_dim + 2 * 2 * layer.head_dim
+    q_size, kv_size, head_dim = layer.qkv_sizes
+    assert not hasattr(layer, "self_attn") and (q_size, kv_size) == (6 * head_dim, 2 * head_dim)
+    assert layer.qkv_proj.out_features == q_size + 2 * kv_size
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     outs = run_to_completion(llm.engine, prompts, params)
     for ids, out in zip(prompts, outs):

@@ -10,10 +10,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1] / "streamd"
 
 
-def _modules() -> dict[str, Path]:
+def _modules(root: Path = ROOT) -> dict[str, Path]:
     out = {}
-    for path in ROOT.rglob("*.py"):
-        parts = path.relative_to(ROOT.parent).with_suffix("").parts
+    for path in root.rglob("*.py"):
+        parts = path.relative_to(root.parent).with_suffix("").parts
         name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         out[name] = path
     return out
@@ -81,3 +81,25 @@ def test_no_import_cycles() -> None:
 
 def test_the_check_finds_a_cycle() -> None:
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_every_import_statement_is_an_edge(tmp_path: Path) -> None:
+    """Relative imports at any depth, `from pkg import module`, imports inside functions and under
+    TYPE_CHECKING each give an edge to the module imported, never to its parent packages."""
+    files = {
+        "pkg/__init__.py": "",
+        "pkg/a.py": ("from __future__ import annotations\nfrom typing import TYPE_CHECKING\nfrom . import b\n"
+                     "from .sub import c as _c\nif TYPE_CHECKING:\n    from pkg.d import X\n\n"
+                     "def f():\n    import pkg.e\n"),
+        "pkg/b.py": "", "pkg/d.py": "X = 1\n", "pkg/e.py": "",
+        "pkg/sub/__init__.py": "from .c import *\n",
+        "pkg/sub/c.py": "from ..d import X\nfrom .. import e, b\n",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    modules = _modules(tmp_path / "pkg")
+    assert set(modules) == {"pkg", "pkg.a", "pkg.b", "pkg.d", "pkg.e", "pkg.sub", "pkg.sub.c"}
+    assert _edges("pkg.a", modules["pkg.a"], modules) == {"pkg.b", "pkg.sub.c", "pkg.d", "pkg.e"}
+    assert _edges("pkg.sub", modules["pkg.sub"], modules) == {"pkg.sub.c"}
+    assert _edges("pkg.sub.c", modules["pkg.sub.c"], modules) == {"pkg.d", "pkg.e", "pkg.b"}

@@ -5,29 +5,10 @@ the group preempted and aborted together, and its worst case counted at admissio
 from __future__ import annotations
 
 import pytest
-import torch
-from transformers import LlamaConfig
 
 from streamd import LLM, SamplingParams
 from streamd.engine.errors import KVCacheCapacityError
-from tests.helpers import fold_deltas, register_engine, run_to_completion
-
-CONFIG = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                     initializer_range=0.1)
-
-
-def _random_prompt(seed: int, length: int, vocab: int) -> list[int]:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab, (length,), generator=gen).tolist()
-
-
-def _tiny(**overrides) -> LLM:
-    base = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, seed=5, watermark=0.0)
-    llm = LLM(CONFIG, **{**base, **overrides})
-    register_engine(llm.engine)
-    return llm
-
+from tests.helpers import fold_deltas, random_prompt, run_to_completion, tiny_llm
 
 def _samples(outputs) -> list[list[int]]:
     return [choice.token_ids for choice in outputs.outputs]
@@ -65,7 +46,7 @@ def test_the_prompt_is_allocated_once_and_only_its_last_block_is_copied(smol_llm
     engine.cache.copy = recording_copy
     try:
         before = engine.stats().kv
-        prompt = _random_prompt(prompt_len, prompt_len, engine.vocab_size)
+        prompt = random_prompt(prompt_len, prompt_len, engine.vocab_size)
         params = SamplingParams(n=n, seed=7, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         out = run_to_completion(engine, [prompt], params)[0]
     finally:
@@ -84,13 +65,13 @@ def test_the_prompt_is_allocated_once_and_only_its_last_block_is_copied(smol_llm
 
 @pytest.mark.parametrize("mode", ["swap", "recompute"])
 def test_preempting_a_group_keeps_its_samples(mode: str) -> None:
-    prompts = [_random_prompt(1, 10, 300), _random_prompt(2, 11, 300), _random_prompt(3, 20, 300)]
+    prompts = [random_prompt(1, 10), random_prompt(2, 11), random_prompt(3, 20)]
     params = [SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)] * 2 + [
         SamplingParams(n=3, seed=9, temperature=1.0, max_tokens=40, ignore_eos=True, detokenize=False)]
-    roomy = run_to_completion(_tiny(num_kv_blocks=200, num_swap_blocks=0).engine, prompts, params)
+    roomy = run_to_completion(tiny_llm(num_kv_blocks=200, num_swap_blocks=0).engine, prompts, params)
     # 30 blocks of 8: the group's worst case (20 blocks) fits at admission beside the two prompts, but not
     # beside the two single sequences grown to full length: the group, the latest arrival, is preempted.
-    llm = _tiny(num_kv_blocks=30, num_swap_blocks=64 if mode == "swap" else 0, preemption_mode=mode)
+    llm = tiny_llm(num_kv_blocks=30, num_swap_blocks=64 if mode == "swap" else 0, preemption_mode=mode)
     tight = run_to_completion(llm.engine, prompts, params)
     assert [_samples(o) for o in tight] == [_samples(o) for o in roomy]
     assert len({tuple(s) for s in _samples(tight[2])}) == 3
@@ -100,9 +81,9 @@ def test_preempting_a_group_keeps_its_samples(mode: str) -> None:
 
 @pytest.mark.parametrize("steps", [1, 4])  # before the samples are forked, and after
 def test_aborting_a_group_frees_every_sample(steps: int) -> None:
-    engine = _tiny(num_kv_blocks=60, num_swap_blocks=0).engine
+    engine = tiny_llm(num_kv_blocks=60, num_swap_blocks=0).engine
     params = SamplingParams(n=4, seed=3, max_tokens=30, ignore_eos=True, detokenize=False)
-    engine.add_request("g", _random_prompt(4, 21, 300), params)
+    engine.add_request("g", random_prompt(4, 21), params)
     folded: dict = {}
     for _ in range(steps):
         fold_deltas(engine.step(), folded)
@@ -116,10 +97,10 @@ def test_aborting_a_group_frees_every_sample(steps: int) -> None:
 
 
 def test_a_group_whose_worst_case_never_fits_is_refused() -> None:
-    engine = _tiny(num_kv_blocks=30, num_swap_blocks=0).engine
+    engine = tiny_llm(num_kv_blocks=30, num_swap_blocks=0).engine
     params = SamplingParams(n=6, max_tokens=60, detokenize=False)
     with pytest.raises(KVCacheCapacityError, match="n=6"):
-        engine.add_request("big", _random_prompt(5, 20, 300), params)
-    engine.add_request("ok", _random_prompt(5, 20, 300), SamplingParams(n=2, max_tokens=20, detokenize=False))
+        engine.add_request("big", random_prompt(5, 20), params)
+    engine.add_request("ok", random_prompt(5, 20), SamplingParams(n=2, max_tokens=20, detokenize=False))
     while engine.has_unfinished_requests():
         engine.step()

@@ -81,7 +81,6 @@ def test_from_dict() -> None:
     (dict(use_beam_search=True, min_p=0.1), "min_p"), (dict(use_beam_search=True, seed=1), "seed"),
     (dict(use_beam_search=True, repetition_penalty=1.2), "repetition_penalty"),
     (dict(use_beam_search=True, stop=["\n"]), "stop"), (dict(use_beam_search=True, logprobs=2), "logprobs"),
-    (dict(use_beam_search=True, structured_outputs={"regex": "a+"}), "structured_outputs"),
     (dict(use_beam_search="yes"), "use_beam_search"),
 ])
 def test_beam_search_refuses_what_it_cannot_honour(kwargs, field) -> None:

@@ -21,15 +21,18 @@ import json
 import random
 import socket
 import struct
-import sys
 import time
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+
+from streamd.bench.load import percentiles
+from streamd.bench.report import add_json_argument, write_json
 
 IDLE_TIMEOUT_S = 60.0
 
@@ -43,7 +46,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per storm and control stream")
     parser.add_argument("--api-key")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON here ('-' for stdout)")
+    add_json_argument(parser)
 
 
 @dataclass(slots=True)
@@ -156,7 +159,9 @@ def fuzz_frame(rng: random.Random, index: int) -> tuple[str | bytes, bool]:
 
 
 async def fuzz(target: Target, tally: Tally, rng: random.Random, until: float) -> None:
-    index = 0
+    """Batches of fuzz frames; a frame is unanswered when its answer does not come in 30 s or the server
+    closes the socket before it (the server must answer bad frames, never drop the connection)."""
+    index, expected, nulls = 0, set[str](), 0
     try:
         async with _connect(target) as ws:
             while time.monotonic() < until:
@@ -176,8 +181,11 @@ async def fuzz(target: Target, tally: Tally, rng: random.Random, until: float) -
                             elif frame["type"] == "error" and frame.get("id") is None:
                                 nulls -= 1
                 except TimeoutError:
-                    tally.unanswered += len(expected) + nulls
+                    pass
+                tally.unanswered += len(expected) + nulls
+                expected, nulls = set(), 0
     except (ConnectionClosed, InvalidStatus, OSError) as exc:
+        tally.unanswered += len(expected) + nulls  # the frames a dropped socket left unanswered
         tally.errors[f"client:{type(exc).__name__}"] += 1
 
 
@@ -225,14 +233,9 @@ async def metrics(target: Target) -> dict[str, float]:
     body = (await reader.read()).decode(errors="replace").split("\r\n\r\n", 1)[-1]
     writer.close()
     values: dict[str, float] = {}
-    for line in body.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            key = name.split("{", 1)[0]
-            try:
-                values[key] = values.get(key, 0.0) + float(value)
-            except ValueError:
-                continue
+    for family in text_string_to_metric_families(body):
+        for sample in family.samples:
+            values[sample.name] = values.get(sample.name, 0.0) + sample.value
     return values
 
 
@@ -262,8 +265,7 @@ async def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, Any]:
-    itl = sorted(tally.control_itl)
-    p99 = itl[min(len(itl) - 1, int(0.99 * len(itl)))] if itl else None
+    p99 = percentiles(tally.control_itl)["p99"]
     return {"duration_s": round(elapsed, 2), "requests": tally.requests, "tokens": tally.tokens,
             "errors_by_code": dict(sorted(tally.errors.items())), "unanswered_frames": tally.unanswered,
             "control_streams": tally.control_streams,
@@ -277,11 +279,6 @@ def main(args: argparse.Namespace) -> int:
     width = max(len(k) for k in result)
     for key, value in result.items():
         print(f"{key:<{width}}  {value}")
-    if args.json == "-":
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    elif args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(result, args.json)
     ok = result["idle_after"] and not result["leaked_kv_blocks"] and not result["leaked_swap_blocks"]
     return 0 if ok and not result["unanswered_frames"] else 1

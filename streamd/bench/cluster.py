@@ -7,7 +7,8 @@ decode-attention kernel rows give the cost per context token, and replaying the 
 the step counts and token totals from which the fixed cost per step and the cost per batched token are
 fitted (least squares; the residuals are reported). The workload is ShareGPT-like multi-turn chat opening
 with shared system prompts (`cluster_sim.py`); the offered load per replica is the same for every R.
-Reports prefix-hit rate, TTFT and throughput for each R and policy; writes `cluster-<date>.json` and `.md`.
+Reports prefix-hit rate, TTFT and throughput for each R and policy; writes `cluster-<date>-cpu-simulation.json` and `.md`
+(`report.save_report`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from pathlib import Path
 
 from streamd.bench.cluster_sim import (ConversationConfig, EngineShape, PrefixAware, RoundRobin, RunConfig,
                                        StepCost, make_conversations, replay_offline, simulate)
-from streamd.bench.report import git_commit
+from streamd.bench.report import add_out_argument, git_commit, save_report
 
 CALIBRATION_SHAPE = "llama3.2-1b"
 THROUGHPUT_FILE = "throughput-2026-11-22-h200.json"
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-blocks", type=int, default=32768, help="KV blocks per replica")
     parser.add_argument("--results-dir", default="benchmarks/results", help="where the GPU results lie")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out-dir", default="benchmarks/results")
+    add_out_argument(parser)
     parser.add_argument("--no-write", action="store_true", help="print only")
 
 
@@ -80,11 +81,7 @@ def run(args: argparse.Namespace) -> int:
               "run": dataclasses.asdict(run_config),
               "results": rows, "elapsed_s": round(time.perf_counter() - started, 1)}
     if not args.no_write:
-        out = Path(args.out_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"cluster-{report['date']}"
-        stem.with_suffix(".json").write_text(json.dumps(report, indent=2) + "\n")
-        stem.with_suffix(".md").write_text(render_markdown(report))
+        stem = save_report(report, args.out, "cluster", render_markdown(report))
         print(f"wrote {stem}.json and .md")
     return 0
 
@@ -133,7 +130,7 @@ def _load(path: Path) -> dict:
 
 def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least-squares slope and intercept."""
-    n, mx, my = len(xs), sum(xs) / len(xs), sum(ys) / len(ys)
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return slope, my - slope * mx
 

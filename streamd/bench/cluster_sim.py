@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from streamd.bench.workloads import WORKLOADS, RequestStream
 from streamd.config import SchedulerConfig
 from streamd.engine.block_manager import BlockManager
+from streamd.engine.prefix_cache import SeqHashes
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.scheduler import Scheduler
 from streamd.engine.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -225,11 +226,9 @@ class PrefixAware:
         return choice
 
     def _hashes(self, prompt: list[int]) -> list[int]:
-        out, h, bs = [], 0, self.block_size
-        for start in range(0, len(prompt) - bs + 1, bs):
-            h = hash((h, tuple(prompt[start:start + bs])))
-            out.append(h)
-        return out
+        """The chained hashes of the prompt's full blocks, as the replicas' prefix caches compute them."""
+        chain = SeqHashes(self.block_size)
+        return [chain.block_hash(prompt, i) for i in range(len(prompt) // self.block_size)]
 
     @staticmethod
     def _match(tree: OrderedDict[int, None], hashes: list[int]) -> int:

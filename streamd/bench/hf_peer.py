@@ -6,10 +6,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from streamd.bench.workloads import Workload
+from streamd.bench.workloads import TokenWorkload
 
 
-def run_continuous_batching(model: Any, work: Workload, on_finished: Callable[[], None] = lambda: None
+def run_continuous_batching(model: Any, work: TokenWorkload, on_finished: Callable[[], None] = lambda: None
                             ) -> tuple[float, int]:
     """Greedy, EOS ignored: every request of `work` through `model`'s continuous-batching manager.
     Returns (seconds, output tokens produced); `on_finished` is called once per finished request."""

@@ -113,7 +113,7 @@ class SSEClient:
     one `data:` event is one delta (its arrival time is every token's in it); the usage chunk at the end
     gives the exact token count."""
 
-    def __init__(self, base: str, api_key: str | None, model: str | None, limit: int) -> None:
+    def __init__(self, base: str, api_key: str | None, model: str | None) -> None:
         parts = urlsplit(base)
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
@@ -209,7 +209,7 @@ async def _chunks(reader: asyncio.StreamReader) -> Any:
 
 async def run_load(args: argparse.Namespace) -> tuple[list[Timing], float]:
     prompts = synthetic_prompts(args.num_requests, args.prompt_words, args.seed)
-    concurrency = args.concurrency or (None if args.rate else 8)
+    concurrency = _concurrency(args)
     limit = concurrency or args.num_requests
     base = args.url.rstrip("/")
     if args.transport == "ws":
@@ -217,7 +217,7 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Timing], float]:
         size = args.connections or max(1, min(16, math.ceil(limit / 32)))
         client: Any = WebSocketPool(ws_url, size, args.api_key, args.framing)
     else:
-        client = SSEClient(base, args.api_key, args.model, limit)
+        client = SSEClient(base, args.api_key, args.model)
     async with client:
         start = time.perf_counter()
         if concurrency:
@@ -225,6 +225,11 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Timing], float]:
         else:
             timings = await _poisson(client, prompts, args.max_tokens, args.rate, random.Random(args.seed))
         return timings, time.perf_counter() - start
+
+
+def _concurrency(args: argparse.Namespace) -> int | None:
+    """Requests kept in flight: `--concurrency`, else 8 unless `--rate` asks for Poisson arrivals (None)."""
+    return args.concurrency or (None if args.rate else 8)
 
 
 async def _closed_loop(client: Any, prompts: list[str], max_tokens: int, concurrency: int) -> list[Timing]:
@@ -276,7 +281,7 @@ def report(timings: list[Timing], duration: float, args: argparse.Namespace) -> 
     errors = sorted({t.error for t in timings if t.error})[:5]
     return {
         "transport": args.transport, "mode": "poisson" if args.rate else "concurrency",
-        "rate": args.rate, "concurrency": args.concurrency or (None if args.rate else 8),
+        "rate": args.rate, "concurrency": _concurrency(args),
         "num_requests": len(timings), "completed": len(ok), "failed": len(timings) - len(ok),
         "duration_s": duration, "request_throughput": len(ok) / duration if duration else 0.0,
         "output_token_throughput": tokens / duration if duration else 0.0, "output_tokens": tokens,

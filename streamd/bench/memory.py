@@ -4,7 +4,7 @@ It owns the benchmark's command line, the run over workloads and systems, and th
 the Scheduler and BlockManager run for real, the model does not (see `simulate.py`). For each
 workload (ShareGPT-like, Alpaca-like, long-tailed; seeded) and each system on the same pool, it reports
 the share of reserved KV slots that hold token states and the number of requests batched at once
-(time averages over the saturated run, after a warm-up). Writes `memory-<date>.json` and `.md` under
+(time averages over the saturated run, after a warm-up). Writes `memory-<date>-cpu.json` and `.md` under
 `--out` (see report.py) and prints the table. Targets (the paper's Fig. 2 and Fig. 13a, ShareGPT): token-state
 share >= 96.3% and >= 3x the batched requests of Orca (Max). Exit status 0 when they are met.
 """
@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import os
 import sys
 import time
-from pathlib import Path
 
-from streamd.bench.report import add_out_argument, git_commit, results_dir, save_report
+from streamd.bench.report import add_out_argument, git_commit, save_report
 from streamd.bench.sharing import render_sharing, run_sharing
 from streamd.bench.simulate import simulate_orca, simulate_streamd
 from streamd.bench.workloads import WORKLOADS, RequestStream
@@ -77,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
     report = {
         "benchmark": "memory",
         "date": datetime.date.today().isoformat(),
+        "device": "cpu",
         "config": {"num_blocks": args.num_blocks, "block_size": args.block_size,
                    "pool_slots": args.num_blocks * args.block_size, "max_num_seqs": args.max_num_seqs,
                    "max_num_batched_tokens": args.max_num_batched_tokens, "lifetimes": lifetimes,
@@ -88,8 +86,8 @@ def run(args: argparse.Namespace) -> int:
     table = render_markdown(report)
     print(table)
     if not args.no_write:
-        paths = write_report(report, table, results_dir(args.out))
-        print("wrote " + ", ".join(map(str, paths)))
+        stem = save_report(report, args.out, "memory", table)
+        print(f"wrote {stem}.json, {stem}.md")
     return 0 if report["targets"].get("met", True) else 1
 
 
@@ -103,7 +101,7 @@ def _run_sharing(args: argparse.Namespace) -> int:
     table = render_sharing(report)
     print(table)
     if not args.no_write:
-        stem = save_report(report, str(results_dir(args.out)), "memory-sharing", table)
+        stem = save_report(report, args.out, "memory-sharing", table)
         print(f"wrote {stem}.json, {stem}.md")
     return 0
 
@@ -191,17 +189,6 @@ def render_markdown(report: dict) -> str:
                      f"{w['batch_ratio_vs_orca_max']:.2f}x Orca (Max) (>= {t['batch_ratio_target']:.0f}x): "
                      + ("met" if w["met"] else "not met"))
     return "\n".join(lines) + "\n"
-
-
-def write_report(report: dict, markdown: str, out_dir: Path) -> list[Path]:
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"memory-{report['date']}"
-    json_path, md_path = stem.with_suffix(".json"), stem.with_suffix(".md")
-    for path, text in ((json_path, json.dumps(report, indent=2) + "\n"), (md_path, markdown)):
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(text)
-        os.replace(tmp, path)  # a half-written report never replaces a good one
-    return [json_path, md_path]
 
 
 if __name__ == "__main__":

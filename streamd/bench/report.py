@@ -11,6 +11,7 @@ import argparse
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,20 @@ def add_out_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", "--out-dir", dest="out", metavar="DIR", default=None,
                         help="folder for the JSON and markdown report (default: ./benchmarks/results in a "
                         "checkout, else ./streamd-results)")
+
+
+def add_json_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON here ('-' for stdout)")
+
+
+def write_json(report: dict[str, Any], path: str | None) -> None:
+    """What `--json PATH` asks for: the report as JSON at PATH, on stdout for '-', nowhere for None."""
+    if path == "-":
+        json.dump(report, sys.stdout, indent=2)
+        print()
+    elif path:
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(report, fh, indent=2)
 
 
 def results_dir(out: str | os.PathLike[str] | None) -> Path:

@@ -15,11 +15,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
-import sys
 
 from streamd.bench import serve_baseline
 from streamd.bench.load import format_table, report, run_load
+from streamd.bench.report import add_json_argument, write_json
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -36,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key")
     parser.add_argument("--model", help="model name for HTTP requests (default: the server's first)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON here ('-' for stdout)")
+    add_json_argument(parser)
     serve_baseline.add_arguments(parser)
 
 
@@ -46,11 +45,6 @@ def main(args: argparse.Namespace) -> int:
     timings, duration = asyncio.run(run_load(args))
     result = report(timings, duration, args)
     print(format_table(result))
-    if args.json == "-":
-        json.dump(result, sys.stdout, indent=2)
-        print()
-    elif args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=2)
+    write_json(result, args.json)
     return 0 if result["completed"] else 1
 

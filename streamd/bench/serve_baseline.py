@@ -32,7 +32,7 @@ from typing import Any
 
 from streamd import heap
 from streamd.bench.null_model import NULL_MODEL
-from streamd.bench.report import git_commit, save_report
+from streamd.bench.report import add_out_argument, git_commit, save_report
 
 _TICK = os.sysconf("SC_CLK_TCK")
 # Engine settings of both the offline run and the server: a pool that holds every stream of the
@@ -61,7 +61,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="server layouts, comma-separated: 'thread' (the engine on a thread of the server "
                        "process), 'process' (the engine in a child process: the issue-9 prototype), 'split' "
                        "(the same, detokenizing in the server process); each run alternates them")
-    group.add_argument("--out", default="benchmarks/results", help="folder for the JSON and markdown report")
+    add_out_argument(parser)
 
 
 @dataclass(slots=True)

@@ -22,6 +22,7 @@ import argparse
 import random
 from typing import Callable
 
+from streamd.bench.simulate import Progress
 from streamd.bench.workloads import MAX_SEQ_LEN, RequestStream, Workload
 from streamd.config import SchedulerConfig
 from streamd.engine.block_manager import BlockManager
@@ -29,7 +30,6 @@ from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.scheduler import Scheduler
 from streamd.engine.sequence import Sequence, SequenceGroup, SequenceStatus
 
-Progress = Callable[[float], None]
 _ID_STRIDE = 4096  # token ids of request i start at i * _ID_STRIDE: no prefix shared across requests
 
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 from typing import Callable
 
+from streamd.bench.sharing import WIDTHS
+from streamd.bench.simulate import Progress
 from streamd.bench.workloads import RequestStream, Workload
 from streamd.engine.sampling_params import SamplingParams
 from streamd.llm import LLM
-
-Progress = Callable[[float], None]
 
 # Short instructions in the style of the Alpaca data set (written here; no data set is downloaded).
 INSTRUCTIONS = (
@@ -28,7 +28,6 @@ INSTRUCTIONS = (
     "Explain what a noun is.", "Write a haiku about autumn.",
     "List three benefits of reading books.", "Describe a sunset in one sentence.",
 )
-WIDTHS = (2, 4, 6)
 
 
 def measure_engine_beams(workload: Workload, seed: int, progress_line: Callable[[str, str], Progress],

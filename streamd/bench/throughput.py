@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from streamd.bench.hf_peer import run_continuous_batching
-from streamd.bench.workloads import Workload
+from streamd.bench.workloads import TokenWorkload
 from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -30,19 +30,21 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 
 
-def random_workload(vocab: int, num_requests: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0) -> Workload:
+def random_workload(vocab: int, num_requests: int = 256, lo: int = 100, hi: int = 1024,
+                    seed: int = 0) -> TokenWorkload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
-    return Workload(f"random-{num_requests}x[{lo},{hi}]", prompts, [rng.randint(lo, hi) for _ in range(num_requests)])
+    return TokenWorkload(f"random-{num_requests}x[{lo},{hi}]", prompts,
+                         [rng.randint(lo, hi) for _ in range(num_requests)])
 
 
-def shared_prefix_workload(vocab: int, num_requests: int = 256, prefix: int = 500, seed: int = 0) -> Workload:
+def shared_prefix_workload(vocab: int, num_requests: int = 256, prefix: int = 500, seed: int = 0) -> TokenWorkload:
     """Chat requests behind one system prompt of `prefix` tokens (2048 is SGLang's generated-shared-prefix
     default), each with 50-150 tokens of its own and 128 output tokens, all arriving at once."""
     rng = random.Random(seed + 1)
     system = [rng.randrange(vocab) for _ in range(prefix)]
     prompts = [system + [rng.randrange(vocab) for _ in range(rng.randint(50, 150))] for _ in range(num_requests)]
-    return Workload(f"shared-prefix-{num_requests}x{prefix}+[50,150]", prompts, [128] * num_requests)
+    return TokenWorkload(f"shared-prefix-{num_requests}x{prefix}+[50,150]", prompts, [128] * num_requests)
 
 
 def model_config(shape: str, max_len: int = 4096):
@@ -67,7 +69,7 @@ def measure_ceilings() -> dict[str, float]:
     return {"hbm_bytes_per_s": 2 * n / (ms * 1e-3), "bf16_flop_per_s": 2 * 8192**3 / (mm * 1e-3)}
 
 
-def roofline_tok_s(config: Any, work: Workload, ceilings: dict[str, float], max_num_seqs: int = 256) -> float:
+def roofline_tok_s(config: Any, work: TokenWorkload, ceilings: dict[str, float], max_num_seqs: int = 256) -> float:
     """Every decode step reads the weights and the live KV once; prefill and decode FLOPs at the measured
     matrix rate; the step costs the larger of the two. Requests run `max_num_seqs` at a time, FCFS."""
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
@@ -92,7 +94,7 @@ def roofline_tok_s(config: Any, work: Workload, ceilings: dict[str, float], max_
 
 # ---- the three engines ------------------------------------------------------------------------------
 
-def run_streamd(config: Any, work: Workload, progress: Any, **overrides: Any) -> dict[str, float]:
+def run_streamd(config: Any, work: TokenWorkload, progress: Any, **overrides: Any) -> dict[str, float]:
     from streamd import LLM, SamplingParams
 
     llm = LLM(config, dtype="bfloat16", **overrides)
@@ -123,7 +125,7 @@ def run_streamd(config: Any, work: Workload, progress: Any, **overrides: Any) ->
             "preemptions": stats.scheduler.preemptions_swap + stats.scheduler.preemptions_recompute}
 
 
-def run_hf_continuous(config: Any, work: Workload, progress: Any) -> dict[str, float]:
+def run_hf_continuous(config: Any, work: TokenWorkload, progress: Any) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -137,7 +139,7 @@ def run_hf_continuous(config: Any, work: Workload, progress: Any) -> dict[str, f
     return {"tok_s": produced / seconds, "seconds": seconds, "tokens": produced}
 
 
-def run_hf_static(config: Any, work: Workload, progress: Any, batch: int = 64) -> dict[str, float]:
+def run_hf_static(config: Any, work: TokenWorkload, progress: Any, batch: int = 64) -> dict[str, float]:
     import torch
     from transformers import AutoModelForCausalLM
 

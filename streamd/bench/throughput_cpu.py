@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 from streamd.bench.report import BenchError, git_commit, results_dir, save_report
 from streamd.bench.hf_peer import run_continuous_batching
-from streamd.bench.workloads import Workload
+from streamd.bench.workloads import TokenWorkload
 
 BUSY_LOOP = "while True: pass"
 
@@ -38,11 +38,11 @@ class CpuBenchSettings:
     num_threads: int = 0
 
 
-def cpu_workload(vocab: int, settings: CpuBenchSettings, seed: int = 0) -> Workload:
+def cpu_workload(vocab: int, settings: CpuBenchSettings, seed: int = 0) -> TokenWorkload:
     rng = random.Random(seed)
     lo, hi = max(1, settings.prompt_len - 16), settings.prompt_len + 16
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(settings.num_requests)]
-    return Workload(f"random-{settings.num_requests}x[{lo},{hi}]->{settings.output_len}", prompts,
+    return TokenWorkload(f"random-{settings.num_requests}x[{lo},{hi}]->{settings.output_len}", prompts,
                     [settings.output_len] * settings.num_requests)
 
 
@@ -57,7 +57,7 @@ class StreamdRunner:
         self.llm = LLM(device="cpu", dtype=settings.dtype, num_threads=settings.num_threads)
         self.engine = self.llm.engine
 
-    def run(self, work: Workload) -> float:
+    def run(self, work: TokenWorkload) -> float:
         """Seconds for the whole workload (greedy, EOS ignored)."""
         from streamd import SamplingParams
 
@@ -95,7 +95,7 @@ class HfContinuousRunner:
     def __init__(self, settings: CpuBenchSettings) -> None:
         self.model = _hf_model(settings, "paged|sdpa")
 
-    def run(self, work: Workload) -> float:
+    def run(self, work: TokenWorkload) -> float:
         seconds, produced = run_continuous_batching(self.model, work)
         if produced != work.output_tokens:
             raise RuntimeError(f"transformers continuous batching produced {produced} of {work.output_tokens} tokens")
@@ -108,7 +108,7 @@ class HfStaticRunner:
     def __init__(self, settings: CpuBenchSettings) -> None:
         self.model = _hf_model(settings, "sdpa")
 
-    def run(self, work: Workload) -> float:
+    def run(self, work: TokenWorkload) -> float:
         """One left-padded batch of every request (the workload is CPU-sized), run to the longest output."""
         import torch
 
@@ -135,7 +135,7 @@ class HfStaticRunner:
 
 # ---- the measurement --------------------------------------------------------------------------------
 
-def alternate(runners: list[Any], work: Workload, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
+def alternate(runners: list[Any], work: TokenWorkload, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
     """`repeats` rounds, each running every engine once in turn; medians and ratios to streamd."""
     seconds: dict[str, list[float]] = {r.name: [] for r in runners}
     for round_ in range(repeats):

@@ -90,7 +90,7 @@ class RequestStream:
 
 
 @dataclass(slots=True)
-class Workload:
+class TokenWorkload:
     """Token-id prompts and the output length of each (the throughput benchmarks' request lists)."""
 
     name: str

@@ -25,6 +25,7 @@ frees a beam no next beam continues (`Scheduler.replace_beams`). Text is made on
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -32,6 +33,9 @@ import torch
 from streamd.engine.outputs import FinishReason, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from streamd.engine.structured import TokenBitmask
 
 
 @dataclass(slots=True)
@@ -163,14 +167,19 @@ def _penalized(score: float, length: int, length_penalty: float) -> float:
 
 # ---- the batched device operation ---------------------------------------------------------------
 
-def select_candidates(logits: torch.Tensor, groups: list[BeamRows], vocab_size: int) -> PendingCandidates:
+def select_candidates(logits: torch.Tensor, groups: list[BeamRows], vocab_size: int,
+                      bitmask: TokenBitmask | None = None) -> PendingCandidates:
     """Every group's top candidates from the step's logits in one batched operation (log_softmax, + the
-    beams' scores, top-k over each group's beams side by side); the copy to the host starts now."""
+    beams' scores, top-k over each group's beams side by side); the copy to the host starts now.
+    `bitmask` (rows: the groups' rows stacked in order) gates constrained beams: as HF applies its logits
+    processors, disallowed tokens get -inf after the log-softmax."""
     dev = logits.device
     rows = [row for g in groups for row in g.rows]
     width = max(len(g.rows) for g in groups)
     index = _tensor(rows, torch.int64, dev)
     logprobs = torch.log_softmax(logits.index_select(0, index)[:, :vocab_size].float(), dim=-1)
+    if bitmask is not None:
+        bitmask.apply(logprobs)
     if any(g.masked_token_ids for g in groups):  # min_tokens: stop tokens get -inf, as HF's processor does
         mask_rows, mask_cols, first = [], [], 0
         for g in groups:
@@ -220,7 +229,7 @@ class PendingCandidates:
         for group, row in zip(self.groups, table):
             candidates = [Candidate(score, int(flat) // vocab, int(flat) % vocab)
                           for score, flat in zip(row[:group.num_candidates], row[k:k + group.num_candidates])
-                          if score != float("-inf")]
+                          if score > float("-inf")]  # (NaN also: a row with no allowed token)
             out.append((group.request_id, candidates))
         return out
 

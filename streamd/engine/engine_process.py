@@ -51,14 +51,17 @@ MAX_BATCHES_IN_FLIGHT = 2
 
 @dataclass(slots=True, frozen=True)
 class EngineInfo:
-    """What the child tells the network side once its engine is built."""
+    """What the child tells the network side once its engine is built; it stands in for the engine in
+    `AsyncEngine.__init__` and the loop side's `model_name`/`max_model_len`."""
 
     model_name: str
     max_model_len: int
     tokenizer: Any
-    stats: EngineStats
-    pid: int
+    initial_stats: EngineStats
     thread_id: int
+
+    def stats(self) -> EngineStats:
+        return self.initial_stats
 
 
 @dataclass(slots=True, frozen=True)
@@ -74,12 +77,17 @@ class StopChoice:
     index: int
 
 
-DELIVERED = Delivered()
+def _frame(payload: Any) -> bytes:
+    """One length-prefixed pickle."""
+    data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
+    return _HEADER.pack(len(data)) + data
 
 
 def _send(sock: socket.socket, payload: Any) -> None:
-    data = pickle.dumps(payload, pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_HEADER.pack(len(data)) + data)
+    sock.sendall(_frame(payload))
+
+
+DELIVERED_FRAME = _frame(Delivered())  # sent after every delivered batch: pickled once
 
 
 def _receive(sock: socket.socket) -> Any:
@@ -183,7 +191,7 @@ def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here
     child = _ChildEngine(engine, sock, relay)
     heap.settle()
     _send(sock, EngineInfo(engine.model_name, engine.max_model_len, engine.tokenizer, engine.stats(),
-                           multiprocessing.current_process().pid or 0, threading.get_native_id()))
+                           threading.get_native_id()))
 
     def read_commands() -> None:
         try:
@@ -239,29 +247,14 @@ class ProcessEngine(AsyncEngine):
         their_commands.close()
         theirs.close()
         info: EngineInfo = _receive(ours)
+        super().__init__(info)  # type: ignore[arg-type]  # the loop side reads only what EngineInfo holds
         self.info = info
         self._sock = ours
         self._buffer = bytearray()
-        self._tokenizer = info.tokenizer
+        self._command_sock = commands
         self._commands = _SocketCommands(commands)  # type: ignore[assignment]
-        self._sinks = {}
-        self._admissions = {}
-        self._calls = set()
-        self._loop = None
-        self._thread = None
-        self._stats = info.stats
-        self._dead = None
-        self.steps = 0
         self.outputs = OutputProcessor(info.tokenizer) if outputs == "network" else None
         self._prompts: dict[str, tuple[list[int], SamplingParams, float]] = {}  # submitted, not yet admitted
-
-    @property
-    def model_name(self) -> str:
-        return self.info.model_name
-
-    @property
-    def max_model_len(self) -> int:
-        return self.info.max_model_len
 
     @property
     def ready(self) -> bool:
@@ -284,10 +277,11 @@ class ProcessEngine(AsyncEngine):
     async def submit(self, request_id: str, prompt: str | None, params: SamplingParams, sink: Any, *,
                      prompt_token_ids: list[int] | None = None) -> None:
         if self.outputs is not None and request_id not in self._sinks:
-            ids = prompt_token_ids
-            if ids is None and isinstance(prompt, str):
-                ids = list(self._tokenizer(prompt).input_ids)  # as LLMEngine tokenizes a text prompt
-            self._prompts[request_id] = (list(ids or []), params, time.monotonic())
+            if prompt_token_ids is None and isinstance(prompt, str):
+                # Tokenized once, here (as LLMEngine tokenizes a text prompt): the child takes these ids
+                # and keeps the text, instead of tokenizing it again on the engine's side of the split.
+                prompt_token_ids = list(self._tokenizer(prompt).input_ids)
+            self._prompts[request_id] = (list(prompt_token_ids or []), params, time.monotonic())
         try:
             await super().submit(request_id, prompt, params, sink, prompt_token_ids=prompt_token_ids)
         except EngineDeadError:  # never sent; a refusal or a later admission pops it when it arrives
@@ -331,7 +325,7 @@ class ProcessEngine(AsyncEngine):
                 wire = pickle.loads(view[start + _HEADER.size:end])
             self._deliver(self._with_deltas(*decode_batch(wire)))
             try:
-                self._commands.put(DELIVERED)
+                self._command_sock.sendall(DELIVERED_FRAME)
             except OSError:  # the engine process is gone; the socket's end marks the engine dead
                 pass
             start = end

@@ -33,12 +33,12 @@ from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 import streamd.kernels.reference as reference
+from streamd.config import FUSE_MODES
 from streamd.engine.attention import get_attention_metadata, paged_attend
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
 
-FUSE_MODES = ("off", "auto", "triton", "compile", "reference")
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
@@ -109,6 +109,14 @@ def merge_linears(*parts: nn.Linear) -> nn.Linear:
     return merged
 
 
+def split_qkv(qkv: torch.Tensor, sizes: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[tokens, q + 2 kv] -> q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim] (views);
+    sizes = (q, kv, head_dim)."""
+    q_size, kv_size, head_dim = sizes
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return q.unflatten(-1, (-1, head_dim)), k.unflatten(-1, (-1, head_dim)), v.unflatten(-1, (-1, head_dim))
+
+
 class FusedLayer(nn.Module):
     """One decoder layer's weights, merged; `forward` is (hidden, residual) -> (hidden, residual)."""
 
@@ -116,11 +124,10 @@ class FusedLayer(nn.Module):
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.layer_idx: int = attn.layer_idx
-        self.head_dim: int = attn.head_dim
         self.scale: float = attn.scaling
-        # From the weights, not the config: a tensor-parallel shard holds only its heads.
-        self.q_size = attn.q_proj.weight.shape[0]
-        self.kv_size = attn.k_proj.weight.shape[0]
+        # (q, kv, head_dim) widths; from the weights, not the config: a tensor-parallel shard holds only its heads.
+        self.qkv_sizes: tuple[int, int, int] = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0],
+                                                attn.head_dim)
         self.qkv_proj = merge_linears(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o_proj = attn.o_proj
         self.gate_up_proj = merge_linears(mlp.gate_proj, mlp.up_proj)
@@ -130,12 +137,6 @@ class FusedLayer(nn.Module):
         self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
         self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
         self.path = path
-
-    def split_qkv(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """[tokens, q + 2 kv] -> q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim] (views)."""
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        return (q.unflatten(-1, (-1, self.head_dim)), k.unflatten(-1, (-1, self.head_dim)),
-                v.unflatten(-1, (-1, self.head_dim)))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +185,7 @@ class KernelPath:
             sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         norm = layer.input_layernorm
         x, residual = _norm_in(self.kernels, hidden, residual, norm.weight, norm.variance_epsilon)
-        return (*layer.split_qkv(layer.qkv_proj(x)), residual)
+        return (*split_qkv(layer.qkv_proj(x), layer.qkv_sizes), residual)
 
     def attend(self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                sin: torch.Tensor) -> torch.Tensor:
@@ -210,9 +211,7 @@ def _qkv_stretch(hidden: torch.Tensor, residual: torch.Tensor | None, norm_weigh
                  sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, QKV projection, q/k norm and rotary in plain torch (what `CompiledPath` compiles)."""
     x, residual = _norm_in(reference, hidden, residual, norm_weight, eps)
-    q_size, kv_size, head_dim = sizes
-    q, k, v = F.linear(x, qkv_weight, qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
-    q, k, v = (t.unflatten(-1, (-1, head_dim)) for t in (q, k, v))
+    q, k, v = split_qkv(F.linear(x, qkv_weight, qkv_bias), sizes)
     q, k = reference.rotary(q, k, cos, sin, q_norm, k_norm, qk_eps)
     return q, k, v, residual
 
@@ -248,7 +247,7 @@ class CompiledPath:
         norm = layer.input_layernorm
         q_norm, k_norm, qk_eps = _qk_norm_weights(layer)
         return self._qkv(hidden, residual, norm.weight, norm.variance_epsilon, layer.qkv_proj.weight,
-                         layer.qkv_proj.bias, (layer.q_size, layer.kv_size, layer.head_dim), q_norm, k_norm,
+                         layer.qkv_proj.bias, layer.qkv_sizes, q_norm, k_norm,
                          qk_eps, cos, sin)
 
     def attend(self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,

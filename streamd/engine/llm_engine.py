@@ -395,7 +395,11 @@ class LLMEngine:
             # The scheduler runs a beam group's beams together: one row per beam (its prompt at first).
             assert len(group_rows) == len(group.seqs), "a beam group sampled only some of its beams"
             groups.append(self._beams[request_id].rows(request_id, group_rows, group.seqs[0].num_output_tokens))
-        beams = select_candidates(logits, groups, self.vocab_size)
+        bitmask = None
+        if self.grammars is not None:  # constrained beams: rows in the order select_candidates stacks them
+            seqs = [sampling[i].seq for g in groups for i in g.rows]
+            bitmask = self.grammars.bitmask(seqs, logits.device, own_buffer=True)
+        beams = select_candidates(logits, groups, self.vocab_size, bitmask)
         index = torch.tensor(keep, dtype=torch.int64).to(logits.device, non_blocking=True)
         return logits.index_select(0, index), [sampling[i] for i in keep], beams
 
@@ -484,10 +488,30 @@ class LLMEngine:
             updates[group.request_id] = RequestUpdate(group.request_id, search.final_updates(),
                                                       group.num_cached_tokens, group.first_scheduled_time)
             return
-        beams = self.scheduler.replace_beams(group, [group.seqs[c.beam] for c in step.beams])
+        parents = [group.seqs[c.beam] for c in step.beams]
+        dropped = [beam for beam in group.seqs if all(beam is not parent for parent in parents)]
+        beams = self.scheduler.replace_beams(group, parents)
         for beam, candidate in zip(beams, step.beams):
             beam.append_token(candidate.token_id)
+        if self.grammars is not None and group.sampling_params.structured_outputs is not None:
+            self._advance_beam_matchers(beams, parents, dropped, step.beams)
         self._generated_tokens += len(beams)  # the engine's work: every beam's token
+
+    def _advance_beam_matchers(self, beams: list[Sequence], parents: list[Sequence], dropped: list[Sequence],
+                               candidates: list[Candidate]) -> None:
+        """A beam forked from its parent continues a copy of the parent's grammar state (taken before the
+        parent accepts its own token); every next beam accepts its token; a dropped beam's matcher goes.
+        The candidates were drawn from masked logits, so every token is one the grammar allows."""
+        grammars = self.grammars
+        assert grammars is not None
+        for beam, parent in zip(beams, parents):
+            if beam is not parent:
+                grammars.fork(parent, beam)
+        for beam, candidate in zip(beams, candidates):
+            accepted = grammars.accept(beam, candidate.token_id)
+            assert accepted, "a beam candidate outside its grammar"
+        for beam in dropped:
+            grammars.remove(beam)
 
     @staticmethod
     def _dead_end(seq: Sequence, update: RequestUpdate) -> SeqUpdate:

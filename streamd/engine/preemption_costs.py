@@ -104,15 +104,15 @@ def _link_bytes_per_s(cache: CacheEngine) -> float:
     return 2 * n * cache.layout.bytes_per_block / elapsed
 
 
-def _prefill_tokens_per_s(cache: CacheEngine, runner: Executor, max_model_len: int) -> float:
+def _prefill_tokens_per_s(cache: CacheEngine, executor: Executor, max_model_len: int) -> float:
     tokens = min(_PROBE_TOKENS, max_model_len, cache.num_blocks * cache.layout.block_size)
     seq = Sequence(prompt_token_ids=[0] * tokens)
     seq.block_table = list(range(-(-tokens // cache.layout.block_size)))
     group = SequenceGroup("__probe__", [seq], SamplingParams(max_tokens=1))
     out = SchedulerOutput(scheduled=[ScheduledSeq(seq, group, tokens)])
-    runner.execute(out)  # warm-up
+    executor.execute(out)  # warm-up
     _sync(cache.device)
     start = time.perf_counter()
-    runner.execute(out)
+    executor.execute(out)
     _sync(cache.device)
     return tokens / max(time.perf_counter() - start, 1e-9)

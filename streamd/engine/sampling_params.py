@@ -207,8 +207,7 @@ class SamplingParams:
 # need text or per-token state across beams that swap parents).
 _SAMPLING_ONLY = frozenset({"top_p", "top_k", "min_p", "seed"})
 _NOT_WITH_BEAMS = (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("seed", None), ("presence_penalty", 0.0),
-                   ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("stop", []), ("logprobs", None),
-                   ("structured_outputs", None))
+                   ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("stop", []), ("logprobs", None))
 
 
 def is_int(value: Any) -> bool:

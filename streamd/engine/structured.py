@@ -10,8 +10,8 @@ submitting, so a bad schema is refused before its request takes any KV block.
 `GrammarMatchers` (owned by the engine, next to the sampler) keeps a matcher per constrained sequence:
 `bitmask(seqs)` fills the allowed-token bitmask of every constrained row of a batch in one call (xgrammar's
 batch matcher, threads inside, into one reused host buffer), `accept(seq, token)` advances a matcher with
-each token the sequence keeps, `fork(parent, child)` gives a forked sample its own copy of the parent's
-matcher state. Preemption (swap or recompute) keeps a sequence's tokens, so its matcher stays valid.
+each token the sequence keeps, `fork(parent, child)` gives a forked sample (or beam) its own copy of the
+parent's matcher state. Preemption (swap or recompute) keeps a sequence's tokens, so its matcher stays valid.
 Unconstrained batches cost one empty-dict check per step.
 """
 
@@ -130,8 +130,10 @@ class GrammarMatchers:
         matcher = self._matchers.get(seq.seq_id)
         return matcher is None or matcher.accept_token(token)
 
-    def bitmask(self, seqs: list[Sequence], device: torch.device) -> TokenBitmask | None:
-        """The batch's bitmask, or None when no row is constrained (then sampling is untouched)."""
+    def bitmask(self, seqs: list[Sequence], device: torch.device, *, own_buffer: bool = False) -> TokenBitmask | None:
+        """The batch's bitmask, or None when no row is constrained (then sampling is untouched).
+        `own_buffer`: fill a fresh host buffer, not the reused one (for a second fill in one step: the first
+        one's copy to the device may still read the reused buffer)."""
         matchers = self._matchers
         if not matchers:
             return None
@@ -139,7 +141,11 @@ class GrammarMatchers:
         rows = [i for i, seq in enumerate(seqs) if seq.seq_id in matchers and not seq.status.finished]
         if not rows:
             return None
-        mask = self._host_rows(len(seqs), device)
+        if own_buffer:
+            shape = xgr.get_bitmask_shape(len(seqs), self.compiler.vocab_size)
+            mask = torch.empty(shape, dtype=torch.int32, pin_memory=device.type == "cuda")
+        else:
+            mask = self._host_rows(len(seqs), device)
         self._batch.batch_fill_next_token_bitmask([matchers[seqs[i].seq_id] for i in rows], mask, indices=rows)
         if device.type != "cpu":
             mask = mask.to(device, non_blocking=True)

@@ -9,8 +9,8 @@ Triton's interpreter, however, expects ``TRITON_INTERPRET=1`` from the moment ``
 imported: its standard helpers (``tl.zeros``, ``tl.sum``, ``tl.max``, ...) are themselves ``@jit``
 functions, and a compiled ``JITFunction`` refuses to be called from interpreted code. When triton was
 imported without the variable, ``_interpreter_scope`` makes such calls go through the interpreter for
-the duration of a CPU launch (and sets the variable, which triton's knobs read lazily). Kernels here
-call no ``@triton.jit`` helpers of their own; each body is self-contained.
+the duration of a CPU launch (and sets the variable, which triton's knobs read lazily). The same
+redirection serves the kernels' own helpers, declared with ``@jit_helper``.
 """
 
 from __future__ import annotations
@@ -85,6 +85,13 @@ def dual_kernel(fn: Callable[..., Any] | None = None, *,
     if fn is None:
         return lambda f: DualKernel(f, do_not_specialize)
     return DualKernel(fn, do_not_specialize)
+
+
+def jit_helper(fn: Callable[..., Any]) -> JITFunction:
+    """Decorator for a device function that the kernels here call: a ``JITFunction`` (not ``triton.jit``,
+    for the reason in ``DualKernel``), inlined by a compiled kernel and run through the interpreter by an
+    interpreted launch (``_interpreter_scope``)."""
+    return JITFunction(fn)
 
 
 def dot_upcast(device: torch.device, dtype: torch.dtype) -> bool:

@@ -1,5 +1,6 @@
-"""The block-major KV pool's shape contract (and the rotary store's arguments), shared by the Triton kernels and their references (no triton
-import here: the CPU engine runs the references on machines without triton)."""
+"""The block-major KV pool's shape contract (and the rotary store's arguments), shared by the Triton
+kernels and their references (no triton import here: the CPU engine runs the references on machines
+without triton)."""
 
 from __future__ import annotations
 
@@ -18,8 +19,9 @@ def check_cache(kv_cache: torch.Tensor, layer: int) -> None:
 
 
 def check_rotary_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, kv_cache: torch.Tensor, layer: int) -> None:
-    """Shape checks shared with the reference; host metadata only."""
+                      sin: torch.Tensor, kv_cache: torch.Tensor, layer: int, q_norm: torch.Tensor | None,
+                      k_norm: torch.Tensor | None) -> None:
+    """Argument checks of `rotary_store_kv`, shared by the kernel and the reference; host metadata only."""
     check_cache(kv_cache, layer)
     num_tokens, _, head_dim = query.shape
     if key.shape != value.shape or key.shape[0] != num_tokens or key.shape[2] != head_dim:
@@ -31,3 +33,8 @@ def check_rotary_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
         raise ValueError(f"cos {tuple(cos.shape)} and sin {tuple(sin.shape)} must be [{num_tokens}, {head_dim}]")
     if kv_cache.shape[3] != key.shape[1] or kv_cache.shape[5] != head_dim:
         raise ValueError(f"key {tuple(key.shape)} does not match cache {tuple(kv_cache.shape)}")
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q_norm and k_norm come together")
+    for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
+        if weight is not None and weight.shape != (head_dim,):
+            raise ValueError(f"{name} must be [{head_dim}] (one weight per head_dim), got {tuple(weight.shape)}")

@@ -210,9 +210,7 @@ def rotary_store_kv(
     eps: float = 1e-6,
 ) -> torch.Tensor:
     """`rotary`, then `store_kv` of the rotated key and the value; returns the rotated query."""
-    check_rotary_args(query, key, value, cos, sin, kv_cache, layer)
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm come together")
+    check_rotary_args(query, key, value, cos, sin, kv_cache, layer, q_norm, k_norm)
     query, key = rotary(query, key, cos, sin, q_norm, k_norm, eps)
     store_kv(key, value, kv_cache, layer, slot_mapping)
     return query.contiguous()

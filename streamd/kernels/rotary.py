@@ -15,8 +15,22 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from streamd.kernels._triton_utils import dual_kernel, next_pow2
+from streamd.kernels._triton_utils import dual_kernel, jit_helper, next_pow2
 from streamd.kernels.layout import check_rotary_args
+
+
+@jit_helper
+def _norm_rotate(x1, x2, w_ptr, offs_d, mask_d, cos1, cos2, sin1, sin2, eps, HALF: tl.constexpr,
+                 QK_NORM: tl.constexpr, dtype: tl.constexpr):
+    """Heads [heads, HALF] as their two float32 halves: per-head RMSNorm by the weights at w_ptr (when
+    QK_NORM; rounded to dtype where transformers rounds), then the rotation; both halves in dtype."""
+    if QK_NORM:
+        inv_rms = (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps))[:, None]
+        w1 = tl.load(w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        w2 = tl.load(w_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
+        x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
+        x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    return (x1 * cos1 - x2 * sin1).to(dtype), (x2 * cos2 + x1 * sin2).to(dtype)
 
 
 @dual_kernel
@@ -37,21 +51,16 @@ def _rotary_store_kv_kernel(
     sin1 = tl.load(sin_ptr + tok * s_sin + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
     sin2 = tl.load(sin_ptr + tok * s_sin + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
 
-    # Query heads: normalise (optional), rotate, write out.
+    # Query heads: normalise (optional) and rotate, write out.
     offs_hq = tl.arange(0, BLOCK_HQ)
     mask_q = (offs_hq < num_heads)[:, None] & mask_d[None, :]
     src = q_ptr + tok * s_q_tok + offs_hq[:, None] * s_q_head + offs_d[None, :]
-    x1 = tl.load(src, mask=mask_q, other=0.0).to(tl.float32)
-    x2 = tl.load(src + HALF, mask=mask_q, other=0.0).to(tl.float32)
-    if QK_NORM:
-        inv_rms = (1.0 / tl.sqrt((tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)) / (2 * HALF) + eps))[:, None]
-        w1 = tl.load(qw_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(qw_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        x1 = ((x1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        x2 = ((x2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
+    q1, q2 = _norm_rotate(tl.load(src, mask=mask_q, other=0.0).to(tl.float32),
+                          tl.load(src + HALF, mask=mask_q, other=0.0).to(tl.float32),
+                          qw_ptr, offs_d, mask_d, cos1, cos2, sin1, sin2, eps, HALF, QK_NORM, dtype)
     dst = q_out_ptr + tok * s_qo_tok + offs_hq[:, None] * s_qo_head + offs_d[None, :]
-    tl.store(dst, (x1 * cos1 - x2 * sin1).to(dtype), mask=mask_q)
-    tl.store(dst + HALF, (x2 * cos2 + x1 * sin2).to(dtype), mask=mask_q)
+    tl.store(dst, q1, mask=mask_q)
+    tl.store(dst + HALF, q2, mask=mask_q)
 
     # Key heads: the same, then key and value go to the token's slot. The slot is loaded once per head
     # row (a block-shaped validity mask: the interpreter mishandles `block & scalar-bool`).
@@ -62,17 +71,10 @@ def _rotary_store_kv_kernel(
     mask_k = (offs_hk < num_kv_heads)[:, None] & mask_d[None, :]
     mask_kv = mask_k & valid[:, None]
     src = k_ptr + tok * s_k_tok + offs_hk[:, None] * s_k_head + offs_d[None, :]
-    y1 = tl.load(src, mask=mask_kv, other=0.0).to(tl.float32)
-    y2 = tl.load(src + HALF, mask=mask_kv, other=0.0).to(tl.float32)
-    if QK_NORM:
-        inv_rms = (1.0 / tl.sqrt((tl.sum(y1 * y1, axis=1) + tl.sum(y2 * y2, axis=1)) / (2 * HALF) + eps))[:, None]
-        w1 = tl.load(kw_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        w2 = tl.load(kw_ptr + HALF + offs_d, mask=mask_d, other=0.0).to(tl.float32)[None, :]
-        y1 = ((y1 * inv_rms).to(dtype).to(tl.float32) * w1).to(dtype).to(tl.float32)
-        y2 = ((y2 * inv_rms).to(dtype).to(tl.float32) * w2).to(dtype).to(tl.float32)
     # Rounded to the activations' dtype first, as the unfused path stores the rotated key it computed.
-    k1 = (y1 * cos1 - y2 * sin1).to(dtype)
-    k2 = (y2 * cos2 + y1 * sin2).to(dtype)
+    k1, k2 = _norm_rotate(tl.load(src, mask=mask_kv, other=0.0).to(tl.float32),
+                          tl.load(src + HALF, mask=mask_kv, other=0.0).to(tl.float32),
+                          kw_ptr, offs_d, mask_d, cos1, cos2, sin1, sin2, eps, HALF, QK_NORM, dtype)
     src = v_ptr + tok * s_v_tok + offs_hk[:, None] * s_v_head + offs_d[None, :]
     v1 = tl.load(src, mask=mask_kv, other=0.0)
     v2 = tl.load(src + HALF, mask=mask_kv, other=0.0)
@@ -105,9 +107,7 @@ def rotary_store_kv(
     projection are fine); cos, sin [num_tokens, head_dim]; q_norm, k_norm: per-head RMSNorm weights
     [head_dim], both or neither, applied before the rotation.
     """
-    check_rotary_args(query, key, value, cos, sin, kv_cache, layer)
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q_norm and k_norm come together")
+    check_rotary_args(query, key, value, cos, sin, kv_cache, layer, q_norm, k_norm)
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0:

@@ -35,6 +35,7 @@ from streamd.server.logprobs import TokenTexts, chat_entries
 from streamd.server.openai_routes import SSEResponse, body_flag, check_model, json_body, until_disconnect
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
+from streamd.server.structured_api import structured_from_text_format
 
 # Fields that ask for features this server does not have; refused unless empty / the harmless value.
 _REFUSED: dict[str, Any] = {"tools": None, "background": False, "conversation": None, "prompt": None,
@@ -64,7 +65,7 @@ async def plan_response(s: Services, body: dict[str, Any], find: Lookup, *,
     naming the field that is wrong."""
     check_model(s, body)
     _refuse_features(body)
-    _check_text_format(body.get("text"))
+    structured = _text_format(body.get("text"))
     stream, store = body_flag(body, "stream", False), body_flag(body, "store", True)
     new = _input_messages(body.get("input"), body.get("instructions"))
     previous_id = body.get("previous_response_id")
@@ -77,11 +78,13 @@ async def plan_response(s: Services, body: dict[str, Any], find: Lookup, *,
                                "(unknown, expired, not stored, or another key's)", "previous_response_id")
         messages = previous.messages + new
         ids = await continuation_ids(s, previous, new)
-    prepared = s.generation.prepare(ids, _sampling(body), default_max_tokens=None, prompt_param="input")
+    prepared = s.generation.prepare(ids, {**_sampling(body), "structured_outputs": structured},
+                                    default_max_tokens=None, prompt_param="input")
     echo = {"instructions": body.get("instructions"), "metadata": _metadata(body.get("metadata")),
             "temperature": body.get("temperature"), "top_p": body.get("top_p"),
             "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": previous_id,
-            "top_logprobs": body.get("top_logprobs"), "store": store}
+            "top_logprobs": body.get("top_logprobs"), "store": store,
+            "text": body.get("text") or {"format": {"type": "text"}}}
     return ResponsePlan("resp_" + uuid.uuid4().hex, prepared, messages, echo, store, stream, stream_id)
 
 
@@ -160,18 +163,14 @@ def _refuse_features(body: dict[str, Any]) -> None:
         raise ServiceError("unsupported", f"{name} is not supported by this server", name)
 
 
-def _check_text_format(text: Any) -> None:
+def _text_format(text: Any) -> dict[str, Any] | None:
+    """`text.format` -> `structured_outputs` (None for plain text)."""
     if text is None:
-        return
+        return None
     if not isinstance(text, dict):
         raise ServiceError("invalid_request", "text must be an object", "text")
     fmt = text.get("format")
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
-    if fmt is None:
-        return
-    if kind != "text":
-        raise ServiceError("unsupported", f"text.format {kind!r} is unsupported: only {{'type': 'text'}} is served "
-                           "(structured outputs are not available yet)", "text.format")
+    return None if fmt is None else structured_from_text_format(fmt)
 
 
 def _metadata(value: Any) -> dict[str, str] | None:
@@ -254,7 +253,7 @@ class ResponseBuilder:
         body: dict[str, Any] = {
             "id": self.plan.id, "object": "response", "created_at": self.created_at, "model": self.model,
             "status": "in_progress", "output": [], "parallel_tool_calls": False, "tool_choice": "none",
-            "tools": [], "text": {"format": {"type": "text"}}, "error": None, "incomplete_details": None,
+            "tools": [], "error": None, "incomplete_details": None,
             "usage": None, **self.plan.echo}
         if account is None:
             return body

@@ -1,7 +1,7 @@
 """OpenAI wire fields for structured outputs and tool calling, turned into engine terms and back.
 
-- `response_format` ({"type": "text" | "json_object" | "json_schema"}) -> the `structured_outputs` dict of
-  SamplingParams (vLLM's own `structured_outputs` field is accepted as is).
+- `response_format` ({"type": "text" | "json_object" | "json_schema"}), and the Responses API's `text.format`,
+  -> the `structured_outputs` dict of SamplingParams (vLLM's own `structured_outputs` field is accepted as is).
 - `tools` + `tool_choice` -> `ToolPlan`: the tools the chat template receives, for "required" or a
   named function the JSON schema every reply must follow (`{"name": ..., "arguments": {...}}`), so tool
   calls work with any model, and the format the reply's calls are read in (`tool_parsers.py`): "json"
@@ -17,11 +17,11 @@ from typing import Any
 from streamd.server.errors import ServiceError
 
 
-def structured_from_response_format(value: Any) -> dict[str, Any] | None:
+def structured_from_response_format(value: Any, param: str = "response_format") -> dict[str, Any] | None:
     """OpenAI `response_format` -> `structured_outputs` (None for plain text)."""
     if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise ServiceError("invalid_request", "response_format must be an object with type \"text\", "
-                           "\"json_object\" or \"json_schema\"", "response_format")
+        raise ServiceError("invalid_request", f"{param} must be an object with type \"text\", "
+                           "\"json_object\" or \"json_schema\"", param)
     if value["type"] == "text":
         return None
     if value["type"] == "json_object":
@@ -29,9 +29,16 @@ def structured_from_response_format(value: Any) -> dict[str, Any] | None:
     spec = value.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
     if not isinstance(schema, dict):
-        raise ServiceError("invalid_request", "response_format.json_schema.schema must be a JSON schema object",
-                           "response_format")
+        raise ServiceError("invalid_request", f"{param}.json_schema.schema must be a JSON schema object", param)
     return {"json": schema}
+
+
+def structured_from_text_format(value: Any) -> dict[str, Any] | None:
+    """The Responses API's `text.format` (the same three types; a json_schema's `schema` sits beside its
+    `name` and `strict` rather than under `json_schema`) -> `structured_outputs`."""
+    if isinstance(value, dict) and value.get("type") == "json_schema":
+        value = {"type": "json_schema", "json_schema": {"schema": value.get("schema")}}
+    return structured_from_response_format(value, "text.format")
 
 
 @dataclass(slots=True)

@@ -114,16 +114,21 @@ def test_rotary_preserves_norm_and_position_zero_is_identity() -> None:
     assert kv[:, :, :, :, 2:].abs().sum() == 0 and kv[0, :, :, :, 1:].abs().sum() == 0, "slot -1 was stored"
 
 
-def test_rotary_store_kv_rejects_bad_shapes() -> None:
+@pytest.mark.parametrize("impl", [K.rotary_store_kv, ref.rotary_store_kv], ids=["triton", "reference"])
+def test_rotary_store_kv_rejects_bad_shapes(impl) -> None:
     kv = torch.zeros(2, 1, 2, 2, 8, 16)
     q, k = torch.randn(3, 4, 16), torch.randn(3, 2, 16)
     cos, sin = _rope_tables(torch.arange(3), 16, torch.float32)
+    slots = torch.zeros(3, dtype=torch.int64)
     with pytest.raises(ValueError, match="cos"):
-        K.rotary_store_kv(q, k, k, cos[:2], sin[:2], kv, 0, torch.zeros(3, dtype=torch.int64))
+        impl(q, k, k, cos[:2], sin[:2], kv, 0, slots)
     with pytest.raises(ValueError, match="cache"):
-        K.rotary_store_kv(q, q, q, cos, sin, kv, 0, torch.zeros(3, dtype=torch.int64))
+        impl(q, q, q, cos, sin, kv, 0, slots)
     with pytest.raises(ValueError, match="together"):
-        K.rotary_store_kv(q, k, k, cos, sin, kv, 0, torch.zeros(3, dtype=torch.int64), torch.ones(16))
+        impl(q, k, k, cos, sin, kv, 0, slots, torch.ones(16))
+    with pytest.raises(ValueError, match="k_norm must be \\[16\\]"):
+        impl(q, k, k, cos, sin, kv, 0, slots, torch.ones(16), torch.ones(8))
+    assert kv.abs().sum() == 0, "a refused call stored into the cache"
 
 
 @pytest.mark.cuda

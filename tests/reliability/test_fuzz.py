@@ -115,6 +115,7 @@ async def test_websocket_fuzz(rserver: Server) -> None:
         examples.append(len(sent))
         with connect(url, subprotocols=["streamd.v1"], max_size=None) as ws:
             check_batch(ws, sent)
+            assert ws.ping().wait(TIMEOUT), "no pong after the batch"  # the socket stays open (raises if closed)
             if len(examples) % CONTROL_EVERY:
                 return
             ws.send(json.dumps({"type": "generate", "id": "same-socket", **CONTROL}))

@@ -5,6 +5,9 @@ beam's blocks."""
 
 from __future__ import annotations
 
+import json
+
+import jsonschema
 import openai
 import pytest
 from openai import AsyncOpenAI
@@ -67,9 +70,23 @@ async def test_openai_client_with_use_beam_search(client: AsyncOpenAI, server: S
     assert [c.message.content for c in sorted(chat.choices, key=lambda c: c.index)] == chat_want
 
 
+async def test_beams_follow_response_format(client: AsyncOpenAI, server: Server) -> None:
+    """Beam search and a JSON schema together over the OpenAI route: every returned beam validates."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"],
+              "additionalProperties": False}
+    reply = await client.chat.completions.create(
+        model=server.services.model_name, messages=[{"role": "user", "content": "Name a city in France as JSON."}],
+        n=2, max_tokens=24, extra_body=BEAMS,
+        response_format={"type": "json_schema", "json_schema": {"name": "city", "schema": schema}})
+    assert sorted(c.index for c in reply.choices) == [0, 1]
+    for choice in reply.choices:
+        jsonschema.validate(json.loads(choice.message.content), schema)
+    assert len({c.message.content for c in reply.choices}) == 2
+
+
 @pytest.mark.parametrize("extra, field", [
     ({"temperature": 0.7}, "temperature"), ({"top_p": 0.5}, "top_p"), ({"stop": ["."]}, "stop"),
-    ({"n": 4}, "n"), ({"response_format": {"type": "json_object"}}, "structured_outputs"),
+    ({"n": 4}, "n"),
     ({"beam_width": 17}, "beam_width"), ({"early_stopping": "sometimes"}, "early_stopping"),
 ])
 async def test_invalid_beam_requests_are_refused(client: AsyncOpenAI, server: Server, extra: dict,

@@ -17,6 +17,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.routing import Route
 
+from tests.helpers import hf_logprobs
 from tests.server.util import Server, gather_until_done, recv, running_server, send, ws_connect
 
 MESSAGES = [{"role": "user", "content": "Name three colours."}]
@@ -77,9 +78,17 @@ async def test_chat_logprobs_equal_the_websocket(client: AsyncOpenAI, server: Se
     assert without_bytes(again.choices[0].logprobs.content) == expected
 
 
-async def test_completion_logprobs_equal_the_websocket(client: AsyncOpenAI, server: Server, smol_llm) -> None:
+async def test_completion_logprobs_equal_the_websocket(client: AsyncOpenAI, server: Server, smol_llm,
+                                                       hf_smol) -> None:
     params = {"max_tokens": TOKENS, "temperature": 0.9, "seed": 1234, "ignore_eos": True}
     ids, logprobs = await ws_logprobs(server, params, prompt=PROMPT)
+    # The WebSocket's are the model's raw logprobs (transformers' on the same weights; not temperature-scaled):
+    # the top N by value, and the sampled token.
+    rows = hf_logprobs(hf_smol, smol_llm.tokenizer(PROMPT).input_ids, ids)
+    for step, (token, d, row) in enumerate(zip(ids, logprobs, rows)):
+        top = row.topk(TOP).indices.tolist()
+        assert set(d) == {*top, token} and list(d)[:TOP] == top, step
+        assert d == pytest.approx({t: row[t].item() for t in d}, abs=2e-3), step
     text = lambda t: smol_llm.tokenizer.decode([t], skip_special_tokens=False)  # noqa: E731
     body = {"model": server.services.model_name, "prompt": PROMPT, "max_tokens": TOKENS, "temperature": 0.9,
             "seed": 1234, "logprobs": TOP, "extra_body": {"ignore_eos": True}}

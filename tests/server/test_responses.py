@@ -6,9 +6,11 @@ cache; OpenAI error bodies / `error` events that leave the socket open; a drain 
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
 from typing import Any
 
+import jsonschema
 import openai
 import pytest
 from openai import AsyncOpenAI, OpenAI
@@ -92,14 +94,43 @@ async def test_http_errors_are_openai_bodies(client: AsyncOpenAI, server: Server
         ({"model": model, "input": "x " * 9000}, openai.BadRequestError, "context_length_exceeded"),
         ({"model": model, "input": "x", "previous_response_id": "resp_nope"}, openai.BadRequestError,
          "previous_response_not_found"),
-        ({"model": model, "input": "x", "text": {"format": {"type": "json_schema", "name": "n", "schema": {}}}},
-         openai.BadRequestError, "unsupported"),
+        ({"model": model, "input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}},
+         openai.BadRequestError, "invalid_request"),
+        ({"model": model, "input": "x", "text": {"format": {"type": "yaml"}}}, openai.BadRequestError,
+         "invalid_request"),
     ]
     for body, kind, code in cases:
         with pytest.raises(kind) as caught:
             await client.responses.create(**body)
         assert caught.value.body["code"] == code, (body, caught.value.body)
         assert caught.value.body["message"]
+        if "text" in body:
+            assert caught.value.body["param"] == "text.format", caught.value.body
+
+
+SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                           "population": {"type": "integer"}},
+          "required": ["city", "population"], "additionalProperties": False}
+
+
+async def test_text_format_constrains_the_reply(client: AsyncOpenAI, server: Server) -> None:
+    """`text.format` json_schema and json_object: the reply parses (and validates), streamed and not; the
+    response echoes the format."""
+    model = server.services.model_name
+    fmt = {"format": {"type": "json_schema", "name": "city", "schema": SCHEMA, "strict": True}}
+    reply = await client.responses.create(model=model, input="Name a big city and its population.", text=fmt,
+                                          max_output_tokens=64, temperature=0.0)
+    jsonschema.validate(json.loads(reply.output_text), SCHEMA)
+    assert reply.text.format.type == "json_schema"
+    stream = await client.responses.create(model=model, input="Name a big city and its population.", text=fmt,
+                                           max_output_tokens=64, temperature=0.0, stream=True)
+    events = [event async for event in stream]
+    assert json.loads(_check_events(events)) == json.loads(reply.output_text)
+    loose = await client.responses.create(model=model, input="Describe Paris as JSON.",
+                                          text={"format": {"type": "json_object"}}, max_output_tokens=96,
+                                          temperature=0.0)
+    assert loose.status == "completed", loose.output_text
+    assert isinstance(json.loads(loose.output_text), dict), loose.output_text
 
 
 async def test_previous_response_id_over_http_and_store_false(client: AsyncOpenAI, server: Server) -> None:

@@ -21,7 +21,7 @@ import torch
 from streamd.engine.cache_engine import CacheEngine
 from streamd.engine.model_runner import ModelRunner
 from streamd.engine.parallel.step_message import (CacheOrder, Command, OrderKind, StepChannel, StepMessage,
-                                                  encode)
+                                                  apply_order, encode)
 from streamd.engine.parallel.workers import WorkerPool
 from streamd.engine.scheduler_output import SchedulerOutput
 from streamd.logs import get_logger
@@ -54,15 +54,12 @@ class TensorParallelExecutor:
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         self._order(OrderKind.SWAP_OUT, pairs)
-        self.cache.swap_out(pairs)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self._order(OrderKind.SWAP_IN, pairs)
-        self.cache.swap_in(pairs)
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self._order(OrderKind.COPY, pairs)
-        self.cache.copy(pairs)
 
     def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
                 prev_rows: dict[int, int] | None = None) -> torch.Tensor:
@@ -86,9 +83,13 @@ class TensorParallelExecutor:
         self._finalizer.detach()
 
     def _order(self, kind: OrderKind, pairs: list[tuple[int, int]]) -> None:
+        """Applies the order here at once and queues it for the workers (the same `apply_order` there)."""
         self._check()
-        if pairs:
-            self._orders.append(CacheOrder(kind, list(pairs)))
+        if not pairs:  # (most steps: nothing to apply or send)
+            return
+        order = CacheOrder(kind, list(pairs))
+        apply_order(self.cache, order)
+        self._orders.append(order)
 
     def _check(self) -> None:
         if self._failure is not None:

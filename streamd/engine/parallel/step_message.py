@@ -18,10 +18,15 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from streamd.engine.model_runner import ModelInput
+
+if TYPE_CHECKING:
+    from streamd.engine.cache_engine import CacheEngine
 
 HEADER_WORDS = 8
 INITIAL_CAPACITY = 1 << 12
@@ -44,6 +49,16 @@ class OrderKind(enum.IntEnum):
 class CacheOrder:
     kind: OrderKind
     pairs: list[tuple[int, int]]
+
+
+def apply_order(cache: CacheEngine, order: CacheOrder) -> None:
+    """Carries out one cache order on this rank's pools (rank 0 as it is given, the others as received)."""
+    if order.kind == OrderKind.SWAP_OUT:
+        cache.swap_out(order.pairs)
+    elif order.kind == OrderKind.SWAP_IN:
+        cache.swap_in(order.pairs)
+    else:
+        cache.copy(order.pairs)
 
 
 @dataclass(slots=True)

@@ -26,7 +26,7 @@ from streamd.engine.cache_engine import CacheEngine
 from streamd.engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from streamd.engine.model_runner import ModelRunner, kv_layout_of
 from streamd.engine.parallel.shard import ShardSpec, check_divisible, shard_model
-from streamd.engine.parallel.step_message import Command, OrderKind, StepChannel, StepMessage
+from streamd.engine.parallel.step_message import Command, StepChannel, StepMessage, apply_order
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -129,12 +129,7 @@ def worker_main(args: WorkerArgs) -> None:
 
 def _run_step(message: StepMessage, cache: CacheEngine, runner: ModelRunner) -> None:
     for order in message.orders:
-        if order.kind == OrderKind.SWAP_OUT:
-            cache.swap_out(order.pairs)
-        elif order.kind == OrderKind.SWAP_IN:
-            cache.swap_in(order.pairs)
-        else:
-            cache.copy(order.pairs)
+        apply_order(cache, order)
     if message.batch is not None:
         runner.run_layers(message.batch)
 
