@@ -4,7 +4,8 @@ Every route (`/v1/stream`, the OpenAI routes, any later one) opens an account wh
 feeds it every delta it delivers, and closes it once. The account owns:
 
 - usage: prompt, completion (all choices) and cached tokens;
-- the finish reason, through the one map `FINISH_NAMES` from the finish reasons to each face's names. The
+- the finish reason, through the one map `FINISH_NAMES` from the finish reasons to each face's names
+  (streamd.v1, OpenAI's chat/completions, the Responses API). The
   engine ends a cancelled request with "abort" whoever cancelled it; the account knows why (`cancel(cause)`:
   "abort" for the client, "drain" for the server's drain), so the faces can tell a client what happened;
 - timings: time to first token and inter-token latency as the client is handed the tokens, end-to-end
@@ -31,20 +32,28 @@ logger = get_logger(__name__)
 class FinishNames:
     wire: str  # streamd.v1 `done` frames and the `finish_reason` label of streamd_requests_total
     openai: str  # OpenAI's `finish_reason` (one of OpenAI's values)
+    status: str  # the Responses API's `status` of the response ("completed", "incomplete", ...)
     flag: str | None = None  # an extra field set to true on the OpenAI choice, saying what OpenAI cannot
+    incomplete: str | None = None  # the Responses API's `incomplete_details.reason`, when it has one
+
+    @property
+    def terminal_event(self) -> str:
+        """The Responses API's last event: `response.completed`, `.failed` or `.incomplete`."""
+        return f"response.{self.status if self.status in ('completed', 'failed') else 'incomplete'}"
 
 
 # The engine's finish reasons, the causes of a cancellation ("drain") and "error" (the request failed) ->
 # what each face calls them. OpenAI has no "cancelled": a cut request ends "length" (its output is
 # incomplete, as at a token limit) with a flag naming why ("abort": a client's own cancel, which over HTTP
-# nobody reads, the client being gone).
+# nobody reads, the client being gone). A deadline (`timeout_s` / server.max_request_time_s) leaves a
+# response incomplete for the reason "timeout".
 FINISH_NAMES: dict[str, FinishNames] = {
-    "stop": FinishNames("stop", "stop"),
-    "length": FinishNames("length", "length"),
-    "abort": FinishNames("cancelled", "length", "streamd_cancelled"),
-    "drain": FinishNames("cancelled", "length", "streamd_drained"),
-    "error": FinishNames("error", "error"),
-    "timeout": FinishNames("timeout", "length", "streamd_timeout"),
+    "stop": FinishNames("stop", "stop", "completed"),
+    "length": FinishNames("length", "length", "incomplete", incomplete="max_output_tokens"),
+    "abort": FinishNames("cancelled", "length", "cancelled", "streamd_cancelled"),
+    "drain": FinishNames("cancelled", "length", "cancelled", "streamd_drained"),
+    "error": FinishNames("error", "error", "failed"),
+    "timeout": FinishNames("timeout", "length", "incomplete", "streamd_timeout", incomplete="timeout"),
 }
 
 

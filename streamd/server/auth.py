@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from typing import Iterable, Mapping
+from typing import Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 BEARER_SUBPROTOCOL_PREFIX = "bearer."
@@ -44,10 +44,7 @@ class Authenticator:
     def websocket_ok(self, headers: Mapping[str, str], subprotocols: Iterable[str]) -> bool:
         if not self._keys:
             return True
-        if self.key_ok(bearer_token(headers.get("authorization"))):
-            return True
-        return any(self.key_ok(p[len(BEARER_SUBPROTOCOL_PREFIX):]) for p in subprotocols
-                   if p.startswith(BEARER_SUBPROTOCOL_PREFIX))
+        return any(self.key_ok(key) for key in _offered_keys(headers, subprotocols))
 
     def origin_ok(self, origin: str | None, host: str | None) -> bool:
         """A missing Origin is a non-browser client; browsers always send one. `host`: the Host header."""
@@ -90,8 +87,12 @@ def bearer_token(header: str | None) -> str | None:
 
 def presented_key(headers: Mapping[str, str], subprotocols: Iterable[str]) -> str | None:
     """The API key a WebSocket handshake presented (header first, then a `bearer.` subprotocol)."""
+    return next(_offered_keys(headers, subprotocols), None)
+
+
+def _offered_keys(headers: Mapping[str, str], subprotocols: Iterable[str]) -> Iterator[str]:
+    """The keys a WebSocket handshake offers: the Authorization header's, then each `bearer.` subprotocol's."""
     key = bearer_token(headers.get("authorization"))
     if key:
-        return key
-    return next((p[len(BEARER_SUBPROTOCOL_PREFIX):] for p in subprotocols if p.startswith(BEARER_SUBPROTOCOL_PREFIX)),
-                None)
+        yield key
+    yield from (p[len(BEARER_SUBPROTOCOL_PREFIX):] for p in subprotocols if p.startswith(BEARER_SUBPROTOCOL_PREFIX))

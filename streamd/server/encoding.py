@@ -45,6 +45,15 @@ def loads(data: str | bytes, what: str) -> Any:
     return _with_non_finite(data, what, reason)
 
 
+def loads_object(data: str | bytes, what: str, code: str = "invalid_request") -> dict[str, Any]:
+    """`loads` for what must be a JSON object (a request body, a frame, an event); refused with `code`
+    when it is other JSON."""
+    value = loads(data, what)
+    if not isinstance(value, dict):
+        raise ServiceError(code, f"{what} must be a JSON object")
+    return value
+
+
 def _with_non_finite(data: str | bytes, what: str, reason: str) -> Any:
     """What orjson refused, read by the standard library (which also takes NaN, Infinity and numbers
     beyond a double); still refuses anything else orjson would have refused, with orjson's reason."""

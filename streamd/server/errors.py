@@ -81,6 +81,12 @@ def error_response(error: ServiceError, status: int | None = None,
     return JSONResponse(error.openai_body(), status_code=status or error.status, headers=headers)
 
 
+def queue_timed_out() -> ServiceError:
+    """A request that timed out before it was ever scheduled (`RequestAccount.overloaded`), on every route."""
+    return ServiceError("overloaded", "the request waited longer than server.max_queue_time_s to be scheduled; "
+                        "retry later")
+
+
 def http_error(status: int, message: str) -> ServiceError:
     """The ServiceError for an HTTP status raised without one (Starlette's 404/405, a guard's 413/415)."""
     return ServiceError(HTTP_CODES.get(status, "http_error"), message)

@@ -174,7 +174,6 @@ class Generation:
             raise ServiceError("invalid_request", str(exc)) from exc
         return account, stream
 
-
     def count_cancelled(self, route: str) -> None:
         """Counts a request whose client left before it could even be submitted (as cancelled)."""
         RequestAccount(new_request_id(), route, 0, self.metrics, self.lifecycle, cancel=lambda: None).close()

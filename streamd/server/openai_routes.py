@@ -35,8 +35,8 @@ from streamd.engine.request_stream import RequestStream
 from streamd.engine.sampling_params import MAX_LOGPROBS, is_int
 from streamd.logs import get_logger
 from streamd.server.accounting import FinishNames, RequestAccount
-from streamd.server.encoding import dumps, loads
-from streamd.server.errors import ServiceError
+from streamd.server.encoding import dumps, loads_object
+from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.logprobs import LogprobsBuilder
 from streamd.server.services import Services
@@ -172,13 +172,8 @@ async def _first_delta(call: _Call) -> RequestDelta:
     call.account.absorb(delta)
     if call.account.overloaded:
         call.finish()
-        raise _overloaded()
+        raise queue_timed_out()
     return delta
-
-
-def _overloaded() -> ServiceError:
-    return ServiceError("overloaded", "the request waited longer than server.max_queue_time_s to be scheduled; "
-                        "retry later")
 
 
 async def _deltas(call: _Call, first: RequestDelta | None) -> AsyncIterator[RequestDelta]:
@@ -230,9 +225,9 @@ async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = No
 
 
 class TextEvents:
-    """A call's text chunks (without logprobs) as bytes: per choice, the chunk is encoded once around a placeholder text and
-    split there, so each delta costs one orjson call on its text instead of building and encoding the
-    whole chunk (the same bytes: the placeholder's JSON is replaced by the text's JSON)."""
+    """A call's text chunks (without logprobs) as bytes: per choice, the chunk is encoded once around a
+    placeholder text and split there, so each delta costs one orjson call on its text instead of building
+    and encoding the whole chunk (the same bytes: the placeholder's JSON is replaced by the text's JSON)."""
 
     HOLE = "\x00streamd-text\x00"
 
@@ -259,8 +254,7 @@ async def _collect(call: _Call) -> Response:
     account = call.account
     texts: list[list[str]] = [[] for _ in range(account.num_choices)]
     try:
-        async for delta in call.stream:
-            account.absorb(delta)
+        async for delta in _deltas(call, None):
             for choice in delta.outputs:
                 texts[choice.index].append(choice.text)
                 if call.logprobs is not None:
@@ -270,7 +264,7 @@ async def _collect(call: _Call) -> Response:
     if account.error:
         raise ServiceError("internal_error", account.error)
     if account.overloaded:
-        raise _overloaded()
+        raise queue_timed_out()
     choices = []
     for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
         content = "".join(pieces)
@@ -360,10 +354,17 @@ def _data(obj: dict[str, Any]) -> str:
 
 async def json_body(request: Request) -> dict[str, Any]:
     """The body (already bounded by `server.max_body_bytes` and checked to be JSON by `http_guard`)."""
-    body = loads(await request.body(), "the request body")
-    if not isinstance(body, dict):
-        raise ServiceError("invalid_request", "the request body must be a JSON object")
-    return body
+    return loads_object(await request.body(), "the request body")
+
+
+def body_flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A boolean field of a body (`default` when absent or null); anything else is refused, naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ServiceError("invalid_request", f"{name} must be a boolean, got {value!r}", name)
+    return value
 
 
 def check_model(s: Services, body: dict[str, Any]) -> None:

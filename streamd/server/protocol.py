@@ -21,7 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamd.server.encoding import dumps, loads
+from streamd.server.encoding import dumps, loads_object
 from streamd.server.errors import ServiceError
 
 SUBPROTOCOL_V1 = "streamd.v1"
@@ -78,9 +78,7 @@ class Resume:
 
 def parse_frame(text: str) -> Generate | Cancel | Resume | SubscribeStats | UnsubscribeStats:
     """Raises ServiceError (with `param` set to the frame's id when one could be read)."""
-    frame = loads(text, "the frame")
-    if not isinstance(frame, dict):
-        raise ServiceError("invalid_json", "a frame must be a JSON object")
+    frame = loads_object(text, "the frame", code="invalid_json")
     if frame.get("type") in ("subscribe_stats", "unsubscribe_stats"):
         return _stats_frame(frame)
     frame_id = frame.get("id")

@@ -32,7 +32,7 @@ from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared, normalize_messages
 from streamd.server.logprobs import TokenTexts, chat_entries
-from streamd.server.openai_routes import SSEResponse, check_model, json_body, until_disconnect
+from streamd.server.openai_routes import SSEResponse, body_flag, check_model, json_body, until_disconnect
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
 from streamd.server.structured_api import structured_from_text_format
@@ -66,7 +66,7 @@ async def plan_response(s: Services, body: dict[str, Any], find: Lookup, *,
     check_model(s, body)
     _refuse_features(body)
     structured = _text_format(body.get("text"))
-    stream, store = _flag(body, "stream", False), _flag(body, "store", True)
+    stream, store = body_flag(body, "stream", False), body_flag(body, "store", True)
     new = _input_messages(body.get("input"), body.get("instructions"))
     previous_id = body.get("previous_response_id")
     if previous_id is None:
@@ -173,15 +173,6 @@ def _text_format(text: Any) -> dict[str, Any] | None:
     return None if fmt is None else structured_from_text_format(fmt)
 
 
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ServiceError("invalid_request", f"{name} must be a boolean", name)
-    return value
-
-
 def _metadata(value: Any) -> dict[str, str] | None:
     if value is None:
         return None
@@ -205,16 +196,6 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- events ------------------------------------------------------------------------------------------
-# The engine's finish reasons -> (response status, terminal event, incomplete_details reason)
-_ENDINGS: dict[str, tuple[str, str, str | None]] = {
-    "stop": ("completed", "response.completed", None),
-    "length": ("incomplete", "response.incomplete", "max_output_tokens"),
-    "abort": ("cancelled", "response.incomplete", None),
-    "error": ("failed", "response.failed", None),
-    "timeout": ("incomplete", "response.incomplete", "timeout"),  # timeout_s / server.max_request_time_s
-}
-
-
 @dataclass(slots=True)
 class ResponseBuilder:
     """One response's events, in order, numbered from 0; also its final `response` object."""
@@ -259,13 +240,13 @@ class ResponseBuilder:
         return events
 
     def closing(self, account: RequestAccount) -> list[dict[str, Any]]:
-        status, terminal, _ = _ENDINGS[account.finish_reason]
+        finish = account.finish
         text, at = "".join(self.text), {"output_index": 0, "item_id": self.item_id}
-        item_status = "completed" if status == "completed" else "incomplete"
+        item_status = "completed" if finish.status == "completed" else "incomplete"
         return [self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=self.logprobs),
                 self.event("response.content_part.done", **at, content_index=0, part=self.part(text)),
                 self.event("response.output_item.done", output_index=0, item=self.item(item_status, [self.part(text)])),
-                self.event(terminal, response=self.response(account))]
+                self.event(finish.terminal_event, response=self.response(account))]
 
     def response(self, account: RequestAccount | None) -> dict[str, Any]:
         """The `response` object: in progress (no account) or as the account ended it."""
@@ -276,12 +257,12 @@ class ResponseBuilder:
             "usage": None, **self.plan.echo}
         if account is None:
             return body
-        status, _, reason = _ENDINGS[account.finish_reason]
+        finish = account.finish  # (FINISH_NAMES: the Responses API's status and incomplete reason)
         text = "".join(self.text)
-        body.update(status=status, output=[self.item("completed" if status == "completed" else "incomplete",
-                                                     [self.part(text)])], usage=_usage(account))
-        if reason is not None:
-            body["incomplete_details"] = {"reason": reason}
+        body.update(status=finish.status, output=[self.item(
+            "completed" if finish.status == "completed" else "incomplete", [self.part(text)])], usage=_usage(account))
+        if finish.incomplete is not None:
+            body["incomplete_details"] = {"reason": finish.incomplete}
         if account.error is not None:
             body["error"] = {"code": "server_error", "message": account.error}
         return body

@@ -7,85 +7,53 @@ lane: responses on one lane run FIFO, different lanes run concurrently) and `res
 so this is the Realtime API's name). Server events are those of SSE (responses_api.ResponseBuilder), each
 echoing its `stream_id`; a refused event gets an `error` event and the socket stays open.
 `previous_response_id` finds responses of this connection (even with `store: false`) and then the
-server's per-key store. Handshake policy (auth, Origin, connection limit, drain) is ws.py's; a drain closes
-the socket with 1012 once its responses finish, which the SDK's reconnect logic treats as recoverable.
+server's per-key store. Handshake policy (auth, Origin, connection limit, drain), the reader loop and the
+drain's close are ws_socket.py's: a drain closes the socket with 1012 once its responses finish, which the
+SDK's reconnect logic treats as recoverable.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from collections import OrderedDict
 from typing import Any
 
-import structlog
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from streamd.logs import get_logger
-from streamd.server.encoding import dumps, loads
+from streamd.server.encoding import dumps, loads_object
 from streamd.server.errors import ServiceError
 from streamd.server.responses_api import ResponsePlan, ResponseRun, api_key, builder_for, keep, plan_response
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
-from streamd.server.ws import handshake_refusal, refuse
+from streamd.server.ws_socket import SocketConnection, accept
 
 logger = get_logger(__name__)
-DRAIN_CLOSE_CODE = 1012  # "service restart": the SDK reconnects
 
 
 async def responses_endpoint(websocket: WebSocket) -> None:
-    services: Services = websocket.app.state.services
-    refusal = handshake_refusal(services, websocket)
-    if refusal is not None:
-        await refuse(websocket, refusal)
-        return
-    await websocket.accept()
-    key = api_key(websocket.headers)
-    with structlog.contextvars.bound_contextvars(conn_id=uuid.uuid4().hex[:12]):
-        await ResponsesConnection(websocket, services, key).run()
+    services = await accept(websocket)
+    if services is not None:
+        await ResponsesConnection(websocket, services, api_key(websocket.headers)).run()
 
 
-class ResponsesConnection:
+class ResponsesConnection(SocketConnection):
+    log_name = "responses_ws"
+
     def __init__(self, websocket: WebSocket, services: Services, key: str) -> None:
-        self.ws = websocket
-        self.services = services
+        super().__init__(websocket, services)
         self.key = key
         self.tasks: set[asyncio.Task[None]] = set()
         self.lanes: dict[str | None, asyncio.Task[None]] = {}  # each lane's latest response task
         self.running: dict[str, ResponseRun] = {}  # response id -> its run, while it runs
         self.recent: OrderedDict[str, StoredResponse] = OrderedDict()  # this connection's finished responses
         self.outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
-        self.close_code = 1006
-        self.closed = False
 
-    async def run(self) -> None:
-        metrics = self.services.metrics
-        metrics.ws_connections.inc()
-        logger.info("responses_ws_open")
-        writer = asyncio.create_task(self._write())
-        try:
-            with self.services.lifecycle.connection(self, self.close, DRAIN_CLOSE_CODE):
-                await self._read()
-        finally:
-            self.closed = True
-            for task in self.tasks:
-                task.cancel()
-            await asyncio.gather(*self.tasks, return_exceptions=True)
-            writer.cancel()
-            await asyncio.gather(writer, return_exceptions=True)
-            metrics.ws_connections.dec()
-            metrics.ws_closes.labels(str(self.close_code)).inc()
-            logger.info("responses_ws_close", code=self.close_code)
-
-    async def close(self, code: int) -> None:
-        """Closes from the server side (drain); the reader then sees the disconnect."""
-        if not self.closed:
-            self.closed = True
-            self.close_code = code
-            try:
-                await self.ws.close(code)
-            except (RuntimeError, OSError):
-                pass
+    async def _let_go(self) -> None:
+        """The socket is gone: cancel every response (each closes its account)."""
+        for task in self.tasks:
+            task.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
 
     # ---- writing -----------------------------------------------------------------------------------
     def emit(self, event: dict[str, Any]) -> None:
@@ -98,7 +66,7 @@ class ResponsesConnection:
             event["stream_id"] = stream_id
         self.emit(event)
 
-    async def _write(self) -> None:
+    async def _write_loop(self) -> None:
         while True:
             event = await self.outbox.get()
             try:
@@ -108,17 +76,11 @@ class ResponsesConnection:
                 return
 
     # ---- reading -----------------------------------------------------------------------------------
-    async def _read(self) -> None:
-        while True:
-            message = await self.ws.receive()
-            if message["type"] == "websocket.disconnect":
-                if not self.closed:
-                    self.close_code = int(message.get("code") or 1005)
-                return
-            try:
-                self._on_event(_parse(message.get("text")))
-            except ServiceError as exc:
-                self.emit_error(exc, None)
+    def _on_message(self, text: str | None) -> None:
+        try:
+            self._on_event(_parse(text))
+        except ServiceError as exc:
+            self.emit_error(exc, None)
 
     def _on_event(self, event: dict[str, Any]) -> None:
         kind = event.get("type")
@@ -211,7 +173,4 @@ class ResponsesConnection:
 def _parse(text: str | None) -> dict[str, Any]:
     if text is None:
         raise ServiceError("invalid_request", "events must be text (JSON)")
-    event = loads(text, "the event")  # refuses unencodable text and deep nesting, naming which
-    if not isinstance(event, dict):
-        raise ServiceError("invalid_request", "an event must be a JSON object")
-    return event
+    return loads_object(text, "the event")  # also refuses unencodable text and deep nesting, naming which

@@ -21,7 +21,7 @@ from starlette.responses import JSONResponse, Response
 from streamd.engine.chat_template import TemplateOptions
 from streamd.engine.sampling_params import is_int
 from streamd.server.errors import ServiceError
-from streamd.server.openai_routes import check_model, json_body
+from streamd.server.openai_routes import body_flag, check_model, json_body
 from streamd.server.services import Services
 from streamd.server.structured_api import plan_tools
 
@@ -36,12 +36,12 @@ async def tokenize(request: Request) -> Response:
     if has_prompt:
         if not isinstance(body["prompt"], str):
             raise ServiceError("invalid_request", "prompt must be a string", "prompt")
-        ids = await s.generation.prompt_ids(body["prompt"], _flag(body, "add_special_tokens", True))
+        ids = await s.generation.prompt_ids(body["prompt"], body_flag(body, "add_special_tokens", True))
     else:
         ids = await s.generation.messages_ids(body["messages"], _tools(body), _template_options(body))
     answer: dict[str, Any] = {"count": len(ids), "max_model_len": s.engine.max_model_len, "tokens": ids,
                               "token_strs": None}
-    if _flag(body, "return_token_strs", False):
+    if body_flag(body, "return_token_strs", False):
         answer["token_strs"] = await s.generation.tokenizing.run(lambda t: t.convert_ids_to_tokens(ids), len(ids))
     return JSONResponse(answer)
 
@@ -58,8 +58,9 @@ async def detokenize(request: Request) -> Response:
 
 
 def _template_options(body: dict[str, Any]) -> TemplateOptions:
-    options = TemplateOptions(_flag(body, "add_generation_prompt", True), _flag(body, "continue_final_message", False),
-                              _flag(body, "add_special_tokens", False))
+    options = TemplateOptions(body_flag(body, "add_generation_prompt", True),
+                              body_flag(body, "continue_final_message", False),
+                              body_flag(body, "add_special_tokens", False))
     if options.add_generation_prompt and options.continue_final_message:
         raise ServiceError("invalid_request", "add_generation_prompt and continue_final_message cannot both be "
                            "true", "continue_final_message")
@@ -69,15 +70,6 @@ def _template_options(body: dict[str, Any]) -> TemplateOptions:
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     plan = plan_tools(body.get("tools"), None)
     return plan.tools if plan is not None else None
-
-
-def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ServiceError("invalid_request", f"{name} must be a boolean, got {value!r}", name)
-    return value
 
 
 def make_routes() -> list[tuple[str, Callable[..., Any], list[str]]]:

@@ -10,21 +10,17 @@ tokens the request is paused in the engine (`Backpressure`) until the writer tak
 
 Resumable requests (resume.py): when the socket drops, admitted requests are detached instead of aborted:
 their frames are built at once into their retained output, and a `resume` frame on another socket attaches
-them there (replay, then the live stream). The socket registers for the drain with close code 1012.
-Policy failures (auth, origin, connection limit, drain) are refused before the handshake; oversize frames
-are closed with 1009 by uvicorn (`ws_max_size`). A connection that sends `subscribe_stats` also gets the
-live engine view (`stats` frames, stats_feed.py); only the newest unsent one is kept, so a slow reader
-never queues them up.
+them there (replay, then the live stream). The handshake policy, the drain's 1012 close and the reader
+loop are ws_socket.py's (shared with responses_ws.py); oversize frames are closed with 1009 by uvicorn
+(`ws_max_size`). A connection that sends `subscribe_stats` also gets the live engine view (`stats`
+frames, stats_feed.py); only the newest unsent one is kept, so a slow reader never queues them up.
 """
 
 from __future__ import annotations
 
 import asyncio
-import uuid
 from typing import Any
 
-import structlog
-from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from streamd.engine.outputs import RequestDelta
@@ -33,49 +29,24 @@ from streamd.logs import get_logger
 from streamd.server import protocol
 from streamd.server.accounting import RequestAccount
 from streamd.server.auth import presented_key
-from streamd.server.errors import ServiceError
+from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import Prepared
 from streamd.server.resume import Retention
 from streamd.server.services import Services
 from streamd.server.stats_feed import StatsFeed
+from streamd.server.ws_socket import SocketConnection, accept
 
 logger = get_logger(__name__)
 
 
 async def stream_endpoint(websocket: WebSocket) -> None:
-    services: Services = websocket.app.state.services
-    refusal = handshake_refusal(services, websocket)
-    if refusal is not None:
-        await refuse(websocket, refusal)
-        return
     offered = websocket.scope.get("subprotocols", [])
     chosen = next((p for p in protocol.SUBPROTOCOLS if p in offered), None)
-    await websocket.accept(subprotocol=chosen)
-    conn_id = uuid.uuid4().hex[:12]
-    key = presented_key(websocket.headers, websocket.scope.get("subprotocols", []))
-    with structlog.contextvars.bound_contextvars(conn_id=conn_id):
-        await Connection(websocket, services, batched=chosen == protocol.SUBPROTOCOL_V2, api_key=key).run()
-
-
-def handshake_refusal(services: Services, websocket: WebSocket) -> ServiceError | None:
-    headers = websocket.headers
-    if services.lifecycle.draining:
-        return ServiceError("shutting_down", "the server is shutting down")
-    if not services.auth.origin_ok(headers.get("origin"), headers.get("host")):
-        return ServiceError("forbidden_origin", "this Origin is not allowed")
-    if not services.auth.websocket_ok(headers, websocket.scope.get("subprotocols", [])):
-        return ServiceError("unauthorized", "a valid API key is required")
-    if services.lifecycle.num_connections >= services.config.max_connections:
-        return ServiceError("overloaded", "too many connections")
-    return None
-
-
-async def refuse(websocket: WebSocket, error: ServiceError) -> None:
-    logger.info("ws_refused", code=error.code, origin=websocket.headers.get("origin"))
-    if "websocket.http.response" in websocket.scope.get("extensions", {}):
-        await websocket.send_denial_response(JSONResponse(error.openai_body(), status_code=error.status))
-    else:
-        await websocket.close(1008, error.code)
+    services = await accept(websocket, chosen)
+    if services is None:
+        return
+    key = presented_key(websocket.headers, offered)
+    await Connection(websocket, services, batched=chosen == protocol.SUBPROTOCOL_V2, api_key=key).run()
 
 
 class WsRequest:
@@ -162,9 +133,7 @@ class WsRequest:
             if delta.error is not None:
                 built.append(protocol.error_frame(self.client_id, ServiceError("internal_error", delta.error)))
             if account.overloaded:
-                built.append(protocol.error_frame(self.client_id, ServiceError(
-                    "overloaded", "the request waited longer than server.max_queue_time_s to be scheduled; "
-                    "retry later")))
+                built.append(protocol.error_frame(self.client_id, queue_timed_out()))
             built.append(protocol.done_frame(self.client_id, account.finish.wire, account.usage(),
                                              [finish.wire for finish in account.choice_finishes()], account.drained))
             self.finished = True
@@ -190,42 +159,25 @@ class WsRequest:
             self.account.cancel()
 
 
-class Connection:
+class Connection(SocketConnection):
     def __init__(self, websocket: WebSocket, services: Services, batched: bool, api_key: str | None = None) -> None:
-        self.ws = websocket
-        self.services = services
+        super().__init__(websocket, services)
         self.batched = batched
         self.api_key = api_key  # what resumable requests are bound to
         self.live: dict[str, WsRequest] = {}
-        self.close_code = 1006
-        self.closed = False
         self._ready: dict[WsRequest, None] = {}  # requests with something to send, in order
         self._control: list[protocol.Frame] = []  # error frames not tied to a live request
         self._stats: protocol.Frame | None = None  # the newest unsent stats frame
         self.stats_feed = StatsFeed(services.engine, self.push_stats)
         self._wake = asyncio.Event()
 
-    async def run(self) -> None:
-        metrics = self.services.metrics
-        metrics.ws_connections.inc()
-        logger.info("ws_open", client=_client(self.ws), batched=self.batched)
-        writer = asyncio.create_task(self._write_loop())
-        try:
-            with self.services.lifecycle.connection(self, self.close, code=1012):
-                await self._read()
-        finally:
-            self.closed = True
-            self.stats_feed.stop()
-            writer.cancel()
-            await self._let_go()
-            await asyncio.gather(writer, return_exceptions=True)
-            metrics.ws_connections.dec()
-            metrics.ws_closes.labels(str(self.close_code)).inc()
-            logger.info("ws_close", code=self.close_code)
+    def _describe(self) -> dict[str, Any]:
+        return {"batched": self.batched}
 
     async def _let_go(self) -> None:
-        """The socket is gone: cancel admissions; detach resumable requests, abort the others (accounts
-        close on the final deltas)."""
+        """The socket is gone: stop the stats feed and cancel admissions; detach resumable requests, abort
+        the others (accounts close on the final deltas)."""
+        self.stats_feed.stop()
         tasks = [r.task for r in self.live.values() if r.task is not None and not r.task.done()]
         for task in tasks:
             task.cancel()
@@ -243,16 +195,6 @@ class Connection:
             request.connection = None
             request.retention.store.detach(request.retention)
             request.build_detached()
-
-    async def close(self, code: int) -> None:
-        """Closes from the server side (drain); the reader then sees the disconnect."""
-        if not self.closed:
-            self.closed = True
-            self.close_code = code
-            try:
-                await self.ws.close(code)
-            except (RuntimeError, OSError):
-                pass
 
     # ---- writing -----------------------------------------------------------------------------------
     def wake(self, request: WsRequest) -> None:
@@ -320,18 +262,11 @@ class Connection:
                 return
 
     # ---- reading -----------------------------------------------------------------------------------
-    async def _read(self) -> None:
-        while True:
-            message = await self.ws.receive()
-            if message["type"] == "websocket.disconnect":
-                if not self.closed:
-                    self.close_code = int(message.get("code") or 1005)
-                return
-            text = message.get("text")
-            if text is None:
-                self.send_error(None, ServiceError("invalid_request", "frames must be text (JSON)"))
-                continue
-            self._on_frame(text)
+    def _on_message(self, text: str | None) -> None:
+        if text is None:
+            self.send_error(None, ServiceError("invalid_request", "frames must be text (JSON)"))
+            return
+        self._on_frame(text)
 
     def _on_frame(self, text: str) -> None:
         try:
@@ -362,13 +297,17 @@ class Connection:
 
     def _check_room(self, client_id: str) -> None:
         """Raises ServiceError if this connection cannot take another request now."""
+        self._check_slot(client_id)
+        if self.services.lifecycle.draining:
+            raise ServiceError("shutting_down", "the server is shutting down")
+
+    def _check_slot(self, client_id: str) -> None:
+        """Raises ServiceError if `client_id` cannot be one more live request (a generate or a resume)."""
         if client_id in self.live:
             raise ServiceError("duplicate_id", f"id {client_id!r} is already in flight")
         if len(self.live) >= self.services.config.max_requests_per_connection:
             raise ServiceError("too_many_requests", "too many requests in flight on this connection "
                                f"(limit {self.services.config.max_requests_per_connection})")
-        if self.services.lifecycle.draining:
-            raise ServiceError("shutting_down", "the server is shutting down")
 
     async def _prepare(self, frame: protocol.Generate) -> Prepared:
         """Tokenizes (off the loop when long) and checks a generate frame; raises ServiceError."""
@@ -385,10 +324,7 @@ class Connection:
         """Attaches a resumable request to this socket: the frames after `after_seq`, then the live stream."""
         store = self.services.resumes
         try:
-            if frame.id in self.live:
-                raise ServiceError("duplicate_id", f"id {frame.id!r} is already in flight")
-            if len(self.live) >= self.services.config.max_requests_per_connection:
-                raise ServiceError("too_many_requests", "too many requests in flight on this connection")
+            self._check_slot(frame.id)
             retention, replay = store.claim(frame.id, frame.resume_token, frame.after_seq, self.api_key)
         except ServiceError as exc:
             self.send_error(frame.id, exc)
@@ -440,8 +376,3 @@ class Connection:
         if request.cancel_requested:
             account.cancel()
         self.wake(request)
-
-
-def _client(websocket: WebSocket) -> Any:
-    client = websocket.client
-    return f"{client.host}:{client.port}" if client else None

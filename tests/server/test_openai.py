@@ -87,9 +87,12 @@ async def test_bad_parameters_give_openai_errors(client: AsyncOpenAI, server: Se
 async def test_malformed_bodies(server: Server) -> None:
     async with httpx.AsyncClient(base_url=server.http) as http:
         bad_json = await http.post("/v1/chat/completions", content=b"{nope")
+        not_object = await http.post("/v1/completions", json=[{"prompt": "Hi"}])
         no_messages = await http.post("/v1/chat/completions", json={"model": server.services.model_name})
         too_long = await http.post("/v1/completions", json={"prompt": [7] * 100_000})
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
+    assert not_object.status_code == 400 and not_object.json()["error"]["code"] == "invalid_request"
+    assert "must be a JSON object" in not_object.json()["error"]["message"]
     assert no_messages.status_code == 400 and no_messages.json()["error"]["param"] == "messages"
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
 

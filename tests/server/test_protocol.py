@@ -8,7 +8,7 @@ import pytest
 
 from streamd.engine.outputs import CompletionDelta, RequestDelta
 from streamd.server import protocol
-from streamd.server.auth import Authenticator, bearer_token
+from streamd.server.auth import Authenticator, bearer_token, presented_key
 from streamd.server.errors import ServiceError
 from streamd.server.generation import normalize_messages
 
@@ -79,6 +79,12 @@ def test_auth_rules() -> None:
     assert auth.http_ok({"authorization": "Bearer k2"}) and not auth.http_ok({"authorization": "Bearer k3"})
     assert not auth.http_ok({})
     assert auth.websocket_ok({}, ["streamd.v1", "bearer.k1"]) and not auth.websocket_ok({}, ["bearer.k3"])
+    assert auth.websocket_ok({"authorization": "Bearer k3"}, ["bearer.k2"])  # any offered key may match
+    assert not auth.websocket_ok({"authorization": "Bearer k3"}, ["streamd.v1"])
+    # the key a resumable request is bound to: the header's, else the first `bearer.` subprotocol's
+    assert presented_key({"authorization": "Bearer h"}, ["bearer.s"]) == "h"
+    assert presented_key({}, ["streamd.v1", "bearer.s", "bearer.t"]) == "s"
+    assert presented_key({"authorization": "Basic x"}, ["streamd.v1"]) is None
     assert auth.origin_ok("https://ok.example", None) and auth.origin_ok(None, None)
     assert not auth.origin_ok("https://evil.example", None) and not auth.origin_ok("http://localhost", None)
 

@@ -39,7 +39,9 @@ def _check_events(events: list[Any]) -> str:
                          "response.content_part.added"], kinds
     assert kinds[-4:-1] == ["response.output_text.done", "response.content_part.done",
                             "response.output_item.done"], kinds
-    assert kinds[-1] in ("response.completed", "response.incomplete"), kinds
+    status = events[-1].response.status  # the terminal event follows the status
+    assert kinds[-1] == ("response.completed" if status == "completed" else "response.incomplete"), (kinds, status)
+    assert (events[-1].response.incomplete_details is None) == (status != "incomplete"), events[-1].response
     assert set(kinds[4:-4]) <= {"response.output_text.delta"}, kinds
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
@@ -88,6 +90,7 @@ async def test_http_errors_are_openai_bodies(client: AsyncOpenAI, server: Server
         ({"model": model, "input": 5}, openai.BadRequestError, "invalid_request"),
         ({"model": model, "input": "x", "max_output_tokens": "many"}, openai.BadRequestError, "invalid_request"),
         ({"model": model, "input": "x", "temperature": "hot"}, openai.BadRequestError, "invalid_request"),
+        ({"model": model, "input": "x", "store": "yes"}, openai.BadRequestError, "invalid_request"),
         ({"model": model, "input": "x " * 9000}, openai.BadRequestError, "context_length_exceeded"),
         ({"model": model, "input": "x", "previous_response_id": "resp_nope"}, openai.BadRequestError,
          "previous_response_not_found"),
@@ -223,3 +226,5 @@ async def test_drain_closes_with_1012_and_the_sdk_reconnects(async_engine) -> No
                         srv.uvicorn.handle_exit(signal.SIGTERM, None)  # what the SIGTERM handler does
         assert events[-1].type == "response.incomplete" and events[-1].response.usage.output_tokens == 8
         assert reconnects == [1012] and closed.value.rcvd.code == 1012
+    metrics = srv.services.metrics  # (the server has shut down: its handlers are done) counted as every socket
+    assert metrics.ws_closes.labels("1012")._value.get() == 1 and metrics.ws_connections._value.get() == 0

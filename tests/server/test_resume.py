@@ -86,6 +86,13 @@ async def test_refused_resumes_name_the_reason(async_engine: AsyncEngine) -> Non
                 frame = await recv(ws)
                 assert frame["type"] == "error" and frame["error"]["code"] == code, (code, frame)
                 assert frame["id"] == rid and frame["error"]["message"]
+        async with ws_connect(server, additional_headers=keys["k1"]) as ws:  # its id is live on this socket
+            await send(ws, type="generate", id="r", prompt="Hi", params=long)
+            await send(ws, type="resume", id="r", resume_token=token, after_seq=0)
+            await send(ws, type="cancel", id="r")
+            live = (await gather_until_done(ws, {"r"}))["r"]
+        assert [f["error"]["code"] for f in live.of("error")] == ["duplicate_id"]
+        assert live.done["finish_reason"] == "cancelled"  # the live request, not the detached one
         stats = await async_engine.wait_idle()  # the grace ends: the request is aborted, its blocks freed
         assert stats.pool_whole
         async with ws_connect(server, additional_headers=keys["k1"]) as ws:
@@ -158,6 +165,7 @@ async def test_queue_timeout_is_overloaded(async_engine: AsyncEngine) -> None:
                 late = (await gather_until_done(ws, {"late"}))["late"]
                 (error,) = late.of("error")
                 assert error["error"]["code"] == "overloaded" and late.done["finish_reason"] == "timeout"
+                assert "server.max_queue_time_s" in error["error"]["message"]
                 assert late.token_ids == []
                 client = AsyncOpenAI(base_url=f"{server.http}/v1", api_key="x", max_retries=0)
                 for stream in (False, True):
@@ -167,6 +175,7 @@ async def test_queue_timeout_is_overloaded(async_engine: AsyncEngine) -> None:
                         raise AssertionError("not refused")
                     except APIStatusError as exc:
                         assert exc.status_code == 503 and exc.body["code"] == "overloaded", exc.body
+                        assert exc.body["message"] == error["error"]["message"]  # one refusal on every route
                 await send(ws, type="cancel", id="busy")
                 await gather_until_done(ws, {"busy"})
     finally:
