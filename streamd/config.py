@@ -122,6 +122,10 @@ class ServerConfig:
     # The engine in a child process, detokenizing here (ProcessEngine outputs="network"): the network side
     # and the engine stop sharing one GIL. No grammar pre-compilation off the loop, no tensor parallelism.
     engine_process: bool = False
+    # With engine_process: step batches the engine may run ahead of their delivery. When the network side
+    # is the bottleneck, that many steps' tokens merge into one write per stream (fewer, bigger writes:
+    # more tokens/s, ITL up to this many steps); 1-2 keeps ITL per step, more trades it for throughput.
+    engine_batches_ahead: int = 8
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -136,7 +140,7 @@ class ServerConfig:
         for key in ("drain_timeout_s", "resume_grace_s", "max_unsent_tokens", "socket_send_buffer_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"server.{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("resume_max_tokens_per_request", "resume_max_tokens_total"):
+        for key in ("resume_max_tokens_per_request", "resume_max_tokens_total", "engine_batches_ahead"):
             _positive(f"server.{key}", getattr(self, key))
         for key in ("max_request_time_s", "max_queue_time_s"):
             _positive(f"server.{key}", getattr(self, key), allow_none=True)

@@ -6,11 +6,14 @@ shutdown ends the child."""
 from __future__ import annotations
 
 import asyncio
+import pickle
+import socket
 import threading
 
 import pytest
 
-from streamd.engine.engine_process import ProcessEngine
+from streamd.engine.async_engine import StepBatch
+from streamd.engine.engine_process import ProcessEngine, _ChildEngine
 from streamd.engine.llm_engine import LLMEngine
 from streamd.engine.outputs import RequestOutputBuilder
 from streamd.engine.sampling_params import SamplingParams
@@ -31,8 +34,8 @@ async def _fold(engine: ProcessEngine, request_id: str, prompt: str, params: Sam
     return builder
 
 
-@pytest.mark.parametrize("outputs", ["engine", "network"])
-async def test_process_engine_matches_the_offline_engine(smol_llm, outputs: str) -> None:
+@pytest.mark.parametrize(("outputs", "batches_ahead"), [("engine", 1), ("network", 8)])
+async def test_process_engine_matches_the_offline_engine(smol_llm, outputs: str, batches_ahead: int) -> None:
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     expected = smol_llm.generate(PROMPTS, params)
     # A stop string taken from the reference's own text, so that it certainly occurs mid-output.
@@ -40,7 +43,7 @@ async def test_process_engine_matches_the_offline_engine(smol_llm, outputs: str)
     stopping = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop=[stop_at])
     (expected_stop,) = smol_llm.generate(PROMPTS[1:2], stopping)
     assert expected_stop.outputs[0].finish_reason == "stop"
-    engine = ProcessEngine(LLMEngine.from_config, smol_llm.config, outputs=outputs)
+    engine = ProcessEngine(LLMEngine.from_config, smol_llm.config, outputs=outputs, batches_ahead=batches_ahead)
     engine.start()
     try:
         assert engine.model_name == smol_llm.engine.model_name and engine.ready
@@ -66,3 +69,37 @@ async def test_process_engine_matches_the_offline_engine(smol_llm, outputs: str)
     finally:
         await engine.shutdown()
     assert not engine.process.is_alive()
+
+
+class _StubEngine:
+    """All `AsyncEngine.__init__` reads of an engine."""
+
+    tokenizer = None
+
+    def stats(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("batches_ahead", [1, 3])
+def test_the_engine_publishes_at_most_batches_ahead_undelivered_batches(batches_ahead: int) -> None:
+    """The engine process's side of the credit: `batches_ahead` batches go out with no `Delivered` back; the
+    next waits for a credit (what caps how many steps merge while the network side is behind)."""
+    ours, theirs = socket.socketpair()
+    child = _ChildEngine(_StubEngine(), theirs, None, batches_ahead)
+    for _ in range(batches_ahead):
+        child._publish(StepBatch())
+    assert child.credits.acquire(blocking=False) is False  # the next publish would wait here
+    published = threading.Thread(target=child._publish, args=(StepBatch(),))
+    published.start()
+    child.credits.release()  # one batch delivered: one more may go
+    published.join(timeout=30)
+    assert not published.is_alive()
+    received = ours.recv(1 << 20)
+    count = 0
+    while received:
+        size = int.from_bytes(received[:4], "little")
+        assert pickle.loads(received[4:4 + size])[0] == []  # a batch: nothing accepted
+        received, count = received[4 + size:], count + 1
+    assert count == batches_ahead + 1
+    ours.close()
+    theirs.close()

@@ -48,7 +48,8 @@ async def serve(model: str, config: Config, layout: str = "thread") -> int:
     if layout == "thread":
         engine = AsyncEngine(build_engine(model, config))
     else:
-        engine = ProcessEngine(build_engine, model, config, outputs="network" if layout == "split" else "engine")
+        engine = ProcessEngine(build_engine, model, config, outputs="network" if layout == "split" else "engine",
+                               batches_ahead=config.server.engine_batches_ahead)
     app = create_app(config, engine)
     server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
     task = asyncio.create_task(server.serve())

@@ -8,8 +8,12 @@ socket pair into its command queue, and each iteration's `StepBatch` goes back a
 pickle whose deltas are plain tuples (a pickled slots dataclass costs a Python call per object; a tuple
 of builtins is pickled in C). The loop reads the socket when it is readable and hands each batch to the
 same `_deliver` as in one process, so sinks, accounts and frames are unchanged. The engine publishes at
-most `MAX_BATCHES_IN_FLIGHT` batches ahead of their delivery (each delivered batch sends a `Delivered`
-credit back), so it cannot run ahead of a slower network side and hand streams many steps at once.
+most `batches_ahead` batches ahead of their delivery (`server.engine_batches_ahead`; each delivered batch
+sends a `Delivered` credit back). While the network side keeps up this bound is never reached; when it is
+the bottleneck, the batches waiting for it merge into one write per stream (a stream's tokens of several
+steps in one frame or SSE event), which is what lets it catch up, and the bound caps how many steps merge.
+Measured at 256 streams on 2 cores (null model): 2 batches ahead, SSE 85k tok/s, ITL p50 3.9 ms; 8 ahead,
+106k tok/s, ITL p50 11.6 ms (WebSocket 108k -> 135k); unbounded, ITL p50 87 ms (benchmarks/NOTES.md).
 
 With `outputs="network"` the output processor (detokenizer, stop strings, deltas) runs in the network
 process instead, as in engines whose front end detokenizes: the child sends each step's `RequestUpdate`s
@@ -43,10 +47,6 @@ from streamd.engine.stats import EngineStats
 
 _HEADER = struct.Struct("<I")
 _READ_SIZE = 1 << 20
-# Batches the engine may publish before the network process has delivered them: without this bound the
-# engine runs ahead while the network side is the bottleneck, and streams get many steps' tokens at once
-# (measured at 256 SSE streams: ITL p50 87 ms, TTFT p50 0.5 s, against 22 ms and 0.3 s on one thread).
-MAX_BATCHES_IN_FLIGHT = 2
 
 
 @dataclass(slots=True, frozen=True)
@@ -162,22 +162,22 @@ class _UpdateRelay:
 class _ChildEngine(AsyncEngine):
     """The engine loop of `AsyncEngine`, publishing to the socket instead of an event loop."""
 
-    def __init__(self, engine: Any, sock: socket.socket, relay: _UpdateRelay | None) -> None:
+    def __init__(self, engine: Any, sock: socket.socket, relay: _UpdateRelay | None, batches_ahead: int) -> None:
         super().__init__(engine)
         self._sock = sock
         self._relay = relay
-        self.credits = threading.Semaphore(MAX_BATCHES_IN_FLIGHT)
+        self.credits = threading.Semaphore(batches_ahead)
 
     def _publish(self, batch: StepBatch) -> None:
-        self.credits.acquire()  # waits while the network side is MAX_BATCHES_IN_FLIGHT batches behind
+        self.credits.acquire()  # waits while the network side is `batches_ahead` batches behind
         try:
             _send(self._sock, encode_batch(batch, self._relay.take() if self._relay is not None else []))
         except OSError:  # the network process is gone; the engine loop stops at its StopEngine or EOF
             pass
 
 
-def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here: bool, commands: socket.socket,
-                sock: socket.socket) -> None:
+def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here: bool, batches_ahead: int,
+                commands: socket.socket, sock: socket.socket) -> None:
     from streamd import heap
 
     # The network process owns the lifecycle (a terminal's Ctrl-C or SIGTERM reaches the whole process
@@ -188,7 +188,7 @@ def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here
     relay = None if outputs_here else _UpdateRelay()
     if relay is not None:
         engine.output_processor = relay
-    child = _ChildEngine(engine, sock, relay)
+    child = _ChildEngine(engine, sock, relay, batches_ahead)
     heap.settle()
     _send(sock, EngineInfo(engine.model_name, engine.max_model_len, engine.tokenizer, engine.stats(),
                            threading.get_native_id()))
@@ -230,9 +230,10 @@ class _SocketCommands:
 
 class ProcessEngine(AsyncEngine):
     """`AsyncEngine` over an engine in a child process; `factory(*args)` builds the `LLMEngine` there.
-    `outputs`: "engine" (deltas made in the child) or "network" (made here from the child's updates)."""
+    `outputs`: "engine" (deltas made in the child) or "network" (made here from the child's updates);
+    `batches_ahead`: how many step batches the engine may publish before this side has delivered them."""
 
-    def __init__(self, factory: Callable[..., Any], *args: Any, outputs: str = "engine") -> None:
+    def __init__(self, factory: Callable[..., Any], *args: Any, outputs: str, batches_ahead: int) -> None:
         # Two socket pairs: commands (blocking sends; the child's reader thread always drains them) and
         # batches (read by the event loop when readable).
         commands, their_commands = socket.socketpair()
@@ -240,8 +241,10 @@ class ProcessEngine(AsyncEngine):
         context = multiprocessing.get_context("spawn")
         if outputs not in ("engine", "network"):
             raise ValueError(f"outputs must be 'engine' or 'network', not {outputs!r}")
+        if batches_ahead < 1:
+            raise ValueError(f"batches_ahead must be at least 1, not {batches_ahead}")
         self.process = context.Process(target=_child_main,
-                                       args=(factory, args, outputs == "engine", their_commands, theirs),
+                                       args=(factory, args, outputs == "engine", batches_ahead, their_commands, theirs),
                                        name="streamd-engine", daemon=True)
         self.process.start()
         their_commands.close()

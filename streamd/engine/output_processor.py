@@ -3,7 +3,7 @@
 The engine step reports, per sequence, only its new token ids (and logprobs) and any finish the engine
 decided (EOS, stop token, length, abort). This module owns everything a user sees of that:
 
-- the incremental detokenizer of each choice (on the Rust tokenizer);
+- the incremental detokenizer of each choice (byte-level BPE through a byte table, else the Rust tokenizer);
 - stop strings, matched across token boundaries, and the *held-back* tail: while a choice runs, text that
   could still be the start of a stop string is not handed out, so text once streamed never has to be taken
   back. Only the unsent tail is kept, never the whole text, so a step costs the same at token 10 and 10,000;
@@ -23,7 +23,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamd.engine.detokenizer import IncrementalDetokenizer
+from streamd.engine.detokenizer import Detokenizer, byte_table, make_detokenizer
 from streamd.engine.outputs import CompletionDelta, FinishReason, RequestDelta, RequestUpdate, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
 
@@ -39,7 +39,7 @@ class StopHit:
 @dataclass(slots=True)
 class ChoiceState:
     index: int
-    detokenizer: IncrementalDetokenizer | None
+    detokenizer: Detokenizer | None
     unsent: str = ""  # text produced but held back: it could still start a stop string
     num_tokens: int = 0
     finish_reason: FinishReason | None = None
@@ -68,6 +68,7 @@ class OutputProcessor:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self._byte_table = byte_table(tokenizer) if tokenizer is not None else None
         self._requests: dict[str, RequestState] = {}
 
     def __len__(self) -> int:
@@ -167,10 +168,10 @@ class OutputProcessor:
                 choice.unsent = ""
         return outputs
 
-    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> IncrementalDetokenizer | None:
+    def _detokenizer(self, prompt_token_ids: list[int], params: SamplingParams) -> Detokenizer | None:
         if not params.detokenize:
             return None
-        return IncrementalDetokenizer(self.tokenizer, prompt_token_ids, params.skip_special_tokens)
+        return make_detokenizer(self.tokenizer, self._byte_table, prompt_token_ids, params.skip_special_tokens)
 
 
 def _find_stop(text: str, num_new_chars: int, params: SamplingParams) -> tuple[int, str] | None:

@@ -74,12 +74,16 @@ class RequestDelta:
     queue_time: float | None = None  # seconds from arrival to first scheduling, once known
 
     def merge(self, later: RequestDelta) -> None:
-        for choice in later.outputs:
-            mine = next((c for c in self.outputs if c.index == choice.index), None)
-            if mine is None:
-                self.outputs.append(choice)
-            else:
-                mine.merge(choice)
+        mine, theirs = self.outputs, later.outputs
+        if len(mine) == 1 and len(theirs) == 1 and mine[0].index == theirs[0].index:  # n = 1: the usual case
+            mine[0].merge(theirs[0])
+        else:
+            for choice in theirs:
+                same = next((c for c in mine if c.index == choice.index), None)
+                if same is None:
+                    mine.append(choice)
+                else:
+                    same.merge(choice)
         self.finished = self.finished or later.finished
         self.error = self.error or later.error
         self.num_cached_tokens = later.num_cached_tokens
@@ -87,7 +91,8 @@ class RequestDelta:
 
     @property
     def num_new_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.outputs)
+        outputs = self.outputs
+        return len(outputs[0].token_ids) if len(outputs) == 1 else sum(len(c.token_ids) for c in outputs)
 
 
 @dataclass(slots=True)

@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamd.engine.detokenizer import byte_table
 from streamd.engine.outputs import CompletionDelta
 
 FLOOR = -9999.0  # OpenAI's logprob for a token too unlikely to report
@@ -31,41 +32,21 @@ class TokenText:
     bytes: list[int]
 
 
-def _byte_level_alphabet() -> dict[str, int]:
-    """Byte-level BPE's printable stand-in character -> the byte it stands for (GPT-2's table: printable
-    Latin-1 bytes stand for themselves, the others for code points 256, 257, ... in byte order)."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    alphabet = {chr(b): b for b in kept}
-    shifted = (b for b in range(256) if b not in set(kept))
-    alphabet.update((chr(256 + n), b) for n, b in enumerate(shifted))
-    return alphabet
-
-
 class TokenTexts:
     """Token id -> its text and bytes, computed once per id (the event loop's tokenizer)."""
 
     def __init__(self, tokenizer: Any) -> None:
         self._tokenizer = tokenizer
-        backend = getattr(tokenizer, "backend_tokenizer", None)
-        byte_level = backend is not None and type(backend.decoder).__name__ == "ByteLevel"
-        self._backend = backend if byte_level else None
-        self._alphabet = _byte_level_alphabet() if byte_level else {}
-        self._added = set(getattr(tokenizer, "added_tokens_decoder", {}) or {})
+        self._table = byte_table(tokenizer)
         self._cache: dict[int, TokenText] = {}
 
     def get(self, token_id: int) -> TokenText:
         known = self._cache.get(token_id)
         if known is None:
             text = self._tokenizer.decode([token_id], skip_special_tokens=False)
-            known = self._cache[token_id] = TokenText(text, self._bytes(token_id, text))
+            data = self._table.of([token_id], False) if self._table is not None else text.encode("utf-8")
+            known = self._cache[token_id] = TokenText(text, list(data))
         return known
-
-    def _bytes(self, token_id: int, text: str) -> list[int]:
-        if self._backend is None or token_id in self._added:
-            return list(text.encode("utf-8"))
-        piece = self._backend.id_to_token(token_id) or ""
-        return [self._alphabet[c] for c in piece] if all(c in self._alphabet for c in piece) \
-            else list(text.encode("utf-8"))
 
 
 def _value(logprob: float) -> float:

@@ -91,7 +91,8 @@ async def serve(config: Config) -> int:
     if config.server.engine_process:
         from streamd.engine.engine_process import ProcessEngine
 
-        engine: AsyncEngine = ProcessEngine(LLMEngine.from_config, config, outputs="network")
+        engine: AsyncEngine = ProcessEngine(LLMEngine.from_config, config, outputs="network",
+                                               batches_ahead=config.server.engine_batches_ahead)
     else:
         engine = AsyncEngine(LLMEngine.from_config(config))
     app = create_app(config, engine)

@@ -17,7 +17,8 @@ PROMPT = "The three primary colors are"
 async def test_engine_process_server_matches_the_offline_engine(smol_llm) -> None:
     (expected,) = smol_llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
     want = expected.outputs[0]
-    engine = ProcessEngine(LLMEngine.from_config, smol_llm.config, outputs="network")
+    engine = ProcessEngine(LLMEngine.from_config, smol_llm.config, outputs="network",
+                           batches_ahead=smol_llm.config.server.engine_batches_ahead)
     try:
         async with running_server(engine) as srv:
             for subprotocol in ("streamd.v1", "streamd.v2"):
