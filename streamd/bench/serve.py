@@ -14,10 +14,9 @@ Example: `streamd bench serve --url http://127.0.0.1:8000 --concurrency 64 --max
 from __future__ import annotations
 
 import argparse
-import asyncio
 
 from streamd.bench import serve_baseline
-from streamd.bench.load import format_table, report, run_load
+from streamd.bench.load import format_table, report, run_client, run_load
 from streamd.bench.report import add_json_argument, write_json
 
 
@@ -42,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.offline_baseline:
         return serve_baseline.main(args)
-    timings, duration = asyncio.run(run_load(args))
+    timings, duration = run_client(run_load(args))
     result = report(timings, duration, args)
     print(format_table(result))
     write_json(result, args.json)

@@ -159,9 +159,7 @@ async def _served(args: argparse.Namespace, server: ServerProcess, transport: st
 
 
 def main(args: argparse.Namespace) -> int:
-    import asyncio
-
-    from streamd.bench.load import synthetic_prompts
+    from streamd.bench.load import run_client, synthetic_prompts
     from streamd.bench.serve_target import build_config, build_engine
 
     settings = [*DEFAULT_SETTINGS, *args.settings]
@@ -180,7 +178,7 @@ def main(args: argparse.Namespace) -> int:
                 for transport in transports:
                     for layout, server in servers.items():
                         offline, offline_cpu = offline_rate(engine, prompts, args.max_tokens, level)
-                        result, cpu, client_cpu = asyncio.run(_served(args, server, transport, level, len(prompts)))
+                        result, cpu, client_cpu = run_client(_served(args, server, transport, level, len(prompts)))
                         raw.append(_run_record(transport, layout, level, None, offline, offline_cpu, result, cpu,
                                                client_cpu))
                         print(_line(raw[-1]), flush=True)
@@ -188,7 +186,7 @@ def main(args: argparse.Namespace) -> int:
             for rate in rates:
                 for transport in transports:
                     for layout, server in servers.items():
-                        result, cpu, client_cpu = asyncio.run(_served(args, server, transport, None, len(prompts),
+                        result, cpu, client_cpu = run_client(_served(args, server, transport, None, len(prompts),
                                                                       rate))
                         raw.append(_run_record(transport, layout, None, rate, offline, offline_cpu, result, cpu,
                                                client_cpu))
