@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import itertools
 import datetime
 import os
 import resource
@@ -146,12 +147,14 @@ def offline_rate(engine: Any, prompts: list[str], max_tokens: int, concurrency: 
 
 
 async def _served(args: argparse.Namespace, server: ServerProcess, transport: str, concurrency: int | None,
-                  num_requests: int, rate: float | None = None) -> tuple[dict[str, Any], dict[str, float], float]:
+                  num_requests: int, seed: int, rate: float | None = None
+                  ) -> tuple[dict[str, Any], dict[str, float], float]:
+    """The served run: `num_requests` of the prompts `seed` makes (the offline run's)."""
     from streamd.bench.load import report, run_load
 
     run_args = copy.copy(args)
     run_args.url, run_args.transport, run_args.concurrency, run_args.rate = server.url, transport, concurrency, rate
-    run_args.num_requests, run_args.framing = num_requests, "v2"
+    run_args.num_requests, run_args.framing, run_args.seed = num_requests, "v2", seed
     before, client_before = server.cpu_seconds(), _own_cpu()
     timings, duration = await run_load(run_args)
     after, client_cpu = server.cpu_seconds(), _own_cpu() - client_before
@@ -171,23 +174,26 @@ def main(args: argparse.Namespace) -> int:
     servers = {layout: ServerProcess(args.baseline_model, settings, layout)
                for layout in args.layouts.split(",")}
     raw: list[ServedRun] = []
+    pairs = itertools.count()  # each offline/served pair gets prompts neither engine has seen (no prefix hits)
     try:
         for repeat in range(args.repeats):
             for level in levels:
-                prompts = synthetic_prompts(level * args.requests_per_stream, args.prompt_words, args.seed + repeat)
                 for transport in transports:
                     for layout, server in servers.items():
+                        seed = args.seed + 1000 * next(pairs)
+                        prompts = synthetic_prompts(level * args.requests_per_stream, args.prompt_words, seed)
                         offline, offline_cpu = offline_rate(engine, prompts, args.max_tokens, level)
-                        result, cpu, client_cpu = run_client(_served(args, server, transport, level, len(prompts)))
+                        result, cpu, client_cpu = run_client(_served(args, server, transport, level, len(prompts),
+                                                                     seed))
                         raw.append(_run_record(transport, layout, level, None, offline, offline_cpu, result, cpu,
                                                client_cpu))
                         print(_line(raw[-1]), flush=True)
-            prompts = synthetic_prompts(args.rate_requests, args.prompt_words, args.seed + repeat)
             for rate in rates:
                 for transport in transports:
                     for layout, server in servers.items():
-                        result, cpu, client_cpu = run_client(_served(args, server, transport, None, len(prompts),
-                                                                      rate))
+                        seed = args.seed + 1000 * next(pairs)
+                        result, cpu, client_cpu = run_client(_served(args, server, transport, None,
+                                                                     args.rate_requests, seed, rate))
                         raw.append(_run_record(transport, layout, None, rate, offline, offline_cpu, result, cpu,
                                                client_cpu))
                         print(_line(raw[-1]), flush=True)
