@@ -120,8 +120,9 @@ class ServerConfig:
     max_request_time_s: float | None = None  # default and cap of a request's timeout_s; None: no limit
     max_queue_time_s: float | None = None  # longer before first scheduling: `overloaded`; None: no limit
     # The engine in a child process, detokenizing here (ProcessEngine outputs="network"): the network side
-    # and the engine stop sharing one GIL. No grammar pre-compilation off the loop, no tensor parallelism.
-    engine_process: bool = False
+    # and the engine stop sharing one GIL. "auto": on when the model runs on CUDA without tensor parallelism
+    # (where the host side is what bounds the served rate), else off (the CPU default, and tests).
+    engine_process: bool | str = "auto"
     # With engine_process: step batches the engine may run ahead of their delivery. When the network side
     # is the bottleneck, that many steps' tokens merge into one write per stream (fewer, bigger writes:
     # more tokens/s, ITL up to this many steps); 1-2 keeps ITL per step, more trades it for throughput.
@@ -140,6 +141,8 @@ class ServerConfig:
         for key in ("drain_timeout_s", "resume_grace_s", "max_unsent_tokens", "socket_send_buffer_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"server.{key} must be >= 0, got {getattr(self, key)}")
+        if isinstance(self.engine_process, str):
+            _one_of("server.engine_process", self.engine_process, ("auto",))
         for key in ("resume_max_tokens_per_request", "resume_max_tokens_total", "engine_batches_ahead"):
             _positive(f"server.{key}", getattr(self, key))
         for key in ("max_request_time_s", "max_queue_time_s"):
@@ -168,9 +171,19 @@ class Config:
     def validate(self) -> Config:
         for section in SECTIONS:
             getattr(self, section).validate()
-        if self.server.engine_process and self.parallel.tensor_parallel_size > 1:
+        if self.server.engine_process is True and self.parallel.tensor_parallel_size > 1:
             raise ConfigError("server.engine_process does not support parallel.tensor_parallel_size > 1 yet")
         return self
+
+    def engine_in_own_process(self) -> bool:
+        """`server.engine_process` decided: "auto" is on where the model runs on CUDA with one GPU."""
+        if isinstance(self.server.engine_process, bool):
+            return self.server.engine_process
+        if self.parallel.tensor_parallel_size > 1:
+            return False
+        from streamd.engine.model_loader import resolve_device
+
+        return resolve_device(self.model.device).type == "cuda"
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)

@@ -56,3 +56,20 @@ def test_bad_file_is_named(tmp_path: Path) -> None:
         load_config(file, environ={})
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "missing.toml", environ={})
+
+
+def test_engine_process_auto_is_on_only_with_one_cuda_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`server.engine_process = "auto"` (the default) puts the engine in its own process where the model runs on
+    CUDA with one GPU; on the CPU and under tensor parallelism it stays on a thread; a bool decides alone."""
+    import torch
+
+    assert load_config(environ={}).server.engine_process == "auto"
+    assert load_config(overrides={"model.device": "cpu"}, environ={}).engine_in_own_process() is False
+    assert load_config(overrides={"model.device": "cpu", "server.engine_process": True},
+                       environ={}).engine_in_own_process() is True
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert load_config(environ={}).engine_in_own_process() is True  # model.device "auto" resolves to cuda
+    assert load_config(overrides={"server.engine_process": False}, environ={}).engine_in_own_process() is False
+    assert load_config(overrides={"parallel.tensor_parallel_size": 2}, environ={}).engine_in_own_process() is False
+    with pytest.raises(ConfigError, match=r"server\.engine_process"):
+        load_config(overrides={"server.engine_process": "sometimes"}, environ={})

@@ -21,8 +21,11 @@ process instead, as in engines whose front end detokenizes: the child sends each
 ended is finished in the engine by a `StopChoice` command, a step or two later (the tokens sampled
 meanwhile are void to the output processor, as when the engine finishes it itself).
 
-Not supported here: `call()` (functions run on the engine thread), grammar pre-compilation off the loop
-(the child compiles a request's grammar when it admits it) and tensor parallelism.
+The child reads commands on one thread (credits take effect at once) and admits them in order on another,
+which compiles a structured request's grammar (cached) before the engine sees the request, so a slow schema
+delays later admissions, never a step. Not supported here: `call()` (functions run on the engine thread),
+refusing a bad grammar before submission (the engine refuses it at admission, naming why) and tensor
+parallelism.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import multiprocessing
 import pickle
+import queue
 import signal
 import socket
 import struct
@@ -38,8 +42,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from streamd.engine.async_engine import (AsyncEngine, CallEngine, EngineCommand, EngineDeadError, Rejection,
-                                         StepBatch, StopEngine)
+from streamd.engine.async_engine import (AddRequest, AsyncEngine, CallEngine, EngineCommand, EngineDeadError,
+                                         Rejection, StepBatch, StopEngine)
 from streamd.engine.output_processor import OutputProcessor, ProcessedStep
 from streamd.engine.outputs import CompletionDelta, RequestDelta, RequestUpdate, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
@@ -193,21 +197,34 @@ def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here
     _send(sock, EngineInfo(engine.model_name, engine.max_model_len, engine.tokenizer, engine.stats(),
                            threading.get_native_id()))
 
-    def read_commands() -> None:
+    admissions: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
+
+    def read_commands() -> None:  # credits at once; every other command in order through `admit`
         try:
             while True:
                 command = _receive(commands)
                 if isinstance(command, Delivered):
                     child.credits.release()
                     continue
-                if isinstance(command, StopChoice):
-                    command = _finish_choice(command)
-                child._commands.put(command)
+                admissions.put(_finish_choice(command) if isinstance(command, StopChoice) else command)
         except (EOFError, OSError):  # the network process is gone: stop, never wait for its credits again
-            child._commands.put(StopEngine())
+            admissions.put(StopEngine())
             child.credits.release(1 << 20)
 
+    def admit() -> None:  # a request's grammar is compiled here (cached), never inside an engine step
+        while True:
+            command = admissions.get()
+            if isinstance(command, AddRequest) and command.params.structured_outputs is not None:
+                try:
+                    engine.compile_grammar(command.params)
+                except Exception:  # noqa: BLE001 - the engine refuses the request at admission, naming why
+                    pass
+            child._commands.put(command)
+            if isinstance(command, StopEngine):
+                return
+
     threading.Thread(target=read_commands, name="streamd-engine-commands", daemon=True).start()
+    threading.Thread(target=admit, name="streamd-engine-admissions", daemon=True).start()
     child._run()
 
 

@@ -87,8 +87,9 @@ def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
 async def serve(config: Config) -> int:
     from streamd.engine.llm_engine import LLMEngine
 
-    logger.info("loading_model", model=config.model.name or "default", engine_process=config.server.engine_process)
-    if config.server.engine_process:
+    own_process = config.engine_in_own_process()
+    logger.info("loading_model", model=config.model.name or "default", engine_process=own_process)
+    if own_process:
         from streamd.engine.engine_process import ProcessEngine
 
         engine: AsyncEngine = ProcessEngine(LLMEngine.from_config, config, outputs="network",

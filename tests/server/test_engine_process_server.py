@@ -1,10 +1,13 @@
 """`server.engine_process`: the real server over an engine in its own process, detokenizing in the server
 process (`ProcessEngine(outputs="network")`): `/v1/stream` (v1 and v2 framing) and streamed
-`/v1/completions` give the offline engine's greedy tokens and text, and the pool is whole afterwards."""
+`/v1/completions` give the offline engine's greedy tokens and text; a structured request is constrained (its
+grammar compiled in the engine process) and a bad grammar is refused with a 400 naming it; the pool is whole
+afterwards."""
 
 from __future__ import annotations
 
 import openai
+import pytest
 
 from streamd.engine.engine_process import ProcessEngine
 from streamd.engine.llm_engine import LLMEngine
@@ -32,6 +35,13 @@ async def test_engine_process_server_matches_the_offline_engine(smol_llm) -> Non
                                                      temperature=0.0, stream=True, extra_body={"ignore_eos": True})
             text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
             assert text == want.text
+            choice = await client.completions.create(
+                model=srv.services.model_name, prompt="Yes or no? ", max_tokens=8, temperature=0.0,
+                extra_body={"structured_outputs": {"choice": ["maybe so", "no"]}})
+            assert choice.choices[0].text in ("maybe so", "no")
+            with pytest.raises(openai.BadRequestError, match="structured_outputs.regex cannot be compiled"):
+                await client.completions.create(model=srv.services.model_name, prompt="Hi", max_tokens=4,
+                                                extra_body={"structured_outputs": {"regex": "(ab"}})
         assert engine.stats().pool_whole and engine.stats().num_requests == 0
     finally:
         await engine.shutdown()
