@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of issue 18's measurements. Usage (from the repository root on the device machine):
 #   benchmarks/gpu_session.sh PHASES...
-#   PHASES: setup cuda-tests serve serve-rates prefix-cache throughput fusion second-wave pack
+#   PHASES: setup cuda-tests serve serve-rates serve-smoke offline-jitter prefix-cache throughput fusion second-wave pack
 # Writes logs and results under $OUT (the device tool's folder) and benchmarks/results/.
 # `setup` installs the carried wheels (.whl) and makes a random-weight SmolLM2-135M-shaped model (bf16) with
 # the real tokenizer from .assets at /tmp/streamd-serve-model.
@@ -41,6 +41,23 @@ PY
     prefix-cache)
       python3 -m streamd.bench.throughput --shapes llama3.2-1b --peers none --prefix-lens 500,2048 \
         --out "$OUT/results/prefix" 2>"$OUT/prefix-stderr.log" | tail -30 | tee "$OUT/prefix.log" ;;
+    serve-smoke)  # `streamd serve` itself with the default layout on this GPU
+      python3 benchmarks/gpu_serve_smoke.py /tmp/streamd-serve-model 2>&1 | tee "$OUT/serve-smoke.log" ;;
+    offline-jitter)  # the offline rate of one engine, eight times back to back (fresh prompts each)
+      python3 - <<'PY' 2>"$OUT/jitter-stderr.log" | tee "$OUT/offline-jitter.log"
+import time
+from streamd import heap
+from streamd.bench.load import synthetic_prompts
+from streamd.bench.serve_baseline import DEFAULT_SETTINGS, offline_rate
+from streamd.bench.serve_target import build_config, build_engine
+settings = [*DEFAULT_SETTINGS, "cache.num_kv_blocks=16384", 'model.dtype="bfloat16"']
+engine = build_engine("/tmp/streamd-serve-model", build_config("/tmp/streamd-serve-model", settings))
+heap.settle()
+for run in range(8):
+    rate, cpu = offline_rate(engine, synthetic_prompts(512, 200, 7000 + run), 128, 256)
+    print(f"offline run {run}: {rate:8.0f} tok/s  {cpu:5.1f} cpu us/token", flush=True)
+PY
+      ;;
     pack)  # results as one file (the device tool brings back at most 8)
       tar czf "$OUT/results.tgz" -C "$OUT" results && rm -rf "$OUT/results" ;;
     throughput)
