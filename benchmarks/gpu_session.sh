@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call of issue 18's measurements. Usage (from the repository root on the device machine):
 #   benchmarks/gpu_session.sh PHASES...
-#   PHASES: setup cuda-tests serve serve-rates serve-smoke offline-jitter prefix-cache throughput fusion second-wave pack
+#   PHASES: setup cuda-tests serve serve-rates serve-smoke offline-jitter offline-jitter-servers prefix-cache throughput fusion second-wave pack
 # Writes logs and results under $OUT (the device tool's folder) and benchmarks/results/.
 # `setup` installs the carried wheels (.whl) and makes a random-weight SmolLM2-135M-shaped model (bf16) with
 # the real tokenizer from .assets at /tmp/streamd-serve-model.
@@ -56,6 +56,30 @@ heap.settle()
 for run in range(8):
     rate, cpu = offline_rate(engine, synthetic_prompts(512, 200, 7000 + run), 128, 256)
     print(f"offline run {run}: {rate:8.0f} tok/s  {cpu:5.1f} cpu us/token", flush=True)
+PY
+      ;;
+    offline-jitter-servers)  # the same, with the serve benchmark's two (idle) servers on the same GPU and host
+      python3 - <<'PY' 2>"$OUT/jitter-servers-stderr.log" | tee "$OUT/offline-jitter-servers.log"
+from streamd import heap
+from streamd.bench.load import synthetic_prompts
+from streamd.bench.serve_baseline import DEFAULT_SETTINGS, ServerProcess, offline_rate
+from streamd.bench.serve_target import build_config, build_engine
+model = "/tmp/streamd-serve-model"
+settings = [*DEFAULT_SETTINGS, "cache.num_kv_blocks=16384", 'model.dtype="bfloat16"']
+engine = build_engine(model, build_config(model, settings))
+heap.settle()
+def runs(label, first):
+    for run in range(first, first + 4):
+        rate, cpu = offline_rate(engine, synthetic_prompts(512, 200, 7000 + run), 128, 256)
+        print(f"{label} run {run}: {rate:8.0f} tok/s  {cpu:5.1f} cpu us/token", flush=True)
+runs("alone", 0)
+servers = [ServerProcess(model, settings, layout) for layout in ("thread", "split")]
+try:
+    runs("with two idle servers", 4)
+finally:
+    for server in servers:
+        server.stop()
+runs("alone again", 8)
 PY
       ;;
     pack)  # results as one file (the device tool brings back at most 8)
