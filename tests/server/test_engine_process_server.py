@@ -17,8 +17,10 @@ from tests.server.util import gather_until_done, running_server, send, ws_connec
 PROMPT = "The three primary colors are"
 
 
-async def test_engine_process_server_matches_the_offline_engine(smol_llm) -> None:
-    (expected,) = smol_llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+async def test_engine_process_server_matches_the_offline_engine(smol_llm, async_engine) -> None:
+    # The reference runs on the session engine's thread: the shared model must never step on two threads.
+    (expected,) = await async_engine.call(
+        lambda _: smol_llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)))
     want = expected.outputs[0]
     engine = ProcessEngine(LLMEngine.from_config, smol_llm.config, outputs="network",
                            batches_ahead=smol_llm.config.server.engine_batches_ahead)
