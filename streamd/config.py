@@ -126,7 +126,7 @@ class ServerConfig:
     # With engine_process: step batches the engine may run ahead of their delivery. When the network side
     # is the bottleneck, that many steps' tokens merge into one write per stream (fewer, bigger writes:
     # more tokens/s, ITL up to this many steps); 1-2 keeps ITL per step, more trades it for throughput.
-    engine_batches_ahead: int = 8
+    engine_batches_ahead: int = 16
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:

@@ -12,8 +12,9 @@ most `batches_ahead` batches ahead of their delivery (`server.engine_batches_ahe
 sends a `Delivered` credit back). While the network side keeps up this bound is never reached; when it is
 the bottleneck, the batches waiting for it merge into one write per stream (a stream's tokens of several
 steps in one frame or SSE event), which is what lets it catch up, and the bound caps how many steps merge.
-Measured at 256 streams on 2 cores (null model): 2 batches ahead, SSE 85k tok/s, ITL p50 3.9 ms; 8 ahead,
-106k tok/s, ITL p50 11.6 ms (WebSocket 108k -> 135k); unbounded, ITL p50 87 ms (benchmarks/NOTES.md).
+Measured at 256 streams on 2 cores (null model, median of 3, served/offline): 8 ahead, WebSocket 0.76, SSE
+0.62; 16 ahead (the default), 0.87 and 0.64 with ITL p99 11 / 25 ms; 32 ahead, no better; with 2 ahead a
+single run gave SSE 85k tok/s against 106k at 8; unbounded, ITL p50 87 ms (benchmarks/NOTES.md).
 
 With `outputs="network"` the output processor (detokenizer, stop strings, deltas) runs in the network
 process instead, as in engines whose front end detokenizes: the child sends each step's `RequestUpdate`s
