@@ -133,7 +133,7 @@ class ByteTable:
     """Every token's bytes under a byte-level BPE decoder, and the same with special tokens as no bytes
     (what `skip_special_tokens` decodes). Ids past the tokenizer's vocabulary decode to nothing, as there."""
 
-    __slots__ = ("bytes", "skipping", "__weakref__")
+    __slots__ = ("bytes", "skipping")
 
     def __init__(self, token_bytes: list[bytes], special_ids: set[int]) -> None:
         self.bytes = token_bytes
