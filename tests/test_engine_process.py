@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from streamd.engine.async_engine import StepBatch
-from streamd.engine.engine_process import ProcessEngine, _ChildEngine
+from streamd.engine.async_engine import AbortRequest, AddRequest, CallEngine, StepBatch, StopEngine
+from streamd.engine.engine_process import CommandRouter, ProcessEngine, StopChoice, _ChildEngine
 from streamd.engine.llm_engine import LLMEngine
 from streamd.engine.outputs import RequestOutputBuilder
 from streamd.engine.sampling_params import SamplingParams
@@ -103,3 +103,43 @@ def test_the_engine_publishes_at_most_batches_ahead_undelivered_batches(batches_
     assert count == batches_ahead + 1
     ours.close()
     theirs.close()
+
+
+class _SlowGrammarEngine:
+    """compile_grammar blocks until released: a schema that takes long to compile."""
+
+    def __init__(self) -> None:
+        self.release = threading.Event()
+        self.compiling = threading.Event()
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        self.compiling.set()
+        assert self.release.wait(30)
+
+
+def test_a_slow_grammar_delays_only_its_own_request() -> None:
+    """While B's grammar compiles on the admission thread, commands for other requests reach the engine at
+    once, and B's own later commands wait behind its add (none overtakes it); StopEngine comes last."""
+    import queue
+
+    engine, commands = _SlowGrammarEngine(), queue.SimpleQueue()
+    router = CommandRouter(engine, commands)
+    admitting = threading.Thread(target=router.admit)
+    admitting.start()
+    structured = SamplingParams(max_tokens=4, structured_outputs={"choice": ["yes", "no"]})
+    add_b = AddRequest("B", None, structured, [1, 2], 0.0)
+    router.route(add_b)
+    assert engine.compiling.wait(30)
+    router.route(AbortRequest("A"))
+    router.route(StopChoice("A", 0))
+    router.route(AbortRequest("B"))
+    router.route(StopEngine())
+    assert commands.get(timeout=30) == AbortRequest("A")  # not behind B's compile
+    assert isinstance(commands.get(timeout=30), CallEngine)  # A's stop-string finish, likewise
+    assert commands.empty()  # B's abort and StopEngine wait for B's add
+    engine.release.set()
+    assert [commands.get(timeout=30) for _ in range(3)] == [add_b, AbortRequest("B"), StopEngine()]
+    admitting.join(timeout=30)
+    assert not admitting.is_alive() and not router.queued
+    router.route(AbortRequest("B"))  # B admitted: its commands go straight on again
+    assert commands.get_nowait() == AbortRequest("B")

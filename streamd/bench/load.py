@@ -56,6 +56,7 @@ class WebSocketPool:
         self.url, self.size, self.api_key, self.framing = url, size, api_key, framing
         self.sockets: list[Any] = []
         self.routes: dict[str, _WsRequest] = {}
+        self.dead: set[Any] = set()  # sockets whose reader ended
         self._readers: list[asyncio.Task[None]] = []
         self._next = itertools.count()
 
@@ -85,8 +86,12 @@ class WebSocketPool:
                 for frame in message if isinstance(message, list) else (message,):
                     request = routes.get(frame.get("id"))
                     if request is not None:
-                        request.take(frame, now)
-        finally:  # the socket is gone: its requests end with an error instead of waiting forever
+                        try:
+                            request.take(frame, now)
+                        except (KeyError, TypeError) as exc:  # a frame it cannot read fails its request alone
+                            request.fail(f"unreadable frame: {type(exc).__name__}: {exc}")
+        finally:  # the socket is gone: its requests, now and later, end with an error instead of waiting
+            self.dead.add(ws)
             for request in list(routes.values()):
                 if request.socket is ws:
                     request.fail("the WebSocket closed")
@@ -95,6 +100,8 @@ class WebSocketPool:
         number = next(self._next)
         request_id = f"b{number}"
         ws = self.sockets[number % len(self.sockets)]
+        if ws in self.dead:
+            raise ConnectionError("the WebSocket closed")
         request = self.routes[request_id] = _WsRequest(ws, Timing(time.perf_counter()),
                                                        asyncio.get_running_loop().create_future())
         params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0}
@@ -169,17 +176,21 @@ class SSEClient:
     async def _request(self, request: bytes, on_chunk: Callable[[bytes, float], None] | None) -> HttpResponse:
         """Sends on a kept-alive connection (a fresh one if the server closed it while idle); the whole
         response once it has ended (`on_chunk`: a 200 chunked body's chunks go there as they arrive)."""
+        self.idle = [c for c in self.idle if not c.closed]  # the server closed them while they were idle
         for attempt in range(2):
-            reused = bool(self.idle)
+            reused = attempt == 0 and bool(self.idle)  # a retry always takes a fresh connection
             connection = self.idle.pop() if reused else await self._connect()
             response = connection.send(request, on_chunk)
             try:
                 await response.done
             except ConnectionError:
-                if response.started or not reused or attempt:
+                if response.started or not reused:
                     raise
                 continue
-            self.idle.append(connection)
+            if connection.closed:
+                connection.transport.close()
+            else:
+                self.idle.append(connection)
             return response
         raise AssertionError("unreachable")
 
@@ -245,17 +256,26 @@ class HttpConnection(asyncio.Protocol):
         self.buffer = bytearray()
         self.response: HttpResponse | None = None
         self.in_body = False
+        self.close_after = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self.lost: asyncio.Future[None] = asyncio.get_running_loop().create_future()  # set once it closed
+
+    @property
+    def closed(self) -> bool:
+        """The server closed it, or said it would (`Connection: close`): never reused."""
+        return self.transport.is_closing() or self.close_after
 
     def send(self, request: bytes, on_chunk: Callable[[bytes, float], None] | None) -> HttpResponse:
-        self.response, self.in_body = HttpResponse(on_chunk), False
+        response = self.response = HttpResponse(on_chunk)
+        self.in_body = False
+        self.buffer.clear()
         if self.transport.is_closing():
             self.connection_lost(None)
         else:
             self.transport.write(request)
-        return self.response
+        return response
 
     def data_received(self, data: bytes) -> None:
         self.buffer += data
@@ -277,6 +297,7 @@ class HttpConnection(asyncio.Protocol):
             response.status, response.started = int(lines[0].split(" ", 2)[1]), True
             response.chunked = headers.get("transfer-encoding") == "chunked"
             response.length = int(headers.get("content-length", 0))
+            self.close_after = headers.get("connection", "").lower() == "close"
             self.in_body = True
         if not response.chunked:
             if len(buffer) < response.length:
@@ -304,6 +325,8 @@ class HttpConnection(asyncio.Protocol):
         return False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if not self.lost.done():
+            self.lost.set_result(None)
         response, self.response = self.response, None
         if response is not None and not response.done.done():
             response.done.set_exception(ConnectionResetError("the server closed the connection"))

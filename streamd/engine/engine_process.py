@@ -22,9 +22,10 @@ process instead, as in engines whose front end detokenizes: the child sends each
 ended is finished in the engine by a `StopChoice` command, a step or two later (the tokens sampled
 meanwhile are void to the output processor, as when the engine finishes it itself).
 
-The child reads commands on one thread (credits take effect at once) and admits them in order on another,
-which compiles a structured request's grammar (cached) before the engine sees the request, so a slow schema
-delays later admissions, never a step. Not supported here: `call()` (functions run on the engine thread),
+The child reads commands on one thread (credits take effect at once); `CommandRouter` sends a structured
+request's add, and any later command for that request, through an admission thread that compiles its grammar
+(cached) before the engine sees it, and every other command straight on: a slow schema delays only its own
+request, never a step or another request's abort. Not supported here: `call()` (functions run on the engine thread),
 refusing a bad grammar before submission (the engine refuses it at admission, naming why) and tensor
 parallelism.
 """
@@ -198,35 +199,70 @@ def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here
     _send(sock, EngineInfo(engine.model_name, engine.max_model_len, engine.tokenizer, engine.stats(),
                            threading.get_native_id()))
 
-    admissions: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
+    router = CommandRouter(engine, child._commands)
 
-    def read_commands() -> None:  # credits at once; every other command in order through `admit`
+    def read_commands() -> None:  # credits take effect at once; every other command goes through `router`
         try:
             while True:
                 command = _receive(commands)
                 if isinstance(command, Delivered):
                     child.credits.release()
-                    continue
-                admissions.put(_finish_choice(command) if isinstance(command, StopChoice) else command)
+                else:
+                    router.route(command)
         except (EOFError, OSError):  # the network process is gone: stop, never wait for its credits again
-            admissions.put(StopEngine())
+            router.route(StopEngine())
             child.credits.release(1 << 20)
 
-    def admit() -> None:  # a request's grammar is compiled here (cached), never inside an engine step
+    threading.Thread(target=read_commands, name="streamd-engine-commands", daemon=True).start()
+    threading.Thread(target=router.admit, name="streamd-engine-admissions", daemon=True).start()
+    child._run()
+
+
+class CommandRouter:
+    """The engine process's commands on their way to the engine loop. A structured request's `AddRequest`
+    waits on the admission thread (`admit`) while its grammar compiles (cached), never inside an engine
+    step; every later command for that request follows it there, so none overtakes its add; every other
+    command (aborts, pauses, stop-string finishes of running requests) goes straight to the engine, so a
+    slow schema delays only its own request. `StopEngine` goes last, after every pending admission."""
+
+    def __init__(self, engine: Any, commands: queue.SimpleQueue[EngineCommand]) -> None:
+        self.engine = engine
+        self.commands = commands
+        self.admissions: queue.SimpleQueue[EngineCommand | StopChoice] = queue.SimpleQueue()
+        self.queued: dict[str, int] = {}  # request id -> its commands waiting on the admission thread
+        self.lock = threading.Lock()
+
+    def route(self, command: EngineCommand | StopChoice) -> None:
+        request_id = getattr(command, "request_id", None)
+        with self.lock:  # a check and its put together: `admit` cannot empty a request's queue in between
+            structured = isinstance(command, AddRequest) and command.params.structured_outputs is not None
+            if structured or request_id in self.queued:
+                self.queued[request_id] = self.queued.get(request_id, 0) + 1
+                self.admissions.put(command)
+                return
+            if isinstance(command, StopEngine):
+                self.admissions.put(command)
+                return
+        self.commands.put(_finish_choice(command) if isinstance(command, StopChoice) else command)
+
+    def admit(self) -> None:
+        """The admission thread: compiles, then hands each queued command to the engine in order."""
         while True:
-            command = admissions.get()
-            if isinstance(command, AddRequest) and command.params.structured_outputs is not None:
+            command = self.admissions.get()
+            if isinstance(command, AddRequest):
                 try:
-                    engine.compile_grammar(command.params)
+                    self.engine.compile_grammar(command.params)
                 except Exception:  # noqa: BLE001 - the engine refuses the request at admission, naming why
                     pass
-            child._commands.put(command)
+            with self.lock:
+                self.commands.put(_finish_choice(command) if isinstance(command, StopChoice) else command)
+                request_id = getattr(command, "request_id", None)
+                if request_id in self.queued:
+                    self.queued[request_id] -= 1
+                    if not self.queued[request_id]:
+                        del self.queued[request_id]
             if isinstance(command, StopEngine):
                 return
-
-    threading.Thread(target=read_commands, name="streamd-engine-commands", daemon=True).start()
-    threading.Thread(target=admit, name="streamd-engine-admissions", daemon=True).start()
-    child._run()
 
 
 def _finish_choice(stop: StopChoice) -> CallEngine:

@@ -57,3 +57,37 @@ async def test_chat_cli_one_shot(server: Server) -> None:
     assert proc.returncode == 0, err.decode()
     assert out.decode().strip()
     assert "TTFT" in err.decode() and "tok/s" in err.decode()
+
+
+async def test_sse_client_survives_connections_the_server_closed_while_idle() -> None:
+    """A server that closes every connection after its response (as uvicorn does to one idle past its
+    keep-alive): each next request notices the closed connection and opens a fresh one, so none fails."""
+    import orjson
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1")
+        length = next((int(line.split(":")[1]) for line in head.split("\r\n") if line.lower().startswith("content-length")), 0)
+        await reader.readexactly(length)
+        if head.startswith("GET"):
+            body = orjson.dumps({"data": [{"id": "m"}]})
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        else:
+            events = [b'data: {"choices":[{"text":"a"}]}\n\n', b'data: {"choices":[{"text":"b"}]}\n\n',
+                      b'data: {"choices":[],"usage":{"completion_tokens":2}}\n\n', b"data: [DONE]\n\n"]
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"".join(
+                b"%x\r\n%s\r\n" % (len(e), e) for e in events) + b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()  # no "Connection: close": the client finds out only that it was closed
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with bench.SSEClient(f"http://127.0.0.1:{port}", None, None) as client:
+            assert client.model == "m"
+            for _ in range(3):
+                await asyncio.wait_for(asyncio.gather(*(c.lost for c in client.idle)), 30)  # seen closed
+                timing = await client.generate("hi", 2)
+                assert timing.error is None and timing.tokens == 2 and len(timing.token_times) == 2
+    finally:
+        server.close()
+        await server.wait_closed()
