@@ -16,8 +16,9 @@ from __future__ import annotations
 import argparse
 
 from streamd.bench import serve_baseline
-from streamd.bench.load import format_table, report, run_client, run_load
+from streamd.bench.load import format_table, report, run_load
 from streamd.bench.report import add_json_argument, write_json
+from streamd.server.serve import run_on_uvloop
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.offline_baseline:
         return serve_baseline.main(args)
-    timings, duration = run_client(run_load(args))
+    timings, duration = run_on_uvloop(run_load(args))
     result = report(timings, duration, args)
     print(format_table(result))
     write_json(result, args.json)

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import copy
-import itertools
 import datetime
+import itertools
 import os
 import resource
 import statistics
@@ -162,8 +162,9 @@ async def _served(args: argparse.Namespace, server: ServerProcess, transport: st
 
 
 def main(args: argparse.Namespace) -> int:
-    from streamd.bench.load import run_client, synthetic_prompts
+    from streamd.bench.load import synthetic_prompts
     from streamd.bench.serve_target import build_config, build_engine
+    from streamd.server.serve import run_on_uvloop
 
     settings = [*DEFAULT_SETTINGS, *args.settings]
     levels = [int(x) for x in args.levels.split(",")]
@@ -183,7 +184,7 @@ def main(args: argparse.Namespace) -> int:
                         seed = args.seed + 1000 * next(pairs)
                         prompts = synthetic_prompts(level * args.requests_per_stream, args.prompt_words, seed)
                         offline, offline_cpu = offline_rate(engine, prompts, args.max_tokens, level)
-                        result, cpu, client_cpu = run_client(_served(args, server, transport, level, len(prompts),
+                        result, cpu, client_cpu = run_on_uvloop(_served(args, server, transport, level, len(prompts),
                                                                      seed))
                         raw.append(_run_record(transport, layout, level, None, offline, offline_cpu, result, cpu,
                                                client_cpu))
@@ -192,7 +193,7 @@ def main(args: argparse.Namespace) -> int:
                 for transport in transports:
                     for layout, server in servers.items():
                         seed = args.seed + 1000 * next(pairs)
-                        result, cpu, client_cpu = run_client(_served(args, server, transport, None,
+                        result, cpu, client_cpu = run_on_uvloop(_served(args, server, transport, None,
                                                                      args.rate_requests, seed, rate))
                         raw.append(_run_record(transport, layout, None, rate, offline, offline_cpu, result, cpu,
                                                client_cpu))

@@ -22,21 +22,23 @@ from streamd.config import Config, load_config, parse_value
 from streamd.engine.async_engine import AsyncEngine
 from streamd.engine.engine_process import ProcessEngine
 from streamd.engine.llm_engine import LLMEngine
-from streamd.server.app import create_app
-from streamd.server.serve import DrainingServer, configure_server_logging, uvicorn_config
+from streamd.server.serve import configure_server_logging, engine_for, http_server, run_on_uvloop
 
 
 LAYOUTS = ("thread", "process", "split")
 WARM_UP_TIMEOUT_S = 120.0  # the warm-up is one token; the model is loaded before
 
 
-def build_config(model: str, settings: list[str]) -> Config:
+def build_config(model: str, settings: list[str], layout: str | None = None) -> Config:
+    """The configuration of `--set` settings; a layout other than "process" decides server.engine_process."""
     overrides: dict[str, object] = {"server.host": "127.0.0.1", "server.port": 0}
     if model != NULL_MODEL:
         overrides["model.name"] = model
     for item in settings:
         key, _, value = item.partition("=")
         overrides[key] = parse_value(value)
+    if layout in ("thread", "split"):
+        overrides["server.engine_process"] = layout == "split"
     return load_config(overrides=overrides)
 
 
@@ -45,19 +47,19 @@ def build_engine(model: str, config: Config) -> LLMEngine:
 
 
 async def serve(model: str, config: Config, layout: str = "thread") -> int:
-    if layout == "thread":
-        engine = AsyncEngine(build_engine(model, config))
-    else:
-        engine = ProcessEngine(build_engine, model, config, outputs="network" if layout == "split" else "engine",
-                               batches_ahead=config.server.engine_batches_ahead)
-    app = create_app(config, engine)
-    server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle)
+    if layout == "process":  # the output processor stays in the engine's process
+        engine: AsyncEngine = ProcessEngine(build_engine, model, config, outputs="engine",
+                                            batches_ahead=config.server.engine_batches_ahead)
+    else:  # as `streamd serve` builds it (`server.engine_process` set from the layout in build_config)
+        engine = engine_for(config, build_engine, model, config)
+    server = http_server(config, engine)
+    lifecycle = server.lifecycle
     task = asyncio.create_task(server.serve())
     await server.listening.wait()
     deadline = time.monotonic() + WARM_UP_TIMEOUT_S
-    while not app.state.services.lifecycle.ready:  # warm-up runs one request through the engine
+    while not lifecycle.ready:  # warm-up runs one request through the engine
         if time.monotonic() > deadline or not engine.ready:  # its failure is logged; never hang the bench
-            raise SystemExit(f"the benchmark server did not get ready (status {app.state.services.lifecycle.status})")
+            raise SystemExit(f"the benchmark server did not get ready (status {lifecycle.status})")
         await asyncio.sleep(0.05)
     engine_pid = engine.process.pid if isinstance(engine, ProcessEngine) else os.getpid()
     print(f"LISTENING {server.port} {engine.thread_id} {engine_pid}", flush=True)
@@ -72,11 +74,9 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--layout", choices=LAYOUTS, default="thread")
     args = parser.parse_args()
-    import uvloop
-
-    config = build_config(args.model, args.set)
+    config = build_config(args.model, args.set, args.layout)
     configure_server_logging(config)  # as `streamd serve` does (the benchmark asks for warnings only)
-    return uvloop.run(serve(args.model, config, args.layout))
+    return run_on_uvloop(serve(args.model, config, args.layout))
 
 
 if __name__ == "__main__":

@@ -185,11 +185,15 @@ class AsyncEngine:
         """Aborts everything in flight and stops the thread."""
         if self._thread is None:
             return
+        self._stop_engine()
+        thread, self._thread = self._thread, None
+        await asyncio.get_running_loop().run_in_executor(None, thread.join)
+
+    def _stop_engine(self) -> None:
+        """Aborts every request in flight, then tells the engine loop to stop (after their final deltas)."""
         for request_id in list(self._sinks):
             self.abort(request_id)
         self._commands.put(StopEngine())
-        thread, self._thread = self._thread, None
-        await asyncio.get_running_loop().run_in_executor(None, thread.join)
 
     async def add_request(self, request_id: str, prompt: str | None, params: SamplingParams, *,
                           prompt_token_ids: list[int] | None = None) -> RequestStream:

@@ -44,16 +44,13 @@ _MAX_PARTIAL_TOKENS = 4
 class IncrementalDetokenizer:
     """Detokenizes one sequence's output as tokens arrive. Not thread-safe; one per sequence."""
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "_window", "_read", "_prefix_len", "_byte_level")
+    __slots__ = ("tokenizer", "skip_special_tokens", "_window", "_read", "_prefix_len")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Seq[int], skip_special_tokens: bool = True) -> None:
         # The Rust tokenizer under a transformers fast tokenizer: its decode is the same text without the
         # Python wrapper's per-call overhead (about 3x cheaper per token).
         self.tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.skip_special_tokens = skip_special_tokens
-        # Byte-level BPE decodes token by token into bytes: text that decoded whole is the text of the tokens
-        # alone too, so the next context's length is known without decoding it again.
-        self._byte_level = type(getattr(self.tokenizer, "decoder", None)).__name__ == "ByteLevel"
         window = list(prompt_token_ids[-(_INITIAL_CONTEXT_TOKENS + _MAX_PARTIAL_TOKENS):])
         read = len(window)
         prefix = self._decode(window[:read])
@@ -97,10 +94,7 @@ class IncrementalDetokenizer:
         # Slide: the tokens just read become the context of the next decode.
         self._window = self._window[self._read:]
         self._read = len(self._window)
-        if self._byte_level and _REPLACEMENT not in new_text:
-            self._prefix_len = len(new_text)
-        else:
-            self._prefix_len = len(self._decode(self._window))
+        self._prefix_len = len(self._decode(self._window))
         return new_text
 
     def flush(self) -> str:

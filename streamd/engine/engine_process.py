@@ -351,9 +351,7 @@ class ProcessEngine(AsyncEngine):
     async def shutdown(self) -> None:
         if self._loop is None:
             return
-        for request_id in list(self._sinks):
-            self.abort(request_id)
-        self._commands.put(StopEngine())
+        self._stop_engine()
         await self._loop.run_in_executor(None, self.process.join, 60)
         self._loop.remove_reader(self._sock.fileno())
         self._sock.close()

@@ -10,7 +10,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import socket
+from collections.abc import Callable, Coroutine
 from types import FrameType
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 import uvicorn
@@ -22,7 +24,11 @@ from streamd.server.app import create_app
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.ws_handshake import GuardedWebSocketProtocol
 
+if TYPE_CHECKING:
+    from streamd.engine.llm_engine import LLMEngine
+
 logger = get_logger(__name__)
+T = TypeVar("T")
 
 
 class DrainingServer(uvicorn.Server):
@@ -84,21 +90,29 @@ def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
     )
 
 
+def engine_for(config: Config, factory: Callable[..., LLMEngine], *args: Any) -> AsyncEngine:
+    """The engine `factory(*args)` builds, on a thread of this process or in its own process (outputs made
+    here) as `server.engine_process` decides."""
+    if config.engine_in_own_process():
+        from streamd.engine.engine_process import ProcessEngine
+
+        return ProcessEngine(factory, *args, outputs="network", batches_ahead=config.server.engine_batches_ahead)
+    return AsyncEngine(factory(*args))
+
+
+def http_server(config: Config, engine: AsyncEngine) -> DrainingServer:
+    """The app over `engine`, in the uvicorn server `streamd serve` runs."""
+    app = create_app(config, engine)
+    return DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle,
+                          config.server.socket_send_buffer_bytes)
+
+
 async def serve(config: Config) -> int:
     from streamd.engine.llm_engine import LLMEngine
 
-    own_process = config.engine_in_own_process()
-    logger.info("loading_model", model=config.model.name or "default", engine_process=own_process)
-    if own_process:
-        from streamd.engine.engine_process import ProcessEngine
-
-        engine: AsyncEngine = ProcessEngine(LLMEngine.from_config, config, outputs="network",
-                                               batches_ahead=config.server.engine_batches_ahead)
-    else:
-        engine = AsyncEngine(LLMEngine.from_config(config))
-    app = create_app(config, engine)
-    server = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle,
-                            config.server.socket_send_buffer_bytes)
+    logger.info("loading_model", model=config.model.name or "default", engine_process=config.engine_in_own_process())
+    engine = engine_for(config, LLMEngine.from_config, config)
+    server = http_server(config, engine)
     try:
         await server.serve()
     finally:
@@ -133,8 +147,13 @@ def configure_server_logging(config: Config) -> None:
 
 
 def run_server(config: Config) -> int:
+    return run_on_uvloop(serve(config))
+
+
+def run_on_uvloop(main: Coroutine[Any, Any, T]) -> T:
+    """Runs a coroutine on uvloop (the server's loop, and the bench clients') when it is installed."""
     try:
         import uvloop
     except ImportError:  # pragma: no cover - Windows
-        return asyncio.run(serve(config))
-    return uvloop.run(serve(config))
+        return asyncio.run(main)
+    return uvloop.run(main)
