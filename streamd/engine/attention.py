@@ -28,10 +28,6 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     decode_only: bool  # every sequence has exactly one query token
     ops: ModuleType  # streamd.kernels (Triton) or streamd.kernels.reference (plain torch)
-    # CPU only, not fp16 (the ModelRunner decides): host query starts when no sequence has earlier context
-    # (a fresh prompt's single chunk). Such a step attends over the K/V it just computed, as transformers
-    # does, instead of gathering them back out of the pool; None otherwise.
-    fresh_query_starts: list[int] | None = None
 
 
 _context: AttentionMetadata | None = None
@@ -62,28 +58,20 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     md.ops.store_kv(k, v, md.kv_cache, layer, md.slot_mapping)
-    if md.fresh_query_starts is not None:
-        return fresh_causal_attention(query, key, value, md.fresh_query_starts, scale), None
-    return paged_attend(md, q, layer, scale).unsqueeze(0), None  # transformers wants [batch, tokens, heads, dim]
+    return paged_attend(md, q, layer, scale, k, v).unsqueeze(0), None  # transformers wants [batch, tokens, heads, dim]
 
 
-def fresh_causal_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, starts: list[int],
-                           scale: float) -> torch.Tensor:
-    """Causal attention of each sequence over its own tokens of this step ([1, heads, tokens, dim] inputs,
-    sequences back to back at `starts`); [1, tokens, heads, dim] out."""
-    F = torch.nn.functional
-    outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], is_causal=True,
-                                           scale=scale, enable_gqa=True) for a, b in zip(starts, starts[1:])]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2)
-
-
-def paged_attend(md: AttentionMetadata, query: torch.Tensor, layer: int, scale: float) -> torch.Tensor:
-    """Attention of query [tokens, heads, head_dim] over `layer` of the pool, whose new K/V are stored."""
+def paged_attend(md: AttentionMetadata, query: torch.Tensor, layer: int, scale: float, key: torch.Tensor | None,
+                 value: torch.Tensor | None) -> torch.Tensor:
+    """Attention of query [tokens, heads, head_dim] over `layer` of the pool, into which this step's `key`
+    and `value` [tokens, kv_heads, head_dim] are stored (None: the caller does not hold them, as the fused
+    Triton rotary keeps the rotated key on chip). A prefill hands them on: the reference attends a sequence
+    without earlier context (a fresh prompt's single chunk) over them, as transformers does, instead of
+    gathering them back out of the pool; the Triton kernel reads the pool either way."""
     if md.decode_only:
         return md.ops.paged_decode_attention(query, md.kv_cache, layer, md.block_tables, md.seq_lens, scale)
     return md.ops.paged_prefill_attention(query, md.kv_cache, layer, md.block_tables, md.query_start_loc,
-                                          md.seq_lens, scale)
+                                          md.seq_lens, scale, key=key, value=value)
 
 
 def register_paged_attention() -> None:

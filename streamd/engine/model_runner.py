@@ -59,7 +59,6 @@ class ModelInput:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     sample_idx: torch.Tensor  # int64 [num_sampling_seqs]: the rows whose logits are computed
     decode_only: bool
-    fresh_query_starts: list[int] | None = None  # CPU: see AttentionMetadata
 
 
 class ModelRunner:
@@ -73,9 +72,6 @@ class ModelRunner:
         self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
         self._pin = device.type == "cuda"
-        # A fresh prompt's single chunk attends over the K/V it just computed (see AttentionMetadata): on
-        # the CPU, except in fp16, whose attention the reference kernels upcast to float32.
-        self._fresh_prefill = device.type == "cpu" and model.dtype != torch.float16
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -142,7 +138,7 @@ class ModelRunner:
         return AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=batch.slot_mapping,
                                  block_tables=batch.block_tables, seq_lens=batch.seq_lens,
                                  query_start_loc=batch.query_start_loc, decode_only=batch.decode_only,
-                                 ops=self.ops, fresh_query_starts=batch.fresh_query_starts)
+                                 ops=self.ops)
 
     def _prepare(self, out: SchedulerOutput) -> tuple[ModelInput, list[tuple[int, int]]]:
         """Host-built batch tensors, plus (input position, seq_id) of every PLACEHOLDER input."""
@@ -184,8 +180,7 @@ class ModelRunner:
             seq_lens=self._to_device(seq_lens, torch.int32),
             query_start_loc=self._to_device(query_start, torch.int32),
             sample_idx=self._to_device(sample_idx, torch.int64),
-            decode_only=len(tokens) == len(seq_lens),
-            fresh_query_starts=query_start if self._fresh_prefill and seq_lens == query_lens else None)
+            decode_only=len(tokens) == len(seq_lens))
         return batch, pending
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:

@@ -168,6 +168,8 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -180,7 +182,9 @@ def paged_prefill_attention(
     [num_seqs] (context including the queries). Query token j of sequence i sits at position
     seq_len_i - query_len_i + j and attends to positions <= that. Returns [num_tokens, num_heads,
     head_dim] in the query's dtype; rows past ``query_start_loc[-1]`` are not written. The tile sizes
-    can be overridden (tests, benchmarks); nothing here reads device memory on the host.
+    can be overridden (tests, benchmarks); nothing here reads device memory on the host. ``key`` and
+    ``value`` (the step's stored K/V, which the reference attends over for sequences without earlier
+    context) are accepted for the same signature and not read: every tile loads its K/V from the pool.
     """
     check_cache(kv_cache, layer)
     num_tokens, num_heads, head_dim = query.shape

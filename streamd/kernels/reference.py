@@ -91,36 +91,46 @@ def paged_prefill_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    key: torch.Tensor | None = None,
+    value: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last query_len tokens over its whole paged context.
 
     Query token j of sequence i sits at position seq_len_i - query_len_i + j and attends to positions
     <= that. Rows of ``query`` outside every sequence's range are left as they are in ``out`` (zeros
-    when ``out`` is not given).
+    when ``out`` is not given). ``key``, ``value`` [num_tokens, num_kv_heads, head_dim]: the step's K/V,
+    already stored in the pool at the queries' slots (both or neither); a sequence without earlier context
+    (a fresh prompt's single chunk) then attends over its slice of them instead of gathering them back.
     """
     kv = _layer_view(kv_cache, layer)
     num_tokens, num_heads, head_dim = query.shape
     _, _, num_kv_heads, page, _ = kv.shape
+    if (key is None) != (value is None):
+        raise ValueError("paged_prefill_attention takes the step's key and value together, or neither")
     if out is None:
         out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     tables = block_tables.to(device=query.device, dtype=torch.long)
+    dtype = _compute_dtype(query.dtype, query.device)
     for i, seq_len in enumerate(lens):
         q_begin, q_end = starts[i], starts[i + 1]
         q_len = q_end - q_begin
         if q_len <= 0 or seq_len <= 0:
             continue
         ctx = seq_len - q_len
-        n_blocks = -(-seq_len // page)
-        kv_seq = kv[tables[i, :n_blocks]]  # [n_blocks, 2, Hkv, page, D]
-        kv_seq = kv_seq.permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, n_blocks * page, head_dim)
-        dtype = _compute_dtype(query.dtype, query.device)
         # 4-D [1, heads, tokens, D]: with 3-D tensors CPU SDPA falls back to its generic math path (~6x slower).
-        k = kv_seq[0, :, :seq_len].to(dtype)[None]  # [1, Hkv, T, D]
-        v = kv_seq[1, :, :seq_len].to(dtype)[None]
         q = query[q_begin:q_end].to(dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
+        if ctx == 0 and key is not None and value is not None:
+            k = key[q_begin:q_end].to(dtype).transpose(0, 1)[None]  # [1, Hkv, T, D]
+            v = value[q_begin:q_end].to(dtype).transpose(0, 1)[None]
+        else:
+            n_blocks = -(-seq_len // page)
+            kv_seq = kv[tables[i, :n_blocks]]  # [n_blocks, 2, Hkv, page, D]
+            kv_seq = kv_seq.permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, n_blocks * page, head_dim)
+            k = kv_seq[0, :, :seq_len].to(dtype)[None]  # [1, Hkv, T, D]
+            v = kv_seq[1, :, :seq_len].to(dtype)[None]
         if ctx == 0:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
         else:

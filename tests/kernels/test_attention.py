@@ -93,6 +93,23 @@ def test_prefill_matches_reference(dtype, page, num_kv_heads, group, head_dim, b
     assert_close(out, ref.paged_prefill_attention(*args), dtype, "prefill")
 
 
+def test_prefill_takes_the_steps_kv_and_matches_the_reference_that_attends_over_it():
+    """Given the step's stored K/V, the reference attends fresh sequences over them and the Triton kernel
+    ignores them (it reads the pool): both still agree, beside a chunk over a cached prefix."""
+    lens, q_lens, page = [9, 20, 17], [9, 20, 5], 8
+    case = make_paged(lens, page=page, num_kv_heads=1, head_dim=32, dtype=torch.bfloat16)
+    kv = case.kv_cache[:, case.layer]
+    slots = [(int(case.block_tables[i, p // page]), p % page) for i, (n, q) in enumerate(zip(lens, q_lens))
+             for p in range(n - q, n)]
+    key = torch.stack([kv[b, 0, :, o] for b, o in slots])  # what a step would have stored there
+    value = torch.stack([kv[b, 1, :, o] for b, o in slots])
+    qsl = torch.tensor([0, 9, 29, 34], dtype=torch.int32)
+    query = torch.randn(34, 3, 32).to(torch.bfloat16)
+    args = (query, case.kv_cache, case.layer, case.block_tables, qsl, case.seq_lens, 0.2)
+    out = K.paged_prefill_attention(*args, key=key, value=value, out=_poisoned(query), block_m=16, block_n=16)
+    assert_close(out, ref.paged_prefill_attention(*args, key=key, value=value), torch.bfloat16, "prefill, step K/V")
+
+
 def test_prefill_chunk_matches_dense_float64():
     """A long chunk after a long prefix: the unmasked and the causal phase both span many tiles."""
     lens, q_lens = [150, 37], [90, 37]

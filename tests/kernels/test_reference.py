@@ -38,15 +38,24 @@ def test_decode_reference_matches_dense_float64(dtype, page, num_kv_heads, group
     assert torch.all(out[-1] == 0), "seq_len 0 must give zeros"
 
 
-@pytest.mark.parametrize("dtype,page,group,head_dim", [(torch.float32, 16, 3, 64), (torch.bfloat16, 8, 7, 80)])
-def test_prefill_reference_matches_dense_float64(dtype, page, group, head_dim):
+@pytest.mark.parametrize("step_kv", [False, True])
+@pytest.mark.parametrize("dtype,page,group,head_dim", [(torch.float32, 16, 3, 64), (torch.bfloat16, 8, 7, 80),
+                                                       (torch.float16, 8, 2, 64)])
+def test_prefill_reference_matches_dense_float64(dtype, page, group, head_dim, step_kv):
+    """With `step_kv` the step's K/V (what it stored) are handed over too: fresh sequences attend over them."""
     lens = [1, page - 1, page + 1, 40, 70, 9]
     q_lens = [1, page - 1, 5, 40, 1, 3]  # fresh prompts, a prefix-cached chunk, decode-like rows
     case = make_paged(lens, page=page, num_kv_heads=2, head_dim=head_dim, dtype=dtype)
     qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     query = torch.randn(int(qsl[-1]), 2 * group, head_dim).to(dtype)
     scale = 0.7 * head_dim**-0.5
-    out = ref.paged_prefill_attention(query, case.kv_cache, case.layer, case.block_tables, qsl, case.seq_lens, scale)
+    kv = case.kv_cache[:, case.layer]
+    slots = [(int(case.block_tables[i, p // page]), p % page) for i, (n, q) in enumerate(zip(lens, q_lens))
+             for p in range(n - q, n)]
+    step = {"key": torch.stack([kv[b, 0, :, o] for b, o in slots]),
+            "value": torch.stack([kv[b, 1, :, o] for b, o in slots])} if step_kv else {}
+    out = ref.paged_prefill_attention(query, case.kv_cache, case.layer, case.block_tables, qsl, case.seq_lens, scale,
+                                      **step)
     positions = [list(range(n - q, n)) for n, q in zip(lens, q_lens)]
     assert_close(out, naive_attention(query, case, positions, scale), dtype, "prefill reference")
 
@@ -87,3 +96,11 @@ def test_decode_reference_is_fast_enough_on_cpu():
     ref.paged_decode_attention(*args)
     elapsed = time.perf_counter() - start
     assert elapsed < 1.0, f"decode reference took {elapsed:.3f} s per layer"
+
+
+def test_prefill_reference_wants_the_steps_key_and_value_together():
+    case = make_paged([4], page=8, num_kv_heads=1, head_dim=16, dtype=torch.float32)
+    query, qsl = torch.randn(4, 1, 16), torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(ValueError, match="key and value together"):
+        ref.paged_prefill_attention(query, case.kv_cache, case.layer, case.block_tables, qsl, case.seq_lens, 0.1,
+                                    key=torch.randn(4, 1, 16))
