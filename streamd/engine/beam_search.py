@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from streamd.engine.host_to_device import to_device
 from streamd.engine.outputs import FinishReason, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.sequence import Sequence
@@ -176,7 +177,7 @@ def select_candidates(logits: torch.Tensor, groups: list[BeamRows], vocab_size: 
     dev = logits.device
     rows = [row for g in groups for row in g.rows]
     width = max(len(g.rows) for g in groups)
-    index = _tensor(rows, torch.int64, dev)
+    index = to_device(rows, torch.int64, dev)
     logprobs = torch.log_softmax(logits.index_select(0, index)[:, :vocab_size].float(), dim=-1)
     if bitmask is not None:
         bitmask.apply(logprobs)
@@ -188,13 +189,13 @@ def select_candidates(logits: torch.Tensor, groups: list[BeamRows], vocab_size: 
                 mask_rows += [row] * len(tokens)
                 mask_cols += tokens
             first += len(g.rows)
-        at = _tensor(mask_rows, torch.int64, dev), _tensor(mask_cols, torch.int64, dev)
+        at = to_device(mask_rows, torch.int64, dev), to_device(mask_cols, torch.int64, dev)
         logprobs.index_put_(at, torch.full((1,), float("-inf"), device=dev))
-    logprobs += _tensor([s for g in groups for s in g.scores], torch.float32, dev).unsqueeze(1)
+    logprobs += to_device([s for g in groups for s in g.scores], torch.float32, dev).unsqueeze(1)
     if any(len(g.rows) != width for g in groups):  # pad every group to `width` beams of -inf
         slots = [j * width + i for j, g in enumerate(groups) for i in range(len(g.rows))]
         padded = logprobs.new_full((len(groups) * width, vocab_size), float("-inf"))
-        logprobs = padded.index_copy_(0, _tensor(slots, torch.int64, dev), logprobs)
+        logprobs = padded.index_copy_(0, to_device(slots, torch.int64, dev), logprobs)
     k = min(max(g.num_candidates for g in groups), width * vocab_size)
     top = logprobs.view(len(groups), width * vocab_size).topk(k, dim=-1)
     # One transfer: scores and flat indices (exact in float64) side by side.
@@ -232,9 +233,3 @@ class PendingCandidates:
                           if score > float("-inf")]  # (NaN also: a row with no allowed token)
             out.append((group.request_id, candidates))
         return out
-
-
-def _tensor(data: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-    if dev.type == "cuda":
-        return torch.tensor(data, dtype=dtype, pin_memory=True).to(dev, non_blocking=True)
-    return torch.tensor(data, dtype=dtype, device=dev)

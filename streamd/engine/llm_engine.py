@@ -320,12 +320,12 @@ class LLMEngine:
         self.executor.copy(out.blocks_to_copy)
         if out.scheduled:
             forward = self._forward(out, prev)
-            if prev is not None and self.grammars is not None and self.grammars.constrains(
-                    item.seq for item in forward.sampling):
+            constrained = self._constrained_rows([item.seq for item in forward.sampling])
+            if prev is not None and constrained:
                 # The masks of this step follow the previous step's tokens: take them first.
                 updates += self._read_back(prev, pipelined=True)
                 prev = None
-            self._inflight = self._sample(forward)
+            self._inflight = self._sample(forward, constrained)
         if prev is not None:
             updates += self._read_back(prev, pipelined=True)
         return deltas + self._process(updates)
@@ -359,11 +359,18 @@ class LLMEngine:
                         self.grammars.fork(item.seq, child)
         return _Forward(out, sampling, logits, forks, beams)
 
-    def _sample(self, step: _Forward) -> _InFlight:
-        """Fills the grammar masks (their matchers are up to date) and queues the sampling."""
+    def _constrained_rows(self, seqs: list[Sequence]) -> list[int]:
+        return self.grammars.constrained_rows(seqs) if self.grammars is not None else []
+
+    def _sample(self, step: _Forward, constrained: list[int]) -> _InFlight:
+        """Fills the grammar masks of the `constrained` rows (their matchers are up to date) and queues the
+        sampling."""
         sampling, logits = step.sampling, step.logits
         seqs = [item.seq for item in sampling]
-        bitmask = self.grammars.bitmask(seqs, logits.device) if self.grammars is not None else None
+        bitmask = None
+        if constrained:
+            assert self.grammars is not None
+            bitmask = self.grammars.bitmask(seqs, constrained, logits.device)
         pending = self.sampler.sample_async(logits, seqs, [item.group.sampling_params for item in sampling],
                                             bitmask, owns_logits=True)
         return _InFlight(step.out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)},
@@ -393,7 +400,8 @@ class LLMEngine:
         bitmask = None
         if self.grammars is not None:  # constrained beams: rows in the order select_candidates stacks them
             seqs = [sampling[i].seq for g in groups for i in g.rows]
-            bitmask = self.grammars.bitmask(seqs, logits.device, own_buffer=True)
+            bitmask = self.grammars.bitmask(seqs, self.grammars.constrained_rows(seqs), logits.device,
+                                            own_buffer=True)
         beams = select_candidates(logits, groups, self.vocab_size, bitmask)
         index = torch.tensor(keep, dtype=torch.int64).to(logits.device, non_blocking=True)
         return logits.index_select(0, index), [sampling[i] for i in keep], beams
@@ -484,11 +492,13 @@ class LLMEngine:
                                                       group.num_cached_tokens, group.first_scheduled_time)
             return
         parents = [group.seqs[c.beam] for c in step.beams]
-        dropped = [beam for beam in group.seqs if all(beam is not parent for parent in parents)]
+        previous = list(group.seqs)
         beams = self.scheduler.replace_beams(group, parents)
         for beam, candidate in zip(beams, step.beams):
             beam.append_token(candidate.token_id)
         if self.grammars is not None and group.sampling_params.structured_outputs is not None:
+            # replace_beams marks the beams no next beam continues aborted (and frees them)
+            dropped = [beam for beam in previous if beam.status == SequenceStatus.FINISHED_ABORTED]
             self._advance_beam_matchers(beams, parents, dropped, step.beams)
         self._generated_tokens += len(beams)  # the engine's work: every beam's token
 

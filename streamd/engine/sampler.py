@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from streamd.engine.host_to_device import to_device
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.sequence import Sequence
 from streamd.engine.structured import TokenBitmask
@@ -81,7 +82,7 @@ class Sampler:
             tokens = self._sample(x, seqs, params, random_params)
         else:  # greedy rows take the argmax; only the others go through temperature, top-k/top-p and the draw
             rows = [i for i, p in enumerate(params) if not p.greedy]
-            index = self._tensor(rows, torch.long, x.device)
+            index = to_device(rows, torch.long, x.device)
             sampled = self._sample(x.index_select(0, index), [seqs[i] for i in rows], [params[i] for i in rows],
                                    random_params)
             tokens = x.argmax(dim=-1).index_copy_(0, index, sampled)
@@ -138,13 +139,13 @@ class Sampler:
                             cols.append(t)
             if rows:
                 dev = x.device
-                index = (self._tensor(rows, torch.long, dev), self._tensor(cols, torch.long, dev))
+                index = (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev))
                 # torch.full, not torch.tensor(scalar, device=...): the latter is a blocking host copy.
                 x = x.index_put(index, torch.full((1,), float("-inf"), dtype=x.dtype, device=dev))
         return x
 
-    @classmethod
-    def _histogram(cls, token_lists: list[list[int]], n: int, vocab: int, dev: torch.device) -> torch.Tensor:
+    @staticmethod
+    def _histogram(token_lists: list[list[int]], n: int, vocab: int, dev: torch.device) -> torch.Tensor:
         """[n, vocab] float counts of each row's tokens, built on the device from one padded id tensor."""
         width = max((len(t) for t in token_lists), default=0)
         counts = torch.zeros(n, vocab + 1, dtype=torch.float32, device=dev)
@@ -152,7 +153,7 @@ class Sampler:
             return counts[:, :vocab]
         # Pad with the extra column `vocab`, which is dropped afterwards.
         padded = [t + [vocab] * (width - len(t)) for t in token_lists]
-        ids = cls._tensor(padded, torch.long, dev).clamp_(0, vocab)
+        ids = to_device(padded, torch.long, dev).clamp_(0, vocab)
         counts.scatter_add_(1, ids, torch.ones(ids.shape, dtype=torch.float32, device=dev))
         return counts[:, :vocab]
 
@@ -202,7 +203,7 @@ class Sampler:
         if all(id(p) in ids for p in params):
             return transform(x, params, chosen)
         rows = [i for i, p in enumerate(params) if id(p) in ids]
-        index = self._tensor(rows, torch.long, x.device)
+        index = to_device(rows, torch.long, x.device)
         done = transform(x.index_select(0, index), [params[i] for i in rows], chosen)
         return x.index_copy(0, index, done)
 
@@ -214,7 +215,7 @@ class Sampler:
         dev = x.device
         max_k = min(max(p.top_k for p in distinct), x.shape[1])
         top_values = x.topk(max_k, dim=-1).values  # descending
-        ks = self._tensor([min(p.top_k, max_k) for p in params], torch.long, dev)
+        ks = to_device([min(p.top_k, max_k) for p in params], torch.long, dev)
         keep = torch.arange(max_k, device=dev).unsqueeze(0) < ks.unsqueeze(1)
         if any(p.top_p < 1.0 for p in distinct):
             # Top-p among the top-k, renormalized: keep a token while the mass strictly above it is < p.
@@ -263,16 +264,8 @@ class Sampler:
     # ---- helpers -------------------------------------------------------------------------------
 
     @staticmethod
-    def _tensor(data: list, dtype: torch.dtype, dev: torch.device) -> torch.Tensor:
-        """Host list -> device tensor without a sync: pinned staging + non_blocking copy on CUDA (a plain
-        pageable copy would synchronize the stream)."""
-        if dev.type == "cuda":
-            return torch.tensor(data, dtype=dtype, pin_memory=True).to(dev, non_blocking=True)
-        return torch.tensor(data, dtype=dtype, device=dev)
-
-    @classmethod
-    def _column(cls, values: list[float], dev: torch.device) -> torch.Tensor:
-        return cls._tensor(values, torch.float32, dev).unsqueeze(1)
+    def _column(values: list[float], dev: torch.device) -> torch.Tensor:
+        return to_device(values, torch.float32, dev).unsqueeze(1)
 
     @classmethod
     def _scalar_or_column(cls, params: list[SamplingParams], name: str, distinct: list[SamplingParams],

@@ -8,11 +8,12 @@ A schema that cannot be compiled raises `GrammarError` naming the problem; the s
 submitting, so a bad schema is refused before its request takes any KV block.
 
 `GrammarMatchers` (owned by the engine, next to the sampler) keeps a matcher per constrained sequence:
-`bitmask(seqs)` fills the allowed-token bitmask of every constrained row of a batch in one call (xgrammar's
-batch matcher, threads inside, into one reused host buffer), `accept(seq, token)` advances a matcher with
-each token the sequence keeps, `fork(parent, child)` gives a forked sample (or beam) its own copy of the
-parent's matcher state. Preemption (swap or recompute) keeps a sequence's tokens, so its matcher stays valid.
-Unconstrained batches cost one empty-dict check per step.
+`constrained_rows(seqs)` finds a batch's constrained rows (once a step) and `bitmask(seqs, rows)` fills
+their allowed-token bitmask in one call (xgrammar's batch matcher, threads inside, into one reused host
+buffer), `accept(seq, token)` advances a matcher with each token the sequence keeps, `fork(parent, child)`
+gives a forked sample (or beam) its own copy of the parent's matcher state. Preemption (swap or recompute)
+keeps a sequence's tokens, so its matcher stays valid. Unconstrained batches cost one empty-dict check per
+step.
 """
 
 from __future__ import annotations
@@ -119,11 +120,14 @@ class GrammarMatchers:
         """Drops every matcher (the engine failed every live request)."""
         self._matchers.clear()
 
-    def constrains(self, seqs: Iterable[Sequence]) -> bool:
-        """Whether any of these sequences is constrained (then its mask needs its previous token); `seqs`
-        is not iterated while no sequence is (the engine keeps its matchers once a request made them)."""
+    def constrained_rows(self, seqs: list[Sequence]) -> list[int]:
+        """The rows of `seqs` whose sequence is constrained (their masks need their previous tokens; the
+        engine computes them once a step and hands them to `bitmask`); `seqs` is not scanned while no
+        sequence is (the engine keeps its matchers once a request made them)."""
         matchers = self._matchers
-        return bool(matchers) and any(seq.seq_id in matchers for seq in seqs)
+        if not matchers:
+            return []
+        return [i for i, seq in enumerate(seqs) if seq.seq_id in matchers]
 
     def accept(self, seq: Sequence, token: int) -> bool:
         """Advances the sequence's matcher (if constrained); False when the grammar does not allow `token`
@@ -131,22 +135,19 @@ class GrammarMatchers:
         matcher = self._matchers.get(seq.seq_id)
         return matcher is None or matcher.accept_token(token)
 
-    def bitmask(self, seqs: list[Sequence], device: torch.device, *, own_buffer: bool = False) -> TokenBitmask | None:
-        """The batch's bitmask, or None when no row is constrained (then sampling is untouched).
-        `own_buffer`: fill a fresh host buffer, not the reused one (for a second fill in one step: the first
-        one's copy to the device may still read the reused buffer)."""
+    def bitmask(self, seqs: list[Sequence], rows: list[int], device: torch.device, *,
+                own_buffer: bool = False) -> TokenBitmask | None:
+        """The batch's bitmask over `rows` (from `constrained_rows(seqs)`), or None when none of them is
+        still constrained (then sampling is untouched). `own_buffer`: fill a fresh host buffer, not the
+        reused one (for a second fill in one step: the first one's copy to the device may still read the
+        reused buffer)."""
         matchers = self._matchers
-        if not matchers:
-            return None
-        # A finished sequence's row is void (its token is dropped): its matcher may be terminated.
-        rows = [i for i, seq in enumerate(seqs) if seq.seq_id in matchers and not seq.status.finished]
+        # A sequence that finished since (its token is dropped) has a void row: its matcher may be terminated
+        # or gone.
+        rows = [i for i in rows if seqs[i].seq_id in matchers and not seqs[i].status.finished]
         if not rows:
             return None
-        if own_buffer:
-            shape = xgr.get_bitmask_shape(len(seqs), self.compiler.vocab_size)
-            mask = torch.empty(shape, dtype=torch.int32, pin_memory=device.type == "cuda")
-        else:
-            mask = self._host_rows(len(seqs), device)
+        mask = self._new_mask(len(seqs), device) if own_buffer else self._host_rows(len(seqs), device)
         self._batch.batch_fill_next_token_bitmask([matchers[seqs[i].seq_id] for i in rows], mask, indices=rows)
         if device.type != "cpu":
             mask = mask.to(device, non_blocking=True)
@@ -155,10 +156,13 @@ class GrammarMatchers:
     def _host_rows(self, n: int, device: torch.device) -> torch.Tensor:
         """The first n rows of the reused host bitmask (grown, by doubling, when a batch needs more)."""
         if self._host is None or self._host.shape[0] < n:
-            rows = max(n, 2 * self._host.shape[0] if self._host is not None else 64)
-            shape = xgr.get_bitmask_shape(rows, self.compiler.vocab_size)
-            self._host = torch.empty(shape, dtype=torch.int32, pin_memory=device.type == "cuda")
+            self._host = self._new_mask(max(n, 2 * self._host.shape[0] if self._host is not None else 64), device)
         return self._host[:n]
+
+    def _new_mask(self, n: int, device: torch.device) -> torch.Tensor:
+        """An unfilled host bitmask of n rows, pinned where it is copied to a GPU."""
+        shape = xgr.get_bitmask_shape(n, self.compiler.vocab_size)
+        return torch.empty(shape, dtype=torch.int32, pin_memory=device.type == "cuda")
 
 
 def _kind(spec: StructuredOutputs) -> str:
