@@ -101,40 +101,39 @@ def random_engine_and_hf_twin(config, perturb_seed: int, num_prompts: int, max_p
     return llm, reference, prompts
 
 
-def tiny_llama_config(vocab_size: int = 300):
-    """The 2-layer random-weight Llama (hidden 64, 4 query heads over 2 KV heads) of the engine unit tests."""
-    from transformers import LlamaConfig
+def tiny_config(kind: str = "llama", *, vocab_size: int = 300, hidden_size: int = 64, intermediate_size: int = 128,
+                num_hidden_layers: int = 2, num_attention_heads: int = 4, head_dim: int | None = None,
+                max_position_embeddings: int = 512, initializer_range: float = 0.1):
+    """A random-weight model of a real architecture with 2 KV heads and untied embeddings: "llama" (GQA),
+    "qwen2" (QKV bias) or "qwen3" (per-head q/k norm). `head_dim` None: hidden_size / num_attention_heads.
+    The defaults are the 2-layer Llama (hidden 64, 4 query heads over 2 KV heads) of the engine unit tests."""
+    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
 
-    return LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                       initializer_range=0.1)
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    if kind not in classes:
+        raise ValueError(f"tiny_config kind must be one of {', '.join(classes)}, got {kind!r}")
+    extra = {} if head_dim is None else {"head_dim": head_dim}
+    return classes[kind](vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                         num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
+                         num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
+                         initializer_range=initializer_range, tie_word_embeddings=False, **extra)
 
 
 def tiny_arch_config(kind: str, hidden_size: int, intermediate_size: int, num_attention_heads: int,
                      qwen3_head_dim: int):
-    """A 3-layer random-weight model of a real architecture with 2 KV heads: "llama" (GQA, head_dim 16),
-    "qwen2" (QKV bias) or "qwen3" (per-head q/k norm, head_dim `qwen3_head_dim`)."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
-
-    common = dict(vocab_size=320, hidden_size=hidden_size, intermediate_size=intermediate_size,
-                  num_hidden_layers=3, num_attention_heads=num_attention_heads, num_key_value_heads=2,
-                  max_position_embeddings=512, initializer_range=0.08, tie_word_embeddings=False)
-    if kind == "llama":
-        return LlamaConfig(**common, head_dim=16)
-    if kind == "qwen2":
-        return Qwen2Config(**common)
-    if kind == "qwen3":
-        return Qwen3Config(**common, head_dim=qwen3_head_dim)
-    raise ValueError(kind)
+    """The parity tests' `tiny_config`: 3 layers, vocabulary 320, head_dim `qwen3_head_dim` for "qwen3"."""
+    return tiny_config(kind, vocab_size=320, hidden_size=hidden_size, intermediate_size=intermediate_size,
+                       num_hidden_layers=3, num_attention_heads=num_attention_heads,
+                       head_dim=qwen3_head_dim if kind == "qwen3" else None, initializer_range=0.08)
 
 
 def tiny_llm(**overrides):
-    """An LLM of `tiny_llama_config()` on CPU (float32, blocks of 8, seed 5, no watermark) under the leak check;
+    """An LLM of `tiny_config()` on CPU (float32, blocks of 8, seed 5, no watermark) under the leak check;
     `overrides` are LLM keyword arguments (num_kv_blocks, num_swap_blocks, preemption_mode, ...)."""
     from streamd import LLM
 
     base = dict(device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, seed=5, watermark=0.0)
-    llm = LLM(tiny_llama_config(), **{**base, **overrides})
+    llm = LLM(tiny_config(), **{**base, **overrides})
     register_engine(llm.engine)
     return llm
 

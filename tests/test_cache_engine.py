@@ -202,9 +202,9 @@ def test_contiguous_runs() -> None:
 def test_engine_swap_preemption_through_the_staged_path(monkeypatch) -> None:
     """Greedy outputs under swap preemption with every swap staged equal an unconstrained run."""
     from streamd import LLM, SamplingParams
-    from tests.helpers import register_engine, tiny_llama_config
+    from tests.helpers import register_engine, tiny_config
 
-    config = tiny_llama_config()
+    config = tiny_config()
     greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
     gen = torch.Generator().manual_seed(11)
     prompts = [torch.randint(0, 300, (int(n),), generator=gen).tolist()

@@ -9,9 +9,9 @@ import torch
 
 from streamd import LLM, SamplingParams
 from streamd.engine.sequence import PLACEHOLDER
-from tests.helpers import fold_deltas, register_engine, run_to_completion, step_until_idle, tiny_llama_config
+from tests.helpers import fold_deltas, register_engine, run_to_completion, step_until_idle, tiny_config
 
-CONFIG = tiny_llama_config(200)
+CONFIG = tiny_config(vocab_size=200)
 
 
 @pytest.fixture(scope="module")

@@ -8,9 +8,9 @@ import torch
 
 from streamd import LLM, SamplingParams
 from streamd.engine.errors import KVCacheCapacityError
-from tests.helpers import register_engine, run_to_completion, step_until_idle, tiny_llama_config
+from tests.helpers import register_engine, run_to_completion, step_until_idle, tiny_config
 
-CONFIG = tiny_llama_config()
+CONFIG = tiny_config()
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
 
 

@@ -6,13 +6,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from transformers import LlamaConfig
-
 from streamd import LLM
 from streamd.engine.preemption_costs import COSTS_FILE
+from tests.helpers import tiny_config
 
-CONFIG = LlamaConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+CONFIG = tiny_config(initializer_range=0.02)  # transformers' default: the weights this test always had
 
 
 def _engine(cache_dir: Path, **overrides):

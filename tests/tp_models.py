@@ -10,24 +10,18 @@ import torch
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import WhitespaceSplit
-from transformers import (AutoModelForCausalLM, LlamaConfig, PretrainedConfig, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen3Config)
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedTokenizerFast
+
+from tests import helpers
 
 VOCAB = 256
 
 
 def tiny_config(kind: str) -> PretrainedConfig:
     """2 layers, hidden 64, real GQA ratios: 8 query heads over 2 KV heads, or 4 over 2 (Qwen2)."""
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1,
-                  tie_word_embeddings=False)
-    if kind == "llama":
-        return LlamaConfig(**common, num_attention_heads=8, head_dim=16)
     if kind == "qwen2":  # q/k/v biases
-        return Qwen2Config(**common, num_attention_heads=4)
-    if kind == "qwen3":  # per-head q/k RMSNorm
-        return Qwen3Config(**common, num_attention_heads=8, head_dim=16)
-    raise ValueError(kind)
+        return helpers.tiny_config(kind, vocab_size=VOCAB, num_attention_heads=4, max_position_embeddings=256)
+    return helpers.tiny_config(kind, vocab_size=VOCAB, num_attention_heads=8, head_dim=16, max_position_embeddings=256)
 
 
 def save_random_model(kind: str, path: Path, seed: int = 0) -> Path:
