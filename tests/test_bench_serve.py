@@ -33,6 +33,7 @@ def test_offline_baseline_writes_the_report(tmp_path: Path) -> None:
         assert RUN_FIELDS <= set(run), RUN_FIELDS - set(run)
         assert run["concurrency"] == 4 and run["failed"] == 0, run["errors"]
         assert run["served_tok_s"] > 0 and run["offline_tok_s"] > 0
+        assert run["engine_process"] is (run["layout"] != "thread")  # the server's own report of its engine
         assert run["server_cpu_us_per_token"] >= 0  # /proc counts in 10 ms ticks: a run this small may read 0
     assert path.with_suffix(".md").exists()
 

@@ -73,3 +73,5 @@ def test_engine_process_auto_is_on_only_with_one_cuda_gpu(monkeypatch: pytest.Mo
     assert load_config(overrides={"parallel.tensor_parallel_size": 2}, environ={}).engine_in_own_process() is False
     with pytest.raises(ConfigError, match=r"server\.engine_process"):
         load_config(overrides={"server.engine_process": "sometimes"}, environ={})
+    with pytest.raises(ConfigError, match=r"server\.engine_process does not support parallel\.tensor_parallel_size"):
+        load_config(overrides={"server.engine_process": True, "parallel.tensor_parallel_size": 2}, environ={})

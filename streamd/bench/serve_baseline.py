@@ -69,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class ServedRun:
     transport: str
     layout: str  # "thread": engine thread in the server process; "process"/"split": engine in its own process
+    engine_process: bool  # what the server reported: its engine runs in a process of its own
     concurrency: int | None  # closed loop; None for a Poisson run
     rate: float | None  # Poisson arrivals per second; None for a closed loop
     offline_tok_s: float
@@ -91,6 +92,7 @@ class ServerProcess:
     """The benchmark's own server, and the CPU time of its threads."""
 
     def __init__(self, model: str, settings: list[str], layout: str = "thread") -> None:
+        self.layout = layout
         cmd = [sys.executable, "-m", "streamd.bench.serve_target", "--model", model, "--layout", layout]
         for item in settings:
             cmd += ["--set", item]
@@ -186,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
                         offline, offline_cpu = offline_rate(engine, prompts, args.max_tokens, level)
                         result, cpu, client_cpu = run_on_uvloop(_served(args, server, transport, level, len(prompts),
                                                                      seed))
-                        raw.append(_run_record(transport, layout, level, None, offline, offline_cpu, result, cpu,
+                        raw.append(_run_record(transport, server, level, None, offline, offline_cpu, result, cpu,
                                                client_cpu))
                         print(_line(raw[-1]), flush=True)
             for rate in rates:
@@ -195,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
                         seed = args.seed + 1000 * next(pairs)
                         result, cpu, client_cpu = run_on_uvloop(_served(args, server, transport, None,
                                                                      args.rate_requests, seed, rate))
-                        raw.append(_run_record(transport, layout, None, rate, offline, offline_cpu, result, cpu,
+                        raw.append(_run_record(transport, server, None, rate, offline, offline_cpu, result, cpu,
                                                client_cpu))
                         print(_line(raw[-1]), flush=True)
     finally:
@@ -207,11 +209,11 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_record(transport: str, layout: str, level: int | None, rate: float | None, offline: float, offline_cpu: float,
-                result: dict[str, Any], cpu: dict[str, float], client_cpu: float) -> ServedRun:
+def _run_record(transport: str, server: ServerProcess, level: int | None, rate: float | None, offline: float,
+                offline_cpu: float, result: dict[str, Any], cpu: dict[str, float], client_cpu: float) -> ServedRun:
     tokens = max(1, result["output_tokens"])
     served = result["output_token_throughput"]
-    return ServedRun(transport, layout, level, rate, offline, served, served / offline, result["ttft_s"]["p50"],
+    return ServedRun(transport, server.layout, server.engine_pid != server.proc.pid, level, rate, offline, served, served / offline, result["ttft_s"]["p50"],
                      result["ttft_s"]["p99"], result["itl_s"]["p50"], result["itl_s"]["p99"],
                      cpu["process"] / tokens * 1e6, cpu["engine"] / tokens * 1e6, cpu["loop"] / tokens * 1e6,
                      client_cpu / tokens * 1e6, offline_cpu, result["failed"], result["errors"])

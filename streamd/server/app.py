@@ -40,6 +40,7 @@ from streamd.server.responses_store import ResponseStore
 from streamd.server.resume import ResumeStore
 from streamd.server.server_info import server_info_route
 from streamd.server.services import Services
+from streamd.server.tool_parsers import tool_format
 
 logger = get_logger(__name__)
 STATIC = Path(__file__).parent / "static"
@@ -70,6 +71,7 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
                         Generation(engine, server, lifecycle, metrics),
                         ResponseStore(server.responses_store_size, server.responses_store_ttl_s),
                         TokenTexts(engine.tokenizer),
+                        tool_format(getattr(engine.tokenizer, "chat_template", None)),
                         ResumeStore(server.resume_grace_s, server.resume_max_tokens_per_request,
                                     server.resume_max_tokens_total, metrics))
     lifecycle.on_drain(services.resumes.end_detached)

@@ -41,7 +41,7 @@ from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.logprobs import LogprobsBuilder
 from streamd.server.services import Services
 from streamd.server.structured_api import plan_tools
-from streamd.server.tool_parsers import ToolCallParser, tool_format
+from streamd.server.tool_parsers import ToolCallParser
 
 logger = get_logger(__name__)
 
@@ -107,8 +107,7 @@ async def chat_completions(request: Request) -> Response:
     params["logprobs"] = _chat_logprobs(body)
     if body.get("max_completion_tokens") is not None:
         params["max_tokens"] = body["max_completion_tokens"]
-    model_format = tool_format(getattr(s.engine.tokenizer, "chat_template", None))
-    plan = plan_tools(body.get("tools"), body.get("tool_choice"), model_format)
+    plan = plan_tools(body.get("tools"), body.get("tool_choice"), s.tool_format)
     if plan is not None and plan.structured is not None:
         if params.get("response_format") or params.get("structured_outputs"):
             raise ServiceError("invalid_request", "a required or named tool_choice cannot be combined with "
@@ -143,10 +142,11 @@ async def completions(request: Request) -> Response:
 
 async def _respond(request: Request, s: Services, body: dict[str, Any], kind: str, prepared: Prepared,
                    tool_format: str | None = None) -> Response:
-    stream_flag = body.get("stream") or False
-    options = body.get("stream_options") or {}
-    if not isinstance(stream_flag, bool) or not isinstance(options, dict):
-        raise ServiceError("invalid_request", "stream must be a boolean and stream_options an object", "stream")
+    stream_flag = body_flag(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ServiceError("invalid_request", f"stream_options must be an object, got {options!r}",
+                           "stream_options")
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     account, stream = await s.generation.submit(prepared, kind)
     assert stream is not None
@@ -162,7 +162,7 @@ async def _respond(request: Request, s: Services, body: dict[str, Any], kind: st
             if isinstance(first, Response):
                 call.finish()
                 return first
-        return SSEResponse(_sse(call, bool(options.get("include_usage")), first), call.finish)
+        return SSEResponse(_sse(call, bool((options or {}).get("include_usage")), first), call.finish)
     return await until_disconnect(request, _collect(call))
 
 
@@ -202,26 +202,25 @@ async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = No
             if not choice.text:
                 continue
             if call.tool_format is not None:
-                events += [_data(_chunk(call, choice.index, piece, None, extra)).encode()
-                           for piece in _parsed(call, choice.index, choice.text, final=False)]
+                events += _parsed(call, texts, choice.index, choice.text, final=False)
             elif call.logprobs is None:
                 events.append(texts.event(choice.index, choice.text))
             else:  # the chunk carries the logprobs of its tokens
                 events.append(_data(_chunk(call, choice.index, _piece(call, choice.text), None, extra)).encode())
         if events:
             yield b"".join(events)
-    tail = []
+    tail: list[bytes] = []
     if account.error:
-        tail.append(_data(ServiceError("internal_error", account.error).openai_body()))
+        tail.append(_data(ServiceError("internal_error", account.error).openai_body()).encode())
     else:
         for index, finish in enumerate(account.choice_finishes()):
             if call.tool_format is not None:  # what was held back (text that might have become a call)
-                tail += [_data(_chunk(call, index, piece, None, extra)) for piece in _parsed(call, index, "", True)]
-            tail.append(_data(_chunk(call, index, _piece(call, ""), finish, extra)))
+                tail += _parsed(call, texts, index, "", final=True)
+            tail.append(_data(_chunk(call, index, _piece(call, ""), finish, extra)).encode())
     if include_usage:
-        tail.append(_data({**_envelope(call), "choices": [], "usage": account.usage()}))
-    tail.append("data: [DONE]\n\n")
-    yield "".join(tail).encode()
+        tail.append(_data({**_envelope(call), "choices": [], "usage": account.usage()}).encode())
+    tail.append(b"data: [DONE]\n\n")
+    yield b"".join(tail)
 
 
 class TextEvents:
@@ -293,13 +292,16 @@ def _ending(call: _Call, index: int, finish: FinishNames) -> dict[str, Any]:
     return {"finish_reason": reason, **({finish.flag: True} if finish.flag else {})}
 
 
-def _parsed(call: _Call, index: int, text: str, final: bool) -> list[dict[str, Any]]:
-    """A choice's new text through its tool-call parser -> the chat deltas to send (content, tool calls)."""
+def _parsed(call: _Call, texts: TextEvents, index: int, text: str, final: bool) -> list[bytes]:
+    """A choice's new text through its tool-call parser -> the chunks to send (content, tool calls); plain
+    content without logprobs takes the text chunks' fast path."""
     out = call.parser(index).feed(text, final)
+    if not out.tool_calls and call.logprobs is None:
+        return [texts.event(index, out.content)] if out.content else []
     pieces: list[dict[str, Any]] = [{"content": out.content}] if out.content else []
     if out.tool_calls:
         pieces.append({"tool_calls": out.tool_calls})
-    return pieces
+    return [_data(_chunk(call, index, piece, None, texts.extra)).encode() for piece in pieces]
 
 
 async def until_disconnect(request: Request, work: Any) -> Response:
@@ -389,9 +391,7 @@ def _params(body: dict[str, Any]) -> dict[str, Any]:
 
 def _chat_logprobs(body: dict[str, Any]) -> int | None:
     """Chat's `logprobs: true` + `top_logprobs` -> how many top logprobs per token (None: none asked)."""
-    wanted, top = body.get("logprobs"), body.get("top_logprobs")
-    if wanted is not None and not isinstance(wanted, bool):
-        raise ServiceError("invalid_request", f"logprobs must be a boolean, got {wanted!r}", "logprobs")
+    wanted, top = body_flag(body, "logprobs", False), body.get("top_logprobs")
     if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
         raise ServiceError("invalid_request", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
                            f"got {top!r}", "top_logprobs")

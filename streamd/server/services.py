@@ -31,4 +31,5 @@ class Services:
     generation: Generation
     responses: ResponseStore  # finished Responses, for previous_response_id
     token_texts: TokenTexts  # token id -> text and bytes, for logprobs
+    tool_format: str | None  # the tool-call format of the model's chat template ("hermes", "json", None)
     resumes: ResumeStore  # resumable WebSocket requests' tokens and retained output

@@ -17,28 +17,34 @@ from typing import Any
 from streamd.server.errors import ServiceError
 
 
-def structured_from_response_format(value: Any, param: str = "response_format") -> dict[str, Any] | None:
+def structured_from_response_format(value: Any) -> dict[str, Any] | None:
     """OpenAI `response_format` -> `structured_outputs` (None for plain text)."""
-    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
-        raise ServiceError("invalid_request", f"{param} must be an object with type \"text\", "
-                           "\"json_object\" or \"json_schema\"", param)
-    if value["type"] == "text":
-        return None
-    if value["type"] == "json_object":
-        return {"json_object": True}
-    spec = value.get("json_schema")
+    kind = value.get("type") if isinstance(value, dict) else None
+    spec = value.get("json_schema") if kind == "json_schema" else None
     schema = spec.get("schema") if isinstance(spec, dict) else None
-    if not isinstance(schema, dict):
-        raise ServiceError("invalid_request", f"{param}.json_schema.schema must be a JSON schema object", param)
-    return {"json": schema}
+    return _structured(kind, schema, "response_format", "json_schema.schema")
 
 
 def structured_from_text_format(value: Any) -> dict[str, Any] | None:
     """The Responses API's `text.format` (the same three types; a json_schema's `schema` sits beside its
     `name` and `strict` rather than under `json_schema`) -> `structured_outputs`."""
-    if isinstance(value, dict) and value.get("type") == "json_schema":
-        value = {"type": "json_schema", "json_schema": {"schema": value.get("schema")}}
-    return structured_from_response_format(value, "text.format")
+    kind = value.get("type") if isinstance(value, dict) else None
+    return _structured(kind, value.get("schema") if kind == "json_schema" else None, "text.format", "schema")
+
+
+def _structured(kind: Any, schema: Any, param: str, schema_field: str) -> dict[str, Any] | None:
+    """A format's type and (for "json_schema") schema -> `structured_outputs`; errors name `param` (the
+    format's field) and, for a missing schema, its `schema_field` under it."""
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ServiceError("invalid_request", f"{param} must be an object with type \"text\", "
+                           "\"json_object\" or \"json_schema\"", param)
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return {"json_object": True}
+    if not isinstance(schema, dict):
+        raise ServiceError("invalid_request", f"{param}.{schema_field} must be a JSON schema object", param)
+    return {"json": schema}
 
 
 @dataclass(slots=True)

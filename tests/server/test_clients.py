@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import sys
 
+import pytest
+
 from streamd.bench import load as bench
 from streamd.bench import serve as bench_cli
 from tests.server.util import Server
@@ -91,3 +93,34 @@ async def test_sse_client_survives_connections_the_server_closed_while_idle() ->
     finally:
         server.close()
         await server.wait_closed()
+
+
+async def test_websocket_pool_fails_requests_it_cannot_read_and_refuses_a_dead_socket() -> None:
+    """A frame the pool cannot read fails its own request only; a message that is not JSON ends the socket's
+    reader, which fails the requests on it, and a later request on that socket is refused instead of
+    waiting forever."""
+    import orjson
+    from websockets.asyncio.server import serve
+
+    async def handler(ws) -> None:
+        async for raw in ws:
+            request_id = orjson.loads(raw)["id"]
+            if request_id == "b0":  # a delta without its token ids
+                await ws.send(orjson.dumps([{"type": "delta", "id": "b0", "text": "x"}]).decode())
+            elif request_id == "b1":
+                await ws.send(orjson.dumps([{"type": "delta", "id": "b1", "token_ids": [1, 2], "text": "ab"},
+                                            {"type": "done", "id": "b1", "finish_reason": "length"}]).decode())
+            else:
+                await ws.send("not json")
+
+    async with serve(handler, "127.0.0.1", 0) as server:
+        port = server.sockets[0].getsockname()[1]
+        async with bench.WebSocketPool(f"ws://127.0.0.1:{port}", 1, None) as pool:
+            unreadable = await asyncio.wait_for(pool.generate("p", 2), 30)
+            assert unreadable.error is not None and "unreadable frame" in unreadable.error
+            fine = await asyncio.wait_for(pool.generate("p", 2), 30)
+            assert fine.error is None and fine.tokens == 2
+            ended = await asyncio.wait_for(pool.generate("p", 2), 30)
+            assert ended.error == "the WebSocket closed"
+            with pytest.raises(ConnectionError):
+                await asyncio.wait_for(pool.generate("p", 2), 30)

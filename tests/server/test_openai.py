@@ -90,11 +90,18 @@ async def test_malformed_bodies(server: Server) -> None:
         not_object = await http.post("/v1/completions", json=[{"prompt": "Hi"}])
         no_messages = await http.post("/v1/chat/completions", json={"model": server.services.model_name})
         too_long = await http.post("/v1/completions", json={"prompt": [7] * 100_000})
+        stream_zero = await http.post("/v1/completions", json={"prompt": "Hi", "stream": 0})
+        bad_options = await http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}],
+                                                                   "stream": True, "stream_options": "usage"})
     assert bad_json.status_code == 400 and bad_json.json()["error"]["code"] == "invalid_json"
     assert not_object.status_code == 400 and not_object.json()["error"]["code"] == "invalid_request"
     assert "must be a JSON object" in not_object.json()["error"]["message"]
     assert no_messages.status_code == 400 and no_messages.json()["error"]["param"] == "messages"
     assert too_long.status_code == 400 and too_long.json()["error"]["code"] == "context_length_exceeded"
+    for response, param in ((stream_zero, "stream"), (bad_options, "stream_options")):
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["code"] == "invalid_request", error
+        assert error["param"] == param and error["message"].startswith(param + " must be "), error
 
 
 async def test_disconnect_aborts_the_request(server: Server, async_engine) -> None:

@@ -106,6 +106,8 @@ async def test_http_errors_are_openai_bodies(client: AsyncOpenAI, server: Server
         assert caught.value.body["message"]
         if "text" in body:
             assert caught.value.body["param"] == "text.format", caught.value.body
+            if body["text"]["format"]["type"] == "json_schema":  # the missing field, as the Responses API names it
+                assert caught.value.body["message"] == "text.format.schema must be a JSON schema object"
 
 
 SCHEMA = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},

@@ -4,7 +4,6 @@ refused resumes, deadlines. (Slow readers: test_slow_reader.py; SIGTERM: test_si
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import httpx

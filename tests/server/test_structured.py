@@ -102,10 +102,38 @@ async def test_parallel_samples_each_validate(client: AsyncOpenAI, server: Serve
     calls = await client.chat.completions.create(model=server.services.model_name, n=2, max_tokens=60,
                                                  messages=[{"role": "user", "content": "Time in Paris?"}],
                                                  tools=[TIME], tool_choice="required", **SAMPLED)
+    assert len(calls.choices) == 2
     for choice in calls.choices:
         assert choice.finish_reason == "tool_calls", choice
-        jsonschema.validate(json.loads(choice.message.tool_calls[0].function.arguments),
-                            TIME["function"]["parameters"])
+        (call,) = choice.message.tool_calls
+        jsonschema.validate(json.loads(call.function.arguments), TIME["function"]["parameters"])
+
+
+async def test_parallel_samples_stream_their_own_tool_calls(client: AsyncOpenAI, server: Server) -> None:
+    # n=2 streamed with a required call: each choice's tool-call deltas come under its own choice index, as
+    # that choice's one call (index 0 within it, one id), and add up to arguments that validate.
+    stream = await client.chat.completions.create(model=server.services.model_name, n=2, max_tokens=60,
+                                                  messages=[{"role": "user", "content": "Time in Paris?"}],
+                                                  tools=[TIME], tool_choice="required", stream=True, **SAMPLED)
+    ids: dict[int, list[str]] = {0: [], 1: []}
+    names: dict[int, list[str]] = {0: [], 1: []}
+    pieces: dict[int, list[str]] = {0: [], 1: []}
+    finishes: dict[int, str] = {}
+    async for chunk in stream:
+        for c in chunk.choices:
+            for delta in c.delta.tool_calls or []:
+                assert delta.index == 0, delta
+                if delta.id:
+                    ids[c.index].append(delta.id)
+                    names[c.index].append(delta.function.name)
+                pieces[c.index].append(delta.function.arguments or "")
+            if c.finish_reason:
+                finishes[c.index] = c.finish_reason
+    assert finishes == {0: "tool_calls", 1: "tool_calls"}
+    assert len(ids[0]) == len(ids[1]) == 1 and ids[0] != ids[1], ids
+    assert names == {0: ["get_time"], 1: ["get_time"]}
+    for index in (0, 1):
+        jsonschema.validate(json.loads("".join(pieces[index])), TIME["function"]["parameters"])
 
 
 @pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_time"}}])

@@ -54,6 +54,14 @@ def _streamed(fmt: str, text: str, cuts: list[int]) -> tuple[str, list[dict[str,
     ("json", '{"city": "Paris"}', '{"city": "Paris"}', []),
     ("json", "Paris is sunny.", "Paris is sunny.", []),
     ("json", '{"name": "get_time", "arguments": {"zone": "UTC"}}', None, [("get_time", {"zone": "UTC"})]),
+    ("hermes", '<tool_call>{"arguments": {"x": 1}, "name": "a"}</tool_call>', None, [("a", {"x": 1})]),
+    # Not calls: arguments that are no object (in another key order, so nothing streams as a call first),
+    # a name with a bad escape.
+    ("hermes", '<tool_call>{"arguments": [1], "name": "a"}</tool_call>',
+     '<tool_call>{"arguments": [1], "name": "a"}</tool_call>', []),
+    ("hermes", '<tool_call>{"name": "a\\q", "arguments": {}}</tool_call>',
+     '<tool_call>{"name": "a\\q", "arguments": {}}</tool_call>', []),
+    ("json", '{"name": "a\\q", "arguments": {}}', '{"name": "a\\q", "arguments": {}}', []),
 ])
 def test_replies_parse_whole_and_in_every_split(fmt: str, text: str, content: str | None,
                                                 calls: list[tuple[str, dict[str, Any]]]) -> None:
@@ -71,11 +79,30 @@ def test_replies_parse_whole_and_in_every_split(fmt: str, text: str, content: st
             assert [(c["name"], json.loads(c["arguments"])) for c in streamed_calls] == calls, cuts
 
 
-def test_arguments_stream_in_pieces_before_the_call_closes() -> None:
-    parser = ToolCallParser("hermes")
-    first = parser.feed('<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa')
+@pytest.mark.parametrize("fmt, opening, closing, end", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": ', '}\n</tool', "_call>"),
+    ("json", '{"name": "get_weather", "parameters": ', "}", ""),
+])
+def test_arguments_stream_in_pieces_before_the_call_closes(fmt: str, opening: str, closing: str, end: str) -> None:
+    parser = ToolCallParser(fmt)
+    first = parser.feed(opening + '{"city": "Pa')
     assert [d["function"].get("name") for d in first.tool_calls] == ["get_weather", None]
     assert first.tool_calls[-1]["function"]["arguments"] == '{"city": "P'  # the last character waits
-    later = parser.feed('ris"}}\n</tool')
+    later = parser.feed('ris"}' + closing)
     assert "".join(d["function"]["arguments"] for d in later.tool_calls) == 'aris"}'
-    assert not parser.feed('_call>', final=True).tool_calls and parser.called
+    assert not parser.feed(end, final=True).tool_calls and parser.called
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in parser.result().tool_calls] == [
+        ("get_weather", '{"city": "Paris"}')]
+
+
+@pytest.mark.parametrize("fmt, text", [
+    ("json", '{"name":"a","parameters":[1]}'),
+    ("hermes", '<tool_call>\n{"name": "a", "arguments": "x"}\n</tool_call>'),
+])
+def test_a_call_whose_arguments_are_no_object_is_content(fmt: str, text: str) -> None:
+    """Its head may have streamed as a call's, but the finished reply holds no valid call: its content is the
+    whole text and its finish reason is not "tool_calls"."""
+    parser = ToolCallParser(fmt)
+    parser.feed(text, final=True)
+    reply = parser.result()
+    assert reply.content == text and reply.tool_calls == [] and not parser.called
