@@ -191,15 +191,9 @@ class KernelPath:
                sin: torch.Tensor) -> torch.Tensor:
         md = get_attention_metadata()
         q_norm, k_norm, eps = _qk_norm_weights(layer)
-        if self.kernels is reference:
-            # `reference.rotary_store_kv`'s two steps, so that the rotated key reaches `paged_attend` (a
-            # fresh sequence attends over it there); the Triton kernel stores it without handing it back.
-            q, k = reference.rotary(q, k, cos, sin, q_norm, k_norm, eps)
-            reference.store_kv(k, v, md.kv_cache, layer.layer_idx, md.slot_mapping)
-            return paged_attend(md, q, layer.layer_idx, layer.scale, k, v)
         q = self.kernels.rotary_store_kv(q, k, v, cos, sin, md.kv_cache, layer.layer_idx, md.slot_mapping,
                                          q_norm, k_norm, eps)
-        return paged_attend(md, q, layer.layer_idx, layer.scale, None, None)
+        return paged_attend(md, q, layer.layer_idx, layer.scale, None, None)  # the rotated key stayed on chip
 
     def mlp_in(self, layer: FusedLayer, hidden: torch.Tensor,
                residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
