@@ -289,11 +289,10 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 
 @pytest.mark.cuda
 @CUDA
-def test_one_host_sync_per_call_on_cuda() -> None:
-    """Every feature at once, and the common cases: exactly the synchronizing operations each needs (an
-    all-greedy batch none: its argmax stays on the device and the tokens' copy to the host is waited on
-    through an event; a batch that draws one), parameter tensors staged through pinned memory without
-    blocking."""
+def test_no_host_sync_in_a_call_on_cuda() -> None:
+    """Every feature at once, and the common cases: no synchronizing operation at all (the tokens' copy to
+    the host is waited on through an event; parameter tensors are staged through pinned memory without
+    blocking; measured on an H100 at 9f22c38: 0 for each case)."""
     import warnings
 
     dev = torch.device("cuda")
@@ -306,12 +305,12 @@ def test_one_host_sync_per_call_on_cuda() -> None:
         SamplingParams(presence_penalty=0.5, frequency_penalty=0.2, min_tokens=5, stop_token_ids=[7]),
         SamplingParams(logprobs=3, temperature=1.3), SamplingParams(top_k=5, seed=11),
     ]
-    cases = {  # name: (params, synchronizing operations of one call)
-        "greedy": ([SamplingParams(temperature=0)] * n, 0),
-        "temperature": ([SamplingParams(temperature=0.8)] * n, 1),
-        "everything": ([everything[i % len(everything)] for i in range(n)], 1),
+    cases = {
+        "greedy": [SamplingParams(temperature=0)] * n,
+        "temperature": [SamplingParams(temperature=0.8)] * n,
+        "everything": [everything[i % len(everything)] for i in range(n)],
     }
-    for name, (params, expected_syncs) in cases.items():
+    for name, params in cases.items():
         logits = torch.randn(n, vocab, device=dev)
         sampler(logits, seqs, params)  # warm-up: pinned allocator, kernels
         torch.cuda.synchronize()
@@ -323,7 +322,7 @@ def test_one_host_sync_per_call_on_cuda() -> None:
             finally:
                 torch.cuda.set_sync_debug_mode("default")
         syncs = [str(w.message) for w in caught if "called a synchronizing" in str(w.message)]
-        assert len(syncs) == expected_syncs, (name, syncs)
+        assert syncs == [], (name, syncs)
         assert len(out.token_ids) == n and all(0 <= t < vocab for t in out.token_ids)
 
 
