@@ -31,7 +31,7 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } \
 		|| echo "warning: could not install chromium; the browser test will be skipped"
 
-# nginx carries the cluster's WebSockets (`make cluster`, tests/test_cluster.py); Debian's package when missing.
+# nginx carries the cluster's WebSockets (`make cluster`, tests/cli/test_cluster.py); Debian's package when missing.
 nginx:
 	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx \
 		|| { apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null; } \

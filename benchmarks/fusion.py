@@ -1,5 +1,5 @@
 """Fused decoder layers on the device: decode-step time per `model.fuse_layers` mode, and each fused kernel
-against the torch sequence it replaces (see streamd/engine/fusion.py; predictions in benchmarks/NOTES.md).
+against the torch sequence it replaces (see streamd/engine/worker/fusion.py; predictions in benchmarks/NOTES.md).
 
     python benchmarks/fusion.py --out DIR [--shapes smollm2-135m,llama3.2-1b] [--modes off,triton,compile]
     python benchmarks/fusion.py --dry-run --out DIR    # CPU: tiny shape, interpreted kernels; times mean nothing
@@ -36,7 +36,7 @@ from streamd import LLM, SamplingParams  # noqa: E402
 from streamd.bench import cuda_timing  # noqa: E402
 from streamd.bench.report import add_out_argument, git_commit, save_report  # noqa: E402
 from streamd.bench.throughput import SHAPES, measure_ceilings  # noqa: E402
-from streamd.engine.attention import AttentionMetadata, set_attention_metadata  # noqa: E402
+from streamd.engine.worker.attention import AttentionMetadata, set_attention_metadata  # noqa: E402
 from streamd.engine.llm_engine import LLMEngine  # noqa: E402
 from streamd.kernels import reference as R  # noqa: E402
 

@@ -55,7 +55,7 @@ async def ws_stream() -> str:
 
 def main(model: str) -> int:
     log_file = open("/tmp/streamd-smoke.log", "w+")
-    command = [sys.executable, "-m", "streamd.cli", "serve", "--port", str(PORT)] + (["--model", model] if model else [])
+    command = [sys.executable, "-m", "streamd.cli.main", "serve", "--port", str(PORT)] + (["--model", model] if model else [])
     server = subprocess.Popen(command, stderr=log_file, stdout=log_file, text=True)
     deadline = time.monotonic() + 300
     while get("/ready")[0] != 200:

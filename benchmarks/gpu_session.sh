@@ -26,15 +26,15 @@ print(torch.cuda.get_device_name(0), torch.__version__)
 PY
       ;;
     cuda-tests)
-      python3 -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda_engine.py tests/test_cache_engine.py \
+      python3 -m pytest -q -m cuda -p no:cacheprovider tests/engine/test_cuda_engine.py tests/engine/worker/test_cache_engine.py \
         tests/kernels/test_cuda.py 2>&1 | tail -25 | tee "$OUT/cuda-tests.log" ;;
     serve)  # 256 streams, both layouts, both transports, median of 3
-      python3 -m streamd.cli bench serve --offline-baseline --baseline-model /tmp/streamd-serve-model \
+      python3 -m streamd.cli.main bench serve --offline-baseline --baseline-model /tmp/streamd-serve-model \
         --levels 256 --repeats 3 --requests-per-stream 2 \
         --prompt-words 200 --max-tokens 128 --set cache.num_kv_blocks=16384 --set model.dtype='"bfloat16"' \
         --out "$OUT/results" 2>"$OUT/serve-stderr.log" | tee "$OUT/serve.log" ;;
     serve-rates)  # three Poisson rates on the split layout (and 256 streams again), one run each
-      python3 -m streamd.cli bench serve --offline-baseline --baseline-model /tmp/streamd-serve-model \
+      python3 -m streamd.cli.main bench serve --offline-baseline --baseline-model /tmp/streamd-serve-model \
         --levels 256 --rates 32,128,512 --rate-requests 512 --repeats 1 --requests-per-stream 2 --layouts split \
         --prompt-words 200 --max-tokens 128 --set cache.num_kv_blocks=16384 --set model.dtype='"bfloat16"' \
         --out "$OUT/results/rates" 2>"$OUT/serve-rates-stderr.log" | tee "$OUT/serve-rates.log" ;;

@@ -16,7 +16,7 @@ m.save_pretrained(model)
 for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy(f"{assets}/{name}", model)
 PY
-python3 -m streamd.cli serve --model "$model" --port 8123 > "$out/serve-server.log" 2>&1 &
+python3 -m streamd.cli.main serve --model "$model" --port 8123 > "$out/serve-server.log" 2>&1 &
 server=$!
 python3 - <<'PY'
 import time, urllib.request
@@ -30,7 +30,7 @@ else:
     raise SystemExit("server did not become ready")
 PY
 for rate in $rates; do
-  python3 -m streamd.cli bench serve --url http://127.0.0.1:8123 --transport ws --rate "$rate" \
+  python3 -m streamd.cli.main bench serve --url http://127.0.0.1:8123 --transport ws --rate "$rate" \
     --num-requests 256 --prompt-words 200 --max-tokens 128 --json "$out/serve-rate$rate.json"
 done
 kill -TERM $server; wait $server || true

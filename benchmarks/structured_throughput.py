@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from streamd.bench.report import git_commit  # noqa: E402
 from streamd.config import load_config  # noqa: E402
 from streamd.engine.llm_engine import LLMEngine  # noqa: E402
-from streamd.engine.model_loader import load_model  # noqa: E402
+from streamd.engine.worker.model_loader import load_model  # noqa: E402
 from streamd.engine.sampling_params import SamplingParams  # noqa: E402
 
 MODEL = LlamaConfig(vocab_size=49152, hidden_size=256, intermediate_size=512, num_hidden_layers=4,

@@ -26,7 +26,7 @@ Writes `swap-<date>-<gpu>.json` and `.md` to `--out` and prints the markdown, co
         --lengths 16,32 --out /tmp/swap                     # CPU smoke run of the same code
 
 The pure parts (block layouts from the block manager, the cost rows, the markdown) import no CUDA and are
-unit-tested in tests/test_cache_engine.py.
+unit-tested in tests/engine/worker/test_cache_engine.py.
 """
 
 from __future__ import annotations
@@ -46,10 +46,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from streamd.bench.report import git_commit, save_report  # noqa: E402
-from streamd.engine.block_manager import BlockManager  # noqa: E402
-from streamd.engine.cache_engine import CacheEngine, KVLayout, plan_swap  # noqa: E402
-from streamd.engine.scheduler import PreemptionCostModel  # noqa: E402
-from streamd.engine.sequence import Sequence  # noqa: E402
+from streamd.engine.core.block_manager import BlockManager  # noqa: E402
+from streamd.engine.worker.cache_engine import CacheEngine, KVLayout, plan_swap  # noqa: E402
+from streamd.engine.core.scheduler import PreemptionCostModel  # noqa: E402
+from streamd.engine.core.sequence import Sequence  # noqa: E402
 
 Pairs = list[tuple[int, int]]
 # One round trip: (device, host) pairs for swap_out, then (host, device) pairs for swap_in.
@@ -291,8 +291,8 @@ def prefill_seconds(engine: Any, tokens: int, reps: int, seed: int = 0) -> float
     """Median time of one forward over a fresh `tokens`-token prompt (what recomputing costs), written
     into the pool's first blocks."""
     from streamd.engine.sampling_params import SamplingParams
-    from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
-    from streamd.engine.sequence import SequenceGroup
+    from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+    from streamd.engine.core.sequence import SequenceGroup
 
     rng = random.Random(seed + tokens)
     seq = Sequence(prompt_token_ids=[rng.randrange(engine.vocab_size) for _ in range(tokens)])

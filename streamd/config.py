@@ -22,7 +22,7 @@ class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names the key."""
 
 
-FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/fusion.py)
+FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/worker/fusion.py)
 
 
 @dataclass(slots=True)
@@ -35,7 +35,7 @@ class ModelConfig:
     cache_dir: str = "~/.cache/streamd"  # converted GGUF weights and tokenizer
     enforce_eager: bool = False  # True: no CUDA graphs
     num_threads: int = 0  # torch's CPU threads; 0: the cores this process may use (affinity mask), less one
-    fuse_layers: str = "auto"  # off | auto | triton | compile | reference (see streamd/engine/fusion.py)
+    fuse_layers: str = "auto"  # off | auto | triton | compile | reference (see streamd/engine/worker/fusion.py)
 
     def validate(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
@@ -181,7 +181,7 @@ class Config:
             return self.server.engine_process
         if self.parallel.tensor_parallel_size > 1:
             return False
-        from streamd.engine.model_loader import resolve_device
+        from streamd.engine.worker.model_loader import resolve_device
 
         return resolve_device(self.model.device).type == "cuda"
 

@@ -26,7 +26,7 @@ def _kv_leak_check() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The default model converted to a safetensors directory (converted once, then cached on disk)."""
-    from streamd.engine.model_loader import default_model_dir
+    from streamd.engine.worker.model_loader import default_model_dir
 
     return default_model_dir()
 
@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def async_engine(smol_llm):
     """One AsyncEngine over the shared model for every server and reliability test (one engine thread)."""
-    from streamd.engine.async_engine import AsyncEngine
+    from streamd.engine.client.async_engine import AsyncEngine
 
     engine = AsyncEngine(smol_llm.engine)
     engine.start()

@@ -25,11 +25,11 @@ from dataclasses import dataclass, field
 
 from streamd.bench.workloads import WORKLOADS, RequestStream
 from streamd.config import SchedulerConfig
-from streamd.engine.block_manager import BlockManager
-from streamd.engine.prefix_cache import SeqHashes
+from streamd.engine.core.block_manager import BlockManager
+from streamd.engine.core.prefix_cache import SeqHashes
 from streamd.engine.sampling_params import SamplingParams
-from streamd.engine.scheduler import Scheduler
-from streamd.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _PARAMS = SamplingParams(max_tokens=None)
 _SYSTEM_ID_BASE = 1 << 40  # token ids: system prompts, then one disjoint range per conversation

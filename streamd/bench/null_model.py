@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from streamd.config import Config
-from streamd.engine.executor import Executor
+from streamd.engine.worker.executor import Executor
 from streamd.engine.llm_engine import LLMEngine
-from streamd.engine.model_runner import ModelRunner
-from streamd.engine.sampler import PendingSample
+from streamd.engine.worker.model_runner import ModelRunner
+from streamd.engine.sample.sampler import PendingSample
 from streamd.engine.sampling_params import SamplingParams
-from streamd.engine.scheduler_output import SchedulerOutput
-from streamd.engine.sequence import Sequence
-from streamd.engine.structured import TokenBitmask
+from streamd.engine.core.scheduler_output import SchedulerOutput
+from streamd.engine.core.sequence import Sequence
+from streamd.engine.sample.grammar import TokenBitmask
 
 NULL_MODEL = "null"
 

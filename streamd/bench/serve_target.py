@@ -19,8 +19,8 @@ import time
 
 from streamd.bench.null_model import NULL_MODEL, null_engine
 from streamd.config import Config, load_config, parse_value
-from streamd.engine.async_engine import AsyncEngine
-from streamd.engine.engine_process import ProcessEngine
+from streamd.engine.client.async_engine import AsyncEngine
+from streamd.engine.client.engine_process import ProcessEngine
 from streamd.engine.llm_engine import LLMEngine
 from streamd.server.serve import configure_server_logging, engine_for, http_server, run_on_uvloop
 

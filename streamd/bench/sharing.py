@@ -25,10 +25,10 @@ from typing import Callable
 from streamd.bench.simulate import Progress
 from streamd.bench.workloads import MAX_SEQ_LEN, RequestStream, Workload
 from streamd.config import SchedulerConfig
-from streamd.engine.block_manager import BlockManager
+from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.sampling_params import SamplingParams
-from streamd.engine.scheduler import Scheduler
-from streamd.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 _ID_STRIDE = 4096  # token ids of request i start at i * _ID_STRIDE: no prefix shared across requests
 

@@ -15,10 +15,10 @@ from typing import Callable
 
 from streamd.bench.workloads import MAX_SEQ_LEN, RequestStream
 from streamd.config import SchedulerConfig
-from streamd.engine.block_manager import BlockManager
+from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.sampling_params import SamplingParams
-from streamd.engine.scheduler import Scheduler
-from streamd.engine.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 
 Progress = Callable[[float], None]
 _PARAMS = SamplingParams(max_tokens=None)

@@ -83,7 +83,7 @@ def _hf_model(settings: CpuBenchSettings, attn: str) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from streamd.engine.model_loader import default_model_dir
+    from streamd.engine.worker.model_loader import default_model_dir
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[settings.dtype]
     return AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=dtype, attn_implementation=attn).eval()
@@ -181,7 +181,7 @@ def measure_ttft(streamd: StreamdRunner, hf: HfStaticRunner, prompt_len: int, re
 def run_cpu_benchmark(settings: CpuBenchSettings, log: Callable[[str], None] = print) -> dict[str, Any]:
     import torch
 
-    from streamd.engine.cpu_threads import cpu_model_name, usable_cores
+    from streamd.engine.worker.cpu_threads import cpu_model_name, usable_cores
 
     streamd = StreamdRunner(settings)
     runners = [streamd, HfContinuousRunner(settings), HfStaticRunner(settings)]

@@ -21,31 +21,31 @@ import torch
 from transformers import PretrainedConfig
 
 from streamd.config import Config
-from streamd.engine.beam_search import BeamRows, BeamSearch, Candidate, PendingCandidates, select_candidates
-from streamd.engine.block_manager import BlockManager
-from streamd.engine.cache_engine import CacheEngine, KVLayout
-from streamd.engine.chat_template import chat_template_ids
-from streamd.engine.cpu_threads import apply_num_threads
+from streamd.engine.sample.beam_search import BeamRows, BeamSearch, Candidate, PendingCandidates, select_candidates
+from streamd.engine.core.block_manager import BlockManager
+from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
+from streamd.engine.output.chat_template import chat_template_ids
+from streamd.engine.worker.cpu_threads import apply_num_threads
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
-from streamd.engine.executor import Executor, LocalExecutor
-from streamd.engine.fusion import fuse_layers
-from streamd.engine.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from streamd.engine.cuda_graphs import capture_sizes
-from streamd.engine.deadlines import Deadline, Deadlines
-from streamd.engine.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
-from streamd.engine.output_processor import OutputProcessor
+from streamd.engine.worker.executor import Executor, LocalExecutor
+from streamd.engine.worker.fusion import fuse_layers
+from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from streamd.engine.worker.cuda_graphs import capture_sizes
+from streamd.engine.core.deadlines import Deadline, Deadlines
+from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
+from streamd.engine.output.output_processor import OutputProcessor
 from streamd.engine.outputs import FinishReason, RequestDelta, RequestUpdate, SeqUpdate
-from streamd.engine.parallel.executor import TensorParallelExecutor
-from streamd.engine.parallel.workers import WorkerPool, start_tensor_parallel
-from streamd.engine.preemption_costs import cost_model
-from streamd.engine.sampler import PendingSample, Sampler
+from streamd.engine.worker.parallel.executor import TensorParallelExecutor
+from streamd.engine.worker.parallel.workers import WorkerPool, start_tensor_parallel
+from streamd.engine.worker.preemption_costs import cost_model
+from streamd.engine.sample.sampler import PendingSample, Sampler
 from streamd.engine.sampling_params import SamplingParams
-from streamd.engine.scheduler import Scheduler
-from streamd.engine.scheduler_output import ScheduledSeq, SchedulerOutput
-from streamd.engine.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from streamd.engine.core.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.stats import EngineStats
-from streamd.engine.stop_checker import StopChecker
-from streamd.engine.structured import GrammarCompiler, GrammarMatchers
+from streamd.engine.core.stop_checker import StopChecker
+from streamd.engine.sample.grammar import GrammarCompiler, GrammarMatchers
 from streamd.logs import get_logger
 
 log = get_logger(__name__)

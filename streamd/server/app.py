@@ -25,20 +25,22 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamd import heap
 from streamd.config import Config
-from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.client.async_engine import AsyncEngine
 from streamd.engine.sampling_params import SamplingParams
 from streamd.logs import get_logger
-from streamd.server import openai_routes, responses_api, responses_ws, tokenize_api, ws
+from streamd.server.http import openai_routes, responses_api, tokenize_api
+from streamd.server.ws import responses as responses_ws
+from streamd.server.ws import stream as ws
 from streamd.server.auth import Authenticator
 from streamd.server.errors import ServiceError, error_response, http_error
 from streamd.server.generation import Generation, new_request_id
-from streamd.server.http_guard import HttpGuard
+from streamd.server.http.guard import HttpGuard
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.logprobs import TokenTexts
 from streamd.server.metrics import CONTENT_TYPE, Metrics
 from streamd.server.responses_store import ResponseStore
-from streamd.server.resume import ResumeStore
-from streamd.server.server_info import server_info_route
+from streamd.server.ws.resume import ResumeStore
+from streamd.server.http.server_info import server_info_route
 from streamd.server.services import Services
 from streamd.server.tool_parsers import tool_format
 

@@ -15,10 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamd.config import ServerConfig
-from streamd.engine.async_engine import AsyncEngine, EngineDeadError
-from streamd.engine.chat_template import DEFAULT_OPTIONS, TemplateOptions
+from streamd.engine.client.async_engine import AsyncEngine, EngineDeadError
+from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions
 from streamd.engine.errors import RequestError
-from streamd.engine.request_stream import Backpressure, DeltaSink, RequestStream
+from streamd.engine.client.request_stream import Backpressure, DeltaSink, RequestStream
 from streamd.engine.sampling_params import SamplingParams, is_int
 from streamd.server.accounting import RequestAccount
 from streamd.server.encoding import loads

@@ -14,7 +14,7 @@ import asyncio
 from contextlib import contextmanager
 from typing import Awaitable, Callable, Iterator, Protocol
 
-from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.client.async_engine import AsyncEngine
 from streamd.logs import get_logger
 
 logger = get_logger(__name__)

@@ -18,11 +18,11 @@ import structlog
 import uvicorn
 
 from streamd.config import Config
-from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.client.async_engine import AsyncEngine
 from streamd.logs import get_logger
 from streamd.server.app import create_app
 from streamd.server.lifecycle import Lifecycle
-from streamd.server.ws_handshake import GuardedWebSocketProtocol
+from streamd.server.ws.handshake import GuardedWebSocketProtocol
 
 if TYPE_CHECKING:
     from streamd.engine.llm_engine import LLMEngine
@@ -94,7 +94,7 @@ def engine_for(config: Config, factory: Callable[..., LLMEngine], *args: Any) ->
     """The engine `factory(*args)` builds, on a thread of this process or in its own process (outputs made
     here) as `server.engine_process` decides."""
     if config.engine_in_own_process():
-        from streamd.engine.engine_process import ProcessEngine
+        from streamd.engine.client.engine_process import ProcessEngine
 
         return ProcessEngine(factory, *args, outputs="network", batches_ahead=config.server.engine_batches_ahead)
     return AsyncEngine(factory(*args))

@@ -9,14 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streamd.config import ServerConfig
-from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.client.async_engine import AsyncEngine
 from streamd.server.auth import Authenticator
 from streamd.server.generation import Generation
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.logprobs import TokenTexts
 from streamd.server.metrics import Metrics
 from streamd.server.responses_store import ResponseStore
-from streamd.server.resume import ResumeStore
+from streamd.server.ws.resume import ResumeStore
 
 
 @dataclass(slots=True)

@@ -14,7 +14,7 @@ import copy
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, TypeVar
 
-from streamd.engine.chat_template import TemplateOptions, chat_template_ids
+from streamd.engine.output.chat_template import TemplateOptions, chat_template_ids
 from streamd.server.errors import ServiceError
 
 INLINE_CHARS = 4096  # inputs up to this many characters are tokenized on the loop

@@ -88,8 +88,8 @@ def reference(messages: list[dict[str, str]], max_tokens: int) -> Reference:
     """Greedy tokens of Hugging Face `generate` on the host's copy of the default model."""
     import torch
 
-    from streamd.engine.chat_template import chat_template_ids
-    from streamd.engine.model_loader import load_model
+    from streamd.engine.output.chat_template import chat_template_ids
+    from streamd.engine.worker.model_loader import load_model
     from tests.helpers import hf_greedy
 
     loaded = load_model(None, torch.float32, torch.device("cpu"))

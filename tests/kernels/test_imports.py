@@ -18,7 +18,7 @@ def run_without_triton(code: str) -> subprocess.CompletedProcess[str]:
 def test_cpu_kernel_ops_need_no_triton() -> None:
     result = run_without_triton(
         "import torch\n"
-        "from streamd.engine.model_runner import kernel_ops\n"
+        "from streamd.engine.worker.model_runner import kernel_ops\n"
         "ops = kernel_ops(torch.device('cpu'))\n"
         "cache = torch.zeros(4, 1, 2, 1, 8, 4)\n"
         "cache[0] = 1.0\n"

@@ -9,7 +9,7 @@ from typing import AsyncIterator
 import pytest
 import pytest_asyncio
 
-from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.client.async_engine import AsyncEngine
 from tests.server.util import Server, running_server
 
 

@@ -9,7 +9,7 @@ import time
 from typing import Any
 
 from streamd import SamplingParams
-from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.client.async_engine import AsyncEngine
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 
@@ -119,7 +119,7 @@ async def test_refused_request_raises_and_duplicate_ids(async_engine: AsyncEngin
         await async_engine.add_request("too-long", None, SamplingParams(max_tokens=10),
                                        prompt_token_ids=[5] * async_engine.max_model_len)
     stream = await async_engine.add_request("dup", "Hi", SamplingParams(max_tokens=30, **GREEDY))
-    from streamd.engine.async_engine import DuplicateRequestError
+    from streamd.engine.client.async_engine import DuplicateRequestError
 
     with pytest.raises(DuplicateRequestError):
         await async_engine.add_request("dup", "Hi", SamplingParams(max_tokens=2))

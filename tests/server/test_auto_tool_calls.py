@@ -17,9 +17,9 @@ from openai import AsyncOpenAI
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 
 from streamd.config import load_config
-from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.client.async_engine import AsyncEngine
 from streamd.engine.llm_engine import LLMEngine
-from streamd.engine.model_loader import load_model
+from streamd.engine.worker.model_loader import load_model
 from tests.chat_templates import LLAMA_3_2_TEMPLATE, QWEN_2_5_TEMPLATE
 from tests.helpers import register_engine
 from tests.server.util import Server, running_server

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from playwright.async_api import Browser, ConsoleMessage, Page, Route, async_playwright
 
-from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.client.async_engine import AsyncEngine
 from tests.server.util import Server, gather_until_done, running_server, send, ws_connect
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")

@@ -52,7 +52,7 @@ def test_percentiles_nearest_rank() -> None:
 
 async def test_chat_cli_one_shot(server: Server) -> None:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "streamd.cli", "chat", "--url", server.ws, "--prompt", "Hello!",
+        sys.executable, "-m", "streamd.cli.main", "chat", "--url", server.ws, "--prompt", "Hello!",
         "--max-tokens", "5", "--temperature", "0",
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await asyncio.wait_for(proc.communicate(), 120)

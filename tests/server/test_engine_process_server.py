@@ -9,7 +9,7 @@ from __future__ import annotations
 import openai
 import pytest
 
-from streamd.engine.engine_process import ProcessEngine
+from streamd.engine.client.engine_process import ProcessEngine
 from streamd.engine.llm_engine import LLMEngine
 from streamd.engine.sampling_params import SamplingParams
 from tests.server.util import gather_until_done, running_server, send, ws_connect

@@ -17,11 +17,11 @@ import pytest
 from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
-from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.client.async_engine import AsyncEngine
 from tests.server.util import recv, running_server, send, ws_connect
 
 DRAIN_S = 4.0
-SERVE = [sys.executable, "-m", "streamd.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+SERVE = [sys.executable, "-m", "streamd.cli.main", "serve", "--host", "127.0.0.1", "--port", "0",
          "--set", "model.device=cpu", "--set", "model.dtype=float32", "--set", "cache.num_kv_blocks=256",
          "--set", "cache.num_swap_blocks=0", "--set", f"server.drain_timeout_s={DRAIN_S}"]
 

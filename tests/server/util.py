@@ -12,7 +12,7 @@ from starlette.applications import Starlette
 from websockets.asyncio.client import ClientConnection, connect
 
 from streamd.config import load_config
-from streamd.engine.async_engine import AsyncEngine
+from streamd.engine.client.async_engine import AsyncEngine
 from streamd.server.app import create_app
 from streamd.server.services import Services
 from streamd.server.serve import DrainingServer, uvicorn_config

@@ -1,0 +1,424 @@
+"""BlockManager: the paper's KV cache manager (§4.2-§4.5). Plain Python, no torch.
+
+It owns the physical blocks of both pools, their reference counts and free lists, every sequence's page
+table (`Sequence.block_table`, device block ids, read by the ModelRunner) and, for swapped sequences,
+their host page tables. It decides where KV lives; the CacheEngine moves the bytes, following the
+(src, dst) pairs returned here.
+
+Device pool: a block is either held (refcount > 0), free and unregistered, or free and still findable
+by its prefix-cache hash. Free findable blocks count as free and are reused least recently freed first,
+after the unregistered ones, so cached prefixes survive as long as memory allows.
+
+A sequence's table always covers the token slots it is about to write: the whole token list after
+`allocate`, `num_computed_tokens + n` after `append_slots(seq, n)`.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from typing import Iterable
+
+from streamd.engine.core.prefix_cache import PrefixCache, SeqHashes
+from streamd.engine.core.sequence import Sequence
+from streamd.engine.stats import KVCacheStats
+
+CopyPairs = tuple[tuple[int, int], ...]
+_NO_COPIES: CopyPairs = ()
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
+                 watermark: float = 0.01, enable_prefix_caching: bool = True) -> None:
+        if num_blocks <= 0 or block_size <= 0 or num_swap_blocks < 0:
+            raise ValueError("num_blocks and block_size must be > 0 and num_swap_blocks >= 0")
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_swap_blocks = num_swap_blocks
+        self.watermark = watermark
+        # `free - needed >= watermark * num_blocks` in whole blocks (the epsilon absorbs float noise).
+        self.watermark_blocks = math.ceil(watermark * num_blocks - 1e-9)
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref = [0] * num_blocks
+        # Stack: the lowest ids come out first, which keeps tests and copy runs readable.
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._cached_free: OrderedDict[int, None] = OrderedDict()
+        self._cache = PrefixCache(num_blocks)
+        self._seq_hashes: dict[int, SeqHashes] = {}
+        # Full blocks this step's forward writes (hash -> block, parent hash, token ids). Each layer stores
+        # the whole batch's K/V before attending, so a sequence admitted in the same step may read them:
+        # two requests that arrive together share their common prefix instead of computing it twice.
+        self._in_step: dict[int, tuple[int, int, list[int]]] = {}
+        self._host_ref = [0] * num_swap_blocks
+        self._host_free: list[int] = list(range(num_swap_blocks - 1, -1, -1))
+        self._host_tables: dict[int, list[int]] = {}
+        self.swapped_out_blocks = 0
+        self.swapped_in_blocks = 0
+        self.allocated_blocks = 0  # cumulative: blocks taken off the free lists for new content
+        self.copied_blocks = 0  # cumulative: copy-on-write copies ordered
+        self.prefix_cache_queried_tokens = 0
+        self.prefix_cache_hit_tokens = 0
+
+    # ---- capacity -------------------------------------------------------------------------------
+
+    def num_free_blocks(self) -> int:
+        return len(self._free) + len(self._cached_free)
+
+    def num_free_swap_blocks(self) -> int:
+        return len(self._host_free)
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def can_ever_fit(self, num_tokens: int) -> bool:
+        return self.blocks_needed(num_tokens) <= self.num_blocks - self.watermark_blocks
+
+    def worst_case_blocks(self, num_prompt_tokens: int, max_output_tokens: int, width: int) -> int:
+        """Blocks a request of `width` sequences forked after its prompt holds at most: the prompt's full
+        blocks once (shared), and each sequence's own blocks from the prompt's last partly filled one on."""
+        shared = num_prompt_tokens // self.block_size
+        return shared + width * (self.blocks_needed(num_prompt_tokens + max_output_tokens) - shared)
+
+    # ---- admission ------------------------------------------------------------------------------
+
+    def blocks_to_allocate(self, seqs: Iterable[Sequence]) -> int:
+        """Free blocks that allocating `seqs` would consume: prefix hits on held blocks cost nothing,
+        hits on free cached blocks take them off the free list. Counts a hit shared by two of `seqs`
+        twice, which only errs on the safe side."""
+        total = 0
+        for seq in seqs:
+            hits = self._prefix_hits(seq)
+            total += self.blocks_needed(seq.num_tokens) - len(hits)
+            total += sum(1 for b in hits if self._ref[b] == 0)
+        return total
+
+    def can_allocate(self, seqs: Iterable[Sequence], reserve: int | None = None) -> bool:
+        """Watermark admission: `free - needed >= reserve` (default: the watermark)."""
+        reserve = self.watermark_blocks if reserve is None else reserve
+        return self.num_free_blocks() - self.blocks_to_allocate(seqs) >= reserve
+
+    def allocate(self, seq: Sequence) -> int:
+        """Gives `seq` blocks for all its tokens, reusing cached prefix blocks. Sets and returns
+        `seq.num_computed_tokens`: the cached token count, which never includes the last token."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already has blocks")
+        hits = self._prefix_hits(seq)
+        fresh = self.blocks_needed(seq.num_tokens) - len(hits)
+        if fresh + sum(1 for b in hits if self._ref[b] == 0) > self.num_free_blocks():
+            raise RuntimeError("not enough free KV cache blocks; check can_allocate first")
+        for block in hits:  # take hits before allocating so eviction cannot pick them
+            self._take(block)
+        num_hits = len(hits)
+        seq.block_table = hits + [self._alloc() for _ in range(fresh)]
+        cached = num_hits * self.block_size
+        seq.num_computed_tokens = cached
+        if self.enable_prefix_caching:
+            self._seq_hashes[seq.seq_id].num_committed = num_hits
+            self.prefix_cache_queried_tokens += seq.num_tokens
+            self.prefix_cache_hit_tokens += cached
+        return cached
+
+    # ---- growth ---------------------------------------------------------------------------------
+
+    def blocks_to_append(self, seq: Sequence, num_new_tokens: int = 1) -> int:
+        """Free blocks `append_slots(seq, num_new_tokens)` may consume (new blocks and copies)."""
+        table, ref, bs = seq.block_table, self._ref, self.block_size
+        first = seq.num_computed_tokens // bs
+        last = (seq.num_computed_tokens + num_new_tokens - 1) // bs
+        if first == last:  # the decode fast path
+            if first >= len(table):
+                return 1
+            return 1 if ref[table[first]] > 1 else 0
+        need = max(0, last + 1 - len(table))
+        return need + sum(1 for i in range(first, min(last + 1, len(table))) if ref[table[i]] > 1)
+
+    def blocks_to_append_all(self, seqs: list[Sequence], num_new_tokens: int = 1) -> int:
+        """Like `blocks_to_append` summed over `seqs`, but exact when they share the blocks they write:
+        w writers of a block with refcount r copy it min(w, r - 1) times (the last writer keeps it)."""
+        if len(seqs) == 1:
+            return self.blocks_to_append(seqs[0], num_new_tokens)
+        bs, new_blocks, writers = self.block_size, 0, {}
+        for seq in seqs:
+            table = seq.block_table
+            first = seq.num_computed_tokens // bs
+            last = (seq.num_computed_tokens + num_new_tokens - 1) // bs
+            new_blocks += max(0, last + 1 - len(table))
+            for i in range(first, min(last + 1, len(table))):
+                writers[table[i]] = writers.get(table[i], 0) + 1
+        return new_blocks + sum(min(w, self._ref[b] - 1) for b, w in writers.items())
+
+    def try_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> CopyPairs | None:
+        """`append_slots` if the free blocks suffice, else None (and nothing changes)."""
+        start = seq.num_computed_tokens
+        index, table = start // self.block_size, seq.block_table
+        if (start + num_new_tokens - 1) // self.block_size == index < len(table) and self._ref[table[index]] == 1:
+            return _NO_COPIES  # the decode fast path: room in an unshared last block
+        if self.blocks_to_append(seq, num_new_tokens) > self.num_free_blocks():
+            return None
+        return self.append_slots(seq, num_new_tokens)
+
+    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> CopyPairs:
+        """Makes the table cover `num_computed_tokens + num_new_tokens` slots. A shared block about to
+        be written is replaced by a private one (copy-on-write); returns the (src, dst) copies."""
+        table, ref, bs = seq.block_table, self._ref, self.block_size
+        start = seq.num_computed_tokens
+        first, last = start // bs, (start + num_new_tokens - 1) // bs
+        if first == last and first < len(table) and ref[table[first]] == 1:
+            return _NO_COPIES
+        copies = _NO_COPIES
+        for i in range(first, min(last + 1, len(table))):
+            shared = table[i]
+            if ref[shared] > 1:
+                ref[shared] -= 1
+                table[i] = self._alloc()
+                # Only the first written block holds KV this sequence still needs (slots before `start`).
+                if i == first and start % bs:
+                    copies += ((shared, table[i]),)
+                    self.copied_blocks += 1
+        while len(table) <= last:
+            table.append(self._alloc())
+        return copies
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` shares every block of `parent` (both pools); it must not own blocks yet. Only a
+        sequence past its prompt forks: shared blocks are then written only through `append_slots`."""
+        if parent.num_tokens - parent.num_computed_tokens > 1:
+            raise ValueError(f"sequence {parent.seq_id} is still prefilling; fork it after its prompt")
+        child.block_table = list(parent.block_table)
+        for block in child.block_table:
+            self._ref[block] += 1
+        host = self._host_tables.get(parent.seq_id)
+        if host is not None:
+            self._host_tables[child.seq_id] = list(host)
+            for block in host:
+                self._host_ref[block] += 1
+        state = self._seq_hashes.get(parent.seq_id)
+        if state is not None:
+            self._seq_hashes[child.seq_id] = state.copy()
+
+    def free(self, seq: Sequence) -> None:
+        """Releases everything `seq` holds in both pools. Idempotent."""
+        table = seq.block_table
+        if table:
+            # Tail first: the LRU then evicts a freed sequence's last blocks before its prefix,
+            # which is the part other requests are likely to share.
+            for block in reversed(table):
+                self._release(block)
+            seq.block_table = []
+        host = self._host_tables.pop(seq.seq_id, None)
+        if host is not None:
+            for block in host:
+                self._release_host(block)
+        self._seq_hashes.pop(seq.seq_id, None)
+
+    # ---- prefix caching -------------------------------------------------------------------------
+
+    def mark_computed(self, seq: Sequence) -> None:
+        """Registers the hashes of `seq`'s full blocks whose KV is now written (call after the
+        forward that wrote them, with `num_computed_tokens` updated)."""
+        state = self._seq_hashes.get(seq.seq_id)
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if state is not None and num_full > state.num_committed:
+            self._cache.commit(state, seq.token_ids, seq.block_table, num_full)
+
+    def _prefix_hits(self, seq: Sequence) -> list[int]:
+        """Device blocks holding the longest cached prefix of `seq`, leaving at least its last token
+        to compute (the forward must produce its logits)."""
+        if not self.enable_prefix_caching:
+            return []
+        state = self._seq_hashes.get(seq.seq_id)
+        if state is None:
+            state = self._seq_hashes[seq.seq_id] = SeqHashes(self.block_size)
+        limit = (seq.num_tokens - 1) // self.block_size
+        hits = self._cache.match(state, seq.token_ids, limit)
+        bs = self.block_size
+        for index in range(len(hits), limit if self._in_step else 0):
+            entry = self._in_step.get(state.block_hash(seq.token_ids, index))
+            if entry is None or entry[1] != state.parent(index) or entry[2] != seq.token_ids[index * bs:(index + 1) * bs]:
+                break
+            hits.append(entry[0])
+        return hits
+
+    def end_step(self) -> None:
+        """Forgets this step's in-step blocks once its plan is made: later steps find them through the
+        prefix cache, after their writer commits them."""
+        if self._in_step:
+            self._in_step.clear()
+
+    def publish_in_step(self, seq: Sequence, upto: int) -> None:
+        """`seq`'s full blocks below token `upto` are written by this step's forward: sequences admitted
+        later in this step may share them."""
+        if not self.enable_prefix_caching:
+            return
+        state, bs = self._seq_hashes[seq.seq_id], self.block_size
+        for index in range(state.num_committed, min(upto // bs, len(seq.block_table))):
+            block_hash = state.block_hash(seq.token_ids, index)
+            self._in_step.setdefault(block_hash, (seq.block_table[index], state.parent(index),
+                                                  seq.token_ids[index * bs:(index + 1) * bs]))
+
+    def _cached_copy(self, seq: Sequence, index: int) -> int | None:
+        """A device block already holding `seq`'s committed block `index`, if the cache has one."""
+        state = self._seq_hashes.get(seq.seq_id)
+        if state is None or index >= state.num_committed:
+            return None
+        return self._cache.find(state, seq.token_ids, index)
+
+    # ---- swapping -------------------------------------------------------------------------------
+
+    def unique_blocks(self, seqs: Iterable[Sequence]) -> int:
+        return len({b for seq in seqs for b in seq.block_table})
+
+    def can_swap_out(self, seqs: Iterable[Sequence]) -> bool:
+        return self.unique_blocks(seqs) <= len(self._host_free)
+
+    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Moves all of `seqs`' device blocks to the host pool (sharing preserved); returns the
+        (device, host) copies. The device blocks are released, findable ones stay cached."""
+        if not self.can_swap_out(seqs):
+            raise RuntimeError("not enough free swap blocks; check can_swap_out first")
+        mapping: dict[int, int] = {}
+        for seq in seqs:
+            host_table = []
+            for block in seq.block_table:
+                host = mapping.get(block)
+                if host is None:
+                    host = mapping[block] = self._host_free.pop()
+                self._host_ref[host] += 1
+                host_table.append(host)
+            self._host_tables[seq.seq_id] = host_table
+            for block in reversed(seq.block_table):
+                self._release(block)
+            seq.block_table = []
+        self.swapped_out_blocks += len(mapping)
+        return list(mapping.items())
+
+    def blocks_to_swap_in(self, seqs: Iterable[Sequence]) -> int:
+        """Device blocks that swapping `seqs` in and then giving each decoding one its next slot takes
+        (a new block, or a copy of a last block it shares with others of `seqs`)."""
+        refs: dict[int, int] = {}  # host block -> references from `seqs`
+        writers: dict[int, int] = {}
+        growth = 0
+        for seq in seqs:
+            table = self._host_tables[seq.seq_id]
+            for host in table:
+                refs[host] = refs.get(host, 0) + 1
+            if seq.num_tokens - seq.num_computed_tokens == 1:
+                index = seq.num_computed_tokens // self.block_size
+                if index >= len(table):
+                    growth += 1
+                else:
+                    writers[table[index]] = writers.get(table[index], 0) + 1
+        return len(refs) + growth + sum(min(w, refs[h] - 1) for h, w in writers.items())
+
+    def can_swap_in(self, seqs: Iterable[Sequence], reserve: int | None = None) -> bool:
+        reserve = self.watermark_blocks if reserve is None else reserve
+        return self.num_free_blocks() - self.blocks_to_swap_in(seqs) >= reserve
+
+    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+        """Brings `seqs` back to the device; returns the (host, device) copies. A block whose content
+        is still cached on the device is reused instead of copied."""
+        mapping: dict[int, int] = {}
+        copies: list[tuple[int, int]] = []
+        for seq in seqs:
+            table = []
+            for i, host in enumerate(self._host_tables.pop(seq.seq_id)):
+                block = mapping.get(host)
+                if block is not None:
+                    self._ref[block] += 1
+                else:
+                    block = self._cached_copy(seq, i)
+                    if block is not None:
+                        self._take(block)
+                    else:
+                        block = self._alloc()
+                        copies.append((host, block))
+                    mapping[host] = block
+                table.append(block)
+                self._release_host(host)
+            seq.block_table = table
+        self.swapped_in_blocks += len(copies)
+        return copies
+
+    # ---- pool primitives ------------------------------------------------------------------------
+
+    def _alloc(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        elif self._cached_free:
+            block, _ = self._cached_free.popitem(last=False)  # least recently freed
+            self._cache.forget(block)
+        else:
+            raise RuntimeError("out of KV cache blocks")
+        self._ref[block] = 1
+        self.allocated_blocks += 1
+        return block
+
+    def _take(self, block: int) -> None:
+        """One more reference to a block found in the cache (reviving it if it was free)."""
+        if self._ref[block] == 0:
+            del self._cached_free[block]
+        self._ref[block] += 1
+
+    def _release(self, block: int) -> None:
+        self._ref[block] -= 1
+        if self._ref[block] == 0:
+            if self._cache.is_registered(block):
+                self._cached_free[block] = None
+            else:
+                self._free.append(block)
+
+    def _release_host(self, block: int) -> None:
+        self._host_ref[block] -= 1
+        if self._host_ref[block] == 0:
+            self._host_free.append(block)
+
+    # ---- observability --------------------------------------------------------------------------
+
+    def ref_count(self, block: int) -> int:
+        return self._ref[block]
+
+    def findable_blocks(self) -> dict[int, int]:
+        """hash -> device block of every block the prefix cache can hand out."""
+        return self._cache.registered()
+
+    def registered_tokens(self, block: int) -> list[int] | None:
+        return self._cache.tokens_of(block)
+
+    def stats(self) -> KVCacheStats:
+        return KVCacheStats(
+            blocks_total=self.num_blocks, blocks_free=self.num_free_blocks(),
+            blocks_cached=len(self._cached_free), swap_blocks_total=self.num_swap_blocks,
+            swap_blocks_free=len(self._host_free), swapped_out_blocks=self.swapped_out_blocks,
+            swapped_in_blocks=self.swapped_in_blocks, prefix_queried_tokens=self.prefix_cache_queried_tokens,
+            prefix_hit_tokens=self.prefix_cache_hit_tokens, allocated_blocks=self.allocated_blocks,
+            copied_blocks=self.copied_blocks)
+
+    def check_invariants(self, seqs: Iterable[Sequence]) -> None:
+        """Raises AssertionError unless the pools are consistent with `seqs` (every sequence that may
+        hold blocks). With no live sequences this is the leak check: every block is free."""
+        seqs = list(seqs)
+        _check_pool("device", self._ref, self._free + list(self._cached_free),
+                    [s.block_table for s in seqs])
+        known = {s.seq_id for s in seqs}
+        assert set(self._host_tables) <= known, "host blocks held for a sequence that is gone"
+        assert set(self._seq_hashes) <= known, "prefix-cache state kept for a sequence that is gone"
+        assert not self._in_step, "blocks shared within a step outlived the step's planning"
+        _check_pool("host", self._host_ref, self._host_free, list(self._host_tables.values()))
+        for block in self._free:
+            assert not self._cache.is_registered(block), f"unregistered free list holds findable block {block}"
+        for block_hash, block in self._cache.registered().items():
+            assert self._cache.is_registered(block), f"hash {block_hash} maps to unregistered block {block}"
+
+
+def _check_pool(name: str, refs: list[int], free: list[int], tables: list[list[int]]) -> None:
+    counts = [0] * len(refs)
+    for table in tables:
+        for block in table:
+            counts[block] += 1
+    assert counts == refs, f"{name}: reference counts differ from the page tables"
+    assert len(set(free)) == len(free), f"{name}: a block is on the free list twice"
+    held = [b for b, r in enumerate(refs) if r > 0]
+    assert not set(free) & set(held), f"{name}: a held block is also free"
+    assert len(free) + len(held) == len(refs), f"{name}: free + used != total (leaked blocks)"

@@ -1,0 +1,558 @@
+"""Scheduler: iteration-level FCFS scheduling with preemption (paper §4.5). Plain Python, no torch.
+
+It owns the three queues (running, waiting, swapped) and decides, once per step, which sequences run
+and how many tokens each; every memory decision goes through the BlockManager. One step, in order:
+
+1. running groups, earliest arrival first: each decoding sequence gets its next slot (copy-on-write
+   when its last block is shared). When a group cannot get a block, the latest-arrived running group
+   is preempted (all-or-nothing), or the group itself when it is the latest one left.
+2. swapped groups come back, earliest first, unless this step preempted (that would thrash).
+3. running groups in the middle of a prompt get chunks of the token budget left after the decodes.
+4. waiting groups are admitted in arrival order (watermark admission, prefix-cache hits), the first
+   that does not fit stops admission; nothing is admitted while any group is swapped out or when this
+   step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
+
+Paused groups (`set_paused`: the server pauses a request whose reader fell behind) are skipped by every
+queue; they keep their blocks, and are the first victims when memory runs short: a running group that
+needs a block, or a waiting group that cannot be admitted, preempts a paused group before any other. A
+paused group swapped out or waiting does not hold back the admission of others.
+
+A group of several sequences (parallel samples, beams) decodes together; a beam group's decodes run all
+at once or wait (a beam search step needs every beam's logits), and after a recompute its beams are
+prefilled up to their last token, which they then decode together. `replace_beams` applies a beam search
+step to the blocks (forks of parents picked several times, dropped beams freed at once).
+
+A prompt's blocks are allocated whole at admission, so chunks never need memory and a running prompt
+is only ever stopped by preemption. `max_num_seqs` and the token budget bind only beside other work:
+a group that forked past them still comes back alone. A group that outgrew the whole pool is rejected
+(`SchedulerOutput.rejected`) instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from collections.abc import Iterable
+
+from streamd.config import SchedulerConfig
+from streamd.engine.core.block_manager import BlockManager
+from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.stats import SchedulerStats
+
+_RUNNING = SequenceStatus.RUNNING
+_FINISHED = SequenceStatus.FINISHED_STOPPED  # statuses >= this one are finished
+
+
+@dataclass(slots=True)
+class PreemptionCostModel:
+    """What `preemption_mode = "auto"` weighs, measured at start-up."""
+
+    bytes_per_block: int
+    host_link_bytes_per_s: float
+    prefill_tokens_per_s: float
+
+    def swap_cost_s(self, num_blocks: int) -> float:
+        """Out now and back in later: the blocks cross the host link twice."""
+        return 2 * num_blocks * self.bytes_per_block / self.host_link_bytes_per_s
+
+    def recompute_cost_s(self, num_tokens: int) -> float:
+        return num_tokens / self.prefill_tokens_per_s
+
+
+class Scheduler:
+    def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
+                 cost_model: PreemptionCostModel | None = None) -> None:
+        self.config = scheduler_config
+        self.block_manager = block_manager
+        self.max_model_len = max_model_len
+        self.cost_model = cost_model
+        self.preemption_mode = scheduler_config.preemption_mode
+        self.max_num_batched_tokens = scheduler_config.max_num_batched_tokens
+        # Admission keeps running sequences within the token budget too, so every running sequence's
+        # decode always fits in one step and no decode is ever starved.
+        self.max_num_seqs = min(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
+        self.running: list[SequenceGroup] = []  # ordered by arrival
+        self.waiting: deque[SequenceGroup] = deque()  # ordered by arrival
+        self.swapped: list[SequenceGroup] = []  # ordered by arrival
+        self._groups: dict[str, SequenceGroup] = {}
+        self._arrival: dict[str, int] = {}  # request_id -> arrival rank (ties in arrival_time broken)
+        self._next_rank = 0
+        self._lost_tokens: dict[str, int] = {}  # KV tokens a recompute preemption dropped, per request
+        self._blocked: tuple[int, int, bool] | None = None  # (head group, free blocks, running?) that failed
+        self.paused: set[str] = set()  # request ids not to be scheduled (they keep their blocks)
+        self.preemptions_swap = 0
+        self.preemptions_recompute = 0
+        self.recomputed_tokens = 0
+
+    # ---- requests -------------------------------------------------------------------------------
+
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        """Queues a request. Raises ValueError when it can never run, so it never waits forever."""
+        rid = group.request_id
+        if rid in self._groups:
+            raise ValueError(f"request {rid!r} is already scheduled")
+        seqs = group.unfinished_seqs()
+        if not seqs or any(s.num_tokens == 0 for s in seqs):
+            raise ValueError(f"request {rid!r} has no prompt tokens to run")
+        longest = max(s.num_tokens for s in seqs)
+        if longest > self.max_model_len:
+            raise ValueError(f"request {rid!r}: prompt of {longest} tokens exceeds max_model_len "
+                             f"({self.max_model_len})")
+        bm = self.block_manager
+        needed = sum(bm.blocks_needed(s.num_tokens) for s in seqs)
+        usable = bm.num_blocks - bm.watermark_blocks
+        if needed > usable:
+            raise ValueError(
+                f"request {rid!r}: prompt of {longest} tokens needs {needed} KV cache blocks but the KV cache "
+                f"can hold at most {usable} ({bm.num_blocks} blocks of {bm.block_size} tokens, less the "
+                f"watermark)")
+        params = group.sampling_params
+        width = f"beam_width={group.width}" if params.use_beam_search else f"n={group.width}"
+        if params.use_beam_search and group.width > self.max_num_seqs:
+            raise ValueError(f"request {rid!r}: {width} exceeds the sequences one step can run "
+                             f"({self.max_num_seqs}); all beams decode in the same step")
+        worst = self._worst_case_blocks(group)
+        if worst > usable:
+            raise ValueError(
+                f"request {rid!r}: {width} sequences of up to {longest} prompt + "
+                f"{self._max_output_tokens(group)} output tokens need up to {worst} KV cache blocks but the KV "
+                f"cache can hold at most {usable}; lower {width.split('=')[0]} or max_tokens")
+        for seq in seqs:
+            seq.status = SequenceStatus.WAITING
+        self._groups[rid] = group
+        self._arrival[rid] = self._next_rank
+        self._next_rank += 1
+        self.waiting.append(group)
+
+    def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
+        """Removes the request from every queue and frees its blocks now."""
+        group = self.remove_seq_group(request_id)
+        if group is not None:
+            group.set_status(SequenceStatus.FINISHED_ABORTED)
+        return group
+
+    def remove_seq_group(self, request_id: str) -> SequenceGroup | None:
+        """Removes the request from whichever queue holds it and frees its blocks, leaving its statuses
+        alone (a request that finished while preempted)."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return None
+        rank = self._rank(group)
+        for ordered in (self.running, self.swapped):  # both kept in arrival order: find by bisection
+            i = bisect.bisect_left(ordered, rank, key=self._rank)
+            if i < len(ordered) and ordered[i] is group:
+                del ordered[i]
+                break
+        else:
+            if group in self.waiting:
+                self.waiting.remove(group)
+        for seq in group.seqs:
+            self.block_manager.free(seq)
+        self._forget(group)
+        return group
+
+    def set_paused(self, request_id: str, paused: bool) -> None:
+        """Stops (or restarts) scheduling a request; unknown ids (already finished) are ignored."""
+        if paused and request_id in self._groups:
+            self.paused.add(request_id)
+        else:
+            self.paused.discard(request_id)
+        self._blocked = None
+
+    def has_runnable(self) -> bool:
+        """Whether some queued group is not paused (a step could make progress)."""
+        return len(self.running) + len(self.waiting) + len(self.swapped) > len(self.paused)
+
+    def fork_seq(self, group: SequenceGroup, parent: Sequence, child: Sequence | None = None) -> Sequence:
+        """A new sequence of `group` (or `child`, made beforehand) sharing `parent`'s blocks (parallel
+        sampling). Its sample index is its place in the group: its own seeded random stream."""
+        child = parent.fork(child)
+        child.sample_index = len(group.seqs)
+        self.block_manager.fork(parent, child)
+        group.seqs.append(child)
+        return child
+
+    def replace_beams(self, group: SequenceGroup, parents: list[Sequence]) -> list[Sequence]:
+        """A beam search step: the group's next beams, one per entry of `parents` (each next beam's
+        parent, best first). A parent's first child continues the parent itself, further children are
+        forks sharing its blocks; a beam no child continues is freed at once. Returns the next beams in
+        the order of `parents` (the caller appends their tokens)."""
+        chosen = {id(parent) for parent in parents}
+        for beam in group.seqs:
+            if id(beam) not in chosen:
+                beam.status = SequenceStatus.FINISHED_ABORTED
+                self.block_manager.free(beam)
+        group.seqs = [beam for beam in group.seqs if id(beam) in chosen]
+        continued: set[int] = set()
+        beams = []
+        for parent in parents:
+            if id(parent) in continued:
+                beams.append(self.fork_seq(group, parent))
+            else:
+                continued.add(id(parent))
+                beams.append(parent)
+        group.seqs = beams
+        return beams
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        """This iteration's plan (see the module docstring for the order)."""
+        out = SchedulerOutput()
+        decodes: list[ScheduledSeq] = []
+        partial: list[ScheduledSeq] = []  # prompt chunks, sized once the decodes have their tokens
+        num_seqs, preempted = self._schedule_running(out, decodes, partial)
+        budget = self.max_num_batched_tokens - len(decodes)
+        if not preempted:
+            num_seqs, budget = self._schedule_swapped(out, decodes, partial, num_seqs, budget)
+        prefills: list[ScheduledSeq] = []
+        for item in partial:
+            if budget <= 0:
+                break
+            item.num_new_tokens = min(item.num_new_tokens, budget)
+            budget -= item.num_new_tokens
+            prefills.append(item)
+        if not preempted and not self._holds_back_admission():
+            self._schedule_waiting(out, prefills, num_seqs, budget)
+            self.block_manager.end_step()
+        out.num_prefill_tokens = sum(item.num_new_tokens for item in prefills)
+        out.num_decode_tokens = len(decodes)
+        prefills.extend(decodes)
+        out.scheduled = prefills
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, decodes: list[ScheduledSeq],
+                          partial: list[ScheduledSeq]) -> tuple[int, bool]:
+        bm, running, paused = self.block_manager, self.running, self.paused
+        budget = self.max_num_batched_tokens
+        num_seqs, preempted, i = 0, False, 0
+        while i < len(running):  # victims are popped off the end (or are paused groups)
+            group = running[i]
+            if paused and group.request_id in paused:
+                i += 1
+                continue
+            if len(group.seqs) > 1:
+                count, group_preempted, i = self._schedule_group(group, i, out, decodes, partial, budget)
+                preempted |= group_preempted
+                if count >= 0:
+                    num_seqs += count
+                    budget = self.max_num_batched_tokens - len(decodes)
+                    i += 1
+                continue
+            seq = group.seqs[0]  # the common case, kept lean: this loop runs every step
+            left = len(seq.token_ids) - seq.num_computed_tokens
+            if seq.status is not _RUNNING or left < 1:
+                i += 1
+                continue
+            num_seqs += 1
+            if left > 1:
+                partial.append(ScheduledSeq(seq, group, left))
+            elif budget:  # budget only runs out when forks outgrew it
+                copies = bm.try_append_slots(seq)
+                while copies is None:
+                    preempted = True
+                    victim = self._victim(i)
+                    if victim is None:  # the latest-arrived group left is this one
+                        break
+                    self._preempt(running.pop(victim), out)
+                    i -= victim < i
+                    copies = bm.try_append_slots(seq)
+                if copies is None:
+                    self._preempt(running.pop(i), out)
+                    num_seqs -= 1
+                    continue
+                if copies:
+                    out.blocks_to_copy.extend(copies)
+                decodes.append(ScheduledSeq(seq, group, 1))
+                budget -= 1
+            i += 1
+        return num_seqs, preempted
+
+    def _schedule_group(self, group: SequenceGroup, i: int, out: SchedulerOutput, decodes: list[ScheduledSeq],
+                        partial: list[ScheduledSeq], budget: int) -> tuple[int, bool, int]:
+        """A group of several sequences at running[i], all or nothing. Returns (its live sequences, or
+        -1 when it preempted itself; whether anything was preempted; its index now)."""
+        bm, running = self.block_manager, self.running
+        writers, prompts = _running_parts(group)
+        if not _decode_now(group, writers, prompts, budget):
+            writers = []
+        need = bm.blocks_to_append_all(writers) if writers else 0
+        preempted = False
+        while need > bm.num_free_blocks():
+            preempted = True
+            victim = self._victim(i)
+            if victim is None:
+                self._preempt(running.pop(i), out)
+                return -1, True, i
+            self._preempt(running.pop(victim), out)
+            i -= victim < i
+        self._append_decodes(group, writers, out, decodes, budget)
+        partial.extend(prompts)
+        return len(writers) + len(prompts), preempted, i
+
+    def _append_decodes(self, group: SequenceGroup, writers: list[Sequence], out: SchedulerOutput,
+                        decodes: list[ScheduledSeq], budget: int) -> None:
+        """Each writer's next slot (its blocks checked beforehand); fewer only when forks outgrew the
+        budget, the rest wait."""
+        bm = self.block_manager
+        for seq in writers[:budget]:
+            out.blocks_to_copy.extend(bm.append_slots(seq))
+            decodes.append(ScheduledSeq(seq, group, 1))
+
+    def _schedule_swapped(self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq],
+                          num_seqs: int, budget: int) -> tuple[int, int]:
+        bm, k = self.block_manager, 0
+        while k < len(self.swapped):
+            group = self.swapped[k]
+            if group.request_id in self.paused:
+                k += 1
+                continue
+            seqs = group.seqs_with_status(SequenceStatus.SWAPPED)
+            # Limits bind only beside others: a group that outgrew them alone (forks) still runs.
+            if num_seqs and (num_seqs + len(seqs) > self.max_num_seqs or len(seqs) > budget):
+                break
+            needed = bm.blocks_to_swap_in(seqs)
+            if needed > bm.num_blocks:
+                self._reject(self.swapped.pop(k), out, needed)
+                continue
+            # The watermark must not keep the pool idle: with nothing running, anything that fits goes.
+            if not bm.can_swap_in(seqs, None if self.running else 0):
+                break
+            out.blocks_to_swap_in.extend(bm.swap_in(seqs))
+            self.swapped.pop(k)
+            for seq in seqs:
+                seq.status = _RUNNING
+            writers, prompts = _running_parts(group)  # prompts: swapped in the middle of their prompt
+            partial.extend(prompts)
+            if _decode_now(group, writers, prompts, budget):
+                before = len(decodes)
+                self._append_decodes(group, writers, out, decodes, budget)
+                budget -= len(decodes) - before
+            num_seqs += len(seqs)
+            bisect.insort(self.running, group, key=self._rank)
+        return num_seqs, budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, prefills: list[ScheduledSeq], num_seqs: int,
+                          budget: int) -> None:
+        bm, waiting, k = self.block_manager, self.waiting, 0
+        while k < len(waiting) and budget > 0:
+            group = waiting[k]
+            if self.paused and group.request_id in self.paused:
+                k += 1
+                continue
+            seqs = group.seqs_with_status(SequenceStatus.WAITING)
+            if num_seqs and num_seqs + len(seqs) > self.max_num_seqs:
+                break
+            needed = sum(bm.blocks_needed(s.num_tokens) for s in seqs)
+            if needed > bm.num_blocks:  # grew past the pool before a recompute preemption
+                self._reject(waiting[k], out, needed)
+                del waiting[k]
+                continue
+            # Re-checking a blocked head costs a prefix lookup; skip it until the free count changes (new
+            # prefix-cache entries alone do not re-trigger it: they only delay admission by some steps).
+            blocked = (id(group), bm.num_free_blocks(), bool(self.running))
+            reserve = (bm.watermark_blocks if self.running else 0) + self._growth_blocks(group, needed)
+            if blocked == self._blocked or not bm.can_allocate(seqs, reserve):
+                if self._preempt_paused(out):  # memory held by a stalled reader goes first
+                    continue
+                self._blocked = blocked
+                break
+            del waiting[k]
+            cached = 0
+            for seq in seqs:
+                cached += bm.allocate(seq)
+                seq.status = _RUNNING
+                chunk = min(group.prefill_end(seq) - seq.num_computed_tokens, budget)
+                if chunk > 0:  # otherwise it continues as a running prompt next step
+                    prefills.append(ScheduledSeq(seq, group, chunk))
+                    budget -= chunk
+                    bm.publish_in_step(seq, seq.num_computed_tokens + chunk)
+            lost = self._lost_tokens.pop(group.request_id, None)
+            if lost is None:  # its first admission (a recompute preemption leaves its lost tokens)
+                group.num_cached_tokens = cached
+                group.first_scheduled_time = time.monotonic()
+            else:
+                self.recomputed_tokens += max(0, lost - cached)
+            num_seqs += len(seqs)
+            bisect.insort(self.running, group, key=self._rank)
+
+    def _max_output_tokens(self, group: SequenceGroup) -> int:
+        max_tokens = group.sampling_params.max_tokens
+        room = self.max_model_len - len(group.prompt_token_ids)
+        return room if max_tokens is None else min(max_tokens, room)
+
+    def _worst_case_blocks(self, group: SequenceGroup) -> int:
+        """The most blocks the group can hold at once (0 for one sequence: it is admitted on its prompt
+        and grows through preemption like any other)."""
+        if group.width == 1:
+            return 0
+        return self.block_manager.worst_case_blocks(len(group.prompt_token_ids), self._max_output_tokens(group),
+                                                    group.width)
+
+    def _growth_blocks(self, group: SequenceGroup, needed: int) -> int:
+        """Blocks a group of several sequences keeps free at admission beyond the `needed` ones it
+        allocates now, so that its worst case fits."""
+        return max(0, self._worst_case_blocks(group) - needed)
+
+    # ---- preemption -----------------------------------------------------------------------------
+
+    def _victim(self, i: int) -> int | None:
+        """Which running group to preempt so that running[i] can go on: the latest-arrived paused group,
+        else the latest-arrived group; None when that is running[i] itself."""
+        running = self.running
+        if self.paused:
+            for j in range(len(running) - 1, -1, -1):
+                if j != i and running[j].request_id in self.paused:
+                    return j
+        return None if len(running) == i + 1 else len(running) - 1
+
+    def _preempt_paused(self, out: SchedulerOutput) -> bool:
+        """Preempts the latest-arrived running paused group, if any (to admit a waiting one)."""
+        victim = self._victim(-1) if self.paused else None
+        if victim is None or self.running[victim].request_id not in self.paused:
+            return False
+        self._preempt(self.running.pop(victim), out)
+        return True
+
+    def _holds_back_admission(self) -> bool:
+        """Swapped groups come back before anything new is admitted; paused ones do not hold it back."""
+        if not self.swapped or not self.paused:
+            return bool(self.swapped)
+        return len(self.swapped) > sum(1 for g in self.swapped if g.request_id in self.paused)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        bm = self.block_manager
+        seqs = [s for s in group.seqs if s.status < _FINISHED]
+        if self._use_swap(seqs):
+            out.blocks_to_swap_out.extend(bm.swap_out(seqs))
+            for seq in seqs:
+                seq.status = SequenceStatus.SWAPPED
+            bisect.insort(self.swapped, group, key=self._rank)
+            self.preemptions_swap += 1
+            return
+        lost = 0
+        for seq in seqs:
+            lost += seq.num_computed_tokens
+            bm.free(seq)
+            seq.num_computed_tokens = 0  # prompt + generated tokens are prefilled again
+            seq.status = SequenceStatus.WAITING
+        self._lost_tokens[group.request_id] = lost
+        self._requeue_front(group)
+        self.preemptions_recompute += 1
+
+    def _use_swap(self, seqs: list[Sequence]) -> bool:
+        bm = self.block_manager
+        if self.preemption_mode == "recompute" or not bm.num_swap_blocks or not bm.can_swap_out(seqs):
+            return False  # recompute is also the fallback when the host pool is full
+        if self.preemption_mode == "swap":
+            return True
+        if self.cost_model is None:
+            return False
+        tokens = sum(s.num_computed_tokens for s in seqs)
+        return self.cost_model.swap_cost_s(bm.unique_blocks(seqs)) < self.cost_model.recompute_cost_s(tokens)
+
+    def _requeue_front(self, group: SequenceGroup) -> None:
+        """Back into waiting by arrival; preempted groups arrived before any never-admitted one, so
+        this is at or near the front."""
+        rank, i = self._rank(group), 0
+        for other in self.waiting:
+            if self._rank(other) > rank:
+                break
+            i += 1
+        self.waiting.insert(i, group)
+
+    def _reject(self, group: SequenceGroup, out: SchedulerOutput, needed: int) -> None:
+        """A group that outgrew the whole pool: it can never run again. The engine reports it."""
+        for seq in group.seqs:
+            self.block_manager.free(seq)
+        group.set_status(SequenceStatus.FINISHED_ABORTED)
+        bm = self.block_manager
+        out.rejected.append((group, f"request {group.request_id!r} needs {needed} KV cache blocks but the KV "
+                                    f"cache has only {bm.num_blocks} blocks of {bm.block_size} tokens"))
+        self._forget(group)
+
+    # ---- after the forward ----------------------------------------------------------------------
+
+    def on_step_done(self, out: SchedulerOutput) -> None:
+        """The forward wrote the KV of every scheduled token: advance and publish full blocks."""
+        bm = self.block_manager
+        caching, bs = bm.enable_prefix_caching, bm.block_size
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status is not _RUNNING:  # aborted while the step ran
+                continue
+            before = seq.num_computed_tokens
+            seq.num_computed_tokens = after = before + item.num_new_tokens
+            if caching and after // bs != before // bs:
+                bm.mark_computed(seq)
+
+    def free_finished(self, groups: Iterable[SequenceGroup]) -> list[SequenceGroup]:
+        """Frees the finished sequences of `groups` (those that just sampled: the only ones that can have
+        finished); drops and returns the groups now wholly finished, from whichever queue holds them."""
+        bm, finished = self.block_manager, []
+        for group in groups:
+            for seq in group.seqs:
+                if seq.status >= _FINISHED and seq.block_table:
+                    bm.free(seq)
+            if group.finished and self.remove_seq_group(group.request_id) is not None:
+                finished.append(group)
+        return finished
+
+    # ---- state ----------------------------------------------------------------------------------
+
+    def _rank(self, group: SequenceGroup) -> int:
+        return self._arrival[group.request_id]
+
+    def _forget(self, group: SequenceGroup) -> None:
+        self._blocked = None
+        self.paused.discard(group.request_id)
+        self._groups.pop(group.request_id, None)
+        self._arrival.pop(group.request_id, None)
+        self._lost_tokens.pop(group.request_id, None)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.running or self.waiting or self.swapped)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(self.num_running, self.num_waiting, self.num_swapped, self.preemptions_swap,
+                              self.preemptions_recompute, self.recomputed_tokens, len(self.paused))
+
+
+def _running_parts(group: SequenceGroup) -> tuple[list[Sequence], list[ScheduledSeq]]:
+    """The group's running sequences split: those decoding (one token left) and its prompts' chunks (sized
+    to the whole rest of the prompt; the step's budget trims them)."""
+    writers, prompts = [], []
+    for seq in group.seqs:
+        if seq.status is not _RUNNING:
+            continue
+        left = seq.num_tokens - seq.num_computed_tokens
+        if left == 1:
+            writers.append(seq)
+        elif left > 1:
+            prompts.append(ScheduledSeq(seq, group, group.prefill_end(seq) - seq.num_computed_tokens))
+    return writers, prompts
+
+
+def _decode_now(group: SequenceGroup, writers: list[Sequence], prompts: list[ScheduledSeq], budget: int) -> bool:
+    """Whether the group's decoding sequences run this step: always for parallel samples (as many as the
+    budget allows); for beams only all together, once none is still prefilling (a beam search step takes
+    every beam's logits at once)."""
+    if not group.sampling_params.use_beam_search:
+        return True
+    return not prompts and len(writers) <= budget

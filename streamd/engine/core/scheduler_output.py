@@ -1,0 +1,44 @@
+"""SchedulerOutput: one iteration's plan, handed from the Scheduler to the CacheEngine and ModelRunner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from streamd.engine.core.sequence import Sequence, SequenceGroup
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """`num_new_tokens` tokens of `seq`, starting at `seq.num_computed_tokens`, run through the model
+    this step (a whole or partial prompt chunk, or 1 for a decode). The step samples a token for this
+    sequence only when the chunk reaches the end of `seq.token_ids`."""
+
+    seq: Sequence
+    group: SequenceGroup
+    num_new_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    # Prefill chunks first, then decodes; the model runner keeps this order.
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    # (host block, device block) pairs to copy in before the forward.
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    # (device block, host block) pairs to copy out before the forward.
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (src device block, dst device block) copy-on-write orders, executed before the forward.
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)
+    # Groups that can never run (e.g. prompt larger than the KV pool); the engine finishes them with an error.
+    rejected: list[tuple[SequenceGroup, str]] = field(default_factory=list)
+    num_prefill_tokens: int = 0
+    num_decode_tokens: int = 0
+
+    def sampling(self) -> list[ScheduledSeq]:
+        """The items that sample, in schedule order: the prompt chunks that reach their sequence's end, and
+        every decode (the last `num_decode_tokens` items), which needs no check."""
+        num_prefills = len(self.scheduled) - self.num_decode_tokens
+        return [item for item in self.scheduled[:num_prefills] if item.samples] + self.scheduled[num_prefills:]

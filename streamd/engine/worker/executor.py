@@ -1,0 +1,63 @@
+"""Executor: what LLMEngine calls to carry out a step's plan on the model and the KV cache.
+
+`LocalExecutor` runs everything in the engine process (tensor parallel size 1).
+`streamd.engine.worker.parallel.executor.TensorParallelExecutor` runs the same calls on every tensor-parallel rank.
+Either way the engine calls the cache orders (`swap_out`, `swap_in`, `copy`) then `execute`, and reads
+`failed` (an executor that lost a worker can never run a step again).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from streamd.engine.worker.cache_engine import CacheEngine
+from streamd.engine.worker.model_runner import ModelRunner
+from streamd.engine.core.scheduler_output import SchedulerOutput
+
+
+class Executor(Protocol):
+    cache: CacheEngine  # rank 0's pools (the whole pools without tensor parallelism)
+
+    @property
+    def failed(self) -> bool: ...
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
+                prev_rows: dict[int, int] | None = None) -> torch.Tensor: ...
+
+    def shutdown(self) -> None: ...
+
+
+class LocalExecutor:
+    """The model and the KV cache of this process, used directly."""
+
+    def __init__(self, runner: ModelRunner, cache: CacheEngine) -> None:
+        self.runner = runner
+        self.cache = cache
+
+    @property
+    def failed(self) -> bool:
+        return False
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self.cache.swap_out(pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self.cache.swap_in(pairs)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        self.cache.copy(pairs)
+
+    def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
+                prev_rows: dict[int, int] | None = None) -> torch.Tensor:
+        return self.runner.execute(out, prev_tokens, prev_rows)
+
+    def shutdown(self) -> None:
+        pass

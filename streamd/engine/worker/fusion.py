@@ -1,0 +1,294 @@
+"""Fused decoder layers for the Llama family (Llama, Qwen2, Qwen3; SmolLM2 is a Llama): `fuse_layers`.
+
+Called once after loading, it replaces the causal LM's base model by a `FusedDecoder` that keeps the
+embedding, the rotary tables and the final norm, and runs every layer as
+
+    residual add + RMSNorm -> one QKV GEMM -> rotary + KV store -> paged attention -> output projection
+    -> residual add + RMSNorm -> one gate/up GEMM -> SiLU-and-mul -> down projection
+
+Q, K and V (and gate and up) are merged into one Linear at load, halving the GEMM launches. The residual
+travels beside the hidden state (each layer returns both) so that every residual add sits in the norm
+kernel after it; the last one goes into the final norm. Output and down projections stay the modules the
+loader made. Modes (`model.fuse_layers`):
+
+- ``off``: the model as transformers built it; nothing here runs.
+- ``triton``: `streamd.kernels` (compiled on CUDA; Triton's interpreter on CPU tensors, for tests).
+- ``reference``: the same rewiring on the torch references (transformers' arithmetic; CPU tests).
+- ``compile``: the same rewiring, with the two stretches between attention calls (norm, QKV, q/k norm and
+  rotary; norm, gate/up, SiLU-and-mul) as `torch.compile`d functions of the references. Inductor fuses
+  their elementwise work; it uses no CUDA graphs of its own, so the engine's decode graphs capture it.
+  K/V are stored and attended by the engine's kernels.
+- ``auto``: ``triton`` on CUDA for a supported architecture, otherwise ``off``.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Any, Callable, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import BaseModelOutputWithPast
+
+import streamd.kernels.reference as reference
+from streamd.config import FUSE_MODES
+from streamd.engine.worker.attention import get_attention_metadata, paged_attend
+from streamd.logs import get_logger
+
+log = get_logger(__name__)
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+def fuse_layers(model: PreTrainedModel, mode: str, device: torch.device,
+                compile_backend: str = "inductor") -> str:
+    """Rewires `model` in place for `mode`; returns the mode applied ("off": untouched).
+
+    `compile_backend` is torch.compile's backend in mode "compile" (tests pass a cheaper one)."""
+    applied = resolve_mode(mode, model, device)
+    if applied == "off":
+        return applied
+    if applied == "compile":
+        path: LayerPath = CompiledPath(compile_backend)
+    else:
+        path = KernelPath(_kernels(applied))
+    prefix = model.base_model_prefix
+    fused = FusedDecoder(getattr(model, prefix), path)
+    setattr(model, prefix, fused)
+    log.info("model.layers_fused", mode=applied, layers=len(fused.layers))
+    return applied
+
+
+def resolve_mode(mode: str, model: PreTrainedModel, device: torch.device) -> str:
+    """The mode `fuse_layers` applies; a mode that names a fused path on an unsupported model is an error."""
+    if mode not in FUSE_MODES:
+        raise ValueError(f"model.fuse_layers must be one of {', '.join(FUSE_MODES)}, got {mode!r}")
+    reason = unsupported_reason(model)
+    if mode == "auto":
+        return "triton" if device.type == "cuda" and reason is None else "off"
+    if mode != "off" and reason is not None:
+        raise ValueError(f"model.fuse_layers = {mode!r}: {reason}")
+    return mode
+
+
+def unsupported_reason(model: PreTrainedModel) -> str | None:
+    """Why the fused layer cannot run this model (None: it can)."""
+    config = model.config.get_text_config()
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        return f"model type {config.model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
+    if getattr(config, "hidden_act", "silu") != "silu":
+        return f"activation {config.hidden_act!r} is not silu"
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return "sliding-window layers are not fused"
+    base = getattr(model, model.base_model_prefix, None)
+    if not all(hasattr(base, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb")):
+        return f"{type(base).__name__} is not a Llama-style decoder"
+    return None
+
+
+def _kernels(mode: str) -> ModuleType:
+    if mode == "triton":
+        import streamd.kernels as kernels
+
+        return kernels
+    return reference
+
+
+def merge_linears(*parts: nn.Linear) -> nn.Linear:
+    """One Linear whose output is the parts' outputs side by side (missing biases are zeros)."""
+    weight = torch.cat([p.weight for p in parts])
+    bias = None
+    if any(p.bias is not None for p in parts):
+        bias = torch.cat([p.bias if p.bias is not None else weight.new_zeros(p.weight.shape[0]) for p in parts])
+    merged = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    merged.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        merged.bias = nn.Parameter(bias, requires_grad=False)
+    return merged
+
+
+def split_qkv(qkv: torch.Tensor, sizes: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """[tokens, q + 2 kv] -> q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim] (views);
+    sizes = (q, kv, head_dim)."""
+    q_size, kv_size, head_dim = sizes
+    q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+    return q.unflatten(-1, (-1, head_dim)), k.unflatten(-1, (-1, head_dim)), v.unflatten(-1, (-1, head_dim))
+
+
+class FusedLayer(nn.Module):
+    """One decoder layer's weights, merged; `forward` is (hidden, residual) -> (hidden, residual)."""
+
+    def __init__(self, layer: nn.Module, path: LayerPath) -> None:
+        super().__init__()
+        attn, mlp = layer.self_attn, layer.mlp
+        self.layer_idx: int = attn.layer_idx
+        self.scale: float = attn.scaling
+        # (q, kv, head_dim) widths; from the weights, not the config: a tensor-parallel shard holds only its heads.
+        self.qkv_sizes: tuple[int, int, int] = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0],
+                                                attn.head_dim)
+        self.qkv_proj = merge_linears(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = attn.o_proj
+        self.gate_up_proj = merge_linears(mlp.gate_proj, mlp.up_proj)
+        self.down_proj = mlp.down_proj
+        self.input_layernorm = layer.input_layernorm
+        self.post_attention_layernorm = layer.post_attention_layernorm
+        self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
+        self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
+        self.path = path
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        q, k, v, residual = self.path.qkv(self, hidden, residual, cos, sin)
+        attn = self.path.attend(self, q, k, v, cos, sin)
+        act, residual = self.path.mlp_in(self, self.o_proj(attn.flatten(1)), residual)
+        return self.down_proj(act), residual
+
+
+class LayerPath(Protocol):
+    """How a `FusedLayer`'s stretches between its projections run (kernels, or compiled torch)."""
+
+    def qkv(self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+
+    def attend(self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor: ...
+
+    def mlp_in(self, layer: FusedLayer, hidden: torch.Tensor,
+               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor: ...
+
+
+def _norm_in(kernels: Any, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layer's first norm: the first layer has no residual yet (its input is the residual)."""
+    if residual is None:
+        return kernels.rmsnorm(hidden, weight, eps), hidden
+    return kernels.fused_add_rmsnorm(hidden, residual, weight, eps)
+
+
+def _qk_norm_weights(layer: FusedLayer) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+    if layer.q_norm is None or layer.k_norm is None:
+        return None, None, 1e-6
+    return layer.q_norm.weight, layer.k_norm.weight, layer.q_norm.variance_epsilon
+
+
+class KernelPath:
+    """Every stretch through one kernels module: `streamd.kernels` (Triton) or its references."""
+
+    def __init__(self, kernels: ModuleType) -> None:
+        self.kernels = kernels
+
+    def qkv(self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        norm = layer.input_layernorm
+        x, residual = _norm_in(self.kernels, hidden, residual, norm.weight, norm.variance_epsilon)
+        return (*split_qkv(layer.qkv_proj(x), layer.qkv_sizes), residual)
+
+    def attend(self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        md = get_attention_metadata()
+        q_norm, k_norm, eps = _qk_norm_weights(layer)
+        q = self.kernels.rotary_store_kv(q, k, v, cos, sin, md.kv_cache, layer.layer_idx, md.slot_mapping,
+                                         q_norm, k_norm, eps)
+        return paged_attend(md, q, layer.layer_idx, layer.scale, None, None)  # the rotated key stayed on chip
+
+    def mlp_in(self, layer: FusedLayer, hidden: torch.Tensor,
+               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = layer.post_attention_layernorm
+        x, residual = self.kernels.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)
+        return self.kernels.silu_and_mul(layer.gate_up_proj(x)), residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        return self.kernels.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)[0]
+
+
+def _qkv_stretch(hidden: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                 qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, sizes: tuple[int, int, int],
+                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qk_eps: float, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Norm, QKV projection, q/k norm and rotary in plain torch (what `CompiledPath` compiles)."""
+    x, residual = _norm_in(reference, hidden, residual, norm_weight, eps)
+    q, k, v = split_qkv(F.linear(x, qkv_weight, qkv_bias), sizes)
+    q, k = reference.rotary(q, k, cos, sin, q_norm, k_norm, qk_eps)
+    return q, k, v, residual
+
+
+def _mlp_stretch(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
+                 gate_up_weight: torch.Tensor,
+                 gate_up_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    x, residual = reference.fused_add_rmsnorm(hidden, residual, norm_weight, eps)
+    return reference.silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias)), residual
+
+
+class CompiledPath:
+    """The stretches between attention calls as torch.compile'd reference code, shared by all layers.
+
+    They are functions of tensors (weights included) and of sizes equal in every layer, so one compiled
+    graph serves every layer (no per-layer recompiles). Shapes are dynamic after the first new size."""
+
+    def __init__(self, backend: str = "inductor") -> None:
+        # Dynamo keeps its compiled variants per code object, and every layer shares these: (first layer
+        # without a residual, the others with one) x (first size static, then dynamic, size 1 specialised)
+        # and a few shape relations exceed the default limit of 8, after which it would run them eagerly.
+        torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+
+        def compiled(fn: Callable[..., Any]) -> Callable[..., Any]:
+            return torch.compile(fn, backend=backend, fullgraph=True, dynamic=None)
+
+        self._qkv = compiled(_qkv_stretch)
+        self._mlp = compiled(_mlp_stretch)
+        self._final = compiled(reference.fused_add_rmsnorm)
+
+    def qkv(self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        norm = layer.input_layernorm
+        q_norm, k_norm, qk_eps = _qk_norm_weights(layer)
+        return self._qkv(hidden, residual, norm.weight, norm.variance_epsilon, layer.qkv_proj.weight,
+                         layer.qkv_proj.bias, layer.qkv_sizes, q_norm, k_norm,
+                         qk_eps, cos, sin)
+
+    def attend(self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor) -> torch.Tensor:
+        md = get_attention_metadata()  # q and k come rotated from the compiled stretch
+        md.ops.store_kv(k, v, md.kv_cache, layer.layer_idx, md.slot_mapping)
+        return paged_attend(md, q, layer.layer_idx, layer.scale, k, v)
+
+    def mlp_in(self, layer: FusedLayer, hidden: torch.Tensor,
+               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        norm, gate_up = layer.post_attention_layernorm, layer.gate_up_proj
+        return self._mlp(hidden, residual, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias)
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+        return self._final(hidden, residual, norm.weight, norm.variance_epsilon)[0]
+
+
+class FusedDecoder(nn.Module):
+    """Stands in for the causal LM's base model (`model.model`) over streamd's flattened batch [1, tokens]."""
+
+    def __init__(self, base: nn.Module, path: LayerPath) -> None:
+        super().__init__()
+        self.config = base.config
+        self.embed_tokens = base.embed_tokens
+        self.rotary_emb = base.rotary_emb
+        self.norm = base.norm
+        self.layers = nn.ModuleList(FusedLayer(layer, path) for layer in base.layers)
+        self.path = path
+
+    def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                inputs_embeds: torch.Tensor | None = None, **_: Any) -> BaseModelOutputWithPast:
+        """The arguments the causal LM passes; attention masks and KV caches of transformers' own are unused."""
+        if (input_ids is None) == (inputs_embeds is None) or position_ids is None:
+            raise ValueError("the fused decoder takes input_ids or inputs_embeds, and position_ids")
+        hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        if hidden.shape[0] != 1:
+            raise ValueError(f"the fused decoder runs one flattened batch [1, tokens], got {tuple(hidden.shape[:2])}")
+        cos, sin = self.rotary_emb(hidden, position_ids)
+        hidden, cos, sin = hidden[0], cos[0], sin[0]
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            hidden, residual = layer(hidden, residual, cos, sin)
+        assert residual is not None, "a decoder has at least one layer"
+        return BaseModelOutputWithPast(last_hidden_state=self.path.final_norm(hidden, residual, self.norm)[None])

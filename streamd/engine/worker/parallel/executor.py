@@ -1,0 +1,113 @@
+"""TensorParallelExecutor: rank 0's executor. It runs every order on its own shard and sends the same
+orders, and the step's batch, to the worker ranks in one broadcast per step.
+
+Cache orders (swap out, swap in, copy-on-write) take effect on rank 0 at once and are queued for the
+workers; they travel in the next step's message, before its forward, in the order they were given. Only
+forwards and cache orders touch a worker's pools, so applying a step's orders just before the next forward
+leaves every rank's shard of every block exactly as rank 0's.
+
+A lost worker (its process gone, a collective that failed or timed out) fails the step with
+`WorkerFailedError` and leaves the executor `failed`: every later step fails at once, so the AsyncEngine
+fails the requests in flight and, after its consecutive-failure limit, reports the engine dead (`/ready`
+503). The engine does not restart workers: the server process must be restarted.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from streamd.engine.worker.cache_engine import CacheEngine
+from streamd.engine.worker.model_runner import ModelRunner
+from streamd.engine.worker.parallel.step_message import (CacheOrder, Command, OrderKind, StepChannel, StepMessage,
+                                                  apply_order, encode)
+from streamd.engine.worker.parallel.workers import WorkerPool
+from streamd.engine.core.scheduler_output import SchedulerOutput
+from streamd.logs import get_logger
+
+log = get_logger(__name__)
+
+_STOP_TIMEOUT_S = 10.0
+
+
+class WorkerFailedError(RuntimeError):
+    """A tensor-parallel worker died or a collective failed; the engine cannot run steps any more."""
+
+
+class TensorParallelExecutor:
+    def __init__(self, runner: ModelRunner, cache: CacheEngine, workers: WorkerPool) -> None:
+        self.runner = runner
+        self.cache = cache
+        self.workers = workers
+        self._channel = StepChannel(workers.groups.steps, workers.device)
+        self._orders: list[CacheOrder] = []
+        self._failure: str | None = None  # why a worker was lost
+        self._closed = False
+        # Workers are daemon processes; this also ends them when the engine is dropped without shutdown().
+        self._finalizer = weakref.finalize(self, workers.stop, 0.0)
+        self._send(StepMessage(Command.ALLOCATE, args=(cache.num_blocks, cache.num_swap_blocks)))
+
+    @property
+    def failed(self) -> bool:
+        return self._failure is not None
+
+    def swap_out(self, pairs: list[tuple[int, int]]) -> None:
+        self._order(OrderKind.SWAP_OUT, pairs)
+
+    def swap_in(self, pairs: list[tuple[int, int]]) -> None:
+        self._order(OrderKind.SWAP_IN, pairs)
+
+    def copy(self, pairs: list[tuple[int, int]]) -> None:
+        self._order(OrderKind.COPY, pairs)
+
+    def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
+                prev_rows: dict[int, int] | None = None) -> torch.Tensor:
+        self._check()
+        batch = self.runner.prepare(out, prev_tokens, prev_rows)
+        orders, self._orders = self._orders, []
+        self._send(StepMessage(Command.STEP, orders, batch))
+        try:
+            return self.runner.run(batch)
+        except RuntimeError as exc:  # the all-reduces of the layers
+            raise self._fail(f"tensor-parallel forward failed: {exc}") from exc
+
+    def shutdown(self) -> None:
+        """Stops the workers (SHUTDOWN, then terminate whatever has not exited)."""
+        if self._closed:
+            return
+        if self._failure is None and not self.workers.dead():
+            self._send(StepMessage(Command.SHUTDOWN))
+        self._closed = True
+        self.workers.stop(_STOP_TIMEOUT_S)
+        self._finalizer.detach()
+
+    def _order(self, kind: OrderKind, pairs: list[tuple[int, int]]) -> None:
+        """Applies the order here at once and queues it for the workers (the same `apply_order` there)."""
+        self._check()
+        if not pairs:  # (most steps: nothing to apply or send)
+            return
+        order = CacheOrder(kind, list(pairs))
+        apply_order(self.cache, order)
+        self._orders.append(order)
+
+    def _check(self) -> None:
+        if self._failure is not None:
+            raise WorkerFailedError(self._failure)
+        if self._closed:
+            raise RuntimeError("the tensor-parallel executor was shut down")
+        dead = self.workers.dead()
+        if dead:
+            raise self._fail(f"tensor-parallel worker rank(s) {dead} exited")
+
+    def _send(self, message: StepMessage) -> None:
+        try:
+            self._channel.send(encode(message, self.workers.device))
+        except RuntimeError as exc:
+            raise self._fail(f"tensor-parallel step broadcast failed: {exc}") from exc
+
+    def _fail(self, reason: str) -> WorkerFailedError:
+        self._failure = reason
+        log.error("tensor_parallel.failed", reason=reason)
+        self.workers.stop(0.0)  # the survivors cannot go on without the lost rank
+        return WorkerFailedError(reason)

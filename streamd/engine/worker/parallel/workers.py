@@ -1,0 +1,160 @@
+"""Starting the tensor-parallel ranks: rendezvous, process groups, and the worker ranks' loop.
+
+Rank 0 is the engine process. It loads the model, checks that it splits evenly, opens a TCP store on a
+free localhost port and spawns ranks 1..N-1 (`torch.multiprocessing`, spawn context, daemon processes).
+Every rank joins two process groups over that store: `collectives` (the layers' all-reduces) fails a
+collective after `parallel.collective_timeout_s`; `steps` (the per-step broadcast) waits without such a
+limit, because an idle engine sends nothing for as long as no request comes. A worker that dies closes
+its sockets, so the next collective fails at once; one that hangs fails the all-reduces by the timeout.
+A worker whose rank 0 goes away fails its next receive and exits.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+from multiprocessing.process import BaseProcess
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import PretrainedConfig
+
+from streamd.config import Config
+from streamd.engine.worker.cache_engine import CacheEngine
+from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of
+from streamd.engine.worker.parallel.shard import ShardSpec, check_divisible, shard_model
+from streamd.engine.worker.parallel.step_message import Command, StepChannel, StepMessage, apply_order
+from streamd.logs import get_logger
+
+log = get_logger(__name__)
+
+_HOST = "127.0.0.1"
+_IDLE_TIMEOUT = datetime.timedelta(days=365)  # the step broadcast waits for the next request, however late
+
+
+@dataclass(slots=True)
+class Groups:
+    collectives: dist.ProcessGroup
+    steps: dist.ProcessGroup
+
+
+@dataclass(slots=True)
+class WorkerPool:
+    """Rank 0's handle on the other ranks."""
+
+    processes: list[BaseProcess]
+    groups: Groups
+    device: torch.device
+
+    def dead(self) -> list[int]:
+        """Ranks whose process has exited."""
+        return [rank for rank, p in enumerate(self.processes, start=1) if not p.is_alive()]
+
+    def stop(self, timeout_s: float) -> None:
+        """Waits up to `timeout_s` for the workers to exit, then terminates those still running."""
+        for p in self.processes:
+            p.join(timeout_s)
+        for p in self.processes:
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout_s)
+
+
+@dataclass(slots=True)
+class WorkerArgs:
+    rank: int
+    world_size: int
+    port: int
+    config: Config
+    model_config: PretrainedConfig | None
+
+
+def start_tensor_parallel(config: Config, model_config: PretrainedConfig | None, device: torch.device,
+                          dtype: torch.dtype) -> tuple[LoadedModel, WorkerPool]:
+    """Rank 0: loads and checks the model, starts the workers, and keeps shard 0 of the model."""
+    world = config.parallel.tensor_parallel_size
+    if device.type == "cuda" and config.cache.num_kv_blocks is None:
+        raise ValueError("parallel.tensor_parallel_size > 1 on CUDA needs cache.num_kv_blocks (the pool size of "
+                         "each rank): profiling the memory of every rank together is not implemented")
+    loaded = load_model(model_config or config.model.name, dtype, torch.device("cpu"), config.model.cache_dir,
+                        config.model.seed)
+    check_divisible(loaded.model, world)
+    store = dist.TCPStore(_HOST, 0, world, is_master=True, wait_for_workers=False,
+                          timeout=_timeout(config))
+    context = mp.get_context("spawn")
+    processes = []
+    for rank in range(1, world):
+        process = context.Process(target=worker_main, name=f"streamd-tp-{rank}", daemon=True,
+                                  args=(WorkerArgs(rank, world, store.port, config, model_config),))
+        process.start()
+        processes.append(process)
+    groups = _connect(store, 0, world, config, device)
+    pool = WorkerPool(processes, groups, device)
+    shard_model(loaded.model, ShardSpec(0, world, groups.collectives))
+    loaded.model.to(device)
+    log.info("tensor_parallel.started", world_size=world, worker_pids=[p.pid for p in processes])
+    return loaded, pool
+
+
+def worker_main(args: WorkerArgs) -> None:
+    """Ranks 1..N-1: load the shard, then run whatever rank 0 broadcasts until SHUTDOWN."""
+    config = args.config
+    device = _device_of(config, args.rank)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
+    store = dist.TCPStore(_HOST, args.port, args.world_size, is_master=False, timeout=_timeout(config))
+    groups = _connect(store, args.rank, args.world_size, config, device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    loaded = load_model(args.model_config or config.model.name, dtype, torch.device("cpu"),
+                        config.model.cache_dir, config.model.seed)
+    shard_model(loaded.model, ShardSpec(args.rank, args.world_size, groups.collectives))
+    loaded.model.to(device)
+    runner = ModelRunner(loaded.model, device, config.cache.block_size)
+    layout = kv_layout_of(loaded.model, config.cache.block_size, dtype, args.world_size)
+    channel = StepChannel(groups.steps, device)
+    cache: CacheEngine | None = None
+    while True:
+        message = channel.recv()
+        if message.command == Command.SHUTDOWN:
+            return
+        if message.command == Command.ALLOCATE:
+            cache = CacheEngine(layout, *message.args, device, runner.ops)
+            runner.bind_kv_cache(cache.kv_cache)
+        else:
+            assert cache is not None, "a step before ALLOCATE"
+            _run_step(message, cache, runner)
+
+
+def _run_step(message: StepMessage, cache: CacheEngine, runner: ModelRunner) -> None:
+    for order in message.orders:
+        apply_order(cache, order)
+    if message.batch is not None:
+        runner.run_layers(message.batch)
+
+
+def _connect(store: dist.Store, rank: int, world: int, config: Config, device: torch.device) -> Groups:
+    timeout = _timeout(config)
+    return Groups(collectives=_group(dist.PrefixStore("collectives", store), rank, world, timeout, device),
+                  steps=_group(dist.PrefixStore("steps", store), rank, world, _IDLE_TIMEOUT, device))
+
+
+def _group(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta,
+           device: torch.device) -> dist.ProcessGroup:
+    """A process group of its own (not torch's global default group), so that several engines can live
+    in one process: gloo on CPU, NCCL on CUDA."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, rank, world, options)
+    return dist.ProcessGroupGloo(store, rank, world, timeout)
+
+
+def _device_of(config: Config, rank: int) -> torch.device:
+    device = resolve_device(config.model.device)
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def _timeout(config: Config) -> datetime.timedelta:
+    return datetime.timedelta(seconds=config.parallel.collective_timeout_s)

@@ -1,0 +1,414 @@
+"""OpenAI-compatible HTTP: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
+
+`stream: true` answers with SSE (`data: {chunk}` ... `data: [DONE]`, a usage chunk when
+`stream_options.include_usage`). Errors are OpenAI error bodies with their status codes (raised as
+ServiceError, rendered by the app's handler). A client that disconnects aborts its request: for SSE,
+Starlette cancels the body iterator; otherwise a watcher on `http.disconnect` cancels the collection.
+Unknown top-level fields are ignored (as OpenAI clients and frontends send extras); unsupported features
+that would change the answer (functions, echo, suffix, logit_bias) are refused. `logprobs` (chat: with
+`top_logprobs` 0..20; completions: an integer 0..20) come in OpenAI's shapes (`logprobs.py`), streamed per
+chunk or whole. A finish reason is OpenAI's name for the engine's (`accounting.FINISH_NAMES`); a request the
+server cut (the drain) finishes "length" with an extra flag on the choice (`streamd_drained: true`).
+`response_format` and `structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice`
+"required" or a named function make the reply a grammar-enforced tool call (`structured_api.py`), and with
+"auto" the model's own tool-call format is parsed where its chat template defines one (`tool_parsers.py`):
+either way the calls are returned as `tool_calls` (streamed as `delta.tool_calls`), finish reason
+"tool_calls".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import orjson
+import structlog
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Send
+
+from streamd.engine.outputs import RequestDelta
+from streamd.engine.client.request_stream import RequestStream
+from streamd.engine.sampling_params import MAX_LOGPROBS, is_int
+from streamd.logs import get_logger
+from streamd.server.accounting import FinishNames, RequestAccount
+from streamd.server.encoding import dumps, loads_object
+from streamd.server.errors import ServiceError, queue_timed_out
+from streamd.server.generation import WIRE_PARAMS, Prepared
+from streamd.server.logprobs import LogprobsBuilder
+from streamd.server.services import Services
+from streamd.server.structured_api import plan_tools
+from streamd.server.tool_parsers import ToolCallParser
+
+logger = get_logger(__name__)
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+@dataclass(slots=True)
+class _Call:
+    """One OpenAI call in flight: what the chunk builders need and what it has produced so far."""
+
+    kind: str  # "chat" or "completion"
+    id: str
+    model: str
+    created: int
+    prepared: Prepared
+    stream: RequestStream
+    account: RequestAccount
+    tool_format: str | None = None  # the format the replies' tool calls are parsed in (None: text)
+    logprobs: LogprobsBuilder | None = None  # set when the request asked for logprobs
+    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice, with a tool_format
+
+    def parser(self, index: int) -> ToolCallParser:
+        assert self.tool_format is not None
+        if index not in self.parsers:
+            self.parsers[index] = ToolCallParser(self.tool_format)
+        return self.parsers[index]
+
+    def finish(self) -> None:
+        """The request is over for this call (finished, or its client left): abort if needed, count it."""
+        if not self.stream.finished:
+            self.stream.cancel()
+        self.account.close()
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always lets go of its request, even if its body never started."""
+
+    def __init__(self, content: AsyncIterator[str] | AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
+        self._on_close = on_close
+
+    async def stream_response(self, send: Send) -> None:
+        try:
+            await super().stream_response(send)
+        finally:
+            await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            self._on_close()
+
+
+async def list_models(request: Request) -> Response:
+    s: Services = request.app.state.services
+    return JSONResponse({"object": "list", "data": [{
+        "id": s.model_name, "object": "model", "created": s.started, "owned_by": "streamd",
+        "max_model_len": s.engine.max_model_len}]})
+
+
+async def chat_completions(request: Request) -> Response:
+    s: Services = request.app.state.services
+    body = await json_body(request)
+    check_model(s, body)
+    _refuse(body, functions=None, logit_bias=None)
+    params = _params(body)
+    params["logprobs"] = _chat_logprobs(body)
+    if body.get("max_completion_tokens") is not None:
+        params["max_tokens"] = body["max_completion_tokens"]
+    plan = plan_tools(body.get("tools"), body.get("tool_choice"), s.tool_format)
+    if plan is not None and plan.structured is not None:
+        if params.get("response_format") or params.get("structured_outputs"):
+            raise ServiceError("invalid_request", "a required or named tool_choice cannot be combined with "
+                               "response_format or structured_outputs", "tool_choice")
+        params["structured_outputs"] = plan.structured
+    ids = await s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None)
+    prepared = s.generation.prepare(ids, params, default_max_tokens=None)
+    return await _respond(request, s, body, "chat", prepared, plan.parser if plan is not None else None)
+
+
+async def completions(request: Request) -> Response:
+    s: Services = request.app.state.services
+    body = await json_body(request)
+    check_model(s, body)
+    _refuse(body, echo=False, suffix=None, logit_bias=None)
+    best_of = body.get("best_of")
+    if body.get("use_beam_search") is True and best_of is not None and body.get("beam_width") is None:
+        body["beam_width"] = best_of  # vLLM's legacy beam search: best_of is the beam width
+    elif best_of not in (None, 1, body.get("n", 1)):
+        raise ServiceError("unsupported", "best_of must equal n (or be the beam width with use_beam_search)",
+                           "best_of")
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    ids = await s.generation.prompt_ids(prompt)
+    params = _params(body)
+    params["logprobs"] = _completion_logprobs(body)
+    prepared = s.generation.prepare(ids, params, default_max_tokens=16,
+                                    prompt=prompt if isinstance(prompt, str) else None, prompt_param="prompt")
+    return await _respond(request, s, body, "completion", prepared)
+
+
+async def _respond(request: Request, s: Services, body: dict[str, Any], kind: str, prepared: Prepared,
+                   tool_format: str | None = None) -> Response:
+    stream_flag = body_flag(body, "stream", False)
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise ServiceError("invalid_request", f"stream_options must be an object, got {options!r}",
+                           "stream_options")
+    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    account, stream = await s.generation.submit(prepared, kind)
+    assert stream is not None
+    top = prepared.params.logprobs
+    logprobs = None if top is None else LogprobsBuilder(s.token_texts, kind, top, prepared.params.n)
+    call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, stream, account,
+                 tool_format, logprobs)
+    structlog.contextvars.bind_contextvars(request_id=call.id)
+    if stream_flag:
+        first = None
+        if prepared.params.queue_timeout_s is not None:  # a queue timeout must still be able to answer 503
+            first = await until_disconnect(request, _first_delta(call))
+            if isinstance(first, Response):
+                call.finish()
+                return first
+        return SSEResponse(_sse(call, bool((options or {}).get("include_usage")), first), call.finish)
+    return await until_disconnect(request, _collect(call))
+
+
+async def _first_delta(call: _Call) -> RequestDelta:
+    """The request's first delta (it has been scheduled, or timed out waiting: then 503 `overloaded`)."""
+    delta = await anext(call.stream)
+    call.account.absorb(delta)
+    if call.account.overloaded:
+        call.finish()
+        raise queue_timed_out()
+    return delta
+
+
+async def _deltas(call: _Call, first: RequestDelta | None) -> AsyncIterator[RequestDelta]:
+    """The request's deltas, each absorbed by its account (`first`: already taken and absorbed)."""
+    if first is not None:
+        yield first
+    async for delta in call.stream:
+        call.account.absorb(delta)
+        yield delta
+
+
+async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = None) -> AsyncIterator[bytes]:
+    """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end.
+    The chunks of one delta go out in one write, and so do the closing ones."""
+    extra = {"usage": None} if include_usage else {}
+    account = call.account
+    if call.kind == "chat":
+        yield b"".join(_data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra)).encode()
+                       for index in range(account.num_choices))
+    texts = TextEvents(call, extra)
+    async for delta in _deltas(call, first):
+        events = []
+        for choice in delta.outputs:
+            if call.logprobs is not None:
+                call.logprobs.add(choice)
+            if not choice.text:
+                continue
+            if call.tool_format is not None:
+                events += _parsed(call, texts, choice.index, choice.text, final=False)
+            elif call.logprobs is None:
+                events.append(texts.event(choice.index, choice.text))
+            else:  # the chunk carries the logprobs of its tokens
+                events.append(_data(_chunk(call, choice.index, _piece(call, choice.text), None, extra)).encode())
+        if events:
+            yield b"".join(events)
+    tail: list[bytes] = []
+    if account.error:
+        tail.append(_data(ServiceError("internal_error", account.error).openai_body()).encode())
+    else:
+        for index, finish in enumerate(account.choice_finishes()):
+            if call.tool_format is not None:  # what was held back (text that might have become a call)
+                tail += _parsed(call, texts, index, "", final=True)
+            tail.append(_data(_chunk(call, index, _piece(call, ""), finish, extra)).encode())
+    if include_usage:
+        tail.append(_data({**_envelope(call), "choices": [], "usage": account.usage()}).encode())
+    tail.append(b"data: [DONE]\n\n")
+    yield b"".join(tail)
+
+
+class TextEvents:
+    """A call's text chunks (without logprobs) as bytes: per choice, the chunk is encoded once around a
+    placeholder text and split there, so each delta costs one orjson call on its text instead of building
+    and encoding the whole chunk (the same bytes: the placeholder's JSON is replaced by the text's JSON)."""
+
+    HOLE = "\x00streamd-text\x00"
+
+    def __init__(self, call: _Call, extra: dict[str, Any]) -> None:
+        self.call = call
+        self.extra = extra
+        self.parts: dict[int, tuple[bytes, bytes]] = {}
+
+    def event(self, index: int, text: str) -> bytes:
+        parts = self.parts.get(index)
+        if parts is None:
+            before, _, after = self._whole(index, self.HOLE).partition(orjson.dumps(self.HOLE))
+            parts = self.parts[index] = (before, after)
+        try:
+            return parts[0] + orjson.dumps(text) + parts[1]
+        except TypeError:  # text orjson refuses (a lone surrogate): the generic encoder decides
+            return self._whole(index, text)
+
+    def _whole(self, index: int, text: str) -> bytes:
+        return _data(_chunk(self.call, index, _piece(self.call, text), None, self.extra)).encode()
+
+
+async def _collect(call: _Call) -> Response:
+    account = call.account
+    texts: list[list[str]] = [[] for _ in range(account.num_choices)]
+    try:
+        async for delta in _deltas(call, None):
+            for choice in delta.outputs:
+                texts[choice.index].append(choice.text)
+                if call.logprobs is not None:
+                    call.logprobs.add(choice)
+    finally:
+        call.finish()
+    if account.error:
+        raise ServiceError("internal_error", account.error)
+    if account.overloaded:
+        raise queue_timed_out()
+    choices = []
+    for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
+        content = "".join(pieces)
+        if call.tool_format is not None:
+            call.parser(index).feed(content, final=True)
+        logprobs = call.logprobs.take(index) if call.logprobs is not None else None
+        ending = _ending(call, index, finish)
+        if call.kind != "chat":
+            choices.append({"index": index, "text": content, "logprobs": logprobs, **ending})
+            continue
+        message: dict[str, Any] = {"role": "assistant", "content": content}
+        if call.tool_format is not None:
+            reply = call.parser(index).result()
+            if reply.tool_calls:
+                message = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
+        choices.append({"index": index, "message": message, "logprobs": logprobs, **ending})
+    return JSONResponse({**_envelope(call, final=True), "choices": choices, "usage": account.usage()})
+
+
+def _ending(call: _Call, index: int, finish: FinishNames) -> dict[str, Any]:
+    """A finished choice's `finish_reason` ("tool_calls" when it stopped with a complete tool call, else
+    OpenAI's name for the engine's) and its extra flag, if the finish has one (`streamd_drained`)."""
+    reason = finish.openai
+    if call.tool_format is not None and reason == "stop" and call.parser(index).called:
+        reason = "tool_calls"
+    return {"finish_reason": reason, **({finish.flag: True} if finish.flag else {})}
+
+
+def _parsed(call: _Call, texts: TextEvents, index: int, text: str, final: bool) -> list[bytes]:
+    """A choice's new text through its tool-call parser -> the chunks to send (content, tool calls); plain
+    content without logprobs takes the text chunks' fast path."""
+    out = call.parser(index).feed(text, final)
+    if not out.tool_calls and call.logprobs is None:
+        return [texts.event(index, out.content)] if out.content else []
+    pieces: list[dict[str, Any]] = [{"content": out.content}] if out.content else []
+    if out.tool_calls:
+        pieces.append({"tool_calls": out.tool_calls})
+    return [_data(_chunk(call, index, piece, None, texts.extra)).encode() for piece in pieces]
+
+
+async def until_disconnect(request: Request, work: Any) -> Response:
+    """Runs `work`; cancels it (aborting its request) if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        logger.info("client_disconnected")
+        return Response(status_code=499)  # nobody reads it
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _envelope(call: _Call, final: bool = False) -> dict[str, Any]:
+    obj = {"chat": "chat.completion", "completion": "text_completion"}[call.kind]
+    if call.kind == "chat" and not final:
+        obj = "chat.completion.chunk"
+    return {"id": call.id, "object": obj, "created": call.created, "model": call.model}
+
+
+def _piece(call: _Call, text: str) -> dict[str, Any] | str:
+    return {"content": text} if call.kind == "chat" else text
+
+
+def _chunk(call: _Call, index: int, piece: Any, finish: FinishNames | None,
+           extra: dict[str, Any]) -> dict[str, Any]:
+    """A chunk of one choice: its new piece or (`finish` given) its ending, with the logprobs of the choice's
+    tokens since its previous chunk (null when none: the role chunk, text held back and released later)."""
+    builder = call.logprobs
+    logprobs = builder.take(index) if builder is not None and builder.has_pending(index) else None
+    ending = {"finish_reason": None} if finish is None else _ending(call, index, finish)
+    if call.kind == "chat":
+        choice = {"index": index, "delta": piece if finish is None else {}, "logprobs": logprobs, **ending}
+    else:
+        choice = {"index": index, "text": piece, "logprobs": logprobs, **ending}
+    return {**_envelope(call), "choices": [choice], **extra}
+
+
+def _data(obj: dict[str, Any]) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+async def json_body(request: Request) -> dict[str, Any]:
+    """The body (already bounded by `server.max_body_bytes` and checked to be JSON by `http_guard`)."""
+    return loads_object(await request.body(), "the request body")
+
+
+def body_flag(body: dict[str, Any], name: str, default: bool) -> bool:
+    """A boolean field of a body (`default` when absent or null); anything else is refused, naming it."""
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise ServiceError("invalid_request", f"{name} must be a boolean, got {value!r}", name)
+    return value
+
+
+def check_model(s: Services, body: dict[str, Any]) -> None:
+    model = body.get("model")
+    if model is not None and model != s.model_name:
+        raise ServiceError("model_not_found", f"the model {model!r} does not exist; this server serves "
+                           f"{s.model_name!r}", "model")
+
+
+def _refuse(body: dict[str, Any], **allowed: Any) -> None:
+    """Refuses fields whose value would need a feature this server does not have."""
+    for name, harmless in allowed.items():
+        value = body.get(name)
+        if value is None or value == harmless or (isinstance(value, (list, dict)) and not value):
+            continue
+        raise ServiceError("unsupported", f"{name} is not supported", name)
+
+
+def _params(body: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k in WIRE_PARAMS and k != "logprobs"}
+
+
+def _chat_logprobs(body: dict[str, Any]) -> int | None:
+    """Chat's `logprobs: true` + `top_logprobs` -> how many top logprobs per token (None: none asked)."""
+    wanted, top = body_flag(body, "logprobs", False), body.get("top_logprobs")
+    if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise ServiceError("invalid_request", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
+                           f"got {top!r}", "top_logprobs")
+    if top is not None and not wanted:
+        raise ServiceError("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _completion_logprobs(body: dict[str, Any]) -> int | None:
+    """Completions' `logprobs`: how many top logprobs per token (the sampled token's always comes too)."""
+    top = body.get("logprobs")
+    if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+        raise ServiceError("invalid_request", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}",
+                           "logprobs")
+    return top
+
+
+def make_routes() -> list[tuple[str, Callable[..., Any], list[str]]]:
+    return [("/v1/models", list_models, ["GET"]), ("/v1/completions", completions, ["POST"]),
+            ("/v1/chat/completions", chat_completions, ["POST"])]

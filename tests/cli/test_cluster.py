@@ -1,0 +1,108 @@
+"""Two real replicas (`streamd serve` of a small random Llama on CPU) behind vllm-router and nginx on localhost: with 50 requests
+over 5 shared prefixes, the router's cache-aware policy yields more prefix-cache hits than its round-robin
+policy over the same replicas, and a streamd.v1 WebSocket session stays on one replica."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from openai import OpenAI
+from websockets.asyncio.client import connect
+
+from streamd.cli.cluster import ClusterSpec, stop_processes, wait_ready, router_command, running_cluster
+from tests.engine.worker.tp_models import save_random_model
+
+ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+pytestmark = pytest.mark.skipif(not Path(ROUTER).exists() or shutil.which("nginx") is None and
+                                not Path("/usr/sbin/nginx").exists(),
+                                reason="needs vllm-router (pip) and nginx (apt); `make test` installs both")
+SERVE = ["--set", "model.dtype=float32", "--set", "cache.num_kv_blocks=512", "--set", "cache.num_swap_blocks=0"]
+VOCAB_WORDS = 256  # the random model's word-level tokenizer: "w0" .. "w255", one token each
+
+
+def _free_ports(n: int) -> list[int]:
+    sockets = [socket.socket() for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def _metric(port: int, name: str) -> float:
+    """The sum of every sample of metric `name` on the replica at `port`."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+
+def _words(seed: int, n: int) -> str:
+    return " ".join(f"w{(seed * 7919 + j * 104729) % VOCAB_WORDS}" for j in range(n))
+
+
+def _prompts(tag: int) -> list[str]:
+    """50 prompts: 5 system-like prefixes of 96 tokens (6 blocks), each with 10 different questions."""
+    prefixes = [_words(1000 * tag + i, 96) for i in range(5)]
+    return [f"{prefixes[k % 5]} {_words(50_000 + 100 * tag + k, 8)}" for k in range(50)]
+
+
+def _hit_tokens(ports: list[int]) -> float:
+    return sum(_metric(p, "streamd_prefix_cache_hit_tokens_total") for p in ports)
+
+
+def _send_all(base_url: str, model: str, prompts: list[str]) -> None:
+    client = OpenAI(base_url=base_url, api_key="none", timeout=120, max_retries=0)
+    for prompt in prompts:
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=1, temperature=0.0)
+        assert out.choices[0].text is not None
+
+
+async def _ws_session(url: str, n: int) -> None:
+    async with connect(url, subprotocols=["streamd.v1"], open_timeout=30) as ws:
+        for i in range(n):
+            await ws.send(json.dumps({"type": "generate", "id": str(i), "prompt": _words(i, 5),
+                                      "params": {"max_tokens": 2, "temperature": 0.0, "ignore_eos": True}}))
+            while True:
+                frame = json.loads(await asyncio.wait_for(ws.recv(), 120))
+                if frame["type"] == "done":
+                    assert frame["finish_reason"] == "length", frame
+                    break
+
+
+def test_cache_aware_routing_hits_more_and_websockets_stick(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # two replicas and a router share this machine's cores
+    model = save_random_model("llama", tmp_path / "model")
+    front, router, metrics, rr_router, rr_metrics, first = _free_ports(6)
+    replica_ports = [first, first + 1]
+    spec = ClusterSpec(2, front, router, metrics, first, "cache_aware", ["--model", str(model), *SERVE])
+    with running_cluster(spec, log_dir=tmp_path):
+        name = OpenAI(base_url=f"http://127.0.0.1:{front}/v1", api_key="none").models.list().data[0].id
+        rr = subprocess.Popen(router_command(rr_router, rr_metrics, replica_ports, "round_robin"),
+                              stdout=(tmp_path / "rr.log").open("wb"), stderr=subprocess.STDOUT,
+                              start_new_session=True)
+        try:
+            wait_ready(f"http://127.0.0.1:{rr_router}/v1/models", time.monotonic() + 60, [rr])
+            before = _hit_tokens(replica_ports)
+            _send_all(f"http://127.0.0.1:{rr_router}/v1", name, _prompts(1))
+            round_robin = _hit_tokens(replica_ports) - before
+        finally:
+            stop_processes([rr])
+        before = _hit_tokens(replica_ports)
+        _send_all(f"http://127.0.0.1:{front}/v1", name, _prompts(2))  # nginx -> cache-aware router
+        cache_aware = _hit_tokens(replica_ports) - before
+        assert cache_aware > round_robin > 0, (cache_aware, round_robin)
+
+        served = [_metric(p, "streamd_requests_total") for p in replica_ports]
+        asyncio.run(_ws_session(f"ws://127.0.0.1:{front}/v1/stream", 6))
+        gained = [_metric(p, "streamd_requests_total") - s for p, s in zip(replica_ports, served)]
+        assert sorted(gained) == [0, 6], gained  # every request of the session on one replica

@@ -1,0 +1,73 @@
+"""The engine on a CUDA GPU (device machine): Triton kernels, CUDA graphs and the paged pool give the same
+greedy tokens as transformers on a random-weight Llama-3.2-1B-shaped model in float32; bfloat16 runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig
+
+from streamd import LLM, SamplingParams
+from tests.helpers import assert_pool_whole, hf_greedy
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def llama_1b_shape(layers: int = 16) -> LlamaConfig:
+    return LlamaConfig(hidden_size=2048, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
+                       head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                       max_position_embeddings=2048, rope_theta=500000.0)
+
+
+def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    lens = torch.randint(1, 300, (n,), generator=gen).tolist()
+    return [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in lens]
+
+
+def test_llama_1b_float32_matches_transformers_on_cuda() -> None:
+    config = llama_1b_shape()
+    llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=512, num_swap_blocks=64,
+              fuse_layers="off")  # the unfused path; tests/engine/worker/test_fusion.py checks the fused one on CUDA
+    prompts = _prompts(config.vocab_size, 12, seed=1)
+    params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
+    replays_before = llm.engine.runner.graphs.replays  # the start-up warm-up replays some already
+    outs = llm.generate(prompts, params)
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    reference.load_state_dict(llm.engine.runner.model.state_dict())
+    reference = reference.cuda().eval()
+    reference.generation_config.eos_token_id = None
+    for i, (prompt, out) in enumerate(zip(prompts, outs)):
+        want = hf_greedy(reference, prompt, 40, None)
+        assert out.outputs[0].token_ids == want, f"prompt {i} (len {len(prompt)}) diverged"
+    graphs = llm.engine.runner.graphs
+    assert graphs.replays > replays_before, "decode steps should have replayed CUDA graphs"
+    assert_pool_whole(llm.engine)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_preemption_on_cuda_keeps_outputs_identical(mode: str) -> None:
+    # float32, so that any difference is a memory-management bug and not bf16 rounding of another batch shape.
+    config = llama_1b_shape(layers=4)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True, detokenize=False)
+    prompts = _prompts(config.vocab_size, 16, seed=2)
+    tight = LLM(config, device="cuda", dtype="float32", num_kv_blocks=96, max_num_batched_tokens=256,
+                num_swap_blocks=256 if mode == "swap" else 0, preemption_mode=mode)
+    outs = tight.generate(prompts, params)
+    assert getattr(tight.engine.stats().scheduler, f"preemptions_{mode}") > 0, tight.engine.stats()
+    roomy = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=256, num_swap_blocks=0)
+    again = roomy.generate(prompts, params)
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in again]
+    assert_pool_whole(tight.engine)
+    assert_pool_whole(roomy.engine)
+
+
+def test_bfloat16_generation_runs() -> None:
+    config = llama_1b_shape(layers=4)
+    llm = LLM(config, device="cuda", dtype="bfloat16", max_num_batched_tokens=512, num_swap_blocks=0)
+    outs = llm.generate(_prompts(config.vocab_size, 32, seed=3),
+                        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=48, ignore_eos=True,
+                                       detokenize=False, seed=1))
+    assert all(len(o.outputs[0].token_ids) == 48 for o in outs)
+    assert len({tuple(o.outputs[0].token_ids) for o in outs}) == len(outs)
+    assert_pool_whole(llm.engine)

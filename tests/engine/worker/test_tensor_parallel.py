@@ -1,0 +1,120 @@
+"""Tensor parallelism on the CPU (gloo, two processes): greedy tokens equal one process and Hugging Face
+`generate` on random Llama, Qwen2 (attention biases) and Qwen3 (q/k norm) models with GQA, through chunked
+prefill, prefix-cache hits and preemption by swap and by recompute; the per-step message round-trips; a
+model whose KV heads do not split is refused."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from streamd import LLM, SamplingParams
+from streamd.config import ConfigError
+from streamd.engine.worker.model_runner import ModelInput
+from streamd.engine.worker.parallel.step_message import (CacheOrder, Command, OrderKind, StepMessage, decode,
+                                                  encode)
+from tests.helpers import fold_deltas, hf_greedy, register_engine
+from tests.engine.worker.tp_models import VOCAB, save_random_model
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False)
+
+
+def _engine_args(mode: str) -> dict:
+    # 24 blocks of 8 tokens hold about 3 of these sequences at full length: most of the batch is preempted.
+    # 16 tokens per step: the longer prompts are prefilled in chunks beside running decodes.
+    return dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=24, max_num_batched_tokens=16,
+                num_swap_blocks=64 if mode == "swap" else 0, preemption_mode=mode, watermark=0.0, seed=3,
+                collective_timeout_s=30.0)
+
+
+def _prompts() -> list[list[int]]:
+    """Two system prompts of 2 blocks, each shared by several requests: the later ones hit the cache."""
+    gen = torch.Generator().manual_seed(5)
+    systems = [torch.randint(0, VOCAB, (16,), generator=gen).tolist() for _ in range(2)]
+    return [systems[i % 2] + torch.randint(0, VOCAB, (int(n),), generator=gen).tolist()
+            for i, n in enumerate(torch.randint(3, 30, (8,), generator=gen))]
+
+
+def _run(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
+    """Half the requests first, the rest once those run: the later ones find the shared prefixes cached."""
+    engine = llm.engine
+    for i, ids in enumerate(prompts[:2]):
+        engine.add_request(f"r{i}", ids, GREEDY)
+    builders: dict = {}
+    for step in range(10_000):
+        if step == 4:
+            for i, ids in enumerate(prompts[2:], start=2):
+                engine.add_request(f"r{i}", ids, GREEDY)
+        if step > 4 and not engine.has_unfinished_requests():
+            break
+        fold_deltas(engine.step(), builders)
+    return [builders[f"r{i}"].build().outputs[0].token_ids for i in range(len(prompts))]
+
+
+@pytest.fixture
+def tp_llm() -> Iterator[list[LLM]]:
+    """Tensor-parallel engines made by a test, shut down (workers stopped) after it."""
+    made: list[LLM] = []
+    yield made
+    for llm in made:
+        llm.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("kind,mode", [("llama", "swap"), ("qwen2", "recompute"), ("qwen3", "swap")])
+def test_tp2_matches_tp1_and_hf_generate(kind: str, mode: str, tmp_path: Path, tp_llm: list[LLM]) -> None:
+    path = save_random_model(kind, tmp_path / kind)
+    prompts = _prompts()
+    single = LLM(str(path), **_engine_args(mode))
+    register_engine(single.engine)
+    want = _run(single, prompts)
+    llm = LLM(str(path), tensor_parallel_size=2, **_engine_args(mode))
+    tp_llm.append(llm)
+    register_engine(llm.engine)
+    got = _run(llm, prompts)
+    assert got == want
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    for i, ids in enumerate(prompts):
+        assert got[i] == hf_greedy(reference, ids, GREEDY.max_tokens, None), f"{kind}: prompt {i} diverged"
+    stats = llm.engine.stats()
+    assert stats.kv.prefix_hit_tokens > 0, stats
+    key = "preemptions_swap" if mode == "swap" else "preemptions_recompute"
+    assert getattr(stats.scheduler, key) > 0, stats
+    if mode == "swap":
+        assert stats.kv.swapped_out_blocks > 0 and stats.kv.swapped_in_blocks > 0, stats
+    assert stats == single.engine.stats()  # the same schedule, step for step
+    assert llm.engine.executor.workers.dead() == []
+
+
+def test_kv_heads_not_divisible_are_refused(tmp_path: Path) -> None:
+    path = save_random_model("qwen2", tmp_path / "qwen2")  # 2 KV heads
+    with pytest.raises(ValueError, match="does not divide the model's num_key_value_heads"):
+        LLM(str(path), tensor_parallel_size=4, device="cpu", dtype="float32", num_kv_blocks=8)
+
+
+def test_tensor_parallel_size_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="parallel.tensor_parallel_size"):
+        LLM(None, tensor_parallel_size=0)
+
+
+def test_step_message_round_trip() -> None:
+    batch = ModelInput(input_ids=torch.tensor([5, 6, 7, 9]), positions=torch.tensor([0, 1, 2, 8]),
+                       slot_mapping=torch.tensor([16, 17, 18, 40]),
+                       block_tables=torch.tensor([[2, 0], [3, 5]], dtype=torch.int32),
+                       seq_lens=torch.tensor([3, 9], dtype=torch.int32),
+                       query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+                       sample_idx=torch.tensor([2, 3]), decode_only=False)
+    orders = [CacheOrder(OrderKind.SWAP_OUT, [(4, 0), (7, 1)]), CacheOrder(OrderKind.COPY, [(3, 5)]),
+              CacheOrder(OrderKind.SWAP_IN, [(0, 4)])]
+    message = decode(encode(StepMessage(Command.STEP, orders, batch), torch.device("cpu")))
+    assert message.command == Command.STEP and message.orders == orders
+    got = message.batch
+    assert got is not None and got.decode_only is False
+    for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+        want = getattr(batch, name)
+        assert torch.equal(getattr(got, name), want) and getattr(got, name).dtype == want.dtype, name
+    empty = decode(encode(StepMessage(Command.ALLOCATE, args=(12, 34)), torch.device("cpu")))
+    assert empty.command == Command.ALLOCATE and empty.batch is None and empty.args == (12, 34)
