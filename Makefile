@@ -14,7 +14,7 @@ STAMP  := $(VENV)/.streamd-installed
 TORCH_SPEC      ?= torch==2.13.0+cpu
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup test soak docker-test serve browser nginx cluster clean
+.PHONY: setup lint test soak docker-test serve browser nginx cluster clean
 
 setup: $(STAMP)
 
@@ -36,6 +36,12 @@ nginx:
 	@command -v nginx >/dev/null 2>&1 || test -x /usr/sbin/nginx \
 		|| { apt-get update -qq && apt-get install -y -qq nginx-light >/dev/null; } \
 		|| echo "warning: could not install nginx; the cluster test will be skipped"
+
+# ruff (lint and format) and mypy on the package; configured in pyproject.toml. CI runs it before the tests.
+lint: setup
+	$(PY) -m ruff check streamd tests
+	$(PY) -m ruff format --check streamd
+	$(PY) -m mypy
 
 test: setup browser nginx
 	$(PY) -m pytest -q

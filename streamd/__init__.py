@@ -3,7 +3,7 @@
 from streamd.engine.outputs import CompletionOutput, RequestOutput
 from streamd.engine.sampling_params import SamplingParams
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams"]
 __version__ = "0.1.0"
 
 

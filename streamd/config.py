@@ -13,9 +13,10 @@ import os
 import tomllib
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 
 class ConfigError(ValueError):
@@ -131,9 +132,16 @@ class ServerConfig:
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
-        for key in ("max_connections", "max_requests_per_connection", "max_frame_bytes",
-                    "max_waiting_requests", "default_max_tokens", "max_prompt_chars", "max_body_bytes",
-                    "responses_store_size"):
+        for key in (
+            "max_connections",
+            "max_requests_per_connection",
+            "max_frame_bytes",
+            "max_waiting_requests",
+            "default_max_tokens",
+            "max_prompt_chars",
+            "max_body_bytes",
+            "responses_store_size",
+        ):
             _positive(f"server.{key}", getattr(self, key))
         _positive("server.max_tokens_limit", self.max_tokens_limit, allow_none=True)
         if self.responses_store_ttl_s <= 0:
@@ -202,8 +210,11 @@ _KEYS = _section_keys()
 _BARE = {key: section for section, keys in _KEYS.items() for key in keys}
 
 
-def load_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any] | None = None,
-                environ: Mapping[str, str] | None = None) -> Config:
+def load_config(
+    path: str | os.PathLike[str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
     """Builds a validated Config; `overrides` keys are `section.key` or a bare key."""
     config = Config()
     if path is not None:
@@ -223,7 +234,7 @@ def load_config(path: str | os.PathLike[str] | None = None, overrides: Mapping[s
     for name, raw in (os.environ if environ is None else environ).items():
         if not name.startswith("STREAMD_") or "__" not in name:
             continue
-        section, _, key = name[len("STREAMD_"):].lower().partition("__")
+        section, _, key = name[len("STREAMD_") :].lower().partition("__")
         _set(config, section, key, parse_value(raw), source=name)
     for name, value in (overrides or {}).items():
         section, _, key = name.rpartition(".")

@@ -5,7 +5,8 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
-from typing import Any, Sequence as Seq
+from collections.abc import Sequence as Seq
+from typing import Any
 
 from transformers import PretrainedConfig
 
@@ -24,8 +25,13 @@ class LLM:
     transformers config for random weights. `overrides`: any config key (`dtype`, `device`, `block_size`,
     `num_kv_blocks`, `max_num_seqs`, ...), as on the command line."""
 
-    def __init__(self, model: str | PretrainedConfig | None = None, *,
-                 config_path: str | os.PathLike[str] | None = None, **overrides: Any) -> None:
+    def __init__(
+        self,
+        model: str | PretrainedConfig | None = None,
+        *,
+        config_path: str | os.PathLike[str] | None = None,
+        **overrides: Any,
+    ) -> None:
         if isinstance(model, str):
             overrides["model.name"] = model
         self.config: Config = load_config(config_path, overrides)
@@ -37,30 +43,34 @@ class LLM:
     def tokenizer(self) -> Any:
         return self.engine.tokenizer
 
-    def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Runs every prompt to completion with continuous batching; outputs in prompt order."""
         if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         return self._run(list(prompts), sampling_params, chat=False)
 
-    def chat(self, messages: Messages | Seq[Messages],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+    def chat(
+        self, messages: Messages | Seq[Messages], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
+    ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
         if messages and isinstance(messages[0], dict):
             messages = [messages]  # type: ignore[list-item]
         return self._run(list(messages), sampling_params, chat=True)
 
-    def _run(self, items: list[Any], sampling_params: SamplingParams | Seq[SamplingParams] | None,
-             chat: bool) -> list[RequestOutput]:
+    def _run(
+        self, items: list[Any], sampling_params: SamplingParams | Seq[SamplingParams] | None, chat: bool
+    ) -> list[RequestOutput]:
         params = _per_item(sampling_params, len(items))
         builders: list[RequestOutputBuilder] = []
         try:
             for item, p in zip(items, params):
                 request_id = f"llm-{next(self._ids)}"
                 if chat:
-                    ids = self.engine.add_request(request_id, None, p,
-                                                  prompt_token_ids=self.engine.apply_chat_template(item))
+                    ids = self.engine.add_request(
+                        request_id, None, p, prompt_token_ids=self.engine.apply_chat_template(item)
+                    )
                     prompt = None
                 else:
                     ids = self.engine.add_request(request_id, item, p)

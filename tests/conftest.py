@@ -4,8 +4,8 @@ ends every test (after each test every registered engine is idle and its KV pool
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import pytest_asyncio

@@ -20,9 +20,9 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 EXAMPLES: dict[str, str] = {
     "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
     "throughput": "streamd bench throughput --device cpu              # ~10 minutes on 2 cores\n"
-                  "  streamd bench throughput --device cuda --shapes smollm2-135m --out results",
+    "  streamd bench throughput --device cuda --shapes smollm2-135m --out results",
     "serve": "streamd serve &  streamd bench serve --transport sse --concurrency 16 --num-requests 256\n"
-             "  streamd bench serve --offline-baseline --levels 64,256 --repeats 3   # starts its own server",
+    "  streamd bench serve --offline-baseline --levels 64,256 --repeats 3   # starts its own server",
     "cluster": "streamd bench cluster --replicas 1,2,4,8 --out /tmp/results",
     "chaos": "streamd serve &  streamd bench chaos --url http://127.0.0.1:8000 --duration 60",
 }
@@ -33,9 +33,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for name, (module_name, _) in BENCHMARKS.items():
         module = importlib.import_module(module_name)
         doc = (module.__doc__ or name).strip().splitlines()[0]
-        module.add_arguments(sub.add_parser(name, help=doc, description=module.__doc__,
-                                            epilog=f"example:\n  {EXAMPLES[name]}" if name in EXAMPLES else None,
-                                            formatter_class=argparse.RawDescriptionHelpFormatter))
+        module.add_arguments(
+            sub.add_parser(
+                name,
+                help=doc,
+                description=module.__doc__,
+                epilog=f"example:\n  {EXAMPLES[name]}" if name in EXAMPLES else None,
+                formatter_class=argparse.RawDescriptionHelpFormatter,
+            )
+        )
 
 
 def run(args: argparse.Namespace) -> int:

@@ -74,18 +74,31 @@ def target_of(args: argparse.Namespace) -> Target:
     scheme = "wss" if parts.scheme == "https" else "ws"
     port = parts.port or (443 if parts.scheme == "https" else 80)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    return Target(args.url.rstrip("/"), f"{scheme}://{parts.netloc}/v1/stream", parts.hostname or "127.0.0.1",
-                  port, headers, args.max_tokens)
+    return Target(
+        args.url.rstrip("/"),
+        f"{scheme}://{parts.netloc}/v1/stream",
+        parts.hostname or "127.0.0.1",
+        port,
+        headers,
+        args.max_tokens,
+    )
 
 
 def _connect(target: Target) -> Any:
-    return connect(target.ws, subprotocols=["streamd.v1"], additional_headers=target.headers, max_size=None,
-                   open_timeout=30)
+    return connect(
+        target.ws, subprotocols=["streamd.v1"], additional_headers=target.headers, max_size=None, open_timeout=30
+    )
 
 
 def _generate(request_id: str, prompt: str, max_tokens: int) -> str:
-    return json.dumps({"type": "generate", "id": request_id, "prompt": prompt,
-                       "params": {"max_tokens": max_tokens, "ignore_eos": True}})
+    return json.dumps(
+        {
+            "type": "generate",
+            "id": request_id,
+            "prompt": prompt,
+            "params": {"max_tokens": max_tokens, "ignore_eos": True},
+        }
+    )
 
 
 def _reset(ws: ClientConnection) -> None:
@@ -246,8 +259,11 @@ async def leaks(target: Target) -> dict[str, float]:
         m = await metrics(target)
         busy = sum(m.get(f"streamd_requests_{k}", 0.0) for k in ("running", "waiting", "swapped"))
         if not busy or time.monotonic() > deadline:
-            return {"idle": float(not busy), "kv_blocks_used": m.get("streamd_kv_blocks_used", 0.0),
-                    "swap_blocks_used": m.get("streamd_swap_blocks_used", 0.0)}
+            return {
+                "idle": float(not busy),
+                "kv_blocks_used": m.get("streamd_kv_blocks_used", 0.0),
+                "swap_blocks_used": m.get("streamd_swap_blocks_used", 0.0),
+            }
         await asyncio.sleep(0.5)  # polling a remote server's gauges: there is nothing to wait on
 
 
@@ -266,12 +282,18 @@ async def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, Any]:
     p99 = percentiles(tally.control_itl)["p99"]
-    return {"duration_s": round(elapsed, 2), "requests": tally.requests, "tokens": tally.tokens,
-            "errors_by_code": dict(sorted(tally.errors.items())), "unanswered_frames": tally.unanswered,
-            "control_streams": tally.control_streams,
-            "control_itl_p99_ms": round(p99 * 1000, 2) if p99 is not None else None,
-            "idle_after": bool(leaked["idle"]), "leaked_kv_blocks": int(leaked["kv_blocks_used"]),
-            "leaked_swap_blocks": int(leaked["swap_blocks_used"])}
+    return {
+        "duration_s": round(elapsed, 2),
+        "requests": tally.requests,
+        "tokens": tally.tokens,
+        "errors_by_code": dict(sorted(tally.errors.items())),
+        "unanswered_frames": tally.unanswered,
+        "control_streams": tally.control_streams,
+        "control_itl_p99_ms": round(p99 * 1000, 2) if p99 is not None else None,
+        "idle_after": bool(leaked["idle"]),
+        "leaked_kv_blocks": int(leaked["kv_blocks_used"]),
+        "leaked_swap_blocks": int(leaked["swap_blocks_used"]),
+    }
 
 
 def main(args: argparse.Namespace) -> int:

@@ -27,9 +27,9 @@ from streamd.bench.workloads import WORKLOADS, RequestStream
 from streamd.config import SchedulerConfig
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.prefix_cache import SeqHashes
-from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.core.scheduler import Scheduler
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.sampling_params import SamplingParams
 
 _PARAMS = SamplingParams(max_tokens=None)
 _SYSTEM_ID_BASE = 1 << 40  # token ids: system prompts, then one disjoint range per conversation
@@ -79,8 +79,9 @@ class Replica:
     """One engine's scheduling and memory, for real; the forward pass only costs time."""
 
     def __init__(self, shape: EngineShape) -> None:
-        self.block_manager = BlockManager(shape.num_blocks, shape.block_size, num_swap_blocks=0,
-                                          enable_prefix_caching=shape.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            shape.num_blocks, shape.block_size, num_swap_blocks=0, enable_prefix_caching=shape.enable_prefix_caching
+        )
         config = SchedulerConfig(shape.max_num_seqs, shape.max_num_batched_tokens, "recompute")
         self.scheduler = Scheduler(config, self.block_manager, shape.max_model_len)
         self.outstanding = 0  # requests routed here and not finished (the router's load signal)
@@ -107,8 +108,13 @@ class Replica:
         for group in finished:
             del self.outputs[group.request_id]
         self.outstanding -= len(finished)
-        return StepResult(out.num_prefill_tokens + out.num_decode_tokens, out.num_prefill_tokens, context,
-                          [item.group for item in sampled], finished)
+        return StepResult(
+            out.num_prefill_tokens + out.num_decode_tokens,
+            out.num_prefill_tokens,
+            context,
+            [item.group for item in sampled],
+            finished,
+        )
 
 
 def replay_offline(prompts: list[list[int]], output_lens: list[int], shape: EngineShape) -> StepTotals:
@@ -284,13 +290,22 @@ def _start(conv: Conversation) -> Conversation:
     return conv
 
 
-def simulate(conversations: list[Conversation], num_replicas: int, policy: str, shape: EngineShape,
-             cost: StepCost, run: RunConfig) -> ClusterResult:
+def simulate(
+    conversations: list[Conversation],
+    num_replicas: int,
+    policy: str,
+    shape: EngineShape,
+    cost: StepCost,
+    run: RunConfig,
+) -> ClusterResult:
     """Each turn arrives `think_s` after the previous answer (a user's first turn `think_s` after t = 0);
     a user whose conversation ended takes the next one from `conversations`, until `run.duration_s`."""
     replicas = [Replica(shape) for _ in range(num_replicas)]
-    router = (RoundRobin(replicas, shape.block_size) if policy == RoundRobin.name
-              else PrefixAware(replicas, shape.block_size, shape.num_blocks))
+    router = (
+        RoundRobin(replicas, shape.block_size)
+        if policy == RoundRobin.name
+        else PrefixAware(replicas, shape.block_size, shape.num_blocks)
+    )
     pool = iter(conversations)
     events: list[tuple[float, int, _User | Replica]] = []  # (time, tie-break, what)
     order = itertools.count()
@@ -344,18 +359,30 @@ def simulate(conversations: list[Conversation], num_replicas: int, policy: str, 
         raise ValueError("no request arrived in the measured window: more users or a longer duration")
     ttfts.sort()
     return ClusterResult(
-        replicas=num_replicas, policy=policy, requests=len(ttfts),
+        replicas=num_replicas,
+        policy=policy,
+        requests=len(ttfts),
         output_tok_s=window_tokens / (run.duration_s - run.warmup_s),
-        mean_ttft_s=sum(ttfts) / len(ttfts), p50_ttft_s=ttfts[len(ttfts) // 2],
+        mean_ttft_s=sum(ttfts) / len(ttfts),
+        p50_ttft_s=ttfts[len(ttfts) // 2],
         p99_ttft_s=ttfts[min(len(ttfts) - 1, int(0.99 * len(ttfts)))],
-        prefix_hit_rate=hit / max(queried, 1), prefill_tokens=prefill,
-        busy_share=busy / (num_replicas * max(last, 1e-9)), max_replica_requests=max(routed),
+        prefix_hit_rate=hit / max(queried, 1),
+        prefill_tokens=prefill,
+        busy_share=busy / (num_replicas * max(last, 1e-9)),
+        max_replica_requests=max(routed),
         min_replica_requests=min(routed),
-        blocks_in_use_at_end=sum(r.block_manager.num_blocks - r.block_manager.num_free_blocks() for r in replicas))
+        blocks_in_use_at_end=sum(r.block_manager.num_blocks - r.block_manager.num_free_blocks() for r in replicas),
+    )
 
 
-def _arrive(user: _User, now: float, router: RoundRobin | PrefixAware, replicas: list[Replica],
-            routed: list[int], owner: dict[str, _User]) -> Replica:
+def _arrive(
+    user: _User,
+    now: float,
+    router: RoundRobin | PrefixAware,
+    replicas: list[Replica],
+    routed: list[int],
+    owner: dict[str, _User],
+) -> Replica:
     """The user's next turn reaches the router, which hands it to a replica."""
     conv = user.conversation
     turn = conv.turns[conv.turns_done]

@@ -8,7 +8,8 @@ replays, so launch overhead and the Python between calls are out of the measurem
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 ROTATE_BYTES = 256 << 20  # working set of one timed graph: ~5x an H100/H200 L2
 

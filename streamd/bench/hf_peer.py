@@ -9,8 +9,9 @@ from typing import Any
 from streamd.bench.workloads import TokenWorkload
 
 
-def run_continuous_batching(model: Any, work: TokenWorkload, on_finished: Callable[[], None] = lambda: None
-                            ) -> tuple[float, int]:
+def run_continuous_batching(
+    model: Any, work: TokenWorkload, on_finished: Callable[[], None] = lambda: None
+) -> tuple[float, int]:
     """Greedy, EOS ignored: every request of `work` through `model`'s continuous-batching manager.
     Returns (seconds, output tokens produced); `on_finished` is called once per finished request."""
     from transformers import GenerationConfig

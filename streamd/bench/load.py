@@ -17,15 +17,43 @@ import itertools
 import math
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 from urllib.parse import urlsplit
 
 import httptools
 import orjson
 
-_WORDS = ("the a river city model token light stone paper garden engine quiet music north window "
-          "memory signal winter orange bridge cloud number story market forest letter ocean").split()
+_WORDS = [
+    "the",
+    "a",
+    "river",
+    "city",
+    "model",
+    "token",
+    "light",
+    "stone",
+    "paper",
+    "garden",
+    "engine",
+    "quiet",
+    "music",
+    "north",
+    "window",
+    "memory",
+    "signal",
+    "winter",
+    "orange",
+    "bridge",
+    "cloud",
+    "number",
+    "story",
+    "market",
+    "forest",
+    "letter",
+    "ocean",
+]
 
 
 @dataclass(slots=True)
@@ -65,8 +93,9 @@ class WebSocketPool:
         subprotocol = "streamd.v2" if self.framing == "v2" else "streamd.v1"
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         for _ in range(self.size):
-            ws = await connect(self.url, subprotocols=[subprotocol], additional_headers=headers, max_size=None,
-                               compression=None)
+            ws = await connect(
+                self.url, subprotocols=[subprotocol], additional_headers=headers, max_size=None, compression=None
+            )
             self.sockets.append(ws)
             self._readers.append(asyncio.create_task(self._read(ws)))
         return self
@@ -101,12 +130,14 @@ class WebSocketPool:
         ws = self.sockets[number % len(self.sockets)]
         if ws in self.dead:
             raise ConnectionError("the WebSocket closed")
-        request = self.routes[request_id] = _WsRequest(ws, Timing(time.perf_counter()),
-                                                       asyncio.get_running_loop().create_future())
+        request = self.routes[request_id] = _WsRequest(
+            ws, Timing(time.perf_counter()), asyncio.get_running_loop().create_future()
+        )
         params = {"max_tokens": max_tokens, "ignore_eos": True, "temperature": 1.0}
         try:
-            await ws.send(orjson.dumps({"type": "generate", "id": request_id, "prompt": prompt,
-                                        "params": params}).decode())
+            await ws.send(
+                orjson.dumps({"type": "generate", "id": request_id, "prompt": prompt, "params": params}).decode()
+            )
             await request.done
         finally:
             del self.routes[request_id]
@@ -131,8 +162,9 @@ class _WsRequest:
             if frame["error"]["code"] != "internal_error":
                 self._end()  # refused: no done follows
         elif kind == "done":
-            timing.error = timing.error or (None if frame["finish_reason"] in ("stop", "length")
-                                            else frame["finish_reason"])
+            timing.error = timing.error or (
+                None if frame["finish_reason"] in ("stop", "length") else frame["finish_reason"]
+            )
             self._end()
 
     def fail(self, error: str) -> None:
@@ -169,8 +201,10 @@ class SSEClient:
             connection.transport.close()
 
     def _head(self, method: str, path: str, body: bytes) -> bytes:
-        return (f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.auth}Content-Type: application/json\r\n"
-                f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+        return (
+            f"{method} {path} HTTP/1.1\r\nHost: {self.host}\r\n{self.auth}Content-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n"
+        ).encode() + body
 
     async def _request(self, request: bytes, on_chunk: Callable[[bytes, float], None] | None) -> HttpResponse:
         """Sends on a kept-alive connection, or on a fresh one when nothing came back on it (the server closed
@@ -198,8 +232,16 @@ class SSEClient:
         return connection
 
     async def generate(self, prompt: str, max_tokens: int) -> Timing:
-        body = orjson.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
-                             "stream": True, "stream_options": {"include_usage": True}})
+        body = orjson.dumps(
+            {
+                "model": self.model,
+                "prompt": prompt,
+                "max_tokens": max_tokens,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+        )
         timing = Timing(time.perf_counter())
         events, partial = 0, b""
 
@@ -230,7 +272,7 @@ class HttpResponse:
     """One response as `HttpConnection` parses it: status, whether chunked, the body (or its pieces handed
     to `on_chunk` with their arrival time, for a 200 chunked body), and `done` once it has ended."""
 
-    __slots__ = ("status", "chunked", "parts", "on_chunk", "done", "started")
+    __slots__ = ("chunked", "done", "on_chunk", "parts", "started", "status")
 
     def __init__(self, on_chunk: Callable[[bytes, float], None] | None) -> None:
         self.status, self.chunked, self.started = 0, False, False
@@ -343,8 +385,7 @@ async def _closed_loop(client: Any, prompts: list[str], max_tokens: int, concurr
     return timings
 
 
-async def _poisson(client: Any, prompts: list[str], max_tokens: int, rate: float,
-                   rng: random.Random) -> list[Timing]:
+async def _poisson(client: Any, prompts: list[str], max_tokens: int, rate: float, rng: random.Random) -> list[Timing]:
     tasks = []
     for prompt in prompts:
         tasks.append(asyncio.create_task(_safe(client, prompt, max_tokens)))
@@ -379,26 +420,36 @@ def report(timings: list[Timing], duration: float, args: argparse.Namespace) -> 
     tokens = sum(t.tokens for t in ok)
     errors = sorted({t.error for t in timings if t.error})[:5]
     return {
-        "transport": args.transport, "mode": "poisson" if args.rate else "concurrency",
-        "rate": args.rate, "concurrency": _concurrency(args),
-        "num_requests": len(timings), "completed": len(ok), "failed": len(timings) - len(ok),
-        "duration_s": duration, "request_throughput": len(ok) / duration if duration else 0.0,
-        "output_token_throughput": tokens / duration if duration else 0.0, "output_tokens": tokens,
-        "ttft_s": percentiles(ttft), "itl_s": percentiles(itl), "e2e_s": percentiles(e2e), "errors": errors,
+        "transport": args.transport,
+        "mode": "poisson" if args.rate else "concurrency",
+        "rate": args.rate,
+        "concurrency": _concurrency(args),
+        "num_requests": len(timings),
+        "completed": len(ok),
+        "failed": len(timings) - len(ok),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "output_token_throughput": tokens / duration if duration else 0.0,
+        "output_tokens": tokens,
+        "ttft_s": percentiles(ttft),
+        "itl_s": percentiles(itl),
+        "e2e_s": percentiles(e2e),
+        "errors": errors,
     }
 
 
 def format_table(result: dict[str, Any]) -> str:
-    lines = [f"streamd bench serve · {result['transport']} · {result['mode']} · "
-             f"{result['completed']}/{result['num_requests']} ok in {result['duration_s']:.2f} s",
-             f"throughput: {result['request_throughput']:.2f} req/s, "
-             f"{result['output_token_throughput']:.1f} output tok/s",
-             f"{'':<6}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'mean ms':>10}"]
+    lines = [
+        f"streamd bench serve · {result['transport']} · {result['mode']} · "
+        f"{result['completed']}/{result['num_requests']} ok in {result['duration_s']:.2f} s",
+        f"throughput: {result['request_throughput']:.2f} req/s, {result['output_token_throughput']:.1f} output tok/s",
+        f"{'':<6}{'p50 ms':>10}{'p90 ms':>10}{'p99 ms':>10}{'mean ms':>10}",
+    ]
     for name, key in (("TTFT", "ttft_s"), ("ITL", "itl_s"), ("E2E", "e2e_s")):
         row = result[key]
-        cells = "".join(f"{'-' if row[q] is None else f'{row[q] * 1000:.1f}':>10}" for q in ("p50", "p90", "p99", "mean"))
+        cells = "".join(
+            f"{'-' if row[q] is None else f'{row[q] * 1000:.1f}':>10}" for q in ("p50", "p90", "p99", "mean")
+        )
         lines.append(f"{name:<6}{cells}")
     lines += [f"error: {e}" for e in result["errors"]]
     return "\n".join(lines)
-
-

@@ -25,33 +25,43 @@ TARGET_SHARE = 0.963
 TARGET_BATCH_RATIO = 3.0
 TARGET_WORKLOAD = "sharegpt"
 SYSTEMS = ("streamd", "orca-max", "orca-pow2", "orca-oracle")
-_LABELS = {"streamd": "streamd", "orca-max": "Orca (Max)", "orca-pow2": "Orca (Pow2)",
-           "orca-oracle": "Orca (Oracle)"}
+_LABELS = {"streamd": "streamd", "orca-max": "Orca (Max)", "orca-pow2": "Orca (Pow2)", "orca-oracle": "Orca (Oracle)"}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help="comma-separated subset of: " + ", ".join(WORKLOADS))
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma-separated subset of: " + ", ".join(WORKLOADS)
+    )
     # 900 blocks x 16 = 14,400 slots: the KV space of OPT-13B on one A100-40GB (paper §6), where
     # Orca (Max) batches 7 requests of 2,048 slots.
     parser.add_argument("--num-blocks", type=int, default=900)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--lifetimes", type=float, default=100.0,
-                        help="run length per workload, in mean output lengths (steps)")
+    parser.add_argument(
+        "--lifetimes", type=float, default=100.0, help="run length per workload, in mean output lengths (steps)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="short runs (a smoke test, not a measurement)")
     add_out_argument(parser)
     parser.add_argument("--no-write", action="store_true", help="print only")
-    parser.add_argument("--sharing", action="store_true",
-                        help="measure the blocks saved by sharing within a request (n = 2, 4, 6 parallel "
-                             "samples, beam widths 2, 4, 6; the paper's Fig. 15) instead")
-    parser.add_argument("--sharing-lifetimes", type=float, default=10.0,
-                        help="with --sharing: run length per configuration, in mean output lengths")
-    parser.add_argument("--sharing-model", action="store_true",
-                        help="with --sharing: also measure the engine's real beam search on the default model "
-                             "(CPU; loads the model)")
+    parser.add_argument(
+        "--sharing",
+        action="store_true",
+        help="measure the blocks saved by sharing within a request (n = 2, 4, 6 parallel "
+        "samples, beam widths 2, 4, 6; the paper's Fig. 15) instead",
+    )
+    parser.add_argument(
+        "--sharing-lifetimes",
+        type=float,
+        default=10.0,
+        help="with --sharing: run length per configuration, in mean output lengths",
+    )
+    parser.add_argument(
+        "--sharing-model",
+        action="store_true",
+        help="with --sharing: also measure the engine's real beam search on the default model (CPU; loads the model)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,10 +85,16 @@ def run(args: argparse.Namespace) -> int:
         "benchmark": "memory",
         "date": datetime.date.today().isoformat(),
         "device": "cpu",
-        "config": {"num_blocks": args.num_blocks, "block_size": args.block_size,
-                   "pool_slots": args.num_blocks * args.block_size, "max_num_seqs": args.max_num_seqs,
-                   "max_num_batched_tokens": args.max_num_batched_tokens, "lifetimes": lifetimes,
-                   "seed": args.seed, "quick": args.quick},
+        "config": {
+            "num_blocks": args.num_blocks,
+            "block_size": args.block_size,
+            "pool_slots": args.num_blocks * args.block_size,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "lifetimes": lifetimes,
+            "seed": args.seed,
+            "quick": args.quick,
+        },
         "workloads": results,
         "targets": _targets(results),
         "wall_s": round(time.perf_counter() - started, 2),
@@ -111,30 +127,42 @@ def _run_workload(name: str, args: argparse.Namespace, lifetimes: float) -> dict
     steps = int(lifetimes * workload.output_mean)
     warmup = steps // 10
     stream = RequestStream(workload, args.seed)
-    common = dict(steps=steps, warmup=warmup, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens)
+    common = dict(
+        steps=steps, warmup=warmup, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+    )
     systems = {}
     for system in SYSTEMS:
         progress = _progress_line(name, system)
         if system == "streamd":
-            systems[system] = simulate_streamd(stream, num_blocks=args.num_blocks, block_size=args.block_size,
-                                               progress=progress, **common)
+            systems[system] = simulate_streamd(
+                stream, num_blocks=args.num_blocks, block_size=args.block_size, progress=progress, **common
+            )
         else:
-            systems[system] = simulate_orca(system.removeprefix("orca-"), stream,
-                                            pool_slots=args.num_blocks * args.block_size, progress=progress,
-                                            **common)
+            systems[system] = simulate_orca(
+                system.removeprefix("orca-"),
+                stream,
+                pool_slots=args.num_blocks * args.block_size,
+                progress=progress,
+                **common,
+            )
         progress(1.0)
     prompts, outputs = zip(*(stream[i] for i in range(4096)))
-    return {"input_mean_target": workload.input_mean, "output_mean_target": workload.output_mean,
-            "input_mean": sum(prompts) / len(prompts), "output_mean": sum(outputs) / len(outputs),
-            "steps": steps, "warmup_steps": warmup, "systems": systems}
+    return {
+        "input_mean_target": workload.input_mean,
+        "output_mean_target": workload.output_mean,
+        "input_mean": sum(prompts) / len(prompts),
+        "output_mean": sum(outputs) / len(outputs),
+        "steps": steps,
+        "warmup_steps": warmup,
+        "systems": systems,
+    }
 
 
-def _progress_line(workload: str, system: str):  # noqa: ANN202
+def _progress_line(workload: str, system: str):
     def show(fraction: float) -> None:
         end = "\n" if fraction >= 1.0 else ""
-        print(f"\r[bench memory] {workload:<9} {system:<12} {fraction:6.1%}", end=end, file=sys.stderr,
-              flush=True)
+        print(f"\r[bench memory] {workload:<9} {system:<12} {fraction:6.1%}", end=end, file=sys.stderr, flush=True)
+
     return show
 
 
@@ -145,11 +173,18 @@ def _targets(results: dict[str, dict]) -> dict[str, object]:
         systems = res["systems"]
         share = systems["streamd"]["token_state_share"]
         ratio = systems["streamd"]["batched_requests"] / max(systems["orca-max"]["batched_requests"], 1e-9)
-        per_workload[name] = {"token_state_share": share, "batch_ratio_vs_orca_max": ratio,
-                              "met": share >= TARGET_SHARE and ratio >= TARGET_BATCH_RATIO}
-    report: dict[str, object] = {"workload": TARGET_WORKLOAD, "token_state_share_target": TARGET_SHARE,
-                                 "batch_ratio_target": TARGET_BATCH_RATIO, "per_workload": per_workload,
-                                 "evaluated": TARGET_WORKLOAD in per_workload}
+        per_workload[name] = {
+            "token_state_share": share,
+            "batch_ratio_vs_orca_max": ratio,
+            "met": share >= TARGET_SHARE and ratio >= TARGET_BATCH_RATIO,
+        }
+    report: dict[str, object] = {
+        "workload": TARGET_WORKLOAD,
+        "token_state_share_target": TARGET_SHARE,
+        "batch_ratio_target": TARGET_BATCH_RATIO,
+        "per_workload": per_workload,
+        "evaluated": TARGET_WORKLOAD in per_workload,
+    }
     if TARGET_WORKLOAD in per_workload:
         report.update(per_workload[TARGET_WORKLOAD])
     return report
@@ -157,37 +192,56 @@ def _targets(results: dict[str, dict]) -> dict[str, object]:
 
 def render_markdown(report: dict) -> str:
     cfg = report["config"]
-    lines = [f"# Memory benchmark ({report['date']})", "",
-             f"Pool: {cfg['num_blocks']} blocks x {cfg['block_size']} = {cfg['pool_slots']} KV slots; "
-             f"max_num_seqs {cfg['max_num_seqs']}, max_num_batched_tokens {cfg['max_num_batched_tokens']}; "
-             f"saturated (a backlog always waits); time averages after a 10% warm-up; seed {cfg['seed']}"
-             + (" (QUICK run: not a measurement)" if cfg["quick"] else "") + ".", ""]
+    lines = [
+        f"# Memory benchmark ({report['date']})",
+        "",
+        f"Pool: {cfg['num_blocks']} blocks x {cfg['block_size']} = {cfg['pool_slots']} KV slots; "
+        f"max_num_seqs {cfg['max_num_seqs']}, max_num_batched_tokens {cfg['max_num_batched_tokens']}; "
+        f"saturated (a backlog always waits); time averages after a 10% warm-up; seed {cfg['seed']}"
+        + (" (QUICK run: not a measurement)" if cfg["quick"] else "")
+        + ".",
+        "",
+    ]
     for name, res in report["workloads"].items():
-        lines += [f"## {name}: input mean {res['input_mean']:.1f}, output mean {res['output_mean']:.1f} "
-                  f"({res['steps']} steps)", "",
-                  "| system | token states / reserved | batched requests | x Orca (Max) | pool: tokens "
-                  "| reserved unfilled | internal frag. | free | requests / 1k steps |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [
+            f"## {name}: input mean {res['input_mean']:.1f}, output mean {res['output_mean']:.1f} "
+            f"({res['steps']} steps)",
+            "",
+            "| system | token states / reserved | batched requests | x Orca (Max) | pool: tokens "
+            "| reserved unfilled | internal frag. | free | requests / 1k steps |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
         base = res["systems"]["orca-max"]["batched_requests"]
         for system, r in res["systems"].items():
             pool = r["pool"]
-            lines.append(f"| {_LABELS[system]} | {r['token_state_share']:.1%} | {r['batched_requests']:.2f} "
-                         f"| {r['batched_requests'] / max(base, 1e-9):.2f}x | {pool['token_states']:.1%} "
-                         f"| {pool['reserved_unfilled']:.1%} | {pool['internal_fragmentation']:.1%} "
-                         f"| {pool['free']:.1%} | {r['requests_per_kstep']:.1f} |")
+            lines.append(
+                f"| {_LABELS[system]} | {r['token_state_share']:.1%} | {r['batched_requests']:.2f} "
+                f"| {r['batched_requests'] / max(base, 1e-9):.2f}x | {pool['token_states']:.1%} "
+                f"| {pool['reserved_unfilled']:.1%} | {pool['internal_fragmentation']:.1%} "
+                f"| {pool['free']:.1%} | {r['requests_per_kstep']:.1f} |"
+            )
         ours = res["systems"]["streamd"]
-        lines += ["", f"streamd preempted {ours['preemptions']} times (recompute) and prefilled "
-                      f"{ours['recomputed_tokens']} tokens again.", ""]
-    lines += ["Paper (OPT-13B, ShareGPT; Fig. 2 token states as a share of KV memory, Fig. 13a batched "
-              "requests): vLLM 96.3% / 30.42, Orca (Max) 20.4% / 7.00, Orca (Pow2) 26.8% / 9.81, "
-              "Orca (Oracle) 38.2% / 13.62.", ""]
+        lines += [
+            "",
+            f"streamd preempted {ours['preemptions']} times (recompute) and prefilled "
+            f"{ours['recomputed_tokens']} tokens again.",
+            "",
+        ]
+    lines += [
+        "Paper (OPT-13B, ShareGPT; Fig. 2 token states as a share of KV memory, Fig. 13a batched "
+        "requests): vLLM 96.3% / 30.42, Orca (Max) 20.4% / 7.00, Orca (Pow2) 26.8% / 9.81, "
+        "Orca (Oracle) 38.2% / 13.62.",
+        "",
+    ]
     t = report["targets"]
     for name, w in t["per_workload"].items():
         role = "target" if name == t["workload"] else "for reference"
-        lines.append(f"- {name} ({role}): token-state share {w['token_state_share']:.1%} "
-                     f"(>= {t['token_state_share_target']:.1%}), batched requests "
-                     f"{w['batch_ratio_vs_orca_max']:.2f}x Orca (Max) (>= {t['batch_ratio_target']:.0f}x): "
-                     + ("met" if w["met"] else "not met"))
+        lines.append(
+            f"- {name} ({role}): token-state share {w['token_state_share']:.1%} "
+            f"(>= {t['token_state_share_target']:.1%}), batched requests "
+            f"{w['batch_ratio_vs_orca_max']:.2f}x Orca (Max) (>= {t['batch_ratio_target']:.0f}x): "
+            + ("met" if w["met"] else "not met")
+        )
     return "\n".join(lines) + "\n"
 
 

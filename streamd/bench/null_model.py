@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from streamd.config import Config
-from streamd.engine.worker.executor import Executor
-from streamd.engine.llm_engine import LLMEngine
-from streamd.engine.worker.model_runner import ModelRunner
-from streamd.engine.sample.sampler import PendingSample
-from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.core.scheduler_output import SchedulerOutput
 from streamd.engine.core.sequence import Sequence
+from streamd.engine.llm_engine import LLMEngine
 from streamd.engine.sample.grammar import TokenBitmask
+from streamd.engine.sample.sampler import PendingSample
+from streamd.engine.sampling_params import SamplingParams
+from streamd.engine.worker.executor import Executor
+from streamd.engine.worker.model_runner import ModelRunner
 
 NULL_MODEL = "null"
 
@@ -37,8 +37,9 @@ class NullExecutor:
     def failed(self) -> bool:
         return self.executor.failed
 
-    def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
-                prev_rows: dict[int, int] | None = None) -> torch.Tensor:
+    def execute(
+        self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
+    ) -> torch.Tensor:
         batch = self.runner.prepare(out, prev_tokens, prev_rows)
         return torch.empty((len(batch.sample_idx), 0))
 
@@ -62,8 +63,15 @@ class NullSampler:
         self.vocab_size = vocab_size
         self.generator = torch.Generator().manual_seed(seed)
 
-    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
-                     bitmask: TokenBitmask | None = None, *, owns_logits: bool = False) -> PendingSample:
+    def sample_async(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        params: list[SamplingParams],
+        bitmask: TokenBitmask | None = None,
+        *,
+        owns_logits: bool = False,
+    ) -> PendingSample:
         tokens = torch.randint(self.vocab_size, (logits.shape[0],), generator=self.generator)
         return PendingSample(tokens, tokens, params, 0)
 

@@ -23,9 +23,15 @@ class BenchError(ValueError):
 
 
 def add_out_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", "--out-dir", dest="out", metavar="DIR", default=None,
-                        help="folder for the JSON and markdown report (default: ./benchmarks/results in a "
-                        "checkout, else ./streamd-results)")
+    parser.add_argument(
+        "--out",
+        "--out-dir",
+        dest="out",
+        metavar="DIR",
+        default=None,
+        help="folder for the JSON and markdown report (default: ./benchmarks/results in a "
+        "checkout, else ./streamd-results)",
+    )
 
 
 def add_json_argument(parser: argparse.ArgumentParser) -> None:
@@ -51,8 +57,9 @@ def results_dir(out: str | os.PathLike[str] | None) -> Path:
     else:
         folder = Path(out).expanduser()
     if folder.resolve().is_relative_to(PACKAGE_DIR):
-        raise BenchError(f"--out {str(folder)!r} is inside the streamd package ({PACKAGE_DIR}); "
-                         "give a folder outside it")
+        raise BenchError(
+            f"--out {str(folder)!r} is inside the streamd package ({PACKAGE_DIR}); give a folder outside it"
+        )
     return folder
 
 
@@ -64,8 +71,10 @@ def save_report(report: dict[str, Any], out: str | os.PathLike[str] | None, name
     device = report["device"].replace("NVIDIA ", "").replace(" ", "-").lower()
     stem = folder / f"{name}-{report['date']}-{device}"
     # Names may hold dots ("llama3.2-1b"): append the suffixes, never replace one.
-    for path, text in ((Path(f"{stem}.json"), json.dumps(report, indent=2, default=str) + "\n"),
-                       (Path(f"{stem}.md"), markdown)):
+    for path, text in (
+        (Path(f"{stem}.json"), json.dumps(report, indent=2, default=str) + "\n"),
+        (Path(f"{stem}.md"), markdown),
+    ):
         tmp = Path(f"{path}.tmp")
         tmp.write_text(text)
         os.replace(tmp, path)  # a half-written report never replaces a good one
@@ -78,7 +87,8 @@ def git_commit() -> str:
     if os.environ.get("STREAMD_GIT_COMMIT"):
         return os.environ["STREAMD_GIT_COMMIT"]
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"

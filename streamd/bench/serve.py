@@ -47,4 +47,3 @@ def main(args: argparse.Namespace) -> int:
     print(format_table(result))
     write_json(result, args.json)
     return 0 if result["completed"] else 1
-

@@ -38,30 +38,57 @@ from streamd.bench.report import add_out_argument, git_commit, save_report
 _TICK = os.sysconf("SC_CLK_TCK")
 # Engine settings of both the offline run and the server: a pool that holds every stream of the
 # workload (no preemption), no swap (its start-up measurement is not what is measured here).
-DEFAULT_SETTINGS = ("cache.num_kv_blocks=4096", "cache.num_swap_blocks=0", 'scheduler.preemption_mode="recompute"',
-                    'logging.level="warning"')
+DEFAULT_SETTINGS = (
+    "cache.num_kv_blocks=4096",
+    "cache.num_swap_blocks=0",
+    'scheduler.preemption_mode="recompute"',
+    'logging.level="warning"',
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("offline baseline (starts its own server)")
-    group.add_argument("--offline-baseline", action="store_true",
-                       help="measure offline vs served rate of one engine configuration in one run")
-    group.add_argument("--baseline-model", default=NULL_MODEL,
-                       help="'null' (the benchmark-only null model executor) or a model name/directory")
+    group.add_argument(
+        "--offline-baseline",
+        action="store_true",
+        help="measure offline vs served rate of one engine configuration in one run",
+    )
+    group.add_argument(
+        "--baseline-model",
+        default=NULL_MODEL,
+        help="'null' (the benchmark-only null model executor) or a model name/directory",
+    )
     group.add_argument("--levels", default="64,256", help="concurrency levels, comma-separated")
-    group.add_argument("--rates", default="", help="Poisson arrival rates (requests/s), comma-separated; "
-                       "each is served with --rate-requests requests and compared with the largest level's offline rate")
+    group.add_argument(
+        "--rates",
+        default="",
+        help="Poisson arrival rates (requests/s), comma-separated; "
+        "each is served with --rate-requests requests and compared with the largest level's offline rate",
+    )
     group.add_argument("--rate-requests", type=int, default=512)
     group.add_argument("--transports", default="ws,sse")
     group.add_argument("--repeats", type=int, default=3)
-    group.add_argument("--requests-per-stream", type=int, default=4,
-                       help="requests per concurrent stream in each run (num requests = level x this)")
-    group.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="settings",
-                       help="engine/server setting for both runs (repeatable)")
-    group.add_argument("--layouts", default="thread,split",
-                       help="server layouts, comma-separated: 'thread' (the engine on a thread of the server "
-                       "process), 'process' (the engine in a child process: the issue-9 prototype), 'split' "
-                       "(the same, detokenizing in the server process); each run alternates them")
+    group.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=4,
+        help="requests per concurrent stream in each run (num requests = level x this)",
+    )
+    group.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        dest="settings",
+        help="engine/server setting for both runs (repeatable)",
+    )
+    group.add_argument(
+        "--layouts",
+        default="thread,split",
+        help="server layouts, comma-separated: 'thread' (the engine on a thread of the server "
+        "process), 'process' (the engine in a child process: the issue-9 prototype), 'split' "
+        "(the same, detokenizing in the server process); each run alternates them",
+    )
     add_out_argument(parser)
 
 
@@ -148,9 +175,15 @@ def offline_rate(engine: Any, prompts: list[str], max_tokens: int, concurrency: 
     return tokens / elapsed, cpu / tokens * 1e6
 
 
-async def _served(args: argparse.Namespace, server: ServerProcess, transport: str, concurrency: int | None,
-                  num_requests: int, seed: int, rate: float | None = None
-                  ) -> tuple[dict[str, Any], dict[str, float], float]:
+async def _served(
+    args: argparse.Namespace,
+    server: ServerProcess,
+    transport: str,
+    concurrency: int | None,
+    num_requests: int,
+    seed: int,
+    rate: float | None = None,
+) -> tuple[dict[str, Any], dict[str, float], float]:
     """The served run: `num_requests` of the prompts `seed` makes (the offline run's)."""
     from streamd.bench.load import report, run_load
 
@@ -174,31 +207,34 @@ def main(args: argparse.Namespace) -> int:
     transports = args.transports.split(",")
     engine = build_engine(args.baseline_model, build_config(args.baseline_model, settings))
     heap.settle()  # as the server does after its warm-up: the offline rate pays the same collector
-    servers = {layout: ServerProcess(args.baseline_model, settings, layout)
-               for layout in args.layouts.split(",")}
+    servers = {layout: ServerProcess(args.baseline_model, settings, layout) for layout in args.layouts.split(",")}
     raw: list[ServedRun] = []
     pairs = itertools.count()  # each offline/served pair gets prompts neither engine has seen (no prefix hits)
     try:
-        for repeat in range(args.repeats):
+        for _repeat in range(args.repeats):
             for level in levels:
                 for transport in transports:
-                    for layout, server in servers.items():
+                    for _layout, server in servers.items():
                         seed = args.seed + 1000 * next(pairs)
                         prompts = synthetic_prompts(level * args.requests_per_stream, args.prompt_words, seed)
                         offline, offline_cpu = offline_rate(engine, prompts, args.max_tokens, level)
-                        result, cpu, client_cpu = run_on_uvloop(_served(args, server, transport, level, len(prompts),
-                                                                     seed))
-                        raw.append(_run_record(transport, server, level, None, offline, offline_cpu, result, cpu,
-                                               client_cpu))
+                        result, cpu, client_cpu = run_on_uvloop(
+                            _served(args, server, transport, level, len(prompts), seed)
+                        )
+                        raw.append(
+                            _run_record(transport, server, level, None, offline, offline_cpu, result, cpu, client_cpu)
+                        )
                         print(_line(raw[-1]), flush=True)
             for rate in rates:
                 for transport in transports:
-                    for layout, server in servers.items():
+                    for _layout, server in servers.items():
                         seed = args.seed + 1000 * next(pairs)
-                        result, cpu, client_cpu = run_on_uvloop(_served(args, server, transport, None,
-                                                                     args.rate_requests, seed, rate))
-                        raw.append(_run_record(transport, server, None, rate, offline, offline_cpu, result, cpu,
-                                               client_cpu))
+                        result, cpu, client_cpu = run_on_uvloop(
+                            _served(args, server, transport, None, args.rate_requests, seed, rate)
+                        )
+                        raw.append(
+                            _run_record(transport, server, None, rate, offline, offline_cpu, result, cpu, client_cpu)
+                        )
                         print(_line(raw[-1]), flush=True)
     finally:
         for server in servers.values():
@@ -209,40 +245,85 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_record(transport: str, server: ServerProcess, level: int | None, rate: float | None, offline: float,
-                offline_cpu: float, result: dict[str, Any], cpu: dict[str, float], client_cpu: float) -> ServedRun:
+def _run_record(
+    transport: str,
+    server: ServerProcess,
+    level: int | None,
+    rate: float | None,
+    offline: float,
+    offline_cpu: float,
+    result: dict[str, Any],
+    cpu: dict[str, float],
+    client_cpu: float,
+) -> ServedRun:
     tokens = max(1, result["output_tokens"])
     served = result["output_token_throughput"]
-    return ServedRun(transport, server.layout, server.engine_pid != server.proc.pid, level, rate, offline, served, served / offline, result["ttft_s"]["p50"],
-                     result["ttft_s"]["p99"], result["itl_s"]["p50"], result["itl_s"]["p99"],
-                     cpu["process"] / tokens * 1e6, cpu["engine"] / tokens * 1e6, cpu["loop"] / tokens * 1e6,
-                     client_cpu / tokens * 1e6, offline_cpu, result["failed"], result["errors"])
+    return ServedRun(
+        transport,
+        server.layout,
+        server.engine_pid != server.proc.pid,
+        level,
+        rate,
+        offline,
+        served,
+        served / offline,
+        result["ttft_s"]["p50"],
+        result["ttft_s"]["p99"],
+        result["itl_s"]["p50"],
+        result["itl_s"]["p99"],
+        cpu["process"] / tokens * 1e6,
+        cpu["engine"] / tokens * 1e6,
+        cpu["loop"] / tokens * 1e6,
+        client_cpu / tokens * 1e6,
+        offline_cpu,
+        result["failed"],
+        result["errors"],
+    )
 
 
 def _line(run: ServedRun) -> str:
     load = f"c={run.concurrency}" if run.rate is None else f"rate={run.rate:g}/s"
-    return (f"{run.transport:>4} {run.layout:<7} {load:<10} offline {run.offline_tok_s:8.0f} tok/s  served "
-            f"{run.served_tok_s:8.0f} tok/s  ratio {run.ratio:.2f}  server {run.server_cpu_us_per_token:.1f} µs/tok "
-            f"(engine {run.engine_cpu_us_per_token:.1f}, loop {run.loop_cpu_us_per_token:.1f})  client "
-            f"{run.client_cpu_us_per_token:.1f} µs/tok  failed {run.failed}")
+    return (
+        f"{run.transport:>4} {run.layout:<7} {load:<10} offline {run.offline_tok_s:8.0f} tok/s  served "
+        f"{run.served_tok_s:8.0f} tok/s  ratio {run.ratio:.2f}  server {run.server_cpu_us_per_token:.1f} µs/tok "
+        f"(engine {run.engine_cpu_us_per_token:.1f}, loop {run.loop_cpu_us_per_token:.1f})  client "
+        f"{run.client_cpu_us_per_token:.1f} µs/tok  failed {run.failed}"
+    )
 
 
 def _summary(args: argparse.Namespace, raw: list[ServedRun]) -> dict[str, Any]:
     runs = []
     for key in dict.fromkeys((r.transport, r.layout, r.concurrency, r.rate) for r in raw):
         group = [asdict(r) for r in raw if (r.transport, r.layout, r.concurrency, r.rate) == key]
-        median = {k: (statistics.median(g[k] for g in group) if isinstance(group[0][k], (int, float))
-                      and not isinstance(group[0][k], bool) and all(g[k] is not None for g in group)
-                      else group[0][k]) for k in group[0]}
+        median = {
+            k: (
+                statistics.median(g[k] for g in group)
+                if isinstance(group[0][k], (int, float))
+                and not isinstance(group[0][k], bool)
+                and all(g[k] is not None for g in group)
+                else group[0][k]
+            )
+            for k in group[0]
+        }
         runs.append(median)
-    return {"benchmark": "serve --offline-baseline", "model": args.baseline_model,
-            "model_note": "null = benchmark-only executor: no forward pass, uniform random tokens of the real "
-                          "vocabulary; everything else real" if args.baseline_model == NULL_MODEL else "",
-            "device": _device_name(), "cpu_cores": os.cpu_count(), "date": datetime.date.today().isoformat(),
-            "git_commit": git_commit(), "max_tokens": args.max_tokens, "prompt_words": args.prompt_words,
-            "repeats": args.repeats, "statistic": "median of repeats",
-            "runs": runs,
-            "raw": [asdict(r) for r in raw]}
+    return {
+        "benchmark": "serve --offline-baseline",
+        "model": args.baseline_model,
+        "model_note": "null = benchmark-only executor: no forward pass, uniform random tokens of the real "
+        "vocabulary; everything else real"
+        if args.baseline_model == NULL_MODEL
+        else "",
+        "device": _device_name(),
+        "cpu_cores": os.cpu_count(),
+        "date": datetime.date.today().isoformat(),
+        "git_commit": git_commit(),
+        "max_tokens": args.max_tokens,
+        "prompt_words": args.prompt_words,
+        "repeats": args.repeats,
+        "statistic": "median of repeats",
+        "runs": runs,
+        "raw": [asdict(r) for r in raw],
+    }
 
 
 def _device_name() -> str:
@@ -254,20 +335,27 @@ def _device_name() -> str:
 
 
 def _markdown(report: dict[str, Any]) -> str:
-    lines = [f"# streamd bench serve --offline-baseline ({report['date']}, {report['device']}, "
-             f"commit {report['git_commit']})", "",
-             f"Model: `{report['model']}`. {report['model_note']}", "",
-             f"{report['max_tokens']} output tokens per request, median of {report['repeats']} runs.", "",
-             "| transport | layout | load | offline tok/s | served tok/s | served/offline | TTFT p50/p99 ms | "
-             "ITL p50/p99 ms | server µs/tok (engine, loop) | client µs/tok | offline µs/tok |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# streamd bench serve --offline-baseline ({report['date']}, {report['device']}, "
+        f"commit {report['git_commit']})",
+        "",
+        f"Model: `{report['model']}`. {report['model_note']}",
+        "",
+        f"{report['max_tokens']} output tokens per request, median of {report['repeats']} runs.",
+        "",
+        "| transport | layout | load | offline tok/s | served tok/s | served/offline | TTFT p50/p99 ms | "
+        "ITL p50/p99 ms | server µs/tok (engine, loop) | client µs/tok | offline µs/tok |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in report["runs"]:
         ms = lambda v: "-" if v is None else f"{v * 1000:.1f}"  # noqa: E731
         load = f"{r['concurrency']} streams" if r["rate"] is None else f"Poisson {r['rate']:g}/s"
-        lines.append(f"| {r['transport']} | {r['layout']} | {load} | {r['offline_tok_s']:.0f} | "
-                     f"{r['served_tok_s']:.0f} | "
-                     f"{r['ratio']:.2f} | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])} | {ms(r['itl_p50_s'])} / "
-                     f"{ms(r['itl_p99_s'])} | {r['server_cpu_us_per_token']:.1f} ({r['engine_cpu_us_per_token']:.1f}, "
-                     f"{r['loop_cpu_us_per_token']:.1f}) | {r['client_cpu_us_per_token']:.1f} | "
-                     f"{r['offline_cpu_us_per_token']:.1f} |")
+        lines.append(
+            f"| {r['transport']} | {r['layout']} | {load} | {r['offline_tok_s']:.0f} | "
+            f"{r['served_tok_s']:.0f} | "
+            f"{r['ratio']:.2f} | {ms(r['ttft_p50_s'])} / {ms(r['ttft_p99_s'])} | {ms(r['itl_p50_s'])} / "
+            f"{ms(r['itl_p99_s'])} | {r['server_cpu_us_per_token']:.1f} ({r['engine_cpu_us_per_token']:.1f}, "
+            f"{r['loop_cpu_us_per_token']:.1f}) | {r['client_cpu_us_per_token']:.1f} | "
+            f"{r['offline_cpu_us_per_token']:.1f} |"
+        )
     return "\n".join(lines) + "\n"

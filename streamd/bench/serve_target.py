@@ -24,7 +24,6 @@ from streamd.engine.client.engine_process import ProcessEngine
 from streamd.engine.llm_engine import LLMEngine
 from streamd.server.serve import configure_server_logging, engine_for, http_server, run_on_uvloop
 
-
 LAYOUTS = ("thread", "process", "split")
 WARM_UP_TIMEOUT_S = 120.0  # the warm-up is one token; the model is loaded before
 
@@ -48,8 +47,9 @@ def build_engine(model: str, config: Config) -> LLMEngine:
 
 async def serve(model: str, config: Config, layout: str = "thread") -> int:
     if layout == "process":  # the output processor stays in the engine's process
-        engine: AsyncEngine = ProcessEngine(build_engine, model, config, outputs="engine",
-                                            batches_ahead=config.server.engine_batches_ahead)
+        engine: AsyncEngine = ProcessEngine(
+            build_engine, model, config, outputs="engine", batches_ahead=config.server.engine_batches_ahead
+        )
     else:  # as `streamd serve` builds it (`server.engine_process` set from the layout in build_config)
         engine = engine_for(config, build_engine, model, config)
     server = http_server(config, engine)

@@ -20,22 +20,32 @@ from __future__ import annotations
 
 import argparse
 import random
-from typing import Callable
+from collections.abc import Callable
 
 from streamd.bench.simulate import Progress
 from streamd.bench.workloads import MAX_SEQ_LEN, RequestStream, Workload
 from streamd.config import SchedulerConfig
 from streamd.engine.core.block_manager import BlockManager
-from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.core.scheduler import Scheduler
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.sampling_params import SamplingParams
 
 _ID_STRIDE = 4096  # token ids of request i start at i * _ID_STRIDE: no prefix shared across requests
 
 
-def simulate_sharing(stream: RequestStream, mode: str, width: int, steps: int, warmup: int, num_blocks: int,
-                     block_size: int, max_num_seqs: int, max_num_batched_tokens: int, seed: int,
-                     progress: Progress) -> dict[str, object]:
+def simulate_sharing(
+    stream: RequestStream,
+    mode: str,
+    width: int,
+    steps: int,
+    warmup: int,
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    seed: int,
+    progress: Progress,
+) -> dict[str, object]:
     """One saturated run; `mode` is "parallel" (n = width) or "beam" (beam width = width)."""
     bm = BlockManager(num_blocks, block_size, num_swap_blocks=0)
     sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, "recompute"), bm, MAX_SEQ_LEN)
@@ -47,8 +57,11 @@ def simulate_sharing(stream: RequestStream, mode: str, width: int, steps: int, w
         while sched.num_waiting < 8:  # a backlog: memory, not arrivals, is the limit
             prompt_len, output_len = stream[next_req]
             base = next_req * _ID_STRIDE
-            params = (SamplingParams(use_beam_search=True, beam_width=width, max_tokens=output_len) if mode == "beam"
-                      else SamplingParams(n=width, max_tokens=output_len))
+            params = (
+                SamplingParams(use_beam_search=True, beam_width=width, max_tokens=output_len)
+                if mode == "beam"
+                else SamplingParams(n=width, max_tokens=output_len)
+            )
             group = SequenceGroup(str(next_req), [Sequence(list(range(base, base + prompt_len)))], params)
             output_lens[group.request_id] = output_len
             sched.add_seq_group(group)
@@ -65,8 +78,13 @@ def simulate_sharing(stream: RequestStream, mode: str, width: int, steps: int, w
             del output_lens[group.request_id]
         if step % every == 0:
             progress(step / steps)
-    return {"mode": mode, "width": width, "blocks_used": used / max(1, steps - warmup),
-            "blocks_unshared": unshared / max(1, steps - warmup), "saving": 1 - used / max(1, unshared)}
+    return {
+        "mode": mode,
+        "width": width,
+        "blocks_used": used / max(1, steps - warmup),
+        "blocks_unshared": unshared / max(1, steps - warmup),
+        "saving": 1 - used / max(1, unshared),
+    }
 
 
 def _advance(sched: Scheduler, group: SequenceGroup, mode: str, output_len: int, rng: random.Random) -> None:
@@ -92,8 +110,9 @@ WIDTHS = (2, 4, 6)
 SHARING_WORKLOADS = ("alpaca", "sharegpt")
 
 
-def run_sharing(args: argparse.Namespace, workloads: dict[str, Workload],
-                progress_line: Callable[[str, str], Progress]) -> dict[str, object]:
+def run_sharing(
+    args: argparse.Namespace, workloads: dict[str, Workload], progress_line: Callable[[str, str], Progress]
+) -> dict[str, object]:
     """Every (workload, mode, width) run; the report (without writing it)."""
     lifetimes = 1.0 if args.quick else args.sharing_lifetimes
     results: dict[str, list[dict[str, object]]] = {}
@@ -104,33 +123,63 @@ def run_sharing(args: argparse.Namespace, workloads: dict[str, Workload],
         for mode in ("parallel", "beam"):
             for width in WIDTHS:
                 progress = progress_line(name, f"{mode}-{width}")
-                runs.append(simulate_sharing(RequestStream(workload, args.seed), mode, width, steps, steps // 10,
-                                             args.num_blocks, args.block_size, args.max_num_seqs,
-                                             args.max_num_batched_tokens, args.seed, progress))
+                runs.append(
+                    simulate_sharing(
+                        RequestStream(workload, args.seed),
+                        mode,
+                        width,
+                        steps,
+                        steps // 10,
+                        args.num_blocks,
+                        args.block_size,
+                        args.max_num_seqs,
+                        args.max_num_batched_tokens,
+                        args.seed,
+                        progress,
+                    )
+                )
                 progress(1.0)
         results[name] = runs
-    return {"benchmark": "memory-sharing", "config": {"num_blocks": args.num_blocks, "block_size": args.block_size,
-                                                      "lifetimes": lifetimes, "seed": args.seed, "quick": args.quick},
-            "workloads": results, "paper_alpaca": PAPER_ALPACA}
+    return {
+        "benchmark": "memory-sharing",
+        "config": {
+            "num_blocks": args.num_blocks,
+            "block_size": args.block_size,
+            "lifetimes": lifetimes,
+            "seed": args.seed,
+            "quick": args.quick,
+        },
+        "workloads": results,
+        "paper_alpaca": PAPER_ALPACA,
+    }
 
 
 def render_sharing(report: dict) -> str:
     cfg = report["config"]
-    lines = [f"# Memory saved by sharing ({report['date']}, {report['device']}, commit {report['commit']})", "",
-             f"Block-manager level (no model): the real Scheduler and BlockManager, {cfg['num_blocks']} blocks x "
-             f"{cfg['block_size']} tokens, saturated, {cfg['lifetimes']} mean output lengths per run, seed "
-             f"{cfg['seed']}" + (" (QUICK run: not a measurement)" if cfg["quick"] else "") + ". Saving = 1 - "
-             "blocks in use / blocks the same sequences would hold without sharing (the paper's Fig. 15).", "",
-             "| workload | mode | width | blocks used | blocks without sharing | saving | paper (Alpaca) |",
-             "|---|---|---:|---:|---:|---:|---|"]
+    lines = [
+        f"# Memory saved by sharing ({report['date']}, {report['device']}, commit {report['commit']})",
+        "",
+        f"Block-manager level (no model): the real Scheduler and BlockManager, {cfg['num_blocks']} blocks x "
+        f"{cfg['block_size']} tokens, saturated, {cfg['lifetimes']} mean output lengths per run, seed "
+        f"{cfg['seed']}" + (" (QUICK run: not a measurement)" if cfg["quick"] else "") + ". Saving = 1 - "
+        "blocks in use / blocks the same sequences would hold without sharing (the paper's Fig. 15).",
+        "",
+        "| workload | mode | width | blocks used | blocks without sharing | saving | paper (Alpaca) |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
     for name, runs in report["workloads"].items():
         for r in runs:
             paper = report["paper_alpaca"][r["mode"]] if name == "alpaca" else ""
-            lines.append(f"| {name} | {r['mode']} | {r['width']} | {r['blocks_used']:.1f} | "
-                         f"{r['blocks_unshared']:.1f} | {r['saving']:.1%} | {paper} |")
-    lines += ["", "Simulated beam rows: parents drawn uniformly (neutral selection), applied by the engine's "
-                  "own fork/free path (`Scheduler.replace_beams`); a model's scores concentrate parents on fewer "
-                  "beams, which shares longer prefixes (see the engine rows, when measured)."]
+            lines.append(
+                f"| {name} | {r['mode']} | {r['width']} | {r['blocks_used']:.1f} | "
+                f"{r['blocks_unshared']:.1f} | {r['saving']:.1%} | {paper} |"
+            )
+    lines += [
+        "",
+        "Simulated beam rows: parents drawn uniformly (neutral selection), applied by the engine's "
+        "own fork/free path (`Scheduler.replace_beams`); a model's scores concentrate parents on fewer "
+        "beams, which shares longer prefixes (see the engine rows, when measured).",
+    ]
     if report.get("engine_beams"):
         lines += render_engine_beams(report["engine_beams"])
     return "\n".join(lines) + "\n"
@@ -138,14 +187,21 @@ def render_sharing(report: dict) -> str:
 
 def render_engine_beams(engine: dict) -> list[str]:
     """The markdown of `sharing_engine.measure_engine_beams`' runs."""
-    lines = ["", f"## The engine's beam search ({engine['model']}, CPU)", "",
-             f"The real engine (`use_beam_search`, early_stopping false, length_penalty 1) on {engine['requests']} "
-             "Alpaca-like instructions at once, max_tokens drawn from the Alpaca-like output lengths, prefix "
-             "caching off (only sharing within a request counts): the model's scores pick the parents. Blocks "
-             "counted after every step, averaged over the run.", "",
-             "| width | steps | blocks used | blocks without sharing | saving | paper (Alpaca) |",
-             "|---:|---:|---:|---:|---:|---|"]
+    lines = [
+        "",
+        f"## The engine's beam search ({engine['model']}, CPU)",
+        "",
+        f"The real engine (`use_beam_search`, early_stopping false, length_penalty 1) on {engine['requests']} "
+        "Alpaca-like instructions at once, max_tokens drawn from the Alpaca-like output lengths, prefix "
+        "caching off (only sharing within a request counts): the model's scores pick the parents. Blocks "
+        "counted after every step, averaged over the run.",
+        "",
+        "| width | steps | blocks used | blocks without sharing | saving | paper (Alpaca) |",
+        "|---:|---:|---:|---:|---:|---|",
+    ]
     for r in engine["runs"]:
-        lines.append(f"| {r['width']} | {r['steps']} | {r['blocks_used']:.1f} | {r['blocks_unshared']:.1f} | "
-                     f"{r['saving']:.1%} | {PAPER_ALPACA['beam']} |")
+        lines.append(
+            f"| {r['width']} | {r['steps']} | {r['blocks_used']:.1f} | {r['blocks_unshared']:.1f} | "
+            f"{r['saving']:.1%} | {PAPER_ALPACA['beam']} |"
+        )
     return lines

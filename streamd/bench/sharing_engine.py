@@ -9,7 +9,7 @@ and the blocks the same beams would hold without sharing (each beam's own table)
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from streamd.bench.sharing import WIDTHS
 from streamd.bench.simulate import Progress
@@ -19,21 +19,29 @@ from streamd.llm import LLM
 
 # Short instructions in the style of the Alpaca data set (written here; no data set is downloaded).
 INSTRUCTIONS = (
-    "Give three tips for staying healthy.", "What are the three primary colors?",
-    "Describe the structure of an atom.", "How can we reduce air pollution?",
-    "Explain why the sky is blue.", "Write a short story about a lost key.",
-    "Generate a list of five fruits.", "Summarize the water cycle in two sentences.",
-    "Translate 'thank you' into French.", "Suggest a name for a coffee shop.",
-    "What is the difference between weather and climate?", "Give an example of a renewable energy source.",
-    "Explain what a noun is.", "Write a haiku about autumn.",
-    "List three benefits of reading books.", "Describe a sunset in one sentence.",
+    "Give three tips for staying healthy.",
+    "What are the three primary colors?",
+    "Describe the structure of an atom.",
+    "How can we reduce air pollution?",
+    "Explain why the sky is blue.",
+    "Write a short story about a lost key.",
+    "Generate a list of five fruits.",
+    "Summarize the water cycle in two sentences.",
+    "Translate 'thank you' into French.",
+    "Suggest a name for a coffee shop.",
+    "What is the difference between weather and climate?",
+    "Give an example of a renewable energy source.",
+    "Explain what a noun is.",
+    "Write a haiku about autumn.",
+    "List three benefits of reading books.",
+    "Describe a sunset in one sentence.",
 )
 
 
-def measure_engine_beams(workload: Workload, seed: int, progress_line: Callable[[str, str], Progress],
-                         num_blocks: int = 4096) -> dict[str, object]:
-    llm = LLM(device="cpu", dtype="float32", num_kv_blocks=num_blocks, num_swap_blocks=0,
-              enable_prefix_caching=False)
+def measure_engine_beams(
+    workload: Workload, seed: int, progress_line: Callable[[str, str], Progress], num_blocks: int = 4096
+) -> dict[str, object]:
+    llm = LLM(device="cpu", dtype="float32", num_kv_blocks=num_blocks, num_swap_blocks=0, enable_prefix_caching=False)
     engine, bm = llm.engine, llm.engine.block_manager
     stream = RequestStream(workload, seed)
     prompts = [engine.apply_chat_template([{"role": "user", "content": text}]) for text in INSTRUCTIONS]
@@ -41,8 +49,7 @@ def measure_engine_beams(workload: Workload, seed: int, progress_line: Callable[
     for width in WIDTHS:
         progress = progress_line("engine", f"beam-{width}")
         for i, ids in enumerate(prompts):
-            params = SamplingParams(use_beam_search=True, beam_width=width, max_tokens=stream[i][1],
-                                    detokenize=False)
+            params = SamplingParams(use_beam_search=True, beam_width=width, max_tokens=stream[i][1], detokenize=False)
             engine.add_request(f"beam{width}-{i}", None, params, prompt_token_ids=ids)
         used = unshared = steps = 0
         while engine.has_unfinished_requests():
@@ -52,6 +59,13 @@ def measure_engine_beams(workload: Workload, seed: int, progress_line: Callable[
             unshared += sum(len(seq.block_table) for group in engine.scheduler.running for seq in group.seqs)
             progress(min(0.99, steps / max(stream[i][1] for i in range(len(prompts)))))
         progress(1.0)
-        runs.append({"width": width, "steps": steps, "blocks_used": used / steps, "blocks_unshared": unshared / steps,
-                     "saving": 1 - used / max(1, unshared)})
+        runs.append(
+            {
+                "width": width,
+                "steps": steps,
+                "blocks_used": used / steps,
+                "blocks_unshared": unshared / steps,
+                "saving": 1 - used / max(1, unshared),
+            }
+        )
     return {"model": engine.model_name, "requests": len(prompts), "runs": runs}

@@ -10,15 +10,15 @@ Both record, per step, the requests batched and how the pool's slots are used.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from streamd.bench.workloads import MAX_SEQ_LEN, RequestStream
 from streamd.config import SchedulerConfig
 from streamd.engine.core.block_manager import BlockManager
-from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.core.scheduler import Scheduler
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.sampling_params import SamplingParams
 
 Progress = Callable[[float], None]
 _PARAMS = SamplingParams(max_tokens=None)
@@ -63,8 +63,16 @@ class Meter:
         }
 
 
-def simulate_streamd(stream: RequestStream, steps: int, warmup: int, num_blocks: int, block_size: int,
-                     max_num_seqs: int, max_num_batched_tokens: int, progress: Progress) -> dict[str, object]:
+def simulate_streamd(
+    stream: RequestStream,
+    steps: int,
+    warmup: int,
+    num_blocks: int,
+    block_size: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    progress: Progress,
+) -> dict[str, object]:
     bm = BlockManager(num_blocks, block_size, num_swap_blocks=0)
     sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, "recompute"), bm, MAX_SEQ_LEN)
     meter, completed, next_req = Meter(num_blocks * block_size), 0, 0
@@ -98,8 +106,9 @@ def simulate_streamd(stream: RequestStream, steps: int, warmup: int, num_blocks:
         if step % every == 0:
             progress(step / steps)
     stats = sched.stats()
-    return meter.result("streamd", completed, preemptions=stats.preemptions_recompute,
-                        recomputed_tokens=stats.recomputed_tokens)
+    return meter.result(
+        "streamd", completed, preemptions=stats.preemptions_recompute, recomputed_tokens=stats.recomputed_tokens
+    )
 
 
 class FirstFit:
@@ -153,8 +162,16 @@ class _Reserved:
     generated: int = 0
 
 
-def simulate_orca(policy: str, stream: RequestStream, steps: int, warmup: int, pool_slots: int,
-                  max_num_seqs: int, max_num_batched_tokens: int, progress: Progress) -> dict[str, object]:
+def simulate_orca(
+    policy: str,
+    stream: RequestStream,
+    steps: int,
+    warmup: int,
+    pool_slots: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    progress: Progress,
+) -> dict[str, object]:
     pool, running = FirstFit(pool_slots), []
     meter, completed, next_req = Meter(pool_slots), 0, 0
     every = max(1, steps // 20)

@@ -19,23 +19,39 @@ from pathlib import Path
 from typing import Any
 
 from streamd.bench.hf_peer import run_continuous_batching
-from streamd.bench.workloads import TokenWorkload
 from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
+from streamd.bench.workloads import TokenWorkload
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "llama3.2-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
-                        head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True),
-    "smollm2-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                         head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),
+    "llama3.2-1b": dict(
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
+    "smollm2-135m": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        head_dim=64,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),
 }
 
 
-def random_workload(vocab: int, num_requests: int = 256, lo: int = 100, hi: int = 1024,
-                    seed: int = 0) -> TokenWorkload:
+def random_workload(vocab: int, num_requests: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0) -> TokenWorkload:
     rng = random.Random(seed)
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
-    return TokenWorkload(f"random-{num_requests}x[{lo},{hi}]", prompts,
-                         [rng.randint(lo, hi) for _ in range(num_requests)])
+    return TokenWorkload(
+        f"random-{num_requests}x[{lo},{hi}]", prompts, [rng.randint(lo, hi) for _ in range(num_requests)]
+    )
 
 
 def shared_prefix_workload(vocab: int, num_requests: int = 256, prefix: int = 500, seed: int = 0) -> TokenWorkload:
@@ -54,6 +70,7 @@ def model_config(shape: str, max_len: int = 4096):
 
 
 # ---- measured ceilings ------------------------------------------------------------------------------
+
 
 def measure_ceilings() -> dict[str, float]:
     import torch
@@ -74,8 +91,15 @@ def roofline_tok_s(config: Any, work: TokenWorkload, ceilings: dict[str, float],
     matrix rate; the step costs the larger of the two. Requests run `max_num_seqs` at a time, FCFS."""
     h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
     kv_heads, head_dim = config.num_key_value_heads, config.head_dim
-    params = layers * (2 * h * config.num_attention_heads * head_dim + 2 * h * kv_heads * head_dim
-                       + 3 * h * config.intermediate_size) + vocab * h
+    params = (
+        layers
+        * (
+            2 * h * config.num_attention_heads * head_dim
+            + 2 * h * kv_heads * head_dim
+            + 3 * h * config.intermediate_size
+        )
+        + vocab * h
+    )
     weight_bytes = 2 * params
     kv_bytes_per_token = 2 * layers * 2 * kv_heads * head_dim
     bw, rate = ceilings["hbm_bytes_per_s"], ceilings["bf16_flop_per_s"]
@@ -83,7 +107,7 @@ def roofline_tok_s(config: Any, work: TokenWorkload, ceilings: dict[str, float],
     seconds = 2 * params * prefill_tokens / rate
     live = sorted(zip((len(p) for p in work.prompts), work.output_lens), key=lambda x: x[1])
     for start in range(0, len(live), max_num_seqs):
-        wave = live[start:start + max_num_seqs]
+        wave = live[start : start + max_num_seqs]
         for step in range(max(o for _, o in wave)):
             running = [(p, o) for p, o in wave if o > step]
             kv = sum(p + step for p, _ in running) * kv_bytes_per_token
@@ -93,6 +117,7 @@ def roofline_tok_s(config: Any, work: TokenWorkload, ceilings: dict[str, float],
 
 
 # ---- the three engines ------------------------------------------------------------------------------
+
 
 def run_streamd(config: Any, work: TokenWorkload, progress: Any, **overrides: Any) -> dict[str, float]:
     from streamd import LLM, SamplingParams
@@ -107,8 +132,12 @@ def run_streamd(config: Any, work: TokenWorkload, progress: Any, **overrides: An
     arrival: dict[str, float] = {}
     for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
         arrival[str(i)] = time.monotonic()
-        engine.add_request(str(i), prompt, SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False,
-                                                          temperature=0.0), arrival_time=arrival[str(i)])
+        engine.add_request(
+            str(i),
+            prompt,
+            SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, temperature=0.0),
+            arrival_time=arrival[str(i)],
+        )
     ttft: list[float] = []
     while engine.has_unfinished_requests():
         for delta in engine.step():
@@ -120,9 +149,13 @@ def run_streamd(config: Any, work: TokenWorkload, progress: Any, **overrides: An
     stats = engine.stats()
     del llm, engine
     _free_cuda()
-    return {"tok_s": work.output_tokens / seconds, "seconds": seconds, "median_ttft_s": statistics.median(ttft),
-            "prefix_cache_hit_tokens": stats.kv.prefix_hit_tokens,
-            "preemptions": stats.scheduler.preemptions_swap + stats.scheduler.preemptions_recompute}
+    return {
+        "tok_s": work.output_tokens / seconds,
+        "seconds": seconds,
+        "median_ttft_s": statistics.median(ttft),
+        "prefix_cache_hit_tokens": stats.kv.prefix_hit_tokens,
+        "preemptions": stats.scheduler.preemptions_swap + stats.scheduler.preemptions_recompute,
+    }
 
 
 def run_hf_continuous(config: Any, work: TokenWorkload, progress: Any) -> dict[str, float]:
@@ -148,13 +181,19 @@ def run_hf_static(config: Any, work: TokenWorkload, progress: Any, batch: int = 
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     start = time.perf_counter()
     for i in range(0, len(work.prompts), batch):
-        prompts, lens = work.prompts[i:i + batch], work.output_lens[i:i + batch]
+        prompts, lens = work.prompts[i : i + batch], work.output_lens[i : i + batch]
         width = max(map(len, prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device="cuda")
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device="cuda")
         with torch.inference_mode():  # a static batch runs until its longest request is done
-            model.generate(ids, attention_mask=mask, max_new_tokens=max(lens), min_new_tokens=max(lens),
-                           do_sample=False, pad_token_id=0)
+            model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(lens),
+                min_new_tokens=max(lens),
+                do_sample=False,
+                pad_token_id=0,
+            )
         progress.update(len(prompts))
     seconds = time.perf_counter() - start
     del model
@@ -173,25 +212,45 @@ def _free_cuda() -> None:
 
 # ---- entry point ------------------------------------------------------------------------------------
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto",
-                        help="cuda: random weights of named shapes; cpu: the default model, CPU-sized workload "
-                        "(auto: cuda when available)")
+    parser.add_argument(
+        "--device",
+        choices=("auto", "cuda", "cpu"),
+        default="auto",
+        help="cuda: random weights of named shapes; cpu: the default model, CPU-sized workload "
+        "(auto: cuda when available)",
+    )
     parser.add_argument("--shapes", default="llama3.2-1b,smollm2-135m", help="CUDA: comma-separated model shapes")
     parser.add_argument("--num-requests", type=int, default=None, help="default: 256 on CUDA, 32 on CPU")
     parser.add_argument("--peers", default="hf_cb,hf_static", help="CUDA: comma-separated: hf_cb, hf_static (or none)")
-    parser.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="CUDA: also run the shared-prefix workload with caching on and off")
-    parser.add_argument("--prefix-lens", default="500,2048",
-                        help="CUDA: system-prompt lengths of the shared-prefix runs (comma-separated)")
+    parser.add_argument(
+        "--prefix-cache",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CUDA: also run the shared-prefix workload with caching on and off",
+    )
+    parser.add_argument(
+        "--prefix-lens",
+        default="500,2048",
+        help="CUDA: system-prompt lengths of the shared-prefix runs (comma-separated)",
+    )
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="CPU: weights' dtype")
     parser.add_argument("--repeats", type=int, default=3, help="CPU: alternating rounds (the median is reported)")
-    parser.add_argument("--contention", action=argparse.BooleanOptionalAction, default=True,
-                        help="CPU: also run while a process this benchmark starts keeps one core busy")
+    parser.add_argument(
+        "--contention",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="CPU: also run while a process this benchmark starts keeps one core busy",
+    )
     parser.add_argument("--threads", type=int, default=0, help="CPU: torch threads (0: one per usable core)")
     add_out_argument(parser)
-    parser.add_argument("--merge", metavar="JSON", help="CUDA: an earlier report of the same device and day whose "
-                        "runs of other shapes (and prefix-cache entry) are kept, for results gathered over several runs")
+    parser.add_argument(
+        "--merge",
+        metavar="JSON",
+        help="CUDA: an earlier report of the same device and day whose "
+        "runs of other shapes (and prefix-cache entry) are kept, for results gathered over several runs",
+    )
 
 
 def main(args: argparse.Namespace) -> int:
@@ -215,8 +274,13 @@ def _cuda_main(args: argparse.Namespace) -> int:
     ceilings = measure_ceilings()
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     report: dict[str, Any] = {
-        "date": dt.date.today().isoformat(), "git_commit": git_commit(), "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__, "ceilings": ceilings, "runs": []}
+        "date": dt.date.today().isoformat(),
+        "git_commit": git_commit(),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "ceilings": ceilings,
+        "runs": [],
+    }
     if args.merge and Path(args.merge).is_file():
         earlier = json.loads(Path(args.merge).read_text())
         shapes = set(args.shapes.split(","))
@@ -228,8 +292,12 @@ def _cuda_main(args: argparse.Namespace) -> int:
             raise BenchError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")
         config = model_config(shape)
         work = random_workload(config.vocab_size, num_requests)
-        run: dict[str, Any] = {"model_shape": shape, "workload": work.name, "output_tokens": work.output_tokens,
-                               "roofline_tok_s": roofline_tok_s(config, work, ceilings)}
+        run: dict[str, Any] = {
+            "model_shape": shape,
+            "workload": work.name,
+            "output_tokens": work.output_tokens,
+            "roofline_tok_s": roofline_tok_s(config, work, ceilings),
+        }
         total = len(work.prompts) * (1 + len(peers))
         with tqdm(total=total, desc=f"{shape}", unit="req") as bar:
             run["streamd"] = run_streamd(config, work, bar)
@@ -258,32 +326,51 @@ def prefix_cache_run(shape: str, num_requests: int, prefix: int) -> dict[str, An
     with tqdm(total=2 * num_requests, desc=f"prefix {prefix} cache on/off", unit="req") as bar:
         on = run_streamd(config, work, bar, enable_prefix_caching=True)
         off = run_streamd(config, work, bar, enable_prefix_caching=False)
-    return {"model_shape": shape, "workload": work.name, "tok_s_on": on["tok_s"], "tok_s_off": off["tok_s"],
-            "median_ttft_on_s": on["median_ttft_s"], "median_ttft_off_s": off["median_ttft_s"],
-            "hit_tokens_on": on["prefix_cache_hit_tokens"], "tok_s_ratio": on["tok_s"] / off["tok_s"],
-            "median_ttft_ratio": off["median_ttft_s"] / on["median_ttft_s"]}
+    return {
+        "model_shape": shape,
+        "workload": work.name,
+        "tok_s_on": on["tok_s"],
+        "tok_s_off": off["tok_s"],
+        "median_ttft_on_s": on["median_ttft_s"],
+        "median_ttft_off_s": off["median_ttft_s"],
+        "hit_tokens_on": on["prefix_cache_hit_tokens"],
+        "tok_s_ratio": on["tok_s"] / off["tok_s"],
+        "median_ttft_ratio": off["median_ttft_s"] / on["median_ttft_s"],
+    }
 
 
 def summary_markdown(report: dict[str, Any]) -> str:
     c = report["ceilings"]
-    lines = [f"# Throughput, {report['device']}, {report['date']} (commit {report['git_commit']})", "",
-             f"Measured ceilings: HBM {c['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
-             f"{c['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s.", "",
-             "| shape | streamd tok/s | HF CB tok/s | HF static tok/s | roofline tok/s | vs HF CB | of roofline |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Throughput, {report['device']}, {report['date']} (commit {report['git_commit']})",
+        "",
+        f"Measured ceilings: HBM {c['hbm_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matmul "
+        f"{c['bf16_flop_per_s'] / 1e12:.0f} TFLOP/s.",
+        "",
+        "| shape | streamd tok/s | HF CB tok/s | HF static tok/s | roofline tok/s | vs HF CB | of roofline |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for run in report["runs"]:
         cb = run.get("hf_cb_tok_s")
-        lines.append(f"| {run['model_shape']} | {run['streamd_tok_s']:.0f} | {cb or float('nan'):.0f} | "
-                     f"{run.get('hf_static_tok_s') or float('nan'):.0f} | {run['roofline_tok_s']:.0f} | "
-                     f"{(run['streamd_tok_s'] / cb) if cb else float('nan'):.1f}x | "
-                     f"{100 * run['streamd_tok_s'] / run['roofline_tok_s']:.0f}% |")
+        lines.append(
+            f"| {run['model_shape']} | {run['streamd_tok_s']:.0f} | {cb or float('nan'):.0f} | "
+            f"{run.get('hf_static_tok_s') or float('nan'):.0f} | {run['roofline_tok_s']:.0f} | "
+            f"{(run['streamd_tok_s'] / cb) if cb else float('nan'):.1f}x | "
+            f"{100 * run['streamd_tok_s'] / run['roofline_tok_s']:.0f}% |"
+        )
     if report.get("prefix_cache"):
-        lines += ["", "| prefix caching, workload | tok/s on | tok/s off | throughput | median TTFT on s | "
-                  "median TTFT off s | TTFT lower by |", "|---|---|---|---|---|---|---|"]
+        lines += [
+            "",
+            "| prefix caching, workload | tok/s on | tok/s off | throughput | median TTFT on s | "
+            "median TTFT off s | TTFT lower by |",
+            "|---|---|---|---|---|---|---|",
+        ]
         for p in report["prefix_cache"]:
-            lines.append(f"| {p['workload']} | {p['tok_s_on']:.0f} | {p['tok_s_off']:.0f} | "
-                         f"{p['tok_s_on'] / p['tok_s_off']:.2f}x | {p['median_ttft_on_s']:.3f} | "
-                         f"{p['median_ttft_off_s']:.3f} | {p['median_ttft_off_s'] / p['median_ttft_on_s']:.2f}x |")
+            lines.append(
+                f"| {p['workload']} | {p['tok_s_on']:.0f} | {p['tok_s_off']:.0f} | "
+                f"{p['tok_s_on'] / p['tok_s_off']:.2f}x | {p['median_ttft_on_s']:.3f} | "
+                f"{p['median_ttft_off_s']:.3f} | {p['median_ttft_off_s'] / p['median_ttft_on_s']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 

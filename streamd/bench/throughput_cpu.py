@@ -16,11 +16,12 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from streamd.bench.report import BenchError, git_commit, results_dir, save_report
 from streamd.bench.hf_peer import run_continuous_batching
+from streamd.bench.report import BenchError, git_commit, results_dir, save_report
 from streamd.bench.workloads import TokenWorkload
 
 BUSY_LOOP = "while True: pass"
@@ -42,11 +43,15 @@ def cpu_workload(vocab: int, settings: CpuBenchSettings, seed: int = 0) -> Token
     rng = random.Random(seed)
     lo, hi = max(1, settings.prompt_len - 16), settings.prompt_len + 16
     prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(settings.num_requests)]
-    return TokenWorkload(f"random-{settings.num_requests}x[{lo},{hi}]->{settings.output_len}", prompts,
-                    [settings.output_len] * settings.num_requests)
+    return TokenWorkload(
+        f"random-{settings.num_requests}x[{lo},{hi}]->{settings.output_len}",
+        prompts,
+        [settings.output_len] * settings.num_requests,
+    )
 
 
 # ---- the three engines, each loaded once and run several times ----------------------------------------
+
 
 class StreamdRunner:
     name = "streamd"
@@ -63,8 +68,9 @@ class StreamdRunner:
 
         start = time.perf_counter()
         for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
-            self.engine.add_request(f"b{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False,
-                                                                    temperature=0.0))
+            self.engine.add_request(
+                f"b{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, temperature=0.0)
+            )
         while self.engine.has_unfinished_requests():
             self.engine.step()
         return time.perf_counter() - start
@@ -118,8 +124,9 @@ class HfStaticRunner:
         n = max(work.output_lens)
         start = time.perf_counter()
         with torch.inference_mode():
-            self.model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                                pad_token_id=0)
+            self.model.generate(
+                ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0
+            )
         return time.perf_counter() - start
 
     def ttft(self, prompt: list[int]) -> float:
@@ -135,6 +142,7 @@ class HfStaticRunner:
 
 # ---- the measurement --------------------------------------------------------------------------------
 
+
 def alternate(runners: list[Any], work: TokenWorkload, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
     """`repeats` rounds, each running every engine once in turn; medians and ratios to streamd."""
     seconds: dict[str, list[float]] = {r.name: [] for r in runners}
@@ -146,8 +154,11 @@ def alternate(runners: list[Any], work: TokenWorkload, repeats: int, log: Callab
     result: dict[str, Any] = {}
     result["load_average_after"] = os.getloadavg()[0]
     for name, values in seconds.items():
-        result[name] = {"seconds": values, "tok_s": [work.output_tokens / s for s in values],
-                        "median_tok_s": work.output_tokens / statistics.median(values)}
+        result[name] = {
+            "seconds": values,
+            "tok_s": [work.output_tokens / s for s in values],
+            "median_tok_s": work.output_tokens / statistics.median(values),
+        }
     for name in seconds:
         if name != "streamd":
             result[f"streamd_vs_{name}"] = result["streamd"]["median_tok_s"] / result[name]["median_tok_s"]
@@ -159,8 +170,9 @@ def busy_core() -> subprocess.Popen[bytes]:
     return subprocess.Popen([sys.executable, "-c", BUSY_LOOP])
 
 
-def measure_ttft(streamd: StreamdRunner, hf: HfStaticRunner, prompt_len: int, repeats: int,
-                 vocab: int) -> dict[str, Any]:
+def measure_ttft(
+    streamd: StreamdRunner, hf: HfStaticRunner, prompt_len: int, repeats: int, vocab: int
+) -> dict[str, Any]:
     """Median seconds to the first token of a fresh `prompt_len`-token prompt, streamd and one transformers
     forward alternating (after one warm-up each); fresh tokens every time, so no prefix-cache hit."""
     rng = random.Random(1)
@@ -189,10 +201,19 @@ def run_cpu_benchmark(settings: CpuBenchSettings, log: Callable[[str], None] = p
     work = cpu_workload(vocab, settings)
     runners[0].run(cpu_workload(vocab, CpuBenchSettings(num_requests=4, output_len=4), seed=9))  # warm-up
     report: dict[str, Any] = {
-        "date": dt.date.today().isoformat(), "git_commit": git_commit(), "device": "cpu",
-        "cpu": cpu_model_name() or platform.processor() or platform.machine(), "usable_cores": usable_cores(), "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__, "dtype": settings.dtype, "workload": work.name,
-        "output_tokens": work.output_tokens, "repeats": settings.repeats, "load_average_before": os.getloadavg()[0]}
+        "date": dt.date.today().isoformat(),
+        "git_commit": git_commit(),
+        "device": "cpu",
+        "cpu": cpu_model_name() or platform.processor() or platform.machine(),
+        "usable_cores": usable_cores(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "dtype": settings.dtype,
+        "workload": work.name,
+        "output_tokens": work.output_tokens,
+        "repeats": settings.repeats,
+        "load_average_before": os.getloadavg()[0],
+    }
     log(f"machine as found ({work.name}, {settings.dtype}, {torch.get_num_threads()} threads)")
     report["idle"] = alternate(runners, work, settings.repeats, log)
     if settings.contention:
@@ -209,24 +230,33 @@ def run_cpu_benchmark(settings: CpuBenchSettings, log: Callable[[str], None] = p
 
 
 def summary_markdown(report: dict[str, Any]) -> str:
-    lines = [f"# Throughput on CPU, {report['date']} (commit {report['git_commit']})", "",
-             f"{report['cpu']}, {report['usable_cores']} usable cores, torch {report['torch']} with "
-             f"{report['torch_threads']} threads, {report['dtype']}. Default model (SmolLM2-135M-Instruct), "
-             f"workload {report['workload']} ({report['output_tokens']} output tokens), greedy, EOS ignored. "
-             f"Median of {report['repeats']} alternating runs.", "",
-             "| machine | streamd tok/s | HF continuous batching tok/s | HF static tok/s | vs HF CB | vs HF static "
-             "| load avg after |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Throughput on CPU, {report['date']} (commit {report['git_commit']})",
+        "",
+        f"{report['cpu']}, {report['usable_cores']} usable cores, torch {report['torch']} with "
+        f"{report['torch_threads']} threads, {report['dtype']}. Default model (SmolLM2-135M-Instruct), "
+        f"workload {report['workload']} ({report['output_tokens']} output tokens), greedy, EOS ignored. "
+        f"Median of {report['repeats']} alternating runs.",
+        "",
+        "| machine | streamd tok/s | HF continuous batching tok/s | HF static tok/s | vs HF CB | vs HF static "
+        "| load avg after |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for label, key in (("as found", "idle"), ("+ a process keeping one core busy", "contention")):
         if key in report:
             r = report[key]
-            lines.append(f"| {label} | {r['streamd']['median_tok_s']:.1f} | {r['hf_cb']['median_tok_s']:.1f} | "
-                         f"{r['hf_static']['median_tok_s']:.1f} | {r['streamd_vs_hf_cb']:.2f}x | "
-                         f"{r['streamd_vs_hf_static']:.2f}x | {r.get('load_average_after', float('nan')):.1f} |")
+            lines.append(
+                f"| {label} | {r['streamd']['median_tok_s']:.1f} | {r['hf_cb']['median_tok_s']:.1f} | "
+                f"{r['hf_static']['median_tok_s']:.1f} | {r['streamd_vs_hf_cb']:.2f}x | "
+                f"{r['streamd_vs_hf_static']:.2f}x | {r.get('load_average_after', float('nan')):.1f} |"
+            )
     t = report["ttft"]
-    lines += ["", f"Time to first token of a {t['prompt_tokens']}-token prompt: streamd {t['streamd_s'] * 1000:.0f} ms, "
-              f"one plain transformers forward {t['hf_forward_s'] * 1000:.0f} ms "
-              f"({t['streamd_vs_hf_forward']:.2f}x)."]
+    lines += [
+        "",
+        f"Time to first token of a {t['prompt_tokens']}-token prompt: streamd {t['streamd_s'] * 1000:.0f} ms, "
+        f"one plain transformers forward {t['hf_forward_s'] * 1000:.0f} ms "
+        f"({t['streamd_vs_hf_forward']:.2f}x).",
+    ]
     return "\n".join(lines) + "\n"
 
 
@@ -237,8 +267,13 @@ def main(args: argparse.Namespace) -> int:
     if args.num_requests is not None and args.num_requests < 1:
         raise BenchError(f"--num-requests must be >= 1, got {args.num_requests}")
     out = results_dir(args.out)  # checked before minutes of measuring
-    settings = CpuBenchSettings(dtype=args.dtype, num_requests=args.num_requests or 32, repeats=args.repeats,
-                                contention=args.contention, num_threads=args.threads)
+    settings = CpuBenchSettings(
+        dtype=args.dtype,
+        num_requests=args.num_requests or 32,
+        repeats=args.repeats,
+        contention=args.contention,
+        num_threads=args.threads,
+    )
     report = run_cpu_benchmark(settings, log=lambda line: print(line, file=sys.stderr, flush=True))
     markdown = summary_markdown(report)
     stem = save_report(report, out, "throughput", markdown)

@@ -34,11 +34,11 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def _clipped_lognormal(np, z, mu: float, sigma: float, cap):  # noqa: ANN001 (numpy passed in lazily)
+def _clipped_lognormal(np, z, mu: float, sigma: float, cap):
     return np.clip(np.rint(np.exp(mu + sigma * z)), 1, cap).astype(np.int64)
 
 
-def _fit_mu(np, z, sigma: float, target_mean: float, cap) -> float:  # noqa: ANN001
+def _fit_mu(np, z, sigma: float, target_mean: float, cap) -> float:
     """mu such that the clipped sample's mean is the target (bisection; the mean grows with mu)."""
     lo, hi = -5.0, 12.0
     for _ in range(60):
@@ -65,7 +65,7 @@ class RequestStream:
             self._draw_chunk(len(self._prompts) // _CHUNK)
         return self._prompts[index], self._outputs[index]
 
-    def _fit(self, np) -> tuple[float, float]:  # noqa: ANN001
+    def _fit(self, np) -> tuple[float, float]:
         if self._mu is None:
             rng = np.random.default_rng([self.seed, 0])
             zi, zo = rng.standard_normal(_FIT_SAMPLES), rng.standard_normal(_FIT_SAMPLES)
@@ -83,8 +83,7 @@ class RequestStream:
         rng = np.random.default_rng([self.seed, 1 + chunk])
         w = self.workload
         prompts = _clipped_lognormal(np, rng.standard_normal(_CHUNK), mu_in, w.input_sigma, MAX_PROMPT_LEN)
-        outputs = _clipped_lognormal(np, rng.standard_normal(_CHUNK), mu_out, w.output_sigma,
-                                     MAX_SEQ_LEN - prompts)
+        outputs = _clipped_lognormal(np, rng.standard_normal(_CHUNK), mu_out, w.output_sigma, MAX_SEQ_LEN - prompts)
         self._prompts.extend(prompts.tolist())
         self._outputs.extend(outputs.tolist())
 

@@ -44,8 +44,7 @@ class Link:
         self.ws: ClientConnection | None = None
 
     async def open(self) -> None:
-        self.ws = await connect(self.url, subprotocols=[SUBPROTOCOL], additional_headers=self.headers,
-                                max_size=None)
+        self.ws = await connect(self.url, subprotocols=[SUBPROTOCOL], additional_headers=self.headers, max_size=None)
 
     async def reopen(self) -> bool:
         for delay in RECONNECT_DELAYS_S:
@@ -88,8 +87,11 @@ async def _chat(args: argparse.Namespace) -> int:
         finally:
             await link.close()
     except InvalidStatus as exc:
-        print(f"streamd chat: the server refused the connection ({exc.response.status_code}): "
-              f"{exc.response.body.decode(errors='replace')}", file=sys.stderr)
+        print(
+            f"streamd chat: the server refused the connection ({exc.response.status_code}): "
+            f"{exc.response.body.decode(errors='replace')}",
+            file=sys.stderr,
+        )
         return 1
     except OSError as exc:
         print(f"streamd chat: cannot connect to {args.url}: {exc}", file=sys.stderr)
@@ -123,8 +125,9 @@ async def _conversation(ws: Link, args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": answer})
 
 
-async def _answer(ws: Link, request_id: str, messages: list[dict[str, str]],
-                  args: argparse.Namespace) -> tuple[str, bool]:
+async def _answer(
+    ws: Link, request_id: str, messages: list[dict[str, str]], args: argparse.Namespace
+) -> tuple[str, bool]:
     params = {"max_tokens": args.max_tokens, "temperature": args.temperature}
     await ws.send({"type": "generate", "id": request_id, "messages": messages, "params": params})
     loop = asyncio.get_running_loop()
@@ -174,8 +177,7 @@ async def _print_stream(ws: Link, request_id: str) -> tuple[str, bool]:
             end = time.perf_counter()
             rate = (tokens - 1) / (end - first) if first and tokens > 1 and end > first else 0.0
             ttft = f"{(first - sent) * 1000:.0f} ms" if first else "-"
-            print(f"\n[{frame['finish_reason']} · TTFT {ttft} · {rate:.1f} tok/s · {tokens} tokens]",
-                  file=sys.stderr)
+            print(f"\n[{frame['finish_reason']} · TTFT {ttft} · {rate:.1f} tok/s · {tokens} tokens]", file=sys.stderr)
             return "".join(pieces), frame["finish_reason"] != "error"
 
 

@@ -28,9 +28,9 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 _HOST = "127.0.0.1"
 ROUTER_POLICIES = ("cache_aware", "round_robin")
@@ -60,10 +60,23 @@ def router_command(port: int, metrics_port: int, replica_ports: list[int], polic
     binary = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
     if not Path(binary).exists():
         raise SystemExit("streamd cluster needs the router: pip install vllm-router")
-    return [binary, "--host", _HOST, "--port", str(port), "--policy", policy, "--prometheus-host", _HOST,
-            "--prometheus-port", str(metrics_port),
-            "--health-check-endpoint", "/ready", "--worker-urls",
-            *[f"http://{_HOST}:{p}" for p in replica_ports]]
+    return [
+        binary,
+        "--host",
+        _HOST,
+        "--port",
+        str(port),
+        "--policy",
+        policy,
+        "--prometheus-host",
+        _HOST,
+        "--prometheus-port",
+        str(metrics_port),
+        "--health-check-endpoint",
+        "/ready",
+        "--worker-urls",
+        *[f"http://{_HOST}:{p}" for p in replica_ports],
+    ]
 
 
 def nginx_config(front_port: int, router_port: int, replica_ports: list[int], workdir: Path) -> str:
@@ -105,8 +118,9 @@ http {{
 
 
 @contextlib.contextmanager
-def running_cluster(spec: ClusterSpec, ready_timeout_s: float = 300.0,
-                    log_dir: Path | None = None) -> Iterator[ClusterSpec]:
+def running_cluster(
+    spec: ClusterSpec, ready_timeout_s: float = 300.0, log_dir: Path | None = None
+) -> Iterator[ClusterSpec]:
     """Starts the replicas, waits until each `/ready`, then the router and nginx; stops all on exit."""
     processes: list[subprocess.Popen[bytes]] = []
     workdir = Path(tempfile.mkdtemp(prefix="streamd-cluster-"))  # nginx's config and temp files
@@ -127,8 +141,9 @@ def running_cluster(spec: ClusterSpec, ready_timeout_s: float = 300.0,
         nginx = shutil.which("nginx") or "/usr/sbin/nginx"
         if not Path(nginx).exists():
             raise SystemExit("streamd cluster needs nginx for WebSockets: apt-get install nginx-light")
-        (workdir / "nginx.conf").write_text(nginx_config(spec.front_port, spec.router_port, spec.replica_ports,
-                                                         workdir))
+        (workdir / "nginx.conf").write_text(
+            nginx_config(spec.front_port, spec.router_port, spec.replica_ports, workdir)
+        )
         start("nginx", [nginx, "-c", str(workdir / "nginx.conf"), "-p", str(workdir)])
         wait_ready(f"http://{_HOST}:{spec.front_port}/v1/models", deadline, processes)
         yield spec
@@ -144,10 +159,12 @@ def wait_ready(url: str, deadline: float, processes: list[subprocess.Popen[bytes
         dead = [p.args for p in processes if p.poll() is not None]
         if dead:
             raise RuntimeError(f"cluster process exited during start-up: {dead[0]}")
-        with contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError):
-            with urllib.request.urlopen(url, timeout=2) as response:
-                if response.status == 200:
-                    return
+        with (
+            contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
+            urllib.request.urlopen(url, timeout=2) as response,
+        ):
+            if response.status == 200:
+                return
         if time.monotonic() > deadline:
             raise TimeoutError(f"{url} not ready in time")
         time.sleep(0.2)  # polling a process we do not control, with a deadline
@@ -172,8 +189,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-metrics-port", type=int, default=8002, help="the router's Prometheus exporter")
     parser.add_argument("--first-replica-port", type=int, default=8010)
     parser.add_argument("--policy", choices=ROUTER_POLICIES, default="cache_aware", help="vllm-router's policy")
-    parser.add_argument("serve_args", nargs=argparse.REMAINDER,
-                        help="after --: arguments for every `streamd serve` (e.g. -- --set cache.num_kv_blocks=512)")
+    parser.add_argument(
+        "serve_args",
+        nargs=argparse.REMAINDER,
+        help="after --: arguments for every `streamd serve` (e.g. -- --set cache.num_kv_blocks=512)",
+    )
 
 
 def cluster_main(args: argparse.Namespace) -> int:
@@ -182,14 +202,24 @@ def cluster_main(args: argparse.Namespace) -> int:
         print("--replicas must be >= 1", file=sys.stderr)
         return 2
     serve_args = [a for a in args.serve_args if a != "--"]
-    spec = ClusterSpec(args.replicas, args.port, args.router_port, args.router_metrics_port, args.first_replica_port,
-                       args.policy, serve_args)
+    spec = ClusterSpec(
+        args.replicas,
+        args.port,
+        args.router_port,
+        args.router_metrics_port,
+        args.first_replica_port,
+        args.policy,
+        serve_args,
+    )
     signal.signal(signal.SIGTERM, _interrupt)  # `docker stop` / kill: stop the children as Ctrl-C does
     logs = Path(tempfile.mkdtemp(prefix="streamd-cluster-logs-"))
     print(f"streamd cluster: logs in {logs}", flush=True)
     with contextlib.suppress(KeyboardInterrupt), running_cluster(spec, log_dir=logs):
-        print(f"streamd cluster: {spec.replicas} replicas on ports {spec.replica_ports}; router ({spec.policy}) "
-              f"on {spec.router_port}; front door http://{_HOST}:{spec.front_port} (ws://.../v1/stream)", flush=True)
+        print(
+            f"streamd cluster: {spec.replicas} replicas on ports {spec.replica_ports}; router ({spec.policy}) "
+            f"on {spec.router_port}; front door http://{_HOST}:{spec.front_port} (ws://.../v1/stream)",
+            flush=True,
+        )
         while True:
             signal.pause()
     return 0

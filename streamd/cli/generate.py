@@ -20,13 +20,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Generate text from the command line with the offline engine."""
+    from streamd.engine.sampling_params import SamplingParams
     from streamd.llm import LLM
     from streamd.logs import configure_logging
-    from streamd.engine.sampling_params import SamplingParams
 
     configure_logging()
-    overrides = {k: v for k, v in (("device", args.device), ("dtype", args.dtype), ("num_threads", args.threads))
-                 if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("device", args.device), ("dtype", args.dtype), ("num_threads", args.threads))
+        if v is not None
+    }
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
     llm = LLM(args.model, config_path=args.config, **overrides)
     if args.chat:

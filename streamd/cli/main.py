@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
-from typing import Callable
+from collections.abc import Callable
 
 # subcommand -> (module, function adding its arguments, function running it). Modules named here import
 # nothing heavy at top level (torch, transformers load only when a command runs), so `--help` is instant.
@@ -21,13 +21,12 @@ COMMANDS: dict[str, tuple[str, str, str]] = {
 
 EXAMPLES: dict[str, str] = {
     "generate": 'streamd generate --max-tokens 32 "Once upon a time"\n'
-                '  streamd generate --chat --temperature 0.7 --seed 1 "What is PagedAttention?"',
+    '  streamd generate --chat --temperature 0.7 --seed 1 "What is PagedAttention?"',
     "serve": "streamd serve --port 8000 --set cache.block_size=32\n"
-             "  streamd serve --config config/streamd.toml --model /path/to/hf-model-dir",
+    "  streamd serve --config config/streamd.toml --model /path/to/hf-model-dir",
     "chat": "streamd chat                      # the server of the config/environment (default 127.0.0.1:8000)\n"
-            '  streamd chat --port 9000 --prompt "Say hi in French."',
-    "bench": "streamd bench throughput --device cpu --out benchmarks/results\n"
-             "  streamd bench memory --quick",
+    '  streamd chat --port 9000 --prompt "Say hi in French."',
+    "bench": "streamd bench throughput --device cpu --out benchmarks/results\n  streamd bench memory --quick",
     "cluster": "streamd cluster --replicas 2 -- --set cache.num_kv_blocks=512",
 }
 
@@ -39,11 +38,16 @@ def build_parser() -> argparse.ArgumentParser:
     for name, (module_name, add_args, run) in COMMANDS.items():
         module = importlib.import_module(module_name)
         doc = getattr(module, run).__doc__ or module.__doc__ or name
-        command = sub.add_parser(name, help=doc.strip().splitlines()[0], description=doc.strip(),
-                                 epilog=f"example:\n  {EXAMPLES[name]}",
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-        command.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
-                             help="show the full traceback of an error")
+        command = sub.add_parser(
+            name,
+            help=doc.strip().splitlines()[0],
+            description=doc.strip(),
+            epilog=f"example:\n  {EXAMPLES[name]}",
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        command.add_argument(
+            "--debug", action="store_true", default=argparse.SUPPRESS, help="show the full traceback of an error"
+        )
         getattr(module, add_args)(command)
     return parser
 
@@ -56,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
         return func(args) or 0
     except KeyboardInterrupt:
         return 130
-    except Exception as exc:  # noqa: BLE001 - every error becomes one line unless --debug
+    except Exception as exc:
         if args.debug:
             raise
         return report_error(args.command, exc)

@@ -15,12 +15,17 @@ from streamd.config import Config, ConfigError
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", help="model directory, Hub id already in the local cache, or GGUF file "
-                        "(default: SmolLM2-135M-Instruct)")
+    parser.add_argument(
+        "--model",
+        help="model directory, Hub id already in the local cache, or GGUF file (default: SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--host", help="address to listen on (default from config: 127.0.0.1)")
     parser.add_argument("--port", type=int, help="port to listen on (default from config: 8000; 0 picks one)")
-    parser.add_argument("--tp", type=int, help="tensor parallel size: ranks (processes) the model is split over "
-                        "(default from config: 1)")
+    parser.add_argument(
+        "--tp",
+        type=int,
+        help="tensor parallel size: ranks (processes) the model is split over (default from config: 1)",
+    )
     _add_config_arguments(parser)
 
 
@@ -28,8 +33,15 @@ def serve_main(args: argparse.Namespace) -> int:
     """Serve the model over HTTP (OpenAI-compatible) and WebSocket."""
     from streamd.server.serve import configure_server_logging, run_server
 
-    config = _load(args, {"model.name": args.model, "server.host": args.host, "server.port": args.port,
-                          "parallel.tensor_parallel_size": args.tp})
+    config = _load(
+        args,
+        {
+            "model.name": args.model,
+            "server.host": args.host,
+            "server.port": args.port,
+            "parallel.tensor_parallel_size": args.tp,
+        },
+    )
     check_port_free(config.server.host, config.server.port)  # before the model loads, not after
     configure_server_logging(config)
     return run_server(config)
@@ -53,12 +65,16 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--url", help="the server's WebSocket URL (default: ws://HOST:PORT/v1/stream from the "
-                        "config, environment and --host/--port, as `streamd serve` reads them)")
+    parser.add_argument(
+        "--url",
+        help="the server's WebSocket URL (default: ws://HOST:PORT/v1/stream from the "
+        "config, environment and --host/--port, as `streamd serve` reads them)",
+    )
     parser.add_argument("--host", help="the server's address (default from config: 127.0.0.1)")
     parser.add_argument("--port", type=int, help="the server's port (default from config: 8000)")
-    parser.add_argument("--api-key", help="API key (default: STREAMD_API_KEY, else the config's first "
-                        "server.api_keys entry)")
+    parser.add_argument(
+        "--api-key", help="API key (default: STREAMD_API_KEY, else the config's first server.api_keys entry)"
+    )
     parser.add_argument("--system", help="a system message")
     parser.add_argument("--prompt", help="send one message, print the answer and exit")
     parser.add_argument("--max-tokens", type=int, default=512)
@@ -92,8 +108,13 @@ def chat_url(config: Config) -> str:
 
 def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="a streamd.toml file")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="override any config key, e.g. --set server.api_keys=k1,k2 (repeatable)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override any config key, e.g. --set server.api_keys=k1,k2 (repeatable)",
+    )
 
 
 def _load(args: argparse.Namespace, flags: dict[str, Any]) -> Config:

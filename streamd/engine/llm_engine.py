@@ -21,31 +21,31 @@ import torch
 from transformers import PretrainedConfig
 
 from streamd.config import Config
-from streamd.engine.sample.beam_search import BeamRows, BeamSearch, Candidate, PendingCandidates, select_candidates
 from streamd.engine.core.block_manager import BlockManager
-from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
-from streamd.engine.output.chat_template import chat_template_ids
-from streamd.engine.worker.cpu_threads import apply_num_threads
-from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
-from streamd.engine.worker.executor import Executor, LocalExecutor
-from streamd.engine.worker.fusion import fuse_layers
-from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from streamd.engine.worker.cuda_graphs import capture_sizes
 from streamd.engine.core.deadlines import Deadline, Deadlines
-from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
-from streamd.engine.output.output_processor import OutputProcessor
-from streamd.engine.outputs import FinishReason, RequestDelta, RequestUpdate, SeqUpdate
-from streamd.engine.worker.parallel.executor import TensorParallelExecutor
-from streamd.engine.worker.parallel.workers import WorkerPool, start_tensor_parallel
-from streamd.engine.worker.preemption_costs import cost_model
-from streamd.engine.sample.sampler import PendingSample, Sampler
-from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.core.scheduler import Scheduler
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.core.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
-from streamd.engine.stats import EngineStats
 from streamd.engine.core.stop_checker import StopChecker
+from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
+from streamd.engine.output.chat_template import chat_template_ids
+from streamd.engine.output.output_processor import OutputProcessor
+from streamd.engine.outputs import FinishReason, RequestDelta, RequestUpdate, SeqUpdate
+from streamd.engine.sample.beam_search import BeamRows, BeamSearch, Candidate, PendingCandidates, select_candidates
 from streamd.engine.sample.grammar import GrammarCompiler, GrammarMatchers
+from streamd.engine.sample.sampler import PendingSample, Sampler
+from streamd.engine.sampling_params import SamplingParams
+from streamd.engine.stats import EngineStats
+from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
+from streamd.engine.worker.cpu_threads import apply_num_threads
+from streamd.engine.worker.cuda_graphs import capture_sizes
+from streamd.engine.worker.executor import Executor, LocalExecutor
+from streamd.engine.worker.fusion import fuse_layers
+from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
+from streamd.engine.worker.parallel.executor import TensorParallelExecutor
+from streamd.engine.worker.parallel.workers import WorkerPool, start_tensor_parallel
+from streamd.engine.worker.preemption_costs import cost_model
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -81,8 +81,9 @@ class _InFlight:
 
 
 class LLMEngine:
-    def __init__(self, config: Config, loaded: LoadedModel, device: torch.device,
-                 workers: WorkerPool | None = None) -> None:
+    def __init__(
+        self, config: Config, loaded: LoadedModel, device: torch.device, workers: WorkerPool | None = None
+    ) -> None:
         """`workers`: the other tensor-parallel ranks (then `loaded` is shard 0 of the model)."""
         self.config = config
         self.device = device
@@ -100,10 +101,18 @@ class LLMEngine:
         self.runner.bind_kv_cache(self.cache.kv_cache)
         if device.type == "cuda" and not config.model.enforce_eager and workers is None:
             self.runner.capture_cuda_graphs(config.scheduler.max_num_seqs, self.max_model_len)
-        self.executor: Executor = (LocalExecutor(self.runner, self.cache) if workers is None
-                                   else TensorParallelExecutor(self.runner, self.cache, workers))
-        self.block_manager = BlockManager(num_blocks, cache_cfg.block_size, self.cache.num_swap_blocks,
-                                          cache_cfg.watermark, cache_cfg.enable_prefix_caching)
+        self.executor: Executor = (
+            LocalExecutor(self.runner, self.cache)
+            if workers is None
+            else TensorParallelExecutor(self.runner, self.cache, workers)
+        )
+        self.block_manager = BlockManager(
+            num_blocks,
+            cache_cfg.block_size,
+            self.cache.num_swap_blocks,
+            cache_cfg.watermark,
+            cache_cfg.enable_prefix_caching,
+        )
         self.eos_token_ids = _eos_token_ids(loaded)
         self.sampler = Sampler(vocab, self.eos_token_ids, seed=config.model.seed)
         self.grammars: GrammarMatchers | None = None  # made by the first constrained request (costs ~1 s)
@@ -111,8 +120,9 @@ class LLMEngine:
         self.stop_checker = StopChecker(self.eos_token_ids, self.max_model_len)
         costs = None
         if config.scheduler.preemption_mode != "recompute" and self.cache.num_swap_blocks:
-            costs = cost_model(self.cache, self.executor, self.runner, self.max_model_len,
-                               Path(config.model.cache_dir).expanduser())
+            costs = cost_model(
+                self.cache, self.executor, self.runner, self.max_model_len, Path(config.model.cache_dir).expanduser()
+            )
         self.scheduler = Scheduler(config.scheduler, self.block_manager, self.max_model_len, costs)
         self.output_processor = OutputProcessor(self.tokenizer)
         self._groups: dict[str, SequenceGroup] = {}
@@ -135,8 +145,9 @@ class LLMEngine:
         if config.parallel.tensor_parallel_size > 1:
             loaded, workers = start_tensor_parallel(config, model_config, device, dtype)
         else:
-            loaded = load_model(model_config or config.model.name, dtype, device, config.model.cache_dir,
-                                config.model.seed)
+            loaded = load_model(
+                model_config or config.model.name, dtype, device, config.model.cache_dir, config.model.seed
+            )
         engine = cls(config, loaded, device, workers)
         if device.type == "cuda":
             engine.warm_up()
@@ -162,8 +173,15 @@ class LLMEngine:
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         return chat_template_ids(self.tokenizer, messages)
 
-    def add_request(self, request_id: str, prompt: str | list[int] | None, params: SamplingParams, *,
-                    prompt_token_ids: list[int] | None = None, arrival_time: float | None = None) -> list[int]:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        arrival_time: float | None = None,
+    ) -> list[int]:
         """Admits a request (or raises a RequestError saying why not); returns its prompt token ids."""
         if request_id in self._groups:
             raise RequestError(f"request_id {request_id!r} is already in flight")
@@ -173,8 +191,13 @@ class LLMEngine:
         if params.detokenize and self.tokenizer is None:
             raise RequestError("this model has no tokenizer: set detokenize=False and send token ids")
         self._check_lengths(ids, params)
-        group = SequenceGroup(request_id, [Sequence(prompt_token_ids=ids)], params, prompt=text,
-                              arrival_time=arrival_time if arrival_time is not None else time.monotonic())
+        group = SequenceGroup(
+            request_id,
+            [Sequence(prompt_token_ids=ids)],
+            params,
+            prompt=text,
+            arrival_time=arrival_time if arrival_time is not None else time.monotonic(),
+        )
         self._add_matchers(group)
         try:
             self.scheduler.add_seq_group(group)
@@ -185,8 +208,9 @@ class LLMEngine:
         self.deadlines.add(request_id, group.arrival_time, params)
         if params.use_beam_search:
             room = self.max_model_len - len(ids)
-            self._beams[request_id] = BeamSearch.create(params, self.eos_token_ids,
-                                                        min(params.max_tokens or room, room))
+            self._beams[request_id] = BeamSearch.create(
+                params, self.eos_token_ids, min(params.max_tokens or room, room)
+            )
         self.output_processor.add_request(request_id, ids, params, group.arrival_time)
         self._num_serial += params.needs_host_tokens
         return ids
@@ -201,10 +225,10 @@ class LLMEngine:
         with self._grammars_lock:
             if self.grammars is None:
                 if self.tokenizer is None or not self.eos_token_ids:
-                    raise RequestError("structured_outputs needs a tokenizer and an end-of-sequence token; "
-                                       "this model lacks one")
-                self.grammars = GrammarMatchers(GrammarCompiler(self.tokenizer, self.vocab_size,
-                                                                self.eos_token_ids))
+                    raise RequestError(
+                        "structured_outputs needs a tokenizer and an end-of-sequence token; this model lacks one"
+                    )
+                self.grammars = GrammarMatchers(GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids))
             return self.grammars
 
     def _add_matchers(self, group: SequenceGroup) -> None:
@@ -272,8 +296,9 @@ class LLMEngine:
 
     def has_runnable_work(self) -> bool:
         """Whether a step now can make progress (False while every live request is paused)."""
-        return bool(self._pending) or self._inflight is not None or self.executor.failed \
-            or self.scheduler.has_runnable()
+        return (
+            bool(self._pending) or self._inflight is not None or self.executor.failed or self.scheduler.has_runnable()
+        )
 
     @property
     def next_deadline(self) -> float | None:
@@ -284,8 +309,9 @@ class LLMEngine:
         return head.at if head is not None else None
 
     def stats(self) -> EngineStats:
-        return EngineStats(self.block_manager.stats(), self.scheduler.stats(), len(self._groups),
-                           self._generated_tokens)
+        return EngineStats(
+            self.block_manager.stats(), self.scheduler.stats(), len(self._groups), self._generated_tokens
+        )
 
     # ---- the iteration --------------------------------------------------------------------------
 
@@ -336,7 +362,8 @@ class LLMEngine:
             # A token in flight that ends its sequence by length gets no placeholder, so nothing is
             # scheduled for it (a decode of a finished sequence could take a block, preempting a live one).
             if not seq.status.finished and not self.stop_checker.at_length_limit(
-                    seq, item.group.sampling_params, pending=1):
+                seq, item.group.sampling_params, pending=1
+            ):
                 seq.append_token(PLACEHOLDER)
 
     def _forward(self, out: SchedulerOutput, prev: _InFlight | None) -> _Forward:
@@ -371,13 +398,18 @@ class LLMEngine:
         if constrained:
             assert self.grammars is not None
             bitmask = self.grammars.bitmask(seqs, constrained, logits.device)
-        pending = self.sampler.sample_async(logits, seqs, [item.group.sampling_params for item in sampling],
-                                            bitmask, owns_logits=True)
-        return _InFlight(step.out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)},
-                         step.forks, step.beams)
+        pending = self.sampler.sample_async(
+            logits, seqs, [item.group.sampling_params for item in sampling], bitmask, owns_logits=True
+        )
+        return _InFlight(
+            step.out, sampling, pending, {item.seq.seq_id: i for i, item in enumerate(sampling)}, step.forks, step.beams
+        )
 
-    def _select_beam_candidates(self, logits: torch.Tensor, sampling: list[ScheduledSeq],
-                                ) -> tuple[torch.Tensor, list[ScheduledSeq], PendingCandidates | None]:
+    def _select_beam_candidates(
+        self,
+        logits: torch.Tensor,
+        sampling: list[ScheduledSeq],
+    ) -> tuple[torch.Tensor, list[ScheduledSeq], PendingCandidates | None]:
         """Splits the beam search rows off the sampling rows and starts their candidate selection (one
         device operation for all beam requests); returns the other rows' logits and items."""
         rows: dict[str, list[int]] = {}
@@ -400,15 +432,15 @@ class LLMEngine:
         bitmask = None
         if self.grammars is not None:  # constrained beams: rows in the order select_candidates stacks them
             seqs = [sampling[i].seq for g in groups for i in g.rows]
-            bitmask = self.grammars.bitmask(seqs, self.grammars.constrained_rows(seqs), logits.device,
-                                            own_buffer=True)
+            bitmask = self.grammars.bitmask(seqs, self.grammars.constrained_rows(seqs), logits.device, own_buffer=True)
         beams = select_candidates(logits, groups, self.vocab_size, bitmask)
         index = torch.tensor(keep, dtype=torch.int64).to(logits.device, non_blocking=True)
         return logits.index_select(0, index), [sampling[i] for i in keep], beams
 
     @staticmethod
-    def _with_samples(logits: torch.Tensor, sampling: list[ScheduledSeq],
-                      forks: list[tuple[ScheduledSeq, list[Sequence]]]) -> tuple[torch.Tensor, list[ScheduledSeq]]:
+    def _with_samples(
+        logits: torch.Tensor, sampling: list[ScheduledSeq], forks: list[tuple[ScheduledSeq, list[Sequence]]]
+    ) -> tuple[torch.Tensor, list[ScheduledSeq]]:
         """The sampling rows with every forked sample's row appended (a copy of its prompt's logits)."""
         row_of = {id(item): i for i, item in enumerate(sampling)}
         rows = list(range(len(sampling)))
@@ -454,17 +486,24 @@ class LLMEngine:
             params = group.sampling_params
             update = updates.get(group.request_id)
             if update is None:
-                update = updates[group.request_id] = RequestUpdate(group.request_id, [], group.num_cached_tokens,
-                                                                   group.first_scheduled_time)
+                update = updates[group.request_id] = RequestUpdate(
+                    group.request_id, [], group.num_cached_tokens, group.first_scheduled_time
+                )
             if grammars is not None and not grammars.accept(seq, token):
                 update.seqs.append(self._dead_end(seq, update))
                 ended.append(group)
                 continue
             self._generated_tokens += 1
             reason, stop_token_id = check(seq, params)
-            update.seqs.append(SeqUpdate(seq.sample_index, [token],
-                                         [logprobs[i]] if logprobs is not None and params.logprobs is not None
-                                         else None, reason, stop_token_id))
+            update.seqs.append(
+                SeqUpdate(
+                    seq.sample_index,
+                    [token],
+                    [logprobs[i]] if logprobs is not None and params.logprobs is not None else None,
+                    reason,
+                    stop_token_id,
+                )
+            )
             if reason is not None:
                 ended.append(group)
         if step.beams is not None:
@@ -479,8 +518,13 @@ class LLMEngine:
                 self._forget(group)
         return list(updates.values())
 
-    def _advance_beams(self, group: SequenceGroup, candidates: list[Candidate], updates: dict[str, RequestUpdate],
-                       ended: list[SequenceGroup]) -> None:
+    def _advance_beams(
+        self,
+        group: SequenceGroup,
+        candidates: list[Candidate],
+        updates: dict[str, RequestUpdate],
+        ended: list[SequenceGroup],
+    ) -> None:
         """One beam search step of `group`: the next beams (forked from their parents, dropped beams freed
         at once) get their tokens; or the search is over and the best beams are the request's choices."""
         search = self._beams[group.request_id]
@@ -488,8 +532,9 @@ class LLMEngine:
         if step.done:
             group.set_status(SequenceStatus.FINISHED_STOPPED)
             ended.append(group)
-            updates[group.request_id] = RequestUpdate(group.request_id, search.final_updates(),
-                                                      group.num_cached_tokens, group.first_scheduled_time)
+            updates[group.request_id] = RequestUpdate(
+                group.request_id, search.final_updates(), group.num_cached_tokens, group.first_scheduled_time
+            )
             return
         parents = [group.seqs[c.beam] for c in step.beams]
         previous = list(group.seqs)
@@ -502,8 +547,9 @@ class LLMEngine:
             self._advance_beam_matchers(beams, parents, dropped, step.beams)
         self._generated_tokens += len(beams)  # the engine's work: every beam's token
 
-    def _advance_beam_matchers(self, beams: list[Sequence], parents: list[Sequence], dropped: list[Sequence],
-                               candidates: list[Candidate]) -> None:
+    def _advance_beam_matchers(
+        self, beams: list[Sequence], parents: list[Sequence], dropped: list[Sequence], candidates: list[Candidate]
+    ) -> None:
         """A beam forked from its parent continues a copy of the parent's grammar state (taken before the
         parent accepts its own token); every next beam accepts its token; a dropped beam's matcher goes.
         The candidates were drawn from masked logits, so every token is one the grammar allows."""
@@ -524,8 +570,10 @@ class LLMEngine:
         left): it ends, without the token sampled from nothing, and the request says why."""
         seq.token_ids.pop()
         seq.status = SequenceStatus.FINISHED_ABORTED
-        update.error = (f"structured output reached a dead end after {seq.num_output_tokens} tokens: the grammar "
-                        "allows no token here (check min_tokens, stop settings and the schema)")
+        update.error = (
+            f"structured output reached a dead end after {seq.num_output_tokens} tokens: the grammar "
+            "allows no token here (check min_tokens, stop settings and the schema)"
+        )
         return SeqUpdate(seq.sample_index, [], finish_reason="abort")
 
     def _process(self, updates: list[RequestUpdate]) -> list[RequestDelta]:
@@ -566,7 +614,9 @@ class LLMEngine:
             self._beams.pop(group.request_id, None)
             self._remove_matchers(group)
 
-    def _tokenize(self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None) -> tuple[str | None, list[int]]:
+    def _tokenize(
+        self, prompt: str | list[int] | None, prompt_token_ids: list[int] | None
+    ) -> tuple[str | None, list[int]]:
         if prompt_token_ids is None and isinstance(prompt, list):
             prompt, prompt_token_ids = None, prompt
         if prompt_token_ids is not None:
@@ -590,18 +640,25 @@ class LLMEngine:
         if wanted > self.max_model_len:
             raise ContextLengthError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) exceeds the model's context "
-                f"length ({self.max_model_len} tokens)")
+                f"length ({self.max_model_len} tokens)"
+            )
         if not self.block_manager.can_ever_fit(wanted):  # else it would fail mid-generation, not here
             raise KVCacheCapacityError(
                 f"prompt ({len(ids)} tokens) plus max_tokens ({params.max_tokens}) needs more KV cache blocks "
                 f"than the pool can ever hold ({self.block_manager.num_blocks} blocks of "
-                f"{self.block_manager.block_size} tokens)")
+                f"{self.block_manager.block_size} tokens)"
+            )
 
     def _auto_num_blocks(self, layout: KVLayout) -> int:
         if self.device.type == "cuda":
-            return profile_num_blocks(self.runner, layout, self.config.scheduler.max_num_batched_tokens,
-                                      self.max_model_len, self.config.cache.gpu_memory_utilization,
-                                      self._graph_reserve_bytes(layout))
+            return profile_num_blocks(
+                self.runner,
+                layout,
+                self.config.scheduler.max_num_batched_tokens,
+                self.max_model_len,
+                self.config.cache.gpu_memory_utilization,
+                self._graph_reserve_bytes(layout),
+            )
         return max(1, int(self.config.cache.cpu_kv_cache_gib * 2**30) // layout.bytes_per_block)
 
 

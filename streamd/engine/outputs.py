@@ -158,9 +158,15 @@ class RequestOutputBuilder:
             choice = self._choices.get(index) or CompletionOutput(index, "", [])
             choice.text = "".join(self._text.get(index, ()))
             choices.append(choice)
-        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, choices,
-                             finished=self._finished, num_cached_tokens=self._num_cached_tokens,
-                             error=self._error)
+        return RequestOutput(
+            self.request_id,
+            self.prompt,
+            self.prompt_token_ids,
+            choices,
+            finished=self._finished,
+            num_cached_tokens=self._num_cached_tokens,
+            error=self._error,
+        )
 
 
 def _extend(choice: CompletionDelta | CompletionOutput, later: CompletionDelta) -> None:

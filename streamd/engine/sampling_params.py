@@ -37,17 +37,37 @@ class StructuredOutputs:
     def __post_init__(self) -> None:
         given = [name for name in ("json", "regex", "choice", "grammar") if getattr(self, name) is not None]
         given += ["json_object"] if self.json_object is True else []
-        _check(len(given) == 1, "structured_outputs", given, "must set exactly one of json, json_object, "
-               "regex, choice, grammar")
-        _check(self.json is None or isinstance(self.json, (dict, str)), "structured_outputs.json", self.json,
-               "must be a JSON schema object")
+        _check(
+            len(given) == 1,
+            "structured_outputs",
+            given,
+            "must set exactly one of json, json_object, regex, choice, grammar",
+        )
+        _check(
+            self.json is None or isinstance(self.json, (dict, str)),
+            "structured_outputs.json",
+            self.json,
+            "must be a JSON schema object",
+        )
         for name in ("regex", "grammar"):
             value = getattr(self, name)
-            _check(value is None or (isinstance(value, str) and bool(value)), f"structured_outputs.{name}",
-                   value, "must be a non-empty string")
-        _check(self.choice is None or (isinstance(self.choice, list) and bool(self.choice)
-                                       and all(isinstance(c, str) and c for c in self.choice)),
-               "structured_outputs.choice", self.choice, "must be a non-empty list of non-empty strings")
+            _check(
+                value is None or (isinstance(value, str) and bool(value)),
+                f"structured_outputs.{name}",
+                value,
+                "must be a non-empty string",
+            )
+        _check(
+            self.choice is None
+            or (
+                isinstance(self.choice, list)
+                and bool(self.choice)
+                and all(isinstance(c, str) and c for c in self.choice)
+            ),
+            "structured_outputs.choice",
+            self.choice,
+            "must be a non-empty list of non-empty strings",
+        )
 
     @classmethod
     def from_value(cls, value: Any) -> StructuredOutputs:
@@ -98,10 +118,18 @@ class SamplingParams:
             self.structured_outputs = StructuredOutputs.from_value(self.structured_outputs)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        _check(isinstance(self.stop, (list, tuple)) or self.stop is None, "stop", self.stop,
-               "must be a string or a list of strings")
-        _check(isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None, "stop_token_ids",
-               self.stop_token_ids, "must be a list of non-negative integers")
+        _check(
+            isinstance(self.stop, (list, tuple)) or self.stop is None,
+            "stop",
+            self.stop,
+            "must be a string or a list of strings",
+        )
+        _check(
+            isinstance(self.stop_token_ids, (list, tuple)) or self.stop_token_ids is None,
+            "stop_token_ids",
+            self.stop_token_ids,
+            "must be a list of non-negative integers",
+        )
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
         self._validate()
@@ -116,45 +144,90 @@ class SamplingParams:
     def _validate(self) -> None:
         _check(is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
         if self.max_tokens is not None:
-            _check(is_int(self.max_tokens) and self.max_tokens >= 1, "max_tokens", self.max_tokens,
-                   "must be an integer >= 1")
-        _check(is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens,
-               "must be an integer >= 0")
+            _check(
+                is_int(self.max_tokens) and self.max_tokens >= 1,
+                "max_tokens",
+                self.max_tokens,
+                "must be an integer >= 1",
+            )
+        _check(
+            is_int(self.min_tokens) and self.min_tokens >= 0, "min_tokens", self.min_tokens, "must be an integer >= 0"
+        )
         if self.max_tokens is not None:
-            _check(self.min_tokens <= self.max_tokens, "min_tokens", self.min_tokens,
-                   f"must not exceed max_tokens ({self.max_tokens})")
-        _check(is_num(self.temperature) and (self.temperature == 0
-                                             or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE),
-               "temperature", self.temperature, f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]")
+            _check(
+                self.min_tokens <= self.max_tokens,
+                "min_tokens",
+                self.min_tokens,
+                f"must not exceed max_tokens ({self.max_tokens})",
+            )
+        _check(
+            is_num(self.temperature)
+            and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_TEMPERATURE),
+            "temperature",
+            self.temperature,
+            f"must be 0 (greedy) or in [{MIN_TEMPERATURE}, {MAX_TEMPERATURE}]",
+        )
         _check(is_num(self.top_p) and 0 < self.top_p <= 1, "top_p", self.top_p, "must be in (0, 1]")
-        _check(is_int(self.top_k) and self.top_k >= -1, "top_k", self.top_k,
-               "must be an integer >= -1 (-1 or 0 disables it)")
+        _check(
+            is_int(self.top_k) and self.top_k >= -1,
+            "top_k",
+            self.top_k,
+            "must be an integer >= -1 (-1 or 0 disables it)",
+        )
         _check(is_num(self.min_p) and 0 <= self.min_p <= 1, "min_p", self.min_p, "must be in [0, 1]")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             _check(is_num(value) and -2 <= value <= 2, name, value, "must be in [-2, 2]")
-        _check(is_num(self.repetition_penalty)
-               and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
-               "repetition_penalty", self.repetition_penalty,
-               f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 disables it)")
+        _check(
+            is_num(self.repetition_penalty)
+            and MIN_REPETITION_PENALTY <= self.repetition_penalty <= MAX_REPETITION_PENALTY,
+            "repetition_penalty",
+            self.repetition_penalty,
+            f"must be in [{MIN_REPETITION_PENALTY}, {MAX_REPETITION_PENALTY}] (1 disables it)",
+        )
         if self.seed is not None:
             _check(is_int(self.seed), "seed", self.seed, "must be an integer")
-        _check(all(isinstance(s, str) and s for s in self.stop), "stop", self.stop,
-               "must be a non-empty string or a list of them")
-        _check(len(self.stop) <= MAX_STOP_STRINGS, "stop", f"{len(self.stop)} strings",
-               f"must have at most {MAX_STOP_STRINGS} strings")
-        _check(all(len(s) <= MAX_STOP_CHARS for s in self.stop), "stop", "a longer string",
-               f"strings must have at most {MAX_STOP_CHARS} characters")
-        _check(all(is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
-               self.stop_token_ids, "must be a list of non-negative integers")
+        _check(
+            all(isinstance(s, str) and s for s in self.stop),
+            "stop",
+            self.stop,
+            "must be a non-empty string or a list of them",
+        )
+        _check(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            "stop",
+            f"{len(self.stop)} strings",
+            f"must have at most {MAX_STOP_STRINGS} strings",
+        )
+        _check(
+            all(len(s) <= MAX_STOP_CHARS for s in self.stop),
+            "stop",
+            "a longer string",
+            f"strings must have at most {MAX_STOP_CHARS} characters",
+        )
+        _check(
+            all(is_int(t) and t >= 0 for t in self.stop_token_ids),
+            "stop_token_ids",
+            self.stop_token_ids,
+            "must be a list of non-negative integers",
+        )
         if self.logprobs is not None:
-            _check(is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS, "logprobs", self.logprobs,
-                   f"must be an integer in [0, {MAX_LOGPROBS}]")
+            _check(
+                is_int(self.logprobs) and 0 <= self.logprobs <= MAX_LOGPROBS,
+                "logprobs",
+                self.logprobs,
+                f"must be an integer in [0, {MAX_LOGPROBS}]",
+            )
         for name in ("timeout_s", "queue_timeout_s"):
             value = getattr(self, name)
             _check(value is None or (is_num(value) and value > 0), name, value, "must be a number of seconds > 0")
-        for name in ("include_stop_str_in_output", "ignore_eos", "detokenize", "skip_special_tokens",
-                     "use_beam_search"):
+        for name in (
+            "include_stop_str_in_output",
+            "ignore_eos",
+            "detokenize",
+            "skip_special_tokens",
+            "use_beam_search",
+        ):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a boolean")
 
     def _validate_beam_search(self) -> None:
@@ -164,18 +237,35 @@ class SamplingParams:
         _check(is_int(width) and width >= 1, "beam_width", width, "must be an integer >= 1")
         assert width is not None
         _check(self.n <= width, "n", self.n, f"must not exceed beam_width ({width}) with use_beam_search")
-        _check(is_num(self.length_penalty) and abs(self.length_penalty) != float("inf"), "length_penalty",
-               self.length_penalty, "must be a finite number")
-        _check(self.early_stopping in (True, False, "never") and not is_int(self.early_stopping),
-               "early_stopping", self.early_stopping, 'must be true, false or "never"')
-        _check(self.temperature in (0, 1), "temperature", self.temperature,
-               "must be 1 (the default) or 0 with use_beam_search: beam search does not sample, it scores the "
-               "model's log-probabilities")
+        _check(
+            is_num(self.length_penalty) and abs(self.length_penalty) != float("inf"),
+            "length_penalty",
+            self.length_penalty,
+            "must be a finite number",
+        )
+        _check(
+            self.early_stopping in (True, False, "never") and not is_int(self.early_stopping),
+            "early_stopping",
+            self.early_stopping,
+            'must be true, false or "never"',
+        )
+        _check(
+            self.temperature in (0, 1),
+            "temperature",
+            self.temperature,
+            "must be 1 (the default) or 0 with use_beam_search: beam search does not sample, it scores the "
+            "model's log-probabilities",
+        )
         for name, default in _NOT_WITH_BEAMS:
             value = getattr(self, name)
-            _check(value == default or (name == "top_k" and value == 0), name, value,
-                   "is not supported with use_beam_search (beam search does not sample)"
-                   if name in _SAMPLING_ONLY else "is not supported with use_beam_search")
+            _check(
+                value == default or (name == "top_k" and value == 0),
+                name,
+                value,
+                "is not supported with use_beam_search (beam search does not sample)"
+                if name in _SAMPLING_ONLY
+                else "is not supported with use_beam_search",
+            )
 
     @property
     def greedy(self) -> bool:
@@ -206,8 +296,17 @@ class SamplingParams:
 # What beam search refuses, with the value that means "unused" (sampling knobs, then features that would
 # need text or per-token state across beams that swap parents).
 _SAMPLING_ONLY = frozenset({"top_p", "top_k", "min_p", "seed"})
-_NOT_WITH_BEAMS = (("top_p", 1.0), ("top_k", -1), ("min_p", 0.0), ("seed", None), ("presence_penalty", 0.0),
-                   ("frequency_penalty", 0.0), ("repetition_penalty", 1.0), ("stop", []), ("logprobs", None))
+_NOT_WITH_BEAMS = (
+    ("top_p", 1.0),
+    ("top_k", -1),
+    ("min_p", 0.0),
+    ("seed", None),
+    ("presence_penalty", 0.0),
+    ("frequency_penalty", 0.0),
+    ("repetition_penalty", 1.0),
+    ("stop", []),
+    ("logprobs", None),
+)
 
 
 def is_int(value: Any) -> bool:

@@ -17,17 +17,24 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from streamd.kernels.activation import silu_and_mul
     from streamd.kernels.block_copy import copy_blocks
     from streamd.kernels.decode_attention import paged_decode_attention
     from streamd.kernels.kv_store import store_kv
     from streamd.kernels.prefill_attention import paged_prefill_attention
-    from streamd.kernels.activation import silu_and_mul
     from streamd.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
     from streamd.kernels.rotary import rotary_store_kv
 
-_MODULE_OF = {"paged_decode_attention": "decode_attention", "paged_prefill_attention": "prefill_attention",
-              "store_kv": "kv_store", "copy_blocks": "block_copy", "rmsnorm": "rmsnorm",
-              "fused_add_rmsnorm": "rmsnorm", "silu_and_mul": "activation", "rotary_store_kv": "rotary"}
+_MODULE_OF = {
+    "paged_decode_attention": "decode_attention",
+    "paged_prefill_attention": "prefill_attention",
+    "store_kv": "kv_store",
+    "copy_blocks": "block_copy",
+    "rmsnorm": "rmsnorm",
+    "fused_add_rmsnorm": "rmsnorm",
+    "silu_and_mul": "activation",
+    "rotary_store_kv": "rotary",
+}
 __all__ = list(_MODULE_OF)
 
 

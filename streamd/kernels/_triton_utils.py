@@ -19,7 +19,8 @@ import contextlib
 import functools
 import os
 import threading
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from triton.runtime.interpreter import InterpretedFunction
@@ -79,8 +80,7 @@ def _interpreter_scope() -> Iterator[None]:
                 os.environ["TRITON_INTERPRET"] = saved_env
 
 
-def dual_kernel(fn: Callable[..., Any] | None = None, *,
-                do_not_specialize: tuple[str, ...] = ()) -> Any:
+def dual_kernel(fn: Callable[..., Any] | None = None, *, do_not_specialize: tuple[str, ...] = ()) -> Any:
     """Decorator: ``@dual_kernel`` (or ``@dual_kernel(do_not_specialize=(...))``) in place of ``@triton.jit``."""
     if fn is None:
         return lambda f: DualKernel(f, do_not_specialize)
@@ -112,7 +112,7 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 

@@ -31,15 +31,18 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, inter, s_x, s_out, BLOCK: tl.constexpr)
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]; a new tensor of x's dtype."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
-        raise ValueError(f"silu_and_mul wants x [rows, 2 * intermediate] with unit column stride, got "
-                         f"{tuple(x.shape)} strides {x.stride()}")
+        raise ValueError(
+            f"silu_and_mul wants x [rows, 2 * intermediate] with unit column stride, got "
+            f"{tuple(x.shape)} strides {x.stride()}"
+        )
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     if rows == 0:
         return out
     block = min(_MAX_BLOCK, next_pow2(inter))
-    _silu_and_mul_kernel.launch(x.device, (rows, cdiv(inter, block)), x, out, inter, x.stride(0), out.stride(0),
-                                BLOCK=block, num_warps=4)
+    _silu_and_mul_kernel.launch(
+        x.device, (rows, cdiv(inter, block)), x, out, inter, x.stride(0), out.stride(0), BLOCK=block, num_warps=4
+    )
     return out
 
 

@@ -20,11 +20,23 @@ _CHUNK = 4096  # elements per program: 8 KB of bf16, wide loads, plenty of progr
 
 @dual_kernel
 def _copy_blocks_kernel(
-    kv_ptr, src_ptr, dst_ptr,
-    s_blk, numel,
-    n1, n2, n3, n4, n5,
-    s1, s2, s3, s4, s5,
-    CHUNK: tl.constexpr, CONTIGUOUS: tl.constexpr,
+    kv_ptr,
+    src_ptr,
+    dst_ptr,
+    s_blk,
+    numel,
+    n1,
+    n2,
+    n3,
+    n4,
+    n5,
+    s1,
+    s2,
+    s3,
+    s4,
+    s5,
+    CHUNK: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
 ):
     pair = tl.program_id(0)
     offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
@@ -43,8 +55,13 @@ def _copy_blocks_kernel(
         r = r // n3
         i2 = r % n2
         i1 = r // n2
-        elem = (i1.to(tl.int64) * s1 + i2.to(tl.int64) * s2 + i3.to(tl.int64) * s3
-                + i4.to(tl.int64) * s4 + i5.to(tl.int64) * s5)
+        elem = (
+            i1.to(tl.int64) * s1
+            + i2.to(tl.int64) * s2
+            + i3.to(tl.int64) * s3
+            + i4.to(tl.int64) * s4
+            + i5.to(tl.int64) * s5
+        )
     x = tl.load(kv_ptr + src * s_blk + elem, mask=mask)
     tl.store(kv_ptr + dst * s_blk + elem, x, mask=mask)
 
@@ -63,11 +80,17 @@ def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) ->
     sizes = kv_cache.shape[1:]
     strides = kv_cache.stride()[1:]
     _copy_blocks_kernel.launch(
-        kv_cache.device, (n, cdiv(numel, _CHUNK)),
-        kv_cache, src, dst,
-        kv_cache.stride(0), numel,
-        *sizes, *strides,
-        CHUNK=_CHUNK, CONTIGUOUS=block.is_contiguous(),
+        kv_cache.device,
+        (n, cdiv(numel, _CHUNK)),
+        kv_cache,
+        src,
+        dst,
+        kv_cache.stride(0),
+        numel,
+        *sizes,
+        *strides,
+        CHUNK=_CHUNK,
+        CONTIGUOUS=block.is_contiguous(),
         num_warps=4,
     )
 

@@ -32,17 +32,40 @@ _NEG_BIG = tl.constexpr(-1.0e30)
 
 @dual_kernel(do_not_specialize=("partition_size", "num_splits", "s_bt_seq"))
 def _decode_kernel(
-    q_ptr, kv_ptr, bt_ptr, sl_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    layer_off, qk_scale, partition_size, num_splits,
-    s_q_seq, s_q_head, s_q_dim,
-    s_kv_blk, s_kv_kv, s_kv_head, s_kv_tok, s_kv_dim,
+    q_ptr,
+    kv_ptr,
+    bt_ptr,
+    sl_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    layer_off,
+    qk_scale,
+    partition_size,
+    num_splits,
+    s_q_seq,
+    s_q_head,
+    s_q_dim,
+    s_kv_blk,
+    s_kv_kv,
+    s_kv_head,
+    s_kv_tok,
+    s_kv_dim,
     s_bt_seq,
-    s_o_seq, s_o_head, s_o_dim,
+    s_o_seq,
+    s_o_head,
+    s_o_dim,
     num_heads,
-    GROUP: tl.constexpr, BLOCK_G: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-    SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -61,7 +84,8 @@ def _decode_kernel(
     kv_dtype = kv_ptr.dtype.element_ty
     q = tl.load(
         q_ptr + seq * s_q_seq + heads[:, None] * s_q_head + offs_d[None, :] * s_q_dim,
-        mask=qd_mask, other=0.0,
+        mask=qd_mask,
+        other=0.0,
     ).to(kv_dtype)
     if UPCAST:
         q = q.to(tl.float32)
@@ -119,17 +143,27 @@ def _decode_kernel(
         out = acc / denom[:, None]
         tl.store(
             out_ptr + seq * s_o_seq + heads[:, None] * s_o_head + offs_d[None, :] * s_o_dim,
-            out.to(out_ptr.dtype.element_ty), mask=qd_mask,
+            out.to(out_ptr.dtype.element_ty),
+            mask=qd_mask,
         )
 
 
 @dual_kernel
 def _reduce_kernel(
-    sl_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
-    partition_size, num_splits,
-    s_o_seq, s_o_head, s_o_dim,
+    sl_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    part_acc_ptr,
+    partition_size,
+    num_splits,
+    s_o_seq,
+    s_o_head,
+    s_o_dim,
     num_heads,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -151,12 +185,14 @@ def _reduce_kernel(
     d_mask = offs_d < HEAD_DIM
     acc = tl.load(
         part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :], other=0.0,
+        mask=s_mask[:, None] & d_mask[None, :],
+        other=0.0,
     )
     out = tl.sum(acc * w[:, None], 0) / denom
     tl.store(
         out_ptr + seq * s_o_seq + head * s_o_head + offs_d * s_o_dim,
-        out.to(out_ptr.dtype.element_ty), mask=d_mask,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
     )
 
 
@@ -175,8 +211,7 @@ def _default_config(head_dim: int) -> tuple[int, int, int]:
     return 32, 4, 2
 
 
-def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int,
-                      device: torch.device) -> int:
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
     """Split count from shapes alone (no sync), as tuned on an H200 (benchmarks/KERNELS.md).
 
     Few programs: split until there are about 2 per multiprocessor, all resident in one wave (a
@@ -245,40 +280,73 @@ def paged_decode_attention(
     if split:
         part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
         part_l = torch.empty_like(part_m)
-        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32,
-                               device=query.device)
+        part_acc = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=query.device)
     else:
         part_m = part_l = part_acc = out  # unused placeholders (the SPLIT=False body never touches them)
 
     block_d = max(16, next_pow2(head_dim))
     s_kv = kv_cache.stride()
     _decode_kernel.launch(
-        query.device, (num_seqs, num_kv_heads, num_splits),
-        query, kv_cache, block_tables, seq_lens, out, part_m, part_l, part_acc,
-        layer * s_kv[1], scale * _LOG2E, partition, num_splits,
-        query.stride(0), query.stride(1), query.stride(2),
-        s_kv[0], s_kv[2], s_kv[3], s_kv[4], s_kv[5],
+        query.device,
+        (num_seqs, num_kv_heads, num_splits),
+        query,
+        kv_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_m,
+        part_l,
+        part_acc,
+        layer * s_kv[1],
+        scale * _LOG2E,
+        partition,
+        num_splits,
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        s_kv[0],
+        s_kv[2],
+        s_kv[3],
+        s_kv[4],
+        s_kv[5],
         block_tables.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
         num_heads,
-        GROUP=group, BLOCK_G=max(16, next_pow2(group)),
-        HEAD_DIM=head_dim, BLOCK_D=block_d,
-        PAGE=page, BLOCK_N=block_n,
-        SPLIT=split, DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
+        GROUP=group,
+        BLOCK_G=max(16, next_pow2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        PAGE=page,
+        BLOCK_N=block_n,
+        SPLIT=split,
+        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         UPCAST=dot_upcast(query.device, kv_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     if split:
         _reduce_kernel.launch(
-            query.device, (num_seqs, num_heads),
-            seq_lens, out, part_m, part_l, part_acc,
-            partition, num_splits,
-            out.stride(0), out.stride(1), out.stride(2),
+            query.device,
+            (num_seqs, num_heads),
+            seq_lens,
+            out,
+            part_m,
+            part_l,
+            part_acc,
+            partition,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
             num_heads,
-            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, next_pow2(num_splits)),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            BLOCK_S=max(2, next_pow2(num_splits)),
             num_warps=4 if head_dim * num_splits <= 8192 else 8,
         )
     return out
 
 
-__all__ = ["paged_decode_attention", "choose_num_splits"]
+__all__ = ["choose_num_splits", "paged_decode_attention"]

@@ -20,12 +20,27 @@ _MAX_TILE = 4096
 
 @dual_kernel
 def _store_kv_kernel(
-    k_ptr, v_ptr, kv_ptr, slot_ptr,
-    layer_off, num_kv_heads,
-    s_k_tok, s_k_head, s_k_dim,
-    s_v_tok, s_v_head, s_v_dim,
-    s_kv_blk, s_kv_kv, s_kv_head, s_kv_tok, s_kv_dim,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
+    k_ptr,
+    v_ptr,
+    kv_ptr,
+    slot_ptr,
+    layer_off,
+    num_kv_heads,
+    s_k_tok,
+    s_k_head,
+    s_k_dim,
+    s_v_tok,
+    s_v_head,
+    s_v_dim,
+    s_kv_blk,
+    s_kv_kv,
+    s_kv_head,
+    s_kv_tok,
+    s_kv_dim,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     tok = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -42,7 +57,9 @@ def _store_kv_kernel(
     tok64 = tok.to(tl.int64)
     key = tl.load(k_ptr + tok64 * s_k_tok + offs_h[:, None] * s_k_head + offs_d[None, :] * s_k_dim, mask=mask)
     val = tl.load(v_ptr + tok64 * s_v_tok + offs_h[:, None] * s_v_head + offs_d[None, :] * s_v_dim, mask=mask)
-    dst = kv_ptr + layer_off + blk * s_kv_blk + off * s_kv_tok + offs_h[:, None] * s_kv_head + offs_d[None, :] * s_kv_dim
+    dst = (
+        kv_ptr + layer_off + blk * s_kv_blk + off * s_kv_tok + offs_h[:, None] * s_kv_head + offs_d[None, :] * s_kv_dim
+    )
     cache_dtype = kv_ptr.dtype.element_ty
     tl.store(dst, key.to(cache_dtype), mask=mask)
     tl.store(dst + s_kv_kv, val.to(cache_dtype), mask=mask)
@@ -72,13 +89,29 @@ def store_kv(
     block_h = min(next_pow2(num_kv_heads), max(1, _MAX_TILE // block_d))
     s_kv = kv_cache.stride()
     _store_kv_kernel.launch(
-        key.device, (num_tokens, cdiv(num_kv_heads, block_h)),
-        key, value, kv_cache, slot_mapping,
-        layer * s_kv[1], num_kv_heads,
-        key.stride(0), key.stride(1), key.stride(2),
-        value.stride(0), value.stride(1), value.stride(2),
-        s_kv[0], s_kv[2], s_kv[3], s_kv[4], s_kv[5],
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_H=block_h, PAGE=kv_cache.shape[4],
+        key.device,
+        (num_tokens, cdiv(num_kv_heads, block_h)),
+        key,
+        value,
+        kv_cache,
+        slot_mapping,
+        layer * s_kv[1],
+        num_kv_heads,
+        key.stride(0),
+        key.stride(1),
+        key.stride(2),
+        value.stride(0),
+        value.stride(1),
+        value.stride(2),
+        s_kv[0],
+        s_kv[2],
+        s_kv[3],
+        s_kv[4],
+        s_kv[5],
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_H=block_h,
+        PAGE=kv_cache.shape[4],
         num_warps=4,
     )
 

@@ -18,15 +18,25 @@ def check_cache(kv_cache: torch.Tensor, layer: int) -> None:
         raise IndexError(f"layer {layer} out of range for {kv_cache.shape[1]} layers")
 
 
-def check_rotary_args(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, kv_cache: torch.Tensor, layer: int, q_norm: torch.Tensor | None,
-                      k_norm: torch.Tensor | None) -> None:
+def check_rotary_args(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+) -> None:
     """Argument checks of `rotary_store_kv`, shared by the kernel and the reference; host metadata only."""
     check_cache(kv_cache, layer)
     num_tokens, _, head_dim = query.shape
     if key.shape != value.shape or key.shape[0] != num_tokens or key.shape[2] != head_dim:
-        raise ValueError(f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
-                         "must be [num_tokens, heads, head_dim] with equal tokens and head_dim")
+        raise ValueError(
+            f"query {tuple(query.shape)}, key {tuple(key.shape)} and value {tuple(value.shape)} "
+            "must be [num_tokens, heads, head_dim] with equal tokens and head_dim"
+        )
     if head_dim % 2:
         raise ValueError(f"rotary embedding needs an even head_dim, got {head_dim}")
     if cos.shape != (num_tokens, head_dim) or sin.shape != cos.shape:

@@ -31,16 +31,37 @@ _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max floor: rows with no visib
 
 @dual_kernel(do_not_specialize=("num_seqs", "num_tiles", "s_bt_seq"))
 def _prefill_kernel(
-    q_ptr, kv_ptr, bt_ptr, qsl_ptr, sl_ptr, out_ptr,
-    layer_off, qk_scale, num_seqs, num_tiles,
-    s_q_tok, s_q_head, s_q_dim,
-    s_kv_blk, s_kv_kv, s_kv_head, s_kv_tok, s_kv_dim,
+    q_ptr,
+    kv_ptr,
+    bt_ptr,
+    qsl_ptr,
+    sl_ptr,
+    out_ptr,
+    layer_off,
+    qk_scale,
+    num_seqs,
+    num_tiles,
+    s_q_tok,
+    s_q_head,
+    s_q_dim,
+    s_kv_blk,
+    s_kv_kv,
+    s_kv_head,
+    s_kv_tok,
+    s_kv_dim,
     s_bt_seq,
-    s_o_tok, s_o_head, s_o_dim,
+    s_o_tok,
+    s_o_head,
+    s_o_dim,
     GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    SEARCH_STEPS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     # Highest tile index first: with causal masking the last tiles of a sequence do the most work,
     # so starting them first shortens the tail of the launch.
@@ -78,7 +99,8 @@ def _prefill_kernel(
     kv_dtype = kv_ptr.dtype.element_ty
     q = tl.load(
         q_ptr + rows[:, None] * s_q_tok + head * s_q_head + offs_d[None, :] * s_q_dim,
-        mask=qd_mask, other=0.0,
+        mask=qd_mask,
+        other=0.0,
     ).to(kv_dtype)
     if UPCAST:
         q = q.to(tl.float32)
@@ -106,8 +128,7 @@ def _prefill_kernel(
             if phase == 0:
                 # Every key of these tiles exists: no token mask, only the head-dim padding.
                 blk = tl.load(bt_base + k_pos // PAGE).to(tl.int64)
-                ptrs = kv_base + (blk * s_kv_blk + (k_pos % PAGE) * s_kv_tok)[:, None] \
-                    + offs_d[None, :] * s_kv_dim
+                ptrs = kv_base + (blk * s_kv_blk + (k_pos % PAGE) * s_kv_tok)[:, None] + offs_d[None, :] * s_kv_dim
                 if BLOCK_D == HEAD_DIM:
                     k = tl.load(ptrs)
                     v = tl.load(ptrs + s_kv_kv)
@@ -118,8 +139,7 @@ def _prefill_kernel(
             else:
                 n_mask = k_pos < hi_n
                 blk = tl.load(bt_base + k_pos // PAGE, mask=n_mask, other=0).to(tl.int64)
-                ptrs = kv_base + (blk * s_kv_blk + (k_pos % PAGE) * s_kv_tok)[:, None] \
-                    + offs_d[None, :] * s_kv_dim
+                ptrs = kv_base + (blk * s_kv_blk + (k_pos % PAGE) * s_kv_tok)[:, None] + offs_d[None, :] * s_kv_dim
                 if BLOCK_D == HEAD_DIM:
                     kv_mask = n_mask[:, None]
                 else:
@@ -144,7 +164,8 @@ def _prefill_kernel(
     out = acc / denom[:, None]
     tl.store(
         out_ptr + rows[:, None] * s_o_tok + head * s_o_head + offs_d[None, :] * s_o_dim,
-        out.to(out_ptr.dtype.element_ty), mask=qd_mask,
+        out.to(out_ptr.dtype.element_ty),
+        mask=qd_mask,
     )
 
 
@@ -207,22 +228,43 @@ def paged_prefill_attention(
     num_tiles = num_tokens // block_m + num_seqs
     s_kv = kv_cache.stride()
     _prefill_kernel.launch(
-        query.device, (num_tiles, num_heads),
-        query, kv_cache, block_tables, query_start_loc, seq_lens, out,
-        layer * s_kv[1], scale * _LOG2E, num_seqs, num_tiles,
-        query.stride(0), query.stride(1), query.stride(2),
-        s_kv[0], s_kv[2], s_kv[3], s_kv[4], s_kv[5],
+        query.device,
+        (num_tiles, num_heads),
+        query,
+        kv_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
+        out,
+        layer * s_kv[1],
+        scale * _LOG2E,
+        num_seqs,
+        num_tiles,
+        query.stride(0),
+        query.stride(1),
+        query.stride(2),
+        s_kv[0],
+        s_kv[2],
+        s_kv[3],
+        s_kv[4],
+        s_kv[5],
         block_tables.stride(0),
-        out.stride(0), out.stride(1), out.stride(2),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
         GROUP=num_heads // num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_D=max(16, next_pow2(head_dim)),
-        PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        BLOCK_D=max(16, next_pow2(head_dim)),
+        PAGE=page,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         # Extra steps of the search are no-ops once it has converged; a floor of 9 (511 sequences) keeps one
         # compiled variant for every batch the default max_num_seqs allows.
         SEARCH_STEPS=max(9, math.ceil(math.log2(num_seqs + 1))),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         UPCAST=dot_upcast(query.device, kv_cache.dtype),
-        num_warps=num_warps, num_stages=num_stages,
+        num_warps=num_warps,
+        num_stages=num_stages,
     )
     return out
 

@@ -104,7 +104,7 @@ def paged_prefill_attention(
     (a fresh prompt's single chunk) then attends over its slice of them instead of gathering them back.
     """
     kv = _layer_view(kv_cache, layer)
-    num_tokens, num_heads, head_dim = query.shape
+    _num_tokens, _num_heads, head_dim = query.shape
     _, _, num_kv_heads, page, _ = kv.shape
     if (key is None) != (value is None):
         raise ValueError("paged_prefill_attention takes the step's key and value together, or neither")
@@ -177,8 +177,9 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 
 
-def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual); inputs untouched."""
     summed = x + residual
     return rmsnorm(summed, weight, eps), summed
@@ -190,9 +191,15 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def rotary(query: torch.Tensor, key: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-           q_norm: torch.Tensor | None = None, k_norm: torch.Tensor | None = None,
-           eps: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    q_norm: torch.Tensor | None = None,
+    k_norm: torch.Tensor | None = None,
+    eps: float = 1e-6,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotated (and, with q_norm/k_norm, first per-head normalised) query and key, as transformers
     computes them; [num_tokens, heads, head_dim] each, cos/sin [num_tokens, head_dim]."""
     if q_norm is not None and k_norm is not None:
@@ -226,5 +233,14 @@ def rotary_store_kv(
     return query.contiguous()
 
 
-__all__ = ["paged_decode_attention", "paged_prefill_attention", "store_kv", "copy_blocks", "rmsnorm",
-           "fused_add_rmsnorm", "silu_and_mul", "rotary", "rotary_store_kv"]
+__all__ = [
+    "copy_blocks",
+    "fused_add_rmsnorm",
+    "paged_decode_attention",
+    "paged_prefill_attention",
+    "rmsnorm",
+    "rotary",
+    "rotary_store_kv",
+    "silu_and_mul",
+    "store_kv",
+]

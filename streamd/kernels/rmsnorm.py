@@ -17,10 +17,19 @@ from streamd.kernels._triton_utils import dual_kernel, next_pow2
 
 @dual_kernel
 def _rmsnorm_kernel(
-    x_ptr, res_ptr, w_ptr, out_ptr, res_out_ptr,
-    hidden, eps,
-    s_x, s_res, s_out, s_res_out,
-    BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    x_ptr,
+    res_ptr,
+    w_ptr,
+    out_ptr,
+    res_out_ptr,
+    hidden,
+    eps,
+    s_x,
+    s_res,
+    s_out,
+    s_res_out,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -40,14 +49,21 @@ def _rmsnorm_kernel(
 
 def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
     if x.dim() != 2 or weight.shape != (x.shape[1],):
-        raise ValueError(f"rmsnorm wants x [rows, hidden] and weight [hidden], got {tuple(x.shape)} and "
-                         f"{tuple(weight.shape)}")
+        raise ValueError(
+            f"rmsnorm wants x [rows, hidden] and weight [hidden], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
     if x.stride(1) != 1:
         raise ValueError("rmsnorm wants rows with unit stride along hidden")
 
 
-def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
-            out: torch.Tensor, residual_out: torch.Tensor | None) -> None:
+def _launch(
+    x: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    out: torch.Tensor,
+    residual_out: torch.Tensor | None,
+) -> None:
     rows, hidden = x.shape
     if rows == 0:
         return
@@ -55,10 +71,22 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor
     res = residual if residual is not None else x
     res_out = residual_out if residual_out is not None else out
     _rmsnorm_kernel.launch(
-        x.device, (rows,),
-        x, res, weight, out, res_out, hidden, eps,
-        x.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
-        BLOCK=block, HAS_RESIDUAL=residual is not None, num_warps=min(8, max(1, block // 256)),
+        x.device,
+        (rows,),
+        x,
+        res,
+        weight,
+        out,
+        res_out,
+        hidden,
+        eps,
+        x.stride(0),
+        res.stride(0),
+        out.stride(0),
+        res_out.stride(0),
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        num_warps=min(8, max(1, block // 256)),
     )
 
 
@@ -70,17 +98,19 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return out
 
 
-def fused_add_rmsnorm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
-                      eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual) for x, residual [rows, hidden]; new tensors, inputs untouched."""
     _check(x, weight)
     if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
-        raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} does not match x "
-                         f"{tuple(x.shape)} {x.dtype}")
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}"
+        )
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     residual_out = torch.empty_like(out)
     _launch(x, residual, weight, eps, out, residual_out)
     return out, residual_out
 
 
-__all__ = ["rmsnorm", "fused_add_rmsnorm"]
+__all__ = ["fused_add_rmsnorm", "rmsnorm"]

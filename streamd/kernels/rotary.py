@@ -20,8 +20,21 @@ from streamd.kernels.layout import check_rotary_args
 
 
 @jit_helper
-def _norm_rotate(x1, x2, w_ptr, offs_d, mask_d, cos1, cos2, sin1, sin2, eps, HALF: tl.constexpr,
-                 QK_NORM: tl.constexpr, dtype: tl.constexpr):
+def _norm_rotate(
+    x1,
+    x2,
+    w_ptr,
+    offs_d,
+    mask_d,
+    cos1,
+    cos2,
+    sin1,
+    sin2,
+    eps,
+    HALF: tl.constexpr,
+    QK_NORM: tl.constexpr,
+    dtype: tl.constexpr,
+):
     """Heads [heads, HALF] as their two float32 halves: per-head RMSNorm by the weights at w_ptr (when
     QK_NORM; rounded to dtype where transformers rounds), then the rotation; both halves in dtype."""
     if QK_NORM:
@@ -35,12 +48,40 @@ def _norm_rotate(x1, x2, w_ptr, offs_d, mask_d, cos1, cos2, sin1, sin2, eps, HAL
 
 @dual_kernel
 def _rotary_store_kv_kernel(
-    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, kv_ptr, slot_ptr, qw_ptr, kw_ptr,
-    layer_off, num_heads, num_kv_heads, eps,
-    s_q_tok, s_q_head, s_k_tok, s_k_head, s_v_tok, s_v_head, s_cos, s_sin, s_qo_tok, s_qo_head,
-    s_kv_blk, s_kv_kv, s_kv_head, s_kv_tok,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr,
-    PAGE: tl.constexpr, QK_NORM: tl.constexpr,
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    cos_ptr,
+    sin_ptr,
+    q_out_ptr,
+    kv_ptr,
+    slot_ptr,
+    qw_ptr,
+    kw_ptr,
+    layer_off,
+    num_heads,
+    num_kv_heads,
+    eps,
+    s_q_tok,
+    s_q_head,
+    s_k_tok,
+    s_k_head,
+    s_v_tok,
+    s_v_head,
+    s_cos,
+    s_sin,
+    s_qo_tok,
+    s_qo_head,
+    s_kv_blk,
+    s_kv_kv,
+    s_kv_head,
+    s_kv_tok,
+    HALF: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    BLOCK_HQ: tl.constexpr,
+    BLOCK_HK: tl.constexpr,
+    PAGE: tl.constexpr,
+    QK_NORM: tl.constexpr,
 ):
     tok = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -55,9 +96,21 @@ def _rotary_store_kv_kernel(
     offs_hq = tl.arange(0, BLOCK_HQ)
     mask_q = (offs_hq < num_heads)[:, None] & mask_d[None, :]
     src = q_ptr + tok * s_q_tok + offs_hq[:, None] * s_q_head + offs_d[None, :]
-    q1, q2 = _norm_rotate(tl.load(src, mask=mask_q, other=0.0).to(tl.float32),
-                          tl.load(src + HALF, mask=mask_q, other=0.0).to(tl.float32),
-                          qw_ptr, offs_d, mask_d, cos1, cos2, sin1, sin2, eps, HALF, QK_NORM, dtype)
+    q1, q2 = _norm_rotate(
+        tl.load(src, mask=mask_q, other=0.0).to(tl.float32),
+        tl.load(src + HALF, mask=mask_q, other=0.0).to(tl.float32),
+        qw_ptr,
+        offs_d,
+        mask_d,
+        cos1,
+        cos2,
+        sin1,
+        sin2,
+        eps,
+        HALF,
+        QK_NORM,
+        dtype,
+    )
     dst = q_out_ptr + tok * s_qo_tok + offs_hq[:, None] * s_qo_head + offs_d[None, :]
     tl.store(dst, q1, mask=mask_q)
     tl.store(dst + HALF, q2, mask=mask_q)
@@ -72,15 +125,33 @@ def _rotary_store_kv_kernel(
     mask_kv = mask_k & valid[:, None]
     src = k_ptr + tok * s_k_tok + offs_hk[:, None] * s_k_head + offs_d[None, :]
     # Rounded to the activations' dtype first, as the unfused path stores the rotated key it computed.
-    k1, k2 = _norm_rotate(tl.load(src, mask=mask_kv, other=0.0).to(tl.float32),
-                          tl.load(src + HALF, mask=mask_kv, other=0.0).to(tl.float32),
-                          kw_ptr, offs_d, mask_d, cos1, cos2, sin1, sin2, eps, HALF, QK_NORM, dtype)
+    k1, k2 = _norm_rotate(
+        tl.load(src, mask=mask_kv, other=0.0).to(tl.float32),
+        tl.load(src + HALF, mask=mask_kv, other=0.0).to(tl.float32),
+        kw_ptr,
+        offs_d,
+        mask_d,
+        cos1,
+        cos2,
+        sin1,
+        sin2,
+        eps,
+        HALF,
+        QK_NORM,
+        dtype,
+    )
     src = v_ptr + tok * s_v_tok + offs_hk[:, None] * s_v_head + offs_d[None, :]
     v1 = tl.load(src, mask=mask_kv, other=0.0)
     v2 = tl.load(src + HALF, mask=mask_kv, other=0.0)
     cache_dtype = kv_ptr.dtype.element_ty
-    dst = (kv_ptr + layer_off + (slot // PAGE)[:, None] * s_kv_blk + (slot % PAGE)[:, None] * s_kv_tok
-           + offs_hk[:, None] * s_kv_head + offs_d[None, :])
+    dst = (
+        kv_ptr
+        + layer_off
+        + (slot // PAGE)[:, None] * s_kv_blk
+        + (slot % PAGE)[:, None] * s_kv_tok
+        + offs_hk[:, None] * s_kv_head
+        + offs_d[None, :]
+    )
     tl.store(dst, k1.to(cache_dtype), mask=mask_kv)
     tl.store(dst + HALF, k2.to(cache_dtype), mask=mask_kv)
     tl.store(dst + s_kv_kv, v1.to(cache_dtype), mask=mask_kv)
@@ -119,15 +190,43 @@ def rotary_store_kv(
     s_kv = kv_cache.stride()
     qk_norm = q_norm is not None
     _rotary_store_kv_kernel.launch(
-        query.device, (num_tokens,),
-        query, key, value, cos, sin, out, kv_cache, slot_mapping,
-        q_norm if qk_norm else cos, k_norm if qk_norm else cos,
-        layer * s_kv[1], num_heads, key.shape[1], eps,
-        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        cos.stride(0), sin.stride(0), out.stride(0), out.stride(1),
-        s_kv[0], s_kv[2], s_kv[3], s_kv[4],
-        HALF=half, BLOCK_HALF=next_pow2(half), BLOCK_HQ=next_pow2(num_heads), BLOCK_HK=next_pow2(key.shape[1]),
-        PAGE=kv_cache.shape[4], QK_NORM=qk_norm, num_warps=4,
+        query.device,
+        (num_tokens,),
+        query,
+        key,
+        value,
+        cos,
+        sin,
+        out,
+        kv_cache,
+        slot_mapping,
+        q_norm if qk_norm else cos,
+        k_norm if qk_norm else cos,
+        layer * s_kv[1],
+        num_heads,
+        key.shape[1],
+        eps,
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        out.stride(0),
+        out.stride(1),
+        s_kv[0],
+        s_kv[2],
+        s_kv[3],
+        s_kv[4],
+        HALF=half,
+        BLOCK_HALF=next_pow2(half),
+        BLOCK_HQ=next_pow2(num_heads),
+        BLOCK_HK=next_pow2(key.shape[1]),
+        PAGE=kv_cache.shape[4],
+        QK_NORM=qk_norm,
+        num_warps=4,
     )
     return out
 

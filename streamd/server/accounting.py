@@ -17,8 +17,9 @@ feeds it every delta it delivers, and closes it once. The account owns:
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 from streamd.engine.outputs import RequestDelta
 from streamd.logs import get_logger
@@ -58,8 +59,16 @@ FINISH_NAMES: dict[str, FinishNames] = {
 
 
 class RequestAccount:
-    def __init__(self, request_id: str, route: str, num_prompt_tokens: int, metrics: Metrics,
-                 lifecycle: Lifecycle, cancel: Callable[[], None], num_choices: int = 1) -> None:
+    def __init__(
+        self,
+        request_id: str,
+        route: str,
+        num_prompt_tokens: int,
+        metrics: Metrics,
+        lifecycle: Lifecycle,
+        cancel: Callable[[], None],
+        num_choices: int = 1,
+    ) -> None:
         self.request_id = request_id
         self.route = route
         self.num_prompt_tokens = num_prompt_tokens
@@ -154,8 +163,11 @@ class RequestAccount:
 
     def usage(self) -> dict[str, Any]:
         completion = self.num_completion_tokens
-        body: dict[str, Any] = {"prompt_tokens": self.num_prompt_tokens, "completion_tokens": completion,
-                                "total_tokens": self.num_prompt_tokens + completion}
+        body: dict[str, Any] = {
+            "prompt_tokens": self.num_prompt_tokens,
+            "completion_tokens": completion,
+            "total_tokens": self.num_prompt_tokens + completion,
+        }
         if self.num_cached_tokens:
             body["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
         return body
@@ -177,8 +189,14 @@ class RequestAccount:
                 queue_s = self._first_token - self.arrival  # bounded by the wait for the first token
             if queue_s is not None:
                 metrics.queue.observe(queue_s)
-        logger.info("request_done", request_id=self.request_id, route=self.route, finish_reason=name,
-                    prompt_tokens=self.num_prompt_tokens, completion_tokens=self.num_completion_tokens)
+        logger.info(
+            "request_done",
+            request_id=self.request_id,
+            route=self.route,
+            finish_reason=name,
+            prompt_tokens=self.num_prompt_tokens,
+            completion_tokens=self.num_completion_tokens,
+        )
 
     def discard(self) -> None:
         """Lets go of a request the engine refused: it never ran, so it is not counted."""

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import AsyncIterator
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -28,36 +28,39 @@ from streamd.config import Config
 from streamd.engine.client.async_engine import AsyncEngine
 from streamd.engine.sampling_params import SamplingParams
 from streamd.logs import get_logger
-from streamd.server.http import openai_routes, responses_api, tokenize_api
-from streamd.server.ws import responses as responses_ws
-from streamd.server.ws import stream as ws
 from streamd.server.auth import Authenticator
 from streamd.server.errors import ServiceError, error_response, http_error
 from streamd.server.generation import Generation, new_request_id
+from streamd.server.http import openai_routes, responses_api, tokenize_api
 from streamd.server.http.guard import HttpGuard
+from streamd.server.http.server_info import server_info_route
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.logprobs import TokenTexts
 from streamd.server.metrics import CONTENT_TYPE, Metrics
 from streamd.server.responses_store import ResponseStore
-from streamd.server.ws.resume import ResumeStore
-from streamd.server.http.server_info import server_info_route
 from streamd.server.services import Services
 from streamd.server.tool_parsers import tool_format
+from streamd.server.ws import responses as responses_ws
+from streamd.server.ws import stream as ws
+from streamd.server.ws.resume import ResumeStore
 
 logger = get_logger(__name__)
 STATIC = Path(__file__).parent / "static"
 OPEN_PATHS = frozenset({"/", "/favicon.ico", "/v1/server-info", "/health", "/ready"})
 OPEN_PREFIX = "/static/"  # the chat page's scripts, styles, icon and vendored libraries
 # Why /ready answers 503 -> the code of its error body.
-_NOT_READY = {"draining": "shutting_down", "warming_up": "service_unavailable",
-              "engine_unavailable": "engine_unavailable"}
+_NOT_READY = {
+    "draining": "shutting_down",
+    "warming_up": "service_unavailable",
+    "engine_unavailable": "engine_unavailable",
+}
 # The chat page: its own scripts (files only, no inline script) and styles, never framed, never sniffed.
 # connect-src names ws: and wss: because older browsers do not match WebSocket URLs against 'self'.
 PAGE_HEADERS = {
     "Cache-Control": "no-cache",
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; "
-                               "style-src 'self' 'unsafe-inline'; connect-src 'self' ws: wss:; "
-                               "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
+    "style-src 'self' 'unsafe-inline'; connect-src 'self' ws: wss:; "
+    "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
     "Referrer-Policy": "no-referrer",
@@ -68,14 +71,22 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
     server = config.server
     metrics = Metrics(engine)
     lifecycle = Lifecycle(engine, server.drain_timeout_s)
-    services = Services(server, engine, server.served_model_name or engine.model_name, int(time.time()),
-                        Authenticator(server.api_keys, server.allowed_origins), metrics, lifecycle,
-                        Generation(engine, server, lifecycle, metrics),
-                        ResponseStore(server.responses_store_size, server.responses_store_ttl_s),
-                        TokenTexts(engine.tokenizer),
-                        tool_format(getattr(engine.tokenizer, "chat_template", None)),
-                        ResumeStore(server.resume_grace_s, server.resume_max_tokens_per_request,
-                                    server.resume_max_tokens_total, metrics))
+    services = Services(
+        server,
+        engine,
+        server.served_model_name or engine.model_name,
+        int(time.time()),
+        Authenticator(server.api_keys, server.allowed_origins),
+        metrics,
+        lifecycle,
+        Generation(engine, server, lifecycle, metrics),
+        ResponseStore(server.responses_store_size, server.responses_store_ttl_s),
+        TokenTexts(engine.tokenizer),
+        tool_format(getattr(engine.tokenizer, "chat_template", None)),
+        ResumeStore(
+            server.resume_grace_s, server.resume_max_tokens_per_request, server.resume_max_tokens_total, metrics
+        ),
+    )
     lifecycle.on_drain(services.resumes.end_detached)
     page = (STATIC / "index.html").read_text(encoding="utf-8")
 
@@ -108,8 +119,11 @@ def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> 
         *(Route(path, fn, methods=methods) for path, fn, methods in tokenize_api.make_routes()),
         WebSocketRoute("/v1/responses", responses_ws.responses_endpoint),  # same path: WebSocket mode
     ]
-    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        ServiceError: service_error, HTTPException: http_exception, Exception: internal_error})
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={ServiceError: service_error, HTTPException: http_exception, Exception: internal_error},
+    )
     app.state.services = services
     app.add_middleware(HttpGuard, auth=services.auth, max_body_bytes=server.max_body_bytes)
     app.add_middleware(AuthMiddleware, auth=services.auth)
@@ -124,8 +138,9 @@ async def health(request: Request) -> Response:
     engine: AsyncEngine = request.app.state.services.engine
     if engine.dead_reason is not None and not request.app.state.services.lifecycle.draining:
         error = ServiceError("engine_unavailable", f"the engine is dead: {engine.dead_reason}")
-        return JSONResponse({"status": "engine_dead", "reason": engine.dead_reason, **error.openai_body()},
-                            status_code=503)
+        return JSONResponse(
+            {"status": "engine_dead", "reason": engine.dead_reason, **error.openai_body()}, status_code=503
+        )
     return JSONResponse({"status": "ok"})
 
 
@@ -180,8 +195,12 @@ class AuthMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope.get("path", "")
-        if scope["type"] == "http" and self.auth.enabled and path not in OPEN_PATHS \
-                and not path.startswith(OPEN_PREFIX):
+        if (
+            scope["type"] == "http"
+            and self.auth.enabled
+            and path not in OPEN_PATHS
+            and not path.startswith(OPEN_PREFIX)
+        ):
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
             if not self.auth.http_ok(headers):
                 error = ServiceError("unauthorized", "a valid API key is required (Authorization: Bearer KEY)")
@@ -196,8 +215,9 @@ async def _warm_up(services: Services) -> None:
     engine = services.engine
     try:
         ids = await services.generation.prompt_ids("Hello")
-        stream = await engine.add_request(new_request_id(), None, SamplingParams(max_tokens=1, temperature=0.0),
-                                          prompt_token_ids=ids)
+        stream = await engine.add_request(
+            new_request_id(), None, SamplingParams(max_tokens=1, temperature=0.0), prompt_token_ids=ids
+        )
         async for delta in stream:
             if delta.error:
                 raise RuntimeError(delta.error)

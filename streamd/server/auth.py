@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
-from typing import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
 
 BEARER_SUBPROTOCOL_PREFIX = "bearer."
@@ -95,4 +95,4 @@ def _offered_keys(headers: Mapping[str, str], subprotocols: Iterable[str]) -> It
     key = bearer_token(headers.get("authorization"))
     if key:
         yield key
-    yield from (p[len(BEARER_SUBPROTOCOL_PREFIX):] for p in subprotocols if p.startswith(BEARER_SUBPROTOCOL_PREFIX))
+    yield from (p[len(BEARER_SUBPROTOCOL_PREFIX) :] for p in subprotocols if p.startswith(BEARER_SUBPROTOCOL_PREFIX))

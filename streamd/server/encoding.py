@@ -73,8 +73,10 @@ def _with_non_finite(data: str | bytes, what: str, reason: str) -> Any:
 
 
 def _unencodable(what: str) -> ServiceError:
-    return ServiceError("invalid_json", f"{what} contains text that cannot be encoded as UTF-8 (a lone UTF-16 "
-                        "surrogate such as \\ud800)")
+    return ServiceError(
+        "invalid_json",
+        f"{what} contains text that cannot be encoded as UTF-8 (a lone UTF-16 surrogate such as \\ud800)",
+    )
 
 
 def _too_deep(what: str) -> ServiceError:

@@ -8,8 +8,8 @@ statuses that Starlette or a guard raise as `HTTPException`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 from starlette.responses import JSONResponse
 
@@ -45,10 +45,17 @@ _KINDS: dict[str, tuple[int, str]] = {
 }
 
 # An HTTPException's status -> the code of its error body (other statuses: "http_error").
-HTTP_CODES: dict[int, str] = {400: "invalid_request", 404: "not_found", 405: "method_not_allowed",
-                              413: "request_too_large", 415: "unsupported_media_type",
-                              422: "unprocessable_entity", 429: "too_many_requests", 500: "internal_error",
-                              503: "service_unavailable"}
+HTTP_CODES: dict[int, str] = {
+    400: "invalid_request",
+    404: "not_found",
+    405: "method_not_allowed",
+    413: "request_too_large",
+    415: "unsupported_media_type",
+    422: "unprocessable_entity",
+    429: "too_many_requests",
+    500: "internal_error",
+    503: "service_unavailable",
+}
 
 
 @dataclass(slots=True)
@@ -75,16 +82,18 @@ class ServiceError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-def error_response(error: ServiceError, status: int | None = None,
-                   headers: Mapping[str, str] | None = None) -> JSONResponse:
+def error_response(
+    error: ServiceError, status: int | None = None, headers: Mapping[str, str] | None = None
+) -> JSONResponse:
     """The HTTP answer to a refusal: its OpenAI error body, with its status (or `status`)."""
     return JSONResponse(error.openai_body(), status_code=status or error.status, headers=headers)
 
 
 def queue_timed_out() -> ServiceError:
     """A request that timed out before it was ever scheduled (`RequestAccount.overloaded`), on every route."""
-    return ServiceError("overloaded", "the request waited longer than server.max_queue_time_s to be scheduled; "
-                        "retry later")
+    return ServiceError(
+        "overloaded", "the request waited longer than server.max_queue_time_s to be scheduled; retry later"
+    )
 
 
 def http_error(status: int, message: str) -> ServiceError:

@@ -16,9 +16,9 @@ from typing import Any
 
 from streamd.config import ServerConfig
 from streamd.engine.client.async_engine import AsyncEngine, EngineDeadError
-from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions
-from streamd.engine.errors import RequestError
 from streamd.engine.client.request_stream import Backpressure, DeltaSink, RequestStream
+from streamd.engine.errors import RequestError
+from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions
 from streamd.engine.sampling_params import SamplingParams, is_int
 from streamd.server.accounting import RequestAccount
 from streamd.server.encoding import loads
@@ -29,13 +29,34 @@ from streamd.server.structured_api import structured_from_response_format
 from streamd.server.tokenizing import Tokenizing
 
 # Wire parameter names (OpenAI / vLLM) accepted on every route.
-WIRE_PARAMS = frozenset({
-    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "presence_penalty",
-    "frequency_penalty", "repetition_penalty", "stop", "stop_token_ids", "seed", "n", "ignore_eos",
-    "logprobs", "include_stop_str_in_output", "skip_special_tokens", "structured_outputs", "response_format",
-    "use_beam_search", "beam_width", "length_penalty", "early_stopping",  # beam search (vLLM's extra fields)
-    "timeout_s",
-})
+WIRE_PARAMS = frozenset(
+    {
+        "max_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "stop",
+        "stop_token_ids",
+        "seed",
+        "n",
+        "ignore_eos",
+        "logprobs",
+        "include_stop_str_in_output",
+        "skip_special_tokens",
+        "structured_outputs",
+        "response_format",
+        "use_beam_search",
+        "beam_width",
+        "length_penalty",
+        "early_stopping",  # beam search (vLLM's extra fields)
+        "timeout_s",
+    }
+)
 MAX_N = 16  # parallel samples or beams per request (each is a sequence of the batch)
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
@@ -67,11 +88,16 @@ class Generation:
         if isinstance(prompt, list) and prompt and all(is_int(t) and t >= 0 for t in prompt):
             self.check_chars(len(prompt), "prompt")
             return list(prompt)  # the engine checks them against the vocabulary
-        raise ServiceError("invalid_request", "prompt must be a non-empty string or a list of token ids",
-                           "prompt")
+        raise ServiceError("invalid_request", "prompt must be a non-empty string or a list of token ids", "prompt")
 
-    async def messages_ids(self, messages: Any, tools: list[dict[str, Any]] | None = None,
-                           options: TemplateOptions = DEFAULT_OPTIONS, *, param: str = "messages") -> list[int]:
+    async def messages_ids(
+        self,
+        messages: Any,
+        tools: list[dict[str, Any]] | None = None,
+        options: TemplateOptions = DEFAULT_OPTIONS,
+        *,
+        param: str = "messages",
+    ) -> list[int]:
         """Chat messages (and OpenAI function `tools`) through the model's chat template as `options` say,
         off the loop when long; errors name `param`, the field they came in."""
         messages = normalize_messages(messages)
@@ -85,11 +111,22 @@ class Generation:
     def check_chars(self, size: int, param: str) -> None:
         limit = self.config.max_prompt_chars
         if size > limit:
-            raise ServiceError("request_too_large", f"{param} is too long: {size} characters (or token ids); "
-                               f"this server takes at most {limit} (server.max_prompt_chars)", param)
+            raise ServiceError(
+                "request_too_large",
+                f"{param} is too long: {size} characters (or token ids); "
+                f"this server takes at most {limit} (server.max_prompt_chars)",
+                param,
+            )
 
-    def prepare(self, prompt_ids: list[int], raw: dict[str, Any], *, default_max_tokens: int | None,
-                prompt: str | None = None, prompt_param: str = "messages") -> Prepared:
+    def prepare(
+        self,
+        prompt_ids: list[int],
+        raw: dict[str, Any],
+        *,
+        default_max_tokens: int | None,
+        prompt: str | None = None,
+        prompt_param: str = "messages",
+    ) -> Prepared:
         """Validates params against the context; `default_max_tokens` None means "the rest of the context".
         `prompt_param` names the field the prompt came in (`prompt` or `messages`) in context errors."""
         unknown = sorted(set(raw) - WIRE_PARAMS)
@@ -99,25 +136,32 @@ class Generation:
         if "response_format" in fields:
             structured = structured_from_response_format(fields.pop("response_format"))
             if structured is not None and "structured_outputs" in fields:
-                raise ServiceError("invalid_request", "give response_format or structured_outputs, not both",
-                                   "response_format")
+                raise ServiceError(
+                    "invalid_request", "give response_format or structured_outputs, not both", "response_format"
+                )
             if structured is not None:
                 fields["structured_outputs"] = structured
         context, n_prompt = self.engine.max_model_len, len(prompt_ids)
         if n_prompt >= context:
-            raise ServiceError("context_length_exceeded", f"the prompt has {n_prompt} tokens; this model's "
-                               f"context is {context} tokens", prompt_param)
+            raise ServiceError(
+                "context_length_exceeded",
+                f"the prompt has {n_prompt} tokens; this model's context is {context} tokens",
+                prompt_param,
+            )
         limit = self.config.max_tokens_limit
         if "max_tokens" not in fields:
             room = context - n_prompt
             fields["max_tokens"] = min(default_max_tokens or room, room, limit or room)
         max_tokens = fields["max_tokens"]
         if is_int(max_tokens) and limit is not None and max_tokens > limit:
-            raise ServiceError("invalid_request", f"max_tokens must be <= {limit}, got {max_tokens}",
-                               "max_tokens")
+            raise ServiceError("invalid_request", f"max_tokens must be <= {limit}, got {max_tokens}", "max_tokens")
         if is_int(max_tokens) and n_prompt + max_tokens > context:
-            raise ServiceError("context_length_exceeded", f"the prompt ({n_prompt} tokens) plus max_tokens "
-                               f"({max_tokens}) exceeds this model's context of {context} tokens", "max_tokens")
+            raise ServiceError(
+                "context_length_exceeded",
+                f"the prompt ({n_prompt} tokens) plus max_tokens "
+                f"({max_tokens}) exceeds this model's context of {context} tokens",
+                "max_tokens",
+            )
         self._deadlines(fields)
         try:
             params = SamplingParams.from_dict(fields)
@@ -126,8 +170,9 @@ class Generation:
         if params.n > MAX_N:
             raise ServiceError("invalid_request", f"n must be <= {MAX_N}, got {params.n}", "n")
         if params.beam_width is not None and params.beam_width > MAX_N:
-            raise ServiceError("invalid_request", f"beam_width must be <= {MAX_N}, got {params.beam_width}",
-                               "beam_width")
+            raise ServiceError(
+                "invalid_request", f"beam_width must be <= {MAX_N}, got {params.beam_width}", "beam_width"
+            )
         return Prepared(prompt_ids, params, prompt)
 
     def _deadlines(self, fields: dict[str, Any]) -> None:
@@ -140,8 +185,9 @@ class Generation:
             fields["queue_timeout_s"] = self.config.max_queue_time_s
 
     # ---- running -----------------------------------------------------------------------------
-    async def submit(self, prepared: Prepared, route: str,
-                     sink: DeltaSink | None = None) -> tuple[RequestAccount, RequestStream | None]:
+    async def submit(
+        self, prepared: Prepared, route: str, sink: DeltaSink | None = None
+    ) -> tuple[RequestAccount, RequestStream | None]:
         """Submits a prepared request; returns its account and, without a `sink` of the caller's, the
         stream its deltas come on. Raises ServiceError when refused (the request is then not counted)."""
         if self.lifecycle.draining:
@@ -153,13 +199,26 @@ class Generation:
         except RequestError as exc:  # a GrammarError, or a model that cannot constrain its output
             raise ServiceError(exc.code, str(exc), "structured_outputs") from exc
         engine, request_id = self.engine, new_request_id()
-        stream = None if sink is not None else RequestStream(
-            request_id, engine.abort, Backpressure(request_id, self.config.max_unsent_tokens, engine.set_paused))
-        account = RequestAccount(request_id, route, len(prepared.prompt_token_ids), self.metrics, self.lifecycle,
-                                 cancel=lambda: engine.abort(request_id), num_choices=prepared.params.n)
+        stream = (
+            None
+            if sink is not None
+            else RequestStream(
+                request_id, engine.abort, Backpressure(request_id, self.config.max_unsent_tokens, engine.set_paused)
+            )
+        )
+        account = RequestAccount(
+            request_id,
+            route,
+            len(prepared.prompt_token_ids),
+            self.metrics,
+            self.lifecycle,
+            cancel=lambda: engine.abort(request_id),
+            num_choices=prepared.params.n,
+        )
         try:
-            await engine.submit(request_id, prepared.prompt, prepared.params, stream or sink,
-                                prompt_token_ids=prepared.prompt_token_ids)
+            await engine.submit(
+                request_id, prepared.prompt, prepared.params, stream or sink, prompt_token_ids=prepared.prompt_token_ids
+            )
         except asyncio.CancelledError:
             account.close()  # cancelled while waiting for admission: counted as cancelled
             raise
@@ -195,14 +254,14 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     out = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or message.get("role") not in _ROLES:
-            raise ServiceError("invalid_request", f"messages[{i}] must be an object with a role in "
-                               f"{sorted(_ROLES)}", "messages")
+            raise ServiceError(
+                "invalid_request", f"messages[{i}] must be an object with a role in {sorted(_ROLES)}", "messages"
+            )
         content = message.get("content")
         if isinstance(content, list):
             parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
             if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
-                raise ServiceError("unsupported", f"messages[{i}].content: only text parts are supported",
-                                   "messages")
+                raise ServiceError("unsupported", f"messages[{i}].content: only text parts are supported", "messages")
             content = "".join(parts)
         if content is None and message["role"] == "assistant":
             content = ""
@@ -219,12 +278,23 @@ def _tool_fields(i: int, message: dict[str, Any]) -> dict[str, Any]:
     calls = message.get("tool_calls")
     if message["role"] == "assistant" and calls:
         try:  # `loads` refuses unencodable text and deep nesting in the arguments as in a body
-            fields["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {
-                "name": c["function"]["name"], "arguments": loads(c["function"]["arguments"], "arguments")}}
-                for c in calls]
+            fields["tool_calls"] = [
+                {
+                    "id": c.get("id"),
+                    "type": "function",
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": loads(c["function"]["arguments"], "arguments"),
+                    },
+                }
+                for c in calls
+            ]
         except (TypeError, KeyError, AttributeError, ServiceError) as exc:
-            raise ServiceError("invalid_request", f"messages[{i}].tool_calls must be OpenAI tool calls with "
-                               f"JSON-string arguments ({exc})", "messages") from exc
+            raise ServiceError(
+                "invalid_request",
+                f"messages[{i}].tool_calls must be OpenAI tool calls with JSON-string arguments ({exc})",
+                "messages",
+            ) from exc
     return fields
 
 

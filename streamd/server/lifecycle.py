@@ -11,8 +11,9 @@ reconnects after). Waits are on events, never on sleeps.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
-from typing import Awaitable, Callable, Iterator, Protocol
+from typing import Protocol
 
 from streamd.engine.client.async_engine import AsyncEngine
 from streamd.logs import get_logger
@@ -90,8 +91,9 @@ class Lifecycle:
             return
         self._drained = asyncio.Event()
         self.draining = True
-        logger.info("drain_started", in_flight=self.num_active, connections=self.num_connections,
-                    timeout_s=self.drain_timeout_s)
+        logger.info(
+            "drain_started", in_flight=self.num_active, connections=self.num_connections, timeout_s=self.drain_timeout_s
+        )
         for callback in self._on_drain:
             callback()
         if not await _wait(self._idle, self.drain_timeout_s):

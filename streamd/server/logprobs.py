@@ -53,14 +53,19 @@ def _value(logprob: float) -> float:
     return logprob if logprob > FLOOR else FLOOR
 
 
-def chat_entries(texts: TokenTexts, token_ids: list[int], logprobs: list[dict[int, float]],
-                 top: int) -> list[dict[str, Any]]:
+def chat_entries(
+    texts: TokenTexts, token_ids: list[int], logprobs: list[dict[int, float]], top: int
+) -> list[dict[str, Any]]:
     """OpenAI's `ChatCompletionTokenLogprob` objects, one per token."""
     entries = []
     for token_id, entry in zip(token_ids, logprobs):
         ranked = list(entry.items())[:top]
-        entries.append({**_chat_token(texts.get(token_id), entry[token_id]),
-                        "top_logprobs": [_chat_token(texts.get(t), lp) for t, lp in ranked]})
+        entries.append(
+            {
+                **_chat_token(texts.get(token_id), entry[token_id]),
+                "top_logprobs": [_chat_token(texts.get(t), lp) for t, lp in ranked],
+            }
+        )
     return entries
 
 
@@ -88,7 +93,7 @@ class LogprobsBuilder:
     def add(self, choice: CompletionDelta) -> None:
         if choice.logprobs:
             pending = self._choices[choice.index]
-            pending.token_ids.extend(choice.token_ids[:len(choice.logprobs)])
+            pending.token_ids.extend(choice.token_ids[: len(choice.logprobs)])
             pending.logprobs.extend(choice.logprobs)
 
     def has_pending(self, index: int) -> bool:
@@ -102,16 +107,16 @@ class LogprobsBuilder:
             return {"content": chat_entries(self.texts, token_ids, logprobs, self.top), "refusal": None}
         return self._completion(pending, token_ids, logprobs)
 
-    def _completion(self, pending: _Pending, token_ids: list[int],
-                    logprobs: list[dict[int, float]]) -> dict[str, Any]:
+    def _completion(self, pending: _Pending, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any]:
         tokens, offsets = [], []
         for token_id in token_ids:
             text = self.texts.get(token_id).text
             tokens.append(text)
             offsets.append(pending.text_offset)
             pending.text_offset += len(text)
-        return {"tokens": tokens,
-                "token_logprobs": [_value(entry[t]) for t, entry in zip(token_ids, logprobs)],
-                "top_logprobs": [{self.texts.get(t).text: _value(lp) for t, lp in entry.items()}
-                                 for entry in logprobs],
-                "text_offset": offsets}
+        return {
+            "tokens": tokens,
+            "token_logprobs": [_value(entry[t]) for t, entry in zip(token_ids, logprobs)],
+            "top_logprobs": [{self.texts.get(t).text: _value(lp) for t, lp in entry.items()} for entry in logprobs],
+            "text_offset": offsets,
+        }

@@ -9,8 +9,9 @@ collector, because the engine keeps those counts itself (exporting them as Count
 from __future__ import annotations
 
 from bisect import bisect_left
+from collections.abc import Iterator, Sequence
 from itertools import accumulate
-from typing import TYPE_CHECKING, Iterator, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -33,19 +34,23 @@ class Metrics:
     def __init__(self, engine: AsyncEngine | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.ttft = Histogram("streamd_time_to_first_token_seconds", "Time from arrival to the first token.",
-                              buckets=_LATENCY, registry=r)
-        self.itl = CountedHistogram("streamd_inter_token_latency_seconds", "Time between consecutive tokens.",
-                                    _ITL, r)
-        self.e2e = Histogram("streamd_e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             buckets=_E2E, registry=r)
-        self.queue = Histogram("streamd_request_queue_time_seconds", "Time from arrival to first scheduling.",
-                               buckets=_LATENCY, registry=r)
-        self.requests = Counter("streamd_requests", "Finished requests by finish reason.", ["finish_reason"],
-                                registry=r)
+        self.ttft = Histogram(
+            "streamd_time_to_first_token_seconds", "Time from arrival to the first token.", buckets=_LATENCY, registry=r
+        )
+        self.itl = CountedHistogram("streamd_inter_token_latency_seconds", "Time between consecutive tokens.", _ITL, r)
+        self.e2e = Histogram(
+            "streamd_e2e_request_latency_seconds", "Time from arrival to the last token.", buckets=_E2E, registry=r
+        )
+        self.queue = Histogram(
+            "streamd_request_queue_time_seconds", "Time from arrival to first scheduling.", buckets=_LATENCY, registry=r
+        )
+        self.requests = Counter(
+            "streamd_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
+        )
         self.ws_connections = Gauge("streamd_ws_connections", "Open WebSocket connections.", registry=r)
-        self.ws_closes = Counter("streamd_ws_closes", "Closed WebSocket connections by close code.", ["code"],
-                                 registry=r)
+        self.ws_closes = Counter(
+            "streamd_ws_closes", "Closed WebSocket connections by close code.", ["code"], registry=r
+        )
         self.resumes = Counter("streamd_resumes", "WebSocket resume attempts by outcome.", ["outcome"], registry=r)
         for reason in ("stop", "length", "cancelled", "error", "timeout"):
             self.requests.labels(reason)
@@ -79,8 +84,9 @@ class CountedHistogram(Collector):
         self.sum += value * count
 
     def collect(self) -> Iterator[Metric]:
-        yield HistogramMetricFamily(self.name, self.documentation, sum_value=self.sum,
-                                    buckets=list(zip(self.labels, accumulate(self.counts))))
+        yield HistogramMetricFamily(
+            self.name, self.documentation, sum_value=self.sum, buckets=list(zip(self.labels, accumulate(self.counts)))
+        )
 
 
 class EngineStatsCollector(Collector):
@@ -98,26 +104,29 @@ class EngineStatsCollector(Collector):
         yield _gauge("streamd_requests_running", "Requests running in the batch.", sched.num_running)
         yield _gauge("streamd_requests_waiting", "Requests waiting to be scheduled.", sched.num_waiting)
         yield _gauge("streamd_requests_swapped", "Requests swapped out to host memory.", sched.num_swapped)
-        yield _gauge("streamd_requests_paused", "Requests paused because their reader fell behind.",
-                     sched.num_paused)
+        yield _gauge("streamd_requests_paused", "Requests paused because their reader fell behind.", sched.num_paused)
         yield _gauge("streamd_kv_blocks_used", "KV cache blocks in use.", kv.blocks_used)
         yield _gauge("streamd_kv_blocks_free", "Free KV cache blocks.", kv.blocks_free)
         yield _gauge("streamd_swap_blocks_used", "Host swap blocks in use.", kv.swap_blocks_used)
-        yield _counter("streamd_prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache.",
-                       kv.prefix_queried_tokens)
-        yield _counter("streamd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.",
-                       kv.prefix_hit_tokens)
+        yield _counter(
+            "streamd_prefix_cache_queried_tokens",
+            "Prompt tokens looked up in the prefix cache.",
+            kv.prefix_queried_tokens,
+        )
+        yield _counter(
+            "streamd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", kv.prefix_hit_tokens
+        )
         preemptions = CounterMetricFamily("streamd_preemptions", "Preemptions by mode.", labels=["mode"])
         preemptions.add_metric(["swap"], sched.preemptions_swap)
         preemptions.add_metric(["recompute"], sched.preemptions_recompute)
         yield preemptions
-        swapped = CounterMetricFamily("streamd_swapped_blocks", "Blocks swapped by direction.",
-                                      labels=["direction"])
+        swapped = CounterMetricFamily("streamd_swapped_blocks", "Blocks swapped by direction.", labels=["direction"])
         swapped.add_metric(["out"], kv.swapped_out_blocks)
         swapped.add_metric(["in"], kv.swapped_in_blocks)
         yield swapped
-        yield _counter("streamd_recomputed_tokens", "Tokens prefilled again after recompute preemption.",
-                       sched.recomputed_tokens)
+        yield _counter(
+            "streamd_recomputed_tokens", "Tokens prefilled again after recompute preemption.", sched.recomputed_tokens
+        )
         yield _counter("streamd_generation_tokens", "Output tokens generated.", stats.generated_tokens)
 
 

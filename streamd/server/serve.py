@@ -81,12 +81,20 @@ def _listening_socket(host: str, port: int, send_buffer_bytes: int) -> socket.so
 
 def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
     return uvicorn.Config(
-        app, host=config.server.host, port=config.server.port, loop="none", lifespan="on",
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        loop="none",
+        lifespan="on",
         # httptools (C) parses requests and frames each SSE chunk with one transport write; h11 (pure
         # Python) cost several times more event-loop time per streamed chunk.
-        http="httptools", ws=GuardedWebSocketProtocol, ws_max_size=config.server.max_frame_bytes,
+        http="httptools",
+        ws=GuardedWebSocketProtocol,
+        ws_max_size=config.server.max_frame_bytes,
         ws_per_message_deflate=False,  # token frames are tiny; deflate costs more CPU than it saves
-        log_config=None, access_log=False, timeout_graceful_shutdown=5,
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=5,
     )
 
 
@@ -103,8 +111,9 @@ def engine_for(config: Config, factory: Callable[..., LLMEngine], *args: Any) ->
 def http_server(config: Config, engine: AsyncEngine) -> DrainingServer:
     """The app over `engine`, in the uvicorn server `streamd serve` runs."""
     app = create_app(config, engine)
-    return DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle,
-                          config.server.socket_send_buffer_bytes)
+    return DrainingServer(
+        uvicorn_config(config, app), app.state.services.lifecycle, config.server.socket_send_buffer_bytes
+    )
 
 
 async def serve(config: Config) -> int:
@@ -135,9 +144,16 @@ def configure_server_logging(config: Config) -> None:
         fmt = "console" if sys.stderr.isatty() else "json"
     renderer = structlog.processors.JSONRenderer() if fmt == "json" else structlog.dev.ConsoleRenderer(colors=False)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(structlog.stdlib.ProcessorFormatter(renderer, foreign_pre_chain=[
-        structlog.stdlib.add_log_level, structlog.stdlib.add_logger_name,
-        structlog.processors.TimeStamper(fmt="iso", utc=True)]))
+    handler.setFormatter(
+        structlog.stdlib.ProcessorFormatter(
+            renderer,
+            foreign_pre_chain=[
+                structlog.stdlib.add_log_level,
+                structlog.stdlib.add_logger_name,
+                structlog.processors.TimeStamper(fmt="iso", utc=True),
+            ],
+        )
+    )
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

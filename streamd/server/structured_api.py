@@ -36,8 +36,9 @@ def _structured(kind: Any, schema: Any, param: str, schema_field: str) -> dict[s
     """A format's type and (for "json_schema") schema -> `structured_outputs`; errors name `param` (the
     format's field) and, for a missing schema, its `schema_field` under it."""
     if kind not in ("text", "json_object", "json_schema"):
-        raise ServiceError("invalid_request", f"{param} must be an object with type \"text\", "
-                           "\"json_object\" or \"json_schema\"", param)
+        raise ServiceError(
+            "invalid_request", f'{param} must be an object with type "text", "json_object" or "json_schema"', param
+        )
     if kind == "text":
         return None
     if kind == "json_object":
@@ -67,12 +68,16 @@ def plan_tools(tools: Any, tool_choice: Any, model_format: str | None = None) ->
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
-            raise ServiceError("invalid_request", f"tools[{i}] must be {{\"type\": \"function\", \"function\": "
-                               "{\"name\": ..., \"parameters\": {...}}}", "tools")
+            raise ServiceError(
+                "invalid_request",
+                f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., "parameters": {{...}}}}}}',
+                "tools",
+            )
         params = fn.get("parameters", {"type": "object"})
         if not isinstance(params, dict):
-            raise ServiceError("invalid_request", f"tools[{i}].function.parameters must be a JSON schema object",
-                               "tools")
+            raise ServiceError(
+                "invalid_request", f"tools[{i}].function.parameters must be a JSON schema object", "tools"
+            )
         functions[fn["name"]] = params
     choice = "auto" if tool_choice is None else tool_choice
     if choice == "none":
@@ -83,12 +88,19 @@ def plan_tools(tools: Any, tool_choice: Any, model_format: str | None = None) ->
         return ToolPlan(tools, {"json": {"anyOf": [_call_schema(n, p) for n, p in functions.items()]}}, "json")
     name = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in functions:
-        raise ServiceError("invalid_request", "tool_choice must be \"none\", \"auto\", \"required\" or "
-                           "{\"type\": \"function\", \"function\": {\"name\": NAME}} naming one of tools",
-                           "tool_choice")
+        raise ServiceError(
+            "invalid_request",
+            'tool_choice must be "none", "auto", "required" or '
+            '{"type": "function", "function": {"name": NAME}} naming one of tools',
+            "tool_choice",
+        )
     return ToolPlan(tools, {"json": _call_schema(name, functions[name])}, "json")
 
 
 def _call_schema(name: str, parameters: dict[str, Any]) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": name}, "arguments": parameters},
-            "required": ["name", "arguments"], "additionalProperties": False}
+    return {
+        "type": "object",
+        "properties": {"name": {"const": name}, "arguments": parameters},
+        "required": ["name", "arguments"],
+        "additionalProperties": False,
+    }

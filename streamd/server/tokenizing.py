@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import copy
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from streamd.engine.output.chat_template import TemplateOptions, chat_template_ids
 from streamd.server.errors import ServiceError
@@ -34,11 +35,13 @@ class Tokenizing:
         """Token ids of a text prompt, as `LLMEngine` tokenizes one (unless told to leave out special tokens)."""
         if self._loop_tokenizer is None:
             raise ServiceError("invalid_request", "this model has no tokenizer: send prompt token ids", "prompt")
-        return await self.run(lambda tokenizer: list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids),
-                              len(text))
+        return await self.run(
+            lambda tokenizer: list(tokenizer(text, add_special_tokens=add_special_tokens).input_ids), len(text)
+        )
 
-    async def chat(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                   options: TemplateOptions, chars: int) -> list[int]:
+    async def chat(
+        self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, options: TemplateOptions, chars: int
+    ) -> list[int]:
         """The model's chat template over `messages` (and OpenAI function `tools`), `chars` long in all, as
         `options` say; raises the engine's RequestError if it refuses them."""
         return await self.run(lambda tokenizer: chat_template_ids(tokenizer, messages, tools, options), chars)

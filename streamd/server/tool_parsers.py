@@ -116,7 +116,7 @@ class _JsonReader:
     def read(self, text: str, final: bool) -> int:
         """Takes in the reply so far; returns how much of it is certainly content."""
         if self.calls is None:
-            self.head = (self.head + _SPACE.sub("", text[self.pos:]))[:len(_JSON_CALL_START)]
+            self.head = (self.head + _SPACE.sub("", text[self.pos :]))[: len(_JSON_CALL_START)]
             self.pos = len(text)
             if not _JSON_CALL_START.startswith(self.head):
                 self.calls = False
@@ -186,7 +186,7 @@ class ToolCallParser:
             if not any(span.name is not None for span in spans):  # e.g. a Llama reply that is JSON, not a call
                 content, spans = len(self.text), []
             self._final_content = content
-        new_content, self._content = self.text[self._content:content], max(self._content, content)
+        new_content, self._content = self.text[self._content : content], max(self._content, content)
         deltas: list[dict[str, Any]] = []
         for i in range(max(len(self._sent) - 1, 0), len(spans)):
             span = spans[i]
@@ -196,8 +196,9 @@ class ToolCallParser:
                 if span.name is None:
                     break
                 self._sent.append(0)
-                deltas.append({"index": i, "id": _call_id(), "type": "function",
-                               "function": {"name": span.name, "arguments": ""}})
+                deltas.append(
+                    {"index": i, "id": _call_id(), "type": "function", "function": {"name": span.name, "arguments": ""}}
+                )
             arguments = self._arguments(span, end, self._sent[i])
             if arguments:
                 deltas.append({"index": i, "function": {"arguments": arguments}})
@@ -207,12 +208,17 @@ class ToolCallParser:
     def result(self) -> ParsedReply:
         """The whole reply (after `feed(..., final=True)`): its content (None when empty) and its complete,
         valid calls. A reply with no valid call is all content."""
-        calls = [{"id": _call_id(), "type": "function",
-                  "function": {"name": span.name, "arguments": self._arguments(span, self._end(span, True))}}
-                 for span in self._valid_calls()]
+        calls = [
+            {
+                "id": _call_id(),
+                "type": "function",
+                "function": {"name": span.name, "arguments": self._arguments(span, self._end(span, True))},
+            }
+            for span in self._valid_calls()
+        ]
         if not calls:
             return ParsedReply(self.text, [])
-        content = self.text[:self._final_content]
+        content = self.text[: self._final_content]
         return ParsedReply(content if content.strip() else None, calls)
 
     @property
@@ -224,8 +230,12 @@ class ToolCallParser:
     def _valid_calls(self) -> list[_Span]:
         assert self._final_content >= 0, "the reply is not finished: feed(..., final=True) first"
         if self._valid is None:
-            self._valid = [span for span in self._reader.spans if span.whole is not None or (
-                span.name is not None and _as_call(self.text[span.start:self._end(span, True)]) is not None)]
+            self._valid = [
+                span
+                for span in self._reader.spans
+                if span.whole is not None
+                or (span.name is not None and _as_call(self.text[span.start : self._end(span, True)]) is not None)
+            ]
         return self._valid
 
     def _end(self, span: _Span, final: bool) -> int:
@@ -242,7 +252,7 @@ class ToolCallParser:
             span.name, span.args = name, head.end()
         elif closed:
             span.read = True
-            call = _as_call(self.text[span.start:end])
+            call = _as_call(self.text[span.start : end])
             if call is not None:
                 span.name, span.whole = call[0], json.dumps(call[1])
 
@@ -259,7 +269,7 @@ class ToolCallParser:
         stop = end
         while stop > start and text[stop - 1].isspace():
             stop -= 1
-        return text[start + skip:max(start, stop - 1)]
+        return text[start + skip : max(start, stop - 1)]
 
 
 def _call_id() -> str:

@@ -11,8 +11,17 @@ from pathlib import Path
 import pytest
 
 from streamd.bench import cluster
-from streamd.bench.cluster_sim import (ConversationConfig, EngineShape, PrefixAware, Replica, RoundRobin,
-                                       RunConfig, StepCost, make_conversations, simulate)
+from streamd.bench.cluster_sim import (
+    ConversationConfig,
+    EngineShape,
+    PrefixAware,
+    Replica,
+    RoundRobin,
+    RunConfig,
+    StepCost,
+    make_conversations,
+    simulate,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 COST = StepCost(base_s=2.5e-3, per_token_s=4.7e-6, per_context_token_s=7.6e-9)

@@ -30,7 +30,7 @@ def test_offline_baseline_writes_the_report(tmp_path: Path) -> None:
     assert {(r["transport"], r["layout"]) for r in report["runs"]} == {
         (transport, layout) for transport in ("ws", "sse") for layout in ("thread", "process", "split")}
     for run in report["runs"]:
-        assert RUN_FIELDS <= set(run), RUN_FIELDS - set(run)
+        assert set(run) >= RUN_FIELDS, RUN_FIELDS - set(run)
         assert run["concurrency"] == 4 and run["failed"] == 0, run["errors"]
         assert run["served_tok_s"] > 0 and run["offline_tok_s"] > 0
         assert run["engine_process"] is (run["layout"] != "thread")  # the server's own report of its engine

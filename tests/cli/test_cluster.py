@@ -19,12 +19,12 @@ import pytest
 from openai import OpenAI
 from websockets.asyncio.client import connect
 
-from streamd.cli.cluster import ClusterSpec, stop_processes, wait_ready, router_command, running_cluster
+from streamd.cli.cluster import ClusterSpec, router_command, running_cluster, stop_processes, wait_ready
 from tests.engine.worker.tp_models import save_random_model
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-pytestmark = pytest.mark.skipif(not Path(ROUTER).exists() or shutil.which("nginx") is None and
-                                not Path("/usr/sbin/nginx").exists(),
+pytestmark = pytest.mark.skipif(not Path(ROUTER).exists() or (shutil.which("nginx") is None and
+                                not Path("/usr/sbin/nginx").exists()),
                                 reason="needs vllm-router (pip) and nginx (apt); `make test` installs both")
 SERVE = ["--set", "model.dtype=float32", "--set", "cache.num_kv_blocks=512", "--set", "cache.num_swap_blocks=0"]
 VOCAB_WORDS = 256  # the random model's word-level tokenizer: "w0" .. "w255", one token each

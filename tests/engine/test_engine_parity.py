@@ -4,6 +4,7 @@ chunked prefills and decodes: the default model (float32) and random-weight mode
 from __future__ import annotations
 
 import pytest
+
 from streamd import LLM, SamplingParams
 from tests.helpers import fold_deltas, hf_greedy, random_engine_and_hf_twin, tiny_arch_config
 

@@ -10,6 +10,7 @@ from streamd import LLM, SamplingParams
 from streamd.engine.errors import KVCacheCapacityError
 from tests.helpers import fold_deltas, random_prompt, run_to_completion, tiny_llm
 
+
 def _samples(outputs) -> list[list[int]]:
     return [choice.token_ids for choice in outputs.outputs]
 

@@ -112,7 +112,7 @@ def interpreter_runs_dynamic_loops() -> bool:
 
     def probe(x_ptr, n_ptr):
         n = tl.load(n_ptr)
-        for i in range(0, n):
+        for i in range(n):
             tl.store(x_ptr + i, i)
 
     kernel = dual_kernel(probe)

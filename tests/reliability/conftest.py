@@ -4,7 +4,7 @@ process's file descriptor count back where it started (client and server live in
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio

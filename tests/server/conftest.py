@@ -4,7 +4,7 @@ waiting (on engine deliveries, not sleeps) until the engine is idle; the root co
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import shutil
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio

@@ -3,7 +3,7 @@ connection limit, all refused before the WebSocket handshake completes."""
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 import httpx
 import openai

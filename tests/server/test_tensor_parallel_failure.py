@@ -14,8 +14,8 @@ import httpx
 
 from streamd import LLM
 from streamd.engine.client.async_engine import AsyncEngine
-from tests.server.util import recv, running_server, send, ws_connect
 from tests.engine.worker.tp_models import save_random_model
+from tests.server.util import recv, running_server, send, ws_connect
 
 DEAD_WITHIN_S = 30.0  # the bound asserted: far above the observed time, far below a hang
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any
 
 from starlette.applications import Starlette
 from websockets.asyncio.client import ClientConnection, connect
@@ -14,8 +15,8 @@ from websockets.asyncio.client import ClientConnection, connect
 from streamd.config import load_config
 from streamd.engine.client.async_engine import AsyncEngine
 from streamd.server.app import create_app
-from streamd.server.services import Services
 from streamd.server.serve import DrainingServer, uvicorn_config
+from streamd.server.services import Services
 
 WS_TIMEOUT = 120.0
 

@@ -22,11 +22,12 @@ import copy
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
-from streamd.engine.outputs import RequestDelta
 from streamd.engine.client.request_stream import DeltaSink, RequestStream
+from streamd.engine.outputs import RequestDelta
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import EngineStats
 from streamd.logs import get_logger
@@ -51,6 +52,7 @@ class DuplicateRequestError(ValueError):
 
 
 # ---- commands (loop -> engine thread) -----------------------------------------------------------
+
 
 @dataclass(slots=True, frozen=True)
 class AddRequest:
@@ -87,6 +89,7 @@ EngineCommand = AddRequest | AbortRequest | PauseRequest | CallEngine | StopEngi
 
 
 # ---- what one iteration hands to the loop ---------------------------------------------------------
+
 
 @dataclass(slots=True, frozen=True)
 class Rejection:
@@ -195,15 +198,23 @@ class AsyncEngine:
             self.abort(request_id)
         self._commands.put(StopEngine())
 
-    async def add_request(self, request_id: str, prompt: str | None, params: SamplingParams, *,
-                          prompt_token_ids: list[int] | None = None) -> RequestStream:
+    async def add_request(
+        self, request_id: str, prompt: str | None, params: SamplingParams, *, prompt_token_ids: list[int] | None = None
+    ) -> RequestStream:
         """Admits a request and returns its stream; raises the engine's RequestError/ValueError if refused."""
         stream = RequestStream(request_id, self.abort)
         await self.submit(request_id, prompt, params, stream, prompt_token_ids=prompt_token_ids)
         return stream
 
-    async def submit(self, request_id: str, prompt: str | None, params: SamplingParams, sink: DeltaSink, *,
-                     prompt_token_ids: list[int] | None = None) -> None:
+    async def submit(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        sink: DeltaSink,
+        *,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         """Admits a request whose deltas go to `sink`; returns once admitted, raises if refused. A task
         cancelled while waiting aborts the request."""
         if not self.ready:
@@ -352,8 +363,13 @@ class AsyncEngine:
 
     def _add(self, batch: StepBatch, command: AddRequest) -> None:
         try:
-            self.engine.add_request(command.request_id, command.prompt, command.params,
-                                    prompt_token_ids=command.prompt_token_ids, arrival_time=command.arrival_time)
+            self.engine.add_request(
+                command.request_id,
+                command.prompt,
+                command.params,
+                prompt_token_ids=command.prompt_token_ids,
+                arrival_time=command.arrival_time,
+            )
         except Exception as exc:
             batch.rejected.append(Rejection(command.request_id, exc))
             return

@@ -41,11 +41,20 @@ import socket
 import struct
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
-from streamd.engine.client.async_engine import (AddRequest, AsyncEngine, CallEngine, EngineCommand, EngineDeadError,
-                                         Rejection, StepBatch, StopEngine)
+from streamd.engine.client.async_engine import (
+    AddRequest,
+    AsyncEngine,
+    CallEngine,
+    EngineCommand,
+    EngineDeadError,
+    Rejection,
+    StepBatch,
+    StopEngine,
+)
 from streamd.engine.output.output_processor import OutputProcessor, ProcessedStep
 from streamd.engine.outputs import CompletionDelta, RequestDelta, RequestUpdate, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
@@ -115,23 +124,50 @@ def _exactly(sock: socket.socket, size: int) -> bytes:
 
 def encode_batch(batch: StepBatch, updates: list[RequestUpdate]) -> tuple[Any, ...]:
     rejected = [(r.request_id, _portable(r.error)) for r in batch.rejected]
-    deltas = [(d.request_id, d.num_prompt_tokens, [(c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason,
-                                                    c.logprobs, c.num_tokens) for c in d.outputs],
-               d.finished, d.error, d.num_cached_tokens, d.queue_time) for d in batch.deltas]
-    news = [(u.request_id, [(q.index, q.token_ids, q.logprobs, q.finish_reason, q.stop_token_id) for q in u.seqs],
-             u.num_cached_tokens, u.scheduled_time, u.error) for u in updates]
+    deltas = [
+        (
+            d.request_id,
+            d.num_prompt_tokens,
+            [
+                (c.index, c.text, c.token_ids, c.finish_reason, c.stop_reason, c.logprobs, c.num_tokens)
+                for c in d.outputs
+            ],
+            d.finished,
+            d.error,
+            d.num_cached_tokens,
+            d.queue_time,
+        )
+        for d in batch.deltas
+    ]
+    news = [
+        (
+            u.request_id,
+            [(q.index, q.token_ids, q.logprobs, q.finish_reason, q.stop_token_id) for q in u.seqs],
+            u.num_cached_tokens,
+            u.scheduled_time,
+            u.error,
+        )
+        for u in updates
+    ]
     return batch.accepted, rejected, deltas, news, batch.stats, batch.dead
 
 
 def decode_batch(wire: tuple[Any, ...]) -> tuple[StepBatch, list[RequestUpdate]]:
     accepted, rejected, deltas, news, stats, dead = wire
-    batch = StepBatch(accepted, [Rejection(rid, error) for rid, error in rejected],
-                      [RequestDelta(rid, prompt, [CompletionDelta(*c) for c in outputs], finished, error, cached,
-                                    queue)
-                       for rid, prompt, outputs, finished, error, cached, queue in deltas],
-                      stats=stats, dead=dead)
-    updates = [RequestUpdate(rid, [SeqUpdate(*q) for q in seqs], cached, scheduled, error)
-               for rid, seqs, cached, scheduled, error in news]
+    batch = StepBatch(
+        accepted,
+        [Rejection(rid, error) for rid, error in rejected],
+        [
+            RequestDelta(rid, prompt, [CompletionDelta(*c) for c in outputs], finished, error, cached, queue)
+            for rid, prompt, outputs, finished, error, cached, queue in deltas
+        ],
+        stats=stats,
+        dead=dead,
+    )
+    updates = [
+        RequestUpdate(rid, [SeqUpdate(*q) for q in seqs], cached, scheduled, error)
+        for rid, seqs, cached, scheduled, error in news
+    ]
     return batch, updates
 
 
@@ -145,6 +181,7 @@ def _portable(error: BaseException) -> BaseException:
 
 
 # ---- the engine process --------------------------------------------------------------------------
+
 
 class _UpdateRelay:
     """Stands in for the engine's output processor when outputs are made in the network process: keeps
@@ -182,8 +219,14 @@ class _ChildEngine(AsyncEngine):
             pass
 
 
-def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here: bool, batches_ahead: int,
-                commands: socket.socket, sock: socket.socket) -> None:
+def _child_main(
+    factory: Callable[..., Any],
+    args: tuple[Any, ...],
+    outputs_here: bool,
+    batches_ahead: int,
+    commands: socket.socket,
+    sock: socket.socket,
+) -> None:
     from streamd import heap
 
     # The network process owns the lifecycle (a terminal's Ctrl-C or SIGTERM reaches the whole process
@@ -196,8 +239,12 @@ def _child_main(factory: Callable[..., Any], args: tuple[Any, ...], outputs_here
         engine.output_processor = relay
     child = _ChildEngine(engine, sock, relay, batches_ahead)
     heap.settle()
-    _send(sock, EngineInfo(engine.model_name, engine.max_model_len, engine.tokenizer, engine.stats(),
-                           threading.get_native_id()))
+    _send(
+        sock,
+        EngineInfo(
+            engine.model_name, engine.max_model_len, engine.tokenizer, engine.stats(), threading.get_native_id()
+        ),
+    )
 
     router = CommandRouter(engine, child._commands)
 
@@ -252,7 +299,7 @@ class CommandRouter:
             if isinstance(command, AddRequest):
                 try:
                     self.engine.compile_grammar(command.params)
-                except Exception:  # noqa: BLE001 - the engine refuses the request at admission, naming why
+                except Exception:
                     pass
             with self.lock:
                 self.commands.put(_finish_choice(command) if isinstance(command, StopChoice) else command)
@@ -271,6 +318,7 @@ def _finish_choice(stop: StopChoice) -> CallEngine:
 
 
 # ---- the network side ----------------------------------------------------------------------------
+
 
 class _SocketCommands:
     """The command queue's `put`, across the socket (the child's reader thread always drains it)."""
@@ -297,9 +345,12 @@ class ProcessEngine(AsyncEngine):
             raise ValueError(f"outputs must be 'engine' or 'network', not {outputs!r}")
         if batches_ahead < 1:
             raise ValueError(f"batches_ahead must be at least 1, not {batches_ahead}")
-        self.process = context.Process(target=_child_main,
-                                       args=(factory, args, outputs == "engine", batches_ahead, their_commands, theirs),
-                                       name="streamd-engine", daemon=True)
+        self.process = context.Process(
+            target=_child_main,
+            args=(factory, args, outputs == "engine", batches_ahead, their_commands, theirs),
+            name="streamd-engine",
+            daemon=True,
+        )
         self.process.start()
         their_commands.close()
         theirs.close()
@@ -331,8 +382,15 @@ class ProcessEngine(AsyncEngine):
         self._sock.setblocking(False)
         self._loop.add_reader(self._sock.fileno(), self._on_readable)
 
-    async def submit(self, request_id: str, prompt: str | None, params: SamplingParams, sink: Any, *,
-                     prompt_token_ids: list[int] | None = None) -> None:
+    async def submit(
+        self,
+        request_id: str,
+        prompt: str | None,
+        params: SamplingParams,
+        sink: Any,
+        *,
+        prompt_token_ids: list[int] | None = None,
+    ) -> None:
         if self.outputs is not None and request_id not in self._sinks:
             if prompt_token_ids is None and isinstance(prompt, str):
                 # Tokenized once, here (as LLMEngine tokenizes a text prompt): the child takes these ids
@@ -377,7 +435,7 @@ class ProcessEngine(AsyncEngine):
             if end > size:
                 break
             with memoryview(buffer) as view:
-                wire = pickle.loads(view[start + _HEADER.size:end])
+                wire = pickle.loads(view[start + _HEADER.size : end])
             self._deliver(self._with_deltas(*decode_batch(wire)))
             try:
                 self._command_sock.sendall(DELIVERED_FRAME)
@@ -402,4 +460,3 @@ class ProcessEngine(AsyncEngine):
         for hit in processed.stop_hits:
             self._commands.put(StopChoice(hit.request_id, hit.index))
         return batch
-

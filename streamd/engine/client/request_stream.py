@@ -12,8 +12,9 @@ deltas of many requests and write them together. Lives on the event loop; `Async
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Protocol
 
 from streamd.engine.outputs import RequestDelta
 
@@ -54,8 +55,7 @@ class RequestStream:
     ends with the engine's final delta (finish_reason "abort" unless it had already finished).
     """
 
-    def __init__(self, request_id: str, abort: Callable[[str], None],
-                 backpressure: Backpressure | None = None) -> None:
+    def __init__(self, request_id: str, abort: Callable[[str], None], backpressure: Backpressure | None = None) -> None:
         self.request_id = request_id
         self._abort = abort
         self._backpressure = backpressure

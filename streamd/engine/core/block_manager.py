@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from typing import Iterable
+from collections.abc import Iterable
 
 from streamd.engine.core.prefix_cache import PrefixCache, SeqHashes
 from streamd.engine.core.sequence import Sequence
@@ -28,8 +28,14 @@ _NO_COPIES: CopyPairs = ()
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 watermark: float = 0.01, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        num_swap_blocks: int = 0,
+        watermark: float = 0.01,
+        enable_prefix_caching: bool = True,
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0 or num_swap_blocks < 0:
             raise ValueError("num_blocks and block_size must be > 0 and num_swap_blocks >= 0")
         if not 0 <= watermark < 1:
@@ -236,7 +242,11 @@ class BlockManager:
         bs = self.block_size
         for index in range(len(hits), limit if self._in_step else 0):
             entry = self._in_step.get(state.block_hash(seq.token_ids, index))
-            if entry is None or entry[1] != state.parent(index) or entry[2] != seq.token_ids[index * bs:(index + 1) * bs]:
+            if (
+                entry is None
+                or entry[1] != state.parent(index)
+                or entry[2] != seq.token_ids[index * bs : (index + 1) * bs]
+            ):
                 break
             hits.append(entry[0])
         return hits
@@ -255,8 +265,9 @@ class BlockManager:
         state, bs = self._seq_hashes[seq.seq_id], self.block_size
         for index in range(state.num_committed, min(upto // bs, len(seq.block_table))):
             block_hash = state.block_hash(seq.token_ids, index)
-            self._in_step.setdefault(block_hash, (seq.block_table[index], state.parent(index),
-                                                  seq.token_ids[index * bs:(index + 1) * bs]))
+            self._in_step.setdefault(
+                block_hash, (seq.block_table[index], state.parent(index), seq.token_ids[index * bs : (index + 1) * bs])
+            )
 
     def _cached_copy(self, seq: Sequence, index: int) -> int | None:
         """A device block already holding `seq`'s committed block `index`, if the cache has one."""
@@ -388,19 +399,24 @@ class BlockManager:
 
     def stats(self) -> KVCacheStats:
         return KVCacheStats(
-            blocks_total=self.num_blocks, blocks_free=self.num_free_blocks(),
-            blocks_cached=len(self._cached_free), swap_blocks_total=self.num_swap_blocks,
-            swap_blocks_free=len(self._host_free), swapped_out_blocks=self.swapped_out_blocks,
-            swapped_in_blocks=self.swapped_in_blocks, prefix_queried_tokens=self.prefix_cache_queried_tokens,
-            prefix_hit_tokens=self.prefix_cache_hit_tokens, allocated_blocks=self.allocated_blocks,
-            copied_blocks=self.copied_blocks)
+            blocks_total=self.num_blocks,
+            blocks_free=self.num_free_blocks(),
+            blocks_cached=len(self._cached_free),
+            swap_blocks_total=self.num_swap_blocks,
+            swap_blocks_free=len(self._host_free),
+            swapped_out_blocks=self.swapped_out_blocks,
+            swapped_in_blocks=self.swapped_in_blocks,
+            prefix_queried_tokens=self.prefix_cache_queried_tokens,
+            prefix_hit_tokens=self.prefix_cache_hit_tokens,
+            allocated_blocks=self.allocated_blocks,
+            copied_blocks=self.copied_blocks,
+        )
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
         """Raises AssertionError unless the pools are consistent with `seqs` (every sequence that may
         hold blocks). With no live sequences this is the leak check: every block is free."""
         seqs = list(seqs)
-        _check_pool("device", self._ref, self._free + list(self._cached_free),
-                    [s.block_table for s in seqs])
+        _check_pool("device", self._ref, self._free + list(self._cached_free), [s.block_table for s in seqs])
         known = {s.seq_id for s in seqs}
         assert set(self._host_tables) <= known, "host blocks held for a sequence that is gone"
         assert set(self._seq_hashes) <= known, "prefix-cache state kept for a sequence that is gone"

@@ -8,8 +8,8 @@ has to be removed from the middle of the heap.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Iterator
 
 from streamd.engine.sampling_params import SamplingParams
 

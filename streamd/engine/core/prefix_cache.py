@@ -39,7 +39,7 @@ class SeqHashes:
         hashes, bs = self.hashes, self.block_size
         while len(hashes) <= index:
             j = len(hashes)
-            hashes.append(hash_block(hashes[j - 1] if j else ROOT_HASH, token_ids[j * bs:(j + 1) * bs]))
+            hashes.append(hash_block(hashes[j - 1] if j else ROOT_HASH, token_ids[j * bs : (j + 1) * bs]))
         return hashes[index]
 
     def parent(self, index: int) -> int:
@@ -83,7 +83,7 @@ class PrefixCache:
         """The block holding block `index` of the sequence `chain` and `token_ids` describe."""
         bs = chain.block_size
         block_hash = chain.block_hash(token_ids, index)
-        return self.lookup(block_hash, chain.parent(index), token_ids[index * bs:(index + 1) * bs])
+        return self.lookup(block_hash, chain.parent(index), token_ids[index * bs : (index + 1) * bs])
 
     def match(self, chain: SeqHashes, token_ids: list[int], max_blocks: int) -> list[int]:
         """Blocks holding the longest cached prefix, at most `max_blocks` of them."""
@@ -100,7 +100,7 @@ class PrefixCache:
         bs = chain.block_size
         for index in range(chain.num_committed, num_full):
             block_hash = chain.block_hash(token_ids, index)
-            self.register(table[index], block_hash, chain.parent(index), token_ids[index * bs:(index + 1) * bs])
+            self.register(table[index], block_hash, chain.parent(index), token_ids[index * bs : (index + 1) * bs])
         chain.num_committed = max(chain.num_committed, num_full)
 
     def is_registered(self, block: int) -> bool:

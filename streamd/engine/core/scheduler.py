@@ -33,9 +33,8 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from dataclasses import dataclass
-
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 from streamd.config import SchedulerConfig
 from streamd.engine.core.block_manager import BlockManager
@@ -64,8 +63,13 @@ class PreemptionCostModel:
 
 
 class Scheduler:
-    def __init__(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, max_model_len: int,
-                 cost_model: PreemptionCostModel | None = None) -> None:
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        block_manager: BlockManager,
+        max_model_len: int,
+        cost_model: PreemptionCostModel | None = None,
+    ) -> None:
         self.config = scheduler_config
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -100,8 +104,9 @@ class Scheduler:
             raise ValueError(f"request {rid!r} has no prompt tokens to run")
         longest = max(s.num_tokens for s in seqs)
         if longest > self.max_model_len:
-            raise ValueError(f"request {rid!r}: prompt of {longest} tokens exceeds max_model_len "
-                             f"({self.max_model_len})")
+            raise ValueError(
+                f"request {rid!r}: prompt of {longest} tokens exceeds max_model_len ({self.max_model_len})"
+            )
         bm = self.block_manager
         needed = sum(bm.blocks_needed(s.num_tokens) for s in seqs)
         usable = bm.num_blocks - bm.watermark_blocks
@@ -109,18 +114,22 @@ class Scheduler:
             raise ValueError(
                 f"request {rid!r}: prompt of {longest} tokens needs {needed} KV cache blocks but the KV cache "
                 f"can hold at most {usable} ({bm.num_blocks} blocks of {bm.block_size} tokens, less the "
-                f"watermark)")
+                f"watermark)"
+            )
         params = group.sampling_params
         width = f"beam_width={group.width}" if params.use_beam_search else f"n={group.width}"
         if params.use_beam_search and group.width > self.max_num_seqs:
-            raise ValueError(f"request {rid!r}: {width} exceeds the sequences one step can run "
-                             f"({self.max_num_seqs}); all beams decode in the same step")
+            raise ValueError(
+                f"request {rid!r}: {width} exceeds the sequences one step can run "
+                f"({self.max_num_seqs}); all beams decode in the same step"
+            )
         worst = self._worst_case_blocks(group)
         if worst > usable:
             raise ValueError(
                 f"request {rid!r}: {width} sequences of up to {longest} prompt + "
                 f"{self._max_output_tokens(group)} output tokens need up to {worst} KV cache blocks but the KV "
-                f"cache can hold at most {usable}; lower {width.split('=')[0]} or max_tokens")
+                f"cache can hold at most {usable}; lower {width.split('=', maxsplit=1)[0]} or max_tokens"
+            )
         for seq in seqs:
             seq.status = SequenceStatus.WAITING
         self._groups[rid] = group
@@ -225,8 +234,9 @@ class Scheduler:
         out.scheduled = prefills
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, decodes: list[ScheduledSeq],
-                          partial: list[ScheduledSeq]) -> tuple[int, bool]:
+    def _schedule_running(
+        self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq]
+    ) -> tuple[int, bool]:
         bm, running, paused = self.block_manager, self.running, self.paused
         budget = self.max_num_batched_tokens
         num_seqs, preempted, i = 0, False, 0
@@ -272,8 +282,15 @@ class Scheduler:
             i += 1
         return num_seqs, preempted
 
-    def _schedule_group(self, group: SequenceGroup, i: int, out: SchedulerOutput, decodes: list[ScheduledSeq],
-                        partial: list[ScheduledSeq], budget: int) -> tuple[int, bool, int]:
+    def _schedule_group(
+        self,
+        group: SequenceGroup,
+        i: int,
+        out: SchedulerOutput,
+        decodes: list[ScheduledSeq],
+        partial: list[ScheduledSeq],
+        budget: int,
+    ) -> tuple[int, bool, int]:
         """A group of several sequences at running[i], all or nothing. Returns (its live sequences, or
         -1 when it preempted itself; whether anything was preempted; its index now)."""
         bm, running = self.block_manager, self.running
@@ -294,8 +311,14 @@ class Scheduler:
         partial.extend(prompts)
         return len(writers) + len(prompts), preempted, i
 
-    def _append_decodes(self, group: SequenceGroup, writers: list[Sequence], out: SchedulerOutput,
-                        decodes: list[ScheduledSeq], budget: int) -> None:
+    def _append_decodes(
+        self,
+        group: SequenceGroup,
+        writers: list[Sequence],
+        out: SchedulerOutput,
+        decodes: list[ScheduledSeq],
+        budget: int,
+    ) -> None:
         """Each writer's next slot (its blocks checked beforehand); fewer only when forks outgrew the
         budget, the rest wait."""
         bm = self.block_manager
@@ -303,8 +326,9 @@ class Scheduler:
             out.blocks_to_copy.extend(bm.append_slots(seq))
             decodes.append(ScheduledSeq(seq, group, 1))
 
-    def _schedule_swapped(self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq],
-                          num_seqs: int, budget: int) -> tuple[int, int]:
+    def _schedule_swapped(
+        self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq], num_seqs: int, budget: int
+    ) -> tuple[int, int]:
         bm, k = self.block_manager, 0
         while k < len(self.swapped):
             group = self.swapped[k]
@@ -336,8 +360,7 @@ class Scheduler:
             bisect.insort(self.running, group, key=self._rank)
         return num_seqs, budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, prefills: list[ScheduledSeq], num_seqs: int,
-                          budget: int) -> None:
+    def _schedule_waiting(self, out: SchedulerOutput, prefills: list[ScheduledSeq], num_seqs: int, budget: int) -> None:
         bm, waiting, k = self.block_manager, self.waiting, 0
         while k < len(waiting) and budget > 0:
             group = waiting[k]
@@ -390,8 +413,9 @@ class Scheduler:
         and grows through preemption like any other)."""
         if group.width == 1:
             return 0
-        return self.block_manager.worst_case_blocks(len(group.prompt_token_ids), self._max_output_tokens(group),
-                                                    group.width)
+        return self.block_manager.worst_case_blocks(
+            len(group.prompt_token_ids), self._max_output_tokens(group), group.width
+        )
 
     def _growth_blocks(self, group: SequenceGroup, needed: int) -> int:
         """Blocks a group of several sequences keeps free at admission beyond the `needed` ones it
@@ -471,8 +495,13 @@ class Scheduler:
             self.block_manager.free(seq)
         group.set_status(SequenceStatus.FINISHED_ABORTED)
         bm = self.block_manager
-        out.rejected.append((group, f"request {group.request_id!r} needs {needed} KV cache blocks but the KV "
-                                    f"cache has only {bm.num_blocks} blocks of {bm.block_size} tokens"))
+        out.rejected.append(
+            (
+                group,
+                f"request {group.request_id!r} needs {needed} KV cache blocks but the KV "
+                f"cache has only {bm.num_blocks} blocks of {bm.block_size} tokens",
+            )
+        )
         self._forget(group)
 
     # ---- after the forward ----------------------------------------------------------------------
@@ -530,8 +559,15 @@ class Scheduler:
         return len(self.swapped)
 
     def stats(self) -> SchedulerStats:
-        return SchedulerStats(self.num_running, self.num_waiting, self.num_swapped, self.preemptions_swap,
-                              self.preemptions_recompute, self.recomputed_tokens, len(self.paused))
+        return SchedulerStats(
+            self.num_running,
+            self.num_waiting,
+            self.num_swapped,
+            self.preemptions_swap,
+            self.preemptions_recompute,
+            self.recomputed_tokens,
+            len(self.paused),
+        )
 
 
 def _running_parts(group: SequenceGroup) -> tuple[list[Sequence], list[ScheduledSeq]]:

@@ -1,11 +1,11 @@
 """Sequence and SequenceGroup: the engine's scheduling record of one generation and of one request.
 
-Scheduling state only: what the block manager, scheduler and model runner need. Text, stop strings,
-logprobs and everything else a user sees of the output live in the output processor. A `Sequence` owns its token ids, how many of them have KV in the cache (`num_computed_tokens`) and its
-block table (list of physical block ids, mutated only by the BlockManager). A `SequenceGroup` is one
-request: its sequences (parallel samples or beams, sharing blocks through fork) are scheduled,
-preempted and resumed together. Plain Python, no torch, so the block manager and scheduler that use
-these records stay testable in milliseconds.
+Scheduling state only: what the block manager, scheduler and model runner need. Text, stop strings, logprobs
+and everything else a user sees of the output live in the output processor. A `Sequence` owns its token ids,
+how many of them have KV in the cache (`num_computed_tokens`) and its block table (list of physical block ids,
+mutated only by the BlockManager). A `SequenceGroup` is one request: its sequences (parallel samples or beams,
+sharing blocks through fork) are scheduled, preempted and resumed together. Plain Python, no torch, so the
+block manager and scheduler that use these records stay testable in milliseconds.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[len(self.prompt_token_ids):]
+        return self.token_ids[len(self.prompt_token_ids) :]
 
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from streamd.engine.core.sequence import Sequence, SequenceStatus
 from streamd.engine.outputs import FinishReason
 from streamd.engine.sampling_params import SamplingParams
-from streamd.engine.core.sequence import Sequence, SequenceStatus
 
 
 class StopChecker:

@@ -20,8 +20,12 @@ class TemplateOptions:
 DEFAULT_OPTIONS = TemplateOptions()
 
 
-def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None,
-                      options: TemplateOptions = DEFAULT_OPTIONS) -> list[int]:
+def chat_template_ids(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    tools: list[dict[str, Any]] | None = None,
+    options: TemplateOptions = DEFAULT_OPTIONS,
+) -> list[int]:
     """Validates `messages` and renders them (and `tools`, OpenAI function tools, which the template
     shows the model its own way) as `options` say; any failure is a RequestError."""
     if tokenizer is None or not getattr(tokenizer, "chat_template", None):
@@ -29,13 +33,20 @@ def chat_template_ids(tokenizer: Any, messages: list[dict[str, Any]], tools: lis
     if not isinstance(messages, list) or not messages:
         raise RequestError("messages must be a non-empty list")
     for i, message in enumerate(messages):
-        if not isinstance(message, dict) or not isinstance(message.get("role"), str) \
-                or not isinstance(message.get("content"), str):
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
             raise RequestError(f"messages[{i}] must be an object with string 'role' and 'content'")
     try:
-        ids = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=not options.add_special_tokens,
-                                            add_generation_prompt=options.add_generation_prompt,
-                                            continue_final_message=options.continue_final_message)
+        ids = tokenizer.apply_chat_template(
+            messages,
+            tools=tools or None,
+            tokenize=not options.add_special_tokens,
+            add_generation_prompt=options.add_generation_prompt,
+            continue_final_message=options.continue_final_message,
+        )
         if options.add_special_tokens:  # the rendered text, tokenized as a plain prompt is
             ids = tokenizer(ids, add_special_tokens=True).input_ids
     except Exception as exc:  # templates raise jinja errors (e.g. roles must alternate): the request's fault

@@ -44,14 +44,14 @@ _MAX_PARTIAL_TOKENS = 4
 class IncrementalDetokenizer:
     """Detokenizes one sequence's output as tokens arrive. Not thread-safe; one per sequence."""
 
-    __slots__ = ("tokenizer", "skip_special_tokens", "_window", "_read", "_prefix_len")
+    __slots__ = ("_prefix_len", "_read", "_window", "skip_special_tokens", "tokenizer")
 
     def __init__(self, tokenizer: Any, prompt_token_ids: Seq[int], skip_special_tokens: bool = True) -> None:
         # The Rust tokenizer under a transformers fast tokenizer: its decode is the same text without the
         # Python wrapper's per-call overhead (about 3x cheaper per token).
         self.tokenizer = getattr(tokenizer, "backend_tokenizer", tokenizer)
         self.skip_special_tokens = skip_special_tokens
-        window = list(prompt_token_ids[-(_INITIAL_CONTEXT_TOKENS + _MAX_PARTIAL_TOKENS):])
+        window = list(prompt_token_ids[-(_INITIAL_CONTEXT_TOKENS + _MAX_PARTIAL_TOKENS) :])
         read = len(window)
         prefix = self._decode(window[:read])
         # A prompt that ends in the middle of a character (token-id prompts can): treat its trailing
@@ -69,7 +69,7 @@ class IncrementalDetokenizer:
         start = max(0, read - _INITIAL_CONTEXT_TOKENS)
         self._window: list[int] = window[start:]
         self._read = read - start  # window[:_read] is context whose text was emitted (or is the prompt's)
-        self._prefix_len = len(self._decode(self._window[:self._read])) if start else len(prefix)
+        self._prefix_len = len(self._decode(self._window[: self._read])) if start else len(prefix)
 
     def _decode(self, ids: list[int]) -> str:
         # The Rust decode applies no clean-up of tokenization spaces (which would rewrite text across token
@@ -88,11 +88,11 @@ class IncrementalDetokenizer:
             if len(text) == self._prefix_len:
                 # Tokens with no text (skipped special tokens, e.g. EOS under ignore_eos): forget them, so
                 # a long run of them cannot grow the window, and keep the real context.
-                del self._window[self._read:]
+                del self._window[self._read :]
             return ""
-        new_text = text[self._prefix_len:]
+        new_text = text[self._prefix_len :]
         # Slide: the tokens just read become the context of the next decode.
-        self._window = self._window[self._read:]
+        self._window = self._window[self._read :]
         self._read = len(self._window)
         self._prefix_len = len(self._decode(self._window))
         return new_text
@@ -100,8 +100,8 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Text still held back (an incomplete character, as U+FFFD); call once when the sequence ends."""
         text = self._decode(self._window)
-        new_text = text[self._prefix_len:]
-        self._window = self._window[self._read:] if new_text else self._window
+        new_text = text[self._prefix_len :]
+        self._window = self._window[self._read :] if new_text else self._window
         self._read = len(self._window)
         self._prefix_len = len(self._decode(self._window))
         return new_text
@@ -186,7 +186,7 @@ def _build_byte_table(backend: Any) -> ByteTable | None:
 class ByteLevelDetokenizer:
     """Detokenizes one sequence of a byte-level BPE tokenizer through its `ByteTable`. One per sequence."""
 
-    __slots__ = ("table", "skip_special_tokens", "_utf8", "_held")
+    __slots__ = ("_held", "_utf8", "skip_special_tokens", "table")
 
     def __init__(self, table: ByteTable, prompt_token_ids: Seq[int], skip_special_tokens: bool = True) -> None:
         self.table = table
@@ -204,7 +204,7 @@ class ByteLevelDetokenizer:
         text = self._held + self._utf8.decode(self.table.of(new_token_ids, self.skip_special_tokens))
         if text.endswith(_REPLACEMENT):
             piece = text.rstrip(_REPLACEMENT)
-            self._held = text[len(piece):]
+            self._held = text[len(piece) :]
             return piece
         self._held = ""
         return text
@@ -224,8 +224,9 @@ def _last_character_start(data: bytes) -> int | None:
     return None
 
 
-def make_detokenizer(tokenizer: Any, table: ByteTable | None, prompt_token_ids: Seq[int],
-                     skip_special_tokens: bool = True) -> Detokenizer:
+def make_detokenizer(
+    tokenizer: Any, table: ByteTable | None, prompt_token_ids: Seq[int], skip_special_tokens: bool = True
+) -> Detokenizer:
     """The byte-level detokenizer when the tokenizer has a `ByteTable`, else the windowed one."""
     if table is not None:
         return ByteLevelDetokenizer(table, prompt_token_ids, skip_special_tokens)

@@ -74,11 +74,13 @@ class OutputProcessor:
     def __len__(self) -> int:
         return len(self._requests)
 
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    arrival_time: float) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
+    ) -> None:
         choices = [ChoiceState(i, self._detokenizer(prompt_token_ids, params)) for i in range(params.n)]
-        self._requests[request_id] = RequestState(request_id, params, len(prompt_token_ids), arrival_time,
-                                                  choices, len(choices))
+        self._requests[request_id] = RequestState(
+            request_id, params, len(prompt_token_ids), arrival_time, choices, len(choices)
+        )
 
     def process(self, updates: Iterable[RequestUpdate]) -> ProcessedStep:
         step = ProcessedStep()
@@ -93,8 +95,9 @@ class OutputProcessor:
 
     # ---- per request ---------------------------------------------------------------------------
 
-    def _process_request(self, state: RequestState, update: RequestUpdate,
-                         stop_hits: list[StopHit]) -> RequestDelta | None:
+    def _process_request(
+        self, state: RequestState, update: RequestUpdate, stop_hits: list[StopHit]
+    ) -> RequestDelta | None:
         if update.scheduled_time is not None and state.queue_time is None:
             state.queue_time = max(0.0, update.scheduled_time - state.arrival_time)
         state.num_cached_tokens = update.num_cached_tokens or state.num_cached_tokens
@@ -120,41 +123,54 @@ class OutputProcessor:
             del self._requests[state.request_id]
         if not outputs and not finished:
             return None
-        return RequestDelta(state.request_id, state.num_prompt_tokens, outputs, finished, update.error,
-                            state.num_cached_tokens, state.queue_time)
+        return RequestDelta(
+            state.request_id,
+            state.num_prompt_tokens,
+            outputs,
+            finished,
+            update.error,
+            state.num_cached_tokens,
+            state.queue_time,
+        )
 
     def _process_choice(self, state: RequestState, choice: ChoiceState, seq: SeqUpdate) -> CompletionDelta:
         params = state.params
         choice.num_tokens += len(seq.token_ids)
         detokenizer, reason = choice.detokenizer, seq.finish_reason
         if reason is None and not params.stop and detokenizer is not None:  # the common case, in short
-            return CompletionDelta(choice.index, detokenizer.update(seq.token_ids), seq.token_ids, None, None,
-                                   seq.logprobs, choice.num_tokens)
+            return CompletionDelta(
+                choice.index,
+                detokenizer.update(seq.token_ids),
+                seq.token_ids,
+                None,
+                None,
+                seq.logprobs,
+                choice.num_tokens,
+            )
         new_text = detokenizer.update(seq.token_ids) if detokenizer and seq.token_ids else ""
         stop_reason: int | str | None = seq.stop_token_id
         if reason == "stop":
             # EOS or a stop token: its own text (and anything it completed) is output only when asked for.
             if not params.include_stop_str_in_output:
                 new_text = ""
-        elif (reason == "length" or reason == "timeout") and choice.detokenizer is not None:
+        elif (reason in {"length", "timeout"}) and choice.detokenizer is not None:
             # Every token's text, an incomplete last character included (as U+FFFD).
             new_text += choice.detokenizer.flush()
         text = choice.unsent + new_text
-        if params.stop and new_text and choice.num_tokens >= params.min_tokens and reason != "abort" \
-                and reason != "stop":
+        if params.stop and new_text and choice.num_tokens >= params.min_tokens and reason not in {"abort", "stop"}:
             cut = _find_stop(text, len(new_text), params)
             if cut is not None:
                 end, stop_string = cut
                 choice.unsent = ""
-                return CompletionDelta(choice.index, text[:end], seq.token_ids, "stop", stop_string,
-                                       seq.logprobs, choice.num_tokens)
+                return CompletionDelta(
+                    choice.index, text[:end], seq.token_ids, "stop", stop_string, seq.logprobs, choice.num_tokens
+                )
         if reason is None and params.stop:
             held = held_back_chars(text, params.stop)
-            text, choice.unsent = (text[:len(text) - held], text[len(text) - held:]) if held else (text, "")
+            text, choice.unsent = (text[: len(text) - held], text[len(text) - held :]) if held else (text, "")
         else:
             choice.unsent = ""
-        return CompletionDelta(choice.index, text, seq.token_ids, reason, stop_reason, seq.logprobs,
-                               choice.num_tokens)
+        return CompletionDelta(choice.index, text, seq.token_ids, reason, stop_reason, seq.logprobs, choice.num_tokens)
 
     def _finish_rest(self, state: RequestState) -> list[CompletionDelta]:
         """Ends every unfinished choice of a failed request, handing out its held-back text."""
@@ -163,8 +179,7 @@ class OutputProcessor:
             if choice.finish_reason is None:
                 choice.finish_reason = "abort"
                 state.num_unfinished -= 1
-                outputs.append(CompletionDelta(choice.index, choice.unsent, [], "abort", None, None,
-                                               choice.num_tokens))
+                outputs.append(CompletionDelta(choice.index, choice.unsent, [], "abort", None, None, choice.num_tokens))
                 choice.unsent = ""
         return outputs
 

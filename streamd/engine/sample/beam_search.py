@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from streamd.engine.worker.host_to_device import to_device
+from streamd.engine.core.sequence import Sequence
 from streamd.engine.outputs import FinishReason, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
-from streamd.engine.core.sequence import Sequence
+from streamd.engine.worker.host_to_device import to_device
 
 if TYPE_CHECKING:
     from streamd.engine.sample.grammar import TokenBitmask
@@ -97,8 +97,16 @@ class BeamSearch:
     def create(cls, params: SamplingParams, eos_token_ids: set[int], max_new_tokens: int) -> BeamSearch:
         assert params.beam_width is not None
         eos = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
-        return cls(params.beam_width, params.n, float(params.length_penalty), params.early_stopping, eos,
-                   eos | frozenset(params.stop_token_ids), params.min_tokens, max_new_tokens)
+        return cls(
+            params.beam_width,
+            params.n,
+            float(params.length_penalty),
+            params.early_stopping,
+            eos,
+            eos | frozenset(params.stop_token_ids),
+            params.min_tokens,
+            max_new_tokens,
+        )
 
     @property
     def num_candidates(self) -> int:
@@ -124,18 +132,23 @@ class BeamSearch:
         self.scores = [c.score for c in running]
         done = at_limit or not running or self._finished_search(running[0].score, length)
         if done and len(self.finished) < self.num_choices:  # only when fewer candidates than beams exist
-            for candidate in running[:self.num_choices - len(self.finished)]:
+            for candidate in running[: self.num_choices - len(self.finished)]:
                 self._add(beams[candidate.beam].output_token_ids + [candidate.token_id], candidate, length)
         return BeamStep(running, done)
 
     def _add(self, token_ids: list[int], candidate: Candidate, length: int) -> None:
         last = token_ids[-1]
         stopped = last in self.stop_token_ids
-        self.finished.append(BeamHypothesis(
-            token_ids, _penalized(candidate.score, length, self.length_penalty), "stop" if stopped else "length",
-            last if stopped and last not in self.eos_token_ids else None))
+        self.finished.append(
+            BeamHypothesis(
+                token_ids,
+                _penalized(candidate.score, length, self.length_penalty),
+                "stop" if stopped else "length",
+                last if stopped and last not in self.eos_token_ids else None,
+            )
+        )
         self.finished.sort(key=lambda h: -h.score)
-        del self.finished[self.width:]
+        del self.finished[self.width :]
 
     def _finished_search(self, best_running: float, length: int) -> bool:
         """HF's stopping rule, once K hypotheses are finished: early_stopping True stops at once; else stop
@@ -151,7 +164,7 @@ class BeamSearch:
         """The best `n` hypotheses as the request's choices, each in one piece; a stop token comes in an
         update of its own, as in streaming, so the output processor drops its text the usual way."""
         updates = []
-        for index, hyp in enumerate(self.finished[:self.num_choices]):
+        for index, hyp in enumerate(self.finished[: self.num_choices]):
             if hyp.finish_reason == "stop":
                 if len(hyp.token_ids) > 1:
                     updates.append(SeqUpdate(index, hyp.token_ids[:-1]))
@@ -163,13 +176,15 @@ class BeamSearch:
 
 def _penalized(score: float, length: int, length_penalty: float) -> float:
     """score / length ** length_penalty in float32, as HF computes it on its float32 score tensors."""
-    return float(np.float32(score) / np.float32(length ** length_penalty))
+    return float(np.float32(score) / np.float32(length**length_penalty))
 
 
 # ---- the batched device operation ---------------------------------------------------------------
 
-def select_candidates(logits: torch.Tensor, groups: list[BeamRows], vocab_size: int,
-                      bitmask: TokenBitmask | None = None) -> PendingCandidates:
+
+def select_candidates(
+    logits: torch.Tensor, groups: list[BeamRows], vocab_size: int, bitmask: TokenBitmask | None = None
+) -> PendingCandidates:
     """Every group's top candidates from the step's logits in one batched operation (log_softmax, + the
     beams' scores, top-k over each group's beams side by side); the copy to the host starts now.
     `bitmask` (rows: the groups' rows stacked in order) gates constrained beams: as HF applies its logits
@@ -228,8 +243,10 @@ class PendingCandidates:
         k, vocab = self.payload.shape[1] // 2, self.vocab_size
         out = []
         for group, row in zip(self.groups, table):
-            candidates = [Candidate(score, int(flat) // vocab, int(flat) % vocab)
-                          for score, flat in zip(row[:group.num_candidates], row[k:k + group.num_candidates])
-                          if score > float("-inf")]  # (NaN also: a row with no allowed token)
+            candidates = [
+                Candidate(score, int(flat) // vocab, int(flat) % vocab)
+                for score, flat in zip(row[: group.num_candidates], row[k : k + group.num_candidates])
+                if score > float("-inf")
+            ]  # (NaN also: a row with no allowed token)
             out.append((group.request_id, candidates))
         return out

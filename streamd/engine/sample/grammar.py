@@ -27,9 +27,9 @@ from typing import Any
 import torch
 import xgrammar as xgr
 
+from streamd.engine.core.sequence import Sequence
 from streamd.engine.errors import RequestError
 from streamd.engine.sampling_params import StructuredOutputs
-from streamd.engine.core.sequence import Sequence
 
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
 # Compiling a schema costs time growing steeply with its nesting (one core for ~20 s at 600 levels, on a
@@ -60,8 +60,9 @@ class GrammarCompiler:
     """StructuredOutputs -> xgrammar CompiledGrammar for one tokenizer; thread-safe, cached by grammar text."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids))
+        info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
+        )
         self.vocab_size = vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=2)
 
@@ -135,8 +136,9 @@ class GrammarMatchers:
         matcher = self._matchers.get(seq.seq_id)
         return matcher is None or matcher.accept_token(token)
 
-    def bitmask(self, seqs: list[Sequence], rows: list[int], device: torch.device, *,
-                own_buffer: bool = False) -> TokenBitmask | None:
+    def bitmask(
+        self, seqs: list[Sequence], rows: list[int], device: torch.device, *, own_buffer: bool = False
+    ) -> TokenBitmask | None:
         """The batch's bitmask over `rows` (from `constrained_rows(seqs)`), or None when none of them is
         still constrained (then sampling is untouched). `own_buffer`: fill a fresh host buffer, not the
         reused one (for a second fill in one step: the first one's copy to the device may still read the
@@ -182,8 +184,10 @@ def _schema_text(schema: dict[str, Any] | str) -> str:
         raise GrammarError("structured_outputs.json must be a JSON schema object")
     depth = _depth(schema)
     if depth > MAX_SCHEMA_DEPTH:
-        raise GrammarError(f"structured_outputs.json is nested too deeply ({depth} levels of objects and arrays; "
-                           f"at most {MAX_SCHEMA_DEPTH})")
+        raise GrammarError(
+            f"structured_outputs.json is nested too deeply ({depth} levels of objects and arrays; "
+            f"at most {MAX_SCHEMA_DEPTH})"
+        )
     return json.dumps(schema)  # property order is kept: the grammar generates properties in schema order
 
 

@@ -4,8 +4,8 @@ Owns the logits -> token step: repetition / frequency / presence penalties, min_
 temperature, min-p, top-k, top-p, per-request seeds and logprobs. Everything runs on the logits' device;
 the only device -> host transfer is one `.tolist()` of the results per call.
 
-Order of processing (as vLLM): penalties -> min_tokens mask -> grammar bitmask -> [greedy rows: argmax] -> temperature ->
-min-p -> top-k -> top-p -> sample. Logprobs are those of the model's raw distribution (log_softmax of the
+Order of processing (as vLLM): penalties -> min_tokens mask -> grammar bitmask -> [greedy rows: argmax] ->
+temperature -> min-p -> top-k -> top-p -> sample. Logprobs are those of the model's raw distribution (log_softmax of the
 unprocessed logits).
 
 Sampling uses the exponential race: argmax(probs / q) with q ~ Exp(1) i.i.d. draws a token with probability
@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from streamd.engine.worker.host_to_device import to_device
-from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.core.sequence import Sequence
 from streamd.engine.sample.grammar import TokenBitmask
+from streamd.engine.sampling_params import SamplingParams
+from streamd.engine.worker.host_to_device import to_device
 
 _MASK64 = (1 << 64) - 1
 
@@ -47,12 +47,24 @@ class Sampler:
         self._seed = seed
         self._generator: torch.Generator | None = None
 
-    def __call__(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
-                 bitmask: TokenBitmask | None = None) -> SamplerOutput:
+    def __call__(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        params: list[SamplingParams],
+        bitmask: TokenBitmask | None = None,
+    ) -> SamplerOutput:
         return self.sample_async(logits, seqs, params, bitmask).result()
 
-    def sample_async(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
-                     bitmask: TokenBitmask | None = None, *, owns_logits: bool = False) -> PendingSample:
+    def sample_async(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        params: list[SamplingParams],
+        bitmask: TokenBitmask | None = None,
+        *,
+        owns_logits: bool = False,
+    ) -> PendingSample:
         """Queues the sampling and the device -> host copy of its results without waiting for them; the
         chosen tokens stay usable on the device (as the next step's inputs) before the host has them.
         `owns_logits`: the caller hands `logits` over (the engine's fresh model output), so the grammar
@@ -65,7 +77,7 @@ class Sampler:
             empty = torch.empty(0, dtype=torch.int64, device=logits.device)
             return PendingSample(empty, empty, params, 0)
         if logits.shape[1] > self.vocab_size:
-            logits = logits[:, :self.vocab_size]
+            logits = logits[:, : self.vocab_size]
         # Rows share SamplingParams objects (n > 1, one params for many prompts): decide per object, so
         # the common case costs one pass over a handful of objects, not work per row.
         distinct = list({id(p): p for p in params}.values())
@@ -83,8 +95,9 @@ class Sampler:
         else:  # greedy rows take the argmax; only the others go through temperature, top-k/top-p and the draw
             rows = [i for i, p in enumerate(params) if not p.greedy]
             index = to_device(rows, torch.long, x.device)
-            sampled = self._sample(x.index_select(0, index), [seqs[i] for i in rows], [params[i] for i in rows],
-                                   random_params)
+            sampled = self._sample(
+                x.index_select(0, index), [seqs[i] for i in rows], [params[i] for i in rows], random_params
+            )
             tokens = x.argmax(dim=-1).index_copy_(0, index, sampled)
 
         if raw_logprobs is None:
@@ -93,8 +106,13 @@ class Sampler:
 
     # ---- penalties and masks -------------------------------------------------------------------
 
-    def penalize(self, logits: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
-                 distinct: list[SamplingParams] | None = None) -> torch.Tensor:
+    def penalize(
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        params: list[SamplingParams],
+        distinct: list[SamplingParams] | None = None,
+    ) -> torch.Tensor:
         """Penalties and min_tokens masking; returns `logits` itself when no row uses them. Out-of-place
         throughout: the caller's logits are never modified."""
         if distinct is None:
@@ -113,8 +131,7 @@ class Sampler:
             if use_rep:
                 # HF/vLLM repetition penalty: any token seen in prompt or output; positive logits are
                 # divided, negative multiplied, so the token always becomes less likely.
-                prompts = [s.prompt_token_ids if p.repetition_penalty != 1.0 else []
-                           for s, p in zip(seqs, params)]
+                prompts = [s.prompt_token_ids if p.repetition_penalty != 1.0 else [] for s, p in zip(seqs, params)]
                 seen = (counts > 0) | (self._histogram(prompts, n, vocab, dev) > 0)
                 r = self._column([p.repetition_penalty for p in params], dev)
                 x = torch.where(seen, torch.where(x > 0, x / r, x * r), x)
@@ -159,8 +176,9 @@ class Sampler:
 
     # ---- random sampling -----------------------------------------------------------------------
 
-    def _sample(self, x: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams],
-                distinct: list[SamplingParams]) -> torch.Tensor:
+    def _sample(
+        self, x: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams], distinct: list[SamplingParams]
+    ) -> torch.Tensor:
         """Random sampling of rows none of which is greedy (`distinct`: their distinct params)."""
         dev = x.device
         x = x.float()
@@ -194,9 +212,13 @@ class Sampler:
                     _exponential(q[i], gen)
         return probs.div_(q).argmax(dim=-1)
 
-    def _on_rows(self, x: torch.Tensor, params: list[SamplingParams], chosen: list[SamplingParams],
-                 transform: Callable[[torch.Tensor, list[SamplingParams], list[SamplingParams]], torch.Tensor],
-                 ) -> torch.Tensor:
+    def _on_rows(
+        self,
+        x: torch.Tensor,
+        params: list[SamplingParams],
+        chosen: list[SamplingParams],
+        transform: Callable[[torch.Tensor, list[SamplingParams], list[SamplingParams]], torch.Tensor],
+    ) -> torch.Tensor:
         """`transform(rows, their params, their distinct params)` applied to the rows whose params are in
         `chosen` only; the whole batch at once when every row's are."""
         ids = {id(p) for p in chosen}
@@ -207,8 +229,9 @@ class Sampler:
         done = transform(x.index_select(0, index), [params[i] for i in rows], chosen)
         return x.index_copy(0, index, done)
 
-    def _top_k_top_p_bounded(self, x: torch.Tensor, params: list[SamplingParams],
-                             distinct: list[SamplingParams]) -> torch.Tensor:
+    def _top_k_top_p_bounded(
+        self, x: torch.Tensor, params: list[SamplingParams], distinct: list[SamplingParams]
+    ) -> torch.Tensor:
         """Top-k, then top-p among the top k (rows that all have a top-k): works on torch.topk's max_k
         values (already sorted) instead of sorting the whole vocabulary, then masks below each row's
         threshold."""
@@ -226,8 +249,9 @@ class Sampler:
         threshold = top_values.gather(1, last_kept.clamp_(min=0))
         return x.masked_fill(x < threshold, float("-inf"))
 
-    def _top_p_sorted(self, x: torch.Tensor, params: list[SamplingParams],
-                      distinct: list[SamplingParams]) -> torch.Tensor:
+    def _top_p_sorted(
+        self, x: torch.Tensor, params: list[SamplingParams], distinct: list[SamplingParams]
+    ) -> torch.Tensor:
         """Top-p over the whole vocabulary (rows without top-k) on one ascending sort: masks the low tail
         whose total probability is at most 1-p (the top token always stays)."""
         sorted_x, order = x.sort(dim=-1)
@@ -248,18 +272,22 @@ class Sampler:
 
     # ---- logprobs ------------------------------------------------------------------------------
 
-    def _with_logprobs(self, tokens: torch.Tensor, raw_logprobs: torch.Tensor, params: list[SamplingParams],
-                       distinct: list[SamplingParams]) -> PendingSample:
+    def _with_logprobs(
+        self,
+        tokens: torch.Tensor,
+        raw_logprobs: torch.Tensor,
+        params: list[SamplingParams],
+        distinct: list[SamplingParams],
+    ) -> PendingSample:
         """Top-N raw logprobs per row plus the sampled token's, moved to the host together with the
         tokens in ONE transfer (float64 holds token ids exactly)."""
-        n, vocab = raw_logprobs.shape
+        _n, vocab = raw_logprobs.shape
         top_n = min(max(p.logprobs or 0 for p in distinct), vocab)
         parts = [tokens.unsqueeze(1).double(), raw_logprobs.gather(1, tokens.unsqueeze(1)).double()]
         if top_n:
             top = raw_logprobs.topk(top_n, dim=-1)
             parts += [top.indices.double(), top.values.double()]
         return PendingSample(tokens, torch.cat(parts, dim=1), params, top_n)
-
 
     # ---- helpers -------------------------------------------------------------------------------
 
@@ -268,8 +296,9 @@ class Sampler:
         return to_device(values, torch.float32, dev).unsqueeze(1)
 
     @classmethod
-    def _scalar_or_column(cls, params: list[SamplingParams], name: str, distinct: list[SamplingParams],
-                          dev: torch.device) -> float | torch.Tensor:
+    def _scalar_or_column(
+        cls, params: list[SamplingParams], name: str, distinct: list[SamplingParams], dev: torch.device
+    ) -> float | torch.Tensor:
         values = {getattr(p, name) for p in distinct}
         if len(values) == 1:
             return float(values.pop())
@@ -339,7 +368,7 @@ def _decode_logprob_rows(rows: list[list[float]], params: list[SamplingParams], 
             logprobs.append({})
             continue
         k = min(p.logprobs, top_n)
-        entry = {int(t): v for t, v in zip(row[2:2 + k], row[2 + top_n:2 + top_n + k])}
+        entry = {int(t): v for t, v in zip(row[2 : 2 + k], row[2 + top_n : 2 + top_n + k])}
         entry.setdefault(token, row[1])  # the sampled token's, whether or not it is in the top N
         logprobs.append(entry)
     return SamplerOutput(token_ids, logprobs)

@@ -44,10 +44,16 @@ def get_attention_metadata() -> AttentionMetadata:
     return _context
 
 
-def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                            value: torch.Tensor, attention_mask: torch.Tensor | None,
-                            scaling: float | None = None, dropout: float = 0.0,
-                            **kwargs: Any) -> tuple[torch.Tensor, None]:
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """transformers calls this with [1, heads, tokens, head_dim] tensors of the flattened batch."""
     md = get_attention_metadata()
     if kwargs.get("sliding_window") or kwargs.get("softcap"):
@@ -61,8 +67,14 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     return paged_attend(md, q, layer, scale, k, v).unsqueeze(0), None  # transformers wants [batch, tokens, heads, dim]
 
 
-def paged_attend(md: AttentionMetadata, query: torch.Tensor, layer: int, scale: float, key: torch.Tensor | None,
-                 value: torch.Tensor | None) -> torch.Tensor:
+def paged_attend(
+    md: AttentionMetadata,
+    query: torch.Tensor,
+    layer: int,
+    scale: float,
+    key: torch.Tensor | None,
+    value: torch.Tensor | None,
+) -> torch.Tensor:
     """Attention of query [tokens, heads, head_dim] over `layer` of the pool, into which this step's `key`
     and `value` [tokens, kv_heads, head_dim] are stored (None: the caller does not hold them, as the fused
     Triton rotary keeps the rotated key on chip). A prefill hands them on: the reference attends a sequence
@@ -70,8 +82,9 @@ def paged_attend(md: AttentionMetadata, query: torch.Tensor, layer: int, scale: 
     gathering them back out of the pool; the Triton kernel reads the pool either way."""
     if md.decode_only:
         return md.ops.paged_decode_attention(query, md.kv_cache, layer, md.block_tables, md.seq_lens, scale)
-    return md.ops.paged_prefill_attention(query, md.kv_cache, layer, md.block_tables, md.query_start_loc,
-                                          md.seq_lens, scale, key=key, value=value)
+    return md.ops.paged_prefill_attention(
+        query, md.kv_cache, layer, md.block_tables, md.query_start_loc, md.seq_lens, scale, key=key, value=value
+    )
 
 
 def register_paged_attention() -> None:

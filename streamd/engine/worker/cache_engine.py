@@ -47,20 +47,28 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        return (self.num_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim
-                * torch.empty((), dtype=self.dtype).element_size())
+        return (
+            self.num_layers
+            * 2
+            * self.num_kv_heads
+            * self.block_size
+            * self.head_dim
+            * torch.empty((), dtype=self.dtype).element_size()
+        )
 
 
 class CacheEngine:
-    def __init__(self, layout: KVLayout, num_blocks: int, num_swap_blocks: int, device: torch.device,
-                 ops: ModuleType) -> None:
+    def __init__(
+        self, layout: KVLayout, num_blocks: int, num_swap_blocks: int, device: torch.device, ops: ModuleType
+    ) -> None:
         self.layout = layout
         self.device = device
         self.ops = ops
         self.kv_cache = torch.empty((num_blocks, *layout.block_shape()), dtype=layout.dtype, device=device)
         pin = device.type == "cuda"
-        self.swap_cache = torch.empty((num_swap_blocks, *layout.block_shape()), dtype=layout.dtype,
-                                      device="cpu", pin_memory=pin)
+        self.swap_cache = torch.empty(
+            (num_swap_blocks, *layout.block_shape()), dtype=layout.dtype, device="cpu", pin_memory=pin
+        )
         self._swap_stream = torch.cuda.Stream(device) if pin else None
         # Tunables of `plan_swap` (the swap benchmark sets direct_run_bytes = 0 to measure direct copies).
         # Without CUDA every copy is a plain memcpy with nothing to amortize, and staging would only add a
@@ -69,9 +77,14 @@ class CacheEngine:
         self.direct_run_bytes = DIRECT_RUN_BYTES if pin else 0
         self._kv_rows = _rows(self.kv_cache)
         self._swap_rows = _rows(self.swap_cache)
-        log.info("kv_cache.allocated", num_blocks=num_blocks, num_swap_blocks=num_swap_blocks,
-                 block_size=layout.block_size, gib=round(num_blocks * layout.bytes_per_block / 2**30, 3),
-                 swap_gib=round(num_swap_blocks * layout.bytes_per_block / 2**30, 3))
+        log.info(
+            "kv_cache.allocated",
+            num_blocks=num_blocks,
+            num_swap_blocks=num_swap_blocks,
+            block_size=layout.block_size,
+            gib=round(num_blocks * layout.bytes_per_block / 2**30, 3),
+            swap_gib=round(num_swap_blocks * layout.bytes_per_block / 2**30, 3),
+        )
 
     @property
     def num_blocks(self) -> int:
@@ -120,9 +133,9 @@ class CacheEngine:
         non_blocking = self._swap_stream is not None
         for d, h, n in runs:
             if to_host:
-                self.swap_cache[h:h + n].copy_(self.kv_cache[d:d + n], non_blocking=non_blocking)
+                self.swap_cache[h : h + n].copy_(self.kv_cache[d : d + n], non_blocking=non_blocking)
             else:
-                self.kv_cache[d:d + n].copy_(self.swap_cache[h:h + n], non_blocking=non_blocking)
+                self.kv_cache[d : d + n].copy_(self.swap_cache[h : h + n], non_blocking=non_blocking)
 
     def _copy_staged(self, chunks: list[StagedChunk], to_host: bool) -> None:
         """Scattered device blocks go through a contiguous device staging buffer, so the host link sees
@@ -131,12 +144,13 @@ class CacheEngine:
         non_blocking = self._swap_stream is not None
         device_rows, host_rows = self._kv_rows, self._swap_rows
         blocks = [b for chunk in chunks for b in chunk.device_blocks]
-        index = torch.tensor(blocks, dtype=torch.int64, pin_memory=non_blocking).to(self.device,
-                                                                                     non_blocking=non_blocking)
+        index = torch.tensor(blocks, dtype=torch.int64, pin_memory=non_blocking).to(
+            self.device, non_blocking=non_blocking
+        )
         start = 0
         for chunk in chunks:
             n = len(chunk.device_blocks)
-            idx = index[start:start + n]
+            idx = index[start : start + n]
             start += n
             # Allocated while the swap stream is current, so the caching allocator hands this memory to
             # the next chunk (or swap) only behind the copies queued here on the same stream: the staging
@@ -145,10 +159,10 @@ class CacheEngine:
             if to_host:
                 torch.index_select(device_rows, 0, idx, out=staging)
                 for off, h, m in chunk.host_runs:
-                    host_rows[h:h + m].copy_(staging[off:off + m], non_blocking=non_blocking)
+                    host_rows[h : h + m].copy_(staging[off : off + m], non_blocking=non_blocking)
             else:
                 for off, h, m in chunk.host_runs:
-                    staging[off:off + m].copy_(host_rows[h:h + m], non_blocking=non_blocking)
+                    staging[off : off + m].copy_(host_rows[h : h + m], non_blocking=non_blocking)
                 device_rows.index_copy_(0, idx, staging)
 
 
@@ -190,8 +204,12 @@ class SwapPlan:
         return len(self.runs) if self.chunks is None else sum(len(c.host_runs) for c in self.chunks)
 
 
-def plan_swap(pairs: list[tuple[int, int]], bytes_per_block: int, staging_bytes: int = STAGING_BYTES,
-              direct_run_bytes: int = DIRECT_RUN_BYTES) -> SwapPlan:
+def plan_swap(
+    pairs: list[tuple[int, int]],
+    bytes_per_block: int,
+    staging_bytes: int = STAGING_BYTES,
+    direct_run_bytes: int = DIRECT_RUN_BYTES,
+) -> SwapPlan:
     """(device block, host block) pairs, each block at most once per side -> how to move them.
 
     Staged when the direct runs are short on average and staging needs fewer operations (host copies
@@ -213,7 +231,7 @@ def staged_chunks(pairs: list[tuple[int, int]], max_blocks: int) -> list[StagedC
     ordered = sorted(pairs, key=lambda p: p[1])
     chunks: list[StagedChunk] = []
     for start in range(0, len(ordered), max_blocks):
-        part = ordered[start:start + max_blocks]
+        part = ordered[start : start + max_blocks]
         hosts = [h for _, h in part]
         host_runs: list[tuple[int, int, int]] = []
         first = 0

@@ -27,8 +27,9 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_cache: torch.Tensor, ops: object, max_batch: int,
-                 max_blocks: int) -> None:
+    def __init__(
+        self, model: torch.nn.Module, kv_cache: torch.Tensor, ops: object, max_batch: int, max_blocks: int
+    ) -> None:
         device = kv_cache.device
         self.model = model
         self.kv_cache = kv_cache
@@ -47,12 +48,20 @@ class DecodeGraphs:
         self.replays = 0  # decode steps served by a graph (tests and profiling read it)
 
     def _metadata(self, n: int) -> AttentionMetadata:
-        return AttentionMetadata(self.kv_cache, self.slot_mapping[:n], self.block_tables[:n], self.seq_lens[:n],
-                                 self.query_start_loc[:n + 1], True, self.ops)
+        return AttentionMetadata(
+            self.kv_cache,
+            self.slot_mapping[:n],
+            self.block_tables[:n],
+            self.seq_lens[:n],
+            self.query_start_loc[: n + 1],
+            True,
+            self.ops,
+        )
 
     def _forward(self, n: int) -> torch.Tensor:
-        return self.model(input_ids=self.input_ids[None, :n], position_ids=self.positions[None, :n],
-                          logits_to_keep=0, use_cache=False).logits[0]
+        return self.model(
+            input_ids=self.input_ids[None, :n], position_ids=self.positions[None, :n], logits_to_keep=0, use_cache=False
+        ).logits[0]
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -70,14 +79,24 @@ class DecodeGraphs:
                 set_attention_metadata(None)
             self.graphs[n] = graph
         torch.cuda.synchronize()
-        log.info("cuda_graphs.captured", sizes=len(self.sizes), max_batch=self.max_batch,
-                 mib=round((torch.cuda.memory_allocated() - before) / 2**20, 1))
+        log.info(
+            "cuda_graphs.captured",
+            sizes=len(self.sizes),
+            max_batch=self.max_batch,
+            mib=round((torch.cuda.memory_allocated() - before) / 2**20, 1),
+        )
 
     def can_run(self, num_seqs: int, max_table_width: int) -> bool:
         return num_seqs <= self.max_batch and max_table_width <= self.max_blocks
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-            block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> torch.Tensor:
         """Device tensors of one decode batch (n rows); returns logits [n, vocab]."""
         n = input_ids.shape[0]
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
@@ -85,7 +104,7 @@ class DecodeGraphs:
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(slot_mapping)
         self.slot_mapping[n:size].fill_(-1)
-        self.block_tables[:n, :block_tables.shape[1]].copy_(block_tables)
+        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
         self.seq_lens[:n].copy_(seq_lens)
         self.seq_lens[n:size].fill_(0)
         self.graphs[size].replay()

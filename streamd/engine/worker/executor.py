@@ -12,9 +12,9 @@ from typing import Protocol
 
 import torch
 
+from streamd.engine.core.scheduler_output import SchedulerOutput
 from streamd.engine.worker.cache_engine import CacheEngine
 from streamd.engine.worker.model_runner import ModelRunner
-from streamd.engine.core.scheduler_output import SchedulerOutput
 
 
 class Executor(Protocol):
@@ -29,8 +29,9 @@ class Executor(Protocol):
 
     def copy(self, pairs: list[tuple[int, int]]) -> None: ...
 
-    def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
-                prev_rows: dict[int, int] | None = None) -> torch.Tensor: ...
+    def execute(
+        self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
+    ) -> torch.Tensor: ...
 
     def shutdown(self) -> None: ...
 
@@ -55,8 +56,9 @@ class LocalExecutor:
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self.cache.copy(pairs)
 
-    def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
-                prev_rows: dict[int, int] | None = None) -> torch.Tensor:
+    def execute(
+        self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
+    ) -> torch.Tensor:
         return self.runner.execute(out, prev_tokens, prev_rows)
 
     def shutdown(self) -> None:

@@ -23,8 +23,9 @@ loader made. Modes (`model.fuse_layers`):
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -32,9 +33,9 @@ from torch import nn
 from transformers import PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
-import streamd.kernels.reference as reference
 from streamd.config import FUSE_MODES
 from streamd.engine.worker.attention import get_attention_metadata, paged_attend
+from streamd.kernels import reference
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -42,8 +43,7 @@ log = get_logger(__name__)
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
 
 
-def fuse_layers(model: PreTrainedModel, mode: str, device: torch.device,
-                compile_backend: str = "inductor") -> str:
+def fuse_layers(model: PreTrainedModel, mode: str, device: torch.device, compile_backend: str = "inductor") -> str:
     """Rewires `model` in place for `mode`; returns the mode applied ("off": untouched).
 
     `compile_backend` is torch.compile's backend in mode "compile" (tests pass a cheaper one)."""
@@ -90,7 +90,7 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
 
 def _kernels(mode: str) -> ModuleType:
     if mode == "triton":
-        import streamd.kernels as kernels
+        from streamd import kernels
 
         return kernels
     return reference
@@ -126,8 +126,7 @@ class FusedLayer(nn.Module):
         self.layer_idx: int = attn.layer_idx
         self.scale: float = attn.scaling
         # (q, kv, head_dim) widths; from the weights, not the config: a tensor-parallel shard holds only its heads.
-        self.qkv_sizes: tuple[int, int, int] = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0],
-                                                attn.head_dim)
+        self.qkv_sizes: tuple[int, int, int] = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.head_dim)
         self.qkv_proj = merge_linears(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o_proj = attn.o_proj
         self.gate_up_proj = merge_linears(mlp.gate_proj, mlp.up_proj)
@@ -138,8 +137,9 @@ class FusedLayer(nn.Module):
         self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
         self.path = path
 
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         q, k, v, residual = self.path.qkv(self, hidden, residual, cos, sin)
         attn = self.path.attend(self, q, k, v, cos, sin)
         act, residual = self.path.mlp_in(self, self.o_proj(attn.flatten(1)), residual)
@@ -149,20 +149,29 @@ class FusedLayer(nn.Module):
 class LayerPath(Protocol):
     """How a `FusedLayer`'s stretches between its projections run (kernels, or compiled torch)."""
 
-    def qkv(self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
+    def qkv(
+        self,
+        layer: FusedLayer,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]: ...
 
-    def attend(self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor: ...
+    def attend(
+        self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor: ...
 
-    def mlp_in(self, layer: FusedLayer, hidden: torch.Tensor,
-               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def mlp_in(
+        self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor: ...
 
 
-def _norm_in(kernels: Any, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
-             eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _norm_in(
+    kernels: Any, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The layer's first norm: the first layer has no residual yet (its input is the residual)."""
     if residual is None:
         return kernels.rmsnorm(hidden, weight, eps), hidden
@@ -181,22 +190,31 @@ class KernelPath:
     def __init__(self, kernels: ModuleType) -> None:
         self.kernels = kernels
 
-    def qkv(self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self,
+        layer: FusedLayer,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         norm = layer.input_layernorm
         x, residual = _norm_in(self.kernels, hidden, residual, norm.weight, norm.variance_epsilon)
         return (*split_qkv(layer.qkv_proj(x), layer.qkv_sizes), residual)
 
-    def attend(self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         md = get_attention_metadata()
         q_norm, k_norm, eps = _qk_norm_weights(layer)
-        q = self.kernels.rotary_store_kv(q, k, v, cos, sin, md.kv_cache, layer.layer_idx, md.slot_mapping,
-                                         q_norm, k_norm, eps)
+        q = self.kernels.rotary_store_kv(
+            q, k, v, cos, sin, md.kv_cache, layer.layer_idx, md.slot_mapping, q_norm, k_norm, eps
+        )
         return paged_attend(md, q, layer.layer_idx, layer.scale, None, None)  # the rotated key stayed on chip
 
-    def mlp_in(self, layer: FusedLayer, hidden: torch.Tensor,
-               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mlp_in(
+        self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         norm = layer.post_attention_layernorm
         x, residual = self.kernels.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)
         return self.kernels.silu_and_mul(layer.gate_up_proj(x)), residual
@@ -205,10 +223,20 @@ class KernelPath:
         return self.kernels.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)[0]
 
 
-def _qkv_stretch(hidden: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                 qkv_weight: torch.Tensor, qkv_bias: torch.Tensor | None, sizes: tuple[int, int, int],
-                 q_norm: torch.Tensor | None, k_norm: torch.Tensor | None, qk_eps: float, cos: torch.Tensor,
-                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def _qkv_stretch(
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    norm_weight: torch.Tensor,
+    eps: float,
+    qkv_weight: torch.Tensor,
+    qkv_bias: torch.Tensor | None,
+    sizes: tuple[int, int, int],
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    qk_eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, QKV projection, q/k norm and rotary in plain torch (what `CompiledPath` compiles)."""
     x, residual = _norm_in(reference, hidden, residual, norm_weight, eps)
     q, k, v = split_qkv(F.linear(x, qkv_weight, qkv_bias), sizes)
@@ -216,9 +244,14 @@ def _qkv_stretch(hidden: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     return q, k, v, residual
 
 
-def _mlp_stretch(hidden: torch.Tensor, residual: torch.Tensor, norm_weight: torch.Tensor, eps: float,
-                 gate_up_weight: torch.Tensor,
-                 gate_up_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _mlp_stretch(
+    hidden: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    gate_up_weight: torch.Tensor,
+    gate_up_bias: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     x, residual = reference.fused_add_rmsnorm(hidden, residual, norm_weight, eps)
     return reference.silu_and_mul(F.linear(x, gate_up_weight, gate_up_bias)), residual
 
@@ -242,22 +275,41 @@ class CompiledPath:
         self._mlp = compiled(_mlp_stretch)
         self._final = compiled(reference.fused_add_rmsnorm)
 
-    def qkv(self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def qkv(
+        self,
+        layer: FusedLayer,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         norm = layer.input_layernorm
         q_norm, k_norm, qk_eps = _qk_norm_weights(layer)
-        return self._qkv(hidden, residual, norm.weight, norm.variance_epsilon, layer.qkv_proj.weight,
-                         layer.qkv_proj.bias, layer.qkv_sizes, q_norm, k_norm,
-                         qk_eps, cos, sin)
+        return self._qkv(
+            hidden,
+            residual,
+            norm.weight,
+            norm.variance_epsilon,
+            layer.qkv_proj.weight,
+            layer.qkv_proj.bias,
+            layer.qkv_sizes,
+            q_norm,
+            k_norm,
+            qk_eps,
+            cos,
+            sin,
+        )
 
-    def attend(self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
-               sin: torch.Tensor) -> torch.Tensor:
+    def attend(
+        self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
         md = get_attention_metadata()  # q and k come rotated from the compiled stretch
         md.ops.store_kv(k, v, md.kv_cache, layer.layer_idx, md.slot_mapping)
         return paged_attend(md, q, layer.layer_idx, layer.scale, k, v)
 
-    def mlp_in(self, layer: FusedLayer, hidden: torch.Tensor,
-               residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def mlp_in(
+        self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         norm, gate_up = layer.post_attention_layernorm, layer.gate_up_proj
         return self._mlp(hidden, residual, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias)
 
@@ -277,8 +329,13 @@ class FusedDecoder(nn.Module):
         self.layers = nn.ModuleList(FusedLayer(layer, path) for layer in base.layers)
         self.path = path
 
-    def forward(self, input_ids: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                inputs_embeds: torch.Tensor | None = None, **_: Any) -> BaseModelOutputWithPast:
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **_: Any,
+    ) -> BaseModelOutputWithPast:
         """The arguments the causal LM passes; attention masks and KV caches of transformers' own are unused."""
         if (input_ids is None) == (inputs_embeds is None) or position_ids is None:
             raise ValueError("the fused decoder takes input_ids or inputs_embeds, and position_ids")

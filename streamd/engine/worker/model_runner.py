@@ -16,13 +16,17 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from streamd.engine.worker.attention import (ATTN_IMPLEMENTATION, AttentionMetadata, register_paged_attention,
-                                      set_attention_metadata)
+from streamd.engine.core.scheduler_output import SchedulerOutput
+from streamd.engine.core.sequence import PLACEHOLDER
+from streamd.engine.worker.attention import (
+    ATTN_IMPLEMENTATION,
+    AttentionMetadata,
+    register_paged_attention,
+    set_attention_metadata,
+)
 from streamd.engine.worker.cache_engine import KVLayout
 from streamd.engine.worker.cuda_graphs import DecodeGraphs
 from streamd.engine.worker.host_to_device import to_device
-from streamd.engine.core.scheduler_output import SchedulerOutput
-from streamd.engine.core.sequence import PLACEHOLDER
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -82,13 +86,15 @@ class ModelRunner:
         self.graphs.capture()
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
-                prev_rows: dict[int, int] | None = None) -> torch.Tensor:
+    def execute(
+        self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
+    ) -> torch.Tensor:
         """Runs the scheduled tokens; returns float32 logits [num_sampling_seqs, vocab] in schedule order."""
         return self.run(self.prepare(out, prev_tokens, prev_rows))
 
-    def prepare(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
-                prev_rows: dict[int, int] | None = None) -> ModelInput:
+    def prepare(
+        self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
+    ) -> ModelInput:
         """The step's batch tensors on the device.
 
         A token id PLACEHOLDER stands for a token sampled by the previous step that the host does not have
@@ -109,14 +115,23 @@ class ModelRunner:
         metadata = self._metadata(batch)
         graphs = self.graphs
         # A graph computes logits for every row, so it serves only batches in which every row samples.
-        if (graphs is not None and batch.decode_only and len(batch.sample_idx) == len(batch.input_ids)
-                and graphs.can_run(len(batch.input_ids), batch.block_tables.shape[1])):
-            return graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables,
-                              batch.seq_lens).float()
+        if (
+            graphs is not None
+            and batch.decode_only
+            and len(batch.sample_idx) == len(batch.input_ids)
+            and graphs.can_run(len(batch.input_ids), batch.block_tables.shape[1])
+        ):
+            return graphs.run(
+                batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens
+            ).float()
         set_attention_metadata(metadata)
         try:
-            logits = self.model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
-                                logits_to_keep=batch.sample_idx, use_cache=False).logits[0]
+            logits = self.model(
+                input_ids=batch.input_ids[None],
+                position_ids=batch.positions[None],
+                logits_to_keep=batch.sample_idx,
+                use_cache=False,
+            ).logits[0]
         finally:
             set_attention_metadata(None)
         return logits.float()
@@ -127,17 +142,21 @@ class ModelRunner:
         its shard of the KV cache and taking part in the layers' all-reduces."""
         set_attention_metadata(self._metadata(batch))
         try:
-            self.model.base_model(input_ids=batch.input_ids[None], position_ids=batch.positions[None],
-                                  use_cache=False)
+            self.model.base_model(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False)
         finally:
             set_attention_metadata(None)
 
     def _metadata(self, batch: ModelInput) -> AttentionMetadata:
         assert self.kv_cache is not None, "bind_kv_cache first"
-        return AttentionMetadata(kv_cache=self.kv_cache, slot_mapping=batch.slot_mapping,
-                                 block_tables=batch.block_tables, seq_lens=batch.seq_lens,
-                                 query_start_loc=batch.query_start_loc, decode_only=batch.decode_only,
-                                 ops=self.ops)
+        return AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=batch.slot_mapping,
+            block_tables=batch.block_tables,
+            seq_lens=batch.seq_lens,
+            query_start_loc=batch.query_start_loc,
+            decode_only=batch.decode_only,
+            ops=self.ops,
+        )
 
     def _prepare(self, out: SchedulerOutput) -> tuple[ModelInput, list[tuple[int, int]]]:
         """Host-built batch tensors, plus (input position, seq_id) of every PLACEHOLDER input."""
@@ -180,20 +199,27 @@ class ModelRunner:
             seq_lens=to_device(seq_lens, torch.int32, dev),
             query_start_loc=to_device(query_start, torch.int32, dev),
             sample_idx=to_device(sample_idx, torch.int64, dev),
-            decode_only=len(tokens) == len(seq_lens))
+            decode_only=len(tokens) == len(seq_lens),
+        )
         return batch, pending
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
         # numpy row assignment is ~5x faster than torch.tensor on padded nested lists (hot at large batch)
         rows = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
         for i, table in enumerate(tables):
-            rows[i, :len(table)] = table
+            rows[i, : len(table)] = table
         return to_device(rows, torch.int32, self.device)
 
 
 @torch.inference_mode()
-def profile_num_blocks(runner: ModelRunner, layout: KVLayout, max_num_batched_tokens: int,
-                       max_model_len: int, gpu_memory_utilization: float, reserve_bytes: int = 0) -> int:
+def profile_num_blocks(
+    runner: ModelRunner,
+    layout: KVLayout,
+    max_num_batched_tokens: int,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    reserve_bytes: int = 0,
+) -> int:
     """On CUDA: run one forward at the largest batch the config allows and give the memory left under
     `gpu_memory_utilization` (after weights, peak activations and `reserve_bytes` for what is allocated
     after the pool, such as CUDA graphs) to KV blocks."""
@@ -208,13 +234,22 @@ def profile_num_blocks(runner: ModelRunner, layout: KVLayout, max_num_batched_to
     tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=device).view(num_seqs, -1)
     lens = [min(seq_len, num_tokens - i * seq_len) for i in range(num_seqs)]
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
-    slots = torch.cat([tables[i].repeat_interleave(layout.block_size)[:n].long() * layout.block_size
-                       + torch.arange(n, device=device) % layout.block_size for i, n in enumerate(lens)])
+    slots = torch.cat(
+        [
+            tables[i].repeat_interleave(layout.block_size)[:n].long() * layout.block_size
+            + torch.arange(n, device=device) % layout.block_size
+            for i, n in enumerate(lens)
+        ]
+    )
     metadata = AttentionMetadata(
-        kv_cache=scratch, slot_mapping=slots, block_tables=tables,
+        kv_cache=scratch,
+        slot_mapping=slots,
+        block_tables=tables,
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         query_start_loc=torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=device),
-        decode_only=False, ops=runner.ops)
+        decode_only=False,
+        ops=runner.ops,
+    )
     set_attention_metadata(metadata)
     try:
         ids = torch.zeros((1, num_tokens), dtype=torch.int64, device=device)
@@ -227,10 +262,17 @@ def profile_num_blocks(runner: ModelRunner, layout: KVLayout, max_num_batched_to
     total = torch.cuda.get_device_properties(device).total_memory
     available = int(total * gpu_memory_utilization) - peak - reserve_bytes
     num_blocks = available // layout.bytes_per_block
-    log.info("kv_cache.profiled", total_gib=round(total / 2**30, 2), peak_gib=round(peak / 2**30, 2),
-             reserved_gib=round(reserve_bytes / 2**30, 2),
-             kv_gib=round(available / 2**30, 2), num_blocks=num_blocks)
+    log.info(
+        "kv_cache.profiled",
+        total_gib=round(total / 2**30, 2),
+        peak_gib=round(peak / 2**30, 2),
+        reserved_gib=round(reserve_bytes / 2**30, 2),
+        kv_gib=round(available / 2**30, 2),
+        num_blocks=num_blocks,
+    )
     if num_blocks <= 0:
-        raise ValueError("no GPU memory left for the KV cache: raise cache.gpu_memory_utilization or lower "
-                         "scheduler.max_num_batched_tokens")
+        raise ValueError(
+            "no GPU memory left for the KV cache: raise cache.gpu_memory_utilization or lower "
+            "scheduler.max_num_batched_tokens"
+        )
     return int(num_blocks)

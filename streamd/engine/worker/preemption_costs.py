@@ -14,14 +14,14 @@ from pathlib import Path
 
 import torch
 
+from streamd.engine.core.scheduler import PreemptionCostModel
+from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
+from streamd.engine.core.sequence import Sequence, SequenceGroup
+from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.worker.cache_engine import CacheEngine
 from streamd.engine.worker.cpu_threads import cpu_model_name
 from streamd.engine.worker.executor import Executor
 from streamd.engine.worker.model_runner import ModelRunner
-from streamd.engine.core.scheduler import PreemptionCostModel
-from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
-from streamd.engine.sampling_params import SamplingParams
-from streamd.engine.core.sequence import Sequence, SequenceGroup
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -31,8 +31,9 @@ _PROBE_TOKENS = 256
 COSTS_FILE = "preemption-costs.json"
 
 
-def cost_model(cache: CacheEngine, executor: Executor, runner: ModelRunner, max_model_len: int,
-               cache_dir: Path) -> PreemptionCostModel:
+def cost_model(
+    cache: CacheEngine, executor: Executor, runner: ModelRunner, max_model_len: int, cache_dir: Path
+) -> PreemptionCostModel:
     """The cached measurement for this machine and model shape, or a new one (then cached); the prefill is
     measured through `executor` (so tensor-parallel workers take part)."""
     file = cache_dir / COSTS_FILE
@@ -40,24 +41,42 @@ def cost_model(cache: CacheEngine, executor: Executor, runner: ModelRunner, max_
     known = _read(file)
     cached = key in known
     if not cached:
-        known[key] = {"host_link_bytes_per_s": _link_bytes_per_s(cache),
-                      "prefill_tokens_per_s": _prefill_tokens_per_s(cache, executor, max_model_len)}
+        known[key] = {
+            "host_link_bytes_per_s": _link_bytes_per_s(cache),
+            "prefill_tokens_per_s": _prefill_tokens_per_s(cache, executor, max_model_len),
+        }
         _write(file, known)
     entry = known[key]
-    log.info("preemption.cost_model", host_link_gib_s=round(entry["host_link_bytes_per_s"] / 2**30, 2),
-             prefill_tok_s=round(entry["prefill_tokens_per_s"]), cached=cached, file=str(file))
-    return PreemptionCostModel(cache.layout.bytes_per_block, entry["host_link_bytes_per_s"],
-                               entry["prefill_tokens_per_s"])
+    log.info(
+        "preemption.cost_model",
+        host_link_gib_s=round(entry["host_link_bytes_per_s"] / 2**30, 2),
+        prefill_tok_s=round(entry["prefill_tokens_per_s"]),
+        cached=cached,
+        file=str(file),
+    )
+    return PreemptionCostModel(
+        cache.layout.bytes_per_block, entry["host_link_bytes_per_s"], entry["prefill_tokens_per_s"]
+    )
 
 
 def measurement_key(cache: CacheEngine, runner: ModelRunner) -> str:
     """Device name, torch threads, model shape, KV dtype and block size: what the two rates depend on."""
     config = runner.model.config.get_text_config()
     layout = cache.layout
-    shape = (f"{config.model_type}-h{config.hidden_size}-l{layout.num_layers}-kv{layout.num_kv_heads}"
-             f"x{layout.head_dim}-i{getattr(config, 'intermediate_size', 0)}-v{config.vocab_size}")
-    return "|".join([_device_name(cache.device), f"threads{torch.get_num_threads()}", shape,
-                     str(layout.dtype).removeprefix("torch."), f"block{layout.block_size}", f"torch{torch.__version__}"])
+    shape = (
+        f"{config.model_type}-h{config.hidden_size}-l{layout.num_layers}-kv{layout.num_kv_heads}"
+        f"x{layout.head_dim}-i{getattr(config, 'intermediate_size', 0)}-v{config.vocab_size}"
+    )
+    return "|".join(
+        [
+            _device_name(cache.device),
+            f"threads{torch.get_num_threads()}",
+            shape,
+            str(layout.dtype).removeprefix("torch."),
+            f"block{layout.block_size}",
+            f"torch{torch.__version__}",
+        ]
+    )
 
 
 def _device_name(device: torch.device) -> str:

@@ -48,8 +48,10 @@ class HttpGuard:
             return ServiceError("forbidden_origin", "this Origin is not allowed (server.allowed_origins)")
         media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()
         if media_type not in ("", "application/json"):
-            return ServiceError("unsupported_media_type", "the request body must be JSON (Content-Type: "
-                                f"application/json), got {media_type!r}")
+            return ServiceError(
+                "unsupported_media_type",
+                f"the request body must be JSON (Content-Type: application/json), got {media_type!r}",
+            )
         length = headers.get("content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
             return self._too_large()
@@ -70,8 +72,9 @@ class HttpGuard:
                 return b"".join(chunks), None
 
     def _too_large(self) -> ServiceError:
-        return ServiceError("request_too_large", f"the request body is larger than {self.max_body_bytes} "
-                            "bytes (server.max_body_bytes)")
+        return ServiceError(
+            "request_too_large", f"the request body is larger than {self.max_body_bytes} bytes (server.max_body_bytes)"
+        )
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -21,8 +21,9 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import orjson
 import structlog
@@ -30,8 +31,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
-from streamd.engine.outputs import RequestDelta
 from streamd.engine.client.request_stream import RequestStream
+from streamd.engine.outputs import RequestDelta
 from streamd.engine.sampling_params import MAX_LOGPROBS, is_int
 from streamd.logs import get_logger
 from streamd.server.accounting import FinishNames, RequestAccount
@@ -93,9 +94,20 @@ class SSEResponse(StreamingResponse):
 
 async def list_models(request: Request) -> Response:
     s: Services = request.app.state.services
-    return JSONResponse({"object": "list", "data": [{
-        "id": s.model_name, "object": "model", "created": s.started, "owned_by": "streamd",
-        "max_model_len": s.engine.max_model_len}]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": s.model_name,
+                    "object": "model",
+                    "created": s.started,
+                    "owned_by": "streamd",
+                    "max_model_len": s.engine.max_model_len,
+                }
+            ],
+        }
+    )
 
 
 async def chat_completions(request: Request) -> Response:
@@ -110,8 +122,11 @@ async def chat_completions(request: Request) -> Response:
     plan = plan_tools(body.get("tools"), body.get("tool_choice"), s.tool_format)
     if plan is not None and plan.structured is not None:
         if params.get("response_format") or params.get("structured_outputs"):
-            raise ServiceError("invalid_request", "a required or named tool_choice cannot be combined with "
-                               "response_format or structured_outputs", "tool_choice")
+            raise ServiceError(
+                "invalid_request",
+                "a required or named tool_choice cannot be combined with response_format or structured_outputs",
+                "tool_choice",
+            )
         params["structured_outputs"] = plan.structured
     ids = await s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None)
     prepared = s.generation.prepare(ids, params, default_max_tokens=None)
@@ -127,33 +142,42 @@ async def completions(request: Request) -> Response:
     if body.get("use_beam_search") is True and best_of is not None and body.get("beam_width") is None:
         body["beam_width"] = best_of  # vLLM's legacy beam search: best_of is the beam width
     elif best_of not in (None, 1, body.get("n", 1)):
-        raise ServiceError("unsupported", "best_of must equal n (or be the beam width with use_beam_search)",
-                           "best_of")
+        raise ServiceError("unsupported", "best_of must equal n (or be the beam width with use_beam_search)", "best_of")
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]  # a batch of one
     ids = await s.generation.prompt_ids(prompt)
     params = _params(body)
     params["logprobs"] = _completion_logprobs(body)
-    prepared = s.generation.prepare(ids, params, default_max_tokens=16,
-                                    prompt=prompt if isinstance(prompt, str) else None, prompt_param="prompt")
+    prepared = s.generation.prepare(
+        ids, params, default_max_tokens=16, prompt=prompt if isinstance(prompt, str) else None, prompt_param="prompt"
+    )
     return await _respond(request, s, body, "completion", prepared)
 
 
-async def _respond(request: Request, s: Services, body: dict[str, Any], kind: str, prepared: Prepared,
-                   tool_format: str | None = None) -> Response:
+async def _respond(
+    request: Request, s: Services, body: dict[str, Any], kind: str, prepared: Prepared, tool_format: str | None = None
+) -> Response:
     stream_flag = body_flag(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
-        raise ServiceError("invalid_request", f"stream_options must be an object, got {options!r}",
-                           "stream_options")
+        raise ServiceError("invalid_request", f"stream_options must be an object, got {options!r}", "stream_options")
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
     account, stream = await s.generation.submit(prepared, kind)
     assert stream is not None
     top = prepared.params.logprobs
     logprobs = None if top is None else LogprobsBuilder(s.token_texts, kind, top, prepared.params.n)
-    call = _Call(kind, prefix + uuid.uuid4().hex, s.model_name, int(time.time()), prepared, stream, account,
-                 tool_format, logprobs)
+    call = _Call(
+        kind,
+        prefix + uuid.uuid4().hex,
+        s.model_name,
+        int(time.time()),
+        prepared,
+        stream,
+        account,
+        tool_format,
+        logprobs,
+    )
     structlog.contextvars.bind_contextvars(request_id=call.id)
     if stream_flag:
         first = None
@@ -191,8 +215,10 @@ async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = No
     extra = {"usage": None} if include_usage else {}
     account = call.account
     if call.kind == "chat":
-        yield b"".join(_data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra)).encode()
-                       for index in range(account.num_choices))
+        yield b"".join(
+            _data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra)).encode()
+            for index in range(account.num_choices)
+        )
     texts = TextEvents(call, extra)
     async for delta in _deltas(call, first):
         events = []
@@ -336,8 +362,7 @@ def _piece(call: _Call, text: str) -> dict[str, Any] | str:
     return {"content": text} if call.kind == "chat" else text
 
 
-def _chunk(call: _Call, index: int, piece: Any, finish: FinishNames | None,
-           extra: dict[str, Any]) -> dict[str, Any]:
+def _chunk(call: _Call, index: int, piece: Any, finish: FinishNames | None, extra: dict[str, Any]) -> dict[str, Any]:
     """A chunk of one choice: its new piece or (`finish` given) its ending, with the logprobs of the choice's
     tokens since its previous chunk (null when none: the role chunk, text held back and released later)."""
     builder = call.logprobs
@@ -372,8 +397,9 @@ def body_flag(body: dict[str, Any], name: str, default: bool) -> bool:
 def check_model(s: Services, body: dict[str, Any]) -> None:
     model = body.get("model")
     if model is not None and model != s.model_name:
-        raise ServiceError("model_not_found", f"the model {model!r} does not exist; this server serves "
-                           f"{s.model_name!r}", "model")
+        raise ServiceError(
+            "model_not_found", f"the model {model!r} does not exist; this server serves {s.model_name!r}", "model"
+        )
 
 
 def _refuse(body: dict[str, Any], **allowed: Any) -> None:
@@ -393,8 +419,9 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     """Chat's `logprobs: true` + `top_logprobs` -> how many top logprobs per token (None: none asked)."""
     wanted, top = body_flag(body, "logprobs", False), body.get("top_logprobs")
     if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
-        raise ServiceError("invalid_request", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], "
-                           f"got {top!r}", "top_logprobs")
+        raise ServiceError(
+            "invalid_request", f"top_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}", "top_logprobs"
+        )
     if top is not None and not wanted:
         raise ServiceError("invalid_request", "top_logprobs needs logprobs: true", "top_logprobs")
     return (top or 0) if wanted else None
@@ -404,11 +431,15 @@ def _completion_logprobs(body: dict[str, Any]) -> int | None:
     """Completions' `logprobs`: how many top logprobs per token (the sampled token's always comes too)."""
     top = body.get("logprobs")
     if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
-        raise ServiceError("invalid_request", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}",
-                           "logprobs")
+        raise ServiceError(
+            "invalid_request", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}", "logprobs"
+        )
     return top
 
 
 def make_routes() -> list[tuple[str, Callable[..., Any], list[str]]]:
-    return [("/v1/models", list_models, ["GET"]), ("/v1/completions", completions, ["POST"]),
-            ("/v1/chat/completions", chat_completions, ["POST"])]
+    return [
+        ("/v1/models", list_models, ["GET"]),
+        ("/v1/completions", completions, ["POST"]),
+        ("/v1/chat/completions", chat_completions, ["POST"]),
+    ]

@@ -16,30 +16,38 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Callable
+from typing import Any
 
 import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from streamd.engine.outputs import RequestDelta
 from streamd.engine.client.request_stream import RequestStream
+from streamd.engine.outputs import RequestDelta
 from streamd.engine.sampling_params import is_int
 from streamd.server.accounting import RequestAccount
 from streamd.server.auth import bearer_token
 from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared, normalize_messages
-from streamd.server.logprobs import TokenTexts, chat_entries
 from streamd.server.http.openai_routes import SSEResponse, body_flag, check_model, json_body, until_disconnect
+from streamd.server.logprobs import TokenTexts, chat_entries
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
 from streamd.server.structured_api import structured_from_text_format
 
 # Fields that ask for features this server does not have; refused unless empty / the harmless value.
-_REFUSED: dict[str, Any] = {"tools": None, "background": False, "conversation": None, "prompt": None,
-                            "reasoning": None, "include": None, "tool_choice": None}
+_REFUSED: dict[str, Any] = {
+    "tools": None,
+    "background": False,
+    "conversation": None,
+    "prompt": None,
+    "reasoning": None,
+    "include": None,
+    "tool_choice": None,
+}
 _INPUT_PARTS = frozenset({"input_text", "output_text", "text"})
 _ROLE_NAMES = {"developer": "system"}  # chat templates know "system"
 
@@ -59,8 +67,9 @@ class ResponsePlan:
     stream_id: str | None = None  # WebSocket mode's lane
 
 
-async def plan_response(s: Services, body: dict[str, Any], find: Lookup, *,
-                        stream_id: str | None = None) -> ResponsePlan:
+async def plan_response(
+    s: Services, body: dict[str, Any], find: Lookup, *, stream_id: str | None = None
+) -> ResponsePlan:
     """Checks a Responses request and tokenizes it (off the event loop when long); raises ServiceError
     naming the field that is wrong."""
     check_model(s, body)
@@ -74,17 +83,27 @@ async def plan_response(s: Services, body: dict[str, Any], find: Lookup, *,
     else:
         previous = find(previous_id) if isinstance(previous_id, str) else None
         if previous is None:
-            raise ServiceError("previous_response_not_found", f"previous response {previous_id!r} is not found "
-                               "(unknown, expired, not stored, or another key's)", "previous_response_id")
+            raise ServiceError(
+                "previous_response_not_found",
+                f"previous response {previous_id!r} is not found (unknown, expired, not stored, or another key's)",
+                "previous_response_id",
+            )
         messages = previous.messages + new
         ids = await continuation_ids(s, previous, new)
-    prepared = s.generation.prepare(ids, {**_sampling(body), "structured_outputs": structured},
-                                    default_max_tokens=None, prompt_param="input")
-    echo = {"instructions": body.get("instructions"), "metadata": _metadata(body.get("metadata")),
-            "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "max_output_tokens": body.get("max_output_tokens"), "previous_response_id": previous_id,
-            "top_logprobs": body.get("top_logprobs"), "store": store,
-            "text": body.get("text") or {"format": {"type": "text"}}}
+    prepared = s.generation.prepare(
+        ids, {**_sampling(body), "structured_outputs": structured}, default_max_tokens=None, prompt_param="input"
+    )
+    echo = {
+        "instructions": body.get("instructions"),
+        "metadata": _metadata(body.get("metadata")),
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "max_output_tokens": body.get("max_output_tokens"),
+        "previous_response_id": previous_id,
+        "top_logprobs": body.get("top_logprobs"),
+        "store": store,
+        "text": body.get("text") or {"format": {"type": "text"}},
+    }
     return ResponsePlan("resp_" + uuid.uuid4().hex, prepared, messages, echo, store, stream, stream_id)
 
 
@@ -113,11 +132,11 @@ def _new_turn_ids(tokenizer: Any, previous: StoredResponse, new: list[dict[str, 
     full = _render(tokenizer, history + new, True)
     if not (closed.startswith(answer_open) and full.startswith(closed)):
         return None
-    between = closed[len(answer_open):]
+    between = closed[len(answer_open) :]
     last = previous.token_ids[-1]
     if last in tokenizer.all_special_ids:  # the answer ended with the model's own end-of-turn token
         between = between.removeprefix(tokenizer.decode([last]))
-    turn = between + full[len(closed):]
+    turn = between + full[len(closed) :]
     return list(tokenizer(turn, add_special_tokens=False).input_ids)
 
 
@@ -125,8 +144,7 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: b
     try:
         return tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt, tokenize=False)
     except Exception as exc:  # a template's own refusal (e.g. roles must alternate): the request's fault
-        raise ServiceError("invalid_request", f"input: the model's chat template rejected it: {exc}",
-                           "input") from exc
+        raise ServiceError("invalid_request", f"input: the model's chat template rejected it: {exc}", "input") from exc
 
 
 def _input_messages(raw: Any, instructions: Any) -> list[dict[str, str]]:
@@ -136,8 +154,9 @@ def _input_messages(raw: Any, instructions: Any) -> list[dict[str, str]]:
     if isinstance(raw, str) and raw:
         return head + [{"role": "user", "content": raw}]
     if not isinstance(raw, list) or not raw:
-        raise ServiceError("invalid_request", "input must be a non-empty string or a non-empty list of "
-                           "message items", "input")
+        raise ServiceError(
+            "invalid_request", "input must be a non-empty string or a non-empty list of message items", "input"
+        )
     return head + normalize_messages([_message(i, item) for i, item in enumerate(raw)])
 
 
@@ -157,8 +176,12 @@ def _message(i: int, item: Any) -> dict[str, Any]:
 def _refuse_features(body: dict[str, Any]) -> None:
     for name, harmless in _REFUSED.items():
         value = body.get(name)
-        if value is None or value == harmless or value in ("auto", "none") or (isinstance(value, (list, dict))
-                                                                               and not value):
+        if (
+            value is None
+            or value == harmless
+            or value in ("auto", "none")
+            or (isinstance(value, (list, dict)) and not value)
+        ):
             continue
         raise ServiceError("unsupported", f"{name} is not supported by this server", name)
 
@@ -176,8 +199,11 @@ def _text_format(text: Any) -> dict[str, Any] | None:
 def _metadata(value: Any) -> dict[str, str] | None:
     if value is None:
         return None
-    if not isinstance(value, dict) or len(value) > 16 or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+    if (
+        not isinstance(value, dict)
+        or len(value) > 16
+        or not all(isinstance(k, str) and isinstance(v, str) for k, v in value.items())
+    ):
         raise ServiceError("invalid_request", "metadata must be an object of at most 16 string values", "metadata")
     return value
 
@@ -185,14 +211,15 @@ def _metadata(value: Any) -> dict[str, str] | None:
 def _sampling(body: dict[str, Any]) -> dict[str, Any]:
     limit = body.get("max_output_tokens")
     if limit is not None and not (is_int(limit) and limit >= 1):
-        raise ServiceError("invalid_request", f"max_output_tokens must be a positive integer, got {limit!r}",
-                           "max_output_tokens")
+        raise ServiceError(
+            "invalid_request", f"max_output_tokens must be a positive integer, got {limit!r}", "max_output_tokens"
+        )
     top = body.get("top_logprobs")
     if top is not None and not (is_int(top) and 0 <= top <= 20):
-        raise ServiceError("invalid_request", f"top_logprobs must be an integer in [0, 20], got {top!r}",
-                           "top_logprobs")
-    return {"max_tokens": limit, "temperature": body.get("temperature"), "top_p": body.get("top_p"),
-            "logprobs": top}
+        raise ServiceError(
+            "invalid_request", f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs"
+        )
+    return {"max_tokens": limit, "temperature": body.get("temperature"), "top_p": body.get("top_p"), "logprobs": top}
 
 
 # ---- events ------------------------------------------------------------------------------------------
@@ -222,10 +249,12 @@ class ResponseBuilder:
 
     def opening(self) -> list[dict[str, Any]]:
         at = {"output_index": 0, "item_id": self.item_id}
-        return [self.event("response.created", response=self.response(None)),
-                self.event("response.in_progress", response=self.response(None)),
-                self.event("response.output_item.added", output_index=0, item=self.item("in_progress", [])),
-                self.event("response.content_part.added", **at, content_index=0, part=self.part(""))]
+        return [
+            self.event("response.created", response=self.response(None)),
+            self.event("response.in_progress", response=self.response(None)),
+            self.event("response.output_item.added", output_index=0, item=self.item("in_progress", [])),
+            self.event("response.content_part.added", **at, content_index=0, part=self.part("")),
+        ]
 
     def feed(self, delta: RequestDelta, account: RequestAccount) -> list[dict[str, Any]]:
         account.absorb(delta)
@@ -235,32 +264,55 @@ class ResponseBuilder:
             logprobs = self._logprobs(choice.token_ids, choice.logprobs)
             if choice.text:
                 self.text.append(choice.text)
-                events.append(self.event("response.output_text.delta", output_index=0, item_id=self.item_id,
-                                         content_index=0, delta=choice.text, logprobs=logprobs))
+                events.append(
+                    self.event(
+                        "response.output_text.delta",
+                        output_index=0,
+                        item_id=self.item_id,
+                        content_index=0,
+                        delta=choice.text,
+                        logprobs=logprobs,
+                    )
+                )
         return events
 
     def closing(self, account: RequestAccount) -> list[dict[str, Any]]:
         finish = account.finish
         text, at = "".join(self.text), {"output_index": 0, "item_id": self.item_id}
         item_status = "completed" if finish.status == "completed" else "incomplete"
-        return [self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=self.logprobs),
-                self.event("response.content_part.done", **at, content_index=0, part=self.part(text)),
-                self.event("response.output_item.done", output_index=0, item=self.item(item_status, [self.part(text)])),
-                self.event(finish.terminal_event, response=self.response(account))]
+        return [
+            self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=self.logprobs),
+            self.event("response.content_part.done", **at, content_index=0, part=self.part(text)),
+            self.event("response.output_item.done", output_index=0, item=self.item(item_status, [self.part(text)])),
+            self.event(finish.terminal_event, response=self.response(account)),
+        ]
 
     def response(self, account: RequestAccount | None) -> dict[str, Any]:
         """The `response` object: in progress (no account) or as the account ended it."""
         body: dict[str, Any] = {
-            "id": self.plan.id, "object": "response", "created_at": self.created_at, "model": self.model,
-            "status": "in_progress", "output": [], "parallel_tool_calls": False, "tool_choice": "none",
-            "tools": [], "error": None, "incomplete_details": None,
-            "usage": None, **self.plan.echo}
+            "id": self.plan.id,
+            "object": "response",
+            "created_at": self.created_at,
+            "model": self.model,
+            "status": "in_progress",
+            "output": [],
+            "parallel_tool_calls": False,
+            "tool_choice": "none",
+            "tools": [],
+            "error": None,
+            "incomplete_details": None,
+            "usage": None,
+            **self.plan.echo,
+        }
         if account is None:
             return body
         finish = account.finish  # (FINISH_NAMES: the Responses API's status and incomplete reason)
         text = "".join(self.text)
-        body.update(status=finish.status, output=[self.item(
-            "completed" if finish.status == "completed" else "incomplete", [self.part(text)])], usage=_usage(account))
+        body.update(
+            status=finish.status,
+            output=[self.item("completed" if finish.status == "completed" else "incomplete", [self.part(text)])],
+            usage=_usage(account),
+        )
         if finish.incomplete is not None:
             body["incomplete_details"] = {"reason": finish.incomplete}
         if account.error is not None:
@@ -288,9 +340,13 @@ class ResponseBuilder:
 
 def _usage(account: RequestAccount) -> dict[str, Any]:
     prompt, output = account.num_prompt_tokens, account.num_completion_tokens
-    return {"input_tokens": prompt, "output_tokens": output, "total_tokens": prompt + output,
-            "input_tokens_details": {"cached_tokens": account.num_cached_tokens, "cache_write_tokens": 0},
-            "output_tokens_details": {"reasoning_tokens": 0}}
+    return {
+        "input_tokens": prompt,
+        "output_tokens": output,
+        "total_tokens": prompt + output,
+        "input_tokens_details": {"cached_tokens": account.num_cached_tokens, "cache_write_tokens": 0},
+        "output_tokens_details": {"reasoning_tokens": 0},
+    }
 
 
 # ---- HTTP --------------------------------------------------------------------------------------------

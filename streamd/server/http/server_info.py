@@ -8,8 +8,8 @@ would give them.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Mapping
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -29,9 +29,13 @@ class ServerInfo:
 
 def server_info(services: Services, headers: Mapping[str, str]) -> ServerInfo:
     allowed = services.auth.http_ok(headers)
-    return ServerInfo(auth_required=services.auth.enabled, status=services.lifecycle.status, version=__version__,
-                      model=services.model_name if allowed else None,
-                      max_model_len=services.engine.max_model_len if allowed else None)
+    return ServerInfo(
+        auth_required=services.auth.enabled,
+        status=services.lifecycle.status,
+        version=__version__,
+        model=services.model_name if allowed else None,
+        max_model_len=services.engine.max_model_len if allowed else None,
+    )
 
 
 async def server_info_route(request: Request) -> Response:

@@ -13,7 +13,8 @@ like every OpenAI route and ignore fields they do not know, as vLLM does. Long i
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -39,8 +40,12 @@ async def tokenize(request: Request) -> Response:
         ids = await s.generation.prompt_ids(body["prompt"], body_flag(body, "add_special_tokens", True))
     else:
         ids = await s.generation.messages_ids(body["messages"], _tools(body), _template_options(body))
-    answer: dict[str, Any] = {"count": len(ids), "max_model_len": s.engine.max_model_len, "tokens": ids,
-                              "token_strs": None}
+    answer: dict[str, Any] = {
+        "count": len(ids),
+        "max_model_len": s.engine.max_model_len,
+        "tokens": ids,
+        "token_strs": None,
+    }
     if body_flag(body, "return_token_strs", False):
         answer["token_strs"] = await s.generation.tokenizing.run(lambda t: t.convert_ids_to_tokens(ids), len(ids))
     return JSONResponse(answer)
@@ -58,12 +63,17 @@ async def detokenize(request: Request) -> Response:
 
 
 def _template_options(body: dict[str, Any]) -> TemplateOptions:
-    options = TemplateOptions(body_flag(body, "add_generation_prompt", True),
-                              body_flag(body, "continue_final_message", False),
-                              body_flag(body, "add_special_tokens", False))
+    options = TemplateOptions(
+        body_flag(body, "add_generation_prompt", True),
+        body_flag(body, "continue_final_message", False),
+        body_flag(body, "add_special_tokens", False),
+    )
     if options.add_generation_prompt and options.continue_final_message:
-        raise ServiceError("invalid_request", "add_generation_prompt and continue_final_message cannot both be "
-                           "true", "continue_final_message")
+        raise ServiceError(
+            "invalid_request",
+            "add_generation_prompt and continue_final_message cannot both be true",
+            "continue_final_message",
+        )
     return options
 
 

@@ -83,16 +83,20 @@ def parse_frame(text: str) -> Generate | Cancel | Resume | SubscribeStats | Unsu
         return _stats_frame(frame)
     frame_id = frame.get("id")
     if not isinstance(frame_id, str) or not frame_id or len(frame_id) > MAX_ID_LENGTH:
-        raise ServiceError("invalid_request", f"id must be a non-empty string of at most {MAX_ID_LENGTH} "
-                           "characters", None)
+        raise ServiceError(
+            "invalid_request", f"id must be a non-empty string of at most {MAX_ID_LENGTH} characters", None
+        )
     kind = frame.get("type")
     if kind == "cancel":
         return Cancel(frame_id)
     if kind == "resume":
         return Resume(frame_id, frame.get("resume_token"), frame.get("after_seq"))
     if kind != "generate":
-        raise ServiceError("unknown_type", f"unknown frame type {kind!r}; expected generate, cancel, resume, "
-                           "subscribe_stats or unsubscribe_stats", frame_id)
+        raise ServiceError(
+            "unknown_type",
+            f"unknown frame type {kind!r}; expected generate, cancel, resume, subscribe_stats or unsubscribe_stats",
+            frame_id,
+        )
     unknown = sorted(set(frame) - {"type", "id", "prompt", "messages", "params"})
     if unknown:
         raise ServiceError("invalid_request", f"unknown field {unknown[0]!r}", frame_id)
@@ -113,21 +117,32 @@ def start_frame(request_id: str, prompt_tokens: int, resume_token: str | None = 
     return frame
 
 
-def delta_frame(request_id: str, seq: int, text: str, token_ids: list[int], index: int,
-                logprobs: list[dict[int, float]] | None = None) -> Frame:
-    frame: Frame = {"type": "delta", "id": request_id, "seq": seq, "text": text, "token_ids": token_ids,
-                    "index": index}
+def delta_frame(
+    request_id: str,
+    seq: int,
+    text: str,
+    token_ids: list[int],
+    index: int,
+    logprobs: list[dict[int, float]] | None = None,
+) -> Frame:
+    frame: Frame = {"type": "delta", "id": request_id, "seq": seq, "text": text, "token_ids": token_ids, "index": index}
     if logprobs is not None:
         frame["logprobs"] = logprobs  # the int token ids become string keys
     return frame
 
 
-def done_frame(request_id: str, finish_reason: str, usage: dict[str, Any], finish_reasons: list[str],
-               drained: bool = False) -> Frame:
+def done_frame(
+    request_id: str, finish_reason: str, usage: dict[str, Any], finish_reasons: list[str], drained: bool = False
+) -> Frame:
     """`finish_reason` is the request's (its first choice's); `finish_reasons` has one per choice;
     `drained`: the server's drain deadline cancelled it (reconnect elsewhere and ask again)."""
-    frame: Frame = {"type": "done", "id": request_id, "finish_reason": finish_reason,
-                    "finish_reasons": finish_reasons, "usage": usage}
+    frame: Frame = {
+        "type": "done",
+        "id": request_id,
+        "finish_reason": finish_reason,
+        "finish_reasons": finish_reasons,
+        "usage": usage,
+    }
     if drained:
         frame["drained"] = True
     return frame

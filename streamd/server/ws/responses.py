@@ -88,8 +88,9 @@ class ResponsesConnection(SocketConnection):
             self._cancel(event)
             return
         if kind != "response.create":
-            raise ServiceError("unknown_type", f"unknown event type {kind!r} (expected response.create or "
-                               "response.cancel)", "type")
+            raise ServiceError(
+                "unknown_type", f"unknown event type {kind!r} (expected response.create or response.cancel)", "type"
+            )
         stream_id = event.get("stream_id")
         try:
             self._check_room(stream_id)
@@ -112,8 +113,9 @@ class ResponsesConnection(SocketConnection):
         if self.services.lifecycle.draining:
             raise ServiceError("shutting_down", "the server is shutting down")
 
-    async def _plan(self, body: dict[str, Any], stream_id: str | None,
-                    after: asyncio.Task[None] | None) -> ResponsePlan:
+    async def _plan(
+        self, body: dict[str, Any], stream_id: str | None, after: asyncio.Task[None] | None
+    ) -> ResponsePlan:
         """Checks and tokenizes the event, then waits for the lane's previous response (FIFO within a
         lane); a socket that goes away meanwhile still counts the request, as cancelled."""
         try:
@@ -130,12 +132,20 @@ class ResponsesConnection(SocketConnection):
 
     def _cancel(self, event: dict[str, Any]) -> None:
         response_id, stream_id = event.get("response_id"), event.get("stream_id")
-        run = self.running.get(response_id) if isinstance(response_id, str) else next(
-            (r for r in self.running.values() if stream_id is not None and r.builder.plan.stream_id == stream_id),
-            None)
+        run = (
+            self.running.get(response_id)
+            if isinstance(response_id, str)
+            else next(
+                (r for r in self.running.values() if stream_id is not None and r.builder.plan.stream_id == stream_id),
+                None,
+            )
+        )
         if run is None:
-            raise ServiceError("unknown_id", f"no response in flight with response_id {response_id!r} / "
-                               f"stream_id {stream_id!r}", "response_id")
+            raise ServiceError(
+                "unknown_id",
+                f"no response in flight with response_id {response_id!r} / stream_id {stream_id!r}",
+                "response_id",
+            )
         run.stream.cancel()
 
     # ---- one response ------------------------------------------------------------------------------

@@ -120,16 +120,21 @@ class ResumeStore:
         retention.tokens += tokens
         self.total_tokens += tokens
         if not retention.detached:
-            while retention.frames and (retention.tokens * 2 > self.max_tokens_per_request
-                                        or self.total_tokens > self.max_tokens_total):
+            while retention.frames and (
+                retention.tokens * 2 > self.max_tokens_per_request or self.total_tokens > self.max_tokens_total
+            ):
                 self.total_tokens -= retention.drop_oldest()
             return None
         if retention.tokens > self.max_tokens_per_request:
-            return (f"its output retained for a resume passed server.resume_max_tokens_per_request "
-                    f"({self.max_tokens_per_request} tokens)")
+            return (
+                f"its output retained for a resume passed server.resume_max_tokens_per_request "
+                f"({self.max_tokens_per_request} tokens)"
+            )
         if self.total_tokens > self.max_tokens_total:
-            return (f"the server's output retained for resumes passed server.resume_max_tokens_total "
-                    f"({self.max_tokens_total} tokens)")
+            return (
+                f"the server's output retained for resumes passed server.resume_max_tokens_total "
+                f"({self.max_tokens_total} tokens)"
+            )
         return None
 
     def release(self, retention: Retention, reason: str | None = None) -> None:
@@ -191,28 +196,46 @@ class ResumeStore:
     def _check(self, client_id: str, token: Any, after_seq: Any, api_key: str | None) -> Retention:
         handle, _, mac = token.rpartition(".") if isinstance(token, str) else ("", "", "")
         if not handle or not hmac.compare_digest(mac.encode(), self._mac(handle).encode()):
-            raise ServiceError("invalid_resume_token", "this resume_token was not issued by this server (it "
-                               "may have restarted)", client_id)
+            raise ServiceError(
+                "invalid_resume_token",
+                "this resume_token was not issued by this server (it may have restarted)",
+                client_id,
+            )
         retention = self._live.get(handle)
         if retention is None:
             why = self._ended.get(handle)
             if why is not None:
-                raise ServiceError("resume_expired", f"request {client_id!r} can no longer be resumed: {why}",
-                                   client_id)
-            raise ServiceError("unknown_id", f"request {client_id!r} is not resumable (it finished and its "
-                               "done was delivered)", client_id)
+                raise ServiceError(
+                    "resume_expired", f"request {client_id!r} can no longer be resumed: {why}", client_id
+                )
+            raise ServiceError(
+                "unknown_id",
+                f"request {client_id!r} is not resumable (it finished and its done was delivered)",
+                client_id,
+            )
         if not hmac.compare_digest(retention.key_hash, _key_hash(api_key)):
             raise ServiceError("resume_forbidden", "this request was created with another API key", client_id)
         if retention.client_id != client_id:
-            raise ServiceError("invalid_resume_token", f"this resume_token belongs to id {retention.client_id!r}, "
-                               f"not {client_id!r}", client_id)
+            raise ServiceError(
+                "invalid_resume_token",
+                f"this resume_token belongs to id {retention.client_id!r}, not {client_id!r}",
+                client_id,
+            )
         if not isinstance(after_seq, int) or isinstance(after_seq, bool) or not -1 <= after_seq <= retention.last_seq:
-            raise ServiceError("invalid_request", f"after_seq must be an integer from -1 (nothing received) to "
-                               f"{retention.last_seq} (the last seq sent), got {after_seq!r}", client_id)
+            raise ServiceError(
+                "invalid_request",
+                f"after_seq must be an integer from -1 (nothing received) to "
+                f"{retention.last_seq} (the last seq sent), got {after_seq!r}",
+                client_id,
+            )
         if after_seq < retention.dropped_seq:
-            raise ServiceError("resume_expired", f"request {client_id!r}: the deltas up to seq "
-                               f"{retention.dropped_seq} are no longer retained (server.resume_max_tokens_per_request"
-                               " / resume_max_tokens_total)", client_id)
+            raise ServiceError(
+                "resume_expired",
+                f"request {client_id!r}: the deltas up to seq "
+                f"{retention.dropped_seq} are no longer retained (server.resume_max_tokens_per_request"
+                " / resume_max_tokens_total)",
+                client_id,
+            )
         return retention
 
     def _mac(self, handle: str) -> str:

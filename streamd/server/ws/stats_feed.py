@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from streamd.engine.client.async_engine import AsyncEngine
 from streamd.engine.stats import EngineStats
@@ -37,13 +37,24 @@ def stats_frame(stats: EngineStats, tokens_per_s: float) -> Frame:
     queried = kv.prefix_queried_tokens
     return {
         "type": "stats",
-        "kv": {"total": kv.blocks_total, "used": kv.blocks_used, "cached": kv.blocks_cached,
-               "free": kv.blocks_free - kv.blocks_cached},
+        "kv": {
+            "total": kv.blocks_total,
+            "used": kv.blocks_used,
+            "cached": kv.blocks_cached,
+            "free": kv.blocks_free - kv.blocks_cached,
+        },
         "swap": {"total": kv.swap_blocks_total, "used": kv.swap_blocks_used},
-        "requests": {"running": sched.num_running, "waiting": sched.num_waiting, "swapped": sched.num_swapped,
-                     "paused": sched.num_paused},
-        "prefix_cache": {"queried_tokens": queried, "hit_tokens": kv.prefix_hit_tokens,
-                         "hit_rate": kv.prefix_hit_tokens / queried if queried else 0.0},
+        "requests": {
+            "running": sched.num_running,
+            "waiting": sched.num_waiting,
+            "swapped": sched.num_swapped,
+            "paused": sched.num_paused,
+        },
+        "prefix_cache": {
+            "queried_tokens": queried,
+            "hit_tokens": kv.prefix_hit_tokens,
+            "hit_rate": kv.prefix_hit_tokens / queried if queried else 0.0,
+        },
         "generated_tokens": stats.generated_tokens,
         "tokens_per_s": round(tokens_per_s, 2),
     }

@@ -23,18 +23,18 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamd.engine.outputs import RequestDelta
 from streamd.engine.client.request_stream import Backpressure
+from streamd.engine.outputs import RequestDelta
 from streamd.logs import get_logger
-from streamd.server.ws import protocol
 from streamd.server.accounting import RequestAccount
 from streamd.server.auth import presented_key
 from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import Prepared
-from streamd.server.ws.resume import Retention
 from streamd.server.services import Services
-from streamd.server.ws.stats_feed import StatsFeed
+from streamd.server.ws import protocol
+from streamd.server.ws.resume import Retention
 from streamd.server.ws.socket import SocketConnection, accept
+from streamd.server.ws.stats_feed import StatsFeed
 
 logger = get_logger(__name__)
 
@@ -52,8 +52,23 @@ async def stream_endpoint(websocket: WebSocket) -> None:
 class WsRequest:
     """One request in flight on a connection: its admission, its pending delta, its frame sequence."""
 
-    __slots__ = ("client_id", "prepared", "connection", "account", "task", "pending", "seq", "start_sent",
-                 "cancel_requested", "finished", "unsent", "backpressure", "retention", "resume_token", "replay")
+    __slots__ = (
+        "account",
+        "backpressure",
+        "cancel_requested",
+        "client_id",
+        "connection",
+        "finished",
+        "pending",
+        "prepared",
+        "replay",
+        "resume_token",
+        "retention",
+        "seq",
+        "start_sent",
+        "task",
+        "unsent",
+    )
 
     def __init__(self, client_id: str, connection: Connection) -> None:
         self.client_id = client_id
@@ -126,16 +141,26 @@ class WsRequest:
         built = []
         for choice in delta.outputs:
             if choice.text or choice.token_ids:
-                built.append(protocol.delta_frame(self.client_id, self.seq, choice.text, choice.token_ids,
-                                                  choice.index, choice.logprobs))
+                built.append(
+                    protocol.delta_frame(
+                        self.client_id, self.seq, choice.text, choice.token_ids, choice.index, choice.logprobs
+                    )
+                )
                 self.seq += 1
         if delta.finished:
             if delta.error is not None:
                 built.append(protocol.error_frame(self.client_id, ServiceError("internal_error", delta.error)))
             if account.overloaded:
                 built.append(protocol.error_frame(self.client_id, queue_timed_out()))
-            built.append(protocol.done_frame(self.client_id, account.finish.wire, account.usage(),
-                                             [finish.wire for finish in account.choice_finishes()], account.drained))
+            built.append(
+                protocol.done_frame(
+                    self.client_id,
+                    account.finish.wire,
+                    account.usage(),
+                    [finish.wire for finish in account.choice_finishes()],
+                    account.drained,
+                )
+            )
             self.finished = True
             if self.connection is not None:
                 self.connection.forget(self)
@@ -148,12 +173,20 @@ class WsRequest:
         """Keeps the frames for a resume; past a bound the request is aborted with an error saying so."""
         assert self.retention is not None and self.account is not None
         store = self.retention.store
-        over = next((why for frame in built
-                     if (why := store.retain(self.retention, frame, len(frame.get("token_ids", ())))) is not None),
-                    None)
+        over = next(
+            (
+                why
+                for frame in built
+                if (why := store.retain(self.retention, frame, len(frame.get("token_ids", ())))) is not None
+            ),
+            None,
+        )
         if over is not None:  # never truncated silently: the request ends, saying why
-            built.append(protocol.error_frame(self.client_id, ServiceError("resume_retention_exceeded",
-                                                                           f"request aborted: {over}")))
+            built.append(
+                protocol.error_frame(
+                    self.client_id, ServiceError("resume_retention_exceeded", f"request aborted: {over}")
+                )
+            )
             store.release(self.retention, over)
             self.retention = None
             self.account.cancel()
@@ -306,8 +339,11 @@ class Connection(SocketConnection):
         if client_id in self.live:
             raise ServiceError("duplicate_id", f"id {client_id!r} is already in flight")
         if len(self.live) >= self.services.config.max_requests_per_connection:
-            raise ServiceError("too_many_requests", "too many requests in flight on this connection "
-                               f"(limit {self.services.config.max_requests_per_connection})")
+            raise ServiceError(
+                "too_many_requests",
+                "too many requests in flight on this connection "
+                f"(limit {self.services.config.max_requests_per_connection})",
+            )
 
     async def _prepare(self, frame: protocol.Generate) -> Prepared:
         """Tokenizes (off the loop when long) and checks a generate frame; raises ServiceError."""
@@ -317,8 +353,13 @@ class Connection(SocketConnection):
         else:
             ids = await gen.prompt_ids(frame.prompt)
             prompt, param = (frame.prompt if isinstance(frame.prompt, str) else None), "prompt"
-        return gen.prepare(ids, frame.params, default_max_tokens=self.services.config.default_max_tokens,
-                           prompt=prompt, prompt_param=param)
+        return gen.prepare(
+            ids,
+            frame.params,
+            default_max_tokens=self.services.config.default_max_tokens,
+            prompt=prompt,
+            prompt_param=param,
+        )
 
     def _resume(self, frame: protocol.Resume) -> None:
         """Attaches a resumable request to this socket: the frames after `after_seq`, then the live stream."""
@@ -371,8 +412,9 @@ class Connection(SocketConnection):
         request.backpressure = Backpressure(account.request_id, config.max_unsent_tokens, engine.set_paused)
         request.backpressure.update(request.unsent)
         if self.services.resumes.enabled:
-            request.retention, request.resume_token = self.services.resumes.open(request.client_id, self.api_key,
-                                                                                 request)
+            request.retention, request.resume_token = self.services.resumes.open(
+                request.client_id, self.api_key, request
+            )
         if request.cancel_requested:
             account.cancel()
         self.wake(request)

@@ -37,7 +37,7 @@ class ShadowKV:
             got = slots[pos % BS] if slots else None
             assert got == tuple(seq.token_ids[:pos + 1]), f"seq {seq.seq_id} reads wrong KV at {pos}"
 
-    def copy(self, pairs, src: dict, dst: dict) -> None:  # noqa: ANN001
+    def copy(self, pairs, src: dict, dst: dict) -> None:
         for a, b in pairs:
             dst[b] = list(src.get(a, [None] * BS))
 

@@ -15,10 +15,10 @@ import pytest
 
 from streamd.config import SchedulerConfig
 from streamd.engine.core.block_manager import BlockManager
-from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.core.scheduler import PreemptionCostModel, Scheduler
 from streamd.engine.core.scheduler_output import SchedulerOutput
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.sampling_params import SamplingParams
 
 CHEAP_SWAP = PreemptionCostModel(bytes_per_block=1, host_link_bytes_per_s=1e12, prefill_tokens_per_s=1.0)
 CHEAP_RECOMPUTE = PreemptionCostModel(bytes_per_block=1 << 30, host_link_bytes_per_s=1.0,
@@ -415,7 +415,7 @@ def _workload(seed: int) -> list[tuple[str, list[int], int, int]]:
     return requests
 
 
-def _run(requests, **kwargs) -> FakeEngine:  # noqa: ANN001
+def _run(requests, **kwargs) -> FakeEngine:
     eng = FakeEngine(max_num_seqs=12, max_num_batched_tokens=24, **kwargs)
     pending = list(requests)
     while pending or eng.sched.has_unfinished_seqs():

@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from streamd.engine.core.sequence import Sequence, SequenceStatus
+from streamd.engine.core.stop_checker import StopChecker
 from streamd.engine.output.output_processor import OutputProcessor, held_back_chars
 from streamd.engine.outputs import RequestUpdate, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
-from streamd.engine.core.sequence import Sequence, SequenceStatus
-from streamd.engine.core.stop_checker import StopChecker
 from tests.smollm2_tokenizer import smollm2_tokenizer
 
 EOS = 2

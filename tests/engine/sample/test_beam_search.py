@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from streamd import LLM, SamplingParams
-from streamd.engine.sample.beam_search import BeamHypothesis, BeamSearch, BeamStep, Candidate
-from streamd.engine.errors import KVCacheCapacityError
 from streamd.engine.core.sequence import Sequence
+from streamd.engine.errors import KVCacheCapacityError
+from streamd.engine.sample.beam_search import BeamHypothesis, BeamSearch, BeamStep, Candidate
 from tests.helpers import fold_deltas, random_prompt, run_to_completion, tiny_llm
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
@@ -202,7 +202,7 @@ def test_beam_step_rules() -> None:
 def test_one_batched_candidate_selection_per_step(monkeypatch) -> None:
     """Every beam request's candidates come from one device operation per step (one transfer to the
     host), whatever the number of requests and their widths; other requests still sample beside them."""
-    import streamd.engine.llm_engine as llm_engine
+    from streamd.engine import llm_engine
 
     engine = tiny_llm(num_kv_blocks=200, num_swap_blocks=0).engine
     calls: list[list[tuple[str, int]]] = []

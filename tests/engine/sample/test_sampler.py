@@ -9,9 +9,9 @@ import math
 import pytest
 import torch
 
+from streamd.engine.core.sequence import Sequence
 from streamd.engine.sample.sampler import Sampler, SamplerOutput
 from streamd.engine.sampling_params import SamplingParams
-from streamd.engine.core.sequence import Sequence
 
 EOS = 0
 ROWS = 4000  # rows per statistical check: std of a frequency <= 0.008, checks allow >= 4 std

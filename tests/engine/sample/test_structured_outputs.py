@@ -14,9 +14,9 @@ from transformers import LlamaConfig
 
 from streamd.config import load_config
 from streamd.engine.llm_engine import LLMEngine
-from streamd.engine.worker.model_loader import load_model
-from streamd.engine.sampling_params import SamplingParams, StructuredOutputs
 from streamd.engine.sample.grammar import GrammarError
+from streamd.engine.sampling_params import SamplingParams, StructuredOutputs
+from streamd.engine.worker.model_loader import load_model
 from tests.helpers import register_engine, run_to_completion, step_until_idle
 from tests.smollm2_tokenizer import smollm2_tokenizer
 

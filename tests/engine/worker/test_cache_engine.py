@@ -17,9 +17,17 @@ import pytest
 import torch
 
 import streamd.kernels.reference as reference_ops
-from streamd.engine.worker.cache_engine import (DIRECT_RUN_BYTES, STAGING_BYTES, CacheEngine, KVLayout, _rows,
-                                         contiguous_runs, plan_swap, staged_chunks)
 from streamd.engine.core.scheduler import PreemptionCostModel
+from streamd.engine.worker.cache_engine import (
+    DIRECT_RUN_BYTES,
+    STAGING_BYTES,
+    CacheEngine,
+    KVLayout,
+    _rows,
+    contiguous_runs,
+    plan_swap,
+    staged_chunks,
+)
 
 LAYOUT = KVLayout(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.float32)  # 512 B/block
 
@@ -143,7 +151,7 @@ def test_round_trip_into_other_device_blocks() -> None:
 def test_many_short_runs_mixed_with_long_ones() -> None:
     cache = _engine(num_blocks=128, num_swap_blocks=96)
     cache.staging_bytes = 9 * LAYOUT.bytes_per_block  # chunk boundaries fall inside runs
-    pairs = [(d, h) for d, h in zip(range(10, 40), range(0, 30))]  # one long run
+    pairs = [(d, h) for d, h in zip(range(10, 40), range(30))]  # one long run
     pairs += [(50 + 3 * i, 30 + i) for i in range(20)]  # many one-block runs
     pairs += [(120 - 2 * i, 90 - i) for i in range(5)]  # descending, scattered
     random.Random(5).shuffle(pairs)

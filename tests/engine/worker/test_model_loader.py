@@ -8,7 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from streamd.engine.worker.model_loader import _converted_gguf, default_gguf_path, default_model_dir, load_model, resolve_dtype
+from streamd.engine.worker.model_loader import (
+    _converted_gguf,
+    default_gguf_path,
+    default_model_dir,
+    load_model,
+    resolve_dtype,
+)
 
 
 def test_gguf_conversion_is_cached(smol_dir: Path, tmp_path: Path) -> None:

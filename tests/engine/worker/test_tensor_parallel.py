@@ -5,8 +5,8 @@ model whose KV heads do not split is refused."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import torch
@@ -15,10 +15,9 @@ from transformers import AutoModelForCausalLM
 from streamd import LLM, SamplingParams
 from streamd.config import ConfigError
 from streamd.engine.worker.model_runner import ModelInput
-from streamd.engine.worker.parallel.step_message import (CacheOrder, Command, OrderKind, StepMessage, decode,
-                                                  encode)
-from tests.helpers import fold_deltas, hf_greedy, register_engine
+from streamd.engine.worker.parallel.step_message import CacheOrder, Command, OrderKind, StepMessage, decode, encode
 from tests.engine.worker.tp_models import VOCAB, save_random_model
+from tests.helpers import fold_deltas, hf_greedy, register_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False)
 

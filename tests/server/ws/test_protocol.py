@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-
 import pytest
 
 from streamd.engine.outputs import CompletionDelta, RequestDelta
-from streamd.server.ws import protocol
 from streamd.server.auth import Authenticator, bearer_token, presented_key
 from streamd.server.errors import ServiceError
 from streamd.server.generation import normalize_messages
+from streamd.server.ws import protocol
 
 
 @pytest.mark.parametrize("text, code, frame_id", [

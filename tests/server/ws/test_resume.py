@@ -7,10 +7,11 @@ import asyncio
 from typing import Any
 
 import httpx
-from openai import AsyncOpenAI, APIStatusError
+from openai import APIStatusError, AsyncOpenAI
 
 from streamd.engine.client.async_engine import AsyncEngine
 from tests.server.util import Result, Server, check_stream, gather_until_done, recv, running_server, send, ws_connect
+
 
 async def metrics_text(server: Server, headers: dict[str, str] | None = None) -> str:
     async with httpx.AsyncClient() as http:
@@ -155,28 +156,27 @@ async def test_queue_timeout_is_overloaded(async_engine: AsyncEngine) -> None:
     hold = await async_engine.call(lambda e: e.scheduler.max_num_seqs)
     await async_engine.call(lambda e: setattr(e.scheduler, "max_num_seqs", 1))
     try:
-        async with running_server(async_engine, max_queue_time_s=0.5) as server:
-            async with ws_connect(server) as ws:
-                await send(ws, type="generate", id="busy", prompt="Hi",
-                           params={"max_tokens": 400, "ignore_eos": True})
-                assert (await recv(ws))["type"] == "start"
-                await send(ws, type="generate", id="late", prompt="Hi", params={"max_tokens": 4})
-                late = (await gather_until_done(ws, {"late"}))["late"]
-                (error,) = late.of("error")
-                assert error["error"]["code"] == "overloaded" and late.done["finish_reason"] == "timeout"
-                assert "server.max_queue_time_s" in error["error"]["message"]
-                assert late.token_ids == []
-                client = AsyncOpenAI(base_url=f"{server.http}/v1", api_key="x", max_retries=0)
-                for stream in (False, True):
-                    try:
-                        await client.completions.create(model=server.services.model_name, prompt="Hi",
-                                                        max_tokens=4, stream=stream)
-                        raise AssertionError("not refused")
-                    except APIStatusError as exc:
-                        assert exc.status_code == 503 and exc.body["code"] == "overloaded", exc.body
-                        assert exc.body["message"] == error["error"]["message"]  # one refusal on every route
-                await send(ws, type="cancel", id="busy")
-                await gather_until_done(ws, {"busy"})
+        async with running_server(async_engine, max_queue_time_s=0.5) as server, ws_connect(server) as ws:
+            await send(ws, type="generate", id="busy", prompt="Hi",
+                       params={"max_tokens": 400, "ignore_eos": True})
+            assert (await recv(ws))["type"] == "start"
+            await send(ws, type="generate", id="late", prompt="Hi", params={"max_tokens": 4})
+            late = (await gather_until_done(ws, {"late"}))["late"]
+            (error,) = late.of("error")
+            assert error["error"]["code"] == "overloaded" and late.done["finish_reason"] == "timeout"
+            assert "server.max_queue_time_s" in error["error"]["message"]
+            assert late.token_ids == []
+            client = AsyncOpenAI(base_url=f"{server.http}/v1", api_key="x", max_retries=0)
+            for stream in (False, True):
+                try:
+                    await client.completions.create(model=server.services.model_name, prompt="Hi",
+                                                    max_tokens=4, stream=stream)
+                    raise AssertionError("not refused")
+                except APIStatusError as exc:
+                    assert exc.status_code == 503 and exc.body["code"] == "overloaded", exc.body
+                    assert exc.body["message"] == error["error"]["message"]  # one refusal on every route
+            await send(ws, type="cancel", id="busy")
+            await gather_until_done(ws, {"busy"})
     finally:
         await async_engine.call(lambda e: setattr(e.scheduler, "max_num_seqs", hold))
 

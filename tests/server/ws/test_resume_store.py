@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from streamd.server.ws import protocol
 from streamd.server.errors import ServiceError
 from streamd.server.metrics import Metrics
+from streamd.server.ws import protocol
 from streamd.server.ws.resume import ResumeStore
 
 

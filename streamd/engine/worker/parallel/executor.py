@@ -18,12 +18,19 @@ import weakref
 
 import torch
 
+from streamd.engine.core.scheduler_output import SchedulerOutput
 from streamd.engine.worker.cache_engine import CacheEngine
 from streamd.engine.worker.model_runner import ModelRunner
-from streamd.engine.worker.parallel.step_message import (CacheOrder, Command, OrderKind, StepChannel, StepMessage,
-                                                  apply_order, encode)
+from streamd.engine.worker.parallel.step_message import (
+    CacheOrder,
+    Command,
+    OrderKind,
+    StepChannel,
+    StepMessage,
+    apply_order,
+    encode,
+)
 from streamd.engine.worker.parallel.workers import WorkerPool
-from streamd.engine.core.scheduler_output import SchedulerOutput
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -61,8 +68,9 @@ class TensorParallelExecutor:
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self._order(OrderKind.COPY, pairs)
 
-    def execute(self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None,
-                prev_rows: dict[int, int] | None = None) -> torch.Tensor:
+    def execute(
+        self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
+    ) -> torch.Tensor:
         self._check()
         batch = self.runner.prepare(out, prev_tokens, prev_rows)
         orders, self._orders = self._orders, []

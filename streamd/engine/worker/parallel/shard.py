@@ -38,11 +38,16 @@ def check_divisible(model: PreTrainedModel, world_size: int) -> None:
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    for name, value in (("num_key_value_heads", kv_heads), ("num_attention_heads", heads),
-                        ("intermediate_size", getattr(config, "intermediate_size", 0))):
+    for name, value in (
+        ("num_key_value_heads", kv_heads),
+        ("num_attention_heads", heads),
+        ("intermediate_size", getattr(config, "intermediate_size", 0)),
+    ):
         if value % world_size:
-            raise ValueError(f"parallel.tensor_parallel_size {world_size} does not divide the model's "
-                             f"{name} ({value}): every rank must hold whole heads and an equal MLP slice")
+            raise ValueError(
+                f"parallel.tensor_parallel_size {world_size} does not divide the model's "
+                f"{name} ({value}): every rank must hold whole heads and an equal MLP slice"
+            )
 
 
 def shard_model(model: PreTrainedModel, spec: ShardSpec) -> None:
@@ -57,15 +62,18 @@ def shard_model(model: PreTrainedModel, spec: ShardSpec) -> None:
         if style is None or style in _REPLICATED:
             continue
         if not isinstance(module, nn.Linear):
-            raise ValueError(f"tensor-parallel plan style {style!r} on {name} ({type(module).__name__}) "
-                             "is not supported: only plain linear layers are split")
+            raise ValueError(
+                f"tensor-parallel plan style {style!r} on {name} ({type(module).__name__}) "
+                "is not supported: only plain linear layers are split"
+            )
         if style == COLWISE:
             _split_columns(module, spec)
         elif style == ROWWISE:
             _split_rows(module, spec)
         else:
-            raise ValueError(f"tensor-parallel plan style {style!r} (on {name}) is not supported; "
-                             f"supported: {COLWISE}, {ROWWISE}")
+            raise ValueError(
+                f"tensor-parallel plan style {style!r} (on {name}) is not supported; supported: {COLWISE}, {ROWWISE}"
+            )
 
 
 def _style_of(plan: dict[str, str], name: str) -> str | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
 from typing import TYPE_CHECKING
 
 import torch
@@ -81,11 +80,24 @@ def encode(message: StepMessage, device: torch.device) -> torch.Tensor:
         header = [int(message.command), 0, 0, 0, 0, len(words), *message.args]
         return torch.tensor(header + words, dtype=torch.int64).to(device)
     num_seqs, max_blocks = batch.block_tables.shape
-    header = [int(message.command), len(batch.input_ids), num_seqs, max_blocks, int(batch.decode_only),
-              len(words), *message.args]
+    header = [
+        int(message.command),
+        len(batch.input_ids),
+        num_seqs,
+        max_blocks,
+        int(batch.decode_only),
+        len(words),
+        *message.args,
+    ]
     head = torch.tensor(header + words, dtype=torch.int64).to(device, non_blocking=True)
-    parts = (batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens, batch.query_start_loc,
-             batch.block_tables.reshape(-1))
+    parts = (
+        batch.input_ids,
+        batch.positions,
+        batch.slot_mapping,
+        batch.seq_lens,
+        batch.query_start_loc,
+        batch.block_tables.reshape(-1),
+    )
     return torch.cat([head, *(p.to(torch.int64) for p in parts)])
 
 
@@ -98,11 +110,17 @@ def decode(buffer: torch.Tensor) -> StepMessage:
     batch = None
     if num_tokens:
         sizes = (num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * max_blocks)
-        ids, pos, slots, seq_lens, qsl, tables = buffer[at:at + sum(sizes)].split(sizes)
-        batch = ModelInput(input_ids=ids, positions=pos, slot_mapping=slots,
-                           block_tables=tables.to(torch.int32).view(num_seqs, max_blocks),
-                           seq_lens=seq_lens.to(torch.int32), query_start_loc=qsl.to(torch.int32),
-                           sample_idx=ids[:0], decode_only=bool(decode_only))
+        ids, pos, slots, seq_lens, qsl, tables = buffer[at : at + sum(sizes)].split(sizes)
+        batch = ModelInput(
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=slots,
+            block_tables=tables.to(torch.int32).view(num_seqs, max_blocks),
+            seq_lens=seq_lens.to(torch.int32),
+            query_start_loc=qsl.to(torch.int32),
+            sample_idx=ids[:0],
+            decode_only=bool(decode_only),
+        )
     return StepMessage(Command(command), orders, batch, (args[0], args[1]))
 
 
@@ -111,7 +129,7 @@ def _decode_orders(words: list[int]) -> list[CacheOrder]:
     i = 0
     while i < len(words):
         kind, n = words[i], words[i + 1]
-        flat = words[i + 2:i + 2 + 2 * n]
+        flat = words[i + 2 : i + 2 + 2 * n]
         orders.append(CacheOrder(OrderKind(kind), list(zip(flat[0::2], flat[1::2]))))
         i += 2 + 2 * n
     return orders
@@ -145,5 +163,5 @@ class StepChannel:
 
     def _broadcast(self, payload: torch.Tensor) -> None:
         buffer = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
-        buffer[:len(payload)] = payload
+        buffer[: len(payload)] = payload
         self.group.broadcast(buffer, 0).wait()

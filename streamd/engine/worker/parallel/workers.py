@@ -72,23 +72,30 @@ class WorkerArgs:
     model_config: PretrainedConfig | None
 
 
-def start_tensor_parallel(config: Config, model_config: PretrainedConfig | None, device: torch.device,
-                          dtype: torch.dtype) -> tuple[LoadedModel, WorkerPool]:
+def start_tensor_parallel(
+    config: Config, model_config: PretrainedConfig | None, device: torch.device, dtype: torch.dtype
+) -> tuple[LoadedModel, WorkerPool]:
     """Rank 0: loads and checks the model, starts the workers, and keeps shard 0 of the model."""
     world = config.parallel.tensor_parallel_size
     if device.type == "cuda" and config.cache.num_kv_blocks is None:
-        raise ValueError("parallel.tensor_parallel_size > 1 on CUDA needs cache.num_kv_blocks (the pool size of "
-                         "each rank): profiling the memory of every rank together is not implemented")
-    loaded = load_model(model_config or config.model.name, dtype, torch.device("cpu"), config.model.cache_dir,
-                        config.model.seed)
+        raise ValueError(
+            "parallel.tensor_parallel_size > 1 on CUDA needs cache.num_kv_blocks (the pool size of "
+            "each rank): profiling the memory of every rank together is not implemented"
+        )
+    loaded = load_model(
+        model_config or config.model.name, dtype, torch.device("cpu"), config.model.cache_dir, config.model.seed
+    )
     check_divisible(loaded.model, world)
-    store = dist.TCPStore(_HOST, 0, world, is_master=True, wait_for_workers=False,
-                          timeout=_timeout(config))
+    store = dist.TCPStore(_HOST, 0, world, is_master=True, wait_for_workers=False, timeout=_timeout(config))
     context = mp.get_context("spawn")
     processes = []
     for rank in range(1, world):
-        process = context.Process(target=worker_main, name=f"streamd-tp-{rank}", daemon=True,
-                                  args=(WorkerArgs(rank, world, store.port, config, model_config),))
+        process = context.Process(
+            target=worker_main,
+            name=f"streamd-tp-{rank}",
+            daemon=True,
+            args=(WorkerArgs(rank, world, store.port, config, model_config),),
+        )
         process.start()
         processes.append(process)
     groups = _connect(store, 0, world, config, device)
@@ -107,8 +114,9 @@ def worker_main(args: WorkerArgs) -> None:
     store = dist.TCPStore(_HOST, args.port, args.world_size, is_master=False, timeout=_timeout(config))
     groups = _connect(store, args.rank, args.world_size, config, device)
     dtype = resolve_dtype(config.model.dtype, device)
-    loaded = load_model(args.model_config or config.model.name, dtype, torch.device("cpu"),
-                        config.model.cache_dir, config.model.seed)
+    loaded = load_model(
+        args.model_config or config.model.name, dtype, torch.device("cpu"), config.model.cache_dir, config.model.seed
+    )
     shard_model(loaded.model, ShardSpec(args.rank, args.world_size, groups.collectives))
     loaded.model.to(device)
     runner = ModelRunner(loaded.model, device, config.cache.block_size)
@@ -136,12 +144,15 @@ def _run_step(message: StepMessage, cache: CacheEngine, runner: ModelRunner) -> 
 
 def _connect(store: dist.Store, rank: int, world: int, config: Config, device: torch.device) -> Groups:
     timeout = _timeout(config)
-    return Groups(collectives=_group(dist.PrefixStore("collectives", store), rank, world, timeout, device),
-                  steps=_group(dist.PrefixStore("steps", store), rank, world, _IDLE_TIMEOUT, device))
+    return Groups(
+        collectives=_group(dist.PrefixStore("collectives", store), rank, world, timeout, device),
+        steps=_group(dist.PrefixStore("steps", store), rank, world, _IDLE_TIMEOUT, device),
+    )
 
 
-def _group(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta,
-           device: torch.device) -> dist.ProcessGroup:
+def _group(
+    store: dist.Store, rank: int, world: int, timeout: datetime.timedelta, device: torch.device
+) -> dist.ProcessGroup:
     """A process group of its own (not torch's global default group), so that several engines can live
     in one process: gloo on CPU, NCCL on CUDA."""
     if device.type == "cuda":
