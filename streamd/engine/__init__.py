@@ -1,1 +1,83 @@
-"""The engine: sequences, block manager, scheduler, cache engine, model runner, sampler, LLMEngine, AsyncEngine."""
+"""The engine's public face: what the server, the CLI and users may import (`from streamd.engine import X`).
+
+The vocabulary (sampling parameters, outputs, stats, errors) is plain Python and loads with the package; the
+rest loads on first use, so importing a plain-Python room (`streamd.engine.core`) never pulls in torch. The
+rooms below are the engine's inside: `core/` (plain-Python state: sequences, block manager, scheduler),
+`worker/` (torch execution), `sample/` (token choice), `output/` (text), `client/` (the asyncio faces).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
+from streamd.engine.outputs import (
+    CompletionDelta,
+    CompletionOutput,
+    FinishReason,
+    RequestDelta,
+    RequestOutput,
+    RequestOutputBuilder,
+)
+from streamd.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs, is_int
+from streamd.engine.stats import EngineStats
+
+if TYPE_CHECKING:
+    from streamd.engine.client.async_engine import AsyncEngine, EngineDeadError
+    from streamd.engine.client.engine_process import ProcessEngine
+    from streamd.engine.client.request_stream import Backpressure, DeltaSink, RequestStream
+    from streamd.engine.llm_engine import LLMEngine
+    from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions, chat_template_ids
+    from streamd.engine.output.detokenizer import byte_table
+
+# name -> module, for the names loaded on first use
+_LAZY = {
+    "AsyncEngine": "client.async_engine",
+    "EngineDeadError": "client.async_engine",
+    "ProcessEngine": "client.engine_process",
+    "Backpressure": "client.request_stream",
+    "DeltaSink": "client.request_stream",
+    "RequestStream": "client.request_stream",
+    "LLMEngine": "llm_engine",
+    "DEFAULT_OPTIONS": "output.chat_template",
+    "TemplateOptions": "output.chat_template",
+    "chat_template_ids": "output.chat_template",
+    "byte_table": "output.detokenizer",
+}
+
+__all__ = [
+    "DEFAULT_OPTIONS",
+    "MAX_LOGPROBS",
+    "AsyncEngine",
+    "Backpressure",
+    "CompletionDelta",
+    "CompletionOutput",
+    "ContextLengthError",
+    "DeltaSink",
+    "EngineDeadError",
+    "EngineStats",
+    "FinishReason",
+    "KVCacheCapacityError",
+    "LLMEngine",
+    "ProcessEngine",
+    "RequestDelta",
+    "RequestError",
+    "RequestOutput",
+    "RequestOutputBuilder",
+    "RequestStream",
+    "SamplingParams",
+    "StructuredOutputs",
+    "TemplateOptions",
+    "byte_table",
+    "chat_template_ids",
+    "is_int",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from streamd.engine.outputs import RequestDelta
+from streamd.engine import RequestDelta
 from streamd.logs import get_logger
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics

@@ -25,8 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamd import heap
 from streamd.config import Config
-from streamd.engine.client.async_engine import AsyncEngine
-from streamd.engine.sampling_params import SamplingParams
+from streamd.engine import AsyncEngine, SamplingParams
 from streamd.logs import get_logger
 from streamd.server.auth import Authenticator
 from streamd.server.errors import ServiceError, error_response, http_error

@@ -15,11 +15,18 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamd.config import ServerConfig
-from streamd.engine.client.async_engine import AsyncEngine, EngineDeadError
-from streamd.engine.client.request_stream import Backpressure, DeltaSink, RequestStream
-from streamd.engine.errors import RequestError
-from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions
-from streamd.engine.sampling_params import SamplingParams, is_int
+from streamd.engine import (
+    DEFAULT_OPTIONS,
+    AsyncEngine,
+    Backpressure,
+    DeltaSink,
+    EngineDeadError,
+    RequestError,
+    RequestStream,
+    SamplingParams,
+    TemplateOptions,
+    is_int,
+)
 from streamd.server.accounting import RequestAccount
 from streamd.server.encoding import loads
 from streamd.server.errors import ServiceError

@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from streamd.engine.client.async_engine import AsyncEngine
+from streamd.engine import AsyncEngine
 from streamd.logs import get_logger
 
 logger = get_logger(__name__)

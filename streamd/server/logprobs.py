@@ -20,8 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamd.engine.output.detokenizer import byte_table
-from streamd.engine.outputs import CompletionDelta
+from streamd.engine import CompletionDelta, byte_table
 
 FLOOR = -9999.0  # OpenAI's logprob for a token too unlikely to report
 

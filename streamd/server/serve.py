@@ -18,14 +18,14 @@ import structlog
 import uvicorn
 
 from streamd.config import Config
-from streamd.engine.client.async_engine import AsyncEngine
+from streamd.engine import AsyncEngine
 from streamd.logs import get_logger
 from streamd.server.app import create_app
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.ws.handshake import GuardedWebSocketProtocol
 
 if TYPE_CHECKING:
-    from streamd.engine.llm_engine import LLMEngine
+    from streamd.engine import LLMEngine
 
 logger = get_logger(__name__)
 T = TypeVar("T")
@@ -102,7 +102,7 @@ def engine_for(config: Config, factory: Callable[..., LLMEngine], *args: Any) ->
     """The engine `factory(*args)` builds, on a thread of this process or in its own process (outputs made
     here) as `server.engine_process` decides."""
     if config.engine_in_own_process():
-        from streamd.engine.client.engine_process import ProcessEngine
+        from streamd.engine import ProcessEngine
 
         return ProcessEngine(factory, *args, outputs="network", batches_ahead=config.server.engine_batches_ahead)
     return AsyncEngine(factory(*args))
@@ -117,7 +117,7 @@ def http_server(config: Config, engine: AsyncEngine) -> DrainingServer:
 
 
 async def serve(config: Config) -> int:
-    from streamd.engine.llm_engine import LLMEngine
+    from streamd.engine import LLMEngine
 
     logger.info("loading_model", model=config.model.name or "default", engine_process=config.engine_in_own_process())
     engine = engine_for(config, LLMEngine.from_config, config)

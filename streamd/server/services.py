@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streamd.config import ServerConfig
-from streamd.engine.client.async_engine import AsyncEngine
+from streamd.engine import AsyncEngine
 from streamd.server.auth import Authenticator
 from streamd.server.generation import Generation
 from streamd.server.lifecycle import Lifecycle

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from streamd.engine.output.chat_template import TemplateOptions, chat_template_ids
+from streamd.engine import TemplateOptions, chat_template_ids
 from streamd.server.errors import ServiceError
 
 INLINE_CHARS = 4096  # inputs up to this many characters are tokenized on the loop

@@ -31,9 +31,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Send
 
-from streamd.engine.client.request_stream import RequestStream
-from streamd.engine.outputs import RequestDelta
-from streamd.engine.sampling_params import MAX_LOGPROBS, is_int
+from streamd.engine import MAX_LOGPROBS, RequestDelta, RequestStream, is_int
 from streamd.logs import get_logger
 from streamd.server.accounting import FinishNames, RequestAccount
 from streamd.server.encoding import dumps, loads_object

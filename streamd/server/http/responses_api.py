@@ -24,9 +24,7 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from streamd.engine.client.request_stream import RequestStream
-from streamd.engine.outputs import RequestDelta
-from streamd.engine.sampling_params import is_int
+from streamd.engine import RequestDelta, RequestStream, is_int
 from streamd.server.accounting import RequestAccount
 from streamd.server.auth import bearer_token
 from streamd.server.encoding import dumps

@@ -19,8 +19,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from streamd.engine.output.chat_template import TemplateOptions
-from streamd.engine.sampling_params import is_int
+from streamd.engine import TemplateOptions, is_int
 from streamd.server.errors import ServiceError
 from streamd.server.http.openai_routes import body_flag, check_model, json_body
 from streamd.server.services import Services

@@ -19,8 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streamd.engine.client.async_engine import AsyncEngine
-from streamd.engine.stats import EngineStats
+from streamd.engine import AsyncEngine, EngineStats
 from streamd.server.ws.protocol import Frame
 
 

@@ -23,8 +23,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamd.engine.client.request_stream import Backpressure
-from streamd.engine.outputs import RequestDelta
+from streamd.engine import Backpressure, RequestDelta
 from streamd.logs import get_logger
 from streamd.server.accounting import RequestAccount
 from streamd.server.auth import presented_key
