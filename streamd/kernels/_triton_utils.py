@@ -11,6 +11,10 @@ functions, and a compiled ``JITFunction`` refuses to be called from interpreted 
 imported without the variable, ``_interpreter_scope`` makes such calls go through the interpreter for
 the duration of a CPU launch (and sets the variable, which triton's knobs read lazily). The same
 redirection serves the kernels' own helpers, declared with ``@jit_helper``.
+
+Kernel parameters are annotated ``tl.tensor`` (a pointer or a scalar, as the kernel body sees it) or
+``tl.constexpr``. Triton reads only ``constexpr`` and dtype names (``"i32"``, ``"*fp16"``) out of an
+annotation, so ``tl.tensor`` changes nothing in how a kernel is specialised or compiled.
 """
 
 from __future__ import annotations
@@ -69,11 +73,11 @@ def _interpreter_scope() -> Iterator[None]:
         saved_env = os.environ.get("TRITON_INTERPRET")
         saved_call = JITFunction.__call__
         os.environ["TRITON_INTERPRET"] = "1"
-        JITFunction.__call__ = _call_jit_via_interpreter  # type: ignore[method-assign]
+        JITFunction.__call__ = _call_jit_via_interpreter
         try:
             yield
         finally:
-            JITFunction.__call__ = saved_call  # type: ignore[method-assign]
+            JITFunction.__call__ = saved_call
             if saved_env is None:
                 os.environ.pop("TRITON_INTERPRET", None)
             else:

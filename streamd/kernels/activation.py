@@ -17,7 +17,9 @@ _MAX_BLOCK = 1024
 
 
 @dual_kernel
-def _silu_and_mul_kernel(x_ptr, out_ptr, inter, s_x, s_out, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(
+    x_ptr: tl.tensor, out_ptr: tl.tensor, inter: tl.tensor, s_x: tl.tensor, s_out: tl.tensor, BLOCK: tl.constexpr
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter

@@ -20,24 +20,24 @@ _CHUNK = 4096  # elements per program: 8 KB of bf16, wide loads, plenty of progr
 
 @dual_kernel
 def _copy_blocks_kernel(
-    kv_ptr,
-    src_ptr,
-    dst_ptr,
-    s_blk,
-    numel,
-    n1,
-    n2,
-    n3,
-    n4,
-    n5,
-    s1,
-    s2,
-    s3,
-    s4,
-    s5,
+    kv_ptr: tl.tensor,
+    src_ptr: tl.tensor,
+    dst_ptr: tl.tensor,
+    s_blk: tl.tensor,
+    numel: tl.tensor,
+    n1: tl.tensor,
+    n2: tl.tensor,
+    n3: tl.tensor,
+    n4: tl.tensor,
+    n5: tl.tensor,
+    s1: tl.tensor,
+    s2: tl.tensor,
+    s3: tl.tensor,
+    s4: tl.tensor,
+    s5: tl.tensor,
     CHUNK: tl.constexpr,
     CONTIGUOUS: tl.constexpr,
-):
+) -> None:
     pair = tl.program_id(0)
     offs = tl.program_id(1) * CHUNK + tl.arange(0, CHUNK)
     mask = offs < numel

@@ -20,28 +20,28 @@ _MAX_TILE = 4096
 
 @dual_kernel
 def _store_kv_kernel(
-    k_ptr,
-    v_ptr,
-    kv_ptr,
-    slot_ptr,
-    layer_off,
-    num_kv_heads,
-    s_k_tok,
-    s_k_head,
-    s_k_dim,
-    s_v_tok,
-    s_v_head,
-    s_v_dim,
-    s_kv_blk,
-    s_kv_kv,
-    s_kv_head,
-    s_kv_tok,
-    s_kv_dim,
+    k_ptr: tl.tensor,
+    v_ptr: tl.tensor,
+    kv_ptr: tl.tensor,
+    slot_ptr: tl.tensor,
+    layer_off: tl.tensor,
+    num_kv_heads: tl.tensor,
+    s_k_tok: tl.tensor,
+    s_k_head: tl.tensor,
+    s_k_dim: tl.tensor,
+    s_v_tok: tl.tensor,
+    s_v_head: tl.tensor,
+    s_v_dim: tl.tensor,
+    s_kv_blk: tl.tensor,
+    s_kv_kv: tl.tensor,
+    s_kv_head: tl.tensor,
+    s_kv_tok: tl.tensor,
+    s_kv_dim: tl.tensor,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PAGE: tl.constexpr,
-):
+) -> None:
     tok = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, BLOCK_D)

@@ -17,20 +17,20 @@ from streamd.kernels._triton_utils import dual_kernel, next_pow2
 
 @dual_kernel
 def _rmsnorm_kernel(
-    x_ptr,
-    res_ptr,
-    w_ptr,
-    out_ptr,
-    res_out_ptr,
-    hidden,
-    eps,
-    s_x,
-    s_res,
-    s_out,
-    s_res_out,
+    x_ptr: tl.tensor,
+    res_ptr: tl.tensor,
+    w_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    res_out_ptr: tl.tensor,
+    hidden: tl.tensor,
+    eps: tl.tensor,
+    s_x: tl.tensor,
+    s_res: tl.tensor,
+    s_out: tl.tensor,
+    s_res_out: tl.tensor,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
