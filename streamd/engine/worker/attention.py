@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from transformers import AttentionInterface
@@ -58,7 +58,7 @@ def paged_attention_forward(
     md = get_attention_metadata()
     if kwargs.get("sliding_window") or kwargs.get("softcap"):
         raise NotImplementedError("streamd attention does not support sliding windows or logit soft-capping yet")
-    layer: int = module.layer_idx
+    layer = cast(int, module.layer_idx)  # transformers' attention modules know their layer
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)

@@ -10,6 +10,7 @@ and touch no block.
 from __future__ import annotations
 
 import bisect
+from types import ModuleType
 
 import torch
 
@@ -28,7 +29,7 @@ def capture_sizes(max_batch: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: torch.Tensor, ops: object, max_batch: int, max_blocks: int
+        self, model: torch.nn.Module, kv_cache: torch.Tensor, ops: ModuleType, max_batch: int, max_blocks: int
     ) -> None:
         device = kv_cache.device
         self.model = model

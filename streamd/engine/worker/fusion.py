@@ -25,12 +25,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import PreTrainedModel
+from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from streamd.config import FUSE_MODES
@@ -41,6 +41,46 @@ from streamd.logs import get_logger
 log = get_logger(__name__)
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+
+
+# The parts of transformers' Llama-style modules that the fused layer reads (nn.Module's attribute access is
+# untyped): checked at load by `unsupported_reason`, read here through these shapes.
+class RMSNormModule(Protocol):
+    weight: nn.Parameter
+    variance_epsilon: float
+
+
+class AttentionModule(Protocol):
+    layer_idx: int
+    scaling: float
+    head_dim: int
+    q_proj: nn.Linear
+    k_proj: nn.Linear
+    v_proj: nn.Linear
+    o_proj: nn.Linear
+
+
+class MLPModule(Protocol):
+    gate_proj: nn.Linear
+    up_proj: nn.Linear
+    down_proj: nn.Linear
+
+
+class DecoderLayerModule(Protocol):
+    self_attn: AttentionModule
+    mlp: MLPModule
+    input_layernorm: RMSNormModule
+    post_attention_layernorm: RMSNormModule
+
+
+class DecoderModule(Protocol):
+    """The causal LM's base model (`model.model`): embedding, layers, final norm, rotary tables."""
+
+    config: PretrainedConfig
+    embed_tokens: nn.Embedding
+    layers: nn.ModuleList
+    norm: RMSNormModule
+    rotary_emb: Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def fuse_layers(model: PreTrainedModel, mode: str, device: torch.device, compile_backend: str = "inductor") -> str:
@@ -122,7 +162,8 @@ class FusedLayer(nn.Module):
 
     def __init__(self, layer: nn.Module, path: LayerPath) -> None:
         super().__init__()
-        attn, mlp = layer.self_attn, layer.mlp
+        parts = cast(DecoderLayerModule, layer)
+        attn, mlp = parts.self_attn, parts.mlp
         self.layer_idx: int = attn.layer_idx
         self.scale: float = attn.scaling
         # (q, kv, head_dim) widths; from the weights, not the config: a tensor-parallel shard holds only its heads.
@@ -131,10 +172,10 @@ class FusedLayer(nn.Module):
         self.o_proj = attn.o_proj
         self.gate_up_proj = merge_linears(mlp.gate_proj, mlp.up_proj)
         self.down_proj = mlp.down_proj
-        self.input_layernorm = layer.input_layernorm
-        self.post_attention_layernorm = layer.post_attention_layernorm
-        self.q_norm: nn.Module | None = getattr(attn, "q_norm", None)
-        self.k_norm: nn.Module | None = getattr(attn, "k_norm", None)
+        self.input_layernorm = parts.input_layernorm
+        self.post_attention_layernorm = parts.post_attention_layernorm
+        self.q_norm: RMSNormModule | None = getattr(attn, "q_norm", None)
+        self.k_norm: RMSNormModule | None = getattr(attn, "k_norm", None)
         self.path = path
 
     def forward(
@@ -166,7 +207,7 @@ class LayerPath(Protocol):
         self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor: ...
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor: ...
 
 
 def _norm_in(
@@ -219,7 +260,7 @@ class KernelPath:
         x, residual = self.kernels.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)
         return self.kernels.silu_and_mul(layer.gate_up_proj(x)), residual
 
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor:
         return self.kernels.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)[0]
 
 
@@ -313,7 +354,7 @@ class CompiledPath:
         norm, gate_up = layer.post_attention_layernorm, layer.gate_up_proj
         return self._mlp(hidden, residual, norm.weight, norm.variance_epsilon, gate_up.weight, gate_up.bias)
 
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor:
         return self._final(hidden, residual, norm.weight, norm.variance_epsilon)[0]
 
 
@@ -322,11 +363,12 @@ class FusedDecoder(nn.Module):
 
     def __init__(self, base: nn.Module, path: LayerPath) -> None:
         super().__init__()
-        self.config = base.config
-        self.embed_tokens = base.embed_tokens
-        self.rotary_emb = base.rotary_emb
-        self.norm = base.norm
-        self.layers = nn.ModuleList(FusedLayer(layer, path) for layer in base.layers)
+        parts = cast(DecoderModule, base)
+        self.config = parts.config
+        self.embed_tokens = parts.embed_tokens
+        self.rotary_emb = parts.rotary_emb
+        self.norm = parts.norm
+        self.layers = nn.ModuleList(FusedLayer(layer, path) for layer in parts.layers)
         self.path = path
 
     def forward(

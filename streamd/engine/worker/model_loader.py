@@ -16,11 +16,12 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, cast
 
 import torch
 import transformers
 import xxhash
+from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
 from streamd.logs import get_logger
@@ -86,7 +87,7 @@ def load_model(
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
         loaded = LoadedModel(model, tokenizer, label)
-    loaded.model.to(device).eval().requires_grad_(False)
+    as_module(loaded.model).to(device).eval().requires_grad_(False)
     params = sum(p.numel() for p in loaded.model.parameters())
     log.info("model.load.done", model=loaded.name, params=params, seconds=round(time.perf_counter() - start, 2))
     return loaded
@@ -171,9 +172,23 @@ def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
+def as_module(model: PreTrainedModel) -> nn.Module:
+    """The model as the nn.Module it is, for `.to(device)`: transformers wraps its `to` with functools.wraps,
+    which type checkers call as a plain function (the device would be taken for `self`)."""
+    return model
+
+
+class _Quantized(Protocol):
+    """What transformers sets on a model it loaded quantized (PreTrainedModel does not declare it)."""
+
+    hf_quantizer: object | None
+    is_quantized: bool
+
+
 def _drop_quantization(model: PreTrainedModel) -> None:
     # The weights are already dequantized; without this transformers refuses to save a "gguf-quantized" model.
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    model.hf_quantizer = None
-    model.is_quantized = False
+    quantized = cast(_Quantized, model)
+    quantized.hf_quantizer = None
+    quantized.is_quantized = False

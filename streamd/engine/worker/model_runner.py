@@ -35,10 +35,12 @@ log = get_logger(__name__)
 def kernel_ops(device: torch.device) -> ModuleType:
     """Triton kernels on CUDA, their plain-torch references elsewhere."""
     if device.type == "cuda":
-        import streamd.kernels as ops
-    else:
-        import streamd.kernels.reference as ops
-    return ops
+        from streamd import kernels
+
+        return kernels
+    from streamd.kernels import reference
+
+    return reference
 
 
 def kv_layout_of(model: PreTrainedModel, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVLayout:

@@ -16,9 +16,10 @@ import fnmatch
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from transformers import PreTrainedModel
+
+from streamd.engine.worker.parallel.collectives import Collectives
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"
@@ -30,7 +31,7 @@ _REPLICATED = frozenset({"replicated_with_grad_allreduce"})
 class ShardSpec:
     rank: int
     world_size: int
-    group: dist.ProcessGroup  # the group of the row-parallel all-reduces
+    group: Collectives  # the group of the row-parallel all-reduces
 
 
 def check_divisible(model: PreTrainedModel, world_size: int) -> None:
@@ -96,12 +97,12 @@ def _split_rows(linear: nn.Linear, spec: ShardSpec) -> None:
     linear.weight = nn.Parameter(_slice(linear.weight, 1, spec), requires_grad=False)
     linear.in_features = linear.weight.shape[1]
     if linear.bias is not None and spec.rank != 0:
-        linear.bias = None  # added once, by rank 0, before the sum
+        linear.register_parameter("bias", None)  # added once, by rank 0, before the sum (`bias = None`)
     group = spec.group
     linear.register_forward_hook(lambda _module, _args, output: _all_reduce(output, group))
 
 
-def _all_reduce(output: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+def _all_reduce(output: torch.Tensor, group: Collectives) -> torch.Tensor:
     group.allreduce(output).wait()  # raises when a rank is gone or the group's timeout passes
     return output
 

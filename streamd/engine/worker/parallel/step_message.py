@@ -20,9 +20,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from streamd.engine.worker.model_runner import ModelInput
+from streamd.engine.worker.parallel.collectives import Collectives
 
 if TYPE_CHECKING:
     from streamd.engine.worker.cache_engine import CacheEngine
@@ -138,7 +138,7 @@ def _decode_orders(words: list[int]) -> list[CacheOrder]:
 class StepChannel:
     """Rank 0 sends, every other rank receives; one broadcast per message on `group`."""
 
-    def __init__(self, group: dist.ProcessGroup, device: torch.device) -> None:
+    def __init__(self, group: Collectives, device: torch.device) -> None:
         self.group = group
         self.device = device
         self.capacity = INITIAL_CAPACITY

@@ -15,6 +15,7 @@ import datetime
 import os
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
+from typing import cast
 
 import torch
 import torch.distributed as dist
@@ -23,8 +24,9 @@ from transformers import PretrainedConfig
 
 from streamd.config import Config
 from streamd.engine.worker.cache_engine import CacheEngine
-from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from streamd.engine.worker.model_loader import LoadedModel, as_module, load_model, resolve_device, resolve_dtype
 from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of
+from streamd.engine.worker.parallel.collectives import Collectives
 from streamd.engine.worker.parallel.shard import ShardSpec, check_divisible, shard_model
 from streamd.engine.worker.parallel.step_message import Command, StepChannel, StepMessage, apply_order
 from streamd.logs import get_logger
@@ -37,8 +39,8 @@ _IDLE_TIMEOUT = datetime.timedelta(days=365)  # the step broadcast waits for the
 
 @dataclass(slots=True)
 class Groups:
-    collectives: dist.ProcessGroup
-    steps: dist.ProcessGroup
+    collectives: Collectives
+    steps: Collectives
 
 
 @dataclass(slots=True)
@@ -88,7 +90,7 @@ def start_tensor_parallel(
     check_divisible(loaded.model, world)
     store = dist.TCPStore(_HOST, 0, world, is_master=True, wait_for_workers=False, timeout=_timeout(config))
     context = mp.get_context("spawn")
-    processes = []
+    processes: list[BaseProcess] = []
     for rank in range(1, world):
         process = context.Process(
             target=worker_main,
@@ -101,7 +103,7 @@ def start_tensor_parallel(
     groups = _connect(store, 0, world, config, device)
     pool = WorkerPool(processes, groups, device)
     shard_model(loaded.model, ShardSpec(0, world, groups.collectives))
-    loaded.model.to(device)
+    as_module(loaded.model).to(device)
     log.info("tensor_parallel.started", world_size=world, worker_pids=[p.pid for p in processes])
     return loaded, pool
 
@@ -118,7 +120,7 @@ def worker_main(args: WorkerArgs) -> None:
         args.model_config or config.model.name, dtype, torch.device("cpu"), config.model.cache_dir, config.model.seed
     )
     shard_model(loaded.model, ShardSpec(args.rank, args.world_size, groups.collectives))
-    loaded.model.to(device)
+    as_module(loaded.model).to(device)
     runner = ModelRunner(loaded.model, device, config.cache.block_size)
     layout = kv_layout_of(loaded.model, config.cache.block_size, dtype, args.world_size)
     channel = StepChannel(groups.steps, device)
@@ -150,16 +152,15 @@ def _connect(store: dist.Store, rank: int, world: int, config: Config, device: t
     )
 
 
-def _group(
-    store: dist.Store, rank: int, world: int, timeout: datetime.timedelta, device: torch.device
-) -> dist.ProcessGroup:
+def _group(store: dist.Store, rank: int, world: int, timeout: datetime.timedelta, device: torch.device) -> Collectives:
     """A process group of its own (not torch's global default group), so that several engines can live
-    in one process: gloo on CPU, NCCL on CUDA."""
+    in one process: gloo on CPU, NCCL on CUDA. A c10d backend, whose collectives torch's stubs omit
+    (`collectives`)."""
     if device.type == "cuda":
         options = dist.ProcessGroupNCCL.Options()
         options._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, world, options)
-    return dist.ProcessGroupGloo(store, rank, world, timeout)
+        return cast(Collectives, dist.ProcessGroupNCCL(store, rank, world, options))
+    return cast(Collectives, dist.ProcessGroupGloo(store, rank, world, timeout))
 
 
 def _device_of(config: Config, rank: int) -> torch.device:
