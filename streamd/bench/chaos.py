@@ -30,6 +30,7 @@ from urllib.parse import urlsplit
 from prometheus_client.parser import text_string_to_metric_families
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.typing import Subprotocol
 
 from streamd.bench.load import percentiles
 from streamd.bench.report import add_json_argument, write_json
@@ -86,7 +87,11 @@ def target_of(args: argparse.Namespace) -> Target:
 
 def _connect(target: Target) -> Any:
     return connect(
-        target.ws, subprotocols=["streamd.v1"], additional_headers=target.headers, max_size=None, open_timeout=30
+        target.ws,
+        subprotocols=[Subprotocol("streamd.v1")],
+        additional_headers=target.headers,
+        max_size=None,
+        open_timeout=30,
     )
 
 

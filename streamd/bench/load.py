@@ -89,8 +89,9 @@ class WebSocketPool:
 
     async def __aenter__(self) -> WebSocketPool:
         from websockets.asyncio.client import connect
+        from websockets.typing import Subprotocol
 
-        subprotocol = "streamd.v2" if self.framing == "v2" else "streamd.v1"
+        subprotocol = Subprotocol("streamd.v2" if self.framing == "v2" else "streamd.v1")
         headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
         for _ in range(self.size):
             ws = await connect(

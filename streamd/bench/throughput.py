@@ -16,11 +16,14 @@ import random
 import statistics
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamd.bench.hf_peer import run_continuous_batching
 from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
 from streamd.bench.workloads import TokenWorkload
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
 
 SHAPES: dict[str, dict[str, Any]] = {
     "llama3.2-1b": dict(
@@ -63,10 +66,11 @@ def shared_prefix_workload(vocab: int, num_requests: int = 256, prefix: int = 50
     return TokenWorkload(f"shared-prefix-{num_requests}x{prefix}+[50,150]", prompts, [128] * num_requests)
 
 
-def model_config(shape: str, max_len: int = 4096):
+def model_config(shape: str, max_len: int = 4096) -> LlamaConfig:
     from transformers import LlamaConfig
 
-    return LlamaConfig(**SHAPES[shape], max_position_embeddings=max_len, rope_theta=500000.0)
+    rope = {"rope_type": "default", "rope_theta": 500000.0}
+    return LlamaConfig(**SHAPES[shape], max_position_embeddings=max_len, rope_parameters=rope)
 
 
 # ---- measured ceilings ------------------------------------------------------------------------------

@@ -16,9 +16,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from streamd.bench.hf_peer import run_continuous_batching
 from streamd.bench.report import BenchError, git_commit, results_dir, save_report
@@ -51,6 +51,14 @@ def cpu_workload(vocab: int, settings: CpuBenchSettings, seed: int = 0) -> Token
 
 
 # ---- the three engines, each loaded once and run several times ----------------------------------------
+
+
+class Runner(Protocol):
+    name: str
+
+    def run(self, work: TokenWorkload) -> float:
+        """Seconds for the whole workload."""
+        ...
 
 
 class StreamdRunner:
@@ -143,7 +151,9 @@ class HfStaticRunner:
 # ---- the measurement --------------------------------------------------------------------------------
 
 
-def alternate(runners: list[Any], work: TokenWorkload, repeats: int, log: Callable[[str], None]) -> dict[str, Any]:
+def alternate(
+    runners: Sequence[Runner], work: TokenWorkload, repeats: int, log: Callable[[str], None]
+) -> dict[str, Any]:
     """`repeats` rounds, each running every engine once in turn; medians and ratios to streamd."""
     seconds: dict[str, list[float]] = {r.name: [] for r in runners}
     for round_ in range(repeats):
@@ -196,10 +206,11 @@ def run_cpu_benchmark(settings: CpuBenchSettings, log: Callable[[str], None] = p
     from streamd.engine.worker.cpu_threads import cpu_model_name, usable_cores
 
     streamd = StreamdRunner(settings)
-    runners = [streamd, HfContinuousRunner(settings), HfStaticRunner(settings)]
+    hf_static = HfStaticRunner(settings)
+    runners: list[Runner] = [streamd, HfContinuousRunner(settings), hf_static]
     vocab = streamd.engine.vocab_size
     work = cpu_workload(vocab, settings)
-    runners[0].run(cpu_workload(vocab, CpuBenchSettings(num_requests=4, output_len=4), seed=9))  # warm-up
+    streamd.run(cpu_workload(vocab, CpuBenchSettings(num_requests=4, output_len=4), seed=9))  # warm-up
     report: dict[str, Any] = {
         "date": dt.date.today().isoformat(),
         "git_commit": git_commit(),
@@ -225,7 +236,7 @@ def run_cpu_benchmark(settings: CpuBenchSettings, log: Callable[[str], None] = p
             load.kill()
             load.wait()
     log(f"time to first token, {settings.ttft_prompt_len}-token prompt")
-    report["ttft"] = measure_ttft(streamd, runners[2], settings.ttft_prompt_len, settings.repeats, vocab)
+    report["ttft"] = measure_ttft(streamd, hf_static, settings.ttft_prompt_len, settings.repeats, vocab)
     return report
 
 

@@ -8,6 +8,12 @@ datasets' published means. Everything is seeded; request i is the same in every 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # numpy itself is imported on first draw (passed around as `np`)
+    import numpy
+    from numpy.typing import NDArray
 
 MAX_PROMPT_LEN = 1024
 MAX_SEQ_LEN = 2048
@@ -34,11 +40,15 @@ WORKLOADS: dict[str, Workload] = {
 }
 
 
-def _clipped_lognormal(np, z, mu: float, sigma: float, cap):
+def _clipped_lognormal(
+    np: ModuleType, z: NDArray[numpy.float64], mu: float, sigma: float, cap: int | NDArray[numpy.int64]
+) -> NDArray[numpy.int64]:
     return np.clip(np.rint(np.exp(mu + sigma * z)), 1, cap).astype(np.int64)
 
 
-def _fit_mu(np, z, sigma: float, target_mean: float, cap) -> float:
+def _fit_mu(
+    np: ModuleType, z: NDArray[numpy.float64], sigma: float, target_mean: float, cap: int | NDArray[numpy.int64]
+) -> float:
     """mu such that the clipped sample's mean is the target (bisection; the mean grows with mu)."""
     lo, hi = -5.0, 12.0
     for _ in range(60):
@@ -65,7 +75,7 @@ class RequestStream:
             self._draw_chunk(len(self._prompts) // _CHUNK)
         return self._prompts[index], self._outputs[index]
 
-    def _fit(self, np) -> tuple[float, float]:
+    def _fit(self, np: ModuleType) -> tuple[float, float]:
         if self._mu is None:
             rng = np.random.default_rng([self.seed, 0])
             zi, zo = rng.standard_normal(_FIT_SAMPLES), rng.standard_normal(_FIT_SAMPLES)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, TypeGuard
 
 _GREEDY_EPS = 1e-5
 MIN_TEMPERATURE = 1e-3  # a temperature in (0, this) would overflow the scaled logits
@@ -296,7 +296,7 @@ class SamplingParams:
 # What beam search refuses, with the value that means "unused" (sampling knobs, then features that would
 # need text or per-token state across beams that swap parents).
 _SAMPLING_ONLY = frozenset({"top_p", "top_k", "min_p", "seed"})
-_NOT_WITH_BEAMS = (
+_NOT_WITH_BEAMS: tuple[tuple[str, object], ...] = (
     ("top_p", 1.0),
     ("top_k", -1),
     ("min_p", 0.0),
@@ -309,7 +309,7 @@ _NOT_WITH_BEAMS = (
 )
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
