@@ -214,10 +214,10 @@ def _default_config(head_dim: int) -> tuple[int, int, int]:
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, block_n: int, device: torch.device) -> int:
     """Split count from shapes alone (no sync), as tuned on an H200 (benchmarks/KERNELS.md).
 
-    Few programs: split until there are about 2 per multiprocessor, all resident in one wave (a
-    second, partial wave of long programs cost 15% at batch 8, context 8192). Between 2 and 4 per
-    multiprocessor: 2 splits, so the tail of the last wave is short. More: no split. Partitions stay
-    at least 4 tiles long, so each program still pipelines its loads.
+    Few programs: split until there are about 2 per multiprocessor, all resident in one wave (a second,
+    partial wave of long programs would run on a mostly idle GPU). Between 2 and 4 per multiprocessor: 2
+    splits, so the tail of the last wave is short. More: no split. Partitions stay at least 4 tiles long,
+    so each program still pipelines its loads.
     """
     programs = max(1, num_seqs * num_kv_heads)
     sms = num_sms(device)

@@ -172,8 +172,8 @@ def _prefill_kernel(
 def _default_config(head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) by head dim.
 
-    64x64 tiles, 4 warps: best or within 2% of best at 4096 tokens on an H200 for head dims 64 and 128
-    (benchmarks/KERNELS.md), and twice the programs of 128-row tiles for short prompts.
+    64x64 tiles, 4 warps: the best of the sweep for head dims 64 and 128, or close to it (benchmarks/KERNELS.md),
+    and twice the programs of 128-row tiles for short prompts.
     """
     if next_pow2(head_dim) <= 128:
         return 64, 64, 4, 3

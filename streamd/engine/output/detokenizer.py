@@ -6,8 +6,8 @@ Owns the token -> text step of streaming, in two forms; `make_detokenizer` picks
 tokens' bytes joined and read as UTF-8 with replacement characters. `ByteTable` holds every token's bytes
 (built once per tokenizer by the Rust decoder's own rule, and checked against its decode of every id), and
 `ByteLevelDetokenizer` feeds them to Python's incremental UTF-8 decoder, which holds back an incomplete
-character until its last byte arrives: one list index and one C call per token (~0.25 µs against ~1.5 µs
-for a windowed decode through the Rust tokenizer), the same text.
+character until its last byte arrives: one list index and one C call per token (several times cheaper than
+a windowed decode through the Rust tokenizer: benchmarks/NOTES.md), the same text.
 
 **Any other tokenizer** (`IncrementalDetokenizer`): Byte-level BPE (GPT-2 style, SmolLM2) and SentencePiece
 byte-fallback tokenizers split one character over several tokens, so decoding token by token would emit
@@ -148,8 +148,8 @@ _TABLES: weakref.WeakKeyDictionary[Any, ByteTable | None] = weakref.WeakKeyDicti
 
 
 def byte_table(tokenizer: Any) -> ByteTable | None:
-    """The tokenizer's `ByteTable` (built once per tokenizer, ~80 ms for 49k tokens), or None when it is not
-    byte-level BPE or its decode of some token disagrees with the table."""
+    """The tokenizer's `ByteTable` (built once per tokenizer), or None when it is not byte-level BPE or its
+    decode of some token disagrees with the table."""
     try:
         return _TABLES[tokenizer]
     except (KeyError, TypeError):

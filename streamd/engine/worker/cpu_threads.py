@@ -5,8 +5,7 @@ The cores come from the CPU affinity mask (`os.sched_getaffinity`), which honour
 cpusets and Docker's `--cpuset-cpus`; torch's own default (every core of the machine) oversubscribes a
 container. One core is left to everything else (the server's event loop, the engine thread's Python
 work, other processes): torch's OpenMP regions wait at a barrier for their slowest thread, so one thread
-descheduled by a competing process stalls every operator. Measured on a shared 2-core machine, 32
-requests: 2 threads 10 tok/s, 1 thread 59-79 tok/s (benchmarks/NOTES.md).
+descheduled by a competing process stalls every operator (measurements: benchmarks/NOTES.md).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Host data to device tensors without a sync: the one way the engine's modules (model runner, sampler, beam
 search) move per-step host lists onto the device.
 
-numpy builds the host tensor (from a flat list of ints ~3x faster than `torch.tensor`: 29 -> 9 us for 256);
+numpy builds the host tensor (from a flat list of ints, faster than `torch.tensor`: benchmarks/NOTES.md);
 on CUDA it is pinned and copied with `non_blocking`, since a pageable copy would synchronise the stream.
 On the CPU the host tensor is the result.
 """

@@ -133,7 +133,7 @@ def default_model_dir(cache_dir: str = "~/.cache/streamd") -> Path:
 
 
 def gguf_content_key(gguf: Path) -> str:
-    """What a conversion depends on: the GGUF file's bytes (xxh3-128, ~60 ms for the default model) and
+    """What a conversion depends on: the GGUF file's bytes (xxh3-128; its cost: benchmarks/NOTES.md) and
     the transformers version that dequantizes it. Not its path, so every checkout and virtual environment
     of a machine shares one converted copy."""
     digest = xxhash.xxh3_128()

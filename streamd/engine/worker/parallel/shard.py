@@ -4,10 +4,9 @@ Which linear layer is split how comes from transformers' own plan for the archit
 (`config.base_model_tp_plan`: "colwise" for q/k/v/gate/up, "rowwise" for o/down); the cutting itself is
 done here on plain tensors rather than through transformers' DTensor path (`from_pretrained(tp_plan=...)`):
 that path loads only through `from_pretrained` (no random-weight models), wraps every weight in a DTensor
-whose per-op dispatch cost a quarter more per forward on the CPU (measured: 8.4 ms against 6.7 ms on a
-2-layer model with gloo), and forces every rank to run the replicated `lm_head` and gather its output,
-while here only rank 0 computes logits. A row-parallel layer sums its partial outputs with one
-`all_reduce` (a forward hook); its bias is added by rank 0 alone.
+whose per-op dispatch slows every forward on the CPU (benchmarks/NOTES.md), and forces every rank to run the
+replicated `lm_head` and gather its output, while here only rank 0 computes logits. A row-parallel layer sums
+its partial outputs with one `all_reduce` (a forward hook); its bias is added by rank 0 alone.
 """
 
 from __future__ import annotations
