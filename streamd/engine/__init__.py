@@ -26,7 +26,7 @@ from streamd.engine.stats import EngineStats
 if TYPE_CHECKING:
     from streamd.engine.client.async_engine import AsyncEngine, EngineDeadError
     from streamd.engine.client.engine_process import ProcessEngine
-    from streamd.engine.client.request_stream import Backpressure, DeltaSink, RequestStream
+    from streamd.engine.client.request_stream import Backpressure, DeltaSink, PendingDelta, RequestStream
     from streamd.engine.llm_engine import LLMEngine
     from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions, chat_template_ids
     from streamd.engine.output.detokenizer import byte_table
@@ -38,6 +38,7 @@ _LAZY = {
     "ProcessEngine": "client.engine_process",
     "Backpressure": "client.request_stream",
     "DeltaSink": "client.request_stream",
+    "PendingDelta": "client.request_stream",
     "RequestStream": "client.request_stream",
     "LLMEngine": "llm_engine",
     "DEFAULT_OPTIONS": "output.chat_template",
@@ -60,6 +61,7 @@ __all__ = [
     "FinishReason",
     "KVCacheCapacityError",
     "LLMEngine",
+    "PendingDelta",
     "ProcessEngine",
     "RequestDelta",
     "RequestError",
