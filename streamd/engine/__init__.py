@@ -24,8 +24,9 @@ from streamd.engine.sampling_params import MAX_LOGPROBS, SamplingParams, Structu
 from streamd.engine.stats import EngineStats
 
 if TYPE_CHECKING:
-    from streamd.engine.client.async_engine import AsyncEngine, EngineDeadError
+    from streamd.engine.client.async_engine import AsyncEngine
     from streamd.engine.client.engine_process import ProcessEngine
+    from streamd.engine.client.protocol import DuplicateRequestError, EngineClient, EngineDeadError
     from streamd.engine.client.request_stream import Backpressure, DeltaSink, PendingDelta, RequestStream
     from streamd.engine.llm_engine import LLMEngine
     from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions, chat_template_ids
@@ -34,7 +35,9 @@ if TYPE_CHECKING:
 # name -> module, for the names loaded on first use
 _LAZY = {
     "AsyncEngine": "client.async_engine",
-    "EngineDeadError": "client.async_engine",
+    "DuplicateRequestError": "client.protocol",
+    "EngineClient": "client.protocol",
+    "EngineDeadError": "client.protocol",
     "ProcessEngine": "client.engine_process",
     "Backpressure": "client.request_stream",
     "DeltaSink": "client.request_stream",
@@ -56,6 +59,8 @@ __all__ = [
     "CompletionOutput",
     "ContextLengthError",
     "DeltaSink",
+    "DuplicateRequestError",
+    "EngineClient",
     "EngineDeadError",
     "EngineStats",
     "FinishReason",
