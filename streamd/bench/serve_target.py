@@ -1,11 +1,11 @@
-"""A `streamd serve` process for `streamd bench serve --offline-baseline`: the real server path (AsyncEngine,
+"""A `streamd serve` process for `streamd bench serve --offline-baseline`: the real server path (EngineClient,
 app, uvicorn) over the engine the benchmark asks for, the null model executor included.
 
 Run as `python -m streamd.bench.serve_target --model null|NAME [--layout L] [--set key=value ...]`.
 It prints `LISTENING <port> <engine thread id> <engine process id>` once ready, so the benchmark can reach
 it and read its threads' CPU time from the OS; SIGTERM drains and exits as `streamd serve` does. Layouts:
 `thread` (the engine on a thread of the server process, as `streamd serve`), `process` (the engine in a
-child process, `ProcessEngine`, the issue-9 prototype) and `split` (the same, with the output processor
+child process, `ProcessEngine`) and `split` (the same, with the output processor
 in the server process).
 """
 
@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 
 from streamd.bench.null_model import NULL_MODEL, null_engine
 from streamd.config import Config, load_config, parse_value
-from streamd.engine.client.async_engine import AsyncEngine
 from streamd.engine.client.engine_process import ProcessEngine
+from streamd.engine.client.protocol import EngineClient
 from streamd.engine.llm_engine import LLMEngine
 from streamd.server.serve import configure_server_logging, engine_for, http_server, run_on_uvloop
 
@@ -47,7 +46,7 @@ def build_engine(model: str, config: Config) -> LLMEngine:
 
 async def serve(model: str, config: Config, layout: str = "thread") -> int:
     if layout == "process":  # the output processor stays in the engine's process
-        engine: AsyncEngine = ProcessEngine(
+        engine: EngineClient = ProcessEngine(
             build_engine, model, config, outputs="engine", batches_ahead=config.server.engine_batches_ahead
         )
     else:  # as `streamd serve` builds it (`server.engine_process` set from the layout in build_config)
@@ -61,8 +60,7 @@ async def serve(model: str, config: Config, layout: str = "thread") -> int:
         if time.monotonic() > deadline or not engine.ready:  # its failure is logged; never hang the bench
             raise SystemExit(f"the benchmark server did not get ready (status {lifecycle.status})")
         await asyncio.sleep(0.05)
-    engine_pid = engine.process.pid if isinstance(engine, ProcessEngine) else os.getpid()
-    print(f"LISTENING {server.port} {engine.thread_id} {engine_pid}", flush=True)
+    print(f"LISTENING {server.port} {engine.thread_id} {engine.process_id}", flush=True)
     await task
     await engine.shutdown()
     return 0

@@ -24,9 +24,10 @@ from streamd.engine.sampling_params import MAX_LOGPROBS, SamplingParams, Structu
 from streamd.engine.stats import EngineStats
 
 if TYPE_CHECKING:
-    from streamd.engine.client.async_engine import AsyncEngine, EngineDeadError
+    from streamd.engine.client.async_engine import AsyncEngine
     from streamd.engine.client.engine_process import ProcessEngine
-    from streamd.engine.client.request_stream import Backpressure, DeltaSink, RequestStream
+    from streamd.engine.client.protocol import DuplicateRequestError, EngineClient, EngineDeadError
+    from streamd.engine.client.request_stream import Backpressure, DeltaSink, PendingDelta, RequestStream
     from streamd.engine.llm_engine import LLMEngine
     from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions, chat_template_ids
     from streamd.engine.output.detokenizer import byte_table
@@ -34,10 +35,13 @@ if TYPE_CHECKING:
 # name -> module, for the names loaded on first use
 _LAZY = {
     "AsyncEngine": "client.async_engine",
-    "EngineDeadError": "client.async_engine",
+    "DuplicateRequestError": "client.protocol",
+    "EngineClient": "client.protocol",
+    "EngineDeadError": "client.protocol",
     "ProcessEngine": "client.engine_process",
     "Backpressure": "client.request_stream",
     "DeltaSink": "client.request_stream",
+    "PendingDelta": "client.request_stream",
     "RequestStream": "client.request_stream",
     "LLMEngine": "llm_engine",
     "DEFAULT_OPTIONS": "output.chat_template",
@@ -55,11 +59,14 @@ __all__ = [
     "CompletionOutput",
     "ContextLengthError",
     "DeltaSink",
+    "DuplicateRequestError",
+    "EngineClient",
     "EngineDeadError",
     "EngineStats",
     "FinishReason",
     "KVCacheCapacityError",
     "LLMEngine",
+    "PendingDelta",
     "ProcessEngine",
     "RequestDelta",
     "RequestError",

@@ -1,6 +1,6 @@
 """The Starlette app: routes, auth middleware, error rendering, and the lifespan that warms the engine.
 
-`create_app(config, engine)` serves an already-built `AsyncEngine` (the caller owns its lifetime, so tests
+`create_app(config, engine)` serves an already-built `EngineClient` (the caller owns its lifetime, so tests
 can share one loaded model between apps). Routes are listed in ARCHITECTURE.md; every route but `/`,
 `/static/...`, `/favicon.ico`, `/v1/server-info`, `/health` and `/ready` needs an API key when keys are
 configured (`/` is a static page that holds no data and asks for the key itself; WebSocket auth happens in
@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from streamd import heap
 from streamd.config import Config
-from streamd.engine import AsyncEngine, SamplingParams
+from streamd.engine import EngineClient, SamplingParams
 from streamd.logs import get_logger
 from streamd.server.auth import Authenticator
 from streamd.server.errors import ServiceError, error_response, http_error
@@ -66,7 +66,7 @@ PAGE_HEADERS = {
 }
 
 
-def create_app(config: Config, engine: AsyncEngine, *, warm_up: bool = True) -> Starlette:
+def create_app(config: Config, engine: EngineClient, *, warm_up: bool = True) -> Starlette:
     server = config.server
     metrics = Metrics(engine)
     lifecycle = Lifecycle(engine, server.drain_timeout_s)
@@ -134,7 +134,7 @@ async def favicon(request: Request) -> Response:
 
 
 async def health(request: Request) -> Response:
-    engine: AsyncEngine = request.app.state.services.engine
+    engine: EngineClient = request.app.state.services.engine
     if engine.dead_reason is not None and not request.app.state.services.lifecycle.draining:
         error = ServiceError("engine_unavailable", f"the engine is dead: {engine.dead_reason}")
         return JSONResponse(

@@ -17,9 +17,9 @@ from typing import Any
 from streamd.config import ServerConfig
 from streamd.engine import (
     DEFAULT_OPTIONS,
-    AsyncEngine,
     Backpressure,
     DeltaSink,
+    EngineClient,
     EngineDeadError,
     RequestError,
     RequestStream,
@@ -76,7 +76,7 @@ class Prepared:
 
 
 class Generation:
-    def __init__(self, engine: AsyncEngine, config: ServerConfig, lifecycle: Lifecycle, metrics: Metrics):
+    def __init__(self, engine: EngineClient, config: ServerConfig, lifecycle: Lifecycle, metrics: Metrics):
         self.engine = engine
         self.config = config
         self.lifecycle = lifecycle

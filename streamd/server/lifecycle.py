@@ -15,7 +15,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Protocol
 
-from streamd.engine import AsyncEngine
+from streamd.engine import EngineClient
 from streamd.logs import get_logger
 
 logger = get_logger(__name__)
@@ -31,7 +31,7 @@ class InFlight(Protocol):
 
 
 class Lifecycle:
-    def __init__(self, engine: AsyncEngine, drain_timeout_s: float) -> None:
+    def __init__(self, engine: EngineClient, drain_timeout_s: float) -> None:
         self.engine = engine
         self.drain_timeout_s = drain_timeout_s
         self.warmed_up = False

@@ -1,7 +1,7 @@
 """Prometheus metrics, named as in ARCHITECTURE.md, in a registry of the app's own.
 
 Request timings and counts are recorded by each request's `RequestAccount` (accounting.py); engine
-gauges and counters are read by name from the typed `AsyncEngine.stats()` at scrape time by a custom
+gauges and counters are read by name from the typed `EngineClient.stats()` at scrape time by a custom
 collector, because the engine keeps those counts itself (exporting them as Counter families keeps their
 `_total` semantics).
 """
@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from streamd.engine import AsyncEngine
+    from streamd.engine import EngineClient
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -31,7 +31,7 @@ _E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600
 class Metrics:
     """The app's metrics registry and the families the request accounts record into."""
 
-    def __init__(self, engine: AsyncEngine | None = None) -> None:
+    def __init__(self, engine: EngineClient | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.ttft = Histogram(
@@ -92,7 +92,7 @@ class CountedHistogram(Collector):
 class EngineStatsCollector(Collector):
     """Turns the engine's stats snapshot into gauges and counters at scrape time."""
 
-    def __init__(self, engine: AsyncEngine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self._engine = engine
 
     def describe(self) -> list[Metric]:

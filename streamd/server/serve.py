@@ -18,7 +18,7 @@ import structlog
 import uvicorn
 
 from streamd.config import Config
-from streamd.engine import AsyncEngine
+from streamd.engine import AsyncEngine, EngineClient
 from streamd.logs import get_logger
 from streamd.server.app import create_app
 from streamd.server.lifecycle import Lifecycle
@@ -98,7 +98,7 @@ def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
     )
 
 
-def engine_for(config: Config, factory: Callable[..., LLMEngine], *args: Any) -> AsyncEngine:
+def engine_for(config: Config, factory: Callable[..., LLMEngine], *args: Any) -> EngineClient:
     """The engine `factory(*args)` builds, on a thread of this process or in its own process (outputs made
     here) as `server.engine_process` decides."""
     if config.engine_in_own_process():
@@ -108,7 +108,7 @@ def engine_for(config: Config, factory: Callable[..., LLMEngine], *args: Any) ->
     return AsyncEngine(factory(*args))
 
 
-def http_server(config: Config, engine: AsyncEngine) -> DrainingServer:
+def http_server(config: Config, engine: EngineClient) -> DrainingServer:
     """The app over `engine`, in the uvicorn server `streamd serve` runs."""
     app = create_app(config, engine)
     return DrainingServer(

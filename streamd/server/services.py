@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from streamd.config import ServerConfig
-from streamd.engine import AsyncEngine
+from streamd.engine import EngineClient
 from streamd.server.auth import Authenticator
 from streamd.server.generation import Generation
 from streamd.server.lifecycle import Lifecycle
@@ -22,7 +22,7 @@ from streamd.server.ws.resume import ResumeStore
 @dataclass(slots=True)
 class Services:
     config: ServerConfig
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     started: int
     auth: Authenticator

@@ -3,7 +3,7 @@
 A connection that subscribes gets one `stats` frame at once and then one every `interval_ms` (default 500)
 until it sends `unsubscribe_stats` or closes; nothing is computed for connections that did not subscribe.
 Each frame is built from the typed `EngineStats` snapshot the engine thread hands over after every step
-(`AsyncEngine.stats()`, no extra call into the engine), so the page never parses `/metrics` text.
+(`EngineClient.stats()`, no extra call into the engine), so the page never parses `/metrics` text.
 
 Frame (documented in ARCHITECTURE.md, protocol section):
 `{"type":"stats","kv":{"total","used","cached","free"},"swap":{"total","used"},
@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from streamd.engine import AsyncEngine, EngineStats
+from streamd.engine import EngineClient, EngineStats
 from streamd.server.ws.protocol import Frame
 
 
@@ -67,7 +67,7 @@ def token_rate(before: Sample, after: Sample) -> float:
 class StatsFeed:
     """One connection's subscription: a task that pushes a frame every interval while subscribed."""
 
-    def __init__(self, engine: AsyncEngine, push: Callable[[Frame], None]) -> None:
+    def __init__(self, engine: EngineClient, push: Callable[[Frame], None]) -> None:
         self._engine = engine
         self._push = push
         self._task: asyncio.Task[None] | None = None

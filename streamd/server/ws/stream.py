@@ -23,7 +23,7 @@ from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
-from streamd.engine import Backpressure, RequestDelta
+from streamd.engine import Backpressure, PendingDelta, RequestDelta
 from streamd.logs import get_logger
 from streamd.server.accounting import RequestAccount
 from streamd.server.auth import presented_key
@@ -53,7 +53,6 @@ class WsRequest:
 
     __slots__ = (
         "account",
-        "backpressure",
         "cancel_requested",
         "client_id",
         "connection",
@@ -66,7 +65,6 @@ class WsRequest:
         "seq",
         "start_sent",
         "task",
-        "unsent",
     )
 
     def __init__(self, client_id: str, connection: Connection) -> None:
@@ -74,13 +72,11 @@ class WsRequest:
         self.prepared: Prepared | None = None  # set once tokenized and checked
         self.connection: Connection | None = connection  # None while detached (its socket dropped)
         self.account: RequestAccount | None = None  # set once admitted
-        self.unsent = 0  # tokens in `pending`
-        self.backpressure: Backpressure | None = None  # set once admitted
+        self.pending = PendingDelta()  # its backpressure is set once admitted
         self.retention: Retention | None = None  # set once admitted when resumable
         self.resume_token: str | None = None
         self.replay: list[protocol.Frame] = []  # retained frames a resume asked for, sent first
         self.task: asyncio.Task[None] | None = None
-        self.pending: RequestDelta | None = None
         self.seq = 0
         self.start_sent = False
         self.cancel_requested = False
@@ -88,14 +84,7 @@ class WsRequest:
 
     def put(self, delta: RequestDelta) -> None:
         """DeltaSink: merge, and tell the writer (or, detached, retain the frames now)."""
-        if self.pending is None:
-            self.pending = delta
-        else:
-            self.pending.merge(delta)
-        if not delta.finished:
-            self.unsent += delta.num_new_tokens
-            if self.backpressure is not None:
-                self.backpressure.update(self.unsent)
+        self.pending.add(delta)
         if self.connection is None:
             self.build_detached()
         else:
@@ -130,10 +119,7 @@ class WsRequest:
             self.start_sent = True
         frames.extend(self.replay)
         self.replay = []
-        delta, self.pending = self.pending, None
-        self.unsent = 0
-        if self.backpressure is not None:
-            self.backpressure.update(0)
+        delta = self.pending.take()
         if delta is None:
             return frames
         account.absorb(delta)
@@ -244,7 +230,7 @@ class Connection(SocketConnection):
 
     def _drop_unsent(self, request: WsRequest) -> None:
         """After the socket closed: nothing is sent, but the account still takes the deltas."""
-        delta, request.pending = request.pending, None
+        delta = request.pending.drop()
         if delta is not None and request.account is not None:
             request.account.absorb(delta)
             if delta.finished:
@@ -408,8 +394,9 @@ class Connection(SocketConnection):
             return
         request.account = account
         config, engine = self.services.config, self.services.engine
-        request.backpressure = Backpressure(account.request_id, config.max_unsent_tokens, engine.set_paused)
-        request.backpressure.update(request.unsent)
+        pending = request.pending
+        pending.backpressure = Backpressure(account.request_id, config.max_unsent_tokens, engine.set_paused)
+        pending.backpressure.update(pending.unsent)
         if self.services.resumes.enabled:
             request.retention, request.resume_token = self.services.resumes.open(
                 request.client_id, self.api_key, request

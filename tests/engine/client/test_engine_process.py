@@ -1,4 +1,4 @@
-"""The engine in its own process (`ProcessEngine`, the issue-9 prototype), with deltas made in the engine
+"""The engine in its own process (`ProcessEngine`), with deltas made in the engine
 process or in this one: the default model in a child process gives the same tokens and text as the offline
 engine (stop strings included), an abort ends its request with "abort", the pool is whole afterwards, and
 shutdown ends the child."""
@@ -12,8 +12,9 @@ import threading
 
 import pytest
 
-from streamd.engine.client.async_engine import AbortRequest, AddRequest, CallEngine, StepBatch, StopEngine
-from streamd.engine.client.engine_process import CommandRouter, ProcessEngine, StopChoice, _ChildEngine
+from streamd.engine.client.engine_child import BatchSender, CommandRouter
+from streamd.engine.client.engine_process import ProcessEngine
+from streamd.engine.client.loop import STEP_BATCH_WIRE, AbortRequest, AddRequest, FinishChoice, StepBatch, StopEngine
 from streamd.engine.llm_engine import LLMEngine
 from streamd.engine.outputs import RequestOutputBuilder
 from streamd.engine.sampling_params import SamplingParams
@@ -63,7 +64,7 @@ async def test_process_engine_matches_the_offline_engine(smol_llm, outputs: str,
         async for last in stream:
             pass
         assert last.finished and last.outputs[-1].finish_reason == "abort"
-        # (outputs="network": the stop string's StopChoice went to the engine before "long" was added, and
+        # (outputs="network": the stop string's FinishChoice went to the engine before "long" was added, and
         # commands run in order, so the stats that came with the abort already count it as finished.)
         assert engine.stats().pool_whole and engine.stats().num_requests == 0
     finally:
@@ -71,34 +72,25 @@ async def test_process_engine_matches_the_offline_engine(smol_llm, outputs: str,
     assert not engine.process.is_alive()
 
 
-class _StubEngine:
-    """All `AsyncEngine.__init__` reads of an engine."""
-
-    tokenizer = None
-
-    def stats(self) -> None:
-        return None
-
-
 @pytest.mark.parametrize("batches_ahead", [1, 3])
 def test_the_engine_publishes_at_most_batches_ahead_undelivered_batches(batches_ahead: int) -> None:
     """The engine process's side of the credit: `batches_ahead` batches go out with no `Delivered` back; the
     next waits for a credit (what caps how many steps merge while the network side is behind)."""
     ours, theirs = socket.socketpair()
-    child = _ChildEngine(_StubEngine(), theirs, None, batches_ahead)
+    sender = BatchSender(theirs, batches_ahead, None)
     for _ in range(batches_ahead):
-        child._publish(StepBatch())
-    assert child.credits.acquire(blocking=False) is False  # the next publish would wait here
-    published = threading.Thread(target=child._publish, args=(StepBatch(),))
+        sender(StepBatch())
+    assert sender.credits.acquire(blocking=False) is False  # the next publish would wait here
+    published = threading.Thread(target=sender, args=(StepBatch(),))
     published.start()
-    child.credits.release()  # one batch delivered: one more may go
+    sender.credits.release()  # one batch delivered: one more may go
     published.join(timeout=30)
     assert not published.is_alive()
     received = ours.recv(1 << 20)
     count = 0
     while received:
         size = int.from_bytes(received[:4], "little")
-        assert pickle.loads(received[4:4 + size])[0] == []  # a batch: nothing accepted
+        assert STEP_BATCH_WIRE.decode(pickle.loads(received[4:4 + size])) == StepBatch()  # an empty batch
         received, count = received[4 + size:], count + 1
     assert count == batches_ahead + 1
     ours.close()
@@ -131,11 +123,11 @@ def test_a_slow_grammar_delays_only_its_own_request() -> None:
     router.route(add_b)
     assert engine.compiling.wait(30)
     router.route(AbortRequest("A"))
-    router.route(StopChoice("A", 0))
+    router.route(FinishChoice("A", 0))
     router.route(AbortRequest("B"))
     router.route(StopEngine())
     assert commands.get(timeout=30) == AbortRequest("A")  # not behind B's compile
-    assert isinstance(commands.get(timeout=30), CallEngine)  # A's stop-string finish, likewise
+    assert commands.get(timeout=30) == FinishChoice("A", 0)  # A's stop-string finish, likewise
     assert commands.empty()  # B's abort and StopEngine wait for B's add
     engine.release.set()
     assert [commands.get(timeout=30) for _ in range(3)] == [add_b, AbortRequest("B"), StopEngine()]
