@@ -8,7 +8,7 @@ socket pair into its command queue, and each iteration's `StepBatch` goes back a
 pickle whose deltas are plain tuples (a pickled slots dataclass costs a Python call per object; a tuple
 of builtins is pickled in C). The loop reads the socket when it is readable and hands each batch to the
 same `_deliver` as in one process, so sinks, accounts and frames are unchanged. The engine publishes at
-most `batches_ahead` batches ahead of their delivery (`server.engine_batches_ahead`; each delivered batch
+most `batches_ahead` batches ahead of their delivery (`engine.batches_ahead`; each delivered batch
 sends a `Delivered` credit back). While the network side keeps up this bound is never reached; when it is
 the bottleneck, the batches waiting for it merge into one write per stream (a stream's tokens of several
 steps in one frame or SSE event), which is what lets it catch up, and the bound caps how many steps merge.
