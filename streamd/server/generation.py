@@ -246,9 +246,10 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         content = message.get("content")
         if isinstance(content, list):
             parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+            strings = [p for p in parts if isinstance(p, str)]
+            if len(strings) != len(content):  # a part of another type, or one whose text is no string
                 raise ServiceError("unsupported", f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(parts)
+            content = "".join(strings)
         if content is None and message["role"] == "assistant":
             content = ""
         if not isinstance(content, str):

@@ -160,10 +160,11 @@ def _message(i: int, item: Any) -> dict[str, Any]:
     content = item.get("content")
     if isinstance(content, list):
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") in _INPUT_PARTS]
-        if len(texts) != len(content) or not all(isinstance(t, str) for t in texts):
+        strings = [t for t in texts if isinstance(t, str)]
+        if len(strings) != len(content):  # a part of another type, or one whose text is no string
             raise ServiceError("unsupported", f"input[{i}].content: only input_text parts are supported", "input")
-        content = "".join(texts)
-    role = item.get("role")
+        content = "".join(strings)
+    role: Any = item.get("role")
     return {"role": _ROLE_NAMES.get(role, role), "content": content}
 
 

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 import uvicorn
+from starlette.applications import Starlette
 
 from streamd.config import Config
 from streamd.engine import AsyncEngine
@@ -79,7 +80,7 @@ def _listening_socket(host: str, port: int, send_buffer_bytes: int) -> socket.so
     return sock
 
 
-def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
+def uvicorn_config(config: Config, app: Starlette) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=config.server.host,
