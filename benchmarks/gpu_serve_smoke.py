@@ -1,4 +1,4 @@
-"""`streamd serve` on a GPU with the default layout (server.engine_process = "auto": the engine in its own
+"""`streamd serve` on a GPU with the default layout (engine.process = "auto": the engine in its own
 process on CUDA): readiness, a streamed chat completion, a WebSocket stream, a structured request, a bad
 grammar refused with a 400, the pool whole afterwards (/metrics), and SIGTERM. Run on the device machine:
 `python3 benchmarks/gpu_serve_smoke.py MODEL_DIR`; prints one line per check and exits non-zero on failure."""

@@ -4,6 +4,12 @@ Precedence: built-in defaults < TOML file (`--config`) < environment (`STREAMD_<
 explicit overrides (command-line flags, `LLM(**overrides)`). Overrides may name a key bare (`block_size`)
 because key names are unique across sections. Any unknown key or bad value raises `ConfigError` naming
 `section.key`. `config/streamd.toml` documents every key; a test keeps it equal to these defaults.
+A renamed key (`RENAMED`) is still accepted under its old name for one release, with a `DeprecatedConfigKey`
+warning naming the new one.
+
+Plain Python on purpose: the engine, the server, the CLI and the benchmarks all read it, and reading a
+setting must never load torch. Decisions that need the hardware (such as where `engine.process = "auto"`
+puts the engine) are taken by their users (`streamd.server.serve`).
 """
 
 from __future__ import annotations
@@ -13,6 +19,7 @@ import os
 import tomllib
 import types
 import typing
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,6 +28,17 @@ from typing import Any
 
 class ConfigError(ValueError):
     """A configuration key or value is wrong; the message names the key."""
+
+
+class DeprecatedConfigKey(FutureWarning):
+    """A configuration key was given under its old name (shown by default: it is meant for users)."""
+
+
+# Old `section.key` -> its new name; the old one works, with a warning, for one release.
+RENAMED: dict[str, str] = {
+    "server.engine_process": "engine.process",
+    "server.engine_batches_ahead": "engine.batches_ahead",
+}
 
 
 FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/worker/fusion.py)
@@ -96,6 +114,25 @@ class ParallelConfig:
 
 
 @dataclass(slots=True)
+class EngineConfig:
+    """How the engine runs beside the server (`streamd serve`, the serving benchmarks)."""
+
+    # The engine in a child process, detokenizing in the server's (ProcessEngine outputs="network"): the
+    # network side and the engine stop sharing one GIL. "auto": on when the model runs on CUDA without tensor
+    # parallelism (where the host side is what bounds the served rate), else off (the CPU default, and tests).
+    process: bool | str = "auto"
+    # With process: step batches the engine may run ahead of their delivery. When the network side is the
+    # bottleneck, that many steps' tokens merge into one write per stream (fewer, bigger writes: more
+    # tokens/s, ITL up to this many steps); 1-2 keeps ITL per step, more trades it for throughput.
+    batches_ahead: int = 16
+
+    def validate(self) -> None:
+        if isinstance(self.process, str):
+            _one_of("engine.process", self.process, ("auto",))
+        _positive("engine.batches_ahead", self.batches_ahead)
+
+
+@dataclass(slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -120,14 +157,6 @@ class ServerConfig:
     socket_send_buffer_bytes: int = 0  # fixed SO_SNDBUF of accepted sockets; 0: the OS's autotuning
     max_request_time_s: float | None = None  # default and cap of a request's timeout_s; None: no limit
     max_queue_time_s: float | None = None  # longer before first scheduling: `overloaded`; None: no limit
-    # The engine in a child process, detokenizing here (ProcessEngine outputs="network"): the network side
-    # and the engine stop sharing one GIL. "auto": on when the model runs on CUDA without tensor parallelism
-    # (where the host side is what bounds the served rate), else off (the CPU default, and tests).
-    engine_process: bool | str = "auto"
-    # With engine_process: step batches the engine may run ahead of their delivery. When the network side
-    # is the bottleneck, that many steps' tokens merge into one write per stream (fewer, bigger writes:
-    # more tokens/s, ITL up to this many steps); 1-2 keeps ITL per step, more trades it for throughput.
-    engine_batches_ahead: int = 16
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -149,9 +178,7 @@ class ServerConfig:
         for key in ("drain_timeout_s", "resume_grace_s", "max_unsent_tokens", "socket_send_buffer_bytes"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"server.{key} must be >= 0, got {getattr(self, key)}")
-        if isinstance(self.engine_process, str):
-            _one_of("server.engine_process", self.engine_process, ("auto",))
-        for key in ("resume_max_tokens_per_request", "resume_max_tokens_total", "engine_batches_ahead"):
+        for key in ("resume_max_tokens_per_request", "resume_max_tokens_total"):
             _positive(f"server.{key}", getattr(self, key))
         for key in ("max_request_time_s", "max_queue_time_s"):
             _positive(f"server.{key}", getattr(self, key), allow_none=True)
@@ -173,25 +200,16 @@ class Config:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> Config:
         for section in SECTIONS:
             getattr(self, section).validate()
-        if self.server.engine_process is True and self.parallel.tensor_parallel_size > 1:
-            raise ConfigError("server.engine_process does not support parallel.tensor_parallel_size > 1 yet")
+        if self.engine.process is True and self.parallel.tensor_parallel_size > 1:
+            raise ConfigError("engine.process does not support parallel.tensor_parallel_size > 1 yet")
         return self
-
-    def engine_in_own_process(self) -> bool:
-        """`server.engine_process` decided: "auto" is on where the model runs on CUDA with one GPU."""
-        if isinstance(self.server.engine_process, bool):
-            return self.server.engine_process
-        if self.parallel.tensor_parallel_size > 1:
-            return False
-        from streamd.engine.worker.model_loader import resolve_device
-
-        return resolve_device(self.model.device).type == "cuda"
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return dataclasses.asdict(self)
@@ -208,6 +226,7 @@ def _section_keys() -> dict[str, dict[str, Any]]:
 
 _KEYS = _section_keys()
 _BARE = {key: section for section, keys in _KEYS.items() for key in keys}
+_BARE_RENAMED = {old.partition(".")[2]: old.partition(".")[0] for old in RENAMED}  # old bare key -> old section
 
 
 def load_config(
@@ -239,20 +258,42 @@ def load_config(
     for name, value in (overrides or {}).items():
         section, _, key = name.rpartition(".")
         if not section:
-            if key not in _BARE:
-                raise ConfigError(f"unknown config key {key!r}")
-            section = _BARE[key]
+            section = _bare_section(key)
         _set(config, section, key, value)
     return config.validate()
 
 
+def _bare_section(key: str) -> str:
+    """The section of a key named without one (keys are unique across sections; old names count too)."""
+    section = _BARE.get(key) or _BARE_RENAMED.get(key)
+    if section is None:
+        raise ConfigError(f"unknown config key {key!r}")
+    return section
+
+
 def _set(config: Config, section: str, key: str, value: Any, source: str | None = None) -> None:
+    section, key = _current_name(section, key, source)
     where = f"{section}.{key}" + (f" (from {source})" if source else "")
     if section not in _KEYS:
         raise ConfigError(f"unknown config section {section!r} for key {where}")
     if key not in _KEYS[section]:
         raise ConfigError(f"unknown config key {where}")
     setattr(getattr(config, section), key, _coerce(where, value, _KEYS[section][key]))
+
+
+def _current_name(section: str, key: str, source: str | None) -> tuple[str, str]:
+    """`section.key` under its current name; an old one (`RENAMED`) is warned about, naming the new one."""
+    new = RENAMED.get(f"{section}.{key}")
+    if new is None:
+        return section, key
+    given = f"{section}.{key}" + (f" (from {source})" if source else "")
+    warnings.warn(
+        f"config key {given} is deprecated: it is now {new} (the old name goes in the next release)",
+        DeprecatedConfigKey,
+        stacklevel=4,
+    )
+    new_section, _, new_key = new.partition(".")
+    return new_section, new_key
 
 
 def _coerce(where: str, value: Any, hint: Any) -> Any:

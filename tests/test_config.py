@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import ast
+import os
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
 
-from streamd.config import Config, ConfigError, load_config
+from streamd.config import RENAMED, Config, ConfigError, DeprecatedConfigKey, load_config
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -58,20 +63,81 @@ def test_bad_file_is_named(tmp_path: Path) -> None:
         load_config(tmp_path / "missing.toml", environ={})
 
 
-def test_engine_process_auto_is_on_only_with_one_cuda_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    """`server.engine_process = "auto"` (the default) puts the engine in its own process where the model runs on
-    CUDA with one GPU; on the CPU and under tensor parallelism it stays on a thread; a bool decides alone."""
-    import torch
+def test_engine_keys_are_checked() -> None:
+    """`engine.process` is "auto" (the default) or a bool; with tensor parallelism it cannot be true yet (where
+    "auto" puts the engine is the server's decision: tests/server/test_engine_layout.py)."""
+    assert load_config(environ={}).engine.process == "auto"
+    assert load_config(overrides={"engine.process": True}, environ={}).engine.process is True
+    assert load_config(environ={"STREAMD_ENGINE__BATCHES_AHEAD": "4"}).engine.batches_ahead == 4
+    with pytest.raises(ConfigError, match=r"engine\.process"):
+        load_config(overrides={"engine.process": "sometimes"}, environ={})
+    with pytest.raises(ConfigError, match=r"engine\.batches_ahead"):
+        load_config(overrides={"batches_ahead": 0}, environ={})
+    with pytest.raises(ConfigError, match=r"engine\.process does not support parallel\.tensor_parallel_size"):
+        load_config(overrides={"engine.process": True, "parallel.tensor_parallel_size": 2}, environ={})
 
-    assert load_config(environ={}).server.engine_process == "auto"
-    assert load_config(overrides={"model.device": "cpu"}, environ={}).engine_in_own_process() is False
-    assert load_config(overrides={"model.device": "cpu", "server.engine_process": True},
-                       environ={}).engine_in_own_process() is True
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    assert load_config(environ={}).engine_in_own_process() is True  # model.device "auto" resolves to cuda
-    assert load_config(overrides={"server.engine_process": False}, environ={}).engine_in_own_process() is False
-    assert load_config(overrides={"parallel.tensor_parallel_size": 2}, environ={}).engine_in_own_process() is False
-    with pytest.raises(ConfigError, match=r"server\.engine_process"):
-        load_config(overrides={"server.engine_process": "sometimes"}, environ={})
-    with pytest.raises(ConfigError, match=r"server\.engine_process does not support parallel\.tensor_parallel_size"):
-        load_config(overrides={"server.engine_process": True, "parallel.tensor_parallel_size": 2}, environ={})
+
+@pytest.mark.parametrize("old, new, value", [
+    ("server.engine_process", "engine.process", False),
+    ("server.engine_batches_ahead", "engine.batches_ahead", 3),
+])
+def test_renamed_keys_still_work_with_a_warning_naming_the_new_one(tmp_path: Path, old: str, new: str,
+                                                                   value: object) -> None:
+    """An old name works for one release, in every place a key can be given, and warns naming the new key; its
+    errors name the new key too. The new name is the only one in a loaded Config."""
+    section, _, key = old.partition(".")
+    new_section, _, new_key = new.partition(".")
+    file = tmp_path / "old.toml"
+    file.write_text(f"[{section}]\n{key} = {str(value).lower()}\n")
+    given = [
+        {"path": file},
+        {"environ": {f"STREAMD_{section.upper()}__{key.upper()}": str(value).lower()}},
+        {"overrides": {old: value}},
+        {"overrides": {key: value}},  # bare
+    ]
+    for kwargs in given:
+        with pytest.warns(DeprecatedConfigKey, match=rf"{old}.*deprecated.*{new}"):
+            config = load_config(**{"environ": {}, **kwargs})
+        assert getattr(getattr(config, new_section), new_key) == value, kwargs
+    assert not hasattr(config.server, key)
+    with pytest.warns(DeprecatedConfigKey), pytest.raises(ConfigError, match=new.replace(".", r"\.")):
+        load_config(overrides={old: "nonsense"}, environ={})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the new name: no warning
+        assert getattr(getattr(load_config(overrides={new: value}, environ={}), new_section), new_key) == value
+
+
+def test_renamed_keys_are_documented_under_their_new_names() -> None:
+    text = (ROOT / "config" / "streamd.toml").read_text()
+    for old, new in RENAMED.items():
+        section, _, key = new.partition(".")
+        assert key in Config().to_dict()[section], new
+        assert old in text  # the note on the old name
+        assert not any(line.startswith(f"{old.partition('.')[2]} =") for line in text.splitlines()), old
+
+
+def test_the_config_module_is_plain_python() -> None:
+    """Reading settings never loads torch or the engine: config.py imports nothing of the engine, not even
+    inside a function, and importing it (and loading a Config) in a fresh interpreter loads no torch and no
+    engine module beyond the vocabulary `import streamd` itself brings."""
+    tree = ast.parse((ROOT / "streamd" / "config.py").read_text(encoding="utf-8"))
+    imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert not {m for m in imported if m.startswith(("streamd", "torch"))}, imported
+    heavy, with_config = _fresh_modules("import streamd.config as c; c.load_config(environ={})")
+    _, package_only = _fresh_modules("import streamd")
+    assert heavy == "[]"
+    assert with_config == package_only
+
+
+def _fresh_modules(statement: str) -> tuple[str, str]:
+    """After `statement` in a fresh interpreter: the torch/transformers modules loaded, the streamd.engine ones."""
+    probe = (
+        f"import sys; {statement}; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'transformers'))); "
+        "print(sorted(m for m in sys.modules if m.startswith('streamd.engine')))"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT,
+                            env={**os.environ, "PYTHONPATH": str(ROOT)})
+    heavy, engine = result.stdout.splitlines()
+    return heavy, engine

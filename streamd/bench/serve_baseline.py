@@ -8,7 +8,7 @@ model executor, so the model's own cost is taken out), and, alternating in each 
 - the served rate over WebSocket (`streamd.v2` framing) and over SSE, with this process as the client,
   for each server layout asked for (`--layouts`, default `thread,split`: the engine on a thread of the
   server process, as `streamd serve` by default, and in its own process with detokenizing in the
-  server's, as `server.engine_process = true`; `process` keeps the output processor in the engine's).
+  server's, as `engine.process = true`; `process` keeps the output processor in the engine's).
 
 Per run it records TTFT and inter-token latency percentiles, the server's CPU time per delivered token
 (engine thread, event loop, whole process, read from /proc) and the client's. Reports the median of the

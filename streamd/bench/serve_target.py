@@ -28,7 +28,7 @@ WARM_UP_TIMEOUT_S = 120.0  # the warm-up is one token; the model is loaded befor
 
 
 def build_config(model: str, settings: list[str], layout: str | None = None) -> Config:
-    """The configuration of `--set` settings; a layout other than "process" decides server.engine_process."""
+    """The configuration of `--set` settings; a layout other than "process" decides engine.process."""
     overrides: dict[str, object] = {"server.host": "127.0.0.1", "server.port": 0}
     if model != NULL_MODEL:
         overrides["model.name"] = model
@@ -36,7 +36,7 @@ def build_config(model: str, settings: list[str], layout: str | None = None) -> 
         key, _, value = item.partition("=")
         overrides[key] = parse_value(value)
     if layout in ("thread", "split"):
-        overrides["server.engine_process"] = layout == "split"
+        overrides["engine.process"] = layout == "split"
     return load_config(overrides=overrides)
 
 
@@ -47,9 +47,9 @@ def build_engine(model: str, config: Config) -> LLMEngine:
 async def serve(model: str, config: Config, layout: str = "thread") -> int:
     if layout == "process":  # the output processor stays in the engine's process
         engine: EngineClient = ProcessEngine(
-            build_engine, model, config, outputs="engine", batches_ahead=config.server.engine_batches_ahead
+            build_engine, model, config, outputs="engine", batches_ahead=config.engine.batches_ahead
         )
-    else:  # as `streamd serve` builds it (`server.engine_process` set from the layout in build_config)
+    else:  # as `streamd serve` builds it (`engine.process` set from the layout in build_config)
         engine = engine_for(config, build_engine, model, config)
     server = http_server(config, engine)
     lifecycle = server.lifecycle

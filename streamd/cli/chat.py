@@ -1,7 +1,9 @@
 """`streamd chat`: a terminal chat over the `streamd.v1` WebSocket.
 
 Keeps the conversation, prints tokens as they arrive, Ctrl-C stops the current answer (a `cancel`
-frame), Ctrl-D or /quit leaves. After each answer it prints time to first token and tokens/s.
+frame), Ctrl-D or /quit leaves. After each answer it prints time to first token and tokens/s. It finds the
+server through the configuration `streamd serve` reads (`streamd.cli.settings`), and of the server's code
+knows only the protocol's name (`SUBPROTOCOL_V1`).
 
 When the connection drops mid-answer (not a close the server asked for, such as a drain's 1012), it
 reconnects and sends `resume` with the answer's `resume_token` and the last `seq` it printed, so the answer
@@ -17,12 +19,57 @@ import os
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
+from websockets.typing import Subprotocol
 
-from streamd.server.ws.protocol import SUBPROTOCOL_V1 as SUBPROTOCOL
+from streamd.cli.settings import add_config_arguments, load_settings
+from streamd.config import Config, ConfigError
+from streamd.server.ws.protocol import SUBPROTOCOL_V1
+
+if TYPE_CHECKING:
+    from websockets.asyncio.client import ClientConnection
+
+SUBPROTOCOL = Subprotocol(SUBPROTOCOL_V1)
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--url",
+        help="the server's WebSocket URL (default: ws://HOST:PORT/v1/stream from the "
+        "config, environment and --host/--port, as `streamd serve` reads them)",
+    )
+    parser.add_argument("--host", help="the server's address (default from config: 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="the server's port (default from config: 8000)")
+    parser.add_argument(
+        "--api-key", help="API key (default: STREAMD_API_KEY, else the config's first server.api_keys entry)"
+    )
+    parser.add_argument("--system", help="a system message")
+    parser.add_argument("--prompt", help="send one message, print the answer and exit")
+    parser.add_argument("--max-tokens", type=int, default=512)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    add_config_arguments(parser)
+
+
+def chat_main(args: argparse.Namespace) -> int:
+    """Chat with a running server from the terminal, over the WebSocket."""
+    config = load_settings(args, {"server.host": args.host, "server.port": args.port})
+    if config.server.port == 0:
+        raise ConfigError("server.port is 0 (the server picked one): give --port or --url")
+    args.url = args.url or chat_url(config)
+    keys = config.server.api_keys
+    args.api_key = args.api_key or os.environ.get("STREAMD_API_KEY") or (keys[0] if keys else None)
+    return run_chat(args)
+
+
+def chat_url(config: Config) -> str:
+    host = config.server.host
+    if host in ("0.0.0.0", "::", ""):  # listening everywhere: this machine answers on loopback
+        host = "127.0.0.1"
+    if ":" in host:
+        host = f"[{host}]"
+    return f"ws://{host}:{config.server.port}/v1/stream"
 
 
 def run_chat(args: argparse.Namespace) -> int:
@@ -44,6 +91,8 @@ class Link:
         self.ws: ClientConnection | None = None
 
     async def open(self) -> None:
+        from websockets.asyncio.client import connect  # (the client stack loads when a chat starts)
+
         self.ws = await connect(self.url, subprotocols=[SUBPROTOCOL], additional_headers=self.headers, max_size=None)
 
     async def reopen(self) -> bool:

@@ -158,7 +158,7 @@ def wait_ready(url: str, deadline: float, processes: list[subprocess.Popen[bytes
     while True:
         dead = [p.args for p in processes if p.poll() is not None]
         if dead:
-            raise RuntimeError(f"cluster process exited during start-up: {dead[0]}")
+            raise RuntimeError(f"cluster process exited during start-up: {dead[0]!r}")
         with (
             contextlib.suppress(urllib.error.URLError, ConnectionError, TimeoutError),
             urllib.request.urlopen(url, timeout=2) as response,

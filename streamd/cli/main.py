@@ -1,6 +1,7 @@
-"""The `streamd` command line: generate, serve, chat, bench and cluster. Each subcommand lives with its layer;
-this module only parses arguments, dispatches, and turns any error into one line on stderr (exit status
-2 for a bad setting or argument, 1 for a failure while running; `--debug` shows the traceback instead)."""
+"""The `streamd` command line: generate, serve, chat, bench and cluster. Each subcommand has its module
+(`streamd/cli/<name>.py`; `bench` is `streamd.bench`'s); this module only parses arguments, dispatches, and
+turns any error into one line on stderr (exit status 2 for a bad setting or argument, 1 for a failure while
+running; `--debug` shows the traceback instead)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from collections.abc import Callable
 COMMANDS: dict[str, tuple[str, str, str]] = {
     "generate": ("streamd.cli.generate", "add_arguments", "run"),
     "serve": ("streamd.cli.serve", "add_serve_arguments", "serve_main"),
-    "chat": ("streamd.cli.serve", "add_chat_arguments", "chat_main"),
+    "chat": ("streamd.cli.chat", "add_chat_arguments", "chat_main"),
     "bench": ("streamd.bench", "add_arguments", "run"),
     "cluster": ("streamd.cli.cluster", "add_arguments", "cluster_main"),
 }

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from streamd.engine.llm_engine import LLMEngine
     from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions, chat_template_ids
     from streamd.engine.output.detokenizer import byte_table
+    from streamd.engine.worker.model_loader import resolve_device
 
 # name -> module, for the names loaded on first use
 _LAZY = {
@@ -48,6 +49,7 @@ _LAZY = {
     "TemplateOptions": "output.chat_template",
     "chat_template_ids": "output.chat_template",
     "byte_table": "output.detokenizer",
+    "resolve_device": "worker.model_loader",
 }
 
 __all__ = [
@@ -79,6 +81,7 @@ __all__ = [
     "byte_table",
     "chat_template_ids",
     "is_int",
+    "resolve_device",
 ]
 
 

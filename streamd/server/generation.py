@@ -9,6 +9,7 @@ Chat templates come only from the model (`tokenizing.py` renders them), never fr
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import uuid
 from dataclasses import dataclass
@@ -35,35 +36,13 @@ from streamd.server.metrics import Metrics
 from streamd.server.structured_api import structured_from_response_format
 from streamd.server.tokenizing import Tokenizing
 
-# Wire parameter names (OpenAI / vLLM) accepted on every route.
-WIRE_PARAMS = frozenset(
-    {
-        "max_tokens",
-        "min_tokens",
-        "temperature",
-        "top_p",
-        "top_k",
-        "min_p",
-        "presence_penalty",
-        "frequency_penalty",
-        "repetition_penalty",
-        "stop",
-        "stop_token_ids",
-        "seed",
-        "n",
-        "ignore_eos",
-        "logprobs",
-        "include_stop_str_in_output",
-        "skip_special_tokens",
-        "structured_outputs",
-        "response_format",
-        "use_beam_search",
-        "beam_width",
-        "length_penalty",
-        "early_stopping",  # beam search (vLLM's extra fields)
-        "timeout_s",
-    }
-)
+# SamplingParams fields no request may set: `detokenize` (the server always streams text) and
+# `queue_timeout_s` (the server sets it from `server.max_queue_time_s`).
+ENGINE_ONLY_PARAMS = frozenset({"detokenize", "queue_timeout_s"})
+# Wire names that are no SamplingParams field but become one (OpenAI's `response_format`: structured_outputs).
+WIRE_ALIASES = frozenset({"response_format"})
+# Wire parameter names (OpenAI / vLLM) accepted on every route: every SamplingParams field but the engine's own.
+WIRE_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - ENGINE_ONLY_PARAMS | WIRE_ALIASES
 MAX_N = 16  # parallel samples or beams per request (each is a sequence of the batch)
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
@@ -267,9 +246,10 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         content = message.get("content")
         if isinstance(content, list):
             parts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") == "text"]
-            if len(parts) != len(content) or not all(isinstance(p, str) for p in parts):
+            strings = [p for p in parts if isinstance(p, str)]
+            if len(strings) != len(content):  # a part of another type, or one whose text is no string
                 raise ServiceError("unsupported", f"messages[{i}].content: only text parts are supported", "messages")
-            content = "".join(parts)
+            content = "".join(strings)
         if content is None and message["role"] == "assistant":
             content = ""
         if not isinstance(content, str):

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import structlog
 import uvicorn
+from starlette.applications import Starlette
 
 from streamd.config import Config
 from streamd.engine import AsyncEngine, EngineClient
@@ -79,7 +80,7 @@ def _listening_socket(host: str, port: int, send_buffer_bytes: int) -> socket.so
     return sock
 
 
-def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
+def uvicorn_config(config: Config, app: Starlette) -> uvicorn.Config:
     return uvicorn.Config(
         app,
         host=config.server.host,
@@ -98,13 +99,24 @@ def uvicorn_config(config: Config, app: object) -> uvicorn.Config:
     )
 
 
+def engine_in_own_process(config: Config) -> bool:
+    """`engine.process` decided: "auto" is on where the model runs on CUDA with one GPU."""
+    if isinstance(config.engine.process, bool):
+        return config.engine.process
+    if config.parallel.tensor_parallel_size > 1:
+        return False
+    from streamd.engine import resolve_device
+
+    return resolve_device(config.model.device).type == "cuda"
+
+
 def engine_for(config: Config, factory: Callable[..., LLMEngine], *args: Any) -> EngineClient:
     """The engine `factory(*args)` builds, on a thread of this process or in its own process (outputs made
-    here) as `server.engine_process` decides."""
-    if config.engine_in_own_process():
+    here) as `engine.process` decides."""
+    if engine_in_own_process(config):
         from streamd.engine import ProcessEngine
 
-        return ProcessEngine(factory, *args, outputs="network", batches_ahead=config.server.engine_batches_ahead)
+        return ProcessEngine(factory, *args, outputs="network", batches_ahead=config.engine.batches_ahead)
     return AsyncEngine(factory(*args))
 
 
@@ -119,7 +131,7 @@ def http_server(config: Config, engine: EngineClient) -> DrainingServer:
 async def serve(config: Config) -> int:
     from streamd.engine import LLMEngine
 
-    logger.info("loading_model", model=config.model.name or "default", engine_process=config.engine_in_own_process())
+    logger.info("loading_model", model=config.model.name or "default", engine_process=engine_in_own_process(config))
     engine = engine_for(config, LLMEngine.from_config, config)
     server = http_server(config, engine)
     try:

@@ -90,3 +90,34 @@ def test_benchmark_results_default_outside_the_package(tmp_path: Path, monkeypat
     monkeypatch.chdir(tmp_path)  # not a checkout
     assert results_dir(None) == tmp_path / "streamd-results"
     assert results_dir(str(tmp_path / "x")) == tmp_path / "x"
+
+
+@pytest.mark.parametrize("module", ["streamd.cli", "streamd.cli.main"])
+def test_python_m_runs_the_command_line(module: str) -> None:
+    """`python -m streamd.cli` works as the `streamd` script does; `-m streamd.cli.main` finds its module fresh
+    (the package imports nothing, so runpy has nothing to warn about)."""
+    environ = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run([sys.executable, "-m", module, "serve", "--help"], capture_output=True, text=True,
+                            env=environ, timeout=120, cwd=ROOT)
+    assert result.returncode == 0 and "usage: streamd serve" in result.stdout
+    assert "RuntimeWarning" not in result.stderr, result.stderr
+
+
+def _server_imports(module: str) -> set[str]:
+    import ast
+
+    path = ROOT / "streamd" / "cli" / f"{module}.py"
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        names = [node.module or ""] if isinstance(node, ast.ImportFrom) else (
+            [a.name for a in node.names] if isinstance(node, ast.Import) else [])
+        found.update(n for n in names if n.startswith("streamd.server"))
+    return found
+
+
+def test_the_cli_reaches_the_server_only_through_its_entry_and_the_protocol() -> None:
+    """`streamd serve` hands the configuration to the server's own entry point (`streamd.server.serve`); the chat
+    client knows of the server only the WebSocket protocol's name."""
+    assert _server_imports("serve") == {"streamd.server.serve"}
+    assert _server_imports("chat") == {"streamd.server.ws.protocol"}
+    assert all(not _server_imports(m) for m in ("main", "generate", "settings"))

@@ -1,4 +1,4 @@
-"""`server.engine_process`: the real server over an engine in its own process, detokenizing in the server
+"""`engine.process`: the real server over an engine in its own process, detokenizing in the server
 process (`ProcessEngine(outputs="network")`): `/v1/stream` (v1 and v2 framing) and streamed
 `/v1/completions` give the offline engine's greedy tokens and text; a structured request is constrained (its
 grammar compiled in the engine process) and a bad grammar is refused with a 400 naming it; the pool is whole
@@ -23,7 +23,7 @@ async def test_engine_process_server_matches_the_offline_engine(smol_llm, async_
         lambda _: smol_llm.generate([PROMPT], SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)))
     want = expected.outputs[0]
     engine = ProcessEngine(LLMEngine.from_config, smol_llm.config, outputs="network",
-                           batches_ahead=smol_llm.config.server.engine_batches_ahead)
+                           batches_ahead=smol_llm.config.engine.batches_ahead)
     try:
         async with running_server(engine) as srv:
             for subprotocol in ("streamd.v1", "streamd.v2"):

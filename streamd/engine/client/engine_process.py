@@ -6,7 +6,7 @@ a thread (engine_child.py). Commands go down one socket pair, pickled; each iter
 back on the other as one frame of the wire codec (wire.py), read by the event loop when the socket is
 readable and handed to this client's `Deliveries`, as the thread client does, so sinks, accounts and frames
 are the same. Each delivered batch sends a credit back: the engine runs at most `batches_ahead` batches
-ahead of their delivery (`server.engine_batches_ahead`: engine_child.py says why, benchmarks/NOTES.md
+ahead of their delivery (`engine.batches_ahead`: engine_child.py says why, benchmarks/NOTES.md
 has the measurements that chose the default).
 
 With `outputs="network"` the output processor (detokenizer, stop strings, deltas) runs in this process

@@ -18,33 +18,28 @@ either way the calls are returned as `tool_calls` (streamed as `delta.tool_calls
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 import structlog
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Send
+from starlette.responses import JSONResponse, Response
 
 from streamd.engine import MAX_LOGPROBS, RequestDelta, RequestStream, is_int
-from streamd.logs import get_logger
 from streamd.server.accounting import FinishNames, RequestAccount
-from streamd.server.encoding import dumps, loads_object
+from streamd.server.body_fields import body_flag, check_model
+from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import WIRE_PARAMS, Prepared
+from streamd.server.http.common import RouteSpec, SSEResponse, json_body, until_disconnect
 from streamd.server.logprobs import LogprobsBuilder
 from streamd.server.services import Services
 from streamd.server.structured_api import plan_tools
 from streamd.server.tool_parsers import ToolCallParser
-
-logger = get_logger(__name__)
-
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 @dataclass(slots=True)
@@ -73,21 +68,6 @@ class _Call:
         if not self.stream.finished:
             self.stream.cancel()
         self.account.close()
-
-
-class SSEResponse(StreamingResponse):
-    """A StreamingResponse that always lets go of its request, even if its body never started."""
-
-    def __init__(self, content: AsyncIterator[str] | AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
-        self._on_close = on_close
-
-    async def stream_response(self, send: Send) -> None:
-        try:
-            await super().stream_response(send)
-        finally:
-            await self.body_iterator.aclose()  # type: ignore[attr-defined]
-            self._on_close()
 
 
 async def list_models(request: Request) -> Response:
@@ -178,12 +158,13 @@ async def _respond(
     )
     structlog.contextvars.bind_contextvars(request_id=call.id)
     if stream_flag:
-        first = None
+        first: RequestDelta | None = None
         if prepared.params.queue_timeout_s is not None:  # a queue timeout must still be able to answer 503
-            first = await until_disconnect(request, _first_delta(call))
-            if isinstance(first, Response):
+            answer = await until_disconnect(request, _first_delta(call))
+            if isinstance(answer, Response):
                 call.finish()
-                return first
+                return answer
+            first = answer
         return SSEResponse(_sse(call, bool((options or {}).get("include_usage")), first), call.finish)
     return await until_disconnect(request, _collect(call))
 
@@ -328,27 +309,6 @@ def _parsed(call: _Call, texts: TextEvents, index: int, text: str, final: bool) 
     return [_data(_chunk(call, index, piece, None, texts.extra)).encode() for piece in pieces]
 
 
-async def until_disconnect(request: Request, work: Any) -> Response:
-    """Runs `work`; cancels it (aborting its request) if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        logger.info("client_disconnected")
-        return Response(status_code=499)  # nobody reads it
-    return task.result()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
 def _envelope(call: _Call, final: bool = False) -> dict[str, Any]:
     obj = {"chat": "chat.completion", "completion": "text_completion"}[call.kind]
     if call.kind == "chat" and not final:
@@ -375,29 +335,6 @@ def _chunk(call: _Call, index: int, piece: Any, finish: FinishNames | None, extr
 
 def _data(obj: dict[str, Any]) -> str:
     return f"data: {dumps(obj)}\n\n"
-
-
-async def json_body(request: Request) -> dict[str, Any]:
-    """The body (already bounded by `server.max_body_bytes` and checked to be JSON by `http_guard`)."""
-    return loads_object(await request.body(), "the request body")
-
-
-def body_flag(body: dict[str, Any], name: str, default: bool) -> bool:
-    """A boolean field of a body (`default` when absent or null); anything else is refused, naming it."""
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ServiceError("invalid_request", f"{name} must be a boolean, got {value!r}", name)
-    return value
-
-
-def check_model(s: Services, body: dict[str, Any]) -> None:
-    model = body.get("model")
-    if model is not None and model != s.model_name:
-        raise ServiceError(
-            "model_not_found", f"the model {model!r} does not exist; this server serves {s.model_name!r}", "model"
-        )
 
 
 def _refuse(body: dict[str, Any], **allowed: Any) -> None:
@@ -435,7 +372,7 @@ def _completion_logprobs(body: dict[str, Any]) -> int | None:
     return top
 
 
-def make_routes() -> list[tuple[str, Callable[..., Any], list[str]]]:
+def make_routes() -> list[RouteSpec]:
     return [
         ("/v1/models", list_models, ["GET"]),
         ("/v1/completions", completions, ["POST"]),

@@ -13,15 +13,15 @@ like every OpenAI route and ignore fields they do not know, as vLLM does. Long i
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from streamd.engine import TemplateOptions, is_int
+from streamd.server.body_fields import body_flag, check_model
 from streamd.server.errors import ServiceError
-from streamd.server.http.openai_routes import body_flag, check_model, json_body
+from streamd.server.http.common import RouteSpec, json_body
 from streamd.server.services import Services
 from streamd.server.structured_api import plan_tools
 
@@ -81,5 +81,5 @@ def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:
     return plan.tools if plan is not None else None
 
 
-def make_routes() -> list[tuple[str, Callable[..., Any], list[str]]]:
+def make_routes() -> list[RouteSpec]:
     return [("/tokenize", tokenize, ["POST"]), ("/detokenize", detokenize, ["POST"])]

@@ -4,7 +4,7 @@
 Client events: `response.create` (the fields of `POST /v1/responses`, plus the WebSocket-only `stream_id`
 lane: responses on one lane run FIFO, different lanes run concurrently) and `response.cancel`
 (`response_id`, or `stream_id` for that lane's current response; the SDK has no cancel event of its own,
-so this is the Realtime API's name). Server events are those of SSE (responses_api.ResponseBuilder), each
+so this is the Realtime API's name). Server events are those of SSE (`streamd.server.responses.ResponseBuilder`), each
 echoing its `stream_id`; a refused event gets an `error` event and the socket stays open.
 `previous_response_id` finds responses of this connection (even with `store: false`) and then the
 server's per-key store. Handshake policy (auth, Origin, connection limit, drain), the reader loop and the
@@ -23,7 +23,7 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from streamd.logs import get_logger
 from streamd.server.encoding import dumps, loads_object
 from streamd.server.errors import ServiceError
-from streamd.server.http.responses_api import ResponsePlan, ResponseRun, api_key, builder_for, keep, plan_response
+from streamd.server.responses import ResponsePlan, ResponseRun, api_key, builder_for, keep, plan_response
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
 from streamd.server.ws.socket import SocketConnection, accept

@@ -60,7 +60,7 @@ async def test_pause_and_deadlines_cross_into_an_engine_process(smol_llm: LLM) -
     from streamd.engine.llm_engine import LLMEngine
 
     engine = ProcessEngine(LLMEngine.from_config, smol_llm.config, outputs="network",
-                           batches_ahead=smol_llm.config.server.engine_batches_ahead)
+                           batches_ahead=smol_llm.config.engine.batches_ahead)
     engine.start()
     try:
         stream = await engine.add_request("p", "Once upon a time", SamplingParams(**LONG, timeout_s=1.5))

@@ -229,8 +229,7 @@ class CuttingProxy:
 async def test_chat_cli_resumes_after_a_dropped_connection(async_engine: AsyncEngine, capsys: Any) -> None:
     import argparse
 
-    from streamd.cli.chat import _chat
-    from streamd.cli.serve import add_chat_arguments
+    from streamd.cli.chat import _chat, add_chat_arguments
 
     parser = argparse.ArgumentParser()
     add_chat_arguments(parser)
