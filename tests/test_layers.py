@@ -48,16 +48,6 @@ RULES = (
 )
 CORE_IS_LIGHT = LightRule("streamd.engine.core", ("torch", "triton", "transformers", "numpy"))
 
-# Edges that break a rule on the tree today, each left to the owner of the importing file: the checks skip
-# them, and test_the_pending_breaks_are_still_there fails once one is mended, so that its entry goes too.
-PENDING: dict[tuple[str, str], str] = {
-    ("streamd.config", "streamd.engine.worker.model_loader"): (
-        "Config.engine_in_own_process imports the worker's resolve_device (torch) inside the method, and the "
-        "core imports streamd.config"
-    ),
-}
-
-
 def _under(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
@@ -77,16 +67,10 @@ def broken(rule: Rule, import_graph: dict[str, set[str]]) -> set[tuple[str, str]
     }
 
 
-def without(import_graph: dict[str, set[str]], skipped: dict[tuple[str, str], str]) -> dict[str, set[str]]:
-    return {name: {t for t in targets if (name, t) not in skipped} for name, targets in import_graph.items()}
-
-
-def heavy_chains(
-    rule: LightRule, known: dict[str, Path], skipped: dict[tuple[str, str], str] | None = None
-) -> list[list[str]]:
+def heavy_chains(rule: LightRule, known: dict[str, Path]) -> list[list[str]]:
     """For each module reached from `rule.package` that imports a heavy package: the import chain from a
-    module of the package to it, ending with the heavy name it imports. `skipped` edges are not followed."""
-    import_graph = without(graph(known), skipped or {})
+    module of the package to it, ending with the heavy name it imports."""
+    import_graph = graph(known)
     chain = {name: [name] for name in known if _under(name, rule.package)}
     todo = sorted(chain)
     while todo:
@@ -102,7 +86,7 @@ def heavy_chains(
 
 
 def test_the_layers_keep_their_rules() -> None:
-    import_graph = without(graph(modules()), PENDING)
+    import_graph = graph(modules())
     assert len(import_graph) > 40 and any(import_graph.values()), "the graph was not read"
     assert {rule.importers: broken(rule, import_graph) for rule in RULES} == {rule.importers: set() for rule in RULES}
 
@@ -110,12 +94,7 @@ def test_the_layers_keep_their_rules() -> None:
 def test_nothing_the_core_reaches_imports_torch() -> None:
     known = modules()
     assert sum(_under(name, CORE_IS_LIGHT.package) for name in known) > 5, "the core was not found"
-    assert heavy_chains(CORE_IS_LIGHT, known, PENDING) == []
-
-
-def test_the_pending_breaks_are_still_there() -> None:
-    import_graph = graph(modules())
-    assert [edge for edge in PENDING if edge[1] not in import_graph[edge[0]]] == [], "mended: drop from PENDING"
+    assert heavy_chains(CORE_IS_LIGHT, known) == []
 
 
 def test_the_core_imports_without_torch_in_a_fresh_interpreter() -> None:
@@ -191,8 +170,4 @@ def test_the_checker_follows_the_core_to_torch(tmp_path: Path) -> None:
     assert heavy_chains(CORE_IS_LIGHT, known) == [
         ["streamd.engine.core.public", "streamd.engine", "streamd.engine.worker.gpu", "triton"],
         ["streamd.engine.core.heavy", "streamd.engine.worker.runner", "torch.nn"],
-    ]
-    skipped = {("streamd.engine.core.heavy", "streamd.engine.worker.runner"): "known"}
-    assert heavy_chains(CORE_IS_LIGHT, known, skipped) == [
-        ["streamd.engine.core.public", "streamd.engine", "streamd.engine.worker.gpu", "triton"]
     ]

@@ -44,7 +44,7 @@ def _thread(config: Config) -> EngineClient:
 
 def _process(config: Config) -> EngineClient:
     return ProcessEngine(LLMEngine.from_config, config, outputs="network",
-                         batches_ahead=config.server.engine_batches_ahead)
+                         batches_ahead=config.engine.batches_ahead)
 
 
 def _folded(deltas: list[RequestDelta]) -> tuple[list[int], str, str | None]:
