@@ -21,8 +21,6 @@ from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.worker.executor import Executor
 from streamd.engine.worker.model_runner import ModelRunner
 
-NULL_MODEL = "null"
-
 
 class NullExecutor:
     """Builds the batch (positions, slot mapping, block tables) and skips the forward; cache orders go to

@@ -15,6 +15,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+# The model name of every report made with the benchmark-only null executor (null_model.py); here, not there,
+# so that building `streamd bench`'s parser loads no engine.
+NULL_MODEL = "null"
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 
 

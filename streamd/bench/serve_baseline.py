@@ -32,8 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from streamd import heap
-from streamd.bench.null_model import NULL_MODEL
-from streamd.bench.report import add_out_argument, git_commit, save_report
+from streamd.bench.report import NULL_MODEL, add_out_argument, git_commit, save_report
 
 _TICK = os.sysconf("SC_CLK_TCK")
 # Engine settings of both the offline run and the server: a pool that holds every stream of the

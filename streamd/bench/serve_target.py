@@ -16,7 +16,8 @@ import asyncio
 import sys
 import time
 
-from streamd.bench.null_model import NULL_MODEL, null_engine
+from streamd.bench.null_model import null_engine
+from streamd.bench.report import NULL_MODEL
 from streamd.config import Config, load_config, parse_value
 from streamd.engine.client.engine_process import ProcessEngine
 from streamd.engine.client.protocol import EngineClient
