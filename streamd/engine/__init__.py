@@ -27,12 +27,14 @@ if TYPE_CHECKING:
     from streamd.engine.client.async_engine import AsyncEngine, EngineDeadError
     from streamd.engine.client.engine_process import ProcessEngine
     from streamd.engine.client.request_stream import Backpressure, DeltaSink, RequestStream
+    from streamd.engine.core.admission import Admission
     from streamd.engine.llm_engine import LLMEngine
     from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions, chat_template_ids
     from streamd.engine.output.detokenizer import byte_table
 
 # name -> module, for the names loaded on first use
 _LAZY = {
+    "Admission": "core.admission",
     "AsyncEngine": "client.async_engine",
     "EngineDeadError": "client.async_engine",
     "ProcessEngine": "client.engine_process",
@@ -49,6 +51,7 @@ _LAZY = {
 __all__ = [
     "DEFAULT_OPTIONS",
     "MAX_LOGPROBS",
+    "Admission",
     "AsyncEngine",
     "Backpressure",
     "CompletionDelta",
