@@ -103,7 +103,7 @@ class Replica:
             seq, outputs = item.seq, self.outputs[item.group.request_id]
             seq.append_token(outputs[seq.num_output_tokens])
             if seq.num_output_tokens >= len(outputs):
-                seq.status = SequenceStatus.FINISHED_LENGTH
+                self.scheduler.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
         finished = self.scheduler.free_finished([item.group for item in sampled])
         for group in finished:
             del self.outputs[group.request_id]

@@ -99,8 +99,7 @@ def _advance(sched: Scheduler, group: SequenceGroup, mode: str, output_len: int,
             live.append(sched.fork_seq(group, live[0]))
     for seq in live:
         seq.append_token(0)
-        if seq.num_output_tokens >= output_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH
+    sched.finish_seqs([s for s in live if s.num_output_tokens >= output_len], SequenceStatus.FINISHED_LENGTH)
     group.seqs = [s for s in group.seqs if s.block_table or not s.status.finished]
 
 

@@ -97,7 +97,7 @@ def simulate_streamd(
             seq = item.seq
             seq.append_token(0)
             if seq.num_output_tokens >= output_lens[item.group.request_id]:
-                seq.status = SequenceStatus.FINISHED_LENGTH
+                sched.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
         done = sched.free_finished([item.group for item in sampling])
         for group in done:
             del output_lens[group.request_id]
@@ -172,7 +172,8 @@ def simulate_orca(
     max_num_batched_tokens: int,
     progress: Progress,
 ) -> dict[str, object]:
-    pool, running = FirstFit(pool_slots), []
+    pool = FirstFit(pool_slots)
+    running: list[_Reserved] = []
     meter, completed, next_req = Meter(pool_slots), 0, 0
     every = max(1, steps // 20)
     for step in range(steps):

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from streamd.engine.client.engine_process import ProcessEngine
     from streamd.engine.client.protocol import DuplicateRequestError, EngineClient, EngineDeadError
     from streamd.engine.client.request_stream import Backpressure, DeltaSink, PendingDelta, RequestStream
+    from streamd.engine.core.admission import Admission
     from streamd.engine.llm_engine import LLMEngine
     from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions, chat_template_ids
     from streamd.engine.output.detokenizer import byte_table
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
 
 # name -> module, for the names loaded on first use
 _LAZY = {
+    "Admission": "core.admission",
     "AsyncEngine": "client.async_engine",
     "DuplicateRequestError": "client.protocol",
     "EngineClient": "client.protocol",
@@ -55,6 +57,7 @@ _LAZY = {
 __all__ = [
     "DEFAULT_OPTIONS",
     "MAX_LOGPROBS",
+    "Admission",
     "AsyncEngine",
     "Backpressure",
     "CompletionDelta",

@@ -17,7 +17,8 @@ from typing import Literal
 
 # Why a sequence ended. "stop": EOS, a stop token or a stop string; "length": max_tokens or the model's
 # context; "abort": cancelled, or failed (the request's `error` says so); "timeout": its deadline passed
-# (`timeout_s`, or `queue_timeout_s` before it was ever scheduled).
+# (`timeout_s`, or `queue_timeout_s` before it was ever scheduled). The one map between these and the
+# sequences' finished statuses is `SequenceStatus.finish_reason` / `SequenceStatus.of_reason` (core.sequence).
 FinishReason = Literal["stop", "length", "abort", "timeout"]
 
 

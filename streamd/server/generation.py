@@ -9,15 +9,18 @@ Chat templates come only from the model (`tokenizing.py` renders them), never fr
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 from streamd.config import ServerConfig
 from streamd.engine import (
     DEFAULT_OPTIONS,
+    Admission,
     Backpressure,
     DeltaSink,
     EngineClient,
@@ -61,6 +64,9 @@ class Generation:
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.tokenizing = Tokenizing(engine.tokenizer)
+        # The engine's admission check, as far as the server knows the engine: its context, and the server's
+        # cap on the samples or beams of one request (the engine checks its KV pool on submission).
+        self.admission = Admission(engine.max_model_len, max_width=MAX_N)
 
     # ---- building ----------------------------------------------------------------------------
     async def prompt_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
@@ -128,12 +134,8 @@ class Generation:
             if structured is not None:
                 fields["structured_outputs"] = structured
         context, n_prompt = self.engine.max_model_len, len(prompt_ids)
-        if n_prompt >= context:
-            raise ServiceError(
-                "context_length_exceeded",
-                f"the prompt has {n_prompt} tokens; this model's context is {context} tokens",
-                prompt_param,
-            )
+        with _refusal(prompt_param):
+            self.admission.check_lengths(n_prompt, None)
         limit = self.config.max_tokens_limit
         if "max_tokens" not in fields:
             room = context - n_prompt
@@ -141,24 +143,16 @@ class Generation:
         max_tokens = fields["max_tokens"]
         if is_int(max_tokens) and limit is not None and max_tokens > limit:
             raise ServiceError("invalid_request", f"max_tokens must be <= {limit}, got {max_tokens}", "max_tokens")
-        if is_int(max_tokens) and n_prompt + max_tokens > context:
-            raise ServiceError(
-                "context_length_exceeded",
-                f"the prompt ({n_prompt} tokens) plus max_tokens "
-                f"({max_tokens}) exceeds this model's context of {context} tokens",
-                "max_tokens",
-            )
+        if is_int(max_tokens):
+            with _refusal(prompt_param):
+                self.admission.check_lengths(n_prompt, max_tokens)
         self._deadlines(fields)
         try:
             params = SamplingParams.from_dict(fields)
         except (ValueError, TypeError) as exc:
             raise ServiceError("invalid_request", str(exc), str(exc).split(" ", 1)[0]) from exc
-        if params.n > MAX_N:
-            raise ServiceError("invalid_request", f"n must be <= {MAX_N}, got {params.n}", "n")
-        if params.beam_width is not None and params.beam_width > MAX_N:
-            raise ServiceError(
-                "invalid_request", f"beam_width must be <= {MAX_N}, got {params.beam_width}", "beam_width"
-            )
+        with _refusal(prompt_param):
+            self.admission.check_width(params)
         return Prepared(prompt_ids, params, prompt)
 
     def _deadlines(self, fields: dict[str, Any]) -> None:
@@ -222,6 +216,15 @@ class Generation:
     def count_cancelled(self, route: str) -> None:
         """Counts a request whose client left before it could even be submitted (as cancelled)."""
         RequestAccount(new_request_id(), route, 0, self.metrics, self.lifecycle, cancel=lambda: None).close()
+
+
+@contextlib.contextmanager
+def _refusal(prompt_param: str) -> Iterator[None]:
+    """An admission check's refusal becomes a ServiceError naming the wire field (the prompt's: `prompt_param`)."""
+    try:
+        yield
+    except RequestError as exc:
+        raise ServiceError(exc.code, str(exc), prompt_param if exc.param == "prompt" else exc.param) from exc
 
 
 def chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:

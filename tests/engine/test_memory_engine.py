@@ -106,7 +106,7 @@ def test_chunked_prefill_runs_beside_decodes(prompts) -> None:
     engine.step()  # "short" is prefilled and decoding
     engine.add_request("long", list(range(1, 120)), GREEDY)
     steps_with_both = 0
-    long_seq = engine._groups["long"].seqs[0]
+    long_seq = engine.requests.get("long").group.seqs[0]
     while engine.has_unfinished_requests():
         prefilling = long_seq.num_computed_tokens < long_seq.num_prompt_tokens
         progressed = {o.request_id for o in engine.step()}
@@ -123,7 +123,7 @@ def test_requests_arriving_together_share_a_prefix_in_the_same_step(prompts) -> 
     engine.add_request("first", shared + [1, 2, 3], GREEDY)
     engine.add_request("second", shared + [4, 5], GREEDY)
     engine.step()
-    assert all(g.first_scheduled_time is not None for g in engine._groups.values()), "one step admits both"
+    assert all(g.first_scheduled_time is not None for g in (r.group for r in engine.requests)), "one step admits both"
     final = step_until_idle(engine)
     assert final["first"].num_cached_tokens == 0
     assert final["second"].num_cached_tokens == 40

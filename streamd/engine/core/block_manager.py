@@ -1,7 +1,7 @@
 """BlockManager: the paper's KV cache manager (§4.2-§4.5). Plain Python, no torch.
 
 It owns the physical blocks of both pools, their reference counts and free lists, every sequence's page
-table (`Sequence.block_table`, device block ids, read by the ModelRunner) and, for swapped sequences,
+table (`Sequence.block_table`, device block ids, read by the ModelRunner; written only here) and, for swapped sequences,
 their host page tables. It decides where KV lives; the CacheEngine moves the bytes, following the
 (src, dst) pairs returned here.
 
@@ -106,8 +106,9 @@ class BlockManager:
         return self.num_free_blocks() - self.blocks_to_allocate(seqs) >= reserve
 
     def allocate(self, seq: Sequence) -> int:
-        """Gives `seq` blocks for all its tokens, reusing cached prefix blocks. Sets and returns
-        `seq.num_computed_tokens`: the cached token count, which never includes the last token."""
+        """Gives `seq` blocks for all its tokens, reusing cached prefix blocks. Returns the cached token
+        count, which never includes the last token: the caller (the scheduler) makes it the sequence's
+        `num_computed_tokens`."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
         hits = self._prefix_hits(seq)
@@ -119,7 +120,6 @@ class BlockManager:
         num_hits = len(hits)
         seq.block_table = hits + [self._alloc() for _ in range(fresh)]
         cached = num_hits * self.block_size
-        seq.num_computed_tokens = cached
         if self.enable_prefix_caching:
             self._seq_hashes[seq.seq_id].num_committed = num_hits
             self.prefix_cache_queried_tokens += seq.num_tokens
@@ -145,7 +145,8 @@ class BlockManager:
         w writers of a block with refcount r copy it min(w, r - 1) times (the last writer keeps it)."""
         if len(seqs) == 1:
             return self.blocks_to_append(seqs[0], num_new_tokens)
-        bs, new_blocks, writers = self.block_size, 0, {}
+        bs, new_blocks = self.block_size, 0
+        writers: dict[int, int] = {}
         for seq in seqs:
             table = seq.block_table
             first = seq.num_computed_tokens // bs

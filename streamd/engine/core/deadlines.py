@@ -1,8 +1,8 @@
 """Deadlines: when each request must have ended (`timeout_s`) or been scheduled (`queue_timeout_s`).
 
-A heap of (time, request id, kind) kept by the engine; `expired(now)` pops what is due. Entries of
-requests that ended early stay until they reach the head and are then dropped by the engine, so nothing
-has to be removed from the middle of the heap.
+A heap of (time, request id, kind) kept by the request registry; `expired(now)` pops what is due. Entries
+of requests that ended early stay until they reach the head and are then dropped by the registry, so
+nothing has to be removed from the middle of the heap.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ class Deadline:
 
 
 class Deadlines:
-    """The engine's deadline heap, earliest first."""
+    """The deadline heap, earliest first."""
 
     def __init__(self) -> None:
         self._heap: list[Deadline] = []

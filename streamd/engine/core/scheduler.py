@@ -24,8 +24,16 @@ step to the blocks (forks of parents picked several times, dropped beams freed a
 
 A prompt's blocks are allocated whole at admission, so chunks never need memory and a running prompt
 is only ever stopped by preemption. `max_num_seqs` and the token budget bind only beside other work:
-a group that forked past them still comes back alone. A group that outgrew the whole pool is rejected
-(`SchedulerOutput.rejected`) instead of waiting forever.
+a group that forked past them still comes back alone. Requests come admitted by `Admission` (the engine's
+`add_request` checks them against the pool first); a group that outgrew the whole pool since (a recompute
+preemption of a long output) is rejected (`SchedulerOutput.rejected`) instead of waiting forever.
+
+The scheduler is the one writer of a sequence's `status` and `num_computed_tokens`: admission, preemption
+and resumption here, and after the forward (`update_from_output`, nano-vllm's `postprocess`): each sampled
+token appended (or put in its placeholder's place), the token-level stops applied (`StopChecker` says why,
+the scheduler finishes the sequence), and the finished sequences freed (`free_finished`). The engine finishes
+what only it knows about through the named methods: `stop_choice` (a stop string), `abort_seq_group`,
+`finish_group` (a beam search that ended), `fork_samples` (the samples of a completed prompt).
 """
 
 from __future__ import annotations
@@ -33,17 +41,21 @@ from __future__ import annotations
 import bisect
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from streamd.config import SchedulerConfig
+from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
-from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
-from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
+from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.core.stop_checker import StopChecker
+from streamd.engine.outputs import RequestUpdate, SeqUpdate
 from streamd.engine.stats import SchedulerStats
 
 _RUNNING = SequenceStatus.RUNNING
-_FINISHED = SequenceStatus.FINISHED_STOPPED  # statuses >= this one are finished
+_ABORTED = SequenceStatus.FINISHED_ABORTED
+TokenFilter = Callable[[Sequence, int], bool]  # False: the sequence's grammar does not allow the token
 
 
 @dataclass(slots=True)
@@ -69,6 +81,7 @@ class Scheduler:
         block_manager: BlockManager,
         max_model_len: int,
         cost_model: PreemptionCostModel | None = None,
+        eos_token_ids: Iterable[int] = (),
     ) -> None:
         self.config = scheduler_config
         self.block_manager = block_manager
@@ -79,6 +92,8 @@ class Scheduler:
         # Admission keeps running sequences within the token budget too, so every running sequence's
         # decode always fits in one step and no decode is ever starved.
         self.max_num_seqs = min(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
+        self.admission = Admission(max_model_len, block_manager, self.max_num_seqs)
+        self.stops = StopChecker(eos_token_ids, max_model_len)
         self.running: list[SequenceGroup] = []  # ordered by arrival
         self.waiting: deque[SequenceGroup] = deque()  # ordered by arrival
         self.swapped: list[SequenceGroup] = []  # ordered by arrival
@@ -95,41 +110,13 @@ class Scheduler:
     # ---- requests -------------------------------------------------------------------------------
 
     def add_seq_group(self, group: SequenceGroup) -> None:
-        """Queues a request. Raises ValueError when it can never run, so it never waits forever."""
+        """Queues a request that `self.admission` admitted (the engine checks every request first)."""
         rid = group.request_id
         if rid in self._groups:
             raise ValueError(f"request {rid!r} is already scheduled")
         seqs = group.unfinished_seqs()
         if not seqs or any(s.num_tokens == 0 for s in seqs):
             raise ValueError(f"request {rid!r} has no prompt tokens to run")
-        longest = max(s.num_tokens for s in seqs)
-        if longest > self.max_model_len:
-            raise ValueError(
-                f"request {rid!r}: prompt of {longest} tokens exceeds max_model_len ({self.max_model_len})"
-            )
-        bm = self.block_manager
-        needed = sum(bm.blocks_needed(s.num_tokens) for s in seqs)
-        usable = bm.num_blocks - bm.watermark_blocks
-        if needed > usable:
-            raise ValueError(
-                f"request {rid!r}: prompt of {longest} tokens needs {needed} KV cache blocks but the KV cache "
-                f"can hold at most {usable} ({bm.num_blocks} blocks of {bm.block_size} tokens, less the "
-                f"watermark)"
-            )
-        params = group.sampling_params
-        width = f"beam_width={group.width}" if params.use_beam_search else f"n={group.width}"
-        if params.use_beam_search and group.width > self.max_num_seqs:
-            raise ValueError(
-                f"request {rid!r}: {width} exceeds the sequences one step can run "
-                f"({self.max_num_seqs}); all beams decode in the same step"
-            )
-        worst = self._worst_case_blocks(group)
-        if worst > usable:
-            raise ValueError(
-                f"request {rid!r}: {width} sequences of up to {longest} prompt + "
-                f"{self._max_output_tokens(group)} output tokens need up to {worst} KV cache blocks but the KV "
-                f"cache can hold at most {usable}; lower {width.split('=', maxsplit=1)[0]} or max_tokens"
-            )
         for seq in seqs:
             seq.status = SequenceStatus.WAITING
         self._groups[rid] = group
@@ -141,7 +128,7 @@ class Scheduler:
         """Removes the request from every queue and frees its blocks now."""
         group = self.remove_seq_group(request_id)
         if group is not None:
-            group.set_status(SequenceStatus.FINISHED_ABORTED)
+            self.finish_group(group, _ABORTED)
         return group
 
     def remove_seq_group(self, request_id: str) -> SequenceGroup | None:
@@ -180,6 +167,7 @@ class Scheduler:
         """A new sequence of `group` (or `child`, made beforehand) sharing `parent`'s blocks (parallel
         sampling). Its sample index is its place in the group: its own seeded random stream."""
         child = parent.fork(child)
+        child.status, child.num_computed_tokens = parent.status, parent.num_computed_tokens
         child.sample_index = len(group.seqs)
         self.block_manager.fork(parent, child)
         group.seqs.append(child)
@@ -193,7 +181,7 @@ class Scheduler:
         chosen = {id(parent) for parent in parents}
         for beam in group.seqs:
             if id(beam) not in chosen:
-                beam.status = SequenceStatus.FINISHED_ABORTED
+                beam.status = _ABORTED
                 self.block_manager.free(beam)
         group.seqs = [beam for beam in group.seqs if id(beam) in chosen]
         continued: set[int] = set()
@@ -387,7 +375,8 @@ class Scheduler:
             del waiting[k]
             cached = 0
             for seq in seqs:
-                cached += bm.allocate(seq)
+                seq.num_computed_tokens = hits = bm.allocate(seq)
+                cached += hits
                 seq.status = _RUNNING
                 chunk = min(group.prefill_end(seq) - seq.num_computed_tokens, budget)
                 if chunk > 0:  # otherwise it continues as a running prompt next step
@@ -403,24 +392,11 @@ class Scheduler:
             num_seqs += len(seqs)
             bisect.insort(self.running, group, key=self._rank)
 
-    def _max_output_tokens(self, group: SequenceGroup) -> int:
-        max_tokens = group.sampling_params.max_tokens
-        room = self.max_model_len - len(group.prompt_token_ids)
-        return room if max_tokens is None else min(max_tokens, room)
-
-    def _worst_case_blocks(self, group: SequenceGroup) -> int:
-        """The most blocks the group can hold at once (0 for one sequence: it is admitted on its prompt
-        and grows through preemption like any other)."""
-        if group.width == 1:
-            return 0
-        return self.block_manager.worst_case_blocks(
-            len(group.prompt_token_ids), self._max_output_tokens(group), group.width
-        )
-
     def _growth_blocks(self, group: SequenceGroup, needed: int) -> int:
         """Blocks a group of several sequences keeps free at admission beyond the `needed` ones it
         allocates now, so that its worst case fits."""
-        return max(0, self._worst_case_blocks(group) - needed)
+        worst = self.admission.worst_case_blocks(len(group.prompt_token_ids), group.sampling_params)
+        return max(0, worst - needed)
 
     # ---- preemption -----------------------------------------------------------------------------
 
@@ -450,7 +426,7 @@ class Scheduler:
 
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         bm = self.block_manager
-        seqs = [s for s in group.seqs if s.status < _FINISHED]
+        seqs = [s for s in group.seqs if s.status < FINISHED]
         if self._use_swap(seqs):
             out.blocks_to_swap_out.extend(bm.swap_out(seqs))
             for seq in seqs:
@@ -493,7 +469,7 @@ class Scheduler:
         """A group that outgrew the whole pool: it can never run again. The engine reports it."""
         for seq in group.seqs:
             self.block_manager.free(seq)
-        group.set_status(SequenceStatus.FINISHED_ABORTED)
+        self.finish_group(group, _ABORTED)
         bm = self.block_manager
         out.rejected.append(
             (
@@ -519,13 +495,106 @@ class Scheduler:
             if caching and after // bs != before // bs:
                 bm.mark_computed(seq)
 
+    def update_from_output(
+        self,
+        sampling: list[ScheduledSeq],
+        token_ids: list[int],
+        logprobs: list[dict[int, float]] | None,
+        accept: TokenFilter | None = None,
+    ) -> StepOutcome:
+        """A step's sampled tokens (row i: `sampling[i]`): each unfinished sequence gets its token (in its
+        placeholder's place when one stands for it), the grammar `accept`s it (a refusal is a dead end) and
+        the token-level stops apply. Returns each request's news and the groups in which a sequence ended
+        (for `free_finished`, once the caller has added its own)."""
+        check, kept = self.stops.check, 0
+        updates: dict[str, RequestUpdate] = {}
+        ended: list[SequenceGroup] = []
+        for i, item in enumerate(sampling):
+            seq = item.seq
+            if seq.status >= FINISHED:  # aborted, or stopped a step earlier: this token is void
+                continue
+            token, group = token_ids[i], item.group
+            seq.receive_token(token)
+            update = updates.get(group.request_id)
+            if update is None:
+                update = updates[group.request_id] = RequestUpdate(
+                    group.request_id, [], group.num_cached_tokens, group.first_scheduled_time
+                )
+            if accept is not None and not accept(seq, token):
+                update.seqs.append(self._dead_end(seq, update))
+                ended.append(group)
+                continue
+            kept += 1
+            params = group.sampling_params
+            reason, stop_token_id = check(seq, params)
+            rows = [logprobs[i]] if logprobs is not None and params.logprobs is not None else None
+            update.seqs.append(SeqUpdate(seq.sample_index, [token], rows, reason, stop_token_id))
+            if reason is not None:
+                seq.status = SequenceStatus.of_reason(reason)
+                ended.append(group)
+        return StepOutcome(updates, ended, kept)
+
+    def _dead_end(self, seq: Sequence, update: RequestUpdate) -> SeqUpdate:
+        """A constrained sequence whose grammar allowed no token (e.g. min_tokens masked the only one
+        left): it ends, without the token sampled from nothing, and the request says why."""
+        seq.drop_last_token()
+        seq.status = _ABORTED
+        update.error = (
+            f"structured output reached a dead end after {seq.num_output_tokens} tokens: the grammar "
+            "allows no token here (check min_tokens, stop settings and the schema)"
+        )
+        return SeqUpdate(seq.sample_index, [], finish_reason="abort")
+
+    def append_placeholders(self, sampling: list[ScheduledSeq]) -> None:
+        """A placeholder for each token of `sampling` still on its way to the host, so that the next step
+        schedules its decode. A token that ends its sequence by length gets none, so nothing is scheduled
+        for it (a decode of a finished sequence could take a block, preempting a live one)."""
+        at_limit = self.stops.at_length_limit
+        for item in sampling:
+            seq = item.seq
+            if not seq.status.finished and not at_limit(seq, item.group.sampling_params, pending=1):
+                seq.append_token(PLACEHOLDER)
+
+    def fork_samples(self, forks: list[tuple[ScheduledSeq, list[Sequence]]]) -> list[Sequence]:
+        """The prompts that completed in the step just done have their KV written: their samples (made
+        beforehand, each drew its first token from its prompt's logits) now share its blocks. A request
+        that ended or was preempted meanwhile drops them: returns those."""
+        dropped = []
+        for item, children in forks:
+            parent, group = item.seq, item.group
+            live = parent.status is _RUNNING and group.request_id in self._groups
+            for child in children:
+                if live:
+                    self.fork_seq(group, parent, child)
+                else:
+                    child.status = _ABORTED
+                    dropped.append(child)
+        return dropped
+
+    def stop_choice(self, group: SequenceGroup, index: int) -> list[SequenceGroup]:
+        """Ends the choice `index` of `group` (a stop string ended it) and frees its blocks at once;
+        returns the group if that finished it (as `free_finished`)."""
+        for seq in group.seqs:
+            if seq.sample_index == index and not seq.status.finished:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+        return self.free_finished([group])
+
+    def finish_group(self, group: SequenceGroup, status: SequenceStatus) -> None:
+        """Every unfinished sequence of `group` gets the finished `status` (freed by `free_finished`)."""
+        self.finish_seqs(group.seqs, status)
+
+    def finish_seqs(self, seqs: Iterable[Sequence], status: SequenceStatus) -> None:
+        for seq in seqs:
+            if not seq.status.finished:
+                seq.status = status
+
     def free_finished(self, groups: Iterable[SequenceGroup]) -> list[SequenceGroup]:
         """Frees the finished sequences of `groups` (those that just sampled: the only ones that can have
         finished); drops and returns the groups now wholly finished, from whichever queue holds them."""
         bm, finished = self.block_manager, []
         for group in groups:
             for seq in group.seqs:
-                if seq.status >= _FINISHED and seq.block_table:
+                if seq.status >= FINISHED and seq.block_table:
                     bm.free(seq)
             if group.finished and self.remove_seq_group(group.request_id) is not None:
                 finished.append(group)

@@ -1,10 +1,12 @@
-"""SchedulerOutput: one iteration's plan, handed from the Scheduler to the CacheEngine and ModelRunner."""
+"""SchedulerOutput: one iteration's plan, handed from the Scheduler to the CacheEngine and ModelRunner; StepOutcome:
+what the iteration's sampled tokens did, handed back to the engine."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 from streamd.engine.core.sequence import Sequence, SequenceGroup
+from streamd.engine.outputs import RequestUpdate
 
 
 @dataclass(slots=True)
@@ -42,3 +44,13 @@ class SchedulerOutput:
         every decode (the last `num_decode_tokens` items), which needs no check."""
         num_prefills = len(self.scheduled) - self.num_decode_tokens
         return [item for item in self.scheduled[:num_prefills] if item.samples] + self.scheduled[num_prefills:]
+
+
+@dataclass(slots=True)
+class StepOutcome:
+    """What a step's sampled tokens did (`Scheduler.update_from_output`): each request's news, the groups
+    in which a sequence ended (to free), and how many tokens were kept."""
+
+    updates: dict[str, RequestUpdate]
+    ended: list[SequenceGroup]
+    num_tokens: int = 0

@@ -1,9 +1,10 @@
 """Sequence and SequenceGroup: the engine's scheduling record of one generation and of one request.
 
 Scheduling state only: what the block manager, scheduler and model runner need. Text, stop strings, logprobs
-and everything else a user sees of the output live in the output processor. A `Sequence` owns its token ids,
-how many of them have KV in the cache (`num_computed_tokens`) and its block table (list of physical block ids,
-mutated only by the BlockManager). A `SequenceGroup` is one request: its sequences (parallel samples or beams,
+and everything else a user sees of the output live in the output processor. A `Sequence` holds its token ids
+(changed only through its own methods), how many of them have KV in the cache (`num_computed_tokens`, written
+only by the Scheduler), its status (written only by the Scheduler) and its block table (list of physical block
+ids, written only by the BlockManager). A `SequenceGroup` is one request: its sequences (parallel samples or beams,
 sharing blocks through fork) are scheduled, preempted and resumed together. Plain Python, no torch, so the
 block manager and scheduler that use these records stay testable in milliseconds.
 """
@@ -15,6 +16,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 
+from streamd.engine.outputs import FinishReason
 from streamd.engine.sampling_params import SamplingParams
 
 
@@ -28,7 +30,32 @@ class SequenceStatus(enum.IntEnum):
 
     @property
     def finished(self) -> bool:
-        return self >= SequenceStatus.FINISHED_STOPPED
+        return self >= FINISHED
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        """The finish reason a user sees for this status (None while unfinished)."""
+        return _REASONS.get(self)
+
+    @staticmethod
+    def of_reason(reason: FinishReason) -> SequenceStatus:
+        """The finished status a finish reason gives a sequence (a timeout aborts it)."""
+        return _STATUSES[reason]
+
+
+FINISHED = SequenceStatus.FINISHED_STOPPED  # the statuses from this one on are finished
+# The one map between the engine's finished statuses and the finish reasons (`outputs.FinishReason`).
+_REASONS: dict[SequenceStatus, FinishReason] = {
+    SequenceStatus.FINISHED_STOPPED: "stop",
+    SequenceStatus.FINISHED_LENGTH: "length",
+    SequenceStatus.FINISHED_ABORTED: "abort",
+}
+_STATUSES: dict[FinishReason, SequenceStatus] = {
+    "stop": SequenceStatus.FINISHED_STOPPED,
+    "length": SequenceStatus.FINISHED_LENGTH,
+    "abort": SequenceStatus.FINISHED_ABORTED,
+    "timeout": SequenceStatus.FINISHED_ABORTED,
+}
 
 
 _seq_ids = itertools.count()
@@ -76,15 +103,29 @@ class Sequence:
     def append_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
 
+    def receive_token(self, token_id: int) -> None:
+        """A sampled token reaching the host: it takes the place of the placeholder that stood for it, if
+        one does, else it is appended."""
+        token_ids = self.token_ids
+        if token_ids[-1] == PLACEHOLDER:
+            token_ids[-1] = token_id
+        else:
+            token_ids.append(token_id)
+
+    def drop_placeholder(self) -> None:
+        """Drops a trailing placeholder (its token will never reach the host)."""
+        if self.token_ids and self.token_ids[-1] == PLACEHOLDER:
+            self.token_ids.pop()
+
+    def drop_last_token(self) -> None:
+        self.token_ids.pop()
+
     def fork(self, child: Sequence | None = None) -> Sequence:
-        """A child (`child`, made to continue this sequence, or a new one) that shares everything computed
-        so far; the BlockManager must fork the blocks."""
+        """A child (`child`, made to continue this sequence, or a new one) with this sequence's tokens. The
+        Scheduler gives it its status and computed count, the BlockManager its (shared) blocks."""
         if child is None:
             child = Sequence(prompt_token_ids=self.prompt_token_ids)
         child.token_ids = list(self.token_ids)
-        child.num_computed_tokens = self.num_computed_tokens
-        child.block_table = list(self.block_table)
-        child.status = self.status
         return child
 
 
@@ -134,8 +175,3 @@ class SequenceGroup:
     @property
     def finished(self) -> bool:
         return all(s.status.finished for s in self.seqs)
-
-    def set_status(self, status: SequenceStatus) -> None:
-        for seq in self.seqs:
-            if not seq.status.finished:
-                seq.status = status

@@ -1,8 +1,9 @@
 """StopChecker: the engine's token-level decision that a sequence is finished.
 
 After each appended token: EOS (unless `ignore_eos`, and only once `min_tokens` outputs exist),
-`stop_token_ids`, `max_tokens` and the model's context length. These need no text, so the engine decides
-them at once and frees the sequence's blocks in the same step. Stop *strings* need the detokenized text:
+`stop_token_ids`, `max_tokens` and the model's context length. These need no text, so they are decided at
+once: the checker says why a sequence is done, and the Scheduler (which alone writes statuses) finishes it
+and frees its blocks in the same step. Stop *strings* need the detokenized text:
 the output processor (`output_processor.py`) finds them and tells the engine to finish the sequence.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from streamd.engine.core.sequence import Sequence, SequenceStatus
+from streamd.engine.core.sequence import Sequence
 from streamd.engine.outputs import FinishReason
 from streamd.engine.sampling_params import SamplingParams
 
@@ -25,8 +26,8 @@ class StopChecker:
         self.max_model_len = max_model_len
 
     def check(self, seq: Sequence, params: SamplingParams) -> tuple[FinishReason | None, int | None]:
-        """Call once after each token appended to `seq`. If the sequence is done, sets its status and
-        returns ("stop", the stop token id or None for EOS) or ("length", None); else (None, None)."""
+        """Call once after each token appended to `seq`. If the sequence is done, returns ("stop", the stop
+        token id or None for EOS) or ("length", None); else (None, None). The caller applies the finish."""
         token_ids = seq.token_ids
         last, num_tokens = token_ids[-1], len(token_ids)
         num_output = num_tokens - len(seq.prompt_token_ids)
@@ -34,10 +35,8 @@ class StopChecker:
         if num_output >= params.min_tokens:
             is_eos = not params.ignore_eos and last in self.eos_token_ids
             if is_eos or last in params.stop_token_ids:
-                seq.status = SequenceStatus.FINISHED_STOPPED
                 return "stop", None if is_eos else last
         if num_tokens >= self.max_model_len or (params.max_tokens is not None and num_output >= params.max_tokens):
-            seq.status = SequenceStatus.FINISHED_LENGTH
             return "length", None
         return None, None
 

@@ -17,26 +17,34 @@ Semantics of Hugging Face `generate(num_beams=K, do_sample=False)` (transformers
   False, over the longest possible length for "never" with a positive penalty); or at the length limit.
   The best `n` hypotheses are the request's choices.
 
-Beams are sequences of the request's group: the engine forks a parent picked by several next beams and
-frees a beam no next beam continues (`Scheduler.replace_beams`). Text is made only from the final beams
-(beams swap parents every step, so nothing is streamed before the end).
+Beams are sequences of the request's group: a parent picked by several next beams is forked and a beam no
+next beam continues is freed (`Scheduler.replace_beams`). Text is made only from the final beams (beams
+swap parents every step, so nothing is streamed before the end).
+
+`BeamSearches` is the engine's beam search lifecycle, one hook per moment: `create` (admission: the state
+hung on the request's registry record, and gone with it), `select` (the step's beam rows leave the
+sampling batch for the batched selection) and `advance` (the candidates read back move every search on).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from streamd.engine.core.sequence import Sequence
-from streamd.engine.outputs import FinishReason, SeqUpdate
+from streamd.engine.core.requests import RequestRegistry
+from streamd.engine.core.scheduler_output import ScheduledSeq, StepOutcome
+from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.outputs import FinishReason, RequestUpdate, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.worker.host_to_device import to_device
 
 if TYPE_CHECKING:
-    from streamd.engine.sample.grammar import TokenBitmask
+    from streamd.engine.core.scheduler import Scheduler
+    from streamd.engine.sample.grammar import Grammars, TokenBitmask
 
 
 @dataclass(slots=True)
@@ -250,3 +258,104 @@ class PendingCandidates:
             ]  # (NaN also: a row with no allowed token)
             out.append((group.request_id, candidates))
         return out
+
+
+# ---- the engine's lifecycle ---------------------------------------------------------------------
+
+
+class BeamSearches:
+    """The engine's beam search hooks (see the module docstring); the states live on the request records."""
+
+    def __init__(self, eos_token_ids: Iterable[int], max_model_len: int, vocab_size: int) -> None:
+        self.eos_token_ids = set(eos_token_ids)
+        self.max_model_len = max_model_len
+        self.vocab_size = vocab_size
+
+    def create(self, params: SamplingParams, num_prompt_tokens: int) -> BeamSearch | None:
+        """A beam search request's search state (None for any other request)."""
+        if not params.use_beam_search:
+            return None
+        room = self.max_model_len - num_prompt_tokens
+        return BeamSearch.create(params, self.eos_token_ids, min(params.max_tokens or room, room))
+
+    def select(
+        self,
+        logits: torch.Tensor,
+        sampling: list[ScheduledSeq],
+        requests: RequestRegistry[BeamSearch],
+        grammars: Grammars,
+    ) -> tuple[torch.Tensor, list[ScheduledSeq], PendingCandidates | None]:
+        """Splits the beam search rows off the sampling rows and starts their candidate selection (one
+        device operation for all beam requests); returns the other rows' logits and items."""
+        rows: dict[str, list[int]] = {}
+        keep: list[int] = []
+        for i, item in enumerate(sampling):
+            if item.group.sampling_params.use_beam_search:
+                rows.setdefault(item.group.request_id, []).append(i)
+            else:
+                keep.append(i)
+        if not rows:
+            return logits, sampling, None
+        groups = [self._rows(requests, request_id, group_rows, sampling) for request_id, group_rows in rows.items()]
+        # Constrained beams: their rows in the order select_candidates stacks them.
+        seqs = [sampling[i].seq for g in groups for i in g.rows]
+        bitmask = grammars.bitmask(seqs, grammars.constrained_rows(seqs), logits.device, own_buffer=True)
+        beams = select_candidates(logits, groups, self.vocab_size, bitmask)
+        index = torch.tensor(keep, dtype=torch.int64).to(logits.device, non_blocking=True)
+        return logits.index_select(0, index), [sampling[i] for i in keep], beams
+
+    @staticmethod
+    def _rows(
+        requests: RequestRegistry[BeamSearch], request_id: str, rows: list[int], sampling: list[ScheduledSeq]
+    ) -> BeamRows:
+        """One request's rows, in the order of its beams."""
+        request = requests.get(request_id)
+        assert request is not None and request.beam is not None, "a beam row of a request that is gone"
+        group = request.group
+        place = {id(seq): j for j, seq in enumerate(group.seqs)}
+        rows.sort(key=lambda i: place[id(sampling[i].seq)])
+        # The scheduler runs a beam group's beams together: one row per beam (its prompt at first).
+        assert len(rows) == len(group.seqs), "a beam group sampled only some of its beams"
+        return request.beam.rows(request_id, rows, group.seqs[0].num_output_tokens)
+
+    def advance(
+        self,
+        pending: PendingCandidates,
+        requests: RequestRegistry[BeamSearch],
+        scheduler: Scheduler,
+        grammars: Grammars,
+        outcome: StepOutcome,
+    ) -> None:
+        """Every beam request's step from its candidates (requests aborted meanwhile are skipped); what
+        ended and what is new goes into `outcome`."""
+        for request_id, candidates in pending.result():
+            request = requests.get(request_id)
+            if request is not None and request.beam is not None:
+                self._advance(request.group, request.beam, candidates, scheduler, grammars, outcome)
+
+    @staticmethod
+    def _advance(
+        group: SequenceGroup,
+        search: BeamSearch,
+        candidates: list[Candidate],
+        scheduler: Scheduler,
+        grammars: Grammars,
+        outcome: StepOutcome,
+    ) -> None:
+        """One beam search step of `group`: the next beams (forked from their parents, dropped beams freed
+        at once) get their tokens; or the search is over and the best beams are the request's choices."""
+        step = search.step(candidates, group.seqs)
+        if step.done:
+            scheduler.finish_group(group, SequenceStatus.FINISHED_STOPPED)
+            outcome.ended.append(group)
+            outcome.updates[group.request_id] = RequestUpdate(
+                group.request_id, search.final_updates(), group.num_cached_tokens, group.first_scheduled_time
+            )
+            return
+        parents = [group.seqs[c.beam] for c in step.beams]
+        previous = list(group.seqs)
+        beams = scheduler.replace_beams(group, parents)
+        for beam, candidate in zip(beams, step.beams):
+            beam.append_token(candidate.token_id)
+        grammars.advance_beams(group, previous, parents, [c.token_id for c in step.beams])
+        outcome.num_tokens += len(beams)  # the engine's work: every beam's token

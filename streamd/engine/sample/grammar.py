@@ -7,7 +7,14 @@ schema by its compact JSON text, property order kept), so a schema is compiled o
 A schema that cannot be compiled raises `GrammarError` naming the problem; the server compiles before
 submitting, so a bad schema is refused before its request takes any KV block.
 
-`GrammarMatchers` (owned by the engine, next to the sampler) keeps a matcher per constrained sequence:
+`Grammars` is the engine's structured-output lifecycle, one object with a hook for each moment of a request:
+`compile` (the server's, before submitting), `add` (admission: a matcher per sequence), `fork_samples` /
+`advance_beams` (forked samples and beams take a copy of their parent's state), `drop` (samples that were
+never forked), `remove` (the request registry's teardown), `clear` (every request failed). It makes the
+matchers with the first constrained request (that costs ~1 s) and is otherwise inert: unconstrained traffic
+costs the engine one check a step.
+
+`GrammarMatchers` (made by `Grammars`) keeps a matcher per constrained sequence:
 `constrained_rows(seqs)` finds a batch's constrained rows (once a step) and `bitmask(seqs, rows)` fills
 their allowed-token bitmask in one call (xgrammar's batch matcher, threads inside, into one reused host
 buffer), `accept(seq, token)` advances a matcher with each token the sequence keeps, `fork(parent, child)`
@@ -20,16 +27,19 @@ from __future__ import annotations
 
 import json
 import re
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import xgrammar as xgr
 
-from streamd.engine.core.sequence import Sequence
+from streamd.engine.core.requests import Request
+from streamd.engine.core.scheduler_output import ScheduledSeq
+from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.errors import RequestError
-from streamd.engine.sampling_params import StructuredOutputs
+from streamd.engine.sampling_params import SamplingParams, StructuredOutputs
 
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
 # Compiling a schema costs time growing steeply with its nesting (one core for ~20 s at 600 levels, on a
@@ -165,6 +175,120 @@ class GrammarMatchers:
         """An unfilled host bitmask of n rows, pinned where it is copied to a GPU."""
         shape = xgr.get_bitmask_shape(n, self.compiler.vocab_size)
         return torch.empty(shape, dtype=torch.int32, pin_memory=device.type == "cuda")
+
+
+class Grammars:
+    """The engine's grammar lifecycle (see the module docstring); thread-safe `compile`, everything else on
+    the engine's thread."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._eos_token_ids = frozenset(eos_token_ids)
+        self._lock = threading.Lock()
+        self.matchers: GrammarMatchers | None = None  # made by the first constrained request
+
+    def __len__(self) -> int:
+        """Live matchers (one per constrained sequence)."""
+        return len(self.matchers) if self.matchers is not None else 0
+
+    @property
+    def compiler(self) -> GrammarCompiler:
+        return self._made().compiler
+
+    def compile(self, params: SamplingParams) -> None:
+        """Compiles (and caches) the request's grammar, if any; raises GrammarError naming what is wrong."""
+        if params.structured_outputs is not None:
+            self._made().compiler.compile(params.structured_outputs)
+
+    def _made(self) -> GrammarMatchers:
+        with self._lock:
+            if self.matchers is None:
+                if self._tokenizer is None or not self._eos_token_ids:
+                    raise RequestError(
+                        "structured_outputs needs a tokenizer and an end-of-sequence token; this model lacks one"
+                    )
+                compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos_token_ids)
+                self.matchers = GrammarMatchers(compiler)
+            return self.matchers
+
+    # ---- a request's moments ------------------------------------------------------------------
+
+    def add(self, group: SequenceGroup) -> None:
+        """A constrained request's sequences get their matchers (a bad grammar raises before any is made)."""
+        spec = group.sampling_params.structured_outputs
+        if spec is not None:
+            matchers = self._made()
+            matchers.compiler.compile(spec)
+            for seq in group.seqs:
+                matchers.add(seq, spec)
+
+    def remove(self, request: Request[Any]) -> None:
+        """The request registry's teardown hook: the request's sequences' matchers go."""
+        group = request.group
+        if self.matchers is not None and group.sampling_params.structured_outputs is not None:
+            for seq in group.seqs:
+                self.matchers.remove(seq)
+
+    def fork_samples(self, forks: list[tuple[ScheduledSeq, list[Sequence]]]) -> None:
+        """Each sample made from a completed prompt continues a copy of the prompt's matcher state."""
+        if self.matchers is not None:
+            for item, children in forks:
+                for child in children:
+                    self.matchers.fork(item.seq, child)
+
+    def drop(self, seqs: list[Sequence]) -> None:
+        """Samples that were never forked (their request ended first) drop their matchers."""
+        if self.matchers is not None:
+            for seq in seqs:
+                self.matchers.remove(seq)
+
+    def advance_beams(
+        self,
+        group: SequenceGroup,
+        previous: list[Sequence],
+        parents: list[Sequence],
+        token_ids: list[int],
+    ) -> None:
+        """A beam search step of a constrained request: a beam forked from its parent continues a copy of
+        the parent's grammar state (taken before the parent accepts its own token); every next beam
+        (`group.seqs`, one per entry of `parents`) accepts its token; a beam of `previous` that no next beam
+        continues (aborted by the step) drops its matcher. The tokens were drawn from masked logits, so
+        each is one its grammar allows."""
+        matchers = self.matchers
+        if matchers is None or group.sampling_params.structured_outputs is None:
+            return
+        for beam, parent in zip(group.seqs, parents):
+            if beam is not parent:
+                matchers.fork(parent, beam)
+        for beam, token in zip(group.seqs, token_ids):
+            accepted = matchers.accept(beam, token)
+            assert accepted, "a beam candidate outside its grammar"
+        for beam in previous:
+            if beam.status is SequenceStatus.FINISHED_ABORTED:
+                matchers.remove(beam)
+
+    def clear(self) -> None:
+        """Every live request failed: every matcher goes (also those of samples not forked yet)."""
+        if self.matchers is not None:
+            self.matchers.clear()
+
+    # ---- the step -----------------------------------------------------------------------------
+
+    def acceptor(self) -> Callable[[Sequence, int], bool] | None:
+        """What advances a sequence's matcher with its sampled token (None while no sequence is
+        constrained: every token is accepted)."""
+        return self.matchers.accept if self.matchers else None
+
+    def constrained_rows(self, seqs: list[Sequence]) -> list[int]:
+        return self.matchers.constrained_rows(seqs) if self.matchers is not None else []
+
+    def bitmask(
+        self, seqs: list[Sequence], rows: list[int], device: torch.device, *, own_buffer: bool = False
+    ) -> TokenBitmask | None:
+        if self.matchers is None or not rows:
+            return None
+        return self.matchers.bitmask(seqs, rows, device, own_buffer=own_buffer)
 
 
 def _kind(spec: StructuredOutputs) -> str:

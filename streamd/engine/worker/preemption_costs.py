@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler import PreemptionCostModel
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.core.sequence import Sequence, SequenceGroup
@@ -126,7 +127,8 @@ def _link_bytes_per_s(cache: CacheEngine) -> float:
 def _prefill_tokens_per_s(cache: CacheEngine, executor: Executor, max_model_len: int) -> float:
     tokens = min(_PROBE_TOKENS, max_model_len, cache.num_blocks * cache.layout.block_size)
     seq = Sequence(prompt_token_ids=[0] * tokens)
-    seq.block_table = list(range(-(-tokens // cache.layout.block_size)))
+    # A throw-away block manager over the (still empty) pool gives the probe its table: blocks 0, 1, ...
+    BlockManager(cache.num_blocks, cache.layout.block_size, enable_prefix_caching=False).allocate(seq)
     group = SequenceGroup("__probe__", [seq], SamplingParams(max_tokens=1))
     out = SchedulerOutput(scheduled=[ScheduledSeq(seq, group, tokens)])
     executor.execute(out)  # warm-up

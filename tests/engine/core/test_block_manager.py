@@ -42,6 +42,20 @@ class ShadowKV:
             dst[b] = list(src.get(a, [None] * BS))
 
 
+def allocate(bm: BlockManager, seq: Sequence) -> int:
+    """As the scheduler admits a sequence: blocks for its tokens, the cached ones counted as computed."""
+    seq.num_computed_tokens = cached = bm.allocate(seq)
+    return cached
+
+
+def fork(bm: BlockManager, parent: Sequence) -> Sequence:
+    """As the scheduler forks a sequence: the child continues the parent's tokens, KV and blocks."""
+    child = parent.fork()
+    child.num_computed_tokens = parent.num_computed_tokens
+    bm.fork(parent, child)
+    return child
+
+
 def compute(bm: BlockManager, kv: ShadowKV, seq: Sequence, n: int | None = None) -> None:
     """A forward over the next n uncomputed tokens (all by default)."""
     start = seq.num_computed_tokens
@@ -56,7 +70,7 @@ def test_allocate_covers_prompt_and_counts():
     bm = BlockManager(10, BS, watermark=0.0)
     seq = Sequence(list(range(9)))
     assert bm.blocks_needed(9) == 3 and bm.can_allocate([seq])
-    assert bm.allocate(seq) == 0
+    assert allocate(bm, seq) == 0
     assert len(seq.block_table) == 3 and bm.num_free_blocks() == 7
     bm.free(seq)
     assert bm.num_free_blocks() == 10 and seq.block_table == []
@@ -68,7 +82,7 @@ def test_watermark_and_can_ever_fit():
     assert bm.watermark_blocks == 10
     assert bm.can_ever_fit(90 * BS) and not bm.can_ever_fit(90 * BS + 1)
     hog = Sequence(list(range(80 * BS)))
-    bm.allocate(hog)
+    allocate(bm, hog)
     assert bm.can_allocate([Sequence(list(range(10 * BS)))])  # 20 free - 10 = 10 >= 10
     assert not bm.can_allocate([Sequence(list(range(10 * BS + 1)))])  # 20 - 11 < 10
     assert bm.can_allocate([Sequence(list(range(10 * BS + 1)))], reserve=0)
@@ -77,18 +91,19 @@ def test_watermark_and_can_ever_fit():
 def test_prefix_hit_only_after_kv_written_and_never_whole_prompt():
     bm, kv = BlockManager(20, BS, watermark=0.0), ShadowKV()
     first = Sequence(list(range(12)))
-    bm.allocate(first)
+    allocate(bm, first)
     twin = Sequence(list(range(12)))
-    assert bm.allocate(twin) == 0  # nothing written yet: nothing findable
+    assert allocate(bm, twin) == 0  # nothing written yet: nothing findable
     bm.free(twin)
     compute(bm, kv, first, 8)  # two blocks written
     third = Sequence(list(range(12)))
-    assert bm.allocate(third) == 8  # the third block is not written yet
+    assert allocate(bm, third) == 8  # the third block is not written yet
     assert third.block_table[:2] == first.block_table[:2]
     compute(bm, kv, first)
     fourth = Sequence(list(range(12)))
     # All 12 tokens are cached, but the last one must be computed: its block is recomputed.
-    assert bm.allocate(fourth) == 8 and fourth.num_computed_tokens == 8
+    # The scheduler, not the block manager, makes the cached count the sequence's num_computed_tokens.
+    assert bm.allocate(fourth) == 8 and fourth.num_computed_tokens == 0
     assert bm.stats().prefix_hit_tokens == 16
     assert bm.stats().prefix_queried_tokens == 48
 
@@ -97,7 +112,7 @@ def test_freed_blocks_stay_findable_and_evict_least_recently_freed():
     bm, kv = BlockManager(6, BS, watermark=0.0), ShadowKV()
     a, b = Sequence([1] * 8 + [9]), Sequence([2] * 8 + [9])
     for seq in (a, b):
-        bm.allocate(seq)
+        allocate(bm, seq)
         compute(bm, kv, seq)
     a_blocks, b_blocks = a.block_table[:2], b.block_table[:2]
     bm.free(a)
@@ -105,20 +120,19 @@ def test_freed_blocks_stay_findable_and_evict_least_recently_freed():
     assert bm.num_free_blocks() == 6 and len(bm.findable_blocks()) == 4
     # Two unregistered blocks go first, then a's blocks (freed before b's), tail block first.
     hog = Sequence(list(range(100, 100 + 3 * BS)))
-    bm.allocate(hog)
+    allocate(bm, hog)
     assert a_blocks[1] in hog.block_table and a_blocks[0] not in hog.block_table
     assert set(b_blocks) == set(bm.findable_blocks().values()) - {a_blocks[0]}
     again = Sequence([2] * 8 + [5])
-    assert bm.allocate(again) == 8 and again.block_table[:2] == b_blocks
+    assert allocate(bm, again) == 8 and again.block_table[:2] == b_blocks
 
 
 def test_fork_shares_and_copy_on_write():
     bm, kv = BlockManager(10, BS, watermark=0.0), ShadowKV()
     parent = Sequence([7, 8, 9, 10, 11, 12])
-    bm.allocate(parent)
+    allocate(bm, parent)
     compute(bm, kv, parent)
-    child = parent.fork()
-    bm.fork(parent, child)
+    child = fork(bm, parent)
     assert child.block_table == parent.block_table
     assert all(bm.ref_count(b) == 2 for b in parent.block_table)
     parent.append_token(1)
@@ -138,7 +152,7 @@ def test_fork_shares_and_copy_on_write():
 def test_swap_round_trip_and_cached_reuse():
     bm, kv = BlockManager(8, BS, num_swap_blocks=8, watermark=0.0), ShadowKV()
     seq = Sequence(list(range(10)))
-    bm.allocate(seq)
+    allocate(bm, seq)
     compute(bm, kv, seq)
     assert bm.can_swap_out([seq])
     out = bm.swap_out([seq])
@@ -162,17 +176,16 @@ def test_swap_round_trip_and_cached_reuse():
 def test_swap_in_reserves_exactly_the_copy_on_write_of_a_shared_last_block():
     bm, kv = BlockManager(8, BS, num_swap_blocks=8, watermark=0.0), ShadowKV()
     parent = Sequence([1, 2, 3, 4, 5, 6])
-    bm.allocate(parent)
+    allocate(bm, parent)
     compute(bm, kv, parent)
-    child = parent.fork()
-    bm.fork(parent, child)
+    child = fork(bm, parent)
     parent.append_token(7)
     child.append_token(8)  # both will write slot 6, in the block they share
     kv.copy(bm.swap_out([parent, child]), kv.device, kv.host)
     assert bm.num_free_swap_blocks() == 6  # shared blocks cross once
     assert bm.blocks_to_swap_in([parent, child]) == 3  # 2 blocks + 1 copy (the last writer keeps it)
     filler = Sequence(list(range(100, 100 + 5 * BS)))
-    bm.allocate(filler)
+    allocate(bm, filler)
     assert bm.num_free_blocks() == 3 and bm.can_swap_in([parent, child], reserve=0)
     kv.copy(bm.swap_in([parent, child]), kv.host, kv.device)
     for seq in (parent, child):
@@ -186,13 +199,13 @@ def test_swap_in_reserves_exactly_the_copy_on_write_of_a_shared_last_block():
 def test_swap_in_reserves_the_next_block_of_a_decoding_sequence():
     bm, kv = BlockManager(4, BS, num_swap_blocks=4, watermark=0.0, enable_prefix_caching=False), ShadowKV()
     seq = Sequence([1, 2, 3, 4])
-    bm.allocate(seq)
+    allocate(bm, seq)
     compute(bm, kv, seq)
     seq.append_token(5)  # its slot is in a block it does not have yet
     kv.copy(bm.swap_out([seq]), kv.device, kv.host)
-    bm.allocate(Sequence(list(range(100, 100 + 2 * BS))))
+    allocate(bm, Sequence(list(range(100, 100 + 2 * BS))))
     assert bm.blocks_to_swap_in([seq]) == 2 and bm.can_swap_in([seq], reserve=0)
-    bm.allocate(Sequence([9]))
+    allocate(bm, Sequence([9]))
     assert not bm.can_swap_in([seq], reserve=0)  # 1 free: the block fits, its next slot would not
 
 
@@ -214,16 +227,16 @@ def test_hash_collision_is_rejected_by_token_comparison():
 def test_prefix_caching_off_registers_nothing():
     bm, kv = BlockManager(8, BS, watermark=0.0, enable_prefix_caching=False), ShadowKV()
     seq = Sequence(list(range(9)))
-    bm.allocate(seq)
+    allocate(bm, seq)
     compute(bm, kv, seq)
     assert bm.findable_blocks() == {}
-    assert bm.allocate(Sequence(list(range(9)))) == 0
+    assert allocate(bm, Sequence(list(range(9)))) == 0
 
 
 def test_invariant_checker_catches_a_leak():
     bm = BlockManager(4, BS)
     seq = Sequence([1, 2, 3])
-    bm.allocate(seq)
+    allocate(bm, seq)
     with pytest.raises(AssertionError):
         bm.check_invariants([])  # the sequence's block is neither free nor accounted for
 
@@ -251,7 +264,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         if not self.bm.can_allocate([seq]):
             self.bm.free(seq)  # drops the hashes can_allocate computed
             return
-        cached = self.bm.allocate(seq)
+        cached = allocate(self.bm, seq)
         assert cached % BS == 0 and cached < seq.num_tokens
         self.kv.check(seq, cached)  # a prefix hit hands over exactly this sequence's KV
         self.live.append(seq)
@@ -288,8 +301,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
             with pytest.raises(ValueError, match="prefilling"):
                 self.bm.fork(parent, parent.fork())
             return
-        child = parent.fork()
-        self.bm.fork(parent, child)
+        child = fork(self.bm, parent)
         self.live.append(child)
 
     @precondition(lambda self: self.live)
@@ -305,7 +317,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.free(seq)
         seq.num_computed_tokens = 0
         if self.bm.can_allocate([seq], reserve=0):
-            cached = self.bm.allocate(seq)
+            cached = allocate(self.bm, seq)
             self.kv.check(seq, cached)
         else:
             self.bm.free(seq)

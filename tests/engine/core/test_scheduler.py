@@ -18,6 +18,7 @@ from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler import PreemptionCostModel, Scheduler
 from streamd.engine.core.scheduler_output import SchedulerOutput
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.errors import ContextLengthError, KVCacheCapacityError
 from streamd.engine.sampling_params import SamplingParams
 
 CHEAP_SWAP = PreemptionCostModel(bytes_per_block=1, host_link_bytes_per_s=1e12, prefill_tokens_per_s=1.0)
@@ -44,8 +45,13 @@ class FakeEngine:
         self.rejected: dict[str, str] = {}
         self.steps = 0
 
-    def add(self, rid: str, prompt: list[int], max_tokens: int, forks: int = 0) -> SequenceGroup:
-        group = SequenceGroup(rid, [Sequence(list(prompt))], SamplingParams(max_tokens=max_tokens))
+    def add(self, rid: str, prompt: list[int], max_tokens: int, forks: int = 0, admit: bool = False) -> SequenceGroup:
+        """`admit`: check the request first, as LLMEngine.add_request does (otherwise a request may outgrow
+        the pool, to test what the scheduler does when one does)."""
+        params = SamplingParams(max_tokens=max_tokens)
+        if admit:
+            self.sched.admission.check(len(prompt), params)
+        group = SequenceGroup(rid, [Sequence(list(prompt))], params)
         self.sched.add_seq_group(group)
         if forks:
             self.forks[rid] = forks
@@ -96,7 +102,7 @@ class FakeEngine:
     def _sample(self, seq: Sequence, group: SequenceGroup) -> None:
         seq.append_token(next_token(seq.token_ids, group.seqs.index(seq)))
         if seq.num_output_tokens >= group.sampling_params.max_tokens:
-            seq.status = SequenceStatus.FINISHED_LENGTH
+            self.sched.finish_seqs([seq], SequenceStatus.FINISHED_LENGTH)
         elif seq.num_output_tokens == 1 and self.forks.pop(group.request_id, 0):
             for _ in range(len(group.seqs), 3):
                 self.sched.fork_seq(group, seq)
@@ -179,14 +185,15 @@ def test_watermark_holds_back_admission_until_memory_frees():
 
 def test_never_fit_prompt_is_rejected_and_others_continue():
     eng = FakeEngine(10, watermark=0.1)  # 1 block of watermark: at most 9 blocks = 36 tokens
-    eng.add("ok", [5, 6, 7], max_tokens=4)
-    with pytest.raises(ValueError, match="KV cache"):
-        eng.add("huge", list(range(37)), max_tokens=1)
-    eng.add("fits", list(range(36)), max_tokens=1)
+    eng.add("ok", [5, 6, 7], max_tokens=4, admit=True)
+    with pytest.raises(KVCacheCapacityError, match="KV cache"):
+        eng.add("huge", list(range(36)), max_tokens=1, admit=True)  # admission counts its output token too
+    eng.add("fits", list(range(35)), max_tokens=1, admit=True)
     eng.run()
     assert set(eng.finished) == {"ok", "fits"}
-    with pytest.raises(ValueError, match="max_model_len"):
-        eng.add("too-long", list(range(5000)), max_tokens=1)
+    with pytest.raises(ContextLengthError, match="max_model_len"):
+        eng.add("too-long", list(range(5000)), max_tokens=1, admit=True)
+    assert "huge" not in eng.sched._groups and "too-long" not in eng.sched._groups
 
 
 # ---- preemption -----------------------------------------------------------------------------------

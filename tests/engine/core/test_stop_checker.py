@@ -49,6 +49,9 @@ def _drive(checker: StopChecker, tokenizer, params: SamplingParams, tokens: list
     for token in tokens:
         seq.append_token(token)
         reason, stop_token = checker.check(seq, params)
+        assert seq.status == SequenceStatus.RUNNING, "the checker only says why: the scheduler finishes"
+        if reason is not None:
+            seq.status = SequenceStatus.of_reason(reason)  # as Scheduler.update_from_output applies it
         step = processor.process([RequestUpdate("r", [SeqUpdate(0, [token], None, reason, stop_token)])])
         for delta in step.deltas:
             for choice in delta.outputs:

@@ -202,17 +202,17 @@ def test_beam_step_rules() -> None:
 def test_one_batched_candidate_selection_per_step(monkeypatch) -> None:
     """Every beam request's candidates come from one device operation per step (one transfer to the
     host), whatever the number of requests and their widths; other requests still sample beside them."""
-    from streamd.engine import llm_engine
+    from streamd.engine.sample import beam_search
 
     engine = tiny_llm(num_kv_blocks=200, num_swap_blocks=0).engine
     calls: list[list[tuple[str, int]]] = []
-    select = llm_engine.select_candidates
+    select = beam_search.select_candidates
 
     def recording_select(logits, groups, vocab_size, bitmask=None):
         calls.append([(g.request_id, len(g.rows)) for g in groups])
         return select(logits, groups, vocab_size, bitmask)
 
-    monkeypatch.setattr(llm_engine, "select_candidates", recording_select)
+    monkeypatch.setattr(beam_search, "select_candidates", recording_select)
     for i, width in enumerate((2, 3, 4)):
         engine.add_request(f"b{i}", random_prompt(20 + i, 12 + i), _beams(width, max_tokens=10, ignore_eos=True))
     engine.add_request("g", random_prompt(30, 9), SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,

@@ -1,0 +1,223 @@
+"""Building an engine: the model loaded (or its tensor-parallel shards started), the KV pool sized and
+allocated, the executor, block manager, scheduler, sampler and the sampling lifecycles wired, the model's
+context length and end-of-sequence tokens found. `LLMEngine` gets the parts (`EngineParts`) and only drives
+the step; `warm_up` runs throw-away requests through it so that the first user does not wait for Triton.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from transformers import PretrainedConfig
+
+from streamd.config import CacheConfig, Config
+from streamd.engine.core.admission import Admission
+from streamd.engine.core.block_manager import BlockManager
+from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.output.output_processor import OutputProcessor
+from streamd.engine.sample.beam_search import BeamSearches
+from streamd.engine.sample.grammar import Grammars
+from streamd.engine.sample.sampler import Sampler
+from streamd.engine.sampling_params import SamplingParams
+from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
+from streamd.engine.worker.cpu_threads import apply_num_threads
+from streamd.engine.worker.cuda_graphs import capture_sizes
+from streamd.engine.worker.executor import Executor, LocalExecutor
+from streamd.engine.worker.fusion import fuse_layers
+from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
+from streamd.engine.worker.parallel.executor import TensorParallelExecutor
+from streamd.engine.worker.parallel.workers import WorkerPool, start_tensor_parallel
+from streamd.engine.worker.preemption_costs import cost_model
+from streamd.logs import get_logger
+
+log = get_logger(__name__)
+
+_SWAP_RAM_SHARE = 0.4  # the swap pool never takes more than this share of host RAM
+_GRAPH_SLACK_BYTES = 320 << 20  # decode-graph activations (measured < 40 MiB) and swap staging (64 MiB), with room
+
+
+@dataclass(slots=True)
+class EngineParts:
+    """Everything an engine steps with, wired."""
+
+    model_name: str
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: set[int]
+    runner: ModelRunner
+    cache: CacheEngine
+    executor: Executor
+    block_manager: BlockManager
+    scheduler: Scheduler
+    admission: Admission
+    sampler: Sampler
+    grammars: Grammars
+    beams: BeamSearches
+    output_processor: OutputProcessor
+
+
+def load(
+    config: Config, model_config: PretrainedConfig | None = None
+) -> tuple[LoadedModel, torch.device, WorkerPool | None]:
+    """The configured model (or random weights for `model_config`) on its device; with tensor parallelism,
+    shard 0 here and the other ranks' workers started."""
+    apply_num_threads(config.model.num_threads)
+    device = resolve_device(config.model.device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    if config.parallel.tensor_parallel_size > 1:
+        loaded, workers = start_tensor_parallel(config, model_config, device, dtype)
+        return loaded, device, workers
+    model = model_config or config.model.name
+    return load_model(model, dtype, device, config.model.cache_dir, config.model.seed), device, None
+
+
+def build(config: Config, loaded: LoadedModel, device: torch.device, workers: WorkerPool | None) -> EngineParts:
+    """The engine's parts for a loaded model (`workers`: the other tensor-parallel ranks)."""
+    max_model_len = _max_model_len(loaded, config.model.max_model_len)
+    vocab = loaded.model.config.get_text_config().vocab_size
+    runner, cache = _kv_cache(config, loaded, device, max_model_len, vocab)
+    if device.type == "cuda" and not config.model.enforce_eager and workers is None:
+        runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_model_len)
+    executor: Executor = (
+        LocalExecutor(runner, cache) if workers is None else TensorParallelExecutor(runner, cache, workers)
+    )
+    cache_cfg = config.cache
+    block_manager = BlockManager(
+        cache.num_blocks,
+        cache_cfg.block_size,
+        cache.num_swap_blocks,
+        cache_cfg.watermark,
+        cache_cfg.enable_prefix_caching,
+    )
+    eos = _eos_token_ids(loaded)
+    costs = None
+    if config.scheduler.preemption_mode != "recompute" and cache.num_swap_blocks:
+        costs = cost_model(cache, executor, runner, max_model_len, Path(config.model.cache_dir).expanduser())
+    scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos)
+    return EngineParts(
+        config.server.served_model_name or loaded.name,
+        loaded.tokenizer,
+        max_model_len,
+        vocab,
+        eos,
+        runner,
+        cache,
+        executor,
+        block_manager,
+        scheduler,
+        scheduler.admission,
+        Sampler(vocab, eos, seed=config.model.seed),
+        Grammars(loaded.tokenizer, vocab, eos),
+        BeamSearches(eos, max_model_len, vocab),
+        OutputProcessor(loaded.tokenizer),
+    )
+
+
+def _kv_cache(
+    config: Config, loaded: LoadedModel, device: torch.device, max_model_len: int, vocab: int
+) -> tuple[ModelRunner, CacheEngine]:
+    """The model runner (layers fused as configured) bound to a KV pool sized for this device."""
+    cache_cfg = config.cache
+    dtype = next(loaded.model.parameters()).dtype
+    runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
+    fuse_layers(loaded.model, config.model.fuse_layers, device)
+    layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype, config.parallel.tensor_parallel_size)
+    num_blocks = cache_cfg.num_kv_blocks or _auto_num_blocks(config, runner, layout, device, max_model_len, vocab)
+    cache = CacheEngine(layout, num_blocks, _num_swap_blocks(cache_cfg, layout), device, runner.ops)
+    runner.bind_kv_cache(cache.kv_cache)
+    return runner, cache
+
+
+class Steppable(Protocol):
+    """What `warm_up` drives (an LLMEngine)."""
+
+    max_model_len: int
+    vocab_size: int
+    block_manager: BlockManager
+
+    def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> list[int]: ...
+
+    def has_unfinished_requests(self) -> bool: ...
+
+    def step(self) -> list[Any]: ...
+
+
+def warm_up(engine: Steppable) -> None:
+    """Runs a few throw-away requests of awkward lengths through the real step, so that Triton compiles
+    its kernel variants (it specializes on sizes divisible by 16) before the first user waits for it."""
+    start = time.perf_counter()
+    params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, temperature=0.0)
+    lengths = [n for n in (1, 15, 16, 17, 40, 255, 256, 300, 1000) if n + 3 <= engine.max_model_len]
+    for wave in (lengths, lengths[-1:], lengths):  # batched, alone (chunked), then over cached prefixes
+        for i, n in enumerate(wave):
+            engine.add_request(f"__warmup_{i}", [(7 * j + n) % engine.vocab_size for j in range(n)], params)
+        while engine.has_unfinished_requests():
+            engine.step()
+    # The throw-away requests are not traffic: the prefix-cache counters start from zero.
+    engine.block_manager.prefix_cache_queried_tokens = engine.block_manager.prefix_cache_hit_tokens = 0
+    log.info("engine.warmed_up", seconds=round(time.perf_counter() - start, 2))
+
+
+def _auto_num_blocks(
+    config: Config, runner: ModelRunner, layout: KVLayout, device: torch.device, max_model_len: int, vocab: int
+) -> int:
+    if device.type == "cuda":
+        return profile_num_blocks(
+            runner,
+            layout,
+            config.scheduler.max_num_batched_tokens,
+            max_model_len,
+            config.cache.gpu_memory_utilization,
+            _graph_reserve_bytes(config, layout, vocab),
+        )
+    return max(1, int(config.cache.cpu_kv_cache_gib * 2**30) // layout.bytes_per_block)
+
+
+def _graph_reserve_bytes(config: Config, layout: KVLayout, vocab: int) -> int:
+    """GPU memory the decode graphs will hold once captured (captured after the pool is allocated):
+    one logits buffer per captured size plus the largest graph's activations and the swap staging."""
+    if config.model.enforce_eager:
+        return _GRAPH_SLACK_BYTES
+    elem = torch.empty((), dtype=layout.dtype).element_size()
+    return sum(capture_sizes(config.scheduler.max_num_seqs)) * vocab * elem + _GRAPH_SLACK_BYTES
+
+
+def _max_model_len(loaded: LoadedModel, configured: int | None) -> int:
+    text_config = loaded.model.config.get_text_config()
+    native = getattr(text_config, "max_position_embeddings", None) or 2048
+    if configured is not None and configured > native:
+        raise ValueError(f"model.max_model_len {configured} exceeds the model's context ({native})")
+    return configured or native
+
+
+def _num_swap_blocks(cache: CacheConfig, layout: KVLayout) -> int:
+    if cache.num_swap_blocks is not None:
+        return cache.num_swap_blocks
+    ram = _host_ram_bytes()
+    budget = min(cache.swap_space_gib * 2**30, _SWAP_RAM_SHARE * ram) if ram else cache.swap_space_gib * 2**30
+    return int(budget // layout.bytes_per_block)
+
+
+def _host_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
+
+
+def _eos_token_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(loaded.model, "generation_config", None), loaded.model.config, loaded.tokenizer):
+        value = getattr(source, "eos_token_id", None) if source is not None else None
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
