@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -47,17 +48,13 @@ class LLM:
         self, prompts: Prompt | Seq[Prompt], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Runs every prompt to completion with continuous batching; outputs in prompt order."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]  # type: ignore[list-item]
-        return self._run(list(prompts), sampling_params, chat=False)
+        return self._run(_batch(prompts, single=lambda first: isinstance(first, int)), sampling_params, chat=False)
 
     def chat(
         self, messages: Messages | Seq[Messages], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> list[RequestOutput]:
         """Applies the model's chat template to each conversation, then generates."""
-        if messages and isinstance(messages[0], dict):
-            messages = [messages]  # type: ignore[list-item]
-        return self._run(list(messages), sampling_params, chat=True)
+        return self._run(_batch(messages, single=lambda first: isinstance(first, dict)), sampling_params, chat=True)
 
     def _run(
         self, items: list[Any], sampling_params: SamplingParams | Seq[SamplingParams] | None, chat: bool
@@ -113,3 +110,11 @@ def _per_item(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> li
     if len(params) != n:
         raise ValueError(f"sampling_params has {len(params)} entries for {n} prompts")
     return params
+
+
+def _batch(items: Any, single: Callable[[Any], bool]) -> list[Any]:
+    """One item (a prompt: text or token ids; a conversation) as a batch of one; a batch as a list. `single`
+    tells from a list's first element whether the list is itself one item."""
+    if isinstance(items, str) or (isinstance(items, list) and items and single(items[0])):
+        return [items]
+    return list(items)

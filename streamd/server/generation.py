@@ -179,13 +179,10 @@ class Generation:
         except RequestError as exc:  # a GrammarError, or a model that cannot constrain its output
             raise ServiceError(exc.code, str(exc), "structured_outputs") from exc
         engine, request_id = self.engine, new_request_id()
-        stream = (
-            None
-            if sink is not None
-            else RequestStream(
-                request_id, engine.abort, Backpressure(request_id, self.config.max_unsent_tokens, engine.set_paused)
-            )
-        )
+        stream = None
+        if sink is None:
+            backpressure = Backpressure(request_id, self.config.max_unsent_tokens, engine.set_paused)
+            sink = stream = RequestStream(request_id, engine.abort, backpressure)
         account = RequestAccount(
             request_id,
             route,
@@ -197,7 +194,7 @@ class Generation:
         )
         try:
             await engine.submit(
-                request_id, prepared.prompt, prepared.params, stream or sink, prompt_token_ids=prepared.prompt_token_ids
+                request_id, prepared.prompt, prepared.params, sink, prompt_token_ids=prepared.prompt_token_ids
             )
         except asyncio.CancelledError:
             account.close()  # cancelled while waiting for admission: counted as cancelled

@@ -101,7 +101,7 @@ class OutputProcessor:
         if update.scheduled_time is not None and state.queue_time is None:
             state.queue_time = max(0.0, update.scheduled_time - state.arrival_time)
         state.num_cached_tokens = update.num_cached_tokens or state.num_cached_tokens
-        outputs = []
+        outputs: list[CompletionDelta] = []
         for seq in update.seqs:
             choice = state.choices[seq.index]
             if choice.finish_reason is not None:
