@@ -7,7 +7,7 @@ sequence's status and applies what a step sampled (`Scheduler.update_from_output
 token-level stops, finished sequences freed); the beam search and grammar lifecycles (`BeamSearches`,
 `Grammars`) each have a hook per moment of a request; the output processor turns the step's new token ids
 (`RequestUpdate`) into `RequestDelta`s (text, stop strings) and names the choices a stop string ended,
-which are finished here. Nothing of HTTP, WebSocket or threads (see AsyncEngine).
+which are finished here. Nothing of HTTP, WebSocket or threads (see `streamd.engine.client.loop.EngineLoop`).
 """
 
 from __future__ import annotations
@@ -132,7 +132,7 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         # A launched step whose requests have all finished is void: it needs no more steps. A failed
-        # executor keeps the loop stepping (each step fails at once) until the AsyncEngine declares it dead.
+        # executor keeps the loop stepping (each step fails at once) until the engine loop declares it dead.
         return bool(self.requests) or bool(self._pending) or self.executor.failed
 
     def has_runnable_work(self) -> bool:

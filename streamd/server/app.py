@@ -1,7 +1,7 @@
 """The Starlette app: routes, auth middleware, error rendering, and the lifespan that warms the engine.
 
 `create_app(config, engine)` serves an already-built `EngineClient` (the caller owns its lifetime, so tests
-can share one loaded model between apps). Routes are listed in ARCHITECTURE.md; every route but `/`,
+can share one loaded model between apps). Routes are listed in docs/SERVER.md; every route but `/`,
 `/static/...`, `/favicon.ico`, `/v1/server-info`, `/health` and `/ready` needs an API key when keys are
 configured (`/` is a static page that holds no data and asks for the key itself; WebSocket auth happens in
 the handshake, see ws.py).

@@ -67,8 +67,8 @@ class Metrics:
 
 class CountedHistogram(Collector):
     """A histogram that takes `count` equal observations in one call: one bisect and two additions, where
-    prometheus-client's Histogram takes a lock per value (1.9 µs against 0.4 µs per token on the event
-    loop, measured). Observed and collected on the event loop only."""
+    prometheus-client's Histogram takes a lock per value (several times the cost per token on the event loop:
+    benchmarks/NOTES.md). Observed and collected on the event loop only."""
 
     def __init__(self, name: str, documentation: str, buckets: Sequence[float], registry: CollectorRegistry) -> None:
         self.name = name

@@ -1,6 +1,6 @@
 """Prompt text and chat messages to token ids without stalling the event loop.
 
-Short inputs are tokenized on the loop (with `AsyncEngine.tokenizer`, the loop's own copy: a thread hop
+Short inputs are tokenized on the loop (with `EngineClient.tokenizer`, the loop's own copy: a thread hop
 costs more than they do). Longer ones go to one dedicated worker thread with its own tokenizer copy (a
 Hugging Face fast tokenizer must never be used by two threads at once); the Rust tokenizer releases the
 GIL while it encodes, so the loop keeps serving every other stream meanwhile. At most `MAX_QUEUED` inputs

@@ -103,8 +103,8 @@ class GrammarMatchers:
     def __init__(self, compiler: GrammarCompiler) -> None:
         self.compiler = compiler
         self._matchers: dict[int, xgr.GrammarMatcher] = {}
-        # xgrammar's default: half the host's cores. At batch 256 a fill is ~0.5 ms of work: on the 2-core
-        # development box one thread (what "auto" gives there) fills in 1.0 ms where two take 3.5 ms.
+        # xgrammar's default: half the host's cores. A batch's fill is little work, so on a small host one
+        # thread (what "auto" gives a 2-core one) beats two (the measurement: benchmarks/NOTES.md).
         self._batch = xgr.BatchGrammarMatcher(max_threads="auto")
         # The host bitmask, reused every step (allocating and filling a fresh one costs more than the
         # grammar work itself at batch 256); pinned where it is copied to a GPU. Rows are rewritten by

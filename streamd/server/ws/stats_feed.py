@@ -5,7 +5,7 @@ until it sends `unsubscribe_stats` or closes; nothing is computed for connection
 Each frame is built from the typed `EngineStats` snapshot the engine thread hands over after every step
 (`EngineClient.stats()`, no extra call into the engine), so the page never parses `/metrics` text.
 
-Frame (documented in ARCHITECTURE.md, protocol section):
+Frame (documented in docs/SERVER.md, protocol section):
 `{"type":"stats","kv":{"total","used","cached","free"},"swap":{"total","used"},
 "requests":{"running","waiting","swapped","paused"},"prefix_cache":{"queried_tokens","hit_tokens","hit_rate"},
 "generated_tokens":N,"tokens_per_s":X}`. KV `free` excludes `cached` (free blocks still holding a findable

@@ -7,7 +7,7 @@ forwards and cache orders touch a worker's pools, so applying a step's orders ju
 leaves every rank's shard of every block exactly as rank 0's.
 
 A lost worker (its process gone, a collective that failed or timed out) fails the step with
-`WorkerFailedError` and leaves the executor `failed`: every later step fails at once, so the AsyncEngine
+`WorkerFailedError` and leaves the executor `failed`: every later step fails at once, so the engine loop
 fails the requests in flight and, after its consecutive-failure limit, reports the engine dead (`/ready`
 503). The engine does not restart workers: the server process must be restarted.
 """
