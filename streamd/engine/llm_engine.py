@@ -20,8 +20,8 @@ import torch
 from streamd.engine import builder
 from streamd.engine.core.requests import RequestRegistry
 from streamd.engine.core.sequence import Sequence, SequenceGroup
-from streamd.engine.errors import RequestError
 from streamd.engine.output.chat_template import chat_template_ids
+from streamd.engine.output.output_processor import OutputStage
 from streamd.engine.outputs import FinishReason, RequestDelta, RequestUpdate, SeqUpdate
 from streamd.engine.sample.beam_search import BeamSearch
 from streamd.engine.sample.rows import InFlight, SampleRows, fork_rows, launch
@@ -49,7 +49,7 @@ class LLMEngine:
         self.runner, self.cache, self.executor = parts.runner, parts.cache, parts.executor
         self.block_manager, self.scheduler, self.admission = parts.block_manager, parts.scheduler, parts.admission
         self.sampler, self.grammars, self.beams = parts.sampler, parts.grammars, parts.beams
-        self.output_processor = parts.output_processor
+        self.output_processor: OutputStage = parts.output_processor
         self.requests: RequestRegistry[BeamSearch] = RequestRegistry()
         self.requests.on_remove(self.grammars.remove)
         self._generated_tokens = 0  # cumulative tokens sampled and kept (EngineStats.generated_tokens)
@@ -84,8 +84,7 @@ class LLMEngine:
         arrival_time: float | None = None,
     ) -> list[int]:
         """Admits a request (or raises a RequestError saying why not); returns its prompt token ids."""
-        if request_id in self.requests:
-            raise RequestError(f"request_id {request_id!r} is already in flight")
+        self.requests.check_new(request_id)
         self.admission.check_params(params, self.tokenizer)
         text, ids = self.admission.prompt_ids(prompt, prompt_token_ids, self.tokenizer, self.vocab_size)
         self.admission.check(len(ids), params)
@@ -232,6 +231,12 @@ class LLMEngine:
         for hit in processed.stop_hits:
             self.finish_choice(hit.request_id, hit.index)
         return processed.deltas
+
+    def use_output_stage(self, stage: OutputStage) -> None:
+        """Hands the step's updates to `stage` from now on (before any request): the engine process uses it when
+        the network process makes the deltas."""
+        assert not self.requests, "the output stage changes only before the first request"
+        self.output_processor = stage
 
     def finish_choice(self, request_id: str, index: int) -> None:
         """Ends one choice that a stop string ended (its blocks are freed at once); its later tokens, if any

@@ -14,8 +14,9 @@ add, and any later command for that request, through an admission thread that co
 before the engine sees it, and every other command straight to the loop: a slow schema delays only its own
 request, never a step or another request's abort.
 
-With outputs made in the network process, the engine's output processor is an `UpdateRelay`: it makes no
-deltas and keeps each step's `RequestUpdate`s for the batch that carries them there.
+With outputs made in the network process, the engine's output stage is an `UpdateRelay`
+(`LLMEngine.use_output_stage`): it makes no deltas and keeps each step's `RequestUpdate`s for the batch that
+carries them there.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import queue
 import signal
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,7 @@ from streamd.engine.stats import EngineStats
 
 if TYPE_CHECKING:
     from streamd.engine.llm_engine import LLMEngine
+    from streamd.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True, frozen=True)
@@ -58,16 +60,18 @@ DELIVERED_FRAME = wire.frame(Delivered())  # sent after every delivered batch: p
 
 
 class UpdateRelay:
-    """Stands in for the engine's output processor when outputs are made in the network process: keeps
-    each step's updates for the batch that carries them there (no deltas, no stop hits here)."""
+    """The engine's `OutputStage` when outputs are made in the network process: keeps each step's updates for
+    the batch that carries them there (no deltas, no stop hits here)."""
 
     def __init__(self) -> None:
         self.updates: list[RequestUpdate] = []
 
-    def add_request(self, *args: Any) -> None:
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
+    ) -> None:
         pass
 
-    def process(self, updates: list[RequestUpdate]) -> ProcessedStep:
+    def process(self, updates: Iterable[RequestUpdate]) -> ProcessedStep:
         self.updates.extend(updates)
         return ProcessedStep()
 
@@ -168,8 +172,8 @@ def child_main(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     engine = factory(*args)
     relay = None if outputs_here else UpdateRelay()
-    if relay is not None:  # LLMEngine has no updates-only mode: its output processor is swapped for the relay
-        engine.output_processor = relay  # type: ignore[assignment]
+    if relay is not None:
+        engine.use_output_stage(relay)
     sender = BatchSender(batches, batches_ahead, relay)
     loop = EngineLoop(engine, sender)
     heap.settle()

@@ -21,6 +21,7 @@ from typing import Generic, TypeVar
 
 from streamd.engine.core.deadlines import Deadline, Deadlines
 from streamd.engine.core.sequence import SequenceGroup
+from streamd.engine.errors import RequestError
 
 S = TypeVar("S")  # the beam search state of a beam search request
 
@@ -54,10 +55,14 @@ class RequestRegistry(Generic[S]):
         """`hook(request)` runs when a request is removed (the engine's parts drop their per-request state)."""
         self._teardown.append(hook)
 
+    def check_new(self, request_id: str) -> None:
+        """Raises a RequestError if `request_id` is in flight: the engine asks before it makes anything for it."""
+        if request_id in self._requests:
+            raise RequestError(f"request_id {request_id!r} is already in flight")
+
     def add(self, group: SequenceGroup, beam: S | None = None) -> Request[S]:
         request_id = group.request_id
-        if request_id in self._requests:
-            raise ValueError(f"request {request_id!r} is already registered")
+        self.check_new(request_id)
         request = self._requests[request_id] = Request(group, beam)
         self.num_serial += request.serial
         self.num_beam += beam is not None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from streamd.engine.output.detokenizer import Detokenizer, byte_table, make_detokenizer
 from streamd.engine.outputs import CompletionDelta, FinishReason, RequestDelta, RequestUpdate, SeqUpdate
@@ -61,6 +61,18 @@ class RequestState:
 class ProcessedStep:
     deltas: list[RequestDelta] = field(default_factory=list)
     stop_hits: list[StopHit] = field(default_factory=list)
+
+
+class OutputStage(Protocol):
+    """Where the engine hands each step's updates: the `OutputProcessor` (deltas made next to the engine), or,
+    when another process makes the deltas, a stage that keeps the updates for it (the engine process's
+    `UpdateRelay`). The engine takes it at construction or through `LLMEngine.use_output_stage`."""
+
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, arrival_time: float
+    ) -> None: ...
+
+    def process(self, updates: Iterable[RequestUpdate]) -> ProcessedStep: ...
 
 
 class OutputProcessor:

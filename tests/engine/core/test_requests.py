@@ -8,6 +8,7 @@ import pytest
 
 from streamd.engine.core.requests import Request, RequestRegistry
 from streamd.engine.core.sequence import Sequence, SequenceGroup
+from streamd.engine.errors import RequestError
 from streamd.engine.sampling_params import SamplingParams
 
 
@@ -58,5 +59,9 @@ def test_expired_gives_each_live_request_once() -> None:
 def test_a_request_id_is_registered_once() -> None:
     registry: RequestRegistry[None] = RequestRegistry()
     registry.add(_group("r"))
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(RequestError, match="'r' is already in flight"):
+        registry.check_new("r")
+    with pytest.raises(RequestError, match="'r' is already in flight"):
         registry.add(_group("r"))
+    registry.remove("r")
+    registry.check_new("r")
