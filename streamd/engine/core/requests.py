@@ -98,9 +98,9 @@ class RequestRegistry(Generic[S]):
         """The live requests whose deadline has passed (each at most once); the clock is read only while
         some deadline is pending."""
         head = self._deadlines.head
-        if head is None or head.at > time.monotonic():
+        if head is None or head.at > (now := time.monotonic()):
             return []
-        due = (self._applies(d) for d in self._deadlines.expired(time.monotonic()))
+        due = (self._applies(d) for d in self._deadlines.expired(now))
         return list({id(r): r for r in due if r is not None}.values())
 
     @property

@@ -574,9 +574,7 @@ class Scheduler:
     def stop_choice(self, group: SequenceGroup, index: int) -> list[SequenceGroup]:
         """Ends the choice `index` of `group` (a stop string ended it) and frees its blocks at once;
         returns the group if that finished it (as `free_finished`)."""
-        for seq in group.seqs:
-            if seq.sample_index == index and not seq.status.finished:
-                seq.status = SequenceStatus.FINISHED_STOPPED
+        self.finish_seqs((s for s in group.seqs if s.sample_index == index), SequenceStatus.FINISHED_STOPPED)
         return self.free_finished([group])
 
     def finish_group(self, group: SequenceGroup, status: SequenceStatus) -> None:
