@@ -72,7 +72,7 @@ def test_two_different_models_are_refused() -> None:
 @pytest.mark.parametrize("flag", ["--quantization awq", "-q awq", "--kv-cache-dtype fp8", "-pp 2",
                                   "--enable-lora", "--tokenizer other/tok"])
 def test_an_unsupported_vllm_flag_is_refused_by_name(flag: str) -> None:
-    name = flag.split()[0]
+    name = flag.split(maxsplit=1)[0]
     result = streamd("serve", "/no/such/model", *flag.split())
     assert_one_line_error(result, name, "not supported by streamd")
     reason = next(why for names, why in REFUSED.items() if name in names)
@@ -91,7 +91,7 @@ def test_help_groups_the_flags_by_section() -> None:
 
 
 def test_generate_shares_the_engine_flags() -> None:
-    args = build_parser().parse_args("generate --max-model-len 512 --block-size 32 -tp 1 --threads 2 hi".split())
+    args = build_parser().parse_args(["generate", "--max-model-len", "512", "--block-size", "32", "-tp", "1", "--threads", "2", "hi"])
     config = load_settings(args)
     assert (config.model.max_model_len, config.cache.block_size, config.model.num_threads) == (512, 32, 2)
     assert not hasattr(args, "server.port")
