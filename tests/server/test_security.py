@@ -1,5 +1,6 @@
 """API keys (HTTP Bearer, WebSocket header or `bearer.<key>` subprotocol), the Origin allowlist and the
-connection limit, all refused before the WebSocket handshake completes."""
+connection limit, all refused before the WebSocket handshake completes; the chat page's
+Content-Security-Policy."""
 
 from __future__ import annotations
 
@@ -80,3 +81,12 @@ async def test_connection_limit(async_engine) -> None:
                 pass
         assert info.value.response.status_code == 503
         assert first.subprotocol == second.subprotocol == "streamd.v1"
+
+
+async def test_chat_page_policy_allows_no_inline_script_or_style(locked: Server) -> None:
+    # The page is files only; tests/server/test_chat_page.py runs it in Chromium under this very header.
+    async with httpx.AsyncClient(base_url=locked.http) as http:
+        policy = (await http.get("/")).headers["content-security-policy"]
+    directives = {name: sources for name, *sources in (part.split() for part in policy.split(";"))}
+    assert directives["default-src"] == ["'none'"]
+    assert directives["script-src"] == directives["style-src"] == ["'self'"]
