@@ -56,12 +56,13 @@ _NOT_READY = {
     "warming_up": "service_unavailable",
     "engine_unavailable": "engine_unavailable",
 }
-# The chat page: its own scripts (files only, no inline script) and styles, never framed, never sniffed.
+# The chat page: its own scripts and styles (files only: no inline script, style element or style
+# attribute), never framed, never sniffed.
 # connect-src names ws: and wss: because older browsers do not match WebSocket URLs against 'self'.
 PAGE_HEADERS = {
     "Cache-Control": "no-cache",
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; "
-    "style-src 'self' 'unsafe-inline'; connect-src 'self' ws: wss:; "
+    "style-src 'self'; connect-src 'self' ws: wss:; "
     "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",

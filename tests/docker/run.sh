@@ -256,7 +256,7 @@ check_drained() {
 }
 
 # The baked model copied out of the image, mounted back read-only as a model directory and as a Hub cache
-# entry (README "Docker"): both load in one `docker compose run` and generate the same greedy text.
+# entry (docs/docker.md): both load in one `docker compose run` and generate the same greedy text.
 check_model_mounts() {
     local cid models=$RUN_DIR/models hub=$RUN_DIR/hub
     local entry=$RUN_DIR/hub/hub/models--streamd-test--smollm2

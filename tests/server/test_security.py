@@ -1,6 +1,6 @@
 """API keys (HTTP Bearer, WebSocket header or `bearer.<key>` subprotocol; STREAMD_API_KEY), the Origin
 allowlist (CORS on HTTP: preflights answered before the key check) and the connection limit (503 with
-Retry-After), all refused before the WebSocket handshake completes."""
+Retry-After), all refused before the WebSocket handshake completes; the chat page's Content-Security-Policy."""
 
 from __future__ import annotations
 
@@ -135,3 +135,10 @@ async def test_streamd_api_key_protects_the_server(async_engine) -> None:
             async with ws_connect(srv):
                 pass
         assert info.value.response.status_code == 401
+async def test_chat_page_policy_allows_no_inline_script_or_style(locked: Server) -> None:
+    # The page is files only; tests/server/test_chat_page.py runs it in Chromium under this very header.
+    async with httpx.AsyncClient(base_url=locked.http) as http:
+        policy = (await http.get("/")).headers["content-security-policy"]
+    directives = {name: sources for name, *sources in (part.split() for part in policy.split(";"))}
+    assert directives["default-src"] == ["'none'"]
+    assert directives["script-src"] == directives["style-src"] == ["'self'"]
