@@ -107,6 +107,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1  # N ranks, each holding 1/N of the heads, KV heads and MLP columns
     collective_timeout_s: float = 60.0  # a collective not done by then fails the step (a lost worker)
+    cuda_graphs: bool = True  # every rank captures its decode graphs (all-reduces inside); False: eager decode
 
     def validate(self) -> None:
         _positive("parallel.tensor_parallel_size", self.tensor_parallel_size)

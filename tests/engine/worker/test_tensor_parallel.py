@@ -15,7 +15,15 @@ from transformers import AutoModelForCausalLM
 from streamd import LLM, SamplingParams
 from streamd.config import ConfigError
 from streamd.engine.worker.model_runner import ModelInput
-from streamd.engine.worker.parallel.step_message import CacheOrder, Command, OrderKind, StepMessage, decode, encode
+from streamd.engine.worker.parallel.step_message import (
+    CacheOrder,
+    Command,
+    OrderKind,
+    StepMessage,
+    decode,
+    decode_header,
+    encode,
+)
 from tests.engine.worker.tp_models import VOCAB, save_random_model
 from tests.helpers import fold_deltas, hf_greedy, register_engine
 
@@ -27,7 +35,7 @@ def _engine_args(mode: str) -> dict:
     # 16 tokens per step: the longer prompts are prefilled in chunks beside running decodes.
     return dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=24, max_num_batched_tokens=16,
                 num_swap_blocks=64 if mode == "swap" else 0, preemption_mode=mode, watermark=0.0, seed=3,
-                collective_timeout_s=30.0)
+                collective_timeout_s=120.0)  # a loaded 2-core box spawns slowly
 
 
 def _prompts() -> list[list[int]]:
@@ -108,12 +116,14 @@ def test_step_message_round_trip() -> None:
                        sample_idx=torch.tensor([2, 3]), decode_only=False)
     orders = [CacheOrder(OrderKind.SWAP_OUT, [(4, 0), (7, 1)]), CacheOrder(OrderKind.COPY, [(3, 5)]),
               CacheOrder(OrderKind.SWAP_IN, [(0, 4)])]
-    message = decode(encode(StepMessage(Command.STEP, orders, batch), torch.device("cpu")))
-    assert message.command == Command.STEP and message.orders == orders
+    message = decode(*encode(StepMessage(Command.STEP, orders, batch, graph_size=16), torch.device("cpu")))
+    assert message.command == Command.STEP and message.orders == orders and message.graph_size == 16
     got = message.batch
     assert got is not None and got.decode_only is False
     for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
         want = getattr(batch, name)
         assert torch.equal(getattr(got, name), want) and getattr(got, name).dtype == want.dtype, name
-    empty = decode(encode(StepMessage(Command.ALLOCATE, args=(12, 34)), torch.device("cpu")))
+    control, payload = encode(StepMessage(Command.ALLOCATE, args=(12, 34)), torch.device("cpu"))
+    assert payload is None and decode_header(control).payload_words == 0
+    empty = decode(control, payload)
     assert empty.command == Command.ALLOCATE and empty.batch is None and empty.args == (12, 34)
