@@ -18,11 +18,15 @@ from __future__ import annotations
 import bisect
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from streamd.engine.worker.attention import AttentionMetadata, set_attention_metadata
 from streamd.logs import get_logger
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 log = get_logger(__name__)
 
@@ -80,7 +84,7 @@ class DecodeGraphs:
 
     def _forward(self, n: int) -> torch.Tensor:
         if self.layers_only:
-            base = self.model.base_model
+            base = cast(torch.nn.Module, self.model.base_model)
             out = base(input_ids=self.input_ids[None, :n], position_ids=self.positions[None, :n], use_cache=False)
             return out.last_hidden_state[0]
         return self.model(
@@ -108,7 +112,7 @@ class DecodeGraphs:
         )
         return True
 
-    def _capture_one(self, n: int, pool: tuple[int, int]) -> bool:
+    def _capture_one(self, n: int, pool: _POOL_HANDLE) -> bool:
         set_attention_metadata(self._metadata(n))
         try:
             self._forward(n)  # warm-up outside capture (lazy inits, autotuning; the all-reduces run)

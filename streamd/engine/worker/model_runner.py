@@ -137,10 +137,11 @@ class ModelRunner:
     def run(self, batch: ModelInput, graph_size: int | None = None) -> torch.Tensor:
         """The forward of a prepared batch: float32 logits of its `sample_idx` rows (in the graph of
         `graph_size`, by default `self.graph_size(batch)`; 0: eagerly)."""
-        metadata = self._metadata(batch)
-        if self.graph_size(batch) if graph_size is None else graph_size:
+        if graph_size is None:
+            graph_size = self.graph_size(batch)
+        if graph_size:
             return self._replay(batch).float()
-        set_attention_metadata(metadata)
+        set_attention_metadata(self._metadata(batch))
         try:
             logits = self.model(
                 input_ids=batch.input_ids[None],
