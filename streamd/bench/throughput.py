@@ -5,6 +5,7 @@ ceilings and the workload's roofline. Writes `<--out>/throughput-<date>-<gpu>.js
 
 Workload (nano-vllm's): 256 requests, seed 0, random-token prompts and output lengths uniform in
 [100, 1024], EOS ignored, random bf16 weights of a named shape (or a real model directory).
+`--tp 1,2` measures tensor-parallel sizes instead, on the first shape (`tensor_parallel.py`).
 """
 
 from __future__ import annotations
@@ -20,12 +21,23 @@ from typing import TYPE_CHECKING, Any
 
 from streamd.bench.hf_peer import run_continuous_batching
 from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
+from streamd.bench.tensor_parallel import roofline_tok_s, tp_main
 from streamd.bench.workloads import TokenWorkload
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig
 
 SHAPES: dict[str, dict[str, Any]] = {
+    "llama3.1-8b": dict(
+        hidden_size=4096,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=14336,
+        vocab_size=128256,
+        tie_word_embeddings=False,
+    ),
     "llama3.2-1b": dict(
         hidden_size=2048,
         num_hidden_layers=16,
@@ -90,44 +102,24 @@ def measure_ceilings() -> dict[str, float]:
     return {"hbm_bytes_per_s": 2 * n / (ms * 1e-3), "bf16_flop_per_s": 2 * 8192**3 / (mm * 1e-3)}
 
 
-def roofline_tok_s(config: Any, work: TokenWorkload, ceilings: dict[str, float], max_num_seqs: int = 256) -> float:
-    """Every decode step reads the weights and the live KV once; prefill and decode FLOPs at the measured
-    matrix rate; the step costs the larger of the two. Requests run `max_num_seqs` at a time, FCFS."""
-    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
-    params = (
-        layers
-        * (
-            2 * h * config.num_attention_heads * head_dim
-            + 2 * h * kv_heads * head_dim
-            + 3 * h * config.intermediate_size
-        )
-        + vocab * h
-    )
-    weight_bytes = 2 * params
-    kv_bytes_per_token = 2 * layers * 2 * kv_heads * head_dim
-    bw, rate = ceilings["hbm_bytes_per_s"], ceilings["bf16_flop_per_s"]
-    prefill_tokens = sum(len(p) for p in work.prompts)
-    seconds = 2 * params * prefill_tokens / rate
-    live = sorted(zip((len(p) for p in work.prompts), work.output_lens), key=lambda x: x[1])
-    for start in range(0, len(live), max_num_seqs):
-        wave = live[start : start + max_num_seqs]
-        for step in range(max(o for _, o in wave)):
-            running = [(p, o) for p, o in wave if o > step]
-            kv = sum(p + step for p, _ in running) * kv_bytes_per_token
-            flops = 2 * params * len(running)
-            seconds += max((weight_bytes + kv) / bw, flops / rate)
-    return work.output_tokens / seconds
-
-
 # ---- the three engines ------------------------------------------------------------------------------
 
 
 def run_streamd(config: Any, work: TokenWorkload, progress: Any, **overrides: Any) -> dict[str, float]:
-    from streamd import LLM, SamplingParams
+    from streamd import LLM
 
     llm = LLM(config, dtype="bfloat16", **overrides)
     engine = llm.engine
+    result = drive(engine, work, progress)
+    del llm, engine
+    free_cuda()
+    return result
+
+
+def drive(engine: Any, work: TokenWorkload, progress: Any) -> dict[str, float]:
+    """The workload through `engine` after one warm-up request: tok/s, median TTFT, cache and preemptions."""
+    from streamd import SamplingParams
+
     warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
     engine.add_request("warm", work.prompts[0][:64], warm)
     while engine.has_unfinished_requests():
@@ -151,8 +143,6 @@ def run_streamd(config: Any, work: TokenWorkload, progress: Any, **overrides: An
                 progress.update(1)
     seconds = time.perf_counter() - start
     stats = engine.stats()
-    del llm, engine
-    _free_cuda()
     return {
         "tok_s": work.output_tokens / seconds,
         "seconds": seconds,
@@ -172,7 +162,7 @@ def run_hf_continuous(config: Any, work: TokenWorkload, progress: Any) -> dict[s
     model = model.eval()
     seconds, produced = run_continuous_batching(model, work, lambda: progress.update(1))
     del model
-    _free_cuda()
+    free_cuda()
     return {"tok_s": produced / seconds, "seconds": seconds, "tokens": produced}
 
 
@@ -201,11 +191,11 @@ def run_hf_static(config: Any, work: TokenWorkload, progress: Any, batch: int = 
         progress.update(len(prompts))
     seconds = time.perf_counter() - start
     del model
-    _free_cuda()
+    free_cuda()
     return {"tok_s": work.output_tokens / seconds, "seconds": seconds}
 
 
-def _free_cuda() -> None:
+def free_cuda() -> None:
     import gc
 
     import torch
@@ -226,6 +216,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(auto: cuda when available)",
     )
     parser.add_argument("--shapes", default="llama3.2-1b,smollm2-135m", help="CUDA: comma-separated model shapes")
+    parser.add_argument(
+        "--tp",
+        default=None,
+        metavar="N[,N...]",
+        help="CUDA: tensor-parallel sizes to measure on the first shape, from one saved checkpoint, with the "
+        "4k-prompt TTFT, an NCCL probe and the N-GPU roofline (e.g. --tp 1,2 --shapes llama3.1-8b)",
+    )
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=20000, help="CUDA with --tp: the KV pool of each rank, in blocks"
+    )
     parser.add_argument("--num-requests", type=int, default=None, help="default: 256 on CUDA, 32 on CPU")
     parser.add_argument("--peers", default="hf_cb,hf_static", help="CUDA: comma-separated: hf_cb, hf_static (or none)")
     parser.add_argument(
@@ -267,6 +267,11 @@ def main(args: argparse.Namespace) -> int:
         return cpu_main(args)
     if not torch.cuda.is_available():
         raise BenchError("--device cuda needs a CUDA device (use --device cpu)")
+    if args.tp:
+        sizes = [int(n) for n in args.tp.split(",")]
+        report = tp_main(args.shapes.split(",")[0], sizes, args.num_requests or 256, args.num_kv_blocks, args.out)
+        print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+        return 0
     return _cuda_main(args)
 
 
