@@ -24,6 +24,15 @@ import time
 from pathlib import Path
 from typing import Any
 
+from streamd.bench.offline import (
+    SHAPES,
+    drive,
+    free_cuda,
+    measure_ceilings,
+    model_config,
+    random_workload,
+    roofline_tok_s,
+)
 from streamd.bench.report import BenchError, git_commit, save_report
 from streamd.bench.workloads import TokenWorkload
 
@@ -106,49 +115,12 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-# ---- roofline ---------------------------------------------------------------------------------------
-
-
-def roofline_tok_s(
-    config: Any, work: TokenWorkload, ceilings: dict[str, float], tp: int = 1, max_num_seqs: int = 256
-) -> float:
-    """The workload's roofline over `tp` GPUs (module docstring); `ceilings` are one card's, plus the NCCL
-    probe's `nccl_bus_bytes_per_s` and `nccl_latency_s` when tp > 1."""
-    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
-    layer_params = layers * (
-        2 * h * config.num_attention_heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * config.intermediate_size
-    )
-    card_params = layer_params / tp + vocab * h  # rank 0: its share of the layers and the whole head
-    kv_bytes_per_token = 2 * layers * 2 * kv_heads * head_dim / tp
-    bw, rate = ceilings["hbm_bytes_per_s"], ceilings["bf16_flop_per_s"]
-
-    def all_reduces(tokens: int) -> float:
-        if tp == 1:
-            return 0.0
-        size = 2 * tokens * h * 2 * (tp - 1) / tp
-        return 2 * layers * (ceilings["nccl_latency_s"] + size / ceilings["nccl_bus_bytes_per_s"])
-
-    prefill_tokens = sum(len(p) for p in work.prompts)
-    seconds = 2 * card_params * prefill_tokens / rate + all_reduces(prefill_tokens)
-    live = sorted(zip((len(p) for p in work.prompts), work.output_lens), key=lambda x: x[1])
-    for start in range(0, len(live), max_num_seqs):
-        wave = live[start : start + max_num_seqs]
-        for step in range(max(o for _, o in wave)):
-            running = [(p, o) for p, o in wave if o > step]
-            kv = sum(p + step for p, _ in running) * kv_bytes_per_token
-            flops = 2 * card_params * len(running)
-            seconds += max((2 * card_params + kv) / bw, flops / rate) + all_reduces(len(running))
-    return work.output_tokens / seconds
-
-
 # ---- runs -------------------------------------------------------------------------------------------
 
 
 def run_tp(path: Path, tp: int, work: TokenWorkload, num_kv_blocks: int, progress: Any) -> dict[str, Any]:
     """Throughput of the workload, then the 4k-prompt TTFT, on one engine of `tp` ranks."""
     from streamd import LLM
-    from streamd.bench.throughput import drive, free_cuda
 
     llm = LLM(str(path), dtype="bfloat16", tensor_parallel_size=tp, num_kv_blocks=num_kv_blocks)
     engine = llm.engine
@@ -183,8 +155,6 @@ def ttft_s(engine: Any, vocab: int, length: int = TTFT_PROMPT, repeats: int = TT
 def tp_main(shape: str, sizes: list[int], num_requests: int, num_kv_blocks: int, out: str | None) -> dict[str, Any]:
     import torch
     from tqdm import tqdm
-
-    from streamd.bench.throughput import SHAPES, measure_ceilings, model_config, random_workload
 
     if shape not in SHAPES:
         raise BenchError(f"unknown shape {shape!r} (known: {', '.join(SHAPES)})")

@@ -14,59 +14,23 @@ import argparse
 import datetime as dt
 import json
 import random
-import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from streamd.bench.hf_peer import run_continuous_batching
+from streamd.bench.offline import (  # (re-exported: other benchmarks and device scripts import them from here)
+    SHAPES,
+    drive,
+    free_cuda,
+    measure_ceilings,
+    model_config,
+    random_workload,
+    roofline_tok_s,
+)
 from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
-from streamd.bench.tensor_parallel import roofline_tok_s, tp_main
+from streamd.bench.tensor_parallel import tp_main
 from streamd.bench.workloads import TokenWorkload
-
-if TYPE_CHECKING:
-    from transformers import LlamaConfig
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama3.1-8b": dict(
-        hidden_size=4096,
-        num_hidden_layers=32,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=128,
-        intermediate_size=14336,
-        vocab_size=128256,
-        tie_word_embeddings=False,
-    ),
-    "llama3.2-1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-    ),
-    "smollm2-135m": dict(
-        hidden_size=576,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-    ),
-}
-
-
-def random_workload(vocab: int, num_requests: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0) -> TokenWorkload:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
-    return TokenWorkload(
-        f"random-{num_requests}x[{lo},{hi}]", prompts, [rng.randint(lo, hi) for _ in range(num_requests)]
-    )
 
 
 def shared_prefix_workload(vocab: int, num_requests: int = 256, prefix: int = 500, seed: int = 0) -> TokenWorkload:
@@ -76,30 +40,6 @@ def shared_prefix_workload(vocab: int, num_requests: int = 256, prefix: int = 50
     system = [rng.randrange(vocab) for _ in range(prefix)]
     prompts = [system + [rng.randrange(vocab) for _ in range(rng.randint(50, 150))] for _ in range(num_requests)]
     return TokenWorkload(f"shared-prefix-{num_requests}x{prefix}+[50,150]", prompts, [128] * num_requests)
-
-
-def model_config(shape: str, max_len: int = 4096) -> LlamaConfig:
-    from transformers import LlamaConfig
-
-    rope = {"rope_type": "default", "rope_theta": 500000.0}
-    return LlamaConfig(**SHAPES[shape], max_position_embeddings=max_len, rope_parameters=rope)
-
-
-# ---- measured ceilings ------------------------------------------------------------------------------
-
-
-def measure_ceilings() -> dict[str, float]:
-    import torch
-    from triton.testing import do_bench
-
-    n = 1 << 30  # 1 GiB each way
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    mm = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    return {"hbm_bytes_per_s": 2 * n / (ms * 1e-3), "bf16_flop_per_s": 2 * 8192**3 / (mm * 1e-3)}
 
 
 # ---- the three engines ------------------------------------------------------------------------------
@@ -114,42 +54,6 @@ def run_streamd(config: Any, work: TokenWorkload, progress: Any, **overrides: An
     del llm, engine
     free_cuda()
     return result
-
-
-def drive(engine: Any, work: TokenWorkload, progress: Any) -> dict[str, float]:
-    """The workload through `engine` after one warm-up request: tok/s, median TTFT, cache and preemptions."""
-    from streamd import SamplingParams
-
-    warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
-    engine.add_request("warm", work.prompts[0][:64], warm)
-    while engine.has_unfinished_requests():
-        engine.step()
-    start = time.perf_counter()
-    arrival: dict[str, float] = {}
-    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
-        arrival[str(i)] = time.monotonic()
-        engine.add_request(
-            str(i),
-            prompt,
-            SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, temperature=0.0),
-            arrival_time=arrival[str(i)],
-        )
-    ttft: list[float] = []
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            if delta.request_id in arrival and delta.num_new_tokens:  # its first tokens
-                ttft.append(time.monotonic() - arrival.pop(delta.request_id))
-            if delta.finished:
-                progress.update(1)
-    seconds = time.perf_counter() - start
-    stats = engine.stats()
-    return {
-        "tok_s": work.output_tokens / seconds,
-        "seconds": seconds,
-        "median_ttft_s": statistics.median(ttft),
-        "prefix_cache_hit_tokens": stats.kv.prefix_hit_tokens,
-        "preemptions": stats.scheduler.preemptions_swap + stats.scheduler.preemptions_recompute,
-    }
 
 
 def run_hf_continuous(config: Any, work: TokenWorkload, progress: Any) -> dict[str, float]:
@@ -193,15 +97,6 @@ def run_hf_static(config: Any, work: TokenWorkload, progress: Any, batch: int = 
     del model
     free_cuda()
     return {"tok_s": work.output_tokens / seconds, "seconds": seconds}
-
-
-def free_cuda() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 # ---- entry point ------------------------------------------------------------------------------------
