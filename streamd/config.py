@@ -151,6 +151,7 @@ class ServerConfig:
     served_model_name: str | None = None  # None: derived from the model name
     responses_store_size: int = 1024  # finished Responses kept for previous_response_id (per server, LRU)
     responses_store_ttl_s: float = 3600.0  # how long a stored response can be continued
+    responses_store_dir: str = ""  # a directory replicas share for previous_response_id ("": this process only)
     resume_grace_s: float = 30.0  # a dropped socket's requests keep running this long for a resume; 0: abort
     resume_max_tokens_per_request: int = 16384  # retained for one resume (attached: newest half; detached: abort)
     resume_max_tokens_total: int = 1_000_000  # retained for all resumes (attached: trimmed; detached: abort)
