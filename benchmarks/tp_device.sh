@@ -18,21 +18,22 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$OUT/gpus.txt"
 
 echo "=== cuda tests $(date -u +%T)"
-timeout 120 python3 -m pytest -x -q -m cuda -p no:cacheprovider tests/engine/worker/test_tensor_parallel_cuda.py \
+timeout 140 python3 -m pytest -x -q -m cuda -p no:cacheprovider tests/engine/worker/test_tensor_parallel_cuda.py \
   > "$OUT/cuda-tests.log" 2>&1; echo "rc=$?" >> "$OUT/cuda-tests.log"; tail -5 "$OUT/cuda-tests.log"
 
 echo "=== throughput tp 1,2 $(date -u +%T)"
-timeout 300 python3 -m streamd.cli.main bench throughput --device cuda --tp 1,2 --shapes llama3.1-8b \
+timeout 280 python3 -m streamd.cli.main bench throughput --device cuda --tp 1,2 --shapes llama3.1-8b \
   --num-kv-blocks 20000 --out "$OUT/results" > "$OUT/throughput-tp.log" 2> "$OUT/throughput-tp-stderr.log"
 echo "rc=$?" >> "$OUT/throughput-tp.log"; tail -30 "$OUT/throughput-tp.log"
 
 echo "=== profile tp2 decode $(date -u +%T)"
-timeout 110 python3 - "$OUT" > "$OUT/profile.log" 2> "$OUT/profile-stderr.log" <<'PY'
+timeout 100 python3 - "$OUT" > "$OUT/profile.log" 2> "$OUT/profile-stderr.log" <<'PY'
 import json, sys, torch
 from torch.profiler import ProfilerActivity, profile
 from streamd import LLM, SamplingParams
 out = sys.argv[1]
-llm = LLM("/tmp/streamd-ckpt/llama3.1-8b", dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=8192)
+llm = LLM("/tmp/streamd-ckpt/llama3.1-8b", dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=4096,
+          max_num_seqs=128)
 engine = llm.engine
 params = SamplingParams(max_tokens=200, ignore_eos=True, detokenize=False, temperature=0.0)
 for i in range(128):

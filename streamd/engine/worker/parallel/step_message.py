@@ -12,6 +12,10 @@ CUDA, gloo on CPU) into a buffer whose size the header gives. So the inputs that
 from the previous step's sampled tokens (pipelined decoding) travel without a trip through the host;
 `broadcast_object_list` of a dataclass would pickle host values, forcing that trip.
 
+On the CPU the batch rides in the control message itself (after the orders): both are host memory there,
+and each gloo broadcast costs a round trip between the processes (measured on the 2-core box, 64-sequence
+decode: two broadcasts per step took about 3x one).
+
 `StepChannel` sends control messages in a buffer of a fixed capacity that both sides know, so a control
 message is exactly one collective; one that does not fit is preceded by a GROW message and the capacity
 doubles until it fits (rare: the capacity settles at the largest step seen).
@@ -172,7 +176,8 @@ def _decode_orders(words: list[int]) -> list[CacheOrder]:
 
 class StepChannel:
     """Rank 0 sends, every other rank receives: the control message on `control` (gloo, host memory), then
-    the batch, if any, on `data` (the layers' group, the device's memory)."""
+    the batch, if any, on `data` (the layers' group, the device's memory; on the CPU inside the control
+    message). A received batch is a view of the channel's buffer: used before the next `recv`."""
 
     def __init__(self, control: Collectives, data: Collectives, device: torch.device) -> None:
         self.control = control
@@ -183,6 +188,8 @@ class StepChannel:
 
     def send(self, message: StepMessage) -> None:
         control, payload = encode(message, self.device)
+        if payload is not None and self._inline:
+            control, payload = torch.cat([control, payload]), None
         if len(control) > self.capacity:
             capacity = self.capacity
             while capacity < len(control):
@@ -201,9 +208,17 @@ class StepChannel:
                 return decode(self._buffer, self._recv_payload(header))
             self._resize(header.args[0])
 
+    @property
+    def _inline(self) -> bool:
+        """Whether the batch travels inside the control message (on the CPU)."""
+        return self.device.type == "cpu"
+
     def _recv_payload(self, header: Header) -> torch.Tensor | None:
         if not header.payload_words:
             return None
+        if self._inline:
+            start = HEADER_WORDS + header.num_order_words
+            return self._buffer[start : start + header.payload_words]
         payload = torch.empty(header.payload_words, dtype=torch.int64, device=self.device)
         self.data.broadcast(payload, 0).wait()
         return payload
