@@ -133,6 +133,7 @@ class SchedulerConfig:
 class ParallelConfig:
     tensor_parallel_size: int = 1  # N ranks, each holding 1/N of the heads, KV heads and MLP columns
     collective_timeout_s: float = 60.0  # a collective not done by then fails the step (a lost worker)
+    cuda_graphs: bool = True  # every rank captures its decode graphs (all-reduces inside); False: eager decode
 
     def validate(self) -> None:
         _positive("parallel.tensor_parallel_size", self.tensor_parallel_size)
@@ -176,6 +177,7 @@ class ServerConfig:
     served_model_name: list[str] = field(default_factory=list)  # names clients use; empty: derived from the model
     responses_store_size: int = 1024  # finished Responses kept for previous_response_id (per server, LRU)
     responses_store_ttl_s: float = 3600.0  # how long a stored response can be continued
+    responses_store_dir: str = ""  # a directory replicas share for previous_response_id ("": this process only)
     resume_grace_s: float = 30.0  # a dropped socket's requests keep running this long for a resume; 0: abort
     resume_max_tokens_per_request: int = 16384  # retained for one resume (attached: newest half; detached: abort)
     resume_max_tokens_total: int = 1_000_000  # retained for all resumes (attached: trimmed; detached: abort)

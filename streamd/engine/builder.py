@@ -85,11 +85,7 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         loaded.tokenizer.chat_template = read_chat_template(config.model.chat_template)
     vocab = loaded.model.config.get_text_config().vocab_size
     runner, cache = _kv_cache(config, loaded, device, max_model_len, vocab)
-    if device.type == "cuda" and not config.model.enforce_eager and workers is None:
-        runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_model_len)
-    executor: Executor = (
-        LocalExecutor(runner, cache) if workers is None else TensorParallelExecutor(runner, cache, workers)
-    )
+    executor = _executor(config, runner, cache, workers, max_model_len)
     cache_cfg = config.cache
     block_manager = BlockManager(
         cache.num_blocks,
@@ -120,6 +116,23 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         BeamSearches(eos, max_model_len, vocab),
         OutputProcessor(loaded.tokenizer),
     )
+
+
+def _executor(
+    config: Config, runner: ModelRunner, cache: CacheEngine, workers: WorkerPool | None, max_model_len: int
+) -> Executor:
+    """The executor, its decode graphs captured (on CUDA, unless `model.enforce_eager`; under tensor
+    parallelism on every rank together, unless `parallel.cuda_graphs` is off)."""
+    graphs = runner.device.type == "cuda" and not config.model.enforce_eager
+    max_batch, max_blocks = config.scheduler.max_num_seqs, runner.max_table_width(max_model_len)
+    if workers is None:
+        if graphs:
+            runner.capture_cuda_graphs(max_batch, max_blocks)
+        return LocalExecutor(runner, cache)
+    executor = TensorParallelExecutor(runner, cache, workers)
+    if graphs and config.parallel.cuda_graphs:
+        executor.capture_cuda_graphs(max_batch, max_blocks)
+    return executor
 
 
 def _kv_cache(

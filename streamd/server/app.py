@@ -83,7 +83,11 @@ def create_app(config: Config, engine: EngineClient, *, warm_up: bool = True) ->
         metrics,
         lifecycle,
         Generation(engine, server, lifecycle, metrics),
-        ResponseStore(server.responses_store_size, server.responses_store_ttl_s),
+        ResponseStore(
+            server.responses_store_size,
+            server.responses_store_ttl_s,
+            Path(server.responses_store_dir).expanduser() if server.responses_store_dir else None,
+        ),
         TokenTexts(engine.tokenizer),
         tool_format(getattr(engine.tokenizer, "chat_template", None)),
         ResumeStore(
