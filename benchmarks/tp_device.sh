@@ -27,44 +27,52 @@ timeout 280 python3 -m streamd.cli.main bench throughput --device cuda --tp 1,2 
 echo "rc=$?" >> "$OUT/throughput-tp.log"; tail -30 "$OUT/throughput-tp.log"
 
 echo "=== profile tp2 decode $(date -u +%T)"
-timeout 100 python3 - "$OUT" > "$OUT/profile.log" 2> "$OUT/profile-stderr.log" <<'PY'
+# (a file, not stdin: the spawned worker rank re-imports the main module by its path)
+cat > /tmp/tp_profile.py <<'PY'
 import json, sys, torch
 from torch.profiler import ProfilerActivity, profile
 from streamd import LLM, SamplingParams
-out = sys.argv[1]
-llm = LLM("/tmp/streamd-ckpt/llama3.1-8b", dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=4096,
-          max_num_seqs=128)
-engine = llm.engine
-params = SamplingParams(max_tokens=200, ignore_eos=True, detokenize=False, temperature=0.0)
-for i in range(128):
-    engine.add_request(str(i), [(7 * i + j) % 128000 for j in range(512)], params)
-for _ in range(40):  # past the prefills: every step a 128-row decode
-    engine.step()
-torch.cuda.synchronize()
-with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-    for _ in range(8):
+
+
+def main(out):
+    llm = LLM("/tmp/streamd-ckpt/llama3.1-8b", dtype="bfloat16", tensor_parallel_size=2, num_kv_blocks=4096,
+              max_num_seqs=128)
+    engine = llm.engine
+    params = SamplingParams(max_tokens=200, ignore_eos=True, detokenize=False, temperature=0.0)
+    for i in range(128):
+        engine.add_request(str(i), [(7 * i + j) % 128000 for j in range(512)], params)
+    for _ in range(40):  # past the prefills: every step a 128-row decode
         engine.step()
     torch.cuda.synchronize()
-prof.export_chrome_trace(f"{out}/tp2-decode-trace.json")
-print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
-kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
-                 key=lambda e: e.time_range.start)
-busy = nccl = 0.0
-end = None
-for e in kernels:
-    s, t = e.time_range.start, e.time_range.end
-    nccl += (t - s) if "nccl" in e.name.lower() else 0
-    if end is None or s >= end:
-        busy += t - s; end = t
-    elif t > end:
-        busy += t - end; end = t
-span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
-summary = {"steps": 8, "batch": 128, "kernels": len(kernels), "span_us": span, "busy_us": busy,
-           "idle_gap_us": span - busy, "nccl_us": nccl, "graph_replays": engine.runner.graphs.replays
-           if engine.runner.graphs else 0}
-print(json.dumps(summary, indent=2))
-json.dump(summary, open(f"{out}/tp2-decode-profile.json", "w"), indent=2)
-engine.executor.shutdown()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(8):
+            engine.step()
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(f"{out}/tp2-decode-trace.json")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+    kernels = sorted((e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    busy = nccl = 0.0
+    end = None
+    for e in kernels:
+        s, t = e.time_range.start, e.time_range.end
+        nccl += (t - s) if "nccl" in e.name.lower() else 0
+        if end is None or s >= end:
+            busy += t - s; end = t
+        elif t > end:
+            busy += t - end; end = t
+    span = kernels[-1].time_range.end - kernels[0].time_range.start if kernels else 0
+    summary = {"steps": 8, "batch": 128, "kernels": len(kernels), "span_us": span, "busy_us": busy,
+               "idle_gap_us": span - busy, "nccl_us": nccl, "graph_replays": engine.runner.graphs.replays
+               if engine.runner.graphs else 0}
+    print(json.dumps(summary, indent=2))
+    json.dump(summary, open(f"{out}/tp2-decode-profile.json", "w"), indent=2)
+    engine.executor.shutdown()
+
+
+if __name__ == "__main__":  # the worker rank imports this file again (spawn)
+    main(sys.argv[1])
 PY
+timeout 100 python3 /tmp/tp_profile.py "$OUT" > "$OUT/profile.log" 2> "$OUT/profile-stderr.log"
 echo "rc=$?" >> "$OUT/profile.log"; tail -12 "$OUT/profile.log"
 echo "=== done $(date -u +%T)"

@@ -23,7 +23,10 @@ from streamd.engine.worker.parallel.collectives import Collectives
 COLWISE = "colwise"
 ROWWISE = "rowwise"
 # Styles that only matter for training (gradients) or leave the module whole: nothing to do for inference.
-_REPLICATED = frozenset({"replicated_with_grad_allreduce"})
+# Some transformers releases plan the input embedding as "embedding_rowwise" (vocabulary-parallel); here it
+# stays whole on every rank: a lookup reads one row per token, so splitting it would save memory only, at the
+# price of one more all-reduce per step.
+_REPLICATED = frozenset({"replicated_with_grad_allreduce", "embedding_rowwise"})
 
 
 @dataclass(slots=True, frozen=True)
