@@ -38,7 +38,7 @@ from streamd.server.ws.protocol import check_id
 from streamd.server.ws.socket import SocketConnection, accept
 
 logger = get_logger(__name__)
-EVENTS_AHEAD = 32  # a response's events unsent before its task waits for the writer
+EVENTS_AHEAD = 8  # a response's events (each a merged delta) unsent before its task waits for the writer
 
 
 async def responses_endpoint(websocket: WebSocket) -> None:
