@@ -5,6 +5,7 @@ ceilings and the workload's roofline. Writes `<--out>/throughput-<date>-<gpu>.js
 
 Workload (nano-vllm's): 256 requests, seed 0, random-token prompts and output lengths uniform in
 [100, 1024], EOS ignored, random bf16 weights of a named shape (or a real model directory).
+`--tp 1,2` measures tensor-parallel sizes instead, on the first shape (`tensor_parallel.py`).
 """
 
 from __future__ import annotations
@@ -13,48 +14,23 @@ import argparse
 import datetime as dt
 import json
 import random
-import statistics
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from streamd.bench.hf_peer import run_continuous_batching
+from streamd.bench.offline import (  # (re-exported: other benchmarks and device scripts import them from here)
+    SHAPES,
+    drive,
+    free_cuda,
+    measure_ceilings,
+    model_config,
+    random_workload,
+    roofline_tok_s,
+)
 from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
+from streamd.bench.tensor_parallel import tp_main
 from streamd.bench.workloads import TokenWorkload
-
-if TYPE_CHECKING:
-    from transformers import LlamaConfig
-
-SHAPES: dict[str, dict[str, Any]] = {
-    "llama3.2-1b": dict(
-        hidden_size=2048,
-        num_hidden_layers=16,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        head_dim=64,
-        intermediate_size=8192,
-        vocab_size=128256,
-        tie_word_embeddings=True,
-    ),
-    "smollm2-135m": dict(
-        hidden_size=576,
-        num_hidden_layers=30,
-        num_attention_heads=9,
-        num_key_value_heads=3,
-        head_dim=64,
-        intermediate_size=1536,
-        vocab_size=49152,
-        tie_word_embeddings=True,
-    ),
-}
-
-
-def random_workload(vocab: int, num_requests: int = 256, lo: int = 100, hi: int = 1024, seed: int = 0) -> TokenWorkload:
-    rng = random.Random(seed)
-    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(num_requests)]
-    return TokenWorkload(
-        f"random-{num_requests}x[{lo},{hi}]", prompts, [rng.randint(lo, hi) for _ in range(num_requests)]
-    )
 
 
 def shared_prefix_workload(vocab: int, num_requests: int = 256, prefix: int = 500, seed: int = 0) -> TokenWorkload:
@@ -66,100 +42,18 @@ def shared_prefix_workload(vocab: int, num_requests: int = 256, prefix: int = 50
     return TokenWorkload(f"shared-prefix-{num_requests}x{prefix}+[50,150]", prompts, [128] * num_requests)
 
 
-def model_config(shape: str, max_len: int = 4096) -> LlamaConfig:
-    from transformers import LlamaConfig
-
-    rope = {"rope_type": "default", "rope_theta": 500000.0}
-    return LlamaConfig(**SHAPES[shape], max_position_embeddings=max_len, rope_parameters=rope)
-
-
-# ---- measured ceilings ------------------------------------------------------------------------------
-
-
-def measure_ceilings() -> dict[str, float]:
-    import torch
-    from triton.testing import do_bench
-
-    n = 1 << 30  # 1 GiB each way
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_()
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=300, return_mode="median")
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    mm = do_bench(lambda: a @ b, warmup=50, rep=300, return_mode="median")
-    return {"hbm_bytes_per_s": 2 * n / (ms * 1e-3), "bf16_flop_per_s": 2 * 8192**3 / (mm * 1e-3)}
-
-
-def roofline_tok_s(config: Any, work: TokenWorkload, ceilings: dict[str, float], max_num_seqs: int = 256) -> float:
-    """Every decode step reads the weights and the live KV once; prefill and decode FLOPs at the measured
-    matrix rate; the step costs the larger of the two. Requests run `max_num_seqs` at a time, FCFS."""
-    h, layers, vocab = config.hidden_size, config.num_hidden_layers, config.vocab_size
-    kv_heads, head_dim = config.num_key_value_heads, config.head_dim
-    params = (
-        layers
-        * (
-            2 * h * config.num_attention_heads * head_dim
-            + 2 * h * kv_heads * head_dim
-            + 3 * h * config.intermediate_size
-        )
-        + vocab * h
-    )
-    weight_bytes = 2 * params
-    kv_bytes_per_token = 2 * layers * 2 * kv_heads * head_dim
-    bw, rate = ceilings["hbm_bytes_per_s"], ceilings["bf16_flop_per_s"]
-    prefill_tokens = sum(len(p) for p in work.prompts)
-    seconds = 2 * params * prefill_tokens / rate
-    live = sorted(zip((len(p) for p in work.prompts), work.output_lens), key=lambda x: x[1])
-    for start in range(0, len(live), max_num_seqs):
-        wave = live[start : start + max_num_seqs]
-        for step in range(max(o for _, o in wave)):
-            running = [(p, o) for p, o in wave if o > step]
-            kv = sum(p + step for p, _ in running) * kv_bytes_per_token
-            flops = 2 * params * len(running)
-            seconds += max((weight_bytes + kv) / bw, flops / rate)
-    return work.output_tokens / seconds
-
-
 # ---- the three engines ------------------------------------------------------------------------------
 
 
 def run_streamd(config: Any, work: TokenWorkload, progress: Any, **overrides: Any) -> dict[str, float]:
-    from streamd import LLM, SamplingParams
+    from streamd import LLM
 
     llm = LLM(config, dtype="bfloat16", **overrides)
     engine = llm.engine
-    warm = SamplingParams(max_tokens=8, ignore_eos=True, detokenize=False)
-    engine.add_request("warm", work.prompts[0][:64], warm)
-    while engine.has_unfinished_requests():
-        engine.step()
-    start = time.perf_counter()
-    arrival: dict[str, float] = {}
-    for i, (prompt, n) in enumerate(zip(work.prompts, work.output_lens)):
-        arrival[str(i)] = time.monotonic()
-        engine.add_request(
-            str(i),
-            prompt,
-            SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, temperature=0.0),
-            arrival_time=arrival[str(i)],
-        )
-    ttft: list[float] = []
-    while engine.has_unfinished_requests():
-        for delta in engine.step():
-            if delta.request_id in arrival and delta.num_new_tokens:  # its first tokens
-                ttft.append(time.monotonic() - arrival.pop(delta.request_id))
-            if delta.finished:
-                progress.update(1)
-    seconds = time.perf_counter() - start
-    stats = engine.stats()
+    result = drive(engine, work, progress)
     del llm, engine
-    _free_cuda()
-    return {
-        "tok_s": work.output_tokens / seconds,
-        "seconds": seconds,
-        "median_ttft_s": statistics.median(ttft),
-        "prefix_cache_hit_tokens": stats.kv.prefix_hit_tokens,
-        "preemptions": stats.scheduler.preemptions_swap + stats.scheduler.preemptions_recompute,
-    }
+    free_cuda()
+    return result
 
 
 def run_hf_continuous(config: Any, work: TokenWorkload, progress: Any) -> dict[str, float]:
@@ -172,7 +66,7 @@ def run_hf_continuous(config: Any, work: TokenWorkload, progress: Any) -> dict[s
     model = model.eval()
     seconds, produced = run_continuous_batching(model, work, lambda: progress.update(1))
     del model
-    _free_cuda()
+    free_cuda()
     return {"tok_s": produced / seconds, "seconds": seconds, "tokens": produced}
 
 
@@ -201,17 +95,8 @@ def run_hf_static(config: Any, work: TokenWorkload, progress: Any, batch: int = 
         progress.update(len(prompts))
     seconds = time.perf_counter() - start
     del model
-    _free_cuda()
+    free_cuda()
     return {"tok_s": work.output_tokens / seconds, "seconds": seconds}
-
-
-def _free_cuda() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 # ---- entry point ------------------------------------------------------------------------------------
@@ -226,6 +111,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(auto: cuda when available)",
     )
     parser.add_argument("--shapes", default="llama3.2-1b,smollm2-135m", help="CUDA: comma-separated model shapes")
+    parser.add_argument(
+        "--tp",
+        default=None,
+        metavar="N[,N...]",
+        help="CUDA: tensor-parallel sizes to measure on the first shape, from one saved checkpoint, with the "
+        "4k-prompt TTFT, an NCCL probe and the N-GPU roofline (e.g. --tp 1,2 --shapes llama3.1-8b)",
+    )
+    parser.add_argument(
+        "--num-kv-blocks", type=int, default=20000, help="CUDA with --tp: the KV pool of each rank, in blocks"
+    )
     parser.add_argument("--num-requests", type=int, default=None, help="default: 256 on CUDA, 32 on CPU")
     parser.add_argument("--peers", default="hf_cb,hf_static", help="CUDA: comma-separated: hf_cb, hf_static (or none)")
     parser.add_argument(
@@ -267,6 +162,11 @@ def main(args: argparse.Namespace) -> int:
         return cpu_main(args)
     if not torch.cuda.is_available():
         raise BenchError("--device cuda needs a CUDA device (use --device cpu)")
+    if args.tp:
+        sizes = [int(n) for n in args.tp.split(",")]
+        report = tp_main(args.shapes.split(",")[0], sizes, args.num_requests or 256, args.num_kv_blocks, args.out)
+        print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
+        return 0
     return _cuda_main(args)
 
 

@@ -9,6 +9,17 @@
   plain HTTP, and the replica answers 404), so nginx (Debian's package) is the front door: `/v1/stream` goes
   to the replicas directly (`least_conn`; a WebSocket is one TCP connection, so a session stays on the
   replica it reached), everything else to the router.
+- The Responses API's WebSocket mode (`GET /v1/responses` with an upgrade) goes to the replicas as
+  `/v1/stream` does (nginx sends `/v1/responses` by its Upgrade header: WebSockets to the replicas, POSTs
+  to the router).
+- `previous_response_id`: the replicas share one response store directory (`server.responses_store_dir`,
+  a folder of the cluster's), so a follow-up finds its previous response whichever replica it reaches.
+  Routing by response id cannot do this: the id travels in a JSON body or inside a WebSocket session,
+  where neither nginx nor the router looks.
+- GPUs: when `nvidia-smi -L` lists GPUs (counted in a subprocess, so this process never initializes CUDA),
+  replica i gets `CUDA_VISIBLE_DEVICES` of its own `--tp K` GPUs (i*K .. i*K+K-1) and `--tp K` is passed
+  to its `streamd serve`; more replicas than the GPUs hold is an error. Without GPUs every replica shares
+  the CPU.
 - What the router sees of each replica: `/ready` for health; load and KV usage are in each replica's
   `/metrics` (`streamd_requests_running`, `streamd_kv_blocks_used`, prefix-cache counters) for dashboards.
 
@@ -46,14 +57,65 @@ class ClusterSpec:
     first_replica_port: int
     policy: str = "cache_aware"
     serve_args: list[str] = field(default_factory=list)  # extra `streamd serve` arguments (e.g. --set k=v)
+    tp: int = 1  # GPUs per replica (tensor parallelism) when GPUs exist
+    num_gpus: int = 0  # GPUs on this host (0: the replicas run on the CPU)
 
     @property
     def replica_ports(self) -> list[int]:
         return [self.first_replica_port + i for i in range(self.replicas)]
 
+    def check(self) -> None:
+        """Raises SystemExit when the replicas need more GPUs than the host has."""
+        if self.replicas < 1 or self.tp < 1:
+            raise SystemExit("--replicas and --tp must be >= 1")
+        if self.num_gpus and self.replicas * self.tp > self.num_gpus:
+            raise SystemExit(
+                f"{self.replicas} replicas x --tp {self.tp} need {self.replicas * self.tp} GPUs; "
+                f"this host has {self.num_gpus}"
+            )
 
-def replica_command(port: int, serve_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "streamd.cli.main", "serve", "--host", _HOST, "--port", str(port), *serve_args]
+    def replica_gpus(self, index: int) -> str | None:
+        """Replica `index`'s CUDA_VISIBLE_DEVICES (None: no GPUs, the CPU)."""
+        if not self.num_gpus:
+            return None
+        return ",".join(str(g) for g in range(index * self.tp, (index + 1) * self.tp))
+
+
+def count_gpus() -> int:
+    """CUDA GPUs on this host, from `nvidia-smi -L` (no CUDA initialized here); 0 without the tool."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return 0
+    try:
+        listing = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=30, check=True).stdout
+    except (subprocess.SubprocessError, OSError):
+        return 0
+    return sum(line.startswith("GPU ") for line in listing.splitlines())
+
+
+def replica_env(spec: ClusterSpec, index: int, store_dir: Path) -> dict[str, str]:
+    """Replica `index`'s environment: its GPUs, and the response store the replicas share."""
+    env = dict(os.environ, STREAMD_SERVER__RESPONSES_STORE_DIR=str(store_dir))
+    gpus = spec.replica_gpus(index)
+    if gpus is not None:
+        env["CUDA_VISIBLE_DEVICES"] = gpus
+    return env
+
+
+def replica_command(port: int, serve_args: list[str], tp: int = 1) -> list[str]:
+    parallel = ["--tp", str(tp)] if tp > 1 else []
+    return [
+        sys.executable,
+        "-m",
+        "streamd.cli.main",
+        "serve",
+        "--host",
+        _HOST,
+        "--port",
+        str(port),
+        *parallel,
+        *serve_args,
+    ]
 
 
 def router_command(port: int, metrics_port: int, replica_ports: list[int], policy: str) -> list[str]:
@@ -81,6 +143,11 @@ def router_command(port: int, metrics_port: int, replica_ports: list[int], polic
 
 def nginx_config(front_port: int, router_port: int, replica_ports: list[int], workdir: Path) -> str:
     servers = "\n".join(f"        server {_HOST}:{p};" for p in replica_ports)
+    websocket = """proxy_http_version 1.1;
+            proxy_set_header Upgrade $http_upgrade;
+            proxy_set_header Connection $connection_upgrade;
+            proxy_set_header Host $host;
+            proxy_read_timeout 1h;"""
     return f"""daemon off;
 pid {workdir}/nginx.pid;
 error_log stderr warn;
@@ -89,6 +156,14 @@ http {{
     access_log off;
     client_body_temp_path {workdir}/body;
     proxy_temp_path {workdir}/proxy;
+    map $http_upgrade $connection_upgrade {{
+        default upgrade;
+        "" close;
+    }}
+    map $http_upgrade $responses_upstream {{
+        default replicas;
+        "" router;
+    }}
     upstream replicas {{
         least_conn;
 {servers}
@@ -100,11 +175,12 @@ http {{
         listen {_HOST}:{front_port};
         location = /v1/stream {{
             proxy_pass http://replicas;
-            proxy_http_version 1.1;
-            proxy_set_header Upgrade $http_upgrade;
-            proxy_set_header Connection "upgrade";
-            proxy_set_header Host $host;
-            proxy_read_timeout 1h;
+            {websocket}
+        }}
+        location = /v1/responses {{
+            proxy_pass http://$responses_upstream;
+            proxy_buffering off;
+            {websocket}
         }}
         location / {{
             proxy_pass http://router;
@@ -126,13 +202,16 @@ def running_cluster(
     workdir = Path(tempfile.mkdtemp(prefix="streamd-cluster-"))  # nginx's config and temp files
     logs = log_dir or workdir
 
-    def start(name: str, command: list[str]) -> None:
+    def start(name: str, command: list[str], env: dict[str, str] | None = None) -> None:
         log = (logs / f"{name}.log").open("wb")
-        processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        processes.append(
+            subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env=env)
+        )
 
     try:
         for i, port in enumerate(spec.replica_ports):
-            start(f"replica-{i}", replica_command(port, spec.serve_args))
+            env = replica_env(spec, i, workdir / "responses")
+            start(f"replica-{i}", replica_command(port, spec.serve_args, spec.tp), env)
         deadline = time.monotonic() + ready_timeout_s
         for port in spec.replica_ports:
             wait_ready(f"http://{_HOST}:{port}/ready", deadline, processes)
@@ -184,6 +263,7 @@ def stop_processes(processes: list[subprocess.Popen[bytes]]) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", type=int, default=2)
+    parser.add_argument("--tp", type=int, default=1, help="GPUs per replica (tensor parallelism) when GPUs exist")
     parser.add_argument("--port", type=int, default=8000, help="the front door (nginx): HTTP and WebSocket")
     parser.add_argument("--router-port", type=int, default=8001)
     parser.add_argument("--router-metrics-port", type=int, default=8002, help="the router's Prometheus exporter")
@@ -198,9 +278,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def cluster_main(args: argparse.Namespace) -> int:
     """Run N local replicas behind vllm-router (HTTP, cache-aware) and nginx (WebSocket) until Ctrl-C."""
-    if args.replicas < 1:
-        print("--replicas must be >= 1", file=sys.stderr)
-        return 2
     serve_args = [a for a in args.serve_args if a != "--"]
     spec = ClusterSpec(
         args.replicas,
@@ -210,14 +287,18 @@ def cluster_main(args: argparse.Namespace) -> int:
         args.first_replica_port,
         args.policy,
         serve_args,
+        args.tp,
+        count_gpus(),
     )
+    spec.check()
     signal.signal(signal.SIGTERM, _interrupt)  # `docker stop` / kill: stop the children as Ctrl-C does
     logs = Path(tempfile.mkdtemp(prefix="streamd-cluster-logs-"))
     print(f"streamd cluster: logs in {logs}", flush=True)
     with contextlib.suppress(KeyboardInterrupt), running_cluster(spec, log_dir=logs):
         print(
             f"streamd cluster: {spec.replicas} replicas on ports {spec.replica_ports}; router ({spec.policy}) "
-            f"on {spec.router_port}; front door http://{_HOST}:{spec.front_port} (ws://.../v1/stream)",
+            f"on {spec.router_port}; front door http://{_HOST}:{spec.front_port} (ws://.../v1/stream, "
+            f"ws://.../v1/responses); GPUs per replica: {spec.tp if spec.num_gpus else 0}",
             flush=True,
         )
         while True:

@@ -9,16 +9,16 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from transformers import PretrainedConfig
 
-from streamd.config import CacheConfig, Config
+from streamd.config import CacheConfig, Config, cache_path
 from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.output.chat_template import read_chat_template
 from streamd.engine.output.output_processor import OutputProcessor
 from streamd.engine.sample.beam_search import BeamSearches
 from streamd.engine.sample.grammar import Grammars
@@ -81,13 +81,11 @@ def load(
 def build(config: Config, loaded: LoadedModel, device: torch.device, workers: WorkerPool | None) -> EngineParts:
     """The engine's parts for a loaded model (`workers`: the other tensor-parallel ranks)."""
     max_model_len = _max_model_len(loaded, config.model.max_model_len)
+    if config.model.chat_template is not None and loaded.tokenizer is not None:
+        loaded.tokenizer.chat_template = read_chat_template(config.model.chat_template)
     vocab = loaded.model.config.get_text_config().vocab_size
     runner, cache = _kv_cache(config, loaded, device, max_model_len, vocab)
-    if device.type == "cuda" and not config.model.enforce_eager and workers is None:
-        runner.capture_cuda_graphs(config.scheduler.max_num_seqs, max_model_len)
-    executor: Executor = (
-        LocalExecutor(runner, cache) if workers is None else TensorParallelExecutor(runner, cache, workers)
-    )
+    executor = _executor(config, runner, cache, workers, max_model_len)
     cache_cfg = config.cache
     block_manager = BlockManager(
         cache.num_blocks,
@@ -99,10 +97,10 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     eos = _eos_token_ids(loaded)
     costs = None
     if config.scheduler.preemption_mode != "recompute" and cache.num_swap_blocks:
-        costs = cost_model(cache, executor, runner, max_model_len, Path(config.model.cache_dir).expanduser())
+        costs = cost_model(cache, executor, runner, max_model_len, cache_path(config.model.cache_dir))
     scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos)
     return EngineParts(
-        config.server.served_model_name or loaded.name,
+        loaded.name,
         loaded.tokenizer,
         max_model_len,
         vocab,
@@ -118,6 +116,23 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         BeamSearches(eos, max_model_len, vocab),
         OutputProcessor(loaded.tokenizer),
     )
+
+
+def _executor(
+    config: Config, runner: ModelRunner, cache: CacheEngine, workers: WorkerPool | None, max_model_len: int
+) -> Executor:
+    """The executor, its decode graphs captured (on CUDA, unless `model.enforce_eager`; under tensor
+    parallelism on every rank together, unless `parallel.cuda_graphs` is off)."""
+    graphs = runner.device.type == "cuda" and not config.model.enforce_eager
+    max_batch, max_blocks = config.scheduler.max_num_seqs, runner.max_table_width(max_model_len)
+    if workers is None:
+        if graphs:
+            runner.capture_cuda_graphs(max_batch, max_blocks)
+        return LocalExecutor(runner, cache)
+    executor = TensorParallelExecutor(runner, cache, workers)
+    if graphs and config.parallel.cuda_graphs:
+        executor.capture_cuda_graphs(max_batch, max_blocks)
+    return executor
 
 
 def _kv_cache(

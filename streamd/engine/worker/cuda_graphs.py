@@ -5,17 +5,28 @@ launches the same work in one call. Inputs live in static buffers the graphs wer
 copies its batch into them and replays the graph of the smallest captured size that holds it. Padding
 rows have `slot_mapping = -1` (nothing stored) and `seq_len = 0` (nothing read), so they cost almost nothing
 and touch no block.
+
+Under tensor parallelism every rank captures its own graphs (`layers_only` on the worker ranks: the decoder
+layers without the head, as their eager step) with the row-parallel all-reduces inside them (NCCL
+collectives issued on the capturing stream are captured; NCCL >= 2.9). The ranks capture together, size by
+size (each size's warm-up forward runs the all-reduces), and `agree` tells whether every rank captured a
+size: if one did not, all drop their graphs and run eagerly, so replays always pair up across the ranks.
 """
 
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from streamd.engine.worker.attention import AttentionMetadata, set_attention_metadata
 from streamd.logs import get_logger
+
+if TYPE_CHECKING:
+    from torch.cuda import _POOL_HANDLE
 
 log = get_logger(__name__)
 
@@ -27,12 +38,24 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
+def _alone(captured: bool) -> bool:
+    """The agreement of a single rank: its own outcome."""
+    return captured
+
+
 class DecodeGraphs:
     def __init__(
-        self, model: torch.nn.Module, kv_cache: torch.Tensor, ops: ModuleType, max_batch: int, max_blocks: int
+        self,
+        model: torch.nn.Module,
+        kv_cache: torch.Tensor,
+        ops: ModuleType,
+        max_batch: int,
+        max_blocks: int,
+        layers_only: bool = False,
     ) -> None:
         device = kv_cache.device
         self.model = model
+        self.layers_only = layers_only
         self.kv_cache = kv_cache
         self.ops = ops
         self.sizes = capture_sizes(max_batch)
@@ -45,7 +68,7 @@ class DecodeGraphs:
         self.seq_lens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.logits: dict[int, torch.Tensor] = {}  # (layers_only: the final hidden states)
         self.replays = 0  # decode steps served by a graph (tests and profiling read it)
 
     def _metadata(self, n: int) -> AttentionMetadata:
@@ -60,32 +83,55 @@ class DecodeGraphs:
         )
 
     def _forward(self, n: int) -> torch.Tensor:
+        if self.layers_only:
+            base = cast(torch.nn.Module, self.model.base_model)
+            out = base(input_ids=self.input_ids[None, :n], position_ids=self.positions[None, :n], use_cache=False)
+            return out.last_hidden_state[0]
         return self.model(
             input_ids=self.input_ids[None, :n], position_ids=self.positions[None, :n], logits_to_keep=0, use_cache=False
         ).logits[0]
 
     @torch.inference_mode()
-    def capture(self) -> None:
+    def capture(self, agree: Callable[[bool], bool] = _alone) -> bool:
+        """Captures every size, largest first; False (and no graphs kept) once `agree` says a rank failed."""
         pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_allocated()
         for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-            set_attention_metadata(self._metadata(n))
-            try:
-                self._forward(n)  # warm-up outside capture (lazy inits, autotuning)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    self.logits[n] = self._forward(n)
-            finally:
-                set_attention_metadata(None)
-            self.graphs[n] = graph
+            if not agree(self._capture_one(n, pool)):
+                self.graphs.clear()
+                self.logits.clear()
+                log.warning("cuda_graphs.abandoned", size=n, reason="a rank failed to capture; decoding eagerly")
+                return False
         torch.cuda.synchronize()
         log.info(
             "cuda_graphs.captured",
             sizes=len(self.sizes),
             max_batch=self.max_batch,
+            layers_only=self.layers_only,
             mib=round((torch.cuda.memory_allocated() - before) / 2**20, 1),
         )
+        return True
+
+    def _capture_one(self, n: int, pool: _POOL_HANDLE) -> bool:
+        set_attention_metadata(self._metadata(n))
+        try:
+            self._forward(n)  # warm-up outside capture (lazy inits, autotuning; the all-reduces run)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: another thread's CUDA calls (NCCL's watchdog) do not invalidate the capture
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+                self.logits[n] = self._forward(n)
+        except RuntimeError as exc:
+            log.warning("cuda_graphs.capture_failed", size=n, error=str(exc))
+            return False
+        finally:
+            set_attention_metadata(None)
+        self.graphs[n] = graph
+        return True
+
+    def size_for(self, num_seqs: int) -> int:
+        """The captured size that runs a batch of `num_seqs` decodes."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
 
     def can_run(self, num_seqs: int, max_table_width: int) -> bool:
         return num_seqs <= self.max_batch and max_table_width <= self.max_blocks
@@ -98,9 +144,10 @@ class DecodeGraphs:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
     ) -> torch.Tensor:
-        """Device tensors of one decode batch (n rows); returns logits [n, vocab]."""
+        """Device tensors of one decode batch (n rows); returns logits [n, vocab] (layers_only: hidden states).
+        Every rank of a tensor-parallel group picks the same size for the same batch (`size_for`)."""
         n = input_ids.shape[0]
-        size = self.sizes[bisect.bisect_left(self.sizes, n)]
+        size = self.size_for(n)
         self.input_ids[:n].copy_(input_ids)
         self.positions[:n].copy_(positions)
         self.slot_mapping[:n].copy_(slot_mapping)

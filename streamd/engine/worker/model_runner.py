@@ -9,6 +9,7 @@ It also measures what the KV pool may use (`profile_num_blocks`).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -80,12 +81,33 @@ class ModelRunner:
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
 
-    def capture_cuda_graphs(self, max_batch: int, max_model_len: int) -> None:
-        """Decode steps of up to `max_batch` sequences then replay graphs instead of running eagerly."""
+    def max_table_width(self, max_model_len: int) -> int:
+        return -(-max_model_len // self.block_size)
+
+    def capture_cuda_graphs(
+        self,
+        max_batch: int,
+        max_blocks: int,
+        layers_only: bool = False,
+        agree: Callable[[bool], bool] | None = None,
+    ) -> bool:
+        """Decode steps of up to `max_batch` sequences (tables up to `max_blocks` wide) then replay graphs
+        instead of running eagerly; `layers_only` and `agree`: a tensor-parallel rank's (`DecodeGraphs`).
+        False: not captured (the ranks did not all succeed), decode stays eager."""
         assert self.kv_cache is not None and self.device.type == "cuda"
-        max_blocks = -(-max_model_len // self.block_size)
-        self.graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, max_batch, max_blocks)
-        self.graphs.capture()
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, max_batch, max_blocks, layers_only)
+        captured = graphs.capture(agree) if agree is not None else graphs.capture()
+        self.graphs = graphs if captured else None
+        return captured
+
+    def graph_size(self, batch: ModelInput) -> int:
+        """The captured decode graph that runs `batch` (0: none, run eagerly). A graph computes logits for
+        every row, so it serves only batches in which every row samples."""
+        graphs = self.graphs
+        n = len(batch.input_ids)
+        if graphs is None or not batch.decode_only or len(batch.sample_idx) != n:
+            return 0
+        return graphs.size_for(n) if graphs.can_run(n, batch.block_tables.shape[1]) else 0
 
     @torch.inference_mode()
     def execute(
@@ -112,21 +134,14 @@ class ModelRunner:
         return batch
 
     @torch.inference_mode()
-    def run(self, batch: ModelInput) -> torch.Tensor:
-        """The forward of a prepared batch: float32 logits of its `sample_idx` rows."""
-        metadata = self._metadata(batch)
-        graphs = self.graphs
-        # A graph computes logits for every row, so it serves only batches in which every row samples.
-        if (
-            graphs is not None
-            and batch.decode_only
-            and len(batch.sample_idx) == len(batch.input_ids)
-            and graphs.can_run(len(batch.input_ids), batch.block_tables.shape[1])
-        ):
-            return graphs.run(
-                batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens
-            ).float()
-        set_attention_metadata(metadata)
+    def run(self, batch: ModelInput, graph_size: int | None = None) -> torch.Tensor:
+        """The forward of a prepared batch: float32 logits of its `sample_idx` rows (in the graph of
+        `graph_size`, by default `self.graph_size(batch)`; 0: eagerly)."""
+        if graph_size is None:
+            graph_size = self.graph_size(batch)
+        if graph_size:
+            return self._replay(batch).float()
+        set_attention_metadata(self._metadata(batch))
         try:
             logits = self.model(
                 input_ids=batch.input_ids[None],
@@ -139,14 +154,22 @@ class ModelRunner:
         return logits.float()
 
     @torch.inference_mode()
-    def run_layers(self, batch: ModelInput) -> None:
+    def run_layers(self, batch: ModelInput, graph_size: int = 0) -> None:
         """The decoder layers only (no head, no logits): what a tensor-parallel worker rank runs, writing
-        its shard of the KV cache and taking part in the layers' all-reduces."""
+        its shard of the KV cache and taking part in the layers' all-reduces; in its layers-only decode graph
+        when rank 0 replays the graph of `graph_size` (the same size: the all-reduces pair up)."""
+        if graph_size:
+            self._replay(batch)
+            return
         set_attention_metadata(self._metadata(batch))
         try:
             self.model.base_model(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False)
         finally:
             set_attention_metadata(None)
+
+    def _replay(self, batch: ModelInput) -> torch.Tensor:
+        assert self.graphs is not None, "a graph replay without captured graphs"
+        return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
 
     def _metadata(self, batch: ModelInput) -> AttentionMetadata:
         assert self.kv_cache is not None, "bind_kv_cache first"

@@ -5,29 +5,41 @@ model whose KV heads do not split is refused."""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM
 
 from streamd import LLM, SamplingParams
-from streamd.config import ConfigError
+from streamd.config import ConfigError, load_config
+from streamd.engine.worker.fusion import FusedDecoder
 from streamd.engine.worker.model_runner import ModelInput
-from streamd.engine.worker.parallel.step_message import CacheOrder, Command, OrderKind, StepMessage, decode, encode
+from streamd.engine.worker.parallel.step_message import (
+    CacheOrder,
+    Command,
+    OrderKind,
+    StepMessage,
+    decode,
+    decode_header,
+    encode,
+)
+from streamd.engine.worker.parallel.workers import Groups, WorkerArgs, _load_shard
 from tests.engine.worker.tp_models import VOCAB, save_random_model
 from tests.helpers import fold_deltas, hf_greedy, register_engine
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False)
 
 
-def _engine_args(mode: str) -> dict:
+def _engine_args(mode: str, fuse: str = "off") -> dict:
     # 24 blocks of 8 tokens hold about 3 of these sequences at full length: most of the batch is preempted.
     # 16 tokens per step: the longer prompts are prefilled in chunks beside running decodes.
     return dict(device="cpu", dtype="float32", block_size=8, num_kv_blocks=24, max_num_batched_tokens=16,
                 num_swap_blocks=64 if mode == "swap" else 0, preemption_mode=mode, watermark=0.0, seed=3,
-                collective_timeout_s=30.0)
+                collective_timeout_s=120.0, fuse_layers=fuse)  # (a loaded 2-core box spawns slowly)
 
 
 def _prompts() -> list[list[int]]:
@@ -63,14 +75,17 @@ def tp_llm() -> Iterator[list[LLM]]:
         llm.engine.executor.shutdown()
 
 
-@pytest.mark.parametrize("kind,mode", [("llama", "swap"), ("qwen2", "recompute"), ("qwen3", "swap")])
-def test_tp2_matches_tp1_and_hf_generate(kind: str, mode: str, tmp_path: Path, tp_llm: list[LLM]) -> None:
+@pytest.mark.parametrize("kind,mode,fuse", [("llama", "swap", "reference"), ("qwen2", "recompute", "off"),
+                                            ("qwen3", "swap", "reference")])
+def test_tp2_matches_tp1_and_hf_generate(kind: str, mode: str, fuse: str, tmp_path: Path,
+                                         tp_llm: list[LLM]) -> None:
+    """`fuse`: every rank runs the fused layers (sharded QKV and gate/up merged, all-reduce hooks kept)."""
     path = save_random_model(kind, tmp_path / kind)
     prompts = _prompts()
-    single = LLM(str(path), **_engine_args(mode))
+    single = LLM(str(path), **_engine_args(mode, fuse))
     register_engine(single.engine)
     want = _run(single, prompts)
-    llm = LLM(str(path), tensor_parallel_size=2, **_engine_args(mode))
+    llm = LLM(str(path), tensor_parallel_size=2, **_engine_args(mode, fuse))
     tp_llm.append(llm)
     register_engine(llm.engine)
     got = _run(llm, prompts)
@@ -108,12 +123,27 @@ def test_step_message_round_trip() -> None:
                        sample_idx=torch.tensor([2, 3]), decode_only=False)
     orders = [CacheOrder(OrderKind.SWAP_OUT, [(4, 0), (7, 1)]), CacheOrder(OrderKind.COPY, [(3, 5)]),
               CacheOrder(OrderKind.SWAP_IN, [(0, 4)])]
-    message = decode(encode(StepMessage(Command.STEP, orders, batch), torch.device("cpu")))
-    assert message.command == Command.STEP and message.orders == orders
+    message = decode(*encode(StepMessage(Command.STEP, orders, batch, graph_size=16), torch.device("cpu")))
+    assert message.command == Command.STEP and message.orders == orders and message.graph_size == 16
     got = message.batch
     assert got is not None and got.decode_only is False
     for name in ("input_ids", "positions", "slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
         want = getattr(batch, name)
         assert torch.equal(getattr(got, name), want) and getattr(got, name).dtype == want.dtype, name
-    empty = decode(encode(StepMessage(Command.ALLOCATE, args=(12, 34)), torch.device("cpu")))
+    control, payload = encode(StepMessage(Command.ALLOCATE, args=(12, 34)), torch.device("cpu"))
+    assert payload is None and decode_header(control).payload_words == 0
+    empty = decode(control, payload)
     assert empty.command == Command.ALLOCATE and empty.batch is None and empty.args == (12, 34)
+
+
+def test_a_worker_fuses_its_shard_as_rank_0_does(tmp_path: Path) -> None:
+    """The worker's loader applies `model.fuse_layers` to its shard (rank 0's builder does the same)."""
+    path = save_random_model("llama", tmp_path / "llama")
+    config = load_config(None, {"model.name": str(path), "device": "cpu", "dtype": "float32",
+                                "fuse_layers": "reference"})
+    group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
+    groups = Groups(collectives=group, control=group)
+    # rank 1 of 2 (cutting needs no collective; the all-reduce group only runs in a forward)
+    runner = _load_shard(WorkerArgs(1, 2, 0, config, None), groups, torch.device("cpu"))
+    assert isinstance(runner.model.model, FusedDecoder)
+    assert runner.model.model.layers[0].qkv_proj.weight.shape[0] == (4 + 2 * 1) * 16  # its 4 q heads, 1 k, 1 v

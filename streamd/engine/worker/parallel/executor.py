@@ -28,9 +28,8 @@ from streamd.engine.worker.parallel.step_message import (
     StepChannel,
     StepMessage,
     apply_order,
-    encode,
 )
-from streamd.engine.worker.parallel.workers import WorkerPool
+from streamd.engine.worker.parallel.workers import WorkerPool, all_agree
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -47,7 +46,7 @@ class TensorParallelExecutor:
         self.runner = runner
         self.cache = cache
         self.workers = workers
-        self._channel = StepChannel(workers.groups.steps, workers.device)
+        self._channel = StepChannel(workers.groups.control, workers.groups.collectives, workers.device)
         self._orders: list[CacheOrder] = []
         self._failure: str | None = None  # why a worker was lost
         self._closed = False
@@ -74,11 +73,21 @@ class TensorParallelExecutor:
         self._check()
         batch = self.runner.prepare(out, prev_tokens, prev_rows)
         orders, self._orders = self._orders, []
-        self._send(StepMessage(Command.STEP, orders, batch))
+        graph_size = self.runner.graph_size(batch)
+        self._send(StepMessage(Command.STEP, orders, batch, graph_size=graph_size))
         try:
-            return self.runner.run(batch)
+            return self.runner.run(batch, graph_size)
         except RuntimeError as exc:  # the all-reduces of the layers
             raise self._fail(f"tensor-parallel forward failed: {exc}") from exc
+
+    def capture_cuda_graphs(self, max_batch: int, max_blocks: int) -> bool:
+        """Every rank captures its decode graphs, size by size together; if any rank fails a size, none
+        keeps graphs and decode stays eager (logged), rather than failing the engine."""
+        self._send(StepMessage(Command.CAPTURE, args=(max_batch, max_blocks)))
+        group, world = self.workers.groups.control, len(self.workers.processes) + 1
+        captured = self.runner.capture_cuda_graphs(max_batch, max_blocks, agree=lambda ok: all_agree(group, ok, world))
+        log.info("tensor_parallel.cuda_graphs", captured=captured)
+        return captured
 
     def shutdown(self) -> None:
         """Stops the workers (SHUTDOWN, then terminate whatever has not exited)."""
@@ -110,7 +119,7 @@ class TensorParallelExecutor:
 
     def _send(self, message: StepMessage) -> None:
         try:
-            self._channel.send(encode(message, self.workers.device))
+            self._channel.send(message)
         except RuntimeError as exc:
             raise self._fail(f"tensor-parallel step broadcast failed: {exc}") from exc
 

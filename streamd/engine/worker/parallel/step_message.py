@@ -1,16 +1,24 @@
-"""One step's inputs for the worker ranks, as one flat int64 tensor sent with one broadcast.
+"""One step's inputs for the worker ranks: a small control message on the host, then the batch on the device.
 
-Layout: an 8-word header (command, num_tokens, num_seqs, max_blocks, decode_only, number of cache-order
-words, two command arguments), the cache orders (`kind, n, src_0, dst_0, ...` per order, in the order rank 0
-executed them), then input_ids, positions, slot_mapping, seq_lens, query_start_loc and the padded block
-tables. Built from the device tensors the model runner already made (a concatenation on the device), so
-the inputs that rank 0 fills on the device from the previous step's sampled tokens (pipelined decoding)
-travel without a trip through the host; `broadcast_object_list` of a dataclass would pickle host values,
-forcing that trip, and is itself two broadcasts (sizes, then bytes).
+The control message is one flat int64 host tensor broadcast over a gloo group: a 9-word header (command,
+num_tokens, num_seqs, max_blocks, decode_only, number of cache-order words, the decode graph's size or 0 for
+an eager forward, two command arguments), then the cache orders (`kind, n, src_0, dst_0, ...` per order, in
+the order rank 0 executed them). A worker reads it without touching its device, so no step waits on a host
+sync: the worker's CPU runs ahead of its GPU exactly as rank 0's does.
 
-`StepChannel` sends such messages in a buffer of a fixed capacity that both sides know, so a message is
-exactly one collective; a message that does not fit is preceded by a GROW message and the capacity doubles
-until it fits (rare: the capacity settles at the largest step seen).
+The batch (input_ids, positions, slot_mapping, seq_lens, query_start_loc and the padded block tables) is a
+concatenation of the device tensors the model runner already made, broadcast on the layers' group (NCCL on
+CUDA, gloo on CPU) into a buffer whose size the header gives. So the inputs that rank 0 fills on the device
+from the previous step's sampled tokens (pipelined decoding) travel without a trip through the host;
+`broadcast_object_list` of a dataclass would pickle host values, forcing that trip.
+
+On the CPU the batch rides in the control message itself (after the orders): both are host memory there,
+and each gloo broadcast costs a round trip between the processes (measured on the 2-core box, 64-sequence
+decode: two broadcasts per step took about 3x one).
+
+`StepChannel` sends control messages in a buffer of a fixed capacity that both sides know, so a control
+message is exactly one collective; one that does not fit is preceded by a GROW message and the capacity
+doubles until it fits (rare: the capacity settles at the largest step seen).
 """
 
 from __future__ import annotations
@@ -27,15 +35,16 @@ from streamd.engine.worker.parallel.collectives import Collectives
 if TYPE_CHECKING:
     from streamd.engine.worker.cache_engine import CacheEngine
 
-HEADER_WORDS = 8
-INITIAL_CAPACITY = 1 << 12
+HEADER_WORDS = 9
+INITIAL_CAPACITY = 1 << 10
 
 
 class Command(enum.IntEnum):
     STEP = 1  # cache orders, then (when num_tokens > 0) a forward
     ALLOCATE = 2  # build the KV pools: args = (num_blocks, num_swap_blocks)
     SHUTDOWN = 3
-    GROW = 4  # the next message needs a buffer of args[0] words
+    GROW = 4  # the next control message needs a buffer of args[0] words
+    CAPTURE = 5  # capture the decode graphs of the layers: args = (max_batch, max_blocks)
 
 
 class OrderKind(enum.IntEnum):
@@ -66,30 +75,51 @@ class StepMessage:
     orders: list[CacheOrder] = field(default_factory=list)
     batch: ModelInput | None = None
     args: tuple[int, int] = (0, 0)
+    graph_size: int = 0  # the captured decode graph that runs this batch (0: an eager forward)
 
 
-def encode(message: StepMessage, device: torch.device) -> torch.Tensor:
-    """The message as one int64 tensor on `device`."""
+@dataclass(slots=True, frozen=True)
+class Header:
+    command: Command
+    num_tokens: int
+    num_seqs: int
+    max_blocks: int
+    decode_only: bool
+    num_order_words: int
+    graph_size: int
+    args: tuple[int, int]
+
+    @property
+    def payload_words(self) -> int:
+        """The batch's length on the device (0: no forward)."""
+        if not self.num_tokens:
+            return 0
+        return 3 * self.num_tokens + 2 * self.num_seqs + 1 + self.num_seqs * self.max_blocks
+
+
+def encode(message: StepMessage, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The message as its host control tensor and (with a batch) its int64 batch tensor on `device`."""
+    words = _order_words(message.orders)
+    batch = message.batch
+    num_tokens, num_seqs, max_blocks, decode_only = 0, 0, 0, 0
+    if batch is not None:
+        num_tokens, (num_seqs, max_blocks) = len(batch.input_ids), batch.block_tables.shape
+        decode_only = int(batch.decode_only)
+    header = [int(message.command), num_tokens, num_seqs, max_blocks, decode_only, len(words), message.graph_size]
+    control = torch.tensor(header + list(message.args) + words, dtype=torch.int64)
+    return control, None if batch is None else _payload(batch).to(device)
+
+
+def _order_words(orders: list[CacheOrder]) -> list[int]:
     words: list[int] = []
-    for order in message.orders:
+    for order in orders:
         words += [int(order.kind), len(order.pairs)]
         for src, dst in order.pairs:
             words += [src, dst]
-    batch = message.batch
-    if batch is None:
-        header = [int(message.command), 0, 0, 0, 0, len(words), *message.args]
-        return torch.tensor(header + words, dtype=torch.int64).to(device)
-    num_seqs, max_blocks = batch.block_tables.shape
-    header = [
-        int(message.command),
-        len(batch.input_ids),
-        num_seqs,
-        max_blocks,
-        int(batch.decode_only),
-        len(words),
-        *message.args,
-    ]
-    head = torch.tensor(header + words, dtype=torch.int64).to(device, non_blocking=True)
+    return words
+
+
+def _payload(batch: ModelInput) -> torch.Tensor:
     parts = (
         batch.input_ids,
         batch.positions,
@@ -98,30 +128,39 @@ def encode(message: StepMessage, device: torch.device) -> torch.Tensor:
         batch.query_start_loc,
         batch.block_tables.reshape(-1),
     )
-    return torch.cat([head, *(p.to(torch.int64) for p in parts)])
+    return torch.cat([p.to(torch.int64) for p in parts])
 
 
-def decode(buffer: torch.Tensor) -> StepMessage:
-    """Inverse of `encode`; the batch's tensors are views of (or made from) `buffer`: used before the next
-    message overwrites it."""
-    command, num_tokens, num_seqs, max_blocks, decode_only, num_words, *args = buffer[:HEADER_WORDS].tolist()
-    at = HEADER_WORDS + num_words
-    orders = _decode_orders(buffer[HEADER_WORDS:at].tolist())
-    batch = None
-    if num_tokens:
-        sizes = (num_tokens, num_tokens, num_tokens, num_seqs, num_seqs + 1, num_seqs * max_blocks)
-        ids, pos, slots, seq_lens, qsl, tables = buffer[at : at + sum(sizes)].split(sizes)
-        batch = ModelInput(
-            input_ids=ids,
-            positions=pos,
-            slot_mapping=slots,
-            block_tables=tables.to(torch.int32).view(num_seqs, max_blocks),
-            seq_lens=seq_lens.to(torch.int32),
-            query_start_loc=qsl.to(torch.int32),
-            sample_idx=ids[:0],
-            decode_only=bool(decode_only),
-        )
-    return StepMessage(Command(command), orders, batch, (args[0], args[1]))
+def decode_header(control: torch.Tensor) -> Header:
+    command, num_tokens, num_seqs, max_blocks, decode_only, num_words, graph_size, arg0, arg1 = control[
+        :HEADER_WORDS
+    ].tolist()
+    return Header(
+        Command(command), num_tokens, num_seqs, max_blocks, bool(decode_only), num_words, graph_size, (arg0, arg1)
+    )
+
+
+def decode(control: torch.Tensor, payload: torch.Tensor | None) -> StepMessage:
+    """Inverse of `encode`; the batch's tensors are views of (or made from) `payload`."""
+    header = decode_header(control)
+    orders = _decode_orders(control[HEADER_WORDS : HEADER_WORDS + header.num_order_words].tolist())
+    batch = None if payload is None or not header.num_tokens else _batch(header, payload)
+    return StepMessage(header.command, orders, batch, header.args, header.graph_size)
+
+
+def _batch(header: Header, payload: torch.Tensor) -> ModelInput:
+    n, s = header.num_tokens, header.num_seqs
+    ids, pos, slots, seq_lens, qsl, tables = payload.split((n, n, n, s, s + 1, s * header.max_blocks))
+    return ModelInput(
+        input_ids=ids,
+        positions=pos,
+        slot_mapping=slots,
+        block_tables=tables.to(torch.int32).view(s, header.max_blocks),
+        seq_lens=seq_lens.to(torch.int32),
+        query_start_loc=qsl.to(torch.int32),
+        sample_idx=ids[:0],
+        decode_only=header.decode_only,
+    )
 
 
 def _decode_orders(words: list[int]) -> list[CacheOrder]:
@@ -136,32 +175,58 @@ def _decode_orders(words: list[int]) -> list[CacheOrder]:
 
 
 class StepChannel:
-    """Rank 0 sends, every other rank receives; one broadcast per message on `group`."""
+    """Rank 0 sends, every other rank receives: the control message on `control` (gloo, host memory), then
+    the batch, if any, on `data` (the layers' group, the device's memory; on the CPU inside the control
+    message). A received batch is a view of the channel's buffer: used before the next `recv`."""
 
-    def __init__(self, group: Collectives, device: torch.device) -> None:
-        self.group = group
+    def __init__(self, control: Collectives, data: Collectives, device: torch.device) -> None:
+        self.control = control
+        self.data = data
         self.device = device
         self.capacity = INITIAL_CAPACITY
+        self._buffer = torch.zeros(self.capacity, dtype=torch.int64)
 
-    def send(self, payload: torch.Tensor) -> None:
-        if len(payload) > self.capacity:
+    def send(self, message: StepMessage) -> None:
+        control, payload = encode(message, self.device)
+        if payload is not None and self._inline:
+            control, payload = torch.cat([control, payload]), None
+        if len(control) > self.capacity:
             capacity = self.capacity
-            while capacity < len(payload):
+            while capacity < len(control):
                 capacity *= 2
-            self._broadcast(encode(StepMessage(Command.GROW, args=(capacity, 0)), self.device))
-            self.capacity = capacity
-        self._broadcast(payload)
+            self._broadcast_control(encode(StepMessage(Command.GROW, args=(capacity, 0)), self.device)[0])
+            self._resize(capacity)
+        self._broadcast_control(control)
+        if payload is not None:
+            self.data.broadcast(payload, 0).wait()
 
     def recv(self) -> StepMessage:
         while True:
-            buffer = torch.empty(self.capacity, dtype=torch.int64, device=self.device)
-            self.group.broadcast(buffer, 0).wait()
-            message = decode(buffer)
-            if message.command != Command.GROW:
-                return message
-            self.capacity = message.args[0]
+            self.control.broadcast(self._buffer, 0).wait()
+            header = decode_header(self._buffer)
+            if header.command != Command.GROW:
+                return decode(self._buffer, self._recv_payload(header))
+            self._resize(header.args[0])
 
-    def _broadcast(self, payload: torch.Tensor) -> None:
-        buffer = torch.zeros(self.capacity, dtype=torch.int64, device=self.device)
-        buffer[: len(payload)] = payload
-        self.group.broadcast(buffer, 0).wait()
+    @property
+    def _inline(self) -> bool:
+        """Whether the batch travels inside the control message (on the CPU)."""
+        return self.device.type == "cpu"
+
+    def _recv_payload(self, header: Header) -> torch.Tensor | None:
+        if not header.payload_words:
+            return None
+        if self._inline:
+            start = HEADER_WORDS + header.num_order_words
+            return self._buffer[start : start + header.payload_words]
+        payload = torch.empty(header.payload_words, dtype=torch.int64, device=self.device)
+        self.data.broadcast(payload, 0).wait()
+        return payload
+
+    def _broadcast_control(self, control: torch.Tensor) -> None:
+        self._buffer[: len(control)] = control
+        self.control.broadcast(self._buffer, 0).wait()
+
+    def _resize(self, capacity: int) -> None:
+        self.capacity = capacity
+        self._buffer = torch.zeros(capacity, dtype=torch.int64)

@@ -2,9 +2,12 @@
 
 Rank 0 is the engine process. It loads the model, checks that it splits evenly, opens a TCP store on a
 free localhost port and spawns ranks 1..N-1 (`torch.multiprocessing`, spawn context, daemon processes).
-Every rank joins two process groups over that store: `collectives` (the layers' all-reduces) fails a
-collective after `parallel.collective_timeout_s`; `steps` (the per-step broadcast) waits without such a
-limit, because an idle engine sends nothing for as long as no request comes. A worker that dies closes
+Every rank joins two process groups over that store: `collectives` (NCCL on CUDA: the layers' all-reduces
+and the step's batch) fails a collective after `parallel.collective_timeout_s`; `control` (always gloo,
+host memory: the step's header and cache orders, and the ranks' agreement on graph capture) waits without
+such a limit, because an idle engine sends nothing for as long as no request comes. A worker fuses its
+layers as rank 0 does, and captures its decode graphs when rank 0 says CAPTURE, so every rank runs the
+same kernels at the same pace. A worker that dies closes
 its sockets, so the next collective fails at once; one that hangs fails the all-reduces by the timeout.
 A worker whose rank 0 goes away fails its next receive and exits.
 """
@@ -24,6 +27,7 @@ from transformers import PretrainedConfig
 
 from streamd.config import Config
 from streamd.engine.worker.cache_engine import CacheEngine
+from streamd.engine.worker.fusion import fuse_layers
 from streamd.engine.worker.model_loader import LoadedModel, as_module, load_model, resolve_device, resolve_dtype
 from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of
 from streamd.engine.worker.parallel.collectives import Collectives
@@ -39,8 +43,15 @@ _IDLE_TIMEOUT = datetime.timedelta(days=365)  # the step broadcast waits for the
 
 @dataclass(slots=True)
 class Groups:
-    collectives: Collectives
-    steps: Collectives
+    collectives: Collectives  # the device's backend: all-reduces, the step's batch
+    control: Collectives  # gloo on the host: step headers and cache orders, capture agreement
+
+
+def all_agree(group: Collectives, ok: bool, world: int) -> bool:
+    """Whether every rank of `group` said `ok` (one all-reduce on the host)."""
+    votes = torch.tensor([int(ok)], dtype=torch.int64)
+    group.allreduce(votes).wait()
+    return int(votes.item()) == world
 
 
 @dataclass(slots=True)
@@ -112,9 +123,18 @@ def worker_main(args: WorkerArgs) -> None:
     """Ranks 1..N-1: load the shard, then run whatever rank 0 broadcasts until SHUTDOWN."""
     config = args.config
     device = _device_of(config, args.rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # graphs, streams and Triton launches use the current device
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     store = dist.TCPStore(_HOST, args.port, args.world_size, is_master=False, timeout=_timeout(config))
     groups = _connect(store, args.rank, args.world_size, config, device)
+    runner = _load_shard(args, groups, device)
+    Worker(args, groups, runner).serve()
+
+
+def _load_shard(args: WorkerArgs, groups: Groups, device: torch.device) -> ModelRunner:
+    """This rank's shard on its device, its layers fused as rank 0's (`builder._kv_cache`)."""
+    config = args.config
     dtype = resolve_dtype(config.model.dtype, device)
     loaded = load_model(
         args.model_config or config.model.name, dtype, torch.device("cpu"), config.model.cache_dir, config.model.seed
@@ -122,33 +142,53 @@ def worker_main(args: WorkerArgs) -> None:
     shard_model(loaded.model, ShardSpec(args.rank, args.world_size, groups.collectives))
     as_module(loaded.model).to(device)
     runner = ModelRunner(loaded.model, device, config.cache.block_size)
-    layout = kv_layout_of(loaded.model, config.cache.block_size, dtype, args.world_size)
-    channel = StepChannel(groups.steps, device)
-    cache: CacheEngine | None = None
-    while True:
-        message = channel.recv()
-        if message.command == Command.SHUTDOWN:
-            return
-        if message.command == Command.ALLOCATE:
-            cache = CacheEngine(layout, *message.args, device, runner.ops)
-            runner.bind_kv_cache(cache.kv_cache)
-        else:
-            assert cache is not None, "a step before ALLOCATE"
-            _run_step(message, cache, runner)
+    fuse_layers(loaded.model, config.model.fuse_layers, device)
+    return runner
 
 
-def _run_step(message: StepMessage, cache: CacheEngine, runner: ModelRunner) -> None:
-    for order in message.orders:
-        apply_order(cache, order)
-    if message.batch is not None:
-        runner.run_layers(message.batch)
+class Worker:
+    """A worker rank's loop: each message from rank 0 carried out on this rank's shard."""
+
+    def __init__(self, args: WorkerArgs, groups: Groups, runner: ModelRunner) -> None:
+        self.args = args
+        self.groups = groups
+        self.runner = runner
+        self.channel = StepChannel(groups.control, groups.collectives, runner.device)
+        self.cache: CacheEngine | None = None
+
+    def serve(self) -> None:
+        while (message := self.channel.recv()).command != Command.SHUTDOWN:
+            if message.command == Command.ALLOCATE:
+                self._allocate(*message.args)
+            elif message.command == Command.CAPTURE:
+                self._capture(*message.args)
+            else:
+                self._step(message)
+
+    def _allocate(self, num_blocks: int, num_swap_blocks: int) -> None:
+        runner, args = self.runner, self.args
+        dtype = next(runner.model.parameters()).dtype
+        layout = kv_layout_of(runner.model, args.config.cache.block_size, dtype, args.world_size)
+        self.cache = CacheEngine(layout, num_blocks, num_swap_blocks, runner.device, runner.ops)
+        runner.bind_kv_cache(self.cache.kv_cache)
+
+    def _capture(self, max_batch: int, max_blocks: int) -> None:
+        group, world = self.groups.control, self.args.world_size
+        self.runner.capture_cuda_graphs(max_batch, max_blocks, True, lambda ok: all_agree(group, ok, world))
+
+    def _step(self, message: StepMessage) -> None:
+        assert self.cache is not None, "a step before ALLOCATE"
+        for order in message.orders:
+            apply_order(self.cache, order)
+        if message.batch is not None:
+            self.runner.run_layers(message.batch, message.graph_size)
 
 
 def _connect(store: dist.Store, rank: int, world: int, config: Config, device: torch.device) -> Groups:
     timeout = _timeout(config)
     return Groups(
         collectives=_group(dist.PrefixStore("collectives", store), rank, world, timeout, device),
-        steps=_group(dist.PrefixStore("steps", store), rank, world, _IDLE_TIMEOUT, device),
+        control=_group(dist.PrefixStore("control", store), rank, world, _IDLE_TIMEOUT, torch.device("cpu")),
     )
 
 
