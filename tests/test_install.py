@@ -106,6 +106,13 @@ def test_uvicorn_private_names_streamd_relies_on_still_exist() -> None:
     for attribute in attributes:
         assert f"self.{attribute} =" in source, attribute
     assert "self.close_timer = self.loop.call_later(" in source  # the unanswered close handshake.py aborts
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+    assert callable(HttpToolsProtocol.on_headers_complete) and callable(HttpToolsProtocol.connection_lost)
+    assert "self.cycle" in inspect.getsource(HttpToolsProtocol)  # (http/pipelining.py)
+    cycle = inspect.getsource(RequestResponseCycle)
+    for attribute in ("disconnected", "message_event", "response_complete"):
+        assert f"self.{attribute} =" in cycle, attribute
     assert "self.handshake_exc" in inspect.getsource(ServerProtocol)
     assert "def is_allowed_origin(self, origin: str)" in inspect.getsource(CORSMiddleware)  # app.OriginCors
 

@@ -252,3 +252,17 @@ async def test_unread_pipelined_requests_log_no_traceback(async_engine: AsyncEng
                 await until(lambda: not server.services.lifecycle.num_active, "its requests to end")
             await settle(server)
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR or r.exc_info], caplog.text
+
+
+async def test_pipelined_streams_learn_their_client_left(async_engine: AsyncEngine) -> None:
+    """uvicorn told only the newest pipelined request of a lost connection: an earlier, running stream
+    generated on (or, paused, held its blocks until the server stopped)."""
+    async with live_server(async_engine, max_unsent_tokens=16, socket_send_buffer_bytes=4096) as server:
+        body = json.dumps({"prompt": "Hi", "max_tokens": 2000, "ignore_eos": True, "n": 4, "logprobs": 5,
+                           "stream": True}).encode()
+        sock = await tiny_socket(server)
+        loop = asyncio.get_running_loop()
+        await loop.sock_sendall(sock, post_bytes("/v1/completions", body) * 3)
+        await until(lambda: server.services.lifecycle.num_active, "the first stream to start")
+        sock.close()  # gone with every answer unread
+        await until(lambda: not server.services.lifecycle.num_active, "the stream to learn its client left", 30)
