@@ -183,6 +183,8 @@ class ServerConfig:
     resume_max_tokens_total: int = 1_000_000  # retained for all resumes (attached: trimmed; detached: abort)
     max_unsent_tokens: int = 256  # a request whose reader is this far behind is paused; 0: never pause
     socket_send_buffer_bytes: int = 0  # fixed SO_SNDBUF of accepted sockets; 0: the OS's autotuning
+    max_queued_frames: int = 1024  # a WebSocket's unsent replies past this: its client does not read (1008)
+    ws_close_timeout_s: float = 5.0  # a server-side WebSocket close not written/answered by then is aborted
     max_request_time_s: float | None = None  # default and cap of a request's timeout_s; None: no limit
     max_queue_time_s: float | None = None  # longer before first scheduling: `overloaded`; None: no limit
 
@@ -198,6 +200,7 @@ class ServerConfig:
             "max_prompt_chars",
             "max_body_bytes",
             "responses_store_size",
+            "max_queued_frames",
         ):
             _positive(f"server.{key}", getattr(self, key))
         _positive("server.max_tokens_limit", self.max_tokens_limit, allow_none=True)
@@ -210,6 +213,8 @@ class ServerConfig:
             _positive(f"server.{key}", getattr(self, key))
         for key in ("max_request_time_s", "max_queue_time_s"):
             _positive(f"server.{key}", getattr(self, key), allow_none=True)
+        if self.ws_close_timeout_s <= 0:
+            raise ConfigError(f"server.ws_close_timeout_s must be > 0, got {self.ws_close_timeout_s}")
 
 
 @dataclass(slots=True)

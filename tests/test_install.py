@@ -101,8 +101,18 @@ def test_uvicorn_private_names_streamd_relies_on_still_exist() -> None:
     for method in ("data_received", "handle_events", "send"):
         assert callable(getattr(WebSocketsSansIOProtocol, method, None)), method
     source = inspect.getsource(WebSocketsSansIOProtocol)
-    for attribute in ("conn", "transport", "handshake_initiated", "handshake_complete", "close_sent"):
+    attributes = ("conn", "transport", "handshake_initiated", "handshake_complete", "close_sent", "close_timer", "loop",
+                  "writable")  # (the last three: the bounded close)
+    for attribute in attributes:
         assert f"self.{attribute} =" in source, attribute
+    assert "self.close_timer = self.loop.call_later(" in source  # the unanswered close handshake.py aborts
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+    assert callable(HttpToolsProtocol.on_headers_complete) and callable(HttpToolsProtocol.connection_lost)
+    assert "self.cycle" in inspect.getsource(HttpToolsProtocol)  # (http/pipelining.py)
+    cycle = inspect.getsource(RequestResponseCycle)
+    for attribute in ("disconnected", "message_event", "response_complete"):
+        assert f"self.{attribute} =" in cycle, attribute
     assert "self.handshake_exc" in inspect.getsource(ServerProtocol)
     assert "def is_allowed_origin(self, origin: str)" in inspect.getsource(CORSMiddleware)  # app.OriginCors
 

@@ -5,12 +5,18 @@ Scenarios, all at once for `--duration` seconds:
   (SO_LINGER 0), close cleanly or half-handshake and vanish;
 - fuzz: malformed frames (bad JSON, lone surrogates, deep nesting, bad ids, unknown types and fields,
   out-of-range params, binary frames); every frame must be answered and the socket must stay open;
-- slow reader: a client that starts streams and never reads, for the whole run;
+- slow reader: a client that starts streams and never reads, for the whole run, on `/v1/stream` and on
+  the Responses socket (`/v1/responses`, one long response);
+- flood: a client that sends tiny invalid frames and never reads the error replies, on each WebSocket
+  route in turn (the server must bound what it queues for it and close it, 1008);
 - control: one stream after another on its own socket, whose inter-token latency (ITL) is reported.
 
 Afterwards it waits for the server to go idle and reads its KV gauges from `/metrics`: blocks still used
-then are leaks. Reports requests, tokens, errors by code, leaks and the control stream's p99 ITL, as a
-table and as JSON. Example: `streamd bench chaos --url http://127.0.0.1:8000 --duration 60`
+then are leaks. It also reads the server process's open file descriptors and resident memory
+(`process_open_fds`, `process_resident_memory_bytes`) before and after: more descriptors after than
+before (plus `--fd-slack`) or memory grown by more than `--max-rss-growth-mb` fail the run. Reports
+requests, tokens, errors by code, leaks, the bounds and the control stream's p99 ITL, as a table and as
+JSON. Example: `streamd bench chaos --url http://127.0.0.1:8000 --duration 60`
 """
 
 from __future__ import annotations
@@ -43,7 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--duration", type=float, default=30.0, help="seconds of chaos")
     parser.add_argument("--storm-clients", type=int, default=8, help="storm clients running at once")
     parser.add_argument("--fuzzers", type=int, default=2)
-    parser.add_argument("--slow-readers", type=int, default=2)
+    parser.add_argument("--slow-readers", type=int, default=2, help="per WebSocket route")
+    parser.add_argument("--flooders", type=int, default=1, help="clients flooding frames they never read")
+    parser.add_argument("--max-rss-growth-mb", type=float, default=512.0, help="server memory growth that fails")
+    parser.add_argument("--fd-slack", type=int, default=8, help="server descriptors over the start's that fail")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per storm and control stream")
     parser.add_argument("--api-key")
     parser.add_argument("--seed", type=int, default=0)
@@ -58,6 +67,8 @@ class Tally:
     unanswered: int = 0  # fuzz frames that got no answer
     control_itl: list[float] = field(default_factory=list)
     control_streams: int = 0
+    flood_frames: int = 0  # unread-reply frames the flooders sent
+    flood_closed: int = 0  # flooder sockets the server closed
 
 
 @dataclass(slots=True)
@@ -68,6 +79,10 @@ class Target:
     port: int
     headers: dict[str, str]
     max_tokens: int
+
+    @property
+    def responses_ws(self) -> str:
+        return self.ws.removesuffix("/v1/stream") + "/v1/responses"
 
 
 def target_of(args: argparse.Namespace) -> Target:
@@ -85,13 +100,14 @@ def target_of(args: argparse.Namespace) -> Target:
     )
 
 
-def _connect(target: Target) -> Any:
+def _connect(target: Target, responses: bool = False) -> Any:
     return connect(
-        target.ws,
-        subprotocols=[Subprotocol("streamd.v1")],
+        target.responses_ws if responses else target.ws,
+        subprotocols=None if responses else [Subprotocol("streamd.v1")],
         additional_headers=target.headers,
         max_size=None,
         open_timeout=30,
+        ping_interval=None,  # (a client that stops reading would fail its own pings)
     )
 
 
@@ -207,16 +223,42 @@ async def fuzz(target: Target, tally: Tally, rng: random.Random, until: float) -
         tally.errors[f"client:{type(exc).__name__}"] += 1
 
 
-async def slow_reader(target: Target, tally: Tally, until: float) -> None:
+async def slow_reader(target: Target, tally: Tally, until: float, responses: bool = False) -> None:
     try:
-        async with _connect(target) as ws:
-            for i in range(4):
-                await ws.send(_generate(f"slow{i}", "Write a long story", 10 * target.max_tokens))
+        async with _connect(target, responses) as ws:
+            for i in range(1 if responses else 4):
+                await ws.send(
+                    _response(10 * target.max_tokens)
+                    if responses
+                    else _generate(f"slow{i}", "Write a long story", 10 * target.max_tokens)
+                )
                 tally.requests += 1
             ws.transport.pause_reading()  # never read: the server's writes back up
             await asyncio.sleep(max(0.0, until - time.monotonic()))
             _reset(ws)
     except (ConnectionClosed, InvalidStatus, OSError) as exc:
+        tally.errors[f"client:{type(exc).__name__}"] += 1
+
+
+def _response(max_tokens: int) -> str:
+    return json.dumps(
+        {"type": "response.create", "input": "Write a long story", "max_output_tokens": max_tokens, "top_logprobs": 20}
+    )
+
+
+async def flood(target: Target, tally: Tally, until: float, responses: bool) -> None:
+    """Tiny invalid frames, replies never read, until the run ends or the server closes the socket."""
+    try:
+        async with _connect(target, responses) as ws:
+            ws.transport.pause_reading()
+            while time.monotonic() < until:
+                for _ in range(100):
+                    await ws.send("x")
+                tally.flood_frames += 100
+            _reset(ws)
+    except ConnectionClosed:
+        tally.flood_closed += 1
+    except (InvalidStatus, OSError) as exc:
         tally.errors[f"client:{type(exc).__name__}"] += 1
 
 
@@ -257,6 +299,11 @@ async def metrics(target: Target) -> dict[str, float]:
     return values
 
 
+def process_use(m: dict[str, float]) -> tuple[float, float]:
+    """The server process's open descriptors and resident memory (MB), from its /metrics."""
+    return m.get("process_open_fds", 0.0), m.get("process_resident_memory_bytes", 0.0) / 2**20
+
+
 async def leaks(target: Target) -> dict[str, float]:
     """Once the server is idle (nothing running, waiting or swapped): its KV and swap blocks still used."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
@@ -264,30 +311,48 @@ async def leaks(target: Target) -> dict[str, float]:
         m = await metrics(target)
         busy = sum(m.get(f"streamd_requests_{k}", 0.0) for k in ("running", "waiting", "swapped"))
         if not busy or time.monotonic() > deadline:
+            fds, rss = process_use(m)
             return {
                 "idle": float(not busy),
                 "kv_blocks_used": m.get("streamd_kv_blocks_used", 0.0),
                 "swap_blocks_used": m.get("streamd_swap_blocks_used", 0.0),
+                "fds": fds,
+                "rss_mb": rss,
             }
         await asyncio.sleep(0.5)  # polling a remote server's gauges: there is nothing to wait on
 
 
 async def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
     target, tally, rng = target_of(args), Tally(), random.Random(args.seed)
+    fds_before, rss_before = process_use(await metrics(target))
     start = time.monotonic()
     until = start + args.duration
     tasks = [control(target, tally, until)]
     tasks += [storm(target, tally, random.Random(rng.random()), until) for _ in range(args.storm_clients)]
     tasks += [fuzz(target, tally, random.Random(rng.random()), until) for _ in range(args.fuzzers)]
-    tasks += [slow_reader(target, tally, until) for _ in range(args.slow_readers)]
+    tasks += [
+        slow_reader(target, tally, until, responses) for _ in range(args.slow_readers) for responses in (False, True)
+    ]
+    tasks += [flood(target, tally, until, bool(i % 2)) for i in range(args.flooders)]
     await asyncio.gather(*tasks)
     elapsed = time.monotonic() - start
-    return report(tally, elapsed, await leaks(target))
+    leaked = await leaks(target)
+    bounds = {
+        "server_fds_before": int(fds_before),
+        "server_fds_after": int(leaked["fds"]),
+        "server_rss_mb_before": round(rss_before, 1),
+        "server_rss_mb_after": round(leaked["rss_mb"], 1),
+        "fds_within_bound": leaked["fds"] <= fds_before + args.fd_slack,
+        "rss_within_bound": leaked["rss_mb"] - rss_before <= args.max_rss_growth_mb,
+    }
+    return {**report(tally, elapsed, leaked), **bounds}
 
 
 def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, Any]:
     p99 = percentiles(tally.control_itl)["p99"]
     return {
+        "flood_frames": tally.flood_frames,
+        "flood_sockets_closed": tally.flood_closed,
         "duration_s": round(elapsed, 2),
         "requests": tally.requests,
         "tokens": tally.tokens,
@@ -308,4 +373,5 @@ def main(args: argparse.Namespace) -> int:
         print(f"{key:<{width}}  {value}")
     write_json(result, args.json)
     ok = result["idle_after"] and not result["leaked_kv_blocks"] and not result["leaked_swap_blocks"]
+    ok = ok and result["fds_within_bound"] and result["rss_within_bound"]
     return 0 if ok and not result["unanswered_frames"] else 1

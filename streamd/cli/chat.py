@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -223,11 +224,19 @@ async def _print_stream(ws: Link, request_id: str) -> tuple[str, bool]:
             if frame["error"]["code"] not in ("internal_error",):
                 return "", False
         elif kind == "done":
+            if token is not None:  # the answer is whole here: the server need not keep it for a resume
+                await _ack(ws, request_id, token)
             end = time.perf_counter()
             rate = (tokens - 1) / (end - first) if first and tokens > 1 and end > first else 0.0
             ttft = f"{(first - sent) * 1000:.0f} ms" if first else "-"
             print(f"\n[{frame['finish_reason']} · TTFT {ttft} · {rate:.1f} tok/s · {tokens} tokens]", file=sys.stderr)
             return "".join(pieces), frame["finish_reason"] != "error"
+
+
+async def _ack(ws: Link, request_id: str, token: str) -> None:
+    assert ws.ws is not None
+    with contextlib.suppress(ConnectionClosed):  # (unacknowledged, it is only kept a while longer)
+        await ws.ws.send(json.dumps({"type": "ack", "id": request_id, "resume_token": token}))
 
 
 async def _resume(ws: Link, request_id: str, token: str | None, last_seq: int, closed: ConnectionClosed) -> bool:

@@ -19,11 +19,12 @@ from pathlib import Path
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware.cors import CORSMiddleware
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.utils import ClientDisconnected
 
 from streamd import heap
 from streamd.config import Config
@@ -190,6 +191,9 @@ async def internal_error(request: Request, exc: Exception) -> Response:
         return await service_error(request, exc)
     if isinstance(exc, HTTPException):
         return await http_exception(request, exc)
+    if isinstance(exc, (ClientDisconnect, ClientDisconnected)):  # nobody is left to answer: no traceback
+        logger.info("client_gone", path=request.url.path, error=type(exc).__name__)
+        return Response(status_code=499)
     logger.exception("unhandled_error", path=request.url.path)
     return error_response(ServiceError("internal_error", "internal server error"))
 

@@ -42,9 +42,14 @@ class Authenticator:
         return self.key_ok(bearer_token(headers.get("authorization")))
 
     def websocket_ok(self, headers: Mapping[str, str], subprotocols: Iterable[str]) -> bool:
-        if not self._keys:
-            return True
-        return any(self.key_ok(key) for key in _offered_keys(headers, subprotocols))
+        return not self._keys or self.websocket_key(headers, subprotocols) is not None
+
+    def websocket_key(self, headers: Mapping[str, str], subprotocols: Iterable[str]) -> str | None:
+        """The caller's key on a WebSocket: the offered key (header first, then each `bearer.`
+        subprotocol) that authenticated it, or with no keys configured the first one offered. What a
+        connection's resumable requests and stored responses are bound to."""
+        offered = _offered_keys(headers, subprotocols)
+        return next((key for key in offered if self.key_ok(key)), None)
 
     def origin_ok(self, origin: str | None, host: str | None) -> bool:
         """A missing Origin is a non-browser client; browsers always send one. `host`: the Host header."""
@@ -83,11 +88,6 @@ def bearer_token(header: str | None) -> str | None:
         return None
     scheme, _, token = header.partition(" ")
     return token.strip() if scheme.lower() == "bearer" else None
-
-
-def presented_key(headers: Mapping[str, str], subprotocols: Iterable[str]) -> str | None:
-    """The API key a WebSocket handshake presented (header first, then a `bearer.` subprotocol)."""
-    return next(_offered_keys(headers, subprotocols), None)
 
 
 def _offered_keys(headers: Mapping[str, str], subprotocols: Iterable[str]) -> Iterator[str]:

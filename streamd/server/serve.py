@@ -22,8 +22,9 @@ from streamd.config import Config
 from streamd.engine import AsyncEngine, EngineClient
 from streamd.logs import get_logger
 from streamd.server.app import create_app
+from streamd.server.http.pipelining import PipelinedHttpProtocol
 from streamd.server.lifecycle import Lifecycle
-from streamd.server.ws.handshake import GuardedWebSocketProtocol
+from streamd.server.ws.handshake import guarded_protocol
 
 if TYPE_CHECKING:
     from streamd.engine import LLMEngine
@@ -89,8 +90,8 @@ def uvicorn_config(config: Config, app: Starlette) -> uvicorn.Config:
         lifespan="on",
         # httptools (C) parses requests and frames each SSE chunk with one transport write; h11 (pure
         # Python) cost several times more event-loop time per streamed chunk.
-        http="httptools",
-        ws=GuardedWebSocketProtocol,
+        http=PipelinedHttpProtocol,  # httptools; every pipelined request hears its client left
+        ws=guarded_protocol(config.server.ws_close_timeout_s),
         ws_max_size=config.server.max_frame_bytes,
         ws_per_message_deflate=False,  # token frames are tiny; deflate costs more CPU than it saves
         log_config=None,

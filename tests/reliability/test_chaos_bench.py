@@ -1,5 +1,6 @@
 """`streamd bench chaos` against a live server for a few seconds: it reports every scenario's traffic,
-finds the server idle with no leaked block afterwards, and every fuzz frame answered."""
+finds the server idle with no leaked block afterwards, every fuzz frame answered, and the server's file
+descriptors and memory within their bounds (flooders and slow readers on both WebSocket routes)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,6 @@ async def test_chaos_bench_reports_a_clean_run(rserver: Server) -> None:
     assert result["requests"] > 0 and result["tokens"] > 0 and result["control_streams"] >= 1
     assert result["control_itl_p99_ms"] is not None
     assert "invalid_json" in result["errors_by_code"]
+    assert result["flood_frames"] > 0
+    assert result["fds_within_bound"] and result["rss_within_bound"], result
+    assert result["server_fds_before"] > 0 and result["server_rss_mb_after"] > 0

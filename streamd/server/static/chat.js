@@ -222,6 +222,8 @@
       c.error = frame.error.message;
       if (!c.started || c.resuming) finish(c, "error", null, c.error);  // refused: no done will follow
     } else if (frame.type === "done") {
+      // the answer is whole here: the server need not keep it for a resume any longer
+      if (c.resumeToken && socketOpen()) chat.ws.send(JSON.stringify({type: "ack", id: c.id, resume_token: c.resumeToken}));
       finish(c, frame.finish_reason, frame.usage, c.error);
     }
   }

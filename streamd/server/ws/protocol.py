@@ -1,7 +1,8 @@
 """The WebSocket protocol: parsing client frames, building server frames, encoding messages.
 
 Client: `{"type":"generate","id":ID,"prompt":TEXT|"messages":[...],"params":{...}}`,
-`{"type":"cancel","id":ID}`, `{"type":"resume","id":ID,"resume_token":T,"after_seq":K}`. Server: `start`
+`{"type":"cancel","id":ID}`, `{"type":"resume","id":ID,"resume_token":T,"after_seq":K}`,
+`{"type":"ack","id":ID,"resume_token":T}` (its `done` arrived: nothing to keep for a resume). Server: `start`
 (with a `resume_token` when resumable), `delta` (seq from 0 per id), `done` (finish_reason, usage;
 `drained: true` when the server's drain cut it) and `error` (id or null). Two framings of the same
 frames, chosen by subprotocol:
@@ -70,31 +71,38 @@ class Cancel:
 
 
 @dataclass(slots=True)
+class Ack:
+    """The client has a finished request's `done`: its output need not be kept for a resume."""
+
+    id: str
+    resume_token: Any  # checked by the resume store
+
+
+@dataclass(slots=True)
 class Resume:
     id: str
     resume_token: Any
     after_seq: Any  # checked against the request's frames (resume.py)
 
 
-def parse_frame(text: str) -> Generate | Cancel | Resume | SubscribeStats | UnsubscribeStats:
+def parse_frame(text: str) -> Generate | Cancel | Resume | Ack | SubscribeStats | UnsubscribeStats:
     """Raises ServiceError (with `param` set to the frame's id when one could be read)."""
     frame = loads_object(text, "the frame", code="invalid_json")
     if frame.get("type") in ("subscribe_stats", "unsubscribe_stats"):
         return _stats_frame(frame)
-    frame_id = frame.get("id")
-    if not isinstance(frame_id, str) or not frame_id or len(frame_id) > MAX_ID_LENGTH:
-        raise ServiceError(
-            "invalid_request", f"id must be a non-empty string of at most {MAX_ID_LENGTH} characters", None
-        )
+    frame_id = check_id(frame.get("id"), "id", None)
     kind = frame.get("type")
     if kind == "cancel":
         return Cancel(frame_id)
     if kind == "resume":
         return Resume(frame_id, frame.get("resume_token"), frame.get("after_seq"))
+    if kind == "ack":
+        return Ack(frame_id, frame.get("resume_token"))
     if kind != "generate":
         raise ServiceError(
             "unknown_type",
-            f"unknown frame type {kind!r}; expected generate, cancel, resume, subscribe_stats or unsubscribe_stats",
+            f"unknown frame type {kind!r}; expected generate, cancel, resume, ack, subscribe_stats or "
+            "unsubscribe_stats",
             frame_id,
         )
     unknown = sorted(set(frame) - {"type", "id", "prompt", "messages", "params"})
@@ -108,6 +116,16 @@ def parse_frame(text: str) -> Generate | Cancel | Resume | SubscribeStats | Unsu
     if not isinstance(params, dict):
         raise ServiceError("invalid_request", "params must be an object", frame_id)
     return Generate(frame_id, frame.get("prompt"), frame.get("messages"), params)
+
+
+def check_id(value: Any, name: str, param: str | None) -> str:
+    """A client-chosen id (a frame's `id`, a Responses lane's `stream_id`): a non-empty string of at most
+    MAX_ID_LENGTH characters, echoed in every frame about it; raises ServiceError naming `name`."""
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_LENGTH:
+        raise ServiceError(
+            "invalid_request", f"{name} must be a non-empty string of at most {MAX_ID_LENGTH} characters", param
+        )
+    return value
 
 
 def start_frame(request_id: str, prompt_tokens: int, resume_token: str | None = None) -> Frame:

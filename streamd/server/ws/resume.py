@@ -14,8 +14,10 @@ answered with a gap. When its socket drops the request is *detached*: it keeps g
 period and nothing more is dropped; a request whose retained output would then pass either bound is
 aborted with an error saying so (never truncated silently). A `resume` frame on a new socket replays the
 frames after the client's `after_seq` and the live stream continues there. When the grace ends first,
-the request is aborted (its blocks freed) and its id is remembered as expired. Once a request's `done`
-has been written to a live socket, its retained output is released.
+the request is aborted (its blocks freed) and its id is remembered as expired. A finished request stays
+resumable for the grace period after its `done` was written (a write to a socket that then dies before
+the bytes arrive looks delivered: its tail would be lost), unless the client acknowledges the `done`
+with an `ack` frame (same token): then its retained output is released at once.
 
 The store holds `Resumable` objects (the socket's request records, ws.py) and knows nothing of sockets.
 """
@@ -42,6 +44,7 @@ class Resumable(Protocol):
     """A resumable request as the store sees it."""
 
     client_id: str
+    finished: bool  # its done frame is built
 
     def expire(self, reason: str, cause: str) -> None: ...
 
@@ -59,7 +62,7 @@ class Retention:
     tokens: int = 0
     dropped_seq: int = -1  # the newest delta seq dropped from the front (-1: none)
     detached: bool = False
-    timer: asyncio.TimerHandle | None = None  # the grace timer while detached
+    timer: asyncio.TimerHandle | None = None  # the grace timer while detached, or after its done was written
 
     def replay_after(self, after_seq: int) -> list[Frame]:
         """The frames a client that has every delta up to `after_seq` is missing (-1: all of them)."""
@@ -143,13 +146,30 @@ class ResumeStore:
             return
         self.total_tokens -= retention.tokens
         retention.frames, retention.tokens = deque(), 0
-        if retention.timer is not None:
-            retention.timer.cancel()
-            retention.timer = None
+        self._stop_timer(retention)
         if reason is not None:
             self._ended[retention.handle] = reason
             while len(self._ended) > _TOMBSTONES:
                 self._ended.popitem(last=False)
+
+    def delivered(self, retention: Retention) -> None:
+        """Its `done` was written to a live socket: it stays resumable for the grace period (the bytes may
+        not arrive), or until the client's `ack`."""
+        if retention.handle not in self._live:
+            return  # acknowledged already
+        self._stop_timer(retention)
+        retention.timer = asyncio.get_running_loop().call_later(self.grace_s, self.release, retention)
+
+    def acknowledge(self, client_id: str, token: Any, api_key: str | None) -> None:
+        """The client has a finished request's `done`: its retained output goes. Raises ServiceError for a
+        token that is not this request's, or a request not finished; an ack of one already released is
+        a no-op."""
+        retention = self._find(client_id, token, api_key, missing_ok=True)
+        if retention is None:
+            return
+        if not retention.owner.finished:
+            raise ServiceError("invalid_request", f"request {client_id!r} has not finished: ack its done", client_id)
+        self.release(retention)
 
     # ---- socket gone, socket back -------------------------------------------------------------
     def detach(self, retention: Retention) -> None:
@@ -158,8 +178,14 @@ class ResumeStore:
             self._shut_down(retention)
             return
         retention.detached = True
-        if retention.timer is None and retention.handle in self._live:
+        if retention.handle in self._live:
+            self._stop_timer(retention)  # (a finished request's linger restarts as a detached grace)
             retention.timer = asyncio.get_running_loop().call_later(self.grace_s, self._expire, retention)
+
+    def _stop_timer(self, retention: Retention) -> None:
+        if retention.timer is not None:
+            retention.timer.cancel()
+            retention.timer = None
 
     def _expire(self, retention: Retention) -> None:
         retention.timer = None
@@ -186,41 +212,14 @@ class ResumeStore:
         except ServiceError as exc:
             self._metrics.resumes.labels(exc.code).inc()
             raise
-        if retention.timer is not None:
-            retention.timer.cancel()
-            retention.timer = None
+        self._stop_timer(retention)
         retention.detached = False
         self._metrics.resumes.labels("resumed").inc()
         return retention, retention.replay_after(after_seq)
 
     def _check(self, client_id: str, token: Any, after_seq: Any, api_key: str | None) -> Retention:
-        handle, _, mac = token.rpartition(".") if isinstance(token, str) else ("", "", "")
-        if not handle or not hmac.compare_digest(mac.encode(), self._mac(handle).encode()):
-            raise ServiceError(
-                "invalid_resume_token",
-                "this resume_token was not issued by this server (it may have restarted)",
-                client_id,
-            )
-        retention = self._live.get(handle)
-        if retention is None:
-            why = self._ended.get(handle)
-            if why is not None:
-                raise ServiceError(
-                    "resume_expired", f"request {client_id!r} can no longer be resumed: {why}", client_id
-                )
-            raise ServiceError(
-                "unknown_id",
-                f"request {client_id!r} is not resumable (it finished and its done was delivered)",
-                client_id,
-            )
-        if not hmac.compare_digest(retention.key_hash, _key_hash(api_key)):
-            raise ServiceError("resume_forbidden", "this request was created with another API key", client_id)
-        if retention.client_id != client_id:
-            raise ServiceError(
-                "invalid_resume_token",
-                f"this resume_token belongs to id {retention.client_id!r}, not {client_id!r}",
-                client_id,
-            )
+        retention = self._find(client_id, token, api_key)
+        assert retention is not None
         if not isinstance(after_seq, int) or isinstance(after_seq, bool) or not -1 <= after_seq <= retention.last_seq:
             raise ServiceError(
                 "invalid_request",
@@ -234,6 +233,41 @@ class ResumeStore:
                 f"request {client_id!r}: the deltas up to seq "
                 f"{retention.dropped_seq} are no longer retained (server.resume_max_tokens_per_request"
                 " / resume_max_tokens_total)",
+                client_id,
+            )
+        return retention
+
+    def _find(self, client_id: str, token: Any, api_key: str | None, missing_ok: bool = False) -> Retention | None:
+        """The live retention `token` names, checked against the caller's key and `client_id`; None if
+        released and `missing_ok`. Raises ServiceError naming what is wrong."""
+        handle, _, mac = token.rpartition(".") if isinstance(token, str) else ("", "", "")
+        if not handle or not hmac.compare_digest(mac.encode(), self._mac(handle).encode()):
+            raise ServiceError(
+                "invalid_resume_token",
+                "this resume_token was not issued by this server (it may have restarted)",
+                client_id,
+            )
+        retention = self._live.get(handle)
+        if retention is None and missing_ok:
+            return None
+        if retention is None:
+            why = self._ended.get(handle)
+            if why is not None:
+                raise ServiceError(
+                    "resume_expired", f"request {client_id!r} can no longer be resumed: {why}", client_id
+                )
+            raise ServiceError(
+                "unknown_id",
+                f"request {client_id!r} is not resumable (it finished and its done was acknowledged,"
+                " or written over server.resume_grace_s ago)",
+                client_id,
+            )
+        if not hmac.compare_digest(retention.key_hash, _key_hash(api_key)):
+            raise ServiceError("resume_forbidden", "this request was created with another API key", client_id)
+        if retention.client_id != client_id:
+            raise ServiceError(
+                "invalid_resume_token",
+                f"this resume_token belongs to id {retention.client_id!r}, not {client_id!r}",
                 client_id,
             )
         return retention

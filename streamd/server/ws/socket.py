@@ -7,6 +7,12 @@
   server-side close and the reader loop. A subclass writes (`_write_loop`), handles each message
   (`_on_message`: its text, None for a binary message) and lets go of its requests once the socket is gone
   (`_let_go`).
+- The caller's key (`api_key`, `Authenticator.websocket_key`: the key that authenticated the handshake),
+  the one binding of a connection's resumable requests and stored responses.
+- The bound on replies a client leaves unread: replies to what the client sends (error frames/events) are
+  queued without waiting, so a client that sends without reading could grow them without end. Past
+  `server.max_queued_frames` unsent (`check_backlog`) the socket is closed with 1008; the close itself is
+  bounded (handshake.py aborts a close that cannot be written or is not answered).
 """
 
 from __future__ import annotations
@@ -66,8 +72,10 @@ class SocketConnection:
     def __init__(self, websocket: WebSocket, services: Services) -> None:
         self.ws = websocket
         self.services = services
+        self.api_key = services.auth.websocket_key(websocket.headers, websocket.scope.get("subprotocols", []))
         self.close_code = 1006
         self.closed = False
+        self._closing: asyncio.Task[None] | None = None  # a close this connection chose (1008)
 
     async def run(self) -> None:
         metrics = self.services.metrics
@@ -82,7 +90,7 @@ class SocketConnection:
                 self.closed = True
                 writer.cancel()
                 await self._let_go()
-                await asyncio.gather(writer, return_exceptions=True)
+                await asyncio.gather(writer, *([self._closing] if self._closing else []), return_exceptions=True)
                 metrics.ws_connections.dec()
                 metrics.ws_closes.labels(str(self.close_code)).inc()
                 logger.info(f"{self.log_name}_close", code=self.close_code)
@@ -92,10 +100,25 @@ class SocketConnection:
         if not self.closed:
             self.closed = True
             self.close_code = code
-            try:
-                await self.ws.close(code)
-            except (RuntimeError, OSError):
-                pass
+            await self._send_close(code)
+
+    async def _send_close(self, code: int, reason: str = "") -> None:
+        try:
+            await self.ws.close(code, reason)
+        except (RuntimeError, OSError):
+            pass
+
+    def check_backlog(self, queued: int) -> None:
+        """Closes the socket (1008) when `queued` unsent replies pass `server.max_queued_frames`: its
+        client sends without reading what it is answered."""
+        limit = self.services.config.max_queued_frames
+        if queued <= limit or self.closed:
+            return
+        logger.warning("ws_replies_unread", queued=queued, limit=limit)
+        self.closed = True
+        self.close_code = 1008
+        reason = f"over {limit} replies unread (server.max_queued_frames)"
+        self._closing = asyncio.create_task(self._send_close(1008, reason))
 
     async def _read(self) -> None:
         while True:
@@ -105,6 +128,7 @@ class SocketConnection:
                     self.close_code = int(message.get("code") or 1005)
                 return
             self._on_message(message.get("text"))
+            await asyncio.sleep(0)  # the writer's turn: replies to a burst of messages go out as they come
 
     # ---- what a subclass provides --------------------------------------------------------------------
     def _describe(self) -> dict[str, Any]:

@@ -26,7 +26,6 @@ from starlette.websockets import WebSocket, WebSocketDisconnect
 from streamd.engine import Backpressure, PendingDelta, RequestDelta
 from streamd.logs import get_logger
 from streamd.server.accounting import RequestAccount
-from streamd.server.auth import presented_key
 from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import Prepared
 from streamd.server.services import Services
@@ -44,8 +43,7 @@ async def stream_endpoint(websocket: WebSocket) -> None:
     services = await accept(websocket, chosen)
     if services is None:
         return
-    key = presented_key(websocket.headers, offered)
-    await Connection(websocket, services, batched=chosen == protocol.SUBPROTOCOL_V2, api_key=key).run()
+    await Connection(websocket, services, batched=chosen == protocol.SUBPROTOCOL_V2).run()
 
 
 class WsRequest:
@@ -178,10 +176,9 @@ class WsRequest:
 
 
 class Connection(SocketConnection):
-    def __init__(self, websocket: WebSocket, services: Services, batched: bool, api_key: str | None = None) -> None:
+    def __init__(self, websocket: WebSocket, services: Services, batched: bool) -> None:
         super().__init__(websocket, services)
         self.batched = batched
-        self.api_key = api_key  # what resumable requests are bound to
         self.live: dict[str, WsRequest] = {}
         self._ready: dict[WsRequest, None] = {}  # requests with something to send, in order
         self._control: list[protocol.Frame] = []  # error frames not tied to a live request
@@ -226,7 +223,8 @@ class Connection(SocketConnection):
         self._wake.set()
 
     def forget(self, request: WsRequest) -> None:
-        self.live.pop(request.client_id, None)
+        if self.live.get(request.client_id) is request:  # (its id may be in use again by a newer request)
+            del self.live[request.client_id]
 
     def _drop_unsent(self, request: WsRequest) -> None:
         """After the socket closed: nothing is sent, but the account still takes the deltas."""
@@ -241,6 +239,7 @@ class Connection(SocketConnection):
         if not self.closed:
             self._control.append(protocol.error_frame(client_id, error))
             self._wake.set()
+            self.check_backlog(len(self._control))
 
     def push_stats(self, frame: protocol.Frame) -> None:
         """Replaces any stats frame not yet written (the view wants the newest, not every one)."""
@@ -273,9 +272,8 @@ class Connection(SocketConnection):
                 if request.finished and request.retention is not None:
                     if self.closed:  # its done may not have arrived: keep it for a resume
                         self._detach(request)
-                    else:  # delivered
-                        request.retention.store.release(request.retention)
-                        request.retention = None
+                    else:  # written: resumable for the grace period (or until the client's ack)
+                        request.retention.store.delivered(request.retention)
             if self.closed:
                 return
 
@@ -304,6 +302,9 @@ class Connection(SocketConnection):
             return
         if isinstance(frame, protocol.Resume):
             self._resume(frame)
+            return
+        if isinstance(frame, protocol.Ack):
+            self._ack(frame)
             return
         try:
             self._check_room(frame.id)
@@ -366,6 +367,12 @@ class Connection(SocketConnection):
             self.live[frame.id] = request
         logger.info("ws_resumed", id=frame.id, after_seq=frame.after_seq, replayed=len(replay))
         self.wake(request)
+
+    def _ack(self, frame: protocol.Ack) -> None:
+        try:
+            self.services.resumes.acknowledge(frame.id, frame.resume_token, self.api_key)
+        except ServiceError as exc:
+            self.send_error(frame.id, exc)
 
     def _cancel(self, client_id: str) -> None:
         request = self.live.get(client_id)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from streamd.engine.outputs import CompletionDelta, RequestDelta
-from streamd.server.auth import Authenticator, bearer_token, presented_key
+from streamd.server.auth import Authenticator, bearer_token
 from streamd.server.errors import ServiceError
 from streamd.server.generation import normalize_messages
 from streamd.server.ws import protocol
@@ -79,10 +79,13 @@ def test_auth_rules() -> None:
     assert auth.websocket_ok({}, ["streamd.v1", "bearer.k1"]) and not auth.websocket_ok({}, ["bearer.k3"])
     assert auth.websocket_ok({"authorization": "Bearer k3"}, ["bearer.k2"])  # any offered key may match
     assert not auth.websocket_ok({"authorization": "Bearer k3"}, ["streamd.v1"])
-    # the key a resumable request is bound to: the header's, else the first `bearer.` subprotocol's
-    assert presented_key({"authorization": "Bearer h"}, ["bearer.s"]) == "h"
-    assert presented_key({}, ["streamd.v1", "bearer.s", "bearer.t"]) == "s"
-    assert presented_key({"authorization": "Basic x"}, ["streamd.v1"]) is None
+    # the caller's key (what its resumable requests and stored responses are bound to): the offered key
+    # that authenticated it, never an invalid one offered beside it
+    assert auth.websocket_key({"authorization": "Bearer k3"}, ["bearer.k2"]) == "k2"
+    assert auth.websocket_key({"authorization": "Bearer k1"}, ["bearer.k2"]) == "k1"
+    assert auth.websocket_key({}, ["streamd.v1", "bearer.k3", "bearer.k1"]) == "k1"
+    assert auth.websocket_key({"authorization": "Basic x"}, ["streamd.v1"]) is None
+    assert open_auth.websocket_key({}, ["streamd.v1", "bearer.s", "bearer.t"]) == "s"
     assert auth.origin_ok("https://ok.example", None) and auth.origin_ok(None, None)
     assert not auth.origin_ok("https://evil.example", None) and not auth.origin_ok("http://localhost", None)
 

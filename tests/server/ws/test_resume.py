@@ -4,6 +4,7 @@ refused resumes, deadlines. (Slow readers: test_slow_reader.py; SIGTERM: test_si
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 import httpx
@@ -22,10 +23,25 @@ SEEDED = {"max_tokens": 32, "temperature": 0.9, "seed": 1234, "ignore_eos": True
 RECONNECT_DELAY_S = 2.0  # the scenario: a phone that changed networks
 
 
+async def ack(ws: Any, result: Result) -> None:
+    """Tells the server a finished request's done arrived (else it stays resumable for the grace)."""
+    (start,) = result.of("start")[:1]
+    await send(ws, type="ack", id=start["id"], resume_token=start["resume_token"])
+
+
+async def released(server: Server) -> None:
+    """Waits (polling, with a deadline) until the resume store holds nothing."""
+    resumes, deadline = server.services.resumes, time.monotonic() + 30
+    while len(resumes) or resumes.total_tokens:
+        assert time.monotonic() < deadline, (len(resumes), resumes.total_tokens)
+        await asyncio.sleep(0.01)
+
+
 async def reference(server: Server, params: dict[str, Any], prompt: str = "Tell me a story") -> Result:
     async with ws_connect(server) as ws:
         await send(ws, type="generate", id="ref", prompt=prompt, params=params)
         result = (await gather_until_done(ws, {"ref"}))["ref"]
+        await ack(ws, result)
     check_stream(result)
     return result
 
@@ -50,7 +66,9 @@ async def cut_and_resume(server: Server) -> tuple[list[dict[str, Any]], Result]:
     await asyncio.sleep(RECONNECT_DELAY_S)  # the scenario's reconnect delay, not synchronisation
     async with ws_connect(server) as ws:
         await send(ws, type="resume", id="r", resume_token=token, after_seq=9)
-        return before, (await gather_until_done(ws, {"r"}))["r"]
+        after = (await gather_until_done(ws, {"r"}))["r"]
+        await ack(ws, Result(before[:1]))
+        return before, after
 
 
 async def test_resume_after_tcp_cut_equals_uninterrupted_run(async_engine: AsyncEngine) -> None:
@@ -63,7 +81,7 @@ async def test_resume_after_tcp_cut_equals_uninterrupted_run(async_engine: Async
         assert result.done["finish_reason"] == "length"
         metrics = await metrics_text(server)
         assert 'streamd_resumes_total{outcome="resumed"} 1.0' in metrics
-        assert len(server.services.resumes) == 0 and server.services.resumes.total_tokens == 0
+        await released(server)  # (acknowledged)
 
 
 async def test_refused_resumes_name_the_reason(async_engine: AsyncEngine) -> None:
@@ -73,6 +91,7 @@ async def test_refused_resumes_name_the_reason(async_engine: AsyncEngine) -> Non
         async with ws_connect(server, additional_headers=keys["k1"]) as ws:  # a finished, delivered request
             await send(ws, type="generate", id="done", prompt="Hi", params={"max_tokens": 2})
             finished = (await gather_until_done(ws, {"done"}))["done"]
+            await ack(ws, finished)  # acknowledged: nothing kept for a resume
         stale = finished.of("start")[0]["resume_token"]
         _, token = await start_and_cut(server, long, deltas=2, additional_headers=keys["k1"])
         attempts = [("k2", "r", token, 0, "resume_forbidden"),
@@ -91,6 +110,7 @@ async def test_refused_resumes_name_the_reason(async_engine: AsyncEngine) -> Non
             await send(ws, type="resume", id="r", resume_token=token, after_seq=0)
             await send(ws, type="cancel", id="r")
             live = (await gather_until_done(ws, {"r"}))["r"]
+            await ack(ws, live)
         assert [f["error"]["code"] for f in live.of("error")] == ["duplicate_id"]
         assert live.done["finish_reason"] == "cancelled"  # the live request, not the detached one
         stats = await async_engine.wait_idle()  # the grace ends: the request is aborted, its blocks freed
@@ -99,7 +119,7 @@ async def test_refused_resumes_name_the_reason(async_engine: AsyncEngine) -> Non
             await send(ws, type="resume", id="r", resume_token=token, after_seq=0)
             frame = await recv(ws)
         assert frame["error"]["code"] == "resume_expired" and "grace" in frame["error"]["message"]
-        assert server.services.resumes.total_tokens == 0
+        await released(server)
         metrics = await metrics_text(server, keys["k1"])
         assert 'streamd_resumes_total{outcome="expired"} 1.0' in metrics
         assert 'streamd_requests_total{finish_reason="cancelled"}' in metrics
@@ -112,6 +132,7 @@ async def test_retention_bounds(async_engine: AsyncEngine) -> None:
         async with ws_connect(server) as ws:
             await send(ws, type="generate", id="big", prompt="Hi", params={"max_tokens": 20, "ignore_eos": True})
             result = (await gather_until_done(ws, {"big"}))["big"]
+            await ack(ws, result)
         check_stream(result)
         assert not result.of("error") and len(result.token_ids) == 20
         _, token = await start_and_cut(server, {"max_tokens": 400, "ignore_eos": True}, deltas=12)
@@ -122,7 +143,7 @@ async def test_retention_bounds(async_engine: AsyncEngine) -> None:
             assert stats.pool_whole
             await send(ws, type="resume", id="r", resume_token=token, after_seq=11)
             late = await recv(ws)
-        assert len(server.services.resumes) == 0 and server.services.resumes.total_tokens == 0
+        await released(server)
     assert early["error"]["code"] == "resume_expired"  # (its frames before the window, or the whole request)
     assert late["error"]["code"] == "resume_expired"
     assert "resume_max_tokens_per_request" in late["error"]["message"]
