@@ -22,6 +22,7 @@ from streamd.engine.core.scheduler import Scheduler
 from streamd.engine.output.output_processor import OutputProcessor
 from streamd.engine.sample.beam_search import BeamSearches
 from streamd.engine.sample.grammar import Grammars
+from streamd.engine.sample.grammar_budget import GrammarBudget
 from streamd.engine.sample.sampler import Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
@@ -114,10 +115,15 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         scheduler,
         scheduler.admission,
         Sampler(vocab, eos, seed=config.model.seed),
-        Grammars(loaded.tokenizer, vocab, eos),
+        Grammars(loaded.tokenizer, vocab, eos, _grammar_budget(config), config.grammar.cache_bytes),
         BeamSearches(eos, max_model_len, vocab),
         OutputProcessor(loaded.tokenizer),
     )
+
+
+def _grammar_budget(config: Config) -> GrammarBudget:
+    g = config.grammar
+    return GrammarBudget(g.max_chars, g.max_depth, g.max_properties, g.max_alternatives, g.max_repeat)
 
 
 def _kv_cache(
