@@ -169,6 +169,7 @@ class ServerConfig:
     port: int = 8000
     api_keys: list[str] = field(default_factory=list)  # empty: no authentication
     allowed_origins: list[str] = field(default_factory=list)  # empty: any Origin (or none)
+    allowed_hosts: list[str] = field(default_factory=list)  # without keys: Host names served beside loopback
     max_connections: int = 1024
     max_requests_per_connection: int = 64
     max_frame_bytes: int = 1 << 20

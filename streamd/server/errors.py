@@ -17,6 +17,7 @@ from starlette.responses import JSONResponse
 _KINDS: dict[str, tuple[int, str]] = {
     "invalid_request": (400, "invalid_request_error"),
     "invalid_json": (400, "invalid_request_error"),
+    "invalid_host": (400, "invalid_request_error"),
     "context_length_exceeded": (400, "invalid_request_error"),
     "kv_cache_capacity_exceeded": (400, "invalid_request_error"),
     "duplicate_id": (400, "invalid_request_error"),
@@ -63,6 +64,7 @@ class ServiceError(Exception):
     code: str
     message: str
     param: str | None = None
+    retry_after_s: int | None = None  # a 503 that passes soon: HTTP says so in Retry-After
 
     def __str__(self) -> str:
         return self.message
@@ -85,7 +87,9 @@ class ServiceError(Exception):
 def error_response(
     error: ServiceError, status: int | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
-    """The HTTP answer to a refusal: its OpenAI error body, with its status (or `status`)."""
+    """The HTTP answer to a refusal: its OpenAI error body, with its status (or `status`) and Retry-After."""
+    if error.retry_after_s is not None:
+        headers = {**(headers or {}), "Retry-After": str(error.retry_after_s)}
     return JSONResponse(error.openai_body(), status_code=status or error.status, headers=headers)
 
 

@@ -40,7 +40,7 @@ from streamd.engine.core.requests import Request
 from streamd.engine.core.scheduler_output import ScheduledSeq
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.errors import RequestError
-from streamd.engine.sample.grammar_budget import GrammarBudget, GrammarError, measure, schema_object
+from streamd.engine.sample.grammar_budget import GrammarBudget, GrammarError, grammar_size, schema_object
 from streamd.engine.sampling_params import SamplingParams, StructuredOutputs
 
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
@@ -81,7 +81,7 @@ class GrammarCompiler:
         return int(self._compiler.get_cache_size_bytes())
 
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
-        size = measure(spec)
+        size = grammar_size(spec)
         self.budget.check(size)
         kind = size.kind
         try:

@@ -5,7 +5,7 @@ An xgrammar compile cannot be interrupted, and its cost grows steeply with a few
 cheaply. Measured on the default model's 49k-token vocabulary (one compile thread pair, a shared 2-core
 host): an object's optional properties (400: 0.3 s, 1,000: 2.1 s, 2,000: 104 s), enum values or choice
 items (3,000: 0.75 s; a 1 MB choice: 88 s), counted repetitions (`minLength: 5000`: 5.5 s, a regex's
-`{1000,5000}`: 1.0 s), nesting (600 levels: ~20 s). `measure` reads those off a spec in one walk;
+`{1000,5000}`: 1.0 s), nesting (600 levels: ~20 s). `grammar_size` reads those off a spec in one walk;
 `GrammarBudget.check` refuses a spec over any limit, naming it; a spec that is short and counts nothing far
 is `light` (it compiles in milliseconds), and the server lets only heavy ones take a compile slot.
 """
@@ -74,10 +74,12 @@ class GrammarBudget:
             ("as the largest repetition count or length bound", size.repeat, self.max_repeat, "max_repeat"),
         ):
             if value > limit:
-                raise GrammarError(f"{field} is too complex to compile: {value} {what} (at most {limit}, grammar.{key})")
+                raise GrammarError(
+                    f"{field} is too complex to compile: {value} {what} (at most {limit}, grammar.{key})"
+                )
 
 
-def measure(spec: StructuredOutputs) -> SpecSize:
+def grammar_size(spec: StructuredOutputs) -> SpecSize:
     """The spec's size (a JSON schema given as text is parsed: GrammarError when it is not a JSON object)."""
     if spec.json is not None:
         return _schema_size(schema_object(spec.json))
