@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,6 +109,7 @@ def _schema_size(schema: dict[str, Any]) -> SpecSize:
     """One walk of a schema (iterative: no recursion limit to hit)."""
     depth = properties = alternatives = repeat = 0
     stack: list[tuple[Any, int]] = [(schema, 1)]
+    children: Iterable[Any]
     while stack:
         item, level = stack.pop()
         if isinstance(item, dict):
