@@ -20,3 +20,5 @@ async def test_chaos_bench_reports_a_clean_run(rserver: Server) -> None:
     assert result["requests"] > 0 and result["tokens"] > 0 and result["control_streams"] >= 1
     assert result["control_itl_p99_ms"] is not None
     assert "invalid_json" in result["errors_by_code"]
+    assert result["trivial_schema_wait_p99_ms"] is not None  # the schema flood ran, and its trivial schemas came
+    assert result["errors_by_code"]["invalid_request"] >= 1  # (the over-budget schemas among them)
