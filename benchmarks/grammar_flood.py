@@ -1,7 +1,9 @@
 """Issue 35 D2 before/after: a control stream's inter-token latency while 8 cheap-to-send, costly-to-compile
 schemas arrive, and how long a trivial schema waits meanwhile. In-process server on the default model (CPU).
 
-    PYTHONPATH=. python benchmarks/grammar_flood.py [--window 40] [--big 8] [--properties 2000]
+    PYTHONPATH=. python -P benchmarks/grammar_flood.py [--window 40] [--big 8] [--properties 2000]
+
+(-P: benchmarks/kernels.py would shadow the `kernels` package transformers imports.)
 
 Runs on any commit that has `create_app` (the same script measured the base and the fix). The big compiles
 that cannot be interrupted (before the fix) keep running after the report; the process exits hard.

@@ -115,15 +115,10 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         scheduler,
         scheduler.admission,
         Sampler(vocab, eos, seed=config.model.seed),
-        Grammars(loaded.tokenizer, vocab, eos, _grammar_budget(config), config.grammar.cache_bytes),
+        Grammars(loaded.tokenizer, vocab, eos, GrammarBudget.of(config.grammar), config.grammar.cache_bytes),
         BeamSearches(eos, max_model_len, vocab),
         OutputProcessor(loaded.tokenizer),
     )
-
-
-def _grammar_budget(config: Config) -> GrammarBudget:
-    g = config.grammar
-    return GrammarBudget(g.max_chars, g.max_depth, g.max_properties, g.max_alternatives, g.max_repeat)
 
 
 def _kv_cache(

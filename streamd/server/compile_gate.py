@@ -20,7 +20,7 @@ from collections.abc import Awaitable
 from typing import Any
 
 from streamd.config import GrammarConfig
-from streamd.engine import SamplingParams, grammar_size
+from streamd.engine import GrammarBudget, SamplingParams, grammar_size
 from streamd.server.errors import ServiceError
 
 RETRY_AFTER_S = 1
@@ -29,6 +29,7 @@ RETRY_AFTER_S = 1
 class CompileGate:
     def __init__(self, config: GrammarConfig) -> None:
         self.config = config
+        self.budget = GrammarBudget.of(config)  # the engine's own check, here before any slot is taken
         self._per_key: Counter[str] = Counter()
 
     @property
@@ -38,9 +39,14 @@ class CompileGate:
 
     def enter(self, params: SamplingParams, key: str | None) -> str | None:
         """Takes a slot for a heavy spec (returns the key it counts under; None: no slot needed), or
-        refuses with 503. A spec the engine cannot measure (not a JSON object) is refused here, naming it."""
+        refuses: a spec over the budget or that cannot be measured (GrammarError, naming why), no free
+        slot (503)."""
         spec = params.structured_outputs
-        if spec is None or grammar_size(spec).light:
+        if spec is None:
+            return None
+        size = grammar_size(spec)
+        self.budget.check(size)
+        if size.light:
             return None
         tenant = key or ""
         if self.in_flight >= self.config.max_concurrent_compiles:

@@ -137,6 +137,8 @@ async def test_heavy_compiles_are_bounded_and_light_ones_never_wait(rserver: Ser
             assert "max_concurrent_compiles_per_key" in busy.json()["error"]["message"]
             light = await http.post("/v1/chat/completions", json=_chat(_properties(3, "b")))
             assert light.status_code == 200, light.text
+            over = await http.post("/v1/chat/completions", json=_chat(_properties(2000, "c")))
+            assert over.status_code == 400 and "grammar.max_properties" in over.text, over.text  # never a 503
         finally:
             for tenant in held:
                 gate.leave(tenant, None)

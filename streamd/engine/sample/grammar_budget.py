@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from streamd.config import GrammarConfig
 from streamd.engine.errors import RequestError
 from streamd.engine.sampling_params import StructuredOutputs
 
@@ -59,6 +60,11 @@ class GrammarBudget:
     max_properties: int = 1000
     max_alternatives: int = 4096
     max_repeat: int = 2048
+
+    @classmethod
+    def of(cls, config: GrammarConfig) -> GrammarBudget:
+        c = config
+        return cls(c.max_chars, c.max_depth, c.max_properties, c.max_alternatives, c.max_repeat)
 
     def check(self, size: SpecSize) -> None:
         """Raises GrammarError naming the first limit `size` exceeds."""
