@@ -160,11 +160,43 @@ class EngineConfig:
 
 
 @dataclass(slots=True)
+class GrammarConfig:
+    """Structured outputs: what a spec may cost to compile (engine/sample/grammar_budget.py measured why),
+    how many heavy compiles run at once (the server's CompileGate), and the compiled-grammar cache."""
+
+    max_chars: int = 65536  # a schema's JSON, a regex, the choices or a grammar, in characters
+    max_depth: int = 64  # nesting of a schema's objects and arrays
+    max_properties: int = 1000  # object properties, all objects of a schema together
+    max_alternatives: int = 4096  # enum values and choice items
+    max_repeat: int = 2048  # the largest length/item bound (minLength, maxItems...) or regex count {m,n}
+    cache_bytes: int = 256 << 20  # compiled grammars kept for reuse (least recently used evicted)
+    max_concurrent_compiles: int = 4  # heavy (not light) specs compiling at once, whole server: more get 503
+    max_concurrent_compiles_per_key: int = 2  # the same, per API key (all key-less clients together)
+    compile_timeout_s: float = 30.0  # a request waits at most this for its grammar, then gets 503
+
+    def validate(self) -> None:
+        for key in (
+            "max_chars",
+            "max_depth",
+            "max_properties",
+            "max_alternatives",
+            "max_repeat",
+            "cache_bytes",
+            "max_concurrent_compiles",
+            "max_concurrent_compiles_per_key",
+        ):
+            _positive(f"grammar.{key}", getattr(self, key))
+        if self.compile_timeout_s <= 0:
+            raise ConfigError(f"grammar.compile_timeout_s must be > 0, got {self.compile_timeout_s}")
+
+
+@dataclass(slots=True)
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_keys: list[str] = field(default_factory=list)  # empty: no authentication
     allowed_origins: list[str] = field(default_factory=list)  # empty: any Origin (or none)
+    allowed_hosts: list[str] = field(default_factory=list)  # without keys: Host names served beside loopback
     max_connections: int = 1024
     max_requests_per_connection: int = 64
     max_frame_bytes: int = 1 << 20
@@ -234,6 +266,7 @@ class Config:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 

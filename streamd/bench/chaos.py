@@ -9,6 +9,9 @@ Scenarios, all at once for `--duration` seconds:
   the Responses socket (`/v1/responses`, one long response);
 - flood: a client that sends tiny invalid frames and never reads the error replies, on each WebSocket
   route in turn (the server must bound what it queues for it and close it, 1008);
+- schema flood: structured requests whose schemas are cheap to send and costly to compile (2,000 optional
+  properties: over the compile budget; 600: heavy, takes a compile slot), each distinct (no cache hit),
+  with a trivial schema after each batch whose wait for its first token is reported;
 - control: one stream after another on its own socket, whose inter-token latency (ITL) is reported.
 
 Afterwards it waits for the server to go idle and reads its KV gauges from `/metrics`: blocks still used
@@ -53,6 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flooders", type=int, default=1, help="clients flooding frames they never read")
     parser.add_argument("--max-rss-growth-mb", type=float, default=512.0, help="server memory growth that fails")
     parser.add_argument("--fd-slack", type=int, default=8, help="server descriptors over the start's that fail")
+    parser.add_argument("--schema-flooders", type=int, default=1, help="clients sending costly schemas")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per storm and control stream")
     parser.add_argument("--api-key")
     parser.add_argument("--seed", type=int, default=0)
@@ -69,6 +73,7 @@ class Tally:
     control_streams: int = 0
     flood_frames: int = 0  # unread-reply frames the flooders sent
     flood_closed: int = 0  # flooder sockets the server closed
+    trivial_schema_waits: list[float] = field(default_factory=list)  # a trivial schema's first token, flooded
 
 
 @dataclass(slots=True)
@@ -262,6 +267,39 @@ async def flood(target: Target, tally: Tally, until: float, responses: bool) -> 
         tally.errors[f"client:{type(exc).__name__}"] += 1
 
 
+def _schema_frame(request_id: str, properties: int, tag: str) -> str:
+    properties_ = {f"p{i}": {"type": "integer"} for i in range(properties)}  # (under a 64 KiB frame at 2,000)
+    schema = {"type": "object", "description": tag, "properties": properties_}
+    params = {"max_tokens": 2, "structured_outputs": {"json": schema}}
+    return json.dumps({"type": "generate", "id": request_id, "prompt": "Hi", "params": params})
+
+
+async def schema_flood(target: Target, tally: Tally, rng: random.Random, until: float) -> None:
+    """Batches of costly schemas, then a trivial one whose wait for its first frame is timed."""
+    n = 0
+    try:
+        async with _connect(target) as ws:
+            while time.monotonic() < until:
+                n += 1
+                tag = f"x{rng.getrandbits(32):x}"
+                batch = {f"big{n}": 2000, f"heavy{n}a": 600, f"heavy{n}b": 600, f"heavy{n}c": 600}
+                for request_id, properties in batch.items():
+                    await ws.send(_schema_frame(request_id, properties, f"{tag}{request_id}"))
+                trivial, sent = f"trivial{n}", time.monotonic()
+                await ws.send(_schema_frame(trivial, 2, tag))
+                tally.requests += len(batch) + 1
+                pending, waited = {*batch, trivial}, None
+                while pending:
+                    frame = await _read_frame(ws, tally)
+                    if frame.get("id") == trivial and waited is None:
+                        waited = time.monotonic() - sent
+                    if frame["type"] in ("done", "error"):
+                        pending.discard(frame.get("id"))
+                tally.trivial_schema_waits.append(waited or 0.0)
+    except (ConnectionClosed, InvalidStatus, OSError) as exc:
+        tally.errors[f"client:{type(exc).__name__}"] += 1
+
+
 async def control(target: Target, tally: Tally, until: float) -> None:
     try:
         async with _connect(target) as ws:
@@ -334,6 +372,7 @@ async def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
         slow_reader(target, tally, until, responses) for _ in range(args.slow_readers) for responses in (False, True)
     ]
     tasks += [flood(target, tally, until, bool(i % 2)) for i in range(args.flooders)]
+    tasks += [schema_flood(target, tally, random.Random(rng.random()), until) for _ in range(args.schema_flooders)]
     await asyncio.gather(*tasks)
     elapsed = time.monotonic() - start
     leaked = await leaks(target)
@@ -350,6 +389,7 @@ async def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
 
 def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, Any]:
     p99 = percentiles(tally.control_itl)["p99"]
+    trivial = percentiles(tally.trivial_schema_waits)["p99"]
     return {
         "flood_frames": tally.flood_frames,
         "flood_sockets_closed": tally.flood_closed,
@@ -360,6 +400,7 @@ def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, 
         "unanswered_frames": tally.unanswered,
         "control_streams": tally.control_streams,
         "control_itl_p99_ms": round(p99 * 1000, 2) if p99 is not None else None,
+        "trivial_schema_wait_p99_ms": round(trivial * 1000, 2) if trivial is not None else None,
         "idle_after": bool(leaked["idle"]),
         "leaked_kv_blocks": int(leaked["kv_blocks_used"]),
         "leaked_swap_blocks": int(leaked["swap_blocks_used"]),

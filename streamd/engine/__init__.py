@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from streamd.engine.llm_engine import LLMEngine
     from streamd.engine.output.chat_template import DEFAULT_OPTIONS, TemplateOptions, chat_template_ids
     from streamd.engine.output.detokenizer import byte_table
+    from streamd.engine.sample.grammar_budget import GrammarBudget, GrammarError, grammar_size
     from streamd.engine.worker.model_loader import resolve_device
 
 # name -> module, for the names loaded on first use
@@ -52,6 +53,9 @@ _LAZY = {
     "chat_template_ids": "output.chat_template",
     "byte_table": "output.detokenizer",
     "resolve_device": "worker.model_loader",
+    "GrammarBudget": "sample.grammar_budget",
+    "GrammarError": "sample.grammar_budget",
+    "grammar_size": "sample.grammar_budget",
 }
 
 __all__ = [
@@ -69,6 +73,8 @@ __all__ = [
     "EngineDeadError",
     "EngineStats",
     "FinishReason",
+    "GrammarBudget",
+    "GrammarError",
     "KVCacheCapacityError",
     "LLMEngine",
     "PendingDelta",
@@ -83,6 +89,7 @@ __all__ = [
     "TemplateOptions",
     "byte_table",
     "chat_template_ids",
+    "grammar_size",
     "is_int",
     "resolve_device",
 ]

@@ -22,6 +22,7 @@ from streamd.engine.output.chat_template import read_chat_template
 from streamd.engine.output.output_processor import OutputProcessor
 from streamd.engine.sample.beam_search import BeamSearches
 from streamd.engine.sample.grammar import Grammars
+from streamd.engine.sample.grammar_budget import GrammarBudget
 from streamd.engine.sample.sampler import Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
@@ -112,7 +113,7 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         scheduler,
         scheduler.admission,
         Sampler(vocab, eos, seed=config.model.seed),
-        Grammars(loaded.tokenizer, vocab, eos),
+        Grammars(loaded.tokenizer, vocab, eos, GrammarBudget.of(config.grammar), config.grammar.cache_bytes),
         BeamSearches(eos, max_model_len, vocab),
         OutputProcessor(loaded.tokenizer),
     )

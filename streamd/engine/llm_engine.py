@@ -147,7 +147,11 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            self.block_manager.stats(), self.scheduler.stats(), len(self.requests), self._generated_tokens
+            self.block_manager.stats(),
+            self.scheduler.stats(),
+            len(self.requests),
+            self._generated_tokens,
+            self.grammars.cache_bytes(),
         )
 
     # ---- the iteration --------------------------------------------------------------------------

@@ -314,10 +314,23 @@ def is_int(value: object) -> TypeGuard[int]:
 
 
 def is_num(value: Any) -> bool:
-    """A finite int or float (no bool, NaN or infinity)."""
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    """A finite int or float (no bool, NaN or infinity, no int beyond a double: JSON allows 400 digits)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large to be a float
+        return False
 
 
 def _check(ok: bool, name: str, value: Any, rule: str) -> None:
     if not ok:
-        raise ValueError(f"{name} {rule}, got {value!r}")
+        raise ValueError(f"{name} {rule}, got {_shown(value)}")
+
+
+def _shown(value: Any) -> str:
+    """A refused value as an error message quotes it: cut short (a 400-digit number is not worth echoing)."""
+    if is_int(value) and value.bit_length() > 128:  # (str() of an int over 4,300 digits raises)
+        return f"an integer of about {int(value.bit_length() * math.log10(2)) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

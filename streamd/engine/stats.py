@@ -49,6 +49,7 @@ class EngineStats:
     scheduler: SchedulerStats
     num_requests: int  # requests the engine holds (waiting, running, swapped)
     generated_tokens: int  # cumulative output tokens sampled and kept (the engine view's tokens/s)
+    grammar_cache_bytes: int = 0  # compiled grammars cached (bounded by grammar.cache_bytes)
 
     @property
     def pool_whole(self) -> bool:

@@ -31,8 +31,10 @@ from streamd.config import Config
 from streamd.engine import EngineClient, SamplingParams
 from streamd.logs import get_logger
 from streamd.server.auth import Authenticator
+from streamd.server.compile_gate import CompileGate
 from streamd.server.errors import ServiceError, error_response, http_error
 from streamd.server.generation import Generation, new_request_id
+from streamd.server.hosts import HostAllowlist
 from streamd.server.http import openai_routes, responses_api, tokenize_api
 from streamd.server.http.guard import HttpGuard
 from streamd.server.http.server_info import server_info_route
@@ -80,10 +82,14 @@ def create_app(config: Config, engine: EngineClient, *, warm_up: bool = True) ->
         engine,
         ModelNames.of(server.served_model_name, config.model.name, engine.model_name),
         int(time.time()),
-        Authenticator(server.api_keys, server.allowed_origins),
+        Authenticator(
+            server.api_keys,
+            server.allowed_origins,
+            HostAllowlist(server.allowed_hosts, server.host, bool(server.api_keys)),
+        ),
         metrics,
         lifecycle,
-        Generation(engine, server, lifecycle, metrics),
+        Generation(engine, server, lifecycle, metrics, CompileGate(config.grammar)),
         ResponseStore(
             server.responses_store_size,
             server.responses_store_ttl_s,

@@ -7,23 +7,28 @@ constant time. An empty key list disables authentication.
 Origins (what a browser says about the page that opened a WebSocket or sent a POST): a request without
 one comes from a non-browser client and is allowed. With no allowlist, only pages served from a loopback
 host (`localhost`, `127.0.0.0/8`, `::1`) or from this server itself (Origin host equal to Host) are
-allowed, so a web page a local user visits cannot drive the server. `"*"` in the allowlist allows any.
+allowed, so a web page a local user visits cannot drive the server; same-origin counts only for a Host the
+Host allowlist serves (`hosts.py`: DNS rebinding). `"*"` in the allowlist allows any.
 """
 
 from __future__ import annotations
 
 import hmac
-import ipaddress
 from collections.abc import Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
+
+from streamd.server.hosts import HostAllowlist, is_loopback
 
 BEARER_SUBPROTOCOL_PREFIX = "bearer."
 
 
 class Authenticator:
-    def __init__(self, api_keys: Iterable[str], allowed_origins: Iterable[str]) -> None:
+    def __init__(
+        self, api_keys: Iterable[str], allowed_origins: Iterable[str], hosts: HostAllowlist | None = None
+    ) -> None:
         self._keys = [k.encode() for k in api_keys]
         self._origins = {o.rstrip("/") for o in allowed_origins}
+        self.hosts = hosts  # the Host allowlist (hosts.py); None: any Host
 
     @property
     def enabled(self) -> bool:
@@ -62,7 +67,12 @@ class Authenticator:
             hostname = urlsplit(origin).hostname
         except ValueError:
             return False
-        return (host is not None and netloc.lower() == host.lower()) or is_loopback(hostname)
+        return self._same_origin(netloc, host) or is_loopback(hostname)
+
+    def _same_origin(self, netloc: str, host: str | None) -> bool:
+        """An Origin equal to the Host, for a Host the allowlist serves (DNS rebinding: hosts.py)."""
+        allowed = self.hosts is None or self.hosts.allows(host)
+        return host is not None and netloc.lower() == host.lower() and allowed
 
     def describe_origin_policy(self) -> str:
         if "*" in self._origins:
@@ -70,17 +80,6 @@ class Authenticator:
         if self._origins:
             return "Origins " + ", ".join(sorted(self._origins))
         return "loopback and same-origin pages only (set server.allowed_origins to allow others)"
-
-
-def is_loopback(hostname: str | None) -> bool:
-    if not hostname:
-        return False
-    if hostname == "localhost" or hostname.endswith(".localhost"):
-        return True
-    try:
-        return ipaddress.ip_address(hostname).is_loopback
-    except ValueError:
-        return False
 
 
 def bearer_token(header: str | None) -> str | None:

@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from streamd.config import ServerConfig
+from streamd.config import GrammarConfig, ServerConfig
 from streamd.engine import (
     DEFAULT_OPTIONS,
     Admission,
@@ -32,6 +32,7 @@ from streamd.engine import (
     is_int,
 )
 from streamd.server.accounting import RequestAccount
+from streamd.server.compile_gate import CompileGate
 from streamd.server.encoding import loads
 from streamd.server.errors import ServiceError
 from streamd.server.lifecycle import Lifecycle
@@ -58,11 +59,19 @@ class Prepared:
 
 
 class Generation:
-    def __init__(self, engine: EngineClient, config: ServerConfig, lifecycle: Lifecycle, metrics: Metrics):
+    def __init__(
+        self,
+        engine: EngineClient,
+        config: ServerConfig,
+        lifecycle: Lifecycle,
+        metrics: Metrics,
+        compiles: CompileGate | None = None,
+    ):
         self.engine = engine
         self.config = config
         self.lifecycle = lifecycle
         self.metrics = metrics
+        self.compiles = compiles or CompileGate(GrammarConfig())
         self.tokenizing = Tokenizing(engine.tokenizer)
         # The engine's admission check, as far as the server knows the engine: its context, and the server's
         # cap on the samples or beams of one request (the engine checks its KV pool on submission).
@@ -166,18 +175,29 @@ class Generation:
 
     # ---- running -----------------------------------------------------------------------------
     async def submit(
-        self, prepared: Prepared, route: str, sink: DeltaSink | None = None
+        self, prepared: Prepared, route: str, sink: DeltaSink | None = None, *, api_key: str | None = None
     ) -> tuple[RequestAccount, RequestStream | None]:
         """Submits a prepared request; returns its account and, without a `sink` of the caller's, the
-        stream its deltas come on. Raises ServiceError when refused (the request is then not counted)."""
+        stream its deltas come on. Raises ServiceError when refused (the request is then not counted).
+        `api_key`: whose compile slots a heavy grammar takes (compile_gate.py)."""
         if self.lifecycle.draining:
             raise ServiceError("shutting_down", "the server is shutting down")
         if self.engine.num_waiting >= self.config.max_waiting_requests:
             raise ServiceError("overloaded", "too many requests are waiting; retry later")
-        try:  # before the request exists: a bad schema never takes a KV block
-            await self.engine.compile_grammar(prepared.params)
-        except RequestError as exc:  # a GrammarError, or a model that cannot constrain its output
-            raise ServiceError(exc.code, str(exc), "structured_outputs") from exc
+        compiling = None
+        with _grammar_refusal():
+            slot = self.compiles.enter(prepared.params, api_key)
+        try:
+            compiling = self.compiles.start(self.engine.compile_grammar(prepared.params))
+            with _grammar_refusal():  # before the request exists: a bad schema never takes a KV block
+                await self.compiles.wait(compiling)
+            return await self._submit(prepared, route, sink)
+        finally:
+            self.compiles.leave(slot, compiling)
+
+    async def _submit(
+        self, prepared: Prepared, route: str, sink: DeltaSink | None
+    ) -> tuple[RequestAccount, RequestStream | None]:
         engine, request_id = self.engine, new_request_id()
         stream = None
         if sink is None:
@@ -222,6 +242,15 @@ def _refusal(prompt_param: str) -> Iterator[None]:
         yield
     except RequestError as exc:
         raise ServiceError(exc.code, str(exc), prompt_param if exc.param == "prompt" else exc.param) from exc
+
+
+@contextlib.contextmanager
+def _grammar_refusal() -> Iterator[None]:
+    """A GrammarError (or a model that cannot constrain its output) becomes a ServiceError naming the field."""
+    try:
+        yield
+    except RequestError as exc:
+        raise ServiceError(exc.code, str(exc), "structured_outputs") from exc
 
 
 def chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:

@@ -129,6 +129,7 @@ class EngineStatsCollector(Collector):
             "streamd_recomputed_tokens", "Tokens prefilled again after recompute preemption.", sched.recomputed_tokens
         )
         yield _counter("streamd_generation_tokens", "Output tokens generated.", stats.generated_tokens)
+        yield _gauge("streamd_grammar_cache_bytes", "Compiled grammars cached, in bytes.", stats.grammar_cache_bytes)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

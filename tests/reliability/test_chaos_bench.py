@@ -24,3 +24,5 @@ async def test_chaos_bench_reports_a_clean_run(rserver: Server) -> None:
     assert result["flood_frames"] > 0
     assert result["fds_within_bound"] and result["rss_within_bound"], result
     assert result["server_fds_before"] > 0 and result["server_rss_mb_after"] > 0
+    assert result["trivial_schema_wait_p99_ms"] is not None  # the schema flood ran, and its trivial schemas came
+    assert result["errors_by_code"]["invalid_request"] >= 1  # (the over-budget schemas among them)

@@ -33,6 +33,7 @@ from streamd.engine.client import wire
 from streamd.engine.client.loop import STEP_BATCH_WIRE, AddRequest, EngineCommand, EngineLoop, StepBatch, StopEngine
 from streamd.engine.output.output_processor import ProcessedStep
 from streamd.engine.outputs import RequestUpdate
+from streamd.engine.sample.grammar_budget import GrammarError, grammar_size
 from streamd.engine.stats import EngineStats
 
 if TYPE_CHECKING:
@@ -105,50 +106,84 @@ class BatchSender:
 
 class CommandRouter:
     """The engine process's commands on their way to the engine loop. A structured request's `AddRequest`
-    waits on the admission thread (`admit`) while its grammar compiles (cached), never inside an engine
+    waits on an admission thread (`admit`) while its grammar compiles (cached), never inside an engine
     step; every later command for that request follows it there, so none overtakes its add; every other
     command (aborts, pauses, stop-string finishes of running requests) goes straight to the loop, so a
-    slow schema delays only its own request. `StopEngine` goes last, after every pending admission."""
+    slow schema delays only its own request. Two admission lanes, a thread each: light specs
+    (`grammar_size(spec).light`: they compile in milliseconds) and heavy ones, so a trivial schema never
+    queues behind big ones. `StopEngine` passes the light lane, then the heavy one: it goes last, after
+    every pending admission."""
 
     def __init__(self, engine: LLMEngine, commands: queue.SimpleQueue[EngineCommand]) -> None:
         self.engine = engine
         self.commands = commands
-        self.admissions: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
-        self.queued: dict[str, int] = {}  # request id -> its commands waiting on the admission thread
+        self.light: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
+        self.heavy: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
+        self.queued: dict[str, _Queued] = {}  # request id -> its commands waiting in their lane
         self.lock = threading.Lock()
 
     def route(self, command: EngineCommand) -> None:
         request_id: str | None = getattr(command, "request_id", None)
         with self.lock:  # a check and its put together: `admit` cannot empty a request's queue in between
             if request_id is not None and (_structured(command) or request_id in self.queued):
-                self.queued[request_id] = self.queued.get(request_id, 0) + 1
-                self.admissions.put(command)
+                queued = self.queued.get(request_id) or self.queued.setdefault(request_id, _Queued(self._lane(command)))
+                queued.count += 1
+                queued.lane.put(command)
                 return
             if isinstance(command, StopEngine):
-                self.admissions.put(command)
+                self.light.put(command)
                 return
         self.commands.put(command)
 
     def admit(self) -> None:
-        """The admission thread: compiles, then hands each queued command to the loop in order."""
+        """The heavy lane's admission thread."""
+        self._admit(self.heavy, None)
+
+    def admit_light(self) -> None:
+        """The light lane's admission thread (it hands `StopEngine` on to the heavy lane)."""
+        self._admit(self.light, self.heavy)
+
+    def _admit(self, lane: queue.SimpleQueue[EngineCommand], then: queue.SimpleQueue[EngineCommand] | None) -> None:
+        """Compiles, then hands each queued command of `lane` to the loop in order."""
         while True:
-            command = self.admissions.get()
+            command = lane.get()
             if isinstance(command, AddRequest):
                 try:
                     self.engine.compile_grammar(command.params)
                 except Exception:  # the engine refuses it at admission, naming why
                     pass
+            if isinstance(command, StopEngine) and then is not None:
+                then.put(command)
+                return
             with self.lock:
                 self.commands.put(command)
                 self._dequeued(getattr(command, "request_id", None))
             if isinstance(command, StopEngine):
                 return
 
+    def _lane(self, command: EngineCommand) -> queue.SimpleQueue[EngineCommand]:
+        """A structured add's lane: light unless its spec is heavy (one that cannot be measured fails fast)."""
+        assert isinstance(command, AddRequest) and command.params.structured_outputs is not None
+        try:
+            light = grammar_size(command.params.structured_outputs).light
+        except GrammarError:
+            light = True
+        return self.light if light else self.heavy
+
     def _dequeued(self, request_id: str | None) -> None:
-        if request_id in self.queued:
-            self.queued[request_id] -= 1
-            if not self.queued[request_id]:
-                del self.queued[request_id]
+        queued = self.queued.get(request_id) if request_id is not None else None
+        if queued is not None:
+            queued.count -= 1
+            if not queued.count:
+                del self.queued[request_id]  # type: ignore[arg-type]
+
+
+@dataclass(slots=True)
+class _Queued:
+    """A request's commands waiting in an admission lane (all in its add's lane)."""
+
+    lane: queue.SimpleQueue[EngineCommand]
+    count: int = 0
 
 
 def _structured(command: EngineCommand) -> bool:
@@ -186,6 +221,7 @@ def child_main(
         target=_read_commands, args=(commands, router, sender), name="streamd-engine-commands", daemon=True
     ).start()
     threading.Thread(target=router.admit, name="streamd-engine-admissions", daemon=True).start()
+    threading.Thread(target=router.admit_light, name="streamd-engine-light-admissions", daemon=True).start()
     loop.run()
 
 

@@ -3,9 +3,10 @@ the token bitmask that gates the sampler.
 
 The grammar engine is xgrammar (chosen by measurement: `benchmarks/NOTES.md`). `GrammarCompiler` turns a
 request's `StructuredOutputs` into a compiled grammar; xgrammar's compiler caches them by grammar text (a
-schema by its compact JSON text, property order kept), so a schema is compiled once per process.
-A schema that cannot be compiled raises `GrammarError` naming the problem; the server compiles before
-submitting, so a bad schema is refused before its request takes any KV block.
+schema by its compact JSON text, property order kept), up to `grammar.cache_bytes` (least recently used
+evicted), so a schema is compiled once per process while it is in use. A spec over the compile budget
+(`grammar_budget.py`) or that cannot be compiled raises `GrammarError` naming the problem; the server compiles
+before submitting, so a bad schema is refused before its request takes any KV block.
 
 `Grammars` is the engine's structured-output lifecycle, one object with a hook for each moment of a request:
 `compile` (the server's, before submitting), `add` (admission: a matcher per sequence), `fork_samples` /
@@ -39,17 +40,11 @@ from streamd.engine.core.requests import Request
 from streamd.engine.core.scheduler_output import ScheduledSeq
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.errors import RequestError
+from streamd.engine.sample.grammar_budget import GrammarBudget, GrammarError, grammar_size, schema_object
 from streamd.engine.sampling_params import SamplingParams, StructuredOutputs
 
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
-# Compiling a schema costs time growing steeply with its nesting (one core for ~20 s at 600 levels, on a
-# compile thread); real schemas stay far below this.
-MAX_SCHEMA_DEPTH = 64
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+: ")  # xgrammar's "[hh:mm:ss] file.cc:line: " before its message
-
-
-class GrammarError(RequestError):
-    """A structured-output spec that cannot be compiled (bad schema, unsupported feature, bad grammar)."""
 
 
 @dataclass(slots=True)
@@ -67,20 +62,33 @@ class TokenBitmask:
 
 
 class GrammarCompiler:
-    """StructuredOutputs -> xgrammar CompiledGrammar for one tokenizer; thread-safe, cached by grammar text."""
+    """StructuredOutputs -> xgrammar CompiledGrammar for one tokenizer; thread-safe, cached by grammar text
+    (at most `cache_bytes` of compiled grammars, least recently used evicted). A spec over `budget` is refused
+    before xgrammar sees it."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> None:
+    def __init__(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int], budget: GrammarBudget, cache_bytes: int
+    ) -> None:
         info = xgr.TokenizerInfo.from_huggingface(
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(stop_token_ids)
         )
         self.vocab_size = vocab_size
-        self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.budget = budget
+        self._compiler = xgr.GrammarCompiler(info, max_threads=2, cache_limit_bytes=cache_bytes)
+
+    def cache_bytes(self) -> int:
+        """What the compiled-grammar cache holds now."""
+        return int(self._compiler.get_cache_size_bytes())
 
     def compile(self, spec: StructuredOutputs) -> xgr.CompiledGrammar:
-        kind = _kind(spec)
+        size = grammar_size(spec)
+        self.budget.check(size)
+        kind = size.kind
         try:
             if spec.json is not None:
-                return self._compiler.compile_json_schema(_schema_text(spec.json), any_whitespace=False)
+                # property order is kept: the grammar generates properties in schema order
+                schema = json.dumps(schema_object(spec.json))
+                return self._compiler.compile_json_schema(schema, any_whitespace=False)
             if spec.json_object:
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.regex is not None:
@@ -181,10 +189,19 @@ class Grammars:
     """The engine's grammar lifecycle (see the module docstring); thread-safe `compile`, everything else on
     the engine's thread."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Iterable[int]) -> None:
+    def __init__(
+        self,
+        tokenizer: Any,
+        vocab_size: int,
+        eos_token_ids: Iterable[int],
+        budget: GrammarBudget | None = None,
+        cache_bytes: int = 256 << 20,
+    ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = frozenset(eos_token_ids)
+        self._budget = budget or GrammarBudget()
+        self._cache_bytes = cache_bytes
         self._lock = threading.Lock()
         self.matchers: GrammarMatchers | None = None  # made by the first constrained request
 
@@ -195,6 +212,10 @@ class Grammars:
     @property
     def compiler(self) -> GrammarCompiler:
         return self._made().compiler
+
+    def cache_bytes(self) -> int:
+        """Bytes of compiled grammars cached now (0 before the first constrained request)."""
+        return self.matchers.compiler.cache_bytes() if self.matchers is not None else 0
 
     def compile(self, params: SamplingParams) -> None:
         """Compiles (and caches) the request's grammar, if any; raises GrammarError naming what is wrong."""
@@ -208,7 +229,9 @@ class Grammars:
                     raise RequestError(
                         "structured_outputs needs a tokenizer and an end-of-sequence token; this model lacks one"
                     )
-                compiler = GrammarCompiler(self._tokenizer, self._vocab_size, self._eos_token_ids)
+                compiler = GrammarCompiler(
+                    self._tokenizer, self._vocab_size, self._eos_token_ids, self._budget, self._cache_bytes
+                )
                 self.matchers = GrammarMatchers(compiler)
             return self.matchers
 
@@ -289,42 +312,6 @@ class Grammars:
         if self.matchers is None or not rows:
             return None
         return self.matchers.bitmask(seqs, rows, device, own_buffer=own_buffer)
-
-
-def _kind(spec: StructuredOutputs) -> str:
-    for name in ("json", "regex", "choice", "grammar"):
-        if getattr(spec, name) is not None:
-            return name
-    return "json_object"
-
-
-def _schema_text(schema: dict[str, Any] | str) -> str:
-    if isinstance(schema, str):
-        try:
-            schema = json.loads(schema)
-        except json.JSONDecodeError as exc:
-            raise GrammarError(f"structured_outputs.json is not valid JSON: {exc}") from exc
-    if not isinstance(schema, dict):
-        raise GrammarError("structured_outputs.json must be a JSON schema object")
-    depth = _depth(schema)
-    if depth > MAX_SCHEMA_DEPTH:
-        raise GrammarError(
-            f"structured_outputs.json is nested too deeply ({depth} levels of objects and arrays; "
-            f"at most {MAX_SCHEMA_DEPTH})"
-        )
-    return json.dumps(schema)  # property order is kept: the grammar generates properties in schema order
-
-
-def _depth(value: Any) -> int:
-    """How deeply objects and arrays nest in a JSON value (iterative: no recursion limit to hit)."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, level = stack.pop()
-        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
-        if children is not None:
-            deepest = max(deepest, level)
-            stack.extend((child, level + 1) for child in children)
-    return deepest
 
 
 def _escape_regex(text: str) -> str:

@@ -1,5 +1,7 @@
 """HTTP request guard (an ASGI middleware): what may reach a route handler at all.
 
+- a request whose Host the Host allowlist does not serve (hosts.py: DNS rebinding) gets 400, whatever its
+  method;
 - a browser request (it carries an Origin) from an Origin the policy refuses (auth.py) gets 403, so a
   page a local user visits cannot drive the server with a cross-origin "simple" POST;
 - a POST that declares a Content-Type other than `application/json` gets 415 (text/plain and form bodies
@@ -42,8 +44,9 @@ class HttpGuard:
         await self.app(scope, receive, send)
 
     def _refusal(self, method: str, headers: Headers) -> ServiceError | None:
-        if method != "POST":
-            return None
+        host_refusal = self.auth.hosts.refusal(headers.get("host")) if self.auth.hosts is not None else None
+        if host_refusal is not None or method != "POST":
+            return host_refusal
         if not self.auth.origin_ok(headers.get("origin"), headers.get("host")):
             return ServiceError("forbidden_origin", "this Origin is not allowed (server.allowed_origins)")
         media_type = headers.get("content-type", "").split(";", 1)[0].strip().lower()

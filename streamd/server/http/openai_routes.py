@@ -31,6 +31,7 @@ from starlette.responses import JSONResponse, Response
 
 from streamd.engine import MAX_LOGPROBS, RequestDelta, RequestStream, is_int
 from streamd.server.accounting import FinishNames, RequestAccount
+from streamd.server.auth import bearer_token
 from streamd.server.body_fields import body_flag, check_model
 from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError, queue_timed_out
@@ -142,7 +143,8 @@ async def _respond(
     if options is not None and not isinstance(options, dict):
         raise ServiceError("invalid_request", f"stream_options must be an object, got {options!r}", "stream_options")
     prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
-    account, stream = await s.generation.submit(prepared, kind)
+    key = bearer_token(request.headers.get("authorization"))
+    account, stream = await s.generation.submit(prepared, kind, api_key=key)
     assert stream is not None
     top = prepared.params.logprobs
     logprobs = None if top is None else LogprobsBuilder(s.token_texts, kind, top, prepared.params.n)

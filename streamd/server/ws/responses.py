@@ -187,7 +187,7 @@ class ResponsesConnection(SocketConnection):
     async def _respond(self, body: dict[str, Any], stream_id: str | None, after: asyncio.Task[None] | None) -> None:
         try:
             plan = await self._plan(body, stream_id, after)
-            account, stream = await self.services.generation.submit(plan.prepared, "responses")
+            account, stream = await self.services.generation.submit(plan.prepared, "responses", api_key=self.key)
         except ServiceError as exc:
             self.emit_error(exc, stream_id)
             return

@@ -389,7 +389,7 @@ class Connection(SocketConnection):
             except asyncio.CancelledError:
                 gen.count_cancelled("ws")  # the socket went away while it was tokenized
                 raise
-            account, _ = await gen.submit(request.prepared, "ws", sink=request)
+            account, _ = await gen.submit(request.prepared, "ws", sink=request, api_key=self.api_key)
         except ServiceError as exc:
             self.forget(request)
             self.send_error(request.client_id, exc)

@@ -118,6 +118,7 @@ def test_a_slow_grammar_delays_only_its_own_request() -> None:
     router = CommandRouter(engine, commands)
     admitting = threading.Thread(target=router.admit)
     admitting.start()
+    threading.Thread(target=router.admit_light, daemon=True).start()
     structured = SamplingParams(max_tokens=4, structured_outputs={"choice": ["yes", "no"]})
     add_b = AddRequest("B", None, structured, [1, 2], 0.0)
     router.route(add_b)
@@ -135,3 +136,39 @@ def test_a_slow_grammar_delays_only_its_own_request() -> None:
     assert not admitting.is_alive() and not router.queued
     router.route(AbortRequest("B"))  # B admitted: its commands go straight on again
     assert commands.get_nowait() == AbortRequest("B")
+
+
+class _SlowHeavyGrammarEngine(_SlowGrammarEngine):
+    """Only heavy specs (grammar_budget: not light) block their compile."""
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        spec = params.structured_outputs
+        if spec is not None and spec.regex is not None and len(spec.regex) > 4096:
+            super().compile_grammar(params)
+
+
+def test_a_light_grammar_never_waits_behind_a_heavy_one() -> None:
+    """The engine process's admission has a lane for light specs: while a heavy one compiles, a trivial
+    schema's add reaches the engine at once (issue 35: it waited 65 s); StopEngine still comes last."""
+    import queue
+
+    engine, commands = _SlowHeavyGrammarEngine(), queue.SimpleQueue()
+    router = CommandRouter(engine, commands)
+    lanes = [threading.Thread(target=router.admit), threading.Thread(target=router.admit_light)]
+    for lane in lanes:
+        lane.start()
+    heavy = AddRequest("H", None, SamplingParams(max_tokens=4, structured_outputs={"regex": "a" * 5000}), [1], 0.0)
+    light = AddRequest("L", None, SamplingParams(max_tokens=4, structured_outputs={"choice": ["yes", "no"]}), [1], 0.0)
+    router.route(heavy)
+    assert engine.compiling.wait(30)
+    router.route(light)
+    router.route(AbortRequest("L"))
+    router.route(StopEngine())
+    assert [commands.get(timeout=30) for _ in range(2)] == [light, AbortRequest("L")]
+    assert commands.empty()  # H's add and StopEngine wait for H's compile
+    engine.release.set()
+    assert [commands.get(timeout=30) for _ in range(2)] == [heavy, StopEngine()]
+    for lane in lanes:
+        lane.join(timeout=30)
+        assert not lane.is_alive()
+    assert not router.queued
