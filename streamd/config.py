@@ -96,10 +96,15 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     preemption_mode: str = "auto"
+    # A step's latency budget: prompt chunks are sized so the predicted step stays under it (core/step_cost.py,
+    # at least one block of a prompt per step); 0: chunks bounded by max_num_batched_tokens only.
+    max_step_ms: float = 500.0
 
     def validate(self) -> None:
         _positive("scheduler.max_num_seqs", self.max_num_seqs)
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_step_ms < 0:
+            raise ConfigError(f"scheduler.max_step_ms must be >= 0, got {self.max_step_ms}")
         _one_of("scheduler.preemption_mode", self.preemption_mode, ("auto", "swap", "recompute"))
 
 
