@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
@@ -34,6 +34,7 @@ class Metrics:
     def __init__(self, engine: EngineClient | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        ProcessCollector(registry=r)  # process_open_fds, process_resident_memory_bytes, ...: what chaos bounds
         self.ttft = Histogram(
             "streamd_time_to_first_token_seconds", "Time from arrival to the first token.", buckets=_LATENCY, registry=r
         )
