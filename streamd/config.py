@@ -1,11 +1,14 @@
 """Configuration: every setting, its default, and loading with the documented precedence.
 
-Precedence: built-in defaults < TOML file (`--config`) < environment (`STREAMD_<SECTION>__<KEY>`) <
-explicit overrides (command-line flags, `LLM(**overrides)`). Overrides may name a key bare (`block_size`)
+Precedence: built-in defaults < TOML file (`--config`) < environment (`STREAMD_<SECTION>__<KEY>`, and
+`STREAMD_API_KEY` / `VLLM_API_KEY`, which add to `server.api_keys`) < explicit overrides (command-line
+flags, `LLM(**overrides)`). Overrides may name a key bare (`block_size`)
 because key names are unique across sections. Any unknown key or bad value raises `ConfigError` naming
 `section.key`. `config/streamd.toml` documents every key; a test keeps it equal to these defaults.
-A renamed key (`RENAMED`) is still accepted under its old name for one release, with a `DeprecatedConfigKey`
-warning naming the new one.
+A `STREAMD_*` variable that looks like a setting but is not one (`STREAMD_SERVER_API_KEYS`,
+`STREAMD_MAX_MODEL_LEN`) stops the start too, naming it: a setting that silently does nothing (an API key,
+say) is a trap. A renamed key (`RENAMED`) is still accepted under its old name for one release, with a
+`DeprecatedConfigKey` warning naming the new one.
 
 Plain Python on purpose: the engine, the server, the CLI and the benchmarks all read it, and reading a
 setting must never load torch. Decisions that need the hardware (such as where `engine.process = "auto"`
@@ -15,6 +18,7 @@ puts the engine) are taken by their users (`streamd.server.serve`).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 import tomllib
 import types
@@ -41,6 +45,27 @@ RENAMED: dict[str, str] = {
 }
 
 
+# Variables that hold one API key for the server; each adds to server.api_keys (vLLM's name: a vLLM
+# deployment's environment keeps its key).
+API_KEY_VARIABLES = ("STREAMD_API_KEY", "VLLM_API_KEY")
+# `STREAMD_*` variables that are no settings: the log format, docker compose's and the tests' own.
+OTHER_VARIABLES = frozenset(
+    {
+        "STREAMD_LOG_FORMAT",
+        "STREAMD_PORT",
+        "STREAMD_BASE_IMAGE",
+        "STREAMD_GPU_BASE_IMAGE",
+        "STREAMD_TORCH_INDEX_URL",
+        "STREAMD_TORCH_WHEELHOUSE",
+        "STREAMD_DOCKER_CACHE",
+        "STREAMD_FUZZ_FRAMES",
+        "STREAMD_FUZZ_HTTP",
+        "STREAMD_FUZZ_SEED",
+        "STREAMD_GIT_COMMIT",
+        "STREAMD_TEST_SEED",
+    }
+)
+
 FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/worker/fusion.py)
 
 
@@ -51,10 +76,11 @@ class ModelConfig:
     device: str = "auto"  # auto: cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's own context length
     seed: int = 0
-    cache_dir: str = "~/.cache/streamd"  # converted GGUF weights and tokenizer
+    cache_dir: str | None = None  # converted GGUF weights, measured costs; None: $XDG_CACHE_HOME/streamd
     enforce_eager: bool = False  # True: no CUDA graphs
     num_threads: int = 0  # torch's CPU threads; 0: the cores this process may use (affinity mask), less one
     fuse_layers: str = "auto"  # off | auto | triton | compile | reference (see streamd/engine/worker/fusion.py)
+    chat_template: str | None = None  # a Jinja file or the template itself; None: the tokenizer's own
 
     def validate(self) -> None:
         _one_of("model.dtype", self.dtype, ("auto", "float32", "float16", "bfloat16"))
@@ -152,7 +178,7 @@ class ServerConfig:
     max_prompt_chars: int = 1 << 20  # a text prompt (or all messages' contents) longer than this is refused
     max_body_bytes: int = 8 << 20  # HTTP request bodies, counted as they arrive: larger ones get 413
     drain_timeout_s: float = 30.0
-    served_model_name: str | None = None  # None: derived from the model name
+    served_model_name: list[str] = field(default_factory=list)  # names clients use; empty: derived from the model
     responses_store_size: int = 1024  # finished Responses kept for previous_response_id (per server, LRU)
     responses_store_ttl_s: float = 3600.0  # how long a stored response can be continued
     resume_grace_s: float = 30.0  # a dropped socket's requests keep running this long for a resume; 0: abort
@@ -249,6 +275,10 @@ def _section_keys() -> dict[str, dict[str, Any]]:
 
 _KEYS = _section_keys()
 _BARE = {key: section for section, keys in _KEYS.items() for key in keys}
+# How a setting is misspelt in the environment (one `_` for `__`, or no section) -> its `section.key`.
+_LOOKALIKES = {f"{s}_{k}": f"{s}.{k}" for s, keys in _KEYS.items() for k in keys} | {
+    k: f"{s}.{k}" for k, s in _BARE.items()
+}
 _BARE_RENAMED = {old.partition(".")[2]: old.partition(".")[0] for old in RENAMED}  # old bare key -> old section
 
 
@@ -273,17 +303,51 @@ def load_config(
                 raise ConfigError(f"unknown config section {section!r} in {str(file)!r}")
             for key, value in values.items():
                 _set(config, section, key, value)
-    for name, raw in (os.environ if environ is None else environ).items():
-        if not name.startswith("STREAMD_") or "__" not in name:
-            continue
-        section, _, key = name[len("STREAMD_") :].lower().partition("__")
-        _set(config, section, key, parse_value(raw), source=name)
+    _apply_environment(config, os.environ if environ is None else environ)
     for name, value in (overrides or {}).items():
         section, _, key = name.rpartition(".")
         if not section:
             section = _bare_section(key)
         _set(config, section, key, value)
     return config.validate()
+
+
+def _apply_environment(config: Config, environ: Mapping[str, str]) -> None:
+    """`STREAMD_<SECTION>__<KEY>` settings (a look-alike stops the start), then the API-key variables."""
+    for name, raw in environ.items():
+        if name.startswith("STREAMD_") and "__" in name:
+            section, _, key = name[len("STREAMD_") :].lower().partition("__")
+            _set(config, section, key, parse_value(raw), source=name)
+        elif name.startswith("STREAMD_"):
+            _refuse_lookalike(name)
+    keys = [environ[name].strip() for name in API_KEY_VARIABLES if environ.get(name, "").strip()]
+    config.server.api_keys = list(dict.fromkeys([*config.server.api_keys, *keys]))
+
+
+def _refuse_lookalike(name: str) -> None:
+    """Raises for a `STREAMD_*` variable that is not a setting but looks like one (a `__` short, a bare key)."""
+    if name in OTHER_VARIABLES or name in API_KEY_VARIABLES:
+        return
+    rest = name[len("STREAMD_") :].lower()
+    spelled = {f"{s}_{k}": f"{s}.{k}" for s, keys in _KEYS.items() for k in keys} | {
+        k: f"{s}.{k}" for k, s in _BARE.items()
+    }
+    close = difflib.get_close_matches(rest, spelled, n=1, cutoff=0.8)
+    if close:
+        section, _, key = spelled[close[0]].partition(".")
+        raise ConfigError(
+            f"environment variable {name} is not a setting; did you mean STREAMD_{section.upper()}__{key.upper()}?"
+        )
+    if any(rest.startswith(f"{section}_") for section in SECTIONS):
+        raise ConfigError(f"environment variable {name} is not a setting (settings are STREAMD_<SECTION>__<KEY>)")
+
+
+def cache_path(cache_dir: str | None) -> Path:
+    """Where streamd keeps its caches: `model.cache_dir`, else `$XDG_CACHE_HOME/streamd`, else ~/.cache/streamd."""
+    if cache_dir:
+        return Path(cache_dir).expanduser()
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return (Path(xdg) if os.path.isabs(xdg) else Path("~/.cache").expanduser()) / "streamd"
 
 
 def _bare_section(key: str) -> str:
@@ -300,7 +364,8 @@ def _set(config: Config, section: str, key: str, value: Any, source: str | None 
     if section not in _KEYS:
         raise ConfigError(f"unknown config section {section!r} for key {where}")
     if key not in _KEYS[section]:
-        raise ConfigError(f"unknown config key {where}")
+        close = difflib.get_close_matches(key, _KEYS[section], n=1)
+        raise ConfigError(f"unknown config key {where}" + (f"; did you mean {section}.{close[0]}?" if close else ""))
     setattr(getattr(config, section), key, _coerce(where, value, _KEYS[section][key]))
 
 

@@ -141,3 +141,44 @@ def _fresh_modules(statement: str) -> tuple[str, str]:
                             env={**os.environ, "PYTHONPATH": str(ROOT)})
     heavy, engine = result.stdout.splitlines()
     return heavy, engine
+
+
+def test_api_key_variables_add_to_the_server_keys() -> None:
+    """STREAMD_API_KEY (what `streamd chat` reads) and vLLM's VLLM_API_KEY turn authentication on; a flag's keys
+    replace them, as a flag beats the environment."""
+    assert load_config(environ={"STREAMD_API_KEY": "s"}).server.api_keys == ["s"]
+    both = {"VLLM_API_KEY": "v", "STREAMD_API_KEY": "s", "STREAMD_SERVER__API_KEYS": "a,b"}
+    assert sorted(load_config(environ=both).server.api_keys) == ["a", "b", "s", "v"]
+    assert load_config(overrides={"server.api_keys": ["f"]}, environ=both).server.api_keys == ["f"]
+    assert load_config(environ={"STREAMD_API_KEY": "  "}).server.api_keys == []
+
+
+@pytest.mark.parametrize("name, needle", [
+    ("STREAMD_SERVER_API_KEYS", "did you mean STREAMD_SERVER__API_KEYS"),
+    ("STREAMD_MAX_MODEL_LEN", "did you mean STREAMD_MODEL__MAX_MODEL_LEN"),
+    ("STREAMD_CACHE_BLOCKSIZE", "did you mean STREAMD_CACHE__BLOCK_SIZE"),
+    ("STREAMD_SERVER_NOTHING_LIKE_IT", "STREAMD_<SECTION>__<KEY>"),
+    ("STREAMD_SERVER__API_KEY", "did you mean server.api_keys"),
+])
+def test_a_variable_that_looks_like_a_setting_is_refused(name: str, needle: str) -> None:
+    with pytest.raises(ConfigError, match=name) as info:
+        load_config(environ={name: "x"})
+    assert needle in str(info.value)
+
+
+def test_other_streamd_variables_pass() -> None:
+    from streamd.config import OTHER_VARIABLES
+
+    load_config(environ={name: "1" for name in OTHER_VARIABLES} | {"STREAMD_MY_OWN_THING": "1"})
+
+
+def test_caches_follow_xdg_cache_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamd.config import cache_path
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert cache_path(None) == tmp_path / "streamd"
+    assert cache_path("~/elsewhere") == Path("~/elsewhere").expanduser()
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/ignored")  # the XDG spec: only absolute paths count
+    assert cache_path(None) == Path("~/.cache/streamd").expanduser()
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    assert cache_path(None) == Path("~/.cache/streamd").expanduser()

@@ -1,21 +1,23 @@
-"""Generate text from the command line with the offline engine."""
+"""Generate text from the command line with the offline engine. Its engine flags are `streamd serve`'s
+(the [model], [cache], [scheduler] and [parallel] settings, generated from the config's keys)."""
 
 from __future__ import annotations
 
 import argparse
 
+from streamd.cli.settings import add_config_arguments, add_config_flags, command_line_overrides
+
+ENGINE_SECTIONS = ("model", "cache", "scheduler", "parallel")
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.usage = "%(prog)s [--FLAG VALUE ...] PROMPT [PROMPT ...]  (every flag: --help)"
     parser.add_argument("prompt", nargs="+", help="one or more prompts (each quoted)")
-    parser.add_argument("--model", default=None, help="model directory, .gguf file or cached Hub id")
-    parser.add_argument("--config", default=None, help="a streamd.toml file")
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--chat", action="store_true", help="wrap each prompt as a user message (chat template)")
-    parser.add_argument("--device", default=None)
-    parser.add_argument("--dtype", default=None)
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (model.num_threads)")
+    add_config_arguments(parser)
+    add_config_flags(parser, ENGINE_SECTIONS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -25,13 +27,8 @@ def run(args: argparse.Namespace) -> int:
     from streamd.logs import configure_logging
 
     configure_logging()
-    overrides = {
-        k: v
-        for k, v in (("device", args.device), ("dtype", args.dtype), ("num_threads", args.threads))
-        if v is not None
-    }
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed)
-    llm = LLM(args.model, config_path=args.config, **overrides)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    llm = LLM(config_path=args.config, **command_line_overrides(args))
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:

@@ -24,7 +24,8 @@ EXAMPLES: dict[str, str] = {
     "generate": 'streamd generate --max-tokens 32 "Once upon a time"\n'
     '  streamd generate --chat --temperature 0.7 --seed 1 "What is PagedAttention?"',
     "serve": "streamd serve --port 8000 --set cache.block_size=32\n"
-    "  streamd serve --config config/streamd.toml --model /path/to/hf-model-dir",
+    "  streamd serve --config config/streamd.toml --model /path/to/hf-model-dir\n"
+    "  streamd serve Qwen/Qwen2.5-0.5B-Instruct --max-model-len 8192 --api-key KEY --served-model-name qwen",
     "chat": "streamd chat                      # the server of the config/environment (default 127.0.0.1:8000)\n"
     '  streamd chat --port 9000 --prompt "Say hi in French."',
     "bench": "streamd bench throughput --device cpu --out benchmarks/results\n  streamd bench memory --quick",

@@ -1,16 +1,85 @@
-"""`--config FILE` and `--set KEY=VALUE`: the arguments of every command that reads the configuration.
+"""The arguments of every command that reads the configuration: `--config FILE`, `--set KEY=VALUE`, and one
+flag per config key, generated from the config's fields (`add_config_flags`).
 
-`streamd serve` and `streamd chat` load it the same way (defaults < `--config` file <
-`STREAMD_<SECTION>__<KEY>` < flags), so `streamd chat` finds the server `streamd serve` started with the
-same settings.
+A key's flag is its name with dashes (`cache.max_num_batched_tokens` -> `--max-num-batched-tokens`): the
+keys carry vLLM's names, so a `vllm serve` command line works as it is. Where vLLM spells a key otherwise,
+`FLAG_NAMES` gives its spellings (`-tp`, `--api-key`, `--swap-space`, `--uvicorn-log-level`). vLLM flags that
+streamd does not support are refused by name with the reason (`REFUSED`); the few that change nothing here
+are accepted with a note (`NO_EFFECT`), so a deployment's command line keeps working. `--help` groups the
+flags by config section.
+
+`streamd serve` and `streamd chat` load the configuration the same way (defaults < `--config` file <
+`STREAMD_<SECTION>__<KEY>` < `--set` < flags), so `streamd chat` finds the server `streamd serve` started
+with the same settings.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+import types
+import typing
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from streamd.config import Config, ConfigError, load_config, parse_value
+
+# `section.key` -> its flags where they are not `--<key>` (vLLM's spelling first, then streamd's).
+FLAG_NAMES: dict[str, tuple[str, ...]] = {
+    "model.name": ("--model",),
+    "model.num_threads": ("--num-threads", "--threads"),
+    "cache.swap_space_gib": ("--swap-space", "--swap-space-gib"),
+    "parallel.tensor_parallel_size": ("--tensor-parallel-size", "-tp", "--tp"),
+    "engine.process": ("--engine-process",),
+    "engine.batches_ahead": ("--engine-batches-ahead",),
+    "server.api_keys": ("--api-key", "--api-keys"),
+    "logging.level": ("--log-level", "--uvicorn-log-level"),
+    "logging.format": ("--log-format",),
+}
+
+# vLLM's spellings of values, per key.
+_VALUE_SPELLINGS: dict[str, dict[str, str]] = {
+    "model.dtype": {"half": "float16", "float": "float32"},
+    "logging.level": {"critical": "error", "trace": "debug"},
+}
+
+# vLLM flags streamd does not support -> why (each refused by name: the command stops with the reason).
+REFUSED: dict[tuple[str, ...], str] = {
+    ("--pipeline-parallel-size", "-pp"): "a model is split over GPUs by tensor parallelism only (-tp N)",
+    ("--data-parallel-size", "-dp"): "run replicas behind a router instead: `streamd cluster --replicas N`",
+    ("--quantization", "-q"): "weights load unquantized (a GGUF file is dequantized once)",
+    ("--kv-cache-dtype",): "the KV cache is kept in the model's dtype (--dtype)",
+    ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters are not supported",
+    ("--speculative-config", "--speculative-model"): "speculative decoding is not supported",
+    ("--tokenizer", "--tokenizer-mode"): "the tokenizer is always the model's own (--model)",
+    ("--revision", "--tokenizer-revision", "--download-dir"): "streamd never downloads: a Hub id must already "
+    "be in the local Hugging Face cache (HF_HOME)",
+    ("--load-format",): "weights load as found (safetensors directory or GGUF file)",
+    ("--cpu-offload-gb",): "weights are not offloaded",
+    ("--distributed-executor-backend",): "tensor-parallel ranks are always local processes",
+    ("--no-enable-chunked-prefill",): "prefills are always chunked (scheduler.max_num_batched_tokens)",
+    ("--max-logprobs",): "top_logprobs is at most 20",
+    ("--ssl-keyfile", "--ssl-certfile", "--ssl-ca-certs"): "TLS is terminated in front of streamd (nginx, a "
+    "load balancer)",
+    ("--root-path",): "serve under a path prefix from the proxy in front",
+    ("--guided-decoding-backend", "--structured-outputs-config"): "structured outputs always use xgrammar",
+    ("--task", "--runner"): "streamd serves text generation only",
+    ("--limit-mm-per-prompt",): "prompts are text only",
+}
+
+# vLLM flags that change nothing in streamd -> why (accepted with a note on stderr).
+NO_EFFECT: dict[str, str] = {
+    "--trust-remote-code": "streamd never runs a model's own code: models load through transformers' "
+    "built-in architectures",
+    "--enable-auto-tool-choice": "tool calls are parsed whenever the chat template has a known tool format",
+    "--tool-call-parser": "the tool-call format is read from the chat template",
+    "--enable-chunked-prefill": "prefills are always chunked",
+    "--disable-log-requests": "requests are logged without their prompts (one request_done line each)",
+    "--disable-uvicorn-access-log": "the access log is always off",
+}
+
+_TAKES_VALUE = frozenset({"--tool-call-parser"})
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -24,12 +93,101 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def load_settings(args: argparse.Namespace, flags: dict[str, Any]) -> Config:
-    """The configuration of `--config`, the environment, `--set`, then `flags` (section.key -> value; None:
-    the flag was not given)."""
+def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str]) -> None:
+    """One flag per key of `sections` (an argument group each), and vLLM's flags refused or noted."""
+    defaults = Config()
+    hints = typing.get_type_hints(Config)
+    for section in sections:
+        group = parser.add_argument_group(
+            f"[{section}] settings",
+            f"config/streamd.toml documents each; a flag beats --set, STREAMD_{section.upper()}__<KEY> and --config",
+        )
+        for key, hint in typing.get_type_hints(hints[section]).items():
+            _add_flag(group, f"{section}.{key}", hint, getattr(getattr(defaults, section), key))
+    _add_vllm_flags(parser)
+
+
+def _add_flag(group: argparse._ArgumentGroup, setting: str, hint: Any, default: Any) -> None:
+    names = FLAG_NAMES.get(setting, ("--" + setting.partition(".")[2].replace("_", "-"),))
+    shown = "none" if default is None else default
+    kind = {"metavar": setting.partition(".")[2].upper(), **_kind(setting, hint)}
+    group.add_argument(*names, dest=setting, default=None, help=f"{setting} (default: {shown})", **kind)
+
+
+def _kind(setting: str, hint: Any) -> dict[str, Any]:
+    """How a flag of this type reads its value(s)."""
+    options = set(typing.get_args(hint) if isinstance(hint, types.UnionType) else (hint,)) - {type(None)}
+    kinds = {typing.get_origin(o) or o for o in options}
+    if kinds == {bool}:
+        return {"action": argparse.BooleanOptionalAction}
+    if kinds == {list}:
+        return {"nargs": "+", "action": _ExtendList, "metavar": "VALUE"}
+    if setting in _VALUE_SPELLINGS:
+        return {"type": _Spelled(_VALUE_SPELLINGS[setting])}
+    if len(kinds) > 1:
+        return {"type": parse_value}  # bool | str: TOML's true/false, else the string
+    convert: Callable[[str], Any] = {int: int, float: float}.get(kinds.pop(), str)
+    return {"type": convert}
+
+
+@dataclass(frozen=True, slots=True, eq=False)  # hashable by identity: argparse looks types up in a dict
+class _Spelled:
+    """A string value that vLLM spells otherwise (`--dtype half`)."""
+
+    spellings: dict[str, str]
+
+    def __call__(self, raw: str) -> str:
+        return self.spellings.get(raw.lower(), raw)
+
+
+class _ExtendList(argparse.Action):
+    """A list key: `--flag a b`, `--flag a,b`, or a JSON/TOML list (`--allowed-origins '["*"]'`); repeatable."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        items: list[str] = list(getattr(namespace, self.dest) or [])
+        for raw in values:
+            value = parse_value(raw) if raw.startswith("[") else raw
+            items.extend(value if isinstance(value, list) else (v.strip() for v in raw.split(",") if v.strip()))
+        setattr(namespace, self.dest, items)
+
+
+class _VllmFlag(argparse.Action):
+    """A vLLM flag with no streamd setting (hidden from --help): `refused` stops the command naming it and
+    `why`; otherwise it is accepted with a note saying why it changes nothing."""
+
+    def __init__(self, option_strings: list[str], dest: str, why: str, refused: bool, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest, help=argparse.SUPPRESS, **kwargs)
+        self.why, self.refused = why, refused
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        if self.refused:
+            raise argparse.ArgumentError(self, f"vLLM's {option} is not supported by streamd: {self.why}")
+        print(f"{parser.prog}: note: {option} has no effect: {self.why}", file=sys.stderr)
+
+
+def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    for names, why in REFUSED.items():
+        parser.add_argument(*names, nargs="?", action=_VllmFlag, dest=argparse.SUPPRESS, why=why, refused=True)
+    for name, why in NO_EFFECT.items():
+        nargs = 1 if name in _TAKES_VALUE else 0
+        parser.add_argument(name, nargs=nargs, action=_VllmFlag, dest=argparse.SUPPRESS, why=why, refused=False)
+
+
+def command_line_overrides(args: argparse.Namespace, flags: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`--set`, then the config flags given, then `flags` (section.key -> value; None: not given)."""
     overrides: dict[str, Any] = dict(_parse_set(item) for item in args.set)
-    overrides.update({key: value for key, value in flags.items() if value is not None})
-    return load_config(args.config, overrides)
+    overrides.update({key: value for key, value in vars(args).items() if "." in key and value is not None})
+    overrides.update({key: value for key, value in (flags or {}).items() if value is not None})
+    return overrides
+
+
+def load_settings(args: argparse.Namespace, flags: dict[str, Any] | None = None) -> Config:
+    """The configuration of `--config`, the environment, then the command line (`command_line_overrides`)."""
+    return load_config(args.config, command_line_overrides(args, flags))
 
 
 def _parse_set(item: str) -> tuple[str, Any]:

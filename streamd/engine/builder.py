@@ -9,16 +9,16 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from transformers import PretrainedConfig
 
-from streamd.config import CacheConfig, Config
+from streamd.config import CacheConfig, Config, cache_path
 from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.output.chat_template import read_chat_template
 from streamd.engine.output.output_processor import OutputProcessor
 from streamd.engine.sample.beam_search import BeamSearches
 from streamd.engine.sample.grammar import Grammars
@@ -81,6 +81,8 @@ def load(
 def build(config: Config, loaded: LoadedModel, device: torch.device, workers: WorkerPool | None) -> EngineParts:
     """The engine's parts for a loaded model (`workers`: the other tensor-parallel ranks)."""
     max_model_len = _max_model_len(loaded, config.model.max_model_len)
+    if config.model.chat_template is not None and loaded.tokenizer is not None:
+        loaded.tokenizer.chat_template = read_chat_template(config.model.chat_template)
     vocab = loaded.model.config.get_text_config().vocab_size
     runner, cache = _kv_cache(config, loaded, device, max_model_len, vocab)
     if device.type == "cuda" and not config.model.enforce_eager and workers is None:
@@ -99,10 +101,10 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     eos = _eos_token_ids(loaded)
     costs = None
     if config.scheduler.preemption_mode != "recompute" and cache.num_swap_blocks:
-        costs = cost_model(cache, executor, runner, max_model_len, Path(config.model.cache_dir).expanduser())
+        costs = cost_model(cache, executor, runner, max_model_len, cache_path(config.model.cache_dir))
     scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos)
     return EngineParts(
-        config.server.served_model_name or loaded.name,
+        loaded.name,
         loaded.tokenizer,
         max_model_len,
         vocab,

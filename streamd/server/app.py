@@ -4,7 +4,8 @@
 can share one loaded model between apps). Routes are listed in docs/SERVER.md; every route but `/`,
 `/static/...`, `/favicon.ico`, `/v1/server-info`, `/health` and `/ready` needs an API key when keys are
 configured (`/` is a static page that holds no data and asks for the key itself; WebSocket auth happens in
-the handshake, see ws.py).
+the handshake, see ws.py). CORS (`OriginCors`) answers browsers' preflights from the origins
+`server.allowed_origins` allows, before any key is asked for.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from starlette.routing import Mount, Route, WebSocketRoute
@@ -36,6 +38,7 @@ from streamd.server.http.server_info import server_info_route
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.logprobs import TokenTexts
 from streamd.server.metrics import CONTENT_TYPE, Metrics
+from streamd.server.model_names import ModelNames
 from streamd.server.responses_store import ResponseStore
 from streamd.server.services import Services
 from streamd.server.tool_parsers import tool_format
@@ -53,12 +56,13 @@ _NOT_READY = {
     "warming_up": "service_unavailable",
     "engine_unavailable": "engine_unavailable",
 }
-# The chat page: its own scripts (files only, no inline script) and styles, never framed, never sniffed.
+# The chat page: its own scripts and styles (files only: no inline script, style element or style
+# attribute), never framed, never sniffed.
 # connect-src names ws: and wss: because older browsers do not match WebSocket URLs against 'self'.
 PAGE_HEADERS = {
     "Cache-Control": "no-cache",
     "Content-Security-Policy": "default-src 'none'; script-src 'self'; "
-    "style-src 'self' 'unsafe-inline'; connect-src 'self' ws: wss:; "
+    "style-src 'self'; connect-src 'self' ws: wss:; "
     "img-src 'self' data:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'",
     "X-Frame-Options": "DENY",
     "X-Content-Type-Options": "nosniff",
@@ -73,7 +77,7 @@ def create_app(config: Config, engine: EngineClient, *, warm_up: bool = True) ->
     services = Services(
         server,
         engine,
-        server.served_model_name or engine.model_name,
+        ModelNames.of(server.served_model_name, config.model.name, engine.model_name),
         int(time.time()),
         Authenticator(server.api_keys, server.allowed_origins),
         metrics,
@@ -126,6 +130,7 @@ def create_app(config: Config, engine: EngineClient, *, warm_up: bool = True) ->
     app.state.services = services
     app.add_middleware(HttpGuard, auth=services.auth, max_body_bytes=server.max_body_bytes)
     app.add_middleware(AuthMiddleware, auth=services.auth)
+    app.add_middleware(OriginCors, auth=services.auth)  # outermost: a preflight is answered before auth
     return app
 
 
@@ -196,6 +201,7 @@ class AuthMiddleware:
         path = scope.get("path", "")
         if (
             scope["type"] == "http"
+            and scope["method"] != "OPTIONS"  # a CORS preflight carries no credentials (OriginCors)
             and self.auth.enabled
             and path not in OPEN_PATHS
             and not path.startswith(OPEN_PREFIX)
@@ -207,6 +213,28 @@ class AuthMiddleware:
                 await response(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+class OriginCors(CORSMiddleware):
+    """CORS for browser pages on other origins (HTTP; WebSocket handshakes keep ws.py's Origin check).
+
+    The origins are the Authenticator's (`server.allowed_origins`, `"*"` any; none: loopback pages), so a page
+    that may POST may also read the answer. A preflight (`OPTIONS` with `Access-Control-Request-Method`)
+    carries no credentials, so it is answered here, before the API-key check; every answer to an allowed
+    origin, a 401 included, names it in `Access-Control-Allow-Origin`, and exposes `Retry-After`.
+    """
+
+    def __init__(self, app: ASGIApp, auth: Authenticator) -> None:
+        super().__init__(
+            app,
+            allow_methods=("GET", "POST", "DELETE"),
+            allow_headers=("*",),  # Authorization, Content-Type and the SDKs' own (x-stainless-*)
+            expose_headers=("Retry-After",),
+        )
+        self.auth = auth
+
+    def is_allowed_origin(self, origin: str) -> bool:
+        return self.auth.origin_ok(origin, None)
 
 
 async def _warm_up(services: Services) -> None:

@@ -23,9 +23,5 @@ def body_flag(body: dict[str, Any], name: str, default: bool) -> bool:
 
 
 def check_model(s: Services, body: dict[str, Any]) -> None:
-    """Refuses a `model` other than the one this server serves (absent: this one)."""
-    model = body.get("model")
-    if model is not None and model != s.model_name:
-        raise ServiceError(
-            "model_not_found", f"the model {model!r} does not exist; this server serves {s.model_name!r}", "model"
-        )
+    """Refuses a `model` this server does not serve (absent: the one it serves)."""
+    s.models.check(body.get("model"))

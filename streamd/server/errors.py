@@ -3,7 +3,7 @@
 One vocabulary for both faces: the WebSocket sends `{"type":"error","error":{"code","message"}}`,
 every HTTP error (a route's refusal, an unknown route, a wrong method, a guard's 413/415, a 500) is
 `{"error":{"message","type","param","code"}}` with its status (`error_response`; `HTTP_CODES` names the
-statuses that Starlette or a guard raise as `HTTPException`).
+statuses that Starlette or a guard raise as `HTTPException`); an overload 503 also says `Retry-After`.
 """
 
 from __future__ import annotations
@@ -44,6 +44,11 @@ _KINDS: dict[str, tuple[int, str]] = {
     "internal_error": (500, "server_error"),
     "service_unavailable": (503, "server_error"),
 }
+
+# The 503s a retry may pass, and the seconds their Retry-After asks a client to wait (a dead engine's
+# engine_unavailable is no such 503: a retry of the same server fails the same way).
+RETRY_LATER = frozenset({"overloaded", "shutting_down", "service_unavailable"})
+RETRY_AFTER_S = 1
 
 # An HTTPException's status -> the code of its error body (other statuses: "http_error").
 HTTP_CODES: dict[int, str] = {
@@ -86,7 +91,11 @@ class ServiceError(Exception):
 def error_response(
     error: ServiceError, status: int | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
-    """The HTTP answer to a refusal: its OpenAI error body, with its status (or `status`)."""
+    """The HTTP answer to a refusal: its OpenAI error body, with its status (or `status`); a refusal that a
+    later try may pass (`RETRY_LATER`: overloaded, warming up, draining) says when in `Retry-After`, which
+    the OpenAI SDKs honour."""
+    if error.code in RETRY_LATER:
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
     return JSONResponse(error.openai_body(), status_code=status or error.status, headers=headers)
 
 

@@ -15,6 +15,7 @@ from streamd.server.generation import Generation
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.logprobs import TokenTexts
 from streamd.server.metrics import Metrics
+from streamd.server.model_names import ModelNames
 from streamd.server.responses_store import ResponseStore
 from streamd.server.ws.resume import ResumeStore
 
@@ -23,7 +24,7 @@ from streamd.server.ws.resume import ResumeStore
 class Services:
     config: ServerConfig
     engine: EngineClient
-    model_name: str
+    models: ModelNames  # the names requests may give, and the one responses carry
     started: int
     auth: Authenticator
     metrics: Metrics
@@ -33,3 +34,8 @@ class Services:
     token_texts: TokenTexts  # token id -> text and bytes, for logprobs
     tool_format: str | None  # the tool-call format of the model's chat template ("hermes", "json", None)
     resumes: ResumeStore  # resumable WebSocket requests' tokens and retained output
+
+    @property
+    def model_name(self) -> str:
+        """The name responses and /v1/server-info carry."""
+        return self.models.primary

@@ -217,6 +217,10 @@ check_image() {
              -o -name "libcudnn*" \) -print 2>/dev/null ;
          python -c "import torch; torch.version.cuda is None or print(\"torch built with CUDA\", torch.version.cuda)"')
     [ -z "$found" ] || fail "the CPU image carries CUDA or nvidia packages: $found"
+    # The entrypoint is `streamd serve`: `docker run IMAGE --FLAG ...` hands it the flags (vLLM's among them).
+    docker run --rm --network none streamd:cpu --help | grep -q -- "--max-model-len" \
+        || fail "docker run streamd:cpu --help did not reach streamd serve's flags (ENTRYPOINT)"
+    echo "ok: ENTRYPOINT streamd serve takes docker run's arguments"
     echo "ok: no nvidia/triton packages, no CUDA libraries, torch $(docker run --rm --network none \
 --entrypoint python streamd:cpu -c 'import torch; print(torch.__version__)')"
 }
@@ -252,7 +256,7 @@ check_drained() {
 }
 
 # The baked model copied out of the image, mounted back read-only as a model directory and as a Hub cache
-# entry (README "Docker"): both load in one `docker compose run` and generate the same greedy text.
+# entry (docs/docker.md): both load in one `docker compose run` and generate the same greedy text.
 check_model_mounts() {
     local cid models=$RUN_DIR/models hub=$RUN_DIR/hub
     local entry=$RUN_DIR/hub/hub/models--streamd-test--smollm2
@@ -268,7 +272,7 @@ check_model_mounts() {
     local generate='streamd generate --max-tokens 12 "The capital of France is"' out
     out=$(cd "$ROOT" && docker compose --profile cpu run --rm --no-deps -T -v "$models:/models:ro" \
         -v "$hub:/cache/huggingface:ro" -e STREAMD_CACHE__NUM_KV_BLOCKS=64 -e STREAMD_CACHE__NUM_SWAP_BLOCKS=0 \
-        streamd-cpu sh -c "$generate --model /models/smollm2 && $generate --model streamd-test/smollm2" \
+        --entrypoint sh streamd-cpu -c "$generate --model /models/smollm2 && $generate --model streamd-test/smollm2" \
         2>"$RUN_DIR/generate.log") || { tail -n 20 "$RUN_DIR/generate.log" >&2; fail "a mounted model did not load"; }
     local texts
     texts=$(awk '/^--- /{if (n++) print t; t = ""; next} {t = t $0 " "} END {if (n) print t}' <<<"$out")

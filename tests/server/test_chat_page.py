@@ -3,9 +3,9 @@ server and model: typed text is sent and streams in token by token, stop cancels
 work, markdown and code render, model output that tries HTML or script stays inert (through the rendering
 function directly and through the page's real socket handler), the engine view follows a generation, the
 key field shows only when the server needs a key, and an unfinished answer is resumed (client side) after
-a dropped connection. Every page is served under a strict Content-Security-Policy (added here; the
-server's own headers come from the hardening work) and must end without a script error, a CSP violation
-or a failed load."""
+a dropped connection. Every page runs under the server's own Content-Security-Policy (no inline script or
+style: tests/server/test_security.py checks the header) and must end without a script error, a CSP
+violation or a failed load."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
-from playwright.async_api import Browser, ConsoleMessage, Page, Route, async_playwright
+from playwright.async_api import Browser, ConsoleMessage, Page, async_playwright
 
 from streamd.engine.client.async_engine import AsyncEngine
 from tests.server.util import Server, gather_until_done, running_server, send, ws_connect
@@ -24,15 +24,12 @@ from tests.server.util import Server, gather_until_done, running_server, send, w
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="Debian's chromium is not installed")
 TIMEOUT = 120
-STRICT_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'; connect-src 'self'; "
-              "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def browser() -> AsyncIterator[Browser]:
     async with async_playwright() as pw:
-        # The page is fulfilled by the test (to add the CSP header), so Chromium cannot tell it came from
-        # 127.0.0.1 and its local-network check would refuse the socket to 127.0.0.1.
+        # Chromium's local-network check (private-network access prompts) is not what this test is about.
         browser = await pw.chromium.launch(executable_path=CHROMIUM, args=[
             "--no-sandbox", "--disable-gpu", "--disable-features=LocalNetworkAccessChecks"])
         yield browser
@@ -44,14 +41,8 @@ async def open_page(browser: Browser, url: str, problems: list[str]) -> Page:
     page = await context.new_page()
     page.on("pageerror", lambda error: problems.append(f"page error: {error}"))
     page.on("console", lambda message: _console(message, problems))
-    await page.route(url, _with_strict_csp)
     await page.goto(url)
     return page
-
-
-async def _with_strict_csp(route: Route) -> None:
-    response = await route.fetch()
-    await route.fulfill(response=response, headers={**response.headers, "content-security-policy": STRICT_CSP})
 
 
 def _console(message: ConsoleMessage, problems: list[str]) -> None:

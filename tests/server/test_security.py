@@ -1,5 +1,6 @@
-"""API keys (HTTP Bearer, WebSocket header or `bearer.<key>` subprotocol), the Origin allowlist and the
-connection limit, all refused before the WebSocket handshake completes."""
+"""API keys (HTTP Bearer, WebSocket header or `bearer.<key>` subprotocol; STREAMD_API_KEY), the Origin
+allowlist (CORS on HTTP: preflights answered before the key check) and the connection limit (503 with
+Retry-After), all refused before the WebSocket handshake completes; the chat page's Content-Security-Policy."""
 
 from __future__ import annotations
 
@@ -79,4 +80,65 @@ async def test_connection_limit(async_engine) -> None:
             async with ws_connect(srv):
                 pass
         assert info.value.response.status_code == 503
+        assert info.value.response.headers["Retry-After"] == "1"  # the OpenAI SDKs wait that long, then retry
         assert first.subprotocol == second.subprotocol == "streamd.v1"
+
+
+PREFLIGHT = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+
+
+async def test_cors_preflight_from_an_allowed_origin_passes_with_keys_on(locked: Server) -> None:
+    async with httpx.AsyncClient(base_url=locked.http) as http:
+        allowed = await http.options("/v1/chat/completions", headers={"Origin": GOOD_ORIGIN, **PREFLIGHT})
+        assert allowed.status_code == 200, allowed.text
+        assert allowed.headers["Access-Control-Allow-Origin"] == GOOD_ORIGIN
+        assert "POST" in allowed.headers["Access-Control-Allow-Methods"]
+        assert "authorization" in allowed.headers["Access-Control-Allow-Headers"].lower()
+        # The answers themselves name the origin, a 401 too (so the page can read why).
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        refused = await http.post("/v1/chat/completions", json=body, headers={"Origin": GOOD_ORIGIN})
+        served = await http.post("/v1/chat/completions", json=body,
+                                 headers={"Origin": GOOD_ORIGIN, "Authorization": f"Bearer {KEYS[0]}"})
+        assert (refused.status_code, served.status_code) == (401, 200)
+        assert refused.headers["Access-Control-Allow-Origin"] == served.headers["Access-Control-Allow-Origin"] == GOOD_ORIGIN
+
+
+async def test_cors_gives_a_disallowed_origin_nothing(locked: Server) -> None:
+    evil = {"Origin": "http://evil.example"}
+    async with httpx.AsyncClient(base_url=locked.http) as http:
+        preflight = await http.options("/v1/chat/completions", headers={**evil, **PREFLIGHT})
+        models = await http.get("/v1/models", headers={**evil, "Authorization": f"Bearer {KEYS[0]}"})
+        post = await http.post("/v1/completions", json={"prompt": "x"},
+                               headers={**evil, "Authorization": f"Bearer {KEYS[0]}"})
+    assert preflight.status_code == 400 and models.status_code == 200 and post.status_code == 403
+    for answer in (preflight, models, post):
+        assert "Access-Control-Allow-Origin" not in answer.headers
+
+
+async def test_cors_any_origin(async_engine) -> None:
+    async with running_server(async_engine, allowed_origins=["*"]) as srv, \
+            httpx.AsyncClient(base_url=srv.http) as http:
+        preflight = await http.options("/v1/models", headers={"Origin": "https://anywhere.example",
+                                                              "Access-Control-Request-Method": "GET"})
+        assert preflight.status_code == 200
+        assert preflight.headers["Access-Control-Allow-Origin"] == "https://anywhere.example"
+
+
+async def test_streamd_api_key_protects_the_server(async_engine) -> None:
+    async with running_server(async_engine, environ={"STREAMD_API_KEY": "from-env"}) as srv:
+        anonymous = openai.AsyncOpenAI(base_url=f"{srv.http}/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.AuthenticationError):
+            await anonymous.models.list()
+        keyed = openai.AsyncOpenAI(base_url=f"{srv.http}/v1", api_key="from-env", max_retries=0)
+        assert [m.id for m in (await keyed.models.list()).data] == [srv.services.model_name]
+        with pytest.raises(InvalidStatus) as info:
+            async with ws_connect(srv):
+                pass
+        assert info.value.response.status_code == 401
+async def test_chat_page_policy_allows_no_inline_script_or_style(locked: Server) -> None:
+    # The page is files only; tests/server/test_chat_page.py runs it in Chromium under this very header.
+    async with httpx.AsyncClient(base_url=locked.http) as http:
+        policy = (await http.get("/")).headers["content-security-policy"]
+    directives = {name: sources for name, *sources in (part.split() for part in policy.split(";"))}
+    assert directives["default-src"] == ["'none'"]
+    assert directives["script-src"] == directives["style-src"] == ["'self'"]

@@ -41,9 +41,10 @@ class Server:
 
 
 @asynccontextmanager
-async def running_server(engine: AsyncEngine, warm_up: bool = False, **server_keys: Any) -> AsyncIterator[Server]:
+async def running_server(engine: AsyncEngine, warm_up: bool = False, environ: dict[str, str] | None = None,
+                         **server_keys: Any) -> AsyncIterator[Server]:
     overrides = {f"server.{k}": v for k, v in server_keys.items()}
-    config = load_config(overrides={"server.host": "127.0.0.1", "server.port": 0, **overrides}, environ={})
+    config = load_config(overrides={"server.host": "127.0.0.1", "server.port": 0, **overrides}, environ=environ or {})
     app = create_app(config, engine, warm_up=warm_up)
     srv = DrainingServer(uvicorn_config(config, app), app.state.services.lifecycle,
                          config.server.socket_send_buffer_bytes)

@@ -1,8 +1,10 @@
-"""Chat messages -> prompt token ids through the model's own chat template (never one from a request)."""
+"""Chat messages -> prompt token ids through the model's own chat template (never one from a request), or
+the operator's (`model.chat_template`, `streamd serve --chat-template`: a file, or the template itself)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from streamd.engine.errors import RequestError
@@ -52,3 +54,14 @@ def chat_template_ids(
     except Exception as exc:  # templates raise jinja errors (e.g. roles must alternate): the request's fault
         raise RequestError(f"the model's chat template rejected these messages: {exc}") from exc
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def read_chat_template(spec: str) -> str:
+    """`model.chat_template` as vLLM reads `--chat-template`: a file's text, else the template itself when it
+    looks like one (it has braces or lines); else the path that could not be read is named."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text(encoding="utf-8")
+    if any(c in spec for c in "{}\n"):
+        return spec
+    raise ValueError(f"model.chat_template {spec!r} is neither a readable file nor a Jinja template")

@@ -2,8 +2,8 @@
 cache, or a config for random weights; always through transformers' own loaders, never the network.
 
 A GGUF file is dequantized by transformers once; the converted weights and tokenizer are cached on disk
-(`model.cache_dir`, keyed by the file's content, so all checkouts on a machine share one copy) and the
-next start loads safetensors in a fraction of a second.
+(`model.cache_dir`, by default `$XDG_CACHE_HOME/streamd`, keyed by the file's content, so all checkouts on a
+machine share one copy) and the next start loads safetensors in a fraction of a second.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import xxhash
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
 
+from streamd.config import cache_path
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -73,7 +74,7 @@ def load_model(
     name: str | PretrainedConfig | None,
     dtype: torch.dtype,
     device: torch.device,
-    cache_dir: str = "~/.cache/streamd",
+    cache_dir: str | None = None,
     seed: int = 0,
 ) -> LoadedModel:
     """Loads weights and tokenizer from one source, onto `device` in `dtype`, in eval mode."""
@@ -81,7 +82,7 @@ def load_model(
     if isinstance(name, PretrainedConfig):
         loaded = _random_model(name, dtype, device, seed)
     else:
-        source, label = _resolve_source(name, Path(cache_dir).expanduser())
+        source, label = _resolve_source(name, cache_path(cache_dir))
         log.info("model.load.start", model=label, source=str(source), dtype=str(dtype), device=str(device))
         local_only = not Path(source).exists()
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
@@ -127,9 +128,9 @@ def _resolve_source(name: str | None, cache_dir: Path) -> tuple[str, str]:
     return name, name.rsplit("/", 1)[-1]
 
 
-def default_model_dir(cache_dir: str = "~/.cache/streamd") -> Path:
+def default_model_dir(cache_dir: str | None = None) -> Path:
     """The default model converted to a safetensors directory (converting it on first use)."""
-    return _converted_gguf(default_gguf_path(), Path(cache_dir).expanduser())
+    return _converted_gguf(default_gguf_path(), cache_path(cache_dir))
 
 
 def gguf_content_key(gguf: Path) -> str:

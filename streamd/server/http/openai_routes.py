@@ -77,12 +77,13 @@ async def list_models(request: Request) -> Response:
             "object": "list",
             "data": [
                 {
-                    "id": s.model_name,
+                    "id": name,
                     "object": "model",
                     "created": s.started,
                     "owned_by": "streamd",
                     "max_model_len": s.engine.max_model_len,
                 }
+                for name in s.models.served
             ],
         }
     )

@@ -16,11 +16,10 @@ import uuid
 from typing import Any
 
 import structlog
-from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket
 
 from streamd.logs import get_logger
-from streamd.server.errors import ServiceError
+from streamd.server.errors import ServiceError, error_response
 from streamd.server.services import Services
 
 logger = get_logger(__name__)
@@ -54,7 +53,7 @@ def handshake_refusal(services: Services, websocket: WebSocket) -> ServiceError 
 async def refuse(websocket: WebSocket, error: ServiceError) -> None:
     logger.info("ws_refused", code=error.code, origin=websocket.headers.get("origin"))
     if "websocket.http.response" in websocket.scope.get("extensions", {}):
-        await websocket.send_denial_response(JSONResponse(error.openai_body(), status_code=error.status))
+        await websocket.send_denial_response(error_response(error))
     else:
         await websocket.close(1008, error.code)
 

@@ -167,8 +167,10 @@ async def test_any_http_exception_gets_a_json_body(async_engine, status: int, co
     async with running_server(async_engine) as srv:
         srv.app.router.routes.extend([Route("/refuse", refuse), Route("/crash", crash)])
         async with httpx.AsyncClient(base_url=srv.http) as http:
-            error = check_error(await http.get("/refuse"), status, code)
+            refused = await http.get("/refuse")
+            error = check_error(refused, status, code)
             assert "refused by a guard" in error["message"]
+            assert refused.headers.get("Retry-After") == ("1" if status == 503 else None)  # the SDKs wait, retry
             crashed = check_error(await http.get("/crash"), 500, "internal_error")
     assert crashed["type"] == "server_error" and "bug" not in crashed["message"]
 
