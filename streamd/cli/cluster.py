@@ -53,7 +53,9 @@ class ClusterSpec:
 
 
 def replica_command(port: int, serve_args: list[str]) -> list[str]:
-    return [sys.executable, "-m", "streamd.cli.main", "serve", "--host", _HOST, "--port", str(port), *serve_args]
+    # A replica sees every client through nginx and the router (one loopback address each): no cap per address.
+    serve = [sys.executable, "-m", "streamd.cli.main", "serve", "--host", _HOST, "--port", str(port)]
+    return [*serve, "--set", "server.max_connections_per_client=0", *serve_args]
 
 
 def router_command(port: int, metrics_port: int, replica_ports: list[int], policy: str) -> list[str]:
