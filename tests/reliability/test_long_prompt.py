@@ -7,7 +7,8 @@ budget is set small (50 ms) so that the prompt is cut on any machine."""
 from __future__ import annotations
 
 import random
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import pytest_asyncio
 
@@ -20,16 +21,21 @@ WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "looked", "at", "sky", "w
 
 @pytest_asyncio.fixture(loop_scope="session")
 async def small_step_budget(async_engine: AsyncEngine) -> AsyncIterator[None]:
-    def set_budget(seconds: float | None) -> float | None:
-        def swap(engine: LLMEngine) -> float | None:
-            before, engine.scheduler.max_step_s = engine.scheduler.max_step_s, seconds
+    """A 50 ms step budget, and the default token budget (8192: the shared engine's 256 would cut the prompt
+    into chunks by itself), so that only the latency budget can keep the stream going."""
+
+    def configure(max_step_s: float | None, max_num_batched_tokens: int) -> Callable[[LLMEngine], tuple[Any, int]]:
+        def swap(engine: LLMEngine) -> tuple[Any, int]:
+            scheduler = engine.scheduler
+            before = (scheduler.max_step_s, scheduler.max_num_batched_tokens)
+            scheduler.max_step_s, scheduler.max_num_batched_tokens = max_step_s, max_num_batched_tokens
             return before
 
         return swap
 
-    before = await async_engine.call(set_budget(0.05))
+    before = await async_engine.call(configure(0.05, 8192))
     yield
-    await async_engine.call(set_budget(before))
+    await async_engine.call(configure(*before))
 
 
 async def test_a_stream_keeps_getting_tokens_while_a_long_prompt_is_prefilled(
