@@ -122,10 +122,15 @@ class SchedulerConfig:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     preemption_mode: str = "auto"
+    # A step's latency budget: prompt chunks are sized so the predicted step stays under it (core/step_cost.py,
+    # at least one block of a prompt per step); 0: chunks bounded by max_num_batched_tokens only.
+    max_step_ms: float = 500.0
 
     def validate(self) -> None:
         _positive("scheduler.max_num_seqs", self.max_num_seqs)
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
+        if self.max_step_ms < 0:
+            raise ConfigError(f"scheduler.max_step_ms must be >= 0, got {self.max_step_ms}")
         _one_of("scheduler.preemption_mode", self.preemption_mode, ("auto", "swap", "recompute"))
 
 
@@ -219,6 +224,13 @@ class ServerConfig:
     ws_close_timeout_s: float = 5.0  # a server-side WebSocket close not written/answered by then is aborted
     max_request_time_s: float | None = None  # default and cap of a request's timeout_s; None: no limit
     max_queue_time_s: float | None = None  # longer before first scheduling: `overloaded`; None: no limit
+    # Sockets (server/connections.py): HTTP and WebSocket together, in all and per client address (0: none)
+    max_open_connections: int = 4096  # lowered at start to stay 256 under the process's file limit
+    max_connections_per_client: int = 256
+    header_timeout_s: float = 30.0  # a request head must arrive within this (from the socket's first byte)
+    body_timeout_s: float = 60.0  # a request body must arrive within this after its head
+    keep_alive_timeout_s: int = 30  # seconds an idle keep-alive socket is kept (uvicorn takes whole seconds)
+    max_pending_body_bytes: int = 256 << 20  # body bytes still arriving, every socket together
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -233,12 +245,23 @@ class ServerConfig:
             "max_body_bytes",
             "responses_store_size",
             "max_queued_frames",
+            "max_open_connections",
+            "max_pending_body_bytes",
+            "header_timeout_s",
+            "body_timeout_s",
+            "keep_alive_timeout_s",
         ):
             _positive(f"server.{key}", getattr(self, key))
         _positive("server.max_tokens_limit", self.max_tokens_limit, allow_none=True)
         if self.responses_store_ttl_s <= 0:
             raise ConfigError(f"server.responses_store_ttl_s must be > 0, got {self.responses_store_ttl_s}")
-        for key in ("drain_timeout_s", "resume_grace_s", "max_unsent_tokens", "socket_send_buffer_bytes"):
+        for key in (
+            "drain_timeout_s",
+            "resume_grace_s",
+            "max_unsent_tokens",
+            "socket_send_buffer_bytes",
+            "max_connections_per_client",
+        ):
             if getattr(self, key) < 0:
                 raise ConfigError(f"server.{key} must be >= 0, got {getattr(self, key)}")
         for key in ("resume_max_tokens_per_request", "resume_max_tokens_total"):

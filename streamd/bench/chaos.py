@@ -7,19 +7,26 @@ Scenarios, all at once for `--duration` seconds:
   out-of-range params, binary frames); every frame must be answered and the socket must stay open;
 - slow reader: a client that starts streams and never reads, for the whole run, on `/v1/stream` and on
   the Responses socket (`/v1/responses`, one long response);
-- flood: a client that sends tiny invalid frames and never reads the error replies, on each WebSocket
-  route in turn (the server must bound what it queues for it and close it, 1008);
+- frame flood (`--flooders`): a client that sends tiny invalid frames and never reads the error replies,
+  on each WebSocket route in turn (the server must bound what it queues for it and close it, 1008);
 - schema flood: structured requests whose schemas are cheap to send and costly to compile (2,000 optional
   properties: over the compile budget; 600: heavy, takes a compile slot), each distinct (no cache hit),
   with a trivial schema after each batch whose wait for its first token is reported;
-- control: one stream after another on its own socket, whose inter-token latency (ITL) is reported.
+- control: one stream after another on its own socket, whose inter-token latency (ITL) is reported;
+- socket flood (`--flood-sockets`, `--body-holders`): silent sockets, and sockets that send all but the last byte
+  of a declared body, from another client address (`--flood-from`, a loopback alias for a local server, so
+  the caps per client address spare the other scenarios); the server must answer each one (503 over its
+  caps, 408 at its read deadlines) or still hold it when the run ends, never close one unanswered;
+- long prompt (`--long-prompt-tokens`): one prompt of about that many tokens, sent once the control
+  stream runs; the control stream's largest gap (issue 35: a long prefill used to freeze every stream)
+  and the long prompt's time to first token are reported.
 
-Afterwards it waits for the server to go idle and reads its KV gauges from `/metrics`: blocks still used
-then are leaks. It also reads the server process's open file descriptors and resident memory
-(`process_open_fds`, `process_resident_memory_bytes`) before and after: more descriptors after than
-before (plus `--fd-slack`) or memory grown by more than `--max-rss-growth-mb` fail the run. Reports
-requests, tokens, errors by code, leaks, the bounds and the control stream's p99 ITL, as a table and as
-JSON. Example: `streamd bench chaos --url http://127.0.0.1:8000 --duration 60`
+All along it samples the server's descriptors and resident memory from `/metrics` (prometheus-client's
+process collector); the run fails when they grew more than `--max-fd-growth` / `--max-rss-growth-mb` or
+the descriptors are not back near where they started once the server is idle. Afterwards it waits for the
+server to go idle and reads its KV gauges: blocks still used then are leaks. Reports requests, tokens,
+errors by code, leaks, the flood's answers and the control stream's p99 and largest ITL, as a table and
+as JSON. Example: `streamd bench chaos --url http://127.0.0.1:8000 --duration 60`
 """
 
 from __future__ import annotations
@@ -45,6 +52,8 @@ from streamd.bench.load import percentiles
 from streamd.bench.report import add_json_argument, write_json
 
 IDLE_TIMEOUT_S = 60.0
+FD_SLACK = 16  # descriptors a server may hold after the run beyond those it held before (logs, caches)
+WORDS = ("the", "cat", "sat", "on", "a", "mat", "and", "looked", "at", "sky", "with", "quiet", "joy")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,12 +63,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fuzzers", type=int, default=2)
     parser.add_argument("--slow-readers", type=int, default=2, help="per WebSocket route")
     parser.add_argument("--flooders", type=int, default=1, help="clients flooding frames they never read")
-    parser.add_argument("--max-rss-growth-mb", type=float, default=512.0, help="server memory growth that fails")
-    parser.add_argument("--fd-slack", type=int, default=8, help="server descriptors over the start's that fail")
     parser.add_argument("--schema-flooders", type=int, default=1, help="clients sending costly schemas")
     parser.add_argument("--max-tokens", type=int, default=32, help="tokens per storm and control stream")
     parser.add_argument("--api-key")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--flood-sockets", type=int, default=0, help="silent sockets opened at the start (0: none)")
+    parser.add_argument("--body-holders", type=int, default=0, help="sockets that hold all but one byte of a body")
+    parser.add_argument("--body-bytes", type=int, default=8 << 20, help="the body length the holders declare")
+    parser.add_argument("--flood-from", default="127.0.0.2", help="the flood's source address ('': the default)")
+    parser.add_argument("--max-fd-growth", type=int, default=300, help="descriptors the server may add during the run")
+    parser.add_argument("--max-rss-growth-mb", type=float, default=400.0, help="resident MB the server may add")
+    parser.add_argument(
+        "--long-prompt-tokens", type=int, default=0, help="a prompt of about this many tokens (0: none)"
+    )
     add_json_argument(parser)
 
 
@@ -74,6 +90,10 @@ class Tally:
     flood_frames: int = 0  # unread-reply frames the flooders sent
     flood_closed: int = 0  # flooder sockets the server closed
     trivial_schema_waits: list[float] = field(default_factory=list)  # a trivial schema's first token, flooded
+    control_running: asyncio.Event = field(default_factory=asyncio.Event)
+    flood: Counter[str] = field(default_factory=Counter)  # the flood's sockets by what the server did
+    process: dict[str, float] = field(default_factory=dict)  # the server's fds and RSS: before, max, after
+    long_prompt: dict[str, float] = field(default_factory=dict)  # its prompt tokens and time to first token
 
 
 @dataclass(slots=True)
@@ -251,7 +271,7 @@ def _response(max_tokens: int) -> str:
     )
 
 
-async def flood(target: Target, tally: Tally, until: float, responses: bool) -> None:
+async def frame_flood(target: Target, tally: Tally, until: float, responses: bool) -> None:
     """Tiny invalid frames, replies never read, until the run ends or the server closes the socket."""
     try:
         async with _connect(target, responses) as ws:
@@ -315,11 +335,82 @@ async def control(target: Target, tally: Tally, until: float) -> None:
                         if last is not None:
                             tally.control_itl.append(now - last)
                         last = now
+                        tally.control_running.set()
                     if frame["type"] in ("done", "error") and frame.get("id") == request_id:
                         break
                 tally.control_streams += 1
     except (ConnectionClosed, InvalidStatus, OSError) as exc:
         tally.errors[f"client:{type(exc).__name__}"] += 1
+
+
+async def flood(target: Target, tally: Tally, args: argparse.Namespace, until: float) -> None:
+    """Silent sockets and body holders from `--flood-from`, each kept until the server answers and closes
+    it or the run ends; counted by the status it got ("held": still open at the end, "unanswered": closed
+    without a word)."""
+    local = (args.flood_from, 0) if args.flood_from else None
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {target.host}\r\nContent-Type: application/json\r\n"
+    held = b"%sContent-Length: %d\r\n\r\n" % (head.encode(), args.body_bytes) + b" " * (args.body_bytes - 1)
+    sockets = []
+    for i in range(args.flood_sockets + args.body_holders):
+        try:
+            reader, writer = await asyncio.open_connection(target.host, target.port, local_addr=local)
+        except OSError:
+            tally.flood["connect_failed"] += 1
+            continue
+        if i >= args.flood_sockets:
+            writer.write(held)
+        sockets.append((reader, writer))
+    outcomes = await asyncio.gather(*(_flood_answer(reader, until) for reader, _ in sockets))
+    tally.flood.update(outcomes)
+    for _, writer in sockets:
+        writer.close()
+
+
+async def _flood_answer(reader: asyncio.StreamReader, until: float) -> str:
+    try:
+        async with asyncio.timeout(max(0.0, until - time.monotonic())):
+            line = await reader.readline()
+    except TimeoutError:
+        return "held"
+    except OSError:
+        return "reset"
+    return line.split(b" ")[1].decode() if line.startswith(b"HTTP/1.1 ") else "unanswered"
+
+
+async def long_prompt(target: Target, tally: Tally, tokens: int, rng: random.Random) -> None:
+    """Once the control stream runs: one prompt of about `tokens` tokens, timed to its first token."""
+    await tally.control_running.wait()
+    prompt = " ".join(rng.choice(WORDS) for _ in range(tokens))
+    try:
+        async with _connect(target) as ws:
+            await ws.send(_generate("long", prompt, 1))
+            tally.requests += 1
+            sent = time.monotonic()
+            while True:
+                frame = await _read_frame(ws, tally)
+                if frame["type"] == "start":
+                    tally.long_prompt["prompt_tokens"] = frame["prompt_tokens"]
+                if frame["type"] in ("delta", "done", "error"):
+                    tally.long_prompt["ttft_s"] = round(time.monotonic() - sent, 2)
+                    return
+    except (ConnectionClosed, InvalidStatus, OSError) as exc:
+        tally.errors[f"client:{type(exc).__name__}"] += 1
+
+
+async def sample_process(target: Target, tally: Tally, until: float) -> None:
+    """The server's largest descriptor count and resident memory while the run lasts."""
+    while time.monotonic() < until:
+        _note_process(tally, await metrics(target), "max", max)
+        await asyncio.sleep(0.5)  # polling a remote server's gauges: there is nothing to wait on
+
+
+def _note_process(tally: Tally, m: dict[str, float], when: str, keep: Any = None) -> None:
+    for name, value in (
+        ("fds", m.get("process_open_fds", 0.0)),
+        ("rss_mb", m.get("process_resident_memory_bytes", 0.0) / 1e6),
+    ):
+        key = f"server_{name}_{when}"
+        tally.process[key] = keep(tally.process.get(key, value), value) if keep else value
 
 
 # ---- after the run ------------------------------------------------------------------------------------
@@ -337,11 +428,6 @@ async def metrics(target: Target) -> dict[str, float]:
     return values
 
 
-def process_use(m: dict[str, float]) -> tuple[float, float]:
-    """The server process's open descriptors and resident memory (MB), from its /metrics."""
-    return m.get("process_open_fds", 0.0), m.get("process_resident_memory_bytes", 0.0) / 2**20
-
-
 async def leaks(target: Target) -> dict[str, float]:
     """Once the server is idle (nothing running, waiting or swapped): its KV and swap blocks still used."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
@@ -349,42 +435,36 @@ async def leaks(target: Target) -> dict[str, float]:
         m = await metrics(target)
         busy = sum(m.get(f"streamd_requests_{k}", 0.0) for k in ("running", "waiting", "swapped"))
         if not busy or time.monotonic() > deadline:
-            fds, rss = process_use(m)
             return {
                 "idle": float(not busy),
                 "kv_blocks_used": m.get("streamd_kv_blocks_used", 0.0),
                 "swap_blocks_used": m.get("streamd_swap_blocks_used", 0.0),
-                "fds": fds,
-                "rss_mb": rss,
             }
         await asyncio.sleep(0.5)  # polling a remote server's gauges: there is nothing to wait on
 
 
 async def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
     target, tally, rng = target_of(args), Tally(), random.Random(args.seed)
-    fds_before, rss_before = process_use(await metrics(target))
+    _note_process(tally, await metrics(target), "before")
     start = time.monotonic()
     until = start + args.duration
-    tasks = [control(target, tally, until)]
+    tasks = [control(target, tally, until), sample_process(target, tally, until)]
+    if args.flood_sockets or args.body_holders:
+        tasks.append(flood(target, tally, args, until))
+    if args.long_prompt_tokens:
+        tasks.append(long_prompt(target, tally, args.long_prompt_tokens, random.Random(rng.random())))
     tasks += [storm(target, tally, random.Random(rng.random()), until) for _ in range(args.storm_clients)]
     tasks += [fuzz(target, tally, random.Random(rng.random()), until) for _ in range(args.fuzzers)]
     tasks += [
         slow_reader(target, tally, until, responses) for _ in range(args.slow_readers) for responses in (False, True)
     ]
-    tasks += [flood(target, tally, until, bool(i % 2)) for i in range(args.flooders)]
+    tasks += [frame_flood(target, tally, until, bool(i % 2)) for i in range(args.flooders)]
     tasks += [schema_flood(target, tally, random.Random(rng.random()), until) for _ in range(args.schema_flooders)]
     await asyncio.gather(*tasks)
     elapsed = time.monotonic() - start
     leaked = await leaks(target)
-    bounds = {
-        "server_fds_before": int(fds_before),
-        "server_fds_after": int(leaked["fds"]),
-        "server_rss_mb_before": round(rss_before, 1),
-        "server_rss_mb_after": round(leaked["rss_mb"], 1),
-        "fds_within_bound": leaked["fds"] <= fds_before + args.fd_slack,
-        "rss_within_bound": leaked["rss_mb"] - rss_before <= args.max_rss_growth_mb,
-    }
-    return {**report(tally, elapsed, leaked), **bounds}
+    _note_process(tally, await metrics(target), "after")
+    return report(tally, elapsed, leaked)
 
 
 def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, Any]:
@@ -401,6 +481,10 @@ def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, 
         "control_streams": tally.control_streams,
         "control_itl_p99_ms": round(p99 * 1000, 2) if p99 is not None else None,
         "trivial_schema_wait_p99_ms": round(trivial * 1000, 2) if trivial is not None else None,
+        "control_itl_max_ms": round(max(tally.control_itl) * 1000, 2) if tally.control_itl else None,
+        "long_prompt": dict(tally.long_prompt),
+        "flood": dict(sorted(tally.flood.items())),
+        **{k: round(v, 1) for k, v in sorted(tally.process.items())},
         "idle_after": bool(leaked["idle"]),
         "leaked_kv_blocks": int(leaked["kv_blocks_used"]),
         "leaked_swap_blocks": int(leaked["swap_blocks_used"]),
@@ -414,5 +498,18 @@ def main(args: argparse.Namespace) -> int:
         print(f"{key:<{width}}  {value}")
     write_json(result, args.json)
     ok = result["idle_after"] and not result["leaked_kv_blocks"] and not result["leaked_swap_blocks"]
-    ok = ok and result["fds_within_bound"] and result["rss_within_bound"]
-    return 0 if ok and not result["unanswered_frames"] else 1
+    return 0 if ok and not result["unanswered_frames"] and not bound_breaches(result, args) else 1
+
+
+def bound_breaches(result: dict[str, Any], args: argparse.Namespace) -> list[str]:
+    """What broke the run's bounds on the server's descriptors and memory, and on the flood's answers."""
+    breaches = []
+    if result["server_fds_max"] - result["server_fds_before"] > args.max_fd_growth:
+        breaches.append(f"descriptors grew by more than {args.max_fd_growth}")
+    if result["server_fds_after"] - result["server_fds_before"] > FD_SLACK:
+        breaches.append("descriptors not given back once idle")
+    if result["server_rss_mb_max"] - result["server_rss_mb_before"] > args.max_rss_growth_mb:
+        breaches.append(f"resident memory grew by more than {args.max_rss_growth_mb} MB")
+    if result["flood"].get("unanswered"):
+        breaches.append("flood sockets closed without an answer")
+    return breaches

@@ -103,6 +103,7 @@ def replica_env(spec: ClusterSpec, index: int, store_dir: Path) -> dict[str, str
 
 
 def replica_command(port: int, serve_args: list[str], tp: int = 1) -> list[str]:
+    # A replica sees every client through nginx and the router (one loopback address each): no cap per address.
     parallel = ["--tp", str(tp)] if tp > 1 else []
     return [
         sys.executable,
@@ -114,6 +115,8 @@ def replica_command(port: int, serve_args: list[str], tp: int = 1) -> list[str]:
         "--port",
         str(port),
         *parallel,
+        "--set",
+        "server.max_connections_per_client=0",
         *serve_args,
     ]
 

@@ -34,6 +34,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "engine.process": ("--engine-process",),
     "engine.batches_ahead": ("--engine-batches-ahead",),
     "server.api_keys": ("--api-key", "--api-keys"),
+    "server.keep_alive_timeout_s": ("--timeout-keep-alive", "--keep-alive-timeout-s"),
     "logging.level": ("--log-level", "--uvicorn-log-level"),
     "logging.format": ("--log-format",),
 }

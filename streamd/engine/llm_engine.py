@@ -184,13 +184,17 @@ class LLMEngine:
         self.executor.swap_in(out.blocks_to_swap_in)
         self.executor.copy(out.blocks_to_copy)
         if out.scheduled:
+            began = time.perf_counter()
             forward = self._forward(out, prev)
+            dispatch_s = time.perf_counter() - began
             constrained = self.grammars.constrained_rows([item.seq for item in forward.sampling])
             if prev is not None and constrained:
                 # The masks of this step follow the previous step's tokens: take them first.
                 updates += self._read_back(prev)
                 prev = None
+            began = time.perf_counter()
             self._inflight = launch(forward, self.sampler, self.grammars, constrained)
+            self._inflight.dispatch_s = dispatch_s + time.perf_counter() - began
         if prev is not None:
             updates += self._read_back(prev)
         return deltas + self._process(updates)
@@ -215,7 +219,10 @@ class LLMEngine:
     def _read_back(self, step: InFlight) -> list[RequestUpdate]:
         """Reads a launched step's tokens back: the scheduler applies them (and the beam searches theirs),
         finished sequences are freed and finished requests end; returns what is new for each request."""
+        began = time.perf_counter()
         result = step.pending.result()
+        # What the step cost: its dispatch and the wait for its tokens (on the CPU the dispatch computes it).
+        self.scheduler.observe_step(step.out, step.dispatch_s + time.perf_counter() - began)
         outcome = self.scheduler.update_from_output(
             step.sampling, result.token_ids, result.logprobs, self.grammars.acceptor()
         )

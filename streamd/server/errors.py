@@ -34,6 +34,7 @@ _KINDS: dict[str, tuple[int, str]] = {
     "model_not_found": (404, "invalid_request_error"),
     "not_found": (404, "invalid_request_error"),
     "method_not_allowed": (405, "invalid_request_error"),
+    "request_timeout": (408, "invalid_request_error"),
     "request_too_large": (413, "invalid_request_error"),
     "unsupported_media_type": (415, "invalid_request_error"),
     "unprocessable_entity": (422, "invalid_request_error"),

@@ -11,6 +11,7 @@ import asyncio
 import signal
 import socket
 from collections.abc import Callable, Coroutine
+from dataclasses import asdict
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -22,9 +23,8 @@ from streamd.config import Config
 from streamd.engine import AsyncEngine, EngineClient
 from streamd.logs import get_logger
 from streamd.server.app import create_app
-from streamd.server.http.pipelining import PipelinedHttpProtocol
+from streamd.server.connections import ConnectionGate, ConnectionLimits, gated_protocols, open_file_limit
 from streamd.server.lifecycle import Lifecycle
-from streamd.server.ws.handshake import guarded_protocol
 
 if TYPE_CHECKING:
     from streamd.engine import LLMEngine
@@ -82,6 +82,10 @@ def _listening_socket(host: str, port: int, send_buffer_bytes: int) -> socket.so
 
 
 def uvicorn_config(config: Config, app: Starlette) -> uvicorn.Config:
+    """uvicorn's settings; every socket's protocol is gated by the connection limits (connections.py)."""
+    limits = ConnectionLimits.of(config.server, open_file_limit())
+    logger.info("connection_limits", **asdict(limits))
+    http_protocol, ws_protocol = gated_protocols(ConnectionGate(limits), config.server.ws_close_timeout_s)
     return uvicorn.Config(
         app,
         host=config.server.host,
@@ -90,8 +94,9 @@ def uvicorn_config(config: Config, app: Starlette) -> uvicorn.Config:
         lifespan="on",
         # httptools (C) parses requests and frames each SSE chunk with one transport write; h11 (pure
         # Python) cost several times more event-loop time per streamed chunk.
-        http=PipelinedHttpProtocol,  # httptools; every pipelined request hears its client left
-        ws=guarded_protocol(config.server.ws_close_timeout_s),
+        http=http_protocol,
+        ws=ws_protocol,
+        timeout_keep_alive=config.server.keep_alive_timeout_s,
         ws_max_size=config.server.max_frame_bytes,
         ws_per_message_deflate=False,  # token frames are tiny; deflate costs more CPU than it saves
         log_config=None,

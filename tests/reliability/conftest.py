@@ -23,7 +23,7 @@ async def rserver(async_engine: AsyncEngine) -> AsyncIterator[Server]:
 @pytest_asyncio.fixture(autouse=True, loop_scope="session")
 async def _whole_after_test(request: pytest.FixtureRequest) -> AsyncIterator[None]:
     names = request.fixturenames
-    servers = [request.getfixturevalue(n) for n in ("rserver", "tiny_server") if n in names]
+    servers = [request.getfixturevalue(n) for n in ("rserver", "tiny_server", "lserver") if n in names]
     for srv in servers:
         await settle(srv)
     before = fd_count()

@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 
 from streamd.bench import chaos
-from tests.server.util import Server
+from streamd.engine.client.async_engine import AsyncEngine
+from tests.reliability.util import LIMITS, settle
+from tests.server.util import Server, running_server
 
 
 async def test_chaos_bench_reports_a_clean_run(rserver: Server) -> None:
@@ -22,7 +24,28 @@ async def test_chaos_bench_reports_a_clean_run(rserver: Server) -> None:
     assert result["control_itl_p99_ms"] is not None
     assert "invalid_json" in result["errors_by_code"]
     assert result["flood_frames"] > 0
-    assert result["fds_within_bound"] and result["rss_within_bound"], result
+    assert chaos.bound_breaches(result, args) == [], result
     assert result["server_fds_before"] > 0 and result["server_rss_mb_after"] > 0
     assert result["trivial_schema_wait_p99_ms"] is not None  # the schema flood ran, and its trivial schemas came
     assert result["errors_by_code"]["invalid_request"] >= 1  # (the over-budget schemas among them)
+
+
+async def test_chaos_bench_floods_within_the_servers_bounds(async_engine: AsyncEngine) -> None:
+    """Silent sockets and held bodies from another address against a server with small caps: each gets its
+    503 or 408, the control stream and a long prompt run beside them, and the bench's bounds on the server's
+    descriptors and memory hold (client and server share this process: its descriptors count both)."""
+    caps = {"max_open_connections": 24, "max_connections_per_client": 8, "header_timeout_s": 1.0,
+            "body_timeout_s": 1.0, "max_pending_body_bytes": 100_000}
+    async with running_server(async_engine, **{**LIMITS, **caps}) as server:
+        parser = argparse.ArgumentParser()
+        chaos.add_arguments(parser)
+        args = parser.parse_args(["--url", server.http, "--duration", "8", "--storm-clients", "1", "--fuzzers", "0",
+                                  "--slow-readers", "0", "--max-tokens", "8", "--flood-sockets", "60",
+                                  "--body-holders", "4", "--body-bytes", "60000", "--long-prompt-tokens", "300"])
+        result = await chaos.run_chaos(args)
+        await settle(server)
+    assert chaos.bound_breaches(result, args) == [], result
+    assert set(result["flood"]) <= {"503", "408"} and sum(result["flood"].values()) == 64, result
+    assert result["flood"]["503"] >= 60 - 8 and result["flood"].get("408", 0) >= 1
+    assert result["long_prompt"]["prompt_tokens"] > 250 and result["long_prompt"]["ttft_s"] > 0
+    assert result["control_itl_max_ms"] is not None and result["server_fds_max"] > 0

@@ -8,6 +8,9 @@ and how many tokens each; every memory decision goes through the BlockManager. O
    is preempted (all-or-nothing), or the group itself when it is the latest one left.
 2. swapped groups come back, earliest first, unless this step preempted (that would thrash).
 3. running groups in the middle of a prompt get chunks of the token budget left after the decodes.
+   With a latency budget (`scheduler.max_step_ms`) a chunk is also cut to what keeps the step's predicted
+   time under it (`StepCost`, fitted to the engine's measured steps: `observe_step`); the first chunk of a
+   step gets at least one block, so a prompt always progresses.
 4. waiting groups are admitted in arrival order (watermark admission, prefix-cache hits), the first
    that does not fit stops admission; nothing is admitted while any group is swapped out or when this
    step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
@@ -49,6 +52,7 @@ from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.core.step_cost import StepCost, StepShape
 from streamd.engine.core.stop_checker import StopChecker
 from streamd.engine.outputs import RequestUpdate, SeqUpdate
 from streamd.engine.stats import SchedulerStats
@@ -56,6 +60,7 @@ from streamd.engine.stats import SchedulerStats
 _RUNNING = SequenceStatus.RUNNING
 _ABORTED = SequenceStatus.FINISHED_ABORTED
 TokenFilter = Callable[[Sequence, int], bool]  # False: the sequence's grammar does not allow the token
+DEFAULT_SECONDS_PER_TOKEN = 1e-3  # the step cost's prior when no prefill rate was measured
 
 
 @dataclass(slots=True)
@@ -92,6 +97,9 @@ class Scheduler:
         # Admission keeps running sequences within the token budget too, so every running sequence's
         # decode always fits in one step and no decode is ever starved.
         self.max_num_seqs = min(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
+        self.max_step_s = scheduler_config.max_step_ms / 1e3 or None  # None: no latency budget
+        rate = cost_model.prefill_tokens_per_s if cost_model is not None else 0.0
+        self.step_cost = StepCost(1 / rate if rate > 0 else DEFAULT_SECONDS_PER_TOKEN)
         self.admission = Admission(max_model_len, block_manager, self.max_num_seqs)
         self.stops = StopChecker(eos_token_ids, max_model_len)
         self.running: list[SequenceGroup] = []  # ordered by arrival
@@ -207,10 +215,12 @@ class Scheduler:
         if not preempted:
             num_seqs, budget = self._schedule_swapped(out, decodes, partial, num_seqs, budget)
         prefills: list[ScheduledSeq] = []
+        shape = out.shape
+        shape.tokens = len(decodes)
         for item in partial:
-            if budget <= 0:
+            item.num_new_tokens = self._chunk(shape, item.seq, item.num_new_tokens, budget)
+            if item.num_new_tokens <= 0:
                 break
-            item.num_new_tokens = min(item.num_new_tokens, budget)
             budget -= item.num_new_tokens
             prefills.append(item)
         if not preempted and not self._holds_back_admission():
@@ -221,6 +231,27 @@ class Scheduler:
         prefills.extend(decodes)
         out.scheduled = prefills
         return out
+
+    def _chunk(self, shape: StepShape, seq: Sequence, wanted: int, budget: int) -> int:
+        """The tokens of `seq`'s next prompt chunk: what it wants within the token `budget` and, with a
+        latency budget, what keeps the step's predicted time under it (at least one block when the step
+        has no chunk yet); counted into `shape`."""
+        tokens = min(wanted, budget)
+        context = seq.num_computed_tokens
+        if self.max_step_s is not None and tokens > 0:
+            fits = self.step_cost.max_chunk(shape, context, self.max_step_s)
+            tokens = min(tokens, fits if shape.pairs else max(fits, self.block_manager.block_size))
+        if tokens > 0:
+            shape.add_chunk(tokens, context)
+        return tokens
+
+    def _step_full(self, shape: StepShape) -> bool:
+        """Whether the step already holds a prompt chunk and its predicted time reached the latency budget."""
+        return self.max_step_s is not None and bool(shape.pairs) and self.step_cost.predict(shape) >= self.max_step_s
+
+    def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """The engine measured the step `out` planned: the step cost learns from it."""
+        self.step_cost.observe(out.shape, seconds)
 
     def _schedule_running(
         self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq]
@@ -350,7 +381,7 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, prefills: list[ScheduledSeq], num_seqs: int, budget: int) -> None:
         bm, waiting, k = self.block_manager, self.waiting, 0
-        while k < len(waiting) and budget > 0:
+        while k < len(waiting) and budget > 0 and not self._step_full(out.shape):
             group = waiting[k]
             if self.paused and group.request_id in self.paused:
                 k += 1
@@ -378,7 +409,7 @@ class Scheduler:
                 seq.num_computed_tokens = hits = bm.allocate(seq)
                 cached += hits
                 seq.status = _RUNNING
-                chunk = min(group.prefill_end(seq) - seq.num_computed_tokens, budget)
+                chunk = self._chunk(out.shape, seq, group.prefill_end(seq) - seq.num_computed_tokens, budget)
                 if chunk > 0:  # otherwise it continues as a running prompt next step
                     prefills.append(ScheduledSeq(seq, group, chunk))
                     budget -= chunk

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from streamd.engine.core.sequence import Sequence, SequenceGroup
+from streamd.engine.core.step_cost import StepShape
 from streamd.engine.outputs import RequestUpdate
 
 
@@ -38,6 +39,7 @@ class SchedulerOutput:
     rejected: list[tuple[SequenceGroup, str]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    shape: StepShape = field(default_factory=StepShape)  # what the step cost model reads of it
 
     def sampling(self) -> list[ScheduledSeq]:
         """The items that sample, in schedule order: the prompt chunks that reach their sequence's end, and

@@ -46,6 +46,7 @@ class InFlight:
     # Prompts that completed in this step and the samples made from them, forked once their KV is written.
     forks: Forks
     beams: PendingCandidates | None = None
+    dispatch_s: float = 0.0  # host seconds spent queuing its forward and sampling (on the CPU: computing them)
 
 
 def fork_rows(logits: torch.Tensor, sampling: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq], Forks]:

@@ -29,7 +29,7 @@ logger = logging.getLogger("streamd.server.ws.stream")
 
 
 class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
-    close_timeout_s = 5.0  # set per server by `guarded_protocol`
+    close_timeout_s = 5.0  # set per server by `connections.gated_protocols`
 
     def data_received(self, data: bytes) -> None:
         if self.handshake_initiated:
@@ -69,8 +69,3 @@ class GuardedWebSocketProtocol(WebSocketsSansIOProtocol):
         if not self.transport.is_closing() or self.transport.get_write_buffer_size():
             logger.info("ws_close_forced: %s", why)
             self.transport.abort()
-
-
-def guarded_protocol(close_timeout_s: float) -> type[GuardedWebSocketProtocol]:
-    """The protocol class a server runs, with its `server.ws_close_timeout_s`."""
-    return type("GuardedWebSocketProtocol", (GuardedWebSocketProtocol,), {"close_timeout_s": close_timeout_s})

@@ -10,6 +10,7 @@ the run, outputs are deterministic, and a memory-starved run must reproduce an u
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -18,6 +19,7 @@ from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler import PreemptionCostModel, Scheduler
 from streamd.engine.core.scheduler_output import SchedulerOutput
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.core.step_cost import StepShape, chunk_pairs
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError
 from streamd.engine.sampling_params import SamplingParams
 
@@ -33,12 +35,16 @@ def next_token(prefix: list[int], sibling: int) -> int:
 class FakeEngine:
     def __init__(self, num_blocks: int, block_size: int = 4, num_swap_blocks: int = 0, watermark: float = 0.0,
                  mode: str = "recompute", max_num_seqs: int = 256, max_num_batched_tokens: int = 8192,
-                 cost_model: PreemptionCostModel | None = None, prefix_caching: bool = True) -> None:
+                 cost_model: PreemptionCostModel | None = None, prefix_caching: bool = True,
+                 max_step_ms: float = 0.0, device: Callable[[StepShape], float] | None = None) -> None:
+        """`device`: the simulated seconds of a step of that shape, fed back as LLMEngine measures steps."""
         self.bs = block_size
         self.bm = BlockManager(num_blocks, block_size, num_swap_blocks, watermark, prefix_caching)
-        self.sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, mode), self.bm, 4096,
-                               cost_model)
-        self.device: dict[int, list] = {}
+        self.sched = Scheduler(SchedulerConfig(max_num_seqs, max_num_batched_tokens, mode, max_step_ms), self.bm,
+                               4096, cost_model)
+        self.device = device
+        self.step_seconds: list[float] = []
+        self.kv: dict[int, list] = {}
         self.host: dict[int, list] = {}
         self.forks: dict[str, int] = {}  # request -> children to fork after its first token
         self.finished: dict[str, list[list[int]]] = {}
@@ -68,17 +74,21 @@ class FakeEngine:
         # The CacheEngine's order: swap out, swap in, copy-on-write, then the forward.
         empty = [None] * self.bs  # a block allocated for a prompt chunk not computed yet
         for src, dst in out.blocks_to_swap_out:
-            self.host[dst] = list(self.device.get(src, empty))
+            self.host[dst] = list(self.kv.get(src, empty))
         for src, dst in out.blocks_to_swap_in:
-            self.device[dst] = list(self.host[src])
+            self.kv[dst] = list(self.host[src])
         for src, dst in out.blocks_to_copy:
-            self.device[dst] = list(self.device[src])
+            self.kv[dst] = list(self.kv[src])
         assert sum(i.num_new_tokens for i in out.scheduled) <= self.sched.max_num_batched_tokens
+        self._check_shape(out)
         assert len({id(i.seq) for i in out.scheduled}) == len(out.scheduled)
         sampling = [item for item in out.scheduled if item.samples]
         assert out.sampling() == sampling, "SchedulerOutput.sampling: every decode samples, after the prompts"
         for item in out.scheduled:
             self._forward(item.seq, item.num_new_tokens)
+        if self.device is not None and out.scheduled:
+            self.step_seconds.append(self.device(out.shape))
+            self.sched.observe_step(out, self.step_seconds[-1])
         self.sched.on_step_done(out)
         for item in sampling:
             self._sample(item.seq, item.group)
@@ -87,16 +97,24 @@ class FakeEngine:
         self.check()
         return out
 
+    @staticmethod
+    def _check_shape(out: SchedulerOutput) -> None:
+        """The step's shape (what the step cost model reads) counts exactly what it runs."""
+        prompts = out.scheduled[:len(out.scheduled) - out.num_decode_tokens]
+        assert out.shape.tokens == out.num_prefill_tokens + out.num_decode_tokens
+        assert out.shape.pairs == pytest.approx(sum(chunk_pairs(i.num_new_tokens, i.seq.num_computed_tokens)
+                                                    for i in prompts))
+
     def _forward(self, seq: Sequence, n: int) -> None:
         assert seq.status == SequenceStatus.RUNNING
         start, bs = seq.num_computed_tokens, self.bs
         assert len(seq.block_table) * bs >= start + n, "scheduled without slots"
         for pos in range(start):  # attention reads every earlier position through the page table
-            slots = self.device.get(seq.block_table[pos // bs])
+            slots = self.kv.get(seq.block_table[pos // bs])
             assert slots is not None and slots[pos % bs] == tuple(seq.token_ids[:pos + 1]), \
                 f"seq {seq.seq_id} reads wrong KV at position {pos}"
         for pos in range(start, start + n):
-            self.device.setdefault(seq.block_table[pos // bs], [None] * bs)[pos % bs] = \
+            self.kv.setdefault(seq.block_table[pos // bs], [None] * bs)[pos % bs] = \
                 tuple(seq.token_ids[:pos + 1])
 
     def _sample(self, seq: Sequence, group: SequenceGroup) -> None:

@@ -1,0 +1,142 @@
+"""What a step costs: its seconds predicted from its shape, fitted to the steps the engine measured.
+
+Why: a long prompt prefilled in one step stalls every other stream for that whole step (issue 35: one
+8,191-token prompt, a 42.9 s gap on a CPU). `max_num_batched_tokens` bounds a step's tokens, not its
+time, and a chunk's time grows with the context before it (each new token attends to every earlier one),
+so no fixed token count suits every context and device. The scheduler asks `StepCost.max_chunk` for the
+largest chunk that keeps the predicted step under `scheduler.max_step_ms`.
+
+The model: seconds = base + per_token * tokens + per_pair * pairs, where `tokens` counts every token the
+step runs and `pairs` the attention (query, key) pairs of its prompt chunks (n tokens after c computed
+ones: n * (c + (n + 1) / 2)). The coefficients are refitted (least squares, none negative, a light pull
+toward the prior) after every measured step, over the last `WINDOW` steps that ran a prompt chunk and the
+last `WINDOW` that did not, so a long run of decodes does not wash out what prompts cost. The prior per
+token is the prefill rate measured at start-up when there is one. Plain Python: the core imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+WINDOW = 32  # measured steps kept of each kind (with prompt chunks, without)
+TOKEN_UNIT = 1e3  # features scaled to about 1 so the normal equations stay well conditioned
+PAIR_UNIT = 1e6
+PRIOR_WEIGHT = 1e-6  # the pull toward the prior: decides only what the measurements leave open
+
+
+@dataclass(slots=True)
+class StepShape:
+    """What the cost model reads of a planned step."""
+
+    tokens: int = 0  # every token the step runs: prompt chunks and decodes
+    pairs: float = 0.0  # attention pairs of its prompt chunks (0: no chunk)
+
+    def add_chunk(self, num_tokens: int, context: int) -> None:
+        self.tokens += num_tokens
+        self.pairs += chunk_pairs(num_tokens, context)
+
+    def features(self) -> tuple[float, float, float]:
+        return 1.0, self.tokens / TOKEN_UNIT, self.pairs / PAIR_UNIT
+
+
+def chunk_pairs(num_tokens: int, context: int) -> float:
+    """Attention pairs of `num_tokens` new tokens after `context` computed ones (causal)."""
+    return num_tokens * (context + (num_tokens + 1) / 2)
+
+
+Sample = tuple[tuple[float, float, float], float]  # (features, seconds)
+
+
+class _Window:
+    """The last WINDOW samples of one kind and their normal-equation sums, kept as samples come and go."""
+
+    def __init__(self) -> None:
+        self.samples: deque[Sample] = deque()
+        self.gram = [[0.0] * 3 for _ in range(3)]  # sum of x x'
+        self.moment = [0.0] * 3  # sum of x y
+
+    def add(self, sample: Sample) -> None:
+        self._count(sample, 1.0)
+        self.samples.append(sample)
+        if len(self.samples) > WINDOW:
+            self._count(self.samples.popleft(), -1.0)
+
+    def _count(self, sample: Sample, sign: float) -> None:
+        x, y = sample
+        for r in range(3):
+            self.moment[r] += sign * x[r] * y
+            for c in range(3):
+                self.gram[r][c] += sign * x[r] * x[c]
+
+
+class StepCost:
+    """Seconds per step as base + per_token * tokens + per_pair * pairs, refitted as steps are measured."""
+
+    def __init__(self, seconds_per_token: float) -> None:
+        self.prior = (0.0, seconds_per_token * TOKEN_UNIT, 0.0)
+        self._windows = (_Window(), _Window())  # steps with a prompt chunk, steps without
+        self._fitted: tuple[float, float, float] | None = self.prior
+
+    @property
+    def coefficients(self) -> tuple[float, float, float]:
+        """(base seconds, seconds per TOKEN_UNIT tokens, seconds per PAIR_UNIT pairs), fitted on demand."""
+        if self._fitted is None:
+            self._fitted = _fit(self._windows, self.prior)
+        return self._fitted
+
+    def predict(self, shape: StepShape) -> float:
+        return sum(c * x for c, x in zip(self.coefficients, shape.features(), strict=True))
+
+    def observe(self, shape: StepShape, seconds: float) -> None:
+        self._windows[0 if shape.pairs else 1].add((shape.features(), seconds))
+        self._fitted = None
+
+    def max_chunk(self, shape: StepShape, context: int, budget_s: float) -> int:
+        """The most tokens a chunk after `context` computed ones may have so that `shape` with it stays
+        predicted within `budget_s` (0 when none fits)."""
+        _, per_token, per_pair = self.coefficients
+        spare = budget_s - self.predict(shape)
+        if spare <= 0:
+            return 0
+        # per_token * n + per_pair * n * (context + (n + 1) / 2) <= spare, in the features' units
+        linear = per_token / TOKEN_UNIT + per_pair * (context + 0.5) / PAIR_UNIT
+        quadratic = per_pair / (2 * PAIR_UNIT)
+        if quadratic <= 0:
+            return int(spare / linear) if linear > 0 else 1 << 30
+        return int((math.sqrt(linear * linear + 4 * quadratic * spare) - linear) / (2 * quadratic))
+
+
+def _fit(windows: tuple[_Window, _Window], prior: tuple[float, float, float]) -> tuple[float, float, float]:
+    """Least squares over both windows with a light pull toward `prior`; a coefficient that comes out
+    negative is held at 0 and the others refitted (a step never costs less for being larger)."""
+    gram = [[sum(w.gram[r][c] for w in windows) + PRIOR_WEIGHT * (r == c) for c in range(3)] for r in range(3)]
+    moment = [sum(w.moment[r] for w in windows) + PRIOR_WEIGHT * prior[r] for r in range(3)]
+    free = [0, 1, 2]
+    while True:
+        values = _solve([[gram[r][c] for c in free] + [moment[r]] for r in free])
+        solution = [0.0, 0.0, 0.0]
+        for i, value in zip(free, values, strict=True):
+            solution[i] = value
+        negative = [i for i in free if solution[i] < 0]
+        if not negative:
+            return solution[0], solution[1], solution[2]
+        free.remove(negative[0])
+
+
+def _solve(augmented: list[list[float]]) -> list[float]:
+    """Gaussian elimination with partial pivoting of a small augmented system (positive definite here)."""
+    size = len(augmented)
+    for col in range(size):
+        pivot = max(range(col, size), key=lambda r: abs(augmented[r][col]))
+        augmented[col], augmented[pivot] = augmented[pivot], augmented[col]
+        for r in range(col + 1, size):
+            factor = augmented[r][col] / augmented[col][col]
+            for c in range(col, size + 1):
+                augmented[r][c] -= factor * augmented[col][c]
+    values = [0.0] * size
+    for r in range(size - 1, -1, -1):
+        known = sum(augmented[r][c] * values[c] for c in range(r + 1, size))
+        values[r] = (augmented[r][size] - known) / augmented[r][r]
+    return values

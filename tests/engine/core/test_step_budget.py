@@ -1,0 +1,126 @@
+"""The step latency budget (issue 35 D9): `StepCost` fits a step's seconds from measured steps, and the
+scheduler cuts prompt chunks so that the predicted step stays under `scheduler.max_step_ms`, while every
+prompt still progresses (a block per step at least) and outputs stay those of an unconstrained run.
+
+The device is simulated: a step's seconds are a function of its shape that the scheduler does not know
+(base + per token + per attention pair, the pairs making long contexts expensive), fed back after each step
+as LLMEngine feeds back what it measured. Nothing here reads a clock."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from streamd.engine.core.step_cost import StepCost, StepShape, chunk_pairs
+from tests.engine.core.test_scheduler import FakeEngine, _workload, reference
+
+BUDGET_S = 0.5
+
+
+def quadratic_device(base: float = 0.01, per_token: float = 2e-3, per_pair: float = 1e-5):
+    """A device on which a 2,000-token context makes a chunk's every token cost 10x more."""
+    return lambda shape: base + per_token * shape.tokens + per_pair * shape.pairs
+
+
+def shape_of(chunks: list[tuple[int, int]], decodes: int = 0) -> StepShape:
+    shape = StepShape(decodes)
+    for tokens, context in chunks:
+        shape.add_chunk(tokens, context)
+    return shape
+
+
+def test_fit_recovers_the_device_and_sizes_the_largest_chunk_that_fits():
+    device, rng = quadratic_device(), random.Random(0)
+    cost = StepCost(seconds_per_token=1e-4)
+    for _ in range(40):
+        cost.observe(shape := shape_of([(rng.randrange(1, 300), rng.randrange(0, 3000))], rng.randrange(8)),
+                     device(shape))
+        cost.observe(shape := StepShape(rng.randrange(1, 8)), device(shape))
+    for shape in (StepShape(3), shape_of([(100, 0)]), shape_of([(20, 2500)], 5)):
+        assert cost.predict(shape) == pytest.approx(device(shape), rel=1e-3)
+    for context in (0, 100, 1000, 3000):
+        base = StepShape(4)
+        n = cost.max_chunk(base, context, BUDGET_S)
+        assert device(shape_of([(n, context)], 4)) <= BUDGET_S * 1.001
+        assert device(shape_of([(n + 1, context)], 4)) > BUDGET_S * 0.999
+
+
+def test_costs_never_come_out_negative_and_the_prior_stands_until_measured():
+    cost = StepCost(seconds_per_token=1e-3)
+    assert cost.predict(StepShape(1000)) == pytest.approx(1.0)
+    for tokens in range(1, 50):  # a device whose time does not grow with attention pairs
+        shape = shape_of([(tokens, 0)])
+        cost.observe(shape, 0.05 + 1e-3 * tokens)
+    assert all(c >= 0 for c in cost.coefficients)
+    assert cost.max_chunk(StepShape(), 0, 0.05) == 0  # the base alone fills the budget
+
+
+def run_long_prompt_beside_a_stream(device, prompt_len: int = 2000, budget_ms: float = BUDGET_S * 1e3) -> FakeEngine:
+    eng = FakeEngine(300, block_size=16, max_step_ms=budget_ms, device=device)
+    eng.add("stream", [1, 2, 3, 4], max_tokens=400)
+    eng.step()
+    prompt = [(i * 7) % 50 for i in range(prompt_len)]
+    eng.add("long", prompt, max_tokens=2)
+    arrived = eng.steps
+    while "long" not in eng.finished:
+        out = eng.step()
+        assert ("stream", 1) in [(i.group.request_id, i.num_new_tokens) for i in out.scheduled], "stream starved"
+        assert eng.steps < 2000
+    eng.long_steps = eng.steps - arrived
+    eng.run()
+    assert eng.finished["long"] == [reference(prompt, 2)]
+    assert eng.finished["stream"] == [reference([1, 2, 3, 4], 400)]
+    return eng
+
+
+def test_a_long_prompt_is_cut_so_no_step_passes_the_budget():
+    device = quadratic_device()
+    eng = run_long_prompt_beside_a_stream(device)
+    chunked = [s for s in eng.step_seconds if s > device(StepShape(1)) + 1e-9]  # the stream's prompt, then long's
+    assert len(chunked) > 5
+    # The long prompt's first chunk runs on the prior (1 ms a token, no attention cost), its second on a fit
+    # of one chunk (attention underestimated, ~1.6x the budget); from then on every step is within it.
+    assert max(chunked[2:]) <= BUDGET_S * 1.6, chunked
+    assert max(chunked[3:]) <= BUDGET_S * 1.05, chunked
+    unbounded = device(shape_of([(2000, 0)], 1))
+    assert unbounded > 10 * BUDGET_S  # what the stream would have waited in one step without the budget
+
+
+def test_every_step_still_runs_a_block_of_the_prompt_when_decodes_alone_pass_the_budget():
+    slow = quadratic_device(base=2 * BUDGET_S)  # every step costs more than the budget
+    eng = run_long_prompt_beside_a_stream(slow, prompt_len=200)
+    assert eng.long_steps <= -(-200 // 16) + 2  # a block a step (the last chunk samples, one more decodes)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize(("num_blocks", "mode", "swap_blocks"), [(400, "recompute", 0), (24, "recompute", 0),
+                                                                 (24, "swap", 40)])
+def test_budgeted_runs_reproduce_unconstrained_outputs(seed, num_blocks, mode, swap_blocks):
+    """Random arrivals, shared prefixes, forks, preemption on a small pool: with the budget on and a
+    simulated device, the outputs are those of a run without it, and the pool ends whole."""
+    requests = _workload(seed)
+    free = _run_budgeted(requests, num_blocks=400, max_step_ms=0.0)
+    budgeted = _run_budgeted(requests, num_blocks=num_blocks, max_step_ms=30.0, mode=mode,
+                             num_swap_blocks=swap_blocks, watermark=0.05)
+    assert budgeted.rejected == {} and budgeted.finished == free.finished
+    assert budgeted.steps > free.steps  # the budget did cut chunks
+
+
+def _run_budgeted(requests, **kwargs) -> FakeEngine:
+    eng = FakeEngine(max_num_seqs=12, max_num_batched_tokens=24, device=quadratic_device(), **kwargs)
+    pending = list(requests)
+    while pending or eng.sched.has_unfinished_seqs():
+        for _ in range(min(3, len(pending))):
+            rid, prompt, max_tokens, forks = pending.pop(0)
+            eng.add(rid, prompt, max_tokens, forks)
+        eng.step()
+        assert eng.steps < 5000
+    eng.assert_pool_whole()
+    return eng
+
+
+def test_chunk_pairs_counts_causal_attention():
+    assert chunk_pairs(1, 0) == 1  # a token attends to itself
+    assert chunk_pairs(3, 0) == 6  # 1 + 2 + 3
+    assert chunk_pairs(2, 10) == 23  # 11 + 12
