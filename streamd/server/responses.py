@@ -43,7 +43,6 @@ _REFUSED: dict[str, Any] = {
     "tool_choice": None,
 }
 _INPUT_PARTS = frozenset({"input_text", "output_text", "text"})
-_ROLE_NAMES = {"developer": "system"}  # chat templates know "system"
 
 Lookup = Callable[[str], StoredResponse | None]
 
@@ -70,7 +69,7 @@ async def plan_response(
     _refuse_features(body)
     structured = _text_format(body.get("text"))
     stream, store = body_flag(body, "stream", False), body_flag(body, "store", True)
-    new = _input_messages(body.get("input"), body.get("instructions"))
+    new = _input_messages(body.get("input"), body.get("instructions"), s.generation.developer_role)
     previous_id = body.get("previous_response_id")
     if previous_id is None:
         messages, ids = new, await s.generation.messages_ids(new, param="input")
@@ -141,7 +140,7 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: b
         raise ServiceError("invalid_request", f"input: the model's chat template rejected it: {exc}", "input") from exc
 
 
-def _input_messages(raw: Any, instructions: Any) -> list[dict[str, str]]:
+def _input_messages(raw: Any, instructions: Any, developer: str) -> list[dict[str, str]]:
     if instructions is not None and not isinstance(instructions, str):
         raise ServiceError("invalid_request", "instructions must be a string", "instructions")
     head = [{"role": "system", "content": instructions}] if instructions else []
@@ -151,7 +150,7 @@ def _input_messages(raw: Any, instructions: Any) -> list[dict[str, str]]:
         raise ServiceError(
             "invalid_request", "input must be a non-empty string or a non-empty list of message items", "input"
         )
-    return head + normalize_messages([_message(i, item) for i, item in enumerate(raw)])
+    return head + normalize_messages([_message(i, item) for i, item in enumerate(raw)], developer)
 
 
 def _message(i: int, item: Any) -> dict[str, Any]:
@@ -164,8 +163,7 @@ def _message(i: int, item: Any) -> dict[str, Any]:
         if len(strings) != len(content):  # a part of another type, or one whose text is no string
             raise ServiceError("unsupported", f"input[{i}].content: only input_text parts are supported", "input")
         content = "".join(strings)
-    role: Any = item.get("role")
-    return {"role": _ROLE_NAMES.get(role, role), "content": content}
+    return {"role": item.get("role"), "content": content}
 
 
 def _refuse_features(body: dict[str, Any]) -> None:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from typing import Any
 
 from streamd.engine.errors import RequestError
@@ -15,6 +16,9 @@ class TemplateOptions:
     add_generation_prompt: bool = True  # end with the template's opening of the assistant's turn
     continue_final_message: bool = False  # leave the last message open, for the model to continue
     add_special_tokens: bool = False  # also the tokenizer's own special tokens (e.g. BOS) around the text
+    # Extra variables for the template (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`);
+    # never one of `apply_chat_template`'s own arguments (a request could otherwise bring its own template).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 DEFAULT_OPTIONS = TemplateOptions()
@@ -39,6 +43,7 @@ def chat_template_ids(
             or not isinstance(message.get("content"), str)
         ):
             raise RequestError(f"messages[{i}] must be an object with string 'role' and 'content'")
+    _check_template_kwargs(tokenizer, options.template_kwargs)
     try:
         ids = tokenizer.apply_chat_template(
             messages,
@@ -46,9 +51,22 @@ def chat_template_ids(
             tokenize=not options.add_special_tokens,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
+            **options.template_kwargs,
         )
         if options.add_special_tokens:  # the rendered text, tokenized as a plain prompt is
             ids = tokenizer(ids, add_special_tokens=True).input_ids
     except Exception as exc:  # templates raise jinja errors (e.g. roles must alternate): the request's fault
         raise RequestError(f"the model's chat template rejected these messages: {exc}") from exc
     return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+def _check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
+    """Template variables must be names that are no argument of `apply_chat_template` (`chat_template`,
+    `tokenize`, ...), so they reach only the template."""
+    reserved = inspect.signature(tokenizer.apply_chat_template).parameters
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier() or name in reserved:
+            raise RequestError(
+                f"chat_template_kwargs: {name!r} is not a template variable this server passes on",
+                "chat_template_kwargs",
+            )
