@@ -291,7 +291,7 @@ def _tool_fields(i: int, message: dict[str, Any]) -> dict[str, Any]:
                     "type": "function",
                     "function": {
                         "name": c["function"]["name"],
-                        "arguments": loads(c["function"]["arguments"], "arguments"),
+                        "arguments": _arguments(c["function"]["arguments"]),
                     },
                 }
                 for c in calls
@@ -303,6 +303,12 @@ def _tool_fields(i: int, message: dict[str, Any]) -> dict[str, Any]:
                 "messages",
             ) from exc
     return fields
+
+
+def _arguments(value: Any) -> Any:
+    """A call's arguments as an object: parsed from JSON text, or kept when already parsed (a message
+    normalized before, as the Responses API's are)."""
+    return value if isinstance(value, dict) else loads(value, "arguments")
 
 
 def new_request_id() -> str:

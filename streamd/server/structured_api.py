@@ -40,6 +40,18 @@ def structured_from_fields(fields: dict[str, Any]) -> None:
         fields["structured_outputs"] = next(iter(chosen.values()))
 
 
+def with_enforced_call(params: dict[str, Any], call_schema: dict[str, Any]) -> dict[str, Any]:
+    """`params` with a required or named tool_choice's call schema as their `structured_outputs`; refused
+    when they constrain the output another way already."""
+    if any(params.get(name) for name in ("response_format", "structured_outputs", *GUIDED_ALIASES)):
+        raise ServiceError(
+            "invalid_request",
+            "a required or named tool_choice cannot be combined with response_format or structured_outputs",
+            "tool_choice",
+        )
+    return {**params, "structured_outputs": call_schema}
+
+
 def _one_way(name: str, value: Any) -> Any:
     if name == "response_format":
         return structured_from_response_format(value)

@@ -43,7 +43,7 @@ from streamd.server.http.common import RouteSpec, SSEResponse, json_body, until_
 from streamd.server.logprobs import LogprobsBuilder
 from streamd.server.reasoning import ReasoningParser
 from streamd.server.services import Services
-from streamd.server.structured_api import GUIDED_ALIASES, plan_tools
+from streamd.server.structured_api import plan_tools, with_enforced_call
 from streamd.server.tool_parsers import ToolCallParser
 
 
@@ -115,13 +115,7 @@ async def chat_completions(request: Request) -> Response:
         params["max_tokens"] = body["max_completion_tokens"]
     plan = plan_tools(body.get("tools"), body.get("tool_choice"), s.tool_format)
     if plan is not None and plan.structured is not None:
-        if any(params.get(name) for name in ("response_format", "structured_outputs", *GUIDED_ALIASES)):
-            raise ServiceError(
-                "invalid_request",
-                "a required or named tool_choice cannot be combined with response_format or structured_outputs",
-                "tool_choice",
-            )
-        params["structured_outputs"] = plan.structured
+        params = with_enforced_call(params, plan.structured)
     options = template_options(body)
     ids = await s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None, options)
     prepared = s.generation.prepare(ids, params, default_max_tokens=None)
