@@ -28,9 +28,9 @@ from streamd.server.body_fields import body_flag, check_model
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared, normalize_messages
 from streamd.server.logprobs import TokenTexts, chat_entries
+from streamd.server.reasoning import ReasoningParser
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
-from streamd.server.reasoning import ReasoningParser
 from streamd.server.structured_api import plan_tools, structured_from_text_format
 from streamd.server.tool_parsers import ToolCallParser
 
@@ -445,16 +445,17 @@ class ResponseBuilder:
             return []
         item.done = True
         text, at = "".join(item.text), {"output_index": item.index, "item_id": item.id}
-        done = self.event("response.output_item.done", output_index=item.index, item=self.item(item, "completed"))
         if item.kind == "function_call":
-            return [self.event("response.function_call_arguments.done", **at, arguments=text), done]
-        if item.kind == "reasoning":
-            return [self.event("response.reasoning_text.done", **at, content_index=0, text=text), done]
-        return [
-            self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=self.logprobs),
-            self.event("response.content_part.done", **at, content_index=0, part=self.part(text)),
-            done,
-        ]
+            events = [self.event("response.function_call_arguments.done", **at, arguments=text)]
+        elif item.kind == "reasoning":
+            events = [self.event("response.reasoning_text.done", **at, content_index=0, text=text)]
+        else:
+            events = [
+                self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=self.logprobs),
+                self.event("response.content_part.done", **at, content_index=0, part=self.part(text)),
+            ]
+        done = self.event("response.output_item.done", output_index=item.index, item=self.item(item, "completed"))
+        return [*events, done]
 
     # ---- objects ------------------------------------------------------------------------------------
     def response(self, account: RequestAccount | None) -> dict[str, Any]:

@@ -168,7 +168,9 @@ class Sampler:
     @staticmethod
     def _biased(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """Adds each row's `logit_bias` (token ids within the vocabulary: checked on admission) out of place."""
-        rows, cols, values = [], [], []
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
         for i, p in enumerate(params):
             for token, bias in (p.logit_bias or {}).items():
                 rows.append(i)
@@ -181,7 +183,8 @@ class Sampler:
     @staticmethod
     def _force_thinking_end(x: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
         """Rows whose reasoning ran out of budget may only take the next token of its closing sequence."""
-        rows, cols = [], []
+        rows: list[int] = []
+        cols: list[int] = []
         for i, (s, p) in enumerate(zip(seqs, params)):
             token = forced_thinking_token(s.output_token_ids, p)
             if token is not None:

@@ -188,7 +188,7 @@ class WsRequest:
         return frames
 
     def _finish_name(self, index: int, wire: str) -> str:
-        """"tool_calls" for a choice that stopped with a complete call, else the finish's wire name."""
+        """ "tool_calls" for a choice that stopped with a complete call, else the finish's wire name."""
         parser = self.tool_parsers.get(index)
         return "tool_calls" if wire == "stop" and parser is not None and parser.called else wire
 
