@@ -229,12 +229,12 @@ def _message(i: int, item: Any) -> dict[str, Any]:
 
 
 def _function_call(i: int, item: dict[str, Any]) -> dict[str, Any]:
-    fields = [item.get(name) for name in ("call_id", "name", "arguments")]
-    if not all(isinstance(value, str) for value in fields):
+    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+    if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
         raise ServiceError(
             "invalid_request", f"input[{i}]: a function_call needs string call_id, name and arguments", "input"
         )
-    return _chat_call(*fields)
+    return _chat_call(call_id, name, arguments)
 
 
 def _chat_tools(tools: Any) -> Any:
@@ -428,11 +428,12 @@ class ResponseBuilder:
             events.append(self.event("response.function_call_arguments.delta", **at, delta=piece))
         return events
 
-    def _open(self, kind: str, **call: str) -> list[dict[str, Any]]:
+    def _open(self, kind: str, call_id: str = "", name: str = "") -> list[dict[str, Any]]:
         events = [e for item in self.items for e in self._close(item)]
         prefix = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_"}[kind]
         number = "" if not self.items else f"_{len(self.items)}"
-        item = _Item(kind, prefix + self.plan.id.removeprefix("resp_") + number, len(self.items), **call)
+        item_id = prefix + self.plan.id.removeprefix("resp_") + number
+        item = _Item(kind, item_id, len(self.items), call_id=call_id, name=name)
         self.items.append(item)
         events.append(self.event("response.output_item.added", output_index=item.index, item=self.item(item)))
         if kind == "message":
