@@ -129,7 +129,8 @@ def plan_tools(tools: Any, tool_choice: Any, model_format: str | None = None) ->
         return ToolPlan(tools, None, model_format)
     if choice == "required":
         return ToolPlan(tools, {"json": {"anyOf": [_call_schema(n, p) for n, p in functions.items()]}}, "json")
-    name: Any = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    named: Any = choice.get("function") if isinstance(choice, dict) else None
+    name: Any = named.get("name") if isinstance(named, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in functions:
         raise ServiceError(
             "invalid_request",
