@@ -107,3 +107,23 @@ async def test_thinking_budget_on_a_model_without_reasoning_is_refused(server: S
     async with httpx.AsyncClient(base_url=server.http, timeout=60) as http:
         answer = await http.post("/v1/chat/completions", json={"messages": MESSAGES, "thinking_token_budget": 4})
     assert answer.status_code == 400 and answer.json()["error"]["param"] == "thinking_token_budget", answer.text
+
+
+async def test_responses_give_a_reasoning_item(think_server: Server) -> None:
+    """The reply starts inside `<think>` (the template opened it) and never closes it in 8 tokens: all of it
+    is the `reasoning` item's text, streamed as `response.reasoning_text.delta`; greedy, so the same text as
+    `/v1/stream` gives."""
+    async with ws_connect(think_server) as ws:
+        await send(ws, type="generate", id="r", messages=MESSAGES, params={"max_tokens": 8, "temperature": 0.0})
+        text = (await gather_until_done(ws, {"r"}))["r"].text
+    assert "</think>" not in text
+    client = _client(think_server)
+    reply = await client.responses.create(model=think_server.services.model_name, input=MESSAGES[0]["content"],
+                                          max_output_tokens=8, temperature=0.0)
+    (item,) = reply.output
+    assert item.type == "reasoning" and [c.text for c in item.content] == [text] and item.summary == []
+    events = [e async for e in await client.responses.create(
+        model=think_server.services.model_name, input=MESSAGES[0]["content"], max_output_tokens=8,
+        temperature=0.0, stream=True)]
+    assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == text
+    assert [e.sequence_number for e in events] == list(range(len(events)))
