@@ -88,6 +88,7 @@ class LLMEngine:
         self.admission.check_params(params, self.tokenizer)
         text, ids = self.admission.prompt_ids(prompt, prompt_token_ids, self.tokenizer, self.vocab_size)
         self.admission.check(len(ids), params)
+        self.admission.check_logit_bias(params, self.vocab_size)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         group = SequenceGroup(request_id, [Sequence(prompt_token_ids=ids)], params, prompt=text, arrival_time=arrival)
         self.grammars.add(group)  # (a grammar that does not compile raises before anything else is kept)

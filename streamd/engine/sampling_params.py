@@ -102,6 +102,14 @@ class SamplingParams:
     detokenize: bool = True
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
+    # Added to the logits of these token ids before sampling (OpenAI's `logit_bias`; wire keys are the ids'
+    # decimal strings). Ids and values are checked against the vocabulary in `Admission.check_logit_bias`.
+    logit_bias: dict[int, float] | None = None
+    # Reasoning models: after this many output tokens the reply's reasoning is closed by forcing
+    # `thinking_end_token_ids` (`</think>` as the model's tokenizer spells it; the server sets them), unless
+    # the model closed it itself (vLLM's `thinking_token_budget`).
+    thinking_token_budget: int | None = None
+    thinking_end_token_ids: list[int] = field(default_factory=list)
     # Beam search (Hugging Face `generate(num_beams=beam_width)` semantics; `beam_search.py`): the best `n`
     # of `beam_width` beams are returned. `beam_width` None means n (vLLM's legacy default).
     use_beam_search: bool = False
@@ -132,6 +140,7 @@ class SamplingParams:
         )
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        self.logit_bias = _token_id_keys(self.logit_bias)
         self._validate()
         if self.use_beam_search:
             if self.beam_width is None:
@@ -218,6 +227,7 @@ class SamplingParams:
                 self.logprobs,
                 f"must be an integer in [0, {MAX_LOGPROBS}]",
             )
+        self._validate_thinking()
         for name in ("timeout_s", "queue_timeout_s"):
             value = getattr(self, name)
             _check(value is None or (is_num(value) and value > 0), name, value, "must be a number of seconds > 0")
@@ -229,6 +239,24 @@ class SamplingParams:
             "use_beam_search",
         ):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a boolean")
+
+    def _validate_thinking(self) -> None:
+        budget = self.thinking_token_budget
+        if budget is None:
+            return
+        _check(is_int(budget) and budget >= 0, "thinking_token_budget", budget, "must be an integer >= 0")
+        _check(
+            bool(self.thinking_end_token_ids) and all(is_int(t) and t >= 0 for t in self.thinking_end_token_ids),
+            "thinking_token_budget",
+            budget,
+            "needs thinking_end_token_ids (the token ids that close the reasoning)",
+        )
+        _check(
+            self.structured_outputs is None,
+            "thinking_token_budget",
+            budget,
+            "cannot be combined with structured_outputs",
+        )
 
     def _validate_beam_search(self) -> None:
         """Beam search scores the model's own log-probabilities (as Hugging Face beam search without
@@ -280,8 +308,8 @@ class SamplingParams:
         """Whether sampling this request's next token needs its token history on the host (penalties read
         it; beams are chosen on the host before the next step), which rules out the engine's overlap. A
         grammar's mask also follows every token, but the engine reads the previous tokens back while the
-        forward runs (see `LLMEngine.step`)."""
-        return self.uses_penalties or self.use_beam_search
+        forward runs (see `LLMEngine.step`). A thinking budget reads the output to force its closing tokens."""
+        return self.uses_penalties or self.use_beam_search or self.thinking_token_budget is not None
 
     @classmethod
     def from_dict(cls, params: dict[str, Any]) -> SamplingParams:
@@ -306,7 +334,23 @@ _NOT_WITH_BEAMS: tuple[tuple[str, object], ...] = (
     ("repetition_penalty", 1.0),
     ("stop", []),
     ("logprobs", None),
+    ("logit_bias", None),
+    ("thinking_token_budget", None),
 )
+
+
+def _token_id_keys(bias: Any) -> dict[int, float] | None:
+    """`logit_bias` with its keys as ints (JSON object keys are strings: "50256"); None when empty."""
+    if bias is None or bias == {}:
+        return None
+    _check(isinstance(bias, dict), "logit_bias", bias, "must be an object of token id -> bias")
+    out: dict[int, float] = {}
+    for key, value in bias.items():
+        token = int(key) if isinstance(key, str) and key.isdigit() and key.isascii() else key
+        _check(is_int(token), "logit_bias", key, "keys must be token ids (non-negative integers)")
+        _check(is_num(value), "logit_bias", value, "values must be finite numbers")
+        out[token] = float(value)
+    return out
 
 
 def is_int(value: object) -> TypeGuard[int]:

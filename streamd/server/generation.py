@@ -37,14 +37,17 @@ from streamd.server.encoding import loads
 from streamd.server.errors import ServiceError
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
-from streamd.server.structured_api import structured_from_response_format
+from streamd.server.reasoning import think_tags
+from streamd.server.structured_api import GUIDED_ALIASES, structured_from_fields
 from streamd.server.tokenizing import Tokenizing
 
-# SamplingParams fields no request may set: `detokenize` (the server always streams text) and
-# `queue_timeout_s` (the server sets it from `server.max_queue_time_s`).
-ENGINE_ONLY_PARAMS = frozenset({"detokenize", "queue_timeout_s"})
-# Wire names that are no SamplingParams field but become one (OpenAI's `response_format`: structured_outputs).
-WIRE_ALIASES = frozenset({"response_format"})
+# SamplingParams fields no request may set: `detokenize` (the server always streams text),
+# `queue_timeout_s` (the server sets it from `server.max_queue_time_s`) and `thinking_end_token_ids` (the
+# model's `</think>`, set with a `thinking_token_budget`).
+ENGINE_ONLY_PARAMS = frozenset({"detokenize", "queue_timeout_s", "thinking_end_token_ids"})
+# Wire names that are no SamplingParams field but become one (OpenAI's `response_format` and vLLM's older
+# `guided_*`: structured_outputs).
+WIRE_ALIASES = frozenset({"response_format", *GUIDED_ALIASES})
 # Wire parameter names (OpenAI / vLLM) accepted on every route: every SamplingParams field but the engine's own.
 WIRE_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - ENGINE_ONLY_PARAMS | WIRE_ALIASES
 MAX_N = 16  # parallel samples or beams per request (each is a sequence of the batch)
@@ -76,6 +79,8 @@ class Generation:
         # The engine's admission check, as far as the server knows the engine: its context, and the server's
         # cap on the samples or beams of one request (the engine checks its KV pool on submission).
         self.admission = Admission(engine.max_model_len, max_width=MAX_N)
+        self.developer_role = developer_role(getattr(engine.tokenizer, "chat_template", None))
+        self.think = think_tags(engine.tokenizer) if engine.tokenizer is not None else None
 
     # ---- building ----------------------------------------------------------------------------
     async def prompt_ids(self, prompt: Any, add_special_tokens: bool = True) -> list[int]:
@@ -101,11 +106,15 @@ class Generation:
     ) -> list[int]:
         """Chat messages (and OpenAI function `tools`) through the model's chat template as `options` say,
         off the loop when long; errors name `param`, the field they came in."""
-        messages = normalize_messages(messages)
+        messages = normalize_messages(messages, self.developer_role)
         chars = chat_chars(messages, tools)
         self.check_chars(chars, param)
         try:
             return await self.tokenizing.chat(messages, tools, options, chars)
+        except RequestError as exc:
+            if exc.param is not None:  # a template option's fault, not the messages'
+                raise ServiceError(exc.code, str(exc), exc.param) from exc
+            raise ServiceError("invalid_request", f"{param}: {exc}", param) from exc
         except ValueError as exc:
             raise ServiceError("invalid_request", f"{param}: {exc}", param) from exc
 
@@ -134,14 +143,9 @@ class Generation:
         if unknown:
             raise ServiceError("invalid_request", f"unknown parameter {unknown[0]!r}", unknown[0])
         fields = {k: v for k, v in raw.items() if v is not None}
-        if "response_format" in fields:
-            structured = structured_from_response_format(fields.pop("response_format"))
-            if structured is not None and "structured_outputs" in fields:
-                raise ServiceError(
-                    "invalid_request", "give response_format or structured_outputs, not both", "response_format"
-                )
-            if structured is not None:
-                fields["structured_outputs"] = structured
+        structured_from_fields(fields)
+        if "thinking_token_budget" in fields:
+            fields["thinking_end_token_ids"] = self._thinking_end()
         context, n_prompt = self.engine.max_model_len, len(prompt_ids)
         with _refusal(prompt_param):
             self.admission.check_lengths(n_prompt, None)
@@ -163,6 +167,15 @@ class Generation:
         with _refusal(prompt_param):
             self.admission.check_width(params)
         return Prepared(prompt_ids, params, prompt)
+
+    def _thinking_end(self) -> list[int]:
+        if self.think is None:
+            raise ServiceError(
+                "unsupported",
+                "thinking_token_budget needs a reasoning model (its chat template uses <think>); this one's does not",
+                "thinking_token_budget",
+            )
+        return self.think.end_token_ids
 
     def _deadlines(self, fields: dict[str, Any]) -> None:
         """`server.max_request_time_s` is the default and the cap of `timeout_s`; `server.max_queue_time_s`
@@ -221,7 +234,7 @@ class Generation:
             raise
         except RequestError as exc:
             account.discard()
-            raise ServiceError(exc.code, str(exc)) from exc
+            raise ServiceError(exc.code, str(exc), exc.param) from exc
         except EngineDeadError as exc:
             account.discard()
             raise ServiceError("engine_unavailable", str(exc)) from exc
@@ -260,10 +273,16 @@ def chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | Non
     return size + (len(json.dumps(tools)) if tools else 0)
 
 
-def normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """OpenAI chat messages to plain {role, content} dicts (text parts joined), keeping an assistant's
-    `tool_calls` (arguments parsed to objects, as chat templates expect) and a tool message's
-    `tool_call_id`; anything else is refused."""
+def developer_role(chat_template: Any) -> str:
+    """The role OpenAI's `developer` messages get: their own where the model's chat template names it, else
+    "system" (templates that do not know it would drop or refuse it)."""
+    return "developer" if isinstance(chat_template, str) and "developer" in chat_template else "system"
+
+
+def normalize_messages(messages: Any, developer: str = "system") -> list[dict[str, Any]]:
+    """OpenAI chat messages to plain {role, content} dicts (text parts joined), `developer` messages in the
+    role `developer` (`developer_role`), keeping an assistant's `tool_calls` (arguments parsed to objects, as
+    chat templates expect) and a tool message's `tool_call_id`; anything else is refused."""
     if not isinstance(messages, list) or not messages:
         raise ServiceError("invalid_request", "messages must be a non-empty list", "messages")
     out = []
@@ -283,7 +302,8 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             content = ""
         if not isinstance(content, str):
             raise ServiceError("invalid_request", f"messages[{i}].content must be a string", "messages")
-        out.append({"role": message["role"], "content": content, **_tool_fields(i, message)})
+        role = developer if message["role"] == "developer" else message["role"]
+        out.append({"role": role, "content": content, **_tool_fields(i, message)})
     return out
 
 
@@ -300,7 +320,7 @@ def _tool_fields(i: int, message: dict[str, Any]) -> dict[str, Any]:
                     "type": "function",
                     "function": {
                         "name": c["function"]["name"],
-                        "arguments": loads(c["function"]["arguments"], "arguments"),
+                        "arguments": _arguments(c["function"]["arguments"]),
                     },
                 }
                 for c in calls
@@ -312,6 +332,12 @@ def _tool_fields(i: int, message: dict[str, Any]) -> dict[str, Any]:
                 "messages",
             ) from exc
     return fields
+
+
+def _arguments(value: Any) -> Any:
+    """A call's arguments as an object: parsed from JSON text, or kept when already parsed (a message
+    normalized before, as the Responses API's are)."""
+    return value if isinstance(value, dict) else loads(value, "arguments")
 
 
 def new_request_id() -> str:

@@ -53,6 +53,12 @@ class Metrics:
             "streamd_ws_closes", "Closed WebSocket connections by close code.", ["code"], registry=r
         )
         self.resumes = Counter("streamd_resumes", "WebSocket resume attempts by outcome.", ["outcome"], registry=r)
+        self.ignored_fields = Counter(
+            "streamd_ignored_request_fields",
+            'Request-body fields ignored, by route and field (names outside a fixed list count as "other").',
+            ["route", "field"],
+            registry=r,
+        )
         for reason in ("stop", "length", "cancelled", "error", "timeout"):
             self.requests.labels(reason)
         if engine is not None:

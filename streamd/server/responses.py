@@ -28,22 +28,21 @@ from streamd.server.body_fields import body_flag, check_model
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared, normalize_messages
 from streamd.server.logprobs import TokenTexts, chat_entries
+from streamd.server.reasoning import ReasoningParser
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
-from streamd.server.structured_api import structured_from_text_format
+from streamd.server.structured_api import plan_tools, structured_from_text_format
+from streamd.server.tool_parsers import ToolCallParser
 
 # Fields that ask for features this server does not have; refused unless empty / the harmless value.
 _REFUSED: dict[str, Any] = {
-    "tools": None,
     "background": False,
     "conversation": None,
     "prompt": None,
     "reasoning": None,
     "include": None,
-    "tool_choice": None,
 }
 _INPUT_PARTS = frozenset({"input_text", "output_text", "text"})
-_ROLE_NAMES = {"developer": "system"}  # chat templates know "system"
 
 Lookup = Callable[[str], StoredResponse | None]
 
@@ -59,6 +58,10 @@ class ResponsePlan:
     store: bool
     stream: bool
     stream_id: str | None = None  # WebSocket mode's lane
+    tools: list[dict[str, Any]] = field(default_factory=list)  # as the request gave them (echoed)
+    tool_choice: Any = "auto"  # as the request gave it (echoed)
+    tool_format: str | None = None  # the format the reply's calls are parsed in (None: no tools, or text)
+    think_inside: bool | None = None  # a reasoning model's: whether the reply starts inside `<think>`
 
 
 async def plan_response(
@@ -69,11 +72,19 @@ async def plan_response(
     check_model(s, body)
     _refuse_features(body)
     structured = _text_format(body.get("text"))
+    tools = plan_tools(_chat_tools(body.get("tools")), _chat_tool_choice(body.get("tool_choice")), s.tool_format)
+    if tools is not None and tools.structured is not None:
+        if structured is not None:
+            raise ServiceError(
+                "invalid_request", "a required or named tool_choice cannot be combined with text.format", "tool_choice"
+            )
+        structured = tools.structured
+    template_tools = tools.tools if tools is not None else None
     stream, store = body_flag(body, "stream", False), body_flag(body, "store", True)
-    new = _input_messages(body.get("input"), body.get("instructions"))
+    new = _input_messages(body.get("input"), body.get("instructions"), s.generation.developer_role)
     previous_id = body.get("previous_response_id")
     if previous_id is None:
-        messages, ids = new, await s.generation.messages_ids(new, param="input")
+        messages, ids = new, await s.generation.messages_ids(new, template_tools, param="input")
     else:
         previous = find(previous_id) if isinstance(previous_id, str) else None
         if previous is None:
@@ -83,7 +94,7 @@ async def plan_response(
                 "previous_response_id",
             )
         messages = previous.messages + new
-        ids = await continuation_ids(s, previous, new)
+        ids = await continuation_ids(s, previous, new, template_tools)
     prepared = s.generation.prepare(
         ids, {**_sampling(body), "structured_outputs": structured}, default_max_tokens=None, prompt_param="input"
     )
@@ -98,10 +109,25 @@ async def plan_response(
         "store": store,
         "text": body.get("text") or {"format": {"type": "text"}},
     }
-    return ResponsePlan("resp_" + uuid.uuid4().hex, prepared, messages, echo, store, stream, stream_id)
+    think = s.generation.think
+    return ResponsePlan(
+        "resp_" + uuid.uuid4().hex,
+        prepared,
+        messages,
+        echo,
+        store,
+        stream,
+        stream_id,
+        tools=body.get("tools") or [],
+        tool_choice=body.get("tool_choice") or ("auto" if tools is not None else "none"),
+        tool_format=tools.parser if tools is not None else None,
+        think_inside=think.starts_inside(ids) if think is not None else None,
+    )
 
 
-async def continuation_ids(s: Services, previous: StoredResponse, new: list[dict[str, str]]) -> list[int]:
+async def continuation_ids(
+    s: Services, previous: StoredResponse, new: list[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+) -> list[int]:
     """The previous response's exact prompt + output ids, then the new turn as the chat template renders it
     after that conversation: the text the template puts after the previous answer (its end-of-turn, less
     the end-of-turn token the model already produced) followed by the new messages and the generation
@@ -114,13 +140,15 @@ async def continuation_ids(s: Services, previous: StoredResponse, new: list[dict
     s.generation.check_chars(chars, "input")
     turn = await s.generation.tokenizing.run(lambda tokenizer: _new_turn_ids(tokenizer, previous, new), chars)
     if turn is None:
-        return await s.generation.messages_ids(conversation, param="input")
+        return await s.generation.messages_ids(conversation, tools, param="input")
     return previous.token_ids + turn
 
 
 def _new_turn_ids(tokenizer: Any, previous: StoredResponse, new: list[dict[str, str]]) -> list[int] | None:
     """The new turn's ids after `previous` (see continuation_ids); None when the template does not extend."""
     history = previous.messages
+    if history[-1].get("tool_calls"):  # the template renders the calls its own way: render it all afresh
+        return None
     answer_open = _render(tokenizer, history[:-1], True) + history[-1]["content"]
     closed = _render(tokenizer, history, False)
     full = _render(tokenizer, history + new, True)
@@ -141,7 +169,7 @@ def _render(tokenizer: Any, messages: list[dict[str, str]], generation_prompt: b
         raise ServiceError("invalid_request", f"input: the model's chat template rejected it: {exc}", "input") from exc
 
 
-def _input_messages(raw: Any, instructions: Any) -> list[dict[str, str]]:
+def _input_messages(raw: Any, instructions: Any, developer: str) -> list[dict[str, Any]]:
     if instructions is not None and not isinstance(instructions, str):
         raise ServiceError("invalid_request", "instructions must be a string", "instructions")
     head = [{"role": "system", "content": instructions}] if instructions else []
@@ -151,12 +179,45 @@ def _input_messages(raw: Any, instructions: Any) -> list[dict[str, str]]:
         raise ServiceError(
             "invalid_request", "input must be a non-empty string or a non-empty list of message items", "input"
         )
-    return head + normalize_messages([_message(i, item) for i, item in enumerate(raw)])
+    messages: list[dict[str, Any]] = []
+    for i, item in enumerate(raw):
+        _add_item(messages, i, item)
+    return head + normalize_messages(messages, developer)
+
+
+def _add_item(messages: list[dict[str, Any]], i: int, item: Any) -> None:
+    """An input item as chat messages: a message; a `function_call` (the model's earlier call) joins the
+    assistant message before it, or starts one; a `function_call_output` is a tool message; a `reasoning`
+    item is not shown to the template (as chat templates drop earlier reasoning)."""
+    kind = item.get("type", "message") if isinstance(item, dict) else None
+    if kind == "reasoning":
+        return
+    if kind == "function_call":
+        call = _function_call(i, item)
+        last = messages[-1] if messages else None
+        if last is not None and last["role"] == "assistant":
+            last.setdefault("tool_calls", []).append(call)
+        else:
+            messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
+        return
+    if kind == "function_call_output":
+        output, call_id = item.get("output"), item.get("call_id")
+        if not isinstance(output, str) or not isinstance(call_id, str):
+            raise ServiceError(
+                "invalid_request", f"input[{i}]: a function_call_output needs string call_id and output", "input"
+            )
+        messages.append({"role": "tool", "content": output, "tool_call_id": call_id})
+        return
+    messages.append(_message(i, item))
 
 
 def _message(i: int, item: Any) -> dict[str, Any]:
     if not isinstance(item, dict) or item.get("type", "message") != "message":
-        raise ServiceError("unsupported", f"input[{i}]: only message items are supported", "input")
+        raise ServiceError(
+            "unsupported",
+            f"input[{i}]: only message, function_call, function_call_output and reasoning items are supported",
+            "input",
+        )
     content = item.get("content")
     if isinstance(content, list):
         texts = [p.get("text") for p in content if isinstance(p, dict) and p.get("type") in _INPUT_PARTS]
@@ -164,8 +225,39 @@ def _message(i: int, item: Any) -> dict[str, Any]:
         if len(strings) != len(content):  # a part of another type, or one whose text is no string
             raise ServiceError("unsupported", f"input[{i}].content: only input_text parts are supported", "input")
         content = "".join(strings)
-    role: Any = item.get("role")
-    return {"role": _ROLE_NAMES.get(role, role), "content": content}
+    return {"role": item.get("role"), "content": content}
+
+
+def _function_call(i: int, item: dict[str, Any]) -> dict[str, Any]:
+    call_id, name, arguments = item.get("call_id"), item.get("name"), item.get("arguments")
+    if not (isinstance(call_id, str) and isinstance(name, str) and isinstance(arguments, str)):
+        raise ServiceError(
+            "invalid_request", f"input[{i}]: a function_call needs string call_id, name and arguments", "input"
+        )
+    return _chat_call(call_id, name, arguments)
+
+
+def _chat_tools(tools: Any) -> Any:
+    """Responses function tools (`{"type": "function", "name", "parameters", ...}`) in chat's shape (the
+    function under `function`) for `plan_tools`, which checks them; anything else is passed on for it to
+    refuse."""
+    if not isinstance(tools, list):
+        return tools
+    return [_chat_tool(tool) for tool in tools]
+
+
+def _chat_tool(tool: Any) -> Any:
+    if not isinstance(tool, dict) or tool.get("type") != "function" or "function" in tool:
+        return tool
+    fields = {k: v for k, v in tool.items() if k in ("name", "description", "parameters") and v is not None}
+    return {"type": "function", "function": fields}
+
+
+def _chat_tool_choice(choice: Any) -> Any:
+    """A Responses named choice (`{"type": "function", "name"}`) in chat's shape; the strings as they are."""
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        return {"type": "function", "function": {"name": choice.get("name")}}
+    return choice
 
 
 def _refuse_features(body: dict[str, Any]) -> None:
@@ -219,21 +311,47 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
 
 # ---- events ------------------------------------------------------------------------------------------
 @dataclass(slots=True)
+class _Item:
+    """One output item as it streams: the assistant's message, its reasoning, or a function call."""
+
+    kind: str  # "message", "reasoning" or "function_call"
+    id: str
+    index: int  # its output_index
+    text: list[str] = field(default_factory=list)  # the message's or reasoning's text, a call's arguments
+    call_id: str = ""
+    name: str = ""
+    done: bool = False
+
+
+@dataclass(slots=True)
 class ResponseBuilder:
-    """One response's events, in order, numbered from 0; also its final `response` object."""
+    """One response's events, in order, numbered from 0; also its final `response` object. A plain text
+    response opens its message at once (as before any tools or reasoning); with tools or a reasoning model,
+    each item (reasoning, message, function calls) opens when its first text arrives and the previous one is
+    done then. Reply text goes through the reasoning parser and the tool-call parser the chat route uses."""
 
     plan: ResponsePlan
     model: str
     token_texts: TokenTexts  # for logprobs
     created_at: int = field(default_factory=lambda: int(time.time()))
     seq: int = 0
-    text: list[str] = field(default_factory=list)
+    items: list[_Item] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
+    reasoner: ReasoningParser | None = None
+    tool_parser: ToolCallParser | None = None
+    calls: dict[int, _Item] = field(default_factory=dict)  # the parser's call index -> its item
+
+    def __post_init__(self) -> None:
+        if self.plan.think_inside is not None:
+            self.reasoner = ReasoningParser(self.plan.think_inside)
+        if self.plan.tool_format is not None:
+            self.tool_parser = ToolCallParser(self.plan.tool_format)
 
     @property
-    def item_id(self) -> str:
-        return "msg_" + self.plan.id.removeprefix("resp_")
+    def eager(self) -> bool:
+        """Whether the message item opens at once (a plain text response)."""
+        return self.reasoner is None and self.tool_parser is None
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, **fields, "sequence_number": self.seq}
@@ -243,13 +361,11 @@ class ResponseBuilder:
         return event
 
     def opening(self) -> list[dict[str, Any]]:
-        at = {"output_index": 0, "item_id": self.item_id}
-        return [
+        events = [
             self.event("response.created", response=self.response(None)),
             self.event("response.in_progress", response=self.response(None)),
-            self.event("response.output_item.added", output_index=0, item=self.item("in_progress", [])),
-            self.event("response.content_part.added", **at, content_index=0, part=self.part("")),
         ]
+        return events + (self._open("message") if self.eager else [])
 
     def feed(self, delta: RequestDelta, account: RequestAccount) -> list[dict[str, Any]]:
         account.absorb(delta)
@@ -258,30 +374,91 @@ class ResponseBuilder:
             self.output_ids.extend(choice.token_ids)
             logprobs = self._logprobs(choice.token_ids, choice.logprobs)
             if choice.text:
-                self.text.append(choice.text)
-                events.append(
-                    self.event(
-                        "response.output_text.delta",
-                        output_index=0,
-                        item_id=self.item_id,
-                        content_index=0,
-                        delta=choice.text,
-                        logprobs=logprobs,
-                    )
-                )
+                events += self._text(choice.text, logprobs, final=False)
         return events
 
     def closing(self, account: RequestAccount) -> list[dict[str, Any]]:
-        finish = account.finish
-        text, at = "".join(self.text), {"output_index": 0, "item_id": self.item_id}
-        item_status = "completed" if finish.status == "completed" else "incomplete"
-        return [
-            self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=self.logprobs),
-            self.event("response.content_part.done", **at, content_index=0, part=self.part(text)),
-            self.event("response.output_item.done", output_index=0, item=self.item(item_status, [self.part(text)])),
-            self.event(finish.terminal_event, response=self.response(account)),
-        ]
+        events = [] if self.eager else self._text("", [], final=True)
+        if not self.items:
+            events += self._open("message")
+        for item in self.items:
+            events += self._close(item)
+        return events + [self.event(account.finish.terminal_event, response=self.response(account))]
 
+    # ---- reply text -> items ------------------------------------------------------------------------
+    def _text(self, text: str, logprobs: list[dict[str, Any]], final: bool) -> list[dict[str, Any]]:
+        events = []
+        if self.reasoner is not None:
+            split = self.reasoner.feed(text, final)
+            if split.reasoning:
+                events += self._append("reasoning", split.reasoning, "response.reasoning_text.delta")
+            text = split.content
+        if self.tool_parser is None:
+            return events + self._content(text, logprobs)
+        out = self.tool_parser.feed(text, final)
+        events += self._content(out.content, logprobs)
+        for delta in out.tool_calls:
+            events += self._call_delta(delta)
+        return events
+
+    def _content(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        if not text:
+            return []
+        return self._append("message", text, "response.output_text.delta", logprobs=logprobs)
+
+    def _append(self, kind: str, text: str, event: str, **extra: Any) -> list[dict[str, Any]]:
+        """`text` added to the open item of `kind` (opened first, closing the one before, when it is not)."""
+        open_item = self.items[-1] if self.items and not self.items[-1].done else None
+        events = [] if open_item is not None and open_item.kind == kind else self._open(kind)
+        item = self.items[-1]
+        item.text.append(text)
+        at = {"output_index": item.index, "item_id": item.id}
+        return events + [self.event(event, **at, content_index=0, delta=text, **extra)]
+
+    def _call_delta(self, delta: dict[str, Any]) -> list[dict[str, Any]]:
+        """A tool-call delta of the parser's: a new call opens a function_call item, arguments stream in it."""
+        events = []
+        if "id" in delta:
+            events += self._open("function_call", call_id=delta["id"], name=delta["function"]["name"])
+            self.calls[delta["index"]] = self.items[-1]
+        item, piece = self.calls[delta["index"]], delta["function"].get("arguments", "")
+        if piece:
+            item.text.append(piece)
+            at = {"output_index": item.index, "item_id": item.id}
+            events.append(self.event("response.function_call_arguments.delta", **at, delta=piece))
+        return events
+
+    def _open(self, kind: str, call_id: str = "", name: str = "") -> list[dict[str, Any]]:
+        events = [e for item in self.items for e in self._close(item)]
+        prefix = {"message": "msg_", "reasoning": "rs_", "function_call": "fc_"}[kind]
+        number = "" if not self.items else f"_{len(self.items)}"
+        item_id = prefix + self.plan.id.removeprefix("resp_") + number
+        item = _Item(kind, item_id, len(self.items), call_id=call_id, name=name)
+        self.items.append(item)
+        events.append(self.event("response.output_item.added", output_index=item.index, item=self.item(item)))
+        if kind == "message":
+            at = {"output_index": item.index, "item_id": item.id}
+            events.append(self.event("response.content_part.added", **at, content_index=0, part=self.part("")))
+        return events
+
+    def _close(self, item: _Item) -> list[dict[str, Any]]:
+        if item.done:
+            return []
+        item.done = True
+        text, at = "".join(item.text), {"output_index": item.index, "item_id": item.id}
+        if item.kind == "function_call":
+            events = [self.event("response.function_call_arguments.done", **at, arguments=text)]
+        elif item.kind == "reasoning":
+            events = [self.event("response.reasoning_text.done", **at, content_index=0, text=text)]
+        else:
+            events = [
+                self.event("response.output_text.done", **at, content_index=0, text=text, logprobs=self.logprobs),
+                self.event("response.content_part.done", **at, content_index=0, part=self.part(text)),
+            ]
+        done = self.event("response.output_item.done", output_index=item.index, item=self.item(item, "completed"))
+        return [*events, done]
+
+    # ---- objects ------------------------------------------------------------------------------------
     def response(self, account: RequestAccount | None) -> dict[str, Any]:
         """The `response` object: in progress (no account) or as the account ended it."""
         body: dict[str, Any] = {
@@ -291,9 +468,9 @@ class ResponseBuilder:
             "model": self.model,
             "status": "in_progress",
             "output": [],
-            "parallel_tool_calls": False,
-            "tool_choice": "none",
-            "tools": [],
+            "parallel_tool_calls": bool(self.plan.tools),
+            "tool_choice": self.plan.tool_choice,
+            "tools": self.plan.tools,
             "error": None,
             "incomplete_details": None,
             "usage": None,
@@ -302,11 +479,9 @@ class ResponseBuilder:
         if account is None:
             return body
         finish = account.finish  # (FINISH_NAMES: the Responses API's status and incomplete reason)
-        text = "".join(self.text)
+        status = "completed" if finish.status == "completed" else "incomplete"
         body.update(
-            status=finish.status,
-            output=[self.item("completed" if finish.status == "completed" else "incomplete", [self.part(text)])],
-            usage=_usage(account),
+            status=finish.status, output=[self.item(item, status) for item in self.items], usage=_usage(account)
         )
         if finish.incomplete is not None:
             body["incomplete_details"] = {"reason": finish.incomplete}
@@ -314,14 +489,31 @@ class ResponseBuilder:
             body["error"] = {"code": "server_error", "message": account.error}
         return body
 
-    def item(self, status: str, content: list[dict[str, Any]]) -> dict[str, Any]:
-        return {"id": self.item_id, "type": "message", "role": "assistant", "status": status, "content": content}
+    def item(self, item: _Item, status: str = "in_progress") -> dict[str, Any]:
+        """An output item as the SDK models it (`status` once it is done)."""
+        text = "".join(item.text)
+        base = {"id": item.id, "type": item.kind, "status": status}
+        if item.kind == "function_call":
+            return {**base, "call_id": item.call_id, "name": item.name, "arguments": text}
+        if item.kind == "reasoning":
+            return {**base, "summary": [], "content": [{"type": "reasoning_text", "text": text}] if item.done else []}
+        return {**base, "role": "assistant", "content": [self.part(text)] if item.done else []}
 
     def part(self, text: str) -> dict[str, Any]:
         return {"type": "output_text", "text": text, "annotations": [], "logprobs": self.logprobs if text else []}
 
     def stored(self) -> StoredResponse:
-        messages = self.plan.messages + [{"role": "assistant", "content": "".join(self.text)}]
+        """The conversation so far, the reply as the assistant's message (its tool calls with it)."""
+        text = "".join(t for item in self.items if item.kind == "message" for t in item.text)
+        answer: dict[str, Any] = {"role": "assistant", "content": text}
+        calls = [item for item in self.items if item.kind == "function_call"]
+        if calls:
+            answer["tool_calls"] = [_chat_call(item.call_id, item.name, "".join(item.text)) for item in calls]
+            try:  # (the template wants the arguments as objects)
+                answer = normalize_messages([answer])[0]
+            except ServiceError:  # a call cut short (its arguments no JSON): the answer is its text
+                del answer["tool_calls"]
+        messages = self.plan.messages + [answer]
         return StoredResponse(self.plan.id, messages, self.plan.prepared.prompt_token_ids + self.output_ids)
 
     def _logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None) -> list[dict[str, Any]]:
@@ -331,6 +523,11 @@ class ResponseBuilder:
         out = chat_entries(self.token_texts, token_ids, logprobs, top)
         self.logprobs.extend(out)
         return out
+
+
+def _chat_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    """A function call as chat messages carry it (`tool_calls[]`, arguments as JSON text)."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _usage(account: RequestAccount) -> dict[str, Any]:

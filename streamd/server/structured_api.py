@@ -1,7 +1,9 @@
 """OpenAI wire fields for structured outputs and tool calling, turned into engine terms and back.
 
 - `response_format` ({"type": "text" | "json_object" | "json_schema"}), and the Responses API's `text.format`,
-  -> the `structured_outputs` dict of SamplingParams (vLLM's own `structured_outputs` field is accepted as is).
+  -> the `structured_outputs` dict of SamplingParams (vLLM's own `structured_outputs` field is accepted as is,
+  and so are vLLM's older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`, its names
+  until 0.12: `GUIDED_ALIASES`). A request sets at most one of these ways.
 - `tools` + `tool_choice` -> `ToolPlan`: the tools the chat template receives, for "required" or a
   named function the JSON schema every reply must follow (`{"name": ..., "arguments": {...}}`), so tool
   calls work with any model, and the format the reply's calls are read in (`tool_parsers.py`): "json"
@@ -15,6 +17,47 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamd.server.errors import ServiceError
+
+# vLLM's `guided_*` request fields -> the `structured_outputs` key each one sets.
+GUIDED_ALIASES = {
+    "guided_json": "json",
+    "guided_regex": "regex",
+    "guided_choice": "choice",
+    "guided_grammar": "grammar",
+}
+
+
+def structured_from_fields(fields: dict[str, Any]) -> None:
+    """Turns `response_format` and `guided_*` in a request's (non-null) params into `structured_outputs`, in
+    place; more than one way of constraining the output is refused, naming the second."""
+    given = [name for name in ("structured_outputs", "response_format", *GUIDED_ALIASES) if name in fields]
+    ways = {name: _one_way(name, fields.pop(name)) for name in given}
+    chosen = {name: value for name, value in ways.items() if value is not None}
+    if len(chosen) > 1:
+        first, second = list(chosen)[:2]
+        raise ServiceError("invalid_request", f"give {first} or {second}, not both", second)
+    if chosen:
+        fields["structured_outputs"] = next(iter(chosen.values()))
+
+
+def with_enforced_call(params: dict[str, Any], call_schema: dict[str, Any]) -> dict[str, Any]:
+    """`params` with a required or named tool_choice's call schema as their `structured_outputs`; refused
+    when they constrain the output another way already."""
+    if any(params.get(name) for name in ("response_format", "structured_outputs", *GUIDED_ALIASES)):
+        raise ServiceError(
+            "invalid_request",
+            "a required or named tool_choice cannot be combined with response_format or structured_outputs",
+            "tool_choice",
+        )
+    return {**params, "structured_outputs": call_schema}
+
+
+def _one_way(name: str, value: Any) -> Any:
+    if name == "response_format":
+        return structured_from_response_format(value)
+    if name in GUIDED_ALIASES:
+        return {GUIDED_ALIASES[name]: value}
+    return value
 
 
 def structured_from_response_format(value: Any) -> dict[str, Any] | None:
@@ -86,7 +129,8 @@ def plan_tools(tools: Any, tool_choice: Any, model_format: str | None = None) ->
         return ToolPlan(tools, None, model_format)
     if choice == "required":
         return ToolPlan(tools, {"json": {"anyOf": [_call_schema(n, p) for n, p in functions.items()]}}, "json")
-    name: Any = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    named: Any = choice.get("function") if isinstance(choice, dict) else None
+    name: Any = named.get("name") if isinstance(named, dict) else None
     if not isinstance(choice, dict) or choice.get("type") != "function" or name not in functions:
         raise ServiceError(
             "invalid_request",

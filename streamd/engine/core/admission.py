@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
 from streamd.engine.sampling_params import SamplingParams
 
+MAX_LOGIT_BIAS = 300  # token ids one request may bias (as OpenAI)
+
 if TYPE_CHECKING:
     from streamd.engine.core.block_manager import BlockManager
 
@@ -131,6 +133,21 @@ class Admission:
         if not ids:
             raise RequestError("prompt must not be empty", "prompt")
         return text, ids
+
+    @staticmethod
+    def check_logit_bias(params: SamplingParams, vocab_size: int) -> None:
+        """`logit_bias` as OpenAI bounds it: at most MAX_LOGIT_BIAS token ids, each in the vocabulary, each
+        bias in [-100, 100]."""
+        bias = params.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise RequestError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
+        for token, value in bias.items():
+            if not 0 <= token < vocab_size:
+                raise RequestError(f"logit_bias: token id {token} is not in [0, {vocab_size})", "logit_bias")
+            if not -100 <= value <= 100:
+                raise RequestError(
+                    f"logit_bias: token {token}'s bias must be in [-100, 100], got {value}", "logit_bias"
+                )
 
     @staticmethod
     def check_params(params: object, tokenizer: Any) -> None:

@@ -3,7 +3,8 @@ the operator's (`model.chat_template`, `streamd serve --chat-template`: a file, 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,9 @@ class TemplateOptions:
     add_generation_prompt: bool = True  # end with the template's opening of the assistant's turn
     continue_final_message: bool = False  # leave the last message open, for the model to continue
     add_special_tokens: bool = False  # also the tokenizer's own special tokens (e.g. BOS) around the text
+    # Extra variables for the template (vLLM's `chat_template_kwargs`, e.g. Qwen3's `enable_thinking`);
+    # never one of `apply_chat_template`'s own arguments (a request could otherwise bring its own template).
+    template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 DEFAULT_OPTIONS = TemplateOptions()
@@ -41,6 +45,7 @@ def chat_template_ids(
             or not isinstance(message.get("content"), str)
         ):
             raise RequestError(f"messages[{i}] must be an object with string 'role' and 'content'")
+    _check_template_kwargs(tokenizer, options.template_kwargs)
     try:
         ids = tokenizer.apply_chat_template(
             messages,
@@ -48,6 +53,7 @@ def chat_template_ids(
             tokenize=not options.add_special_tokens,
             add_generation_prompt=options.add_generation_prompt,
             continue_final_message=options.continue_final_message,
+            **options.template_kwargs,
         )
         if options.add_special_tokens:  # the rendered text, tokenized as a plain prompt is
             ids = tokenizer(ids, add_special_tokens=True).input_ids
@@ -65,3 +71,15 @@ def read_chat_template(spec: str) -> str:
     if any(c in spec for c in "{}\n"):
         return spec
     raise ValueError(f"model.chat_template {spec!r} is neither a readable file nor a Jinja template")
+
+
+def _check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
+    """Template variables must be names that are no argument of `apply_chat_template` (`chat_template`,
+    `tokenize`, ...), so they reach only the template."""
+    reserved = inspect.signature(tokenizer.apply_chat_template).parameters
+    for name in kwargs:
+        if not isinstance(name, str) or not name.isidentifier() or name in reserved:
+            raise RequestError(
+                f"chat_template_kwargs: {name!r} is not a template variable this server passes on",
+                "chat_template_kwargs",
+            )

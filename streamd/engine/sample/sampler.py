@@ -1,10 +1,10 @@
 """Sampler: picks the next token of every sampling row of a batch, vectorized over the batch.
 
-Owns the logits -> token step: repetition / frequency / presence penalties, min_tokens masking, greedy,
+Owns the logits -> token step: repetition / frequency / presence penalties, logit_bias, min_tokens masking, greedy,
 temperature, min-p, top-k, top-p, per-request seeds and logprobs. Everything runs on the logits' device;
 the only device -> host transfer is one `.tolist()` of the results per call.
 
-Order of processing (as vLLM): penalties -> min_tokens mask -> grammar bitmask -> [greedy rows: argmax] ->
+Order of processing (as vLLM): penalties -> logit_bias -> min_tokens mask -> grammar bitmask -> [greedy rows: argmax] ->
 temperature -> min-p -> top-k -> top-p -> sample. Logprobs are those of the model's raw distribution (log_softmax of the
 unprocessed logits).
 
@@ -140,6 +140,10 @@ class Sampler:
             if use_pres:
                 x = x - self._column([p.presence_penalty for p in params], dev) * (counts > 0).float()
 
+        if any(p.logit_bias for p in distinct):
+            x = self._biased(x, params)
+        if any(p.thinking_token_budget is not None for p in distinct):
+            x = self._force_thinking_end(x, seqs, params)
         if any(p.min_tokens for p in distinct):
             rows: list[int] = []
             cols: list[int] = []
@@ -160,6 +164,38 @@ class Sampler:
                 # torch.full, not torch.tensor(scalar, device=...): the latter is a blocking host copy.
                 x = x.index_put(index, torch.full((1,), float("-inf"), dtype=x.dtype, device=dev))
         return x
+
+    @staticmethod
+    def _biased(x: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """Adds each row's `logit_bias` (token ids within the vocabulary: checked on admission) out of place."""
+        rows: list[int] = []
+        cols: list[int] = []
+        values: list[float] = []
+        for i, p in enumerate(params):
+            for token, bias in (p.logit_bias or {}).items():
+                rows.append(i)
+                cols.append(token)
+                values.append(bias)
+        dev = x.device
+        index = (to_device(rows, torch.long, dev), to_device(cols, torch.long, dev))
+        return x.float().index_put(index, to_device(values, torch.float32, dev), accumulate=True)
+
+    @staticmethod
+    def _force_thinking_end(x: torch.Tensor, seqs: list[Sequence], params: list[SamplingParams]) -> torch.Tensor:
+        """Rows whose reasoning ran out of budget may only take the next token of its closing sequence."""
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, (s, p) in enumerate(zip(seqs, params)):
+            token = forced_thinking_token(s.output_token_ids, p)
+            if token is not None:
+                rows.append(i)
+                cols.append(token)
+        if not rows:
+            return x
+        dev = x.device
+        index = to_device(rows, torch.long, dev)
+        x = x.index_fill(0, index, float("-inf"))  # (whatever masked the token before: it is the only one)
+        return x.index_put((index, to_device(cols, torch.long, dev)), torch.zeros(len(rows), dtype=x.dtype, device=dev))
 
     @staticmethod
     def _histogram(token_lists: list[list[int]], n: int, vocab: int, dev: torch.device) -> torch.Tensor:
@@ -303,6 +339,24 @@ class Sampler:
         if len(values) == 1:
             return float(values.pop())
         return cls._column([float(getattr(p, name)) for p in params], dev)
+
+
+def forced_thinking_token(output: list[int], params: SamplingParams) -> int | None:
+    """The token a reply must take next to close its reasoning once `thinking_token_budget` output tokens
+    were spent (the budget's end: `end[k]` after `k` closing tokens), or None: within budget, closed by the
+    model itself before, or closed already. Scans the output only during the closing's few tokens."""
+    budget, end = params.thinking_token_budget, params.thinking_end_token_ids
+    if budget is None:
+        return None
+    forced = len(output) - budget
+    if not 0 <= forced < len(end) or output[budget:] != end[:forced]:
+        return None
+    return None if _contains(output[: budget + forced], end) else end[forced]
+
+
+def _contains(tokens: list[int], part: list[int]) -> bool:
+    first, size = part[0], len(part)
+    return any(tokens[i : i + size] == part for i, t in enumerate(tokens) if t == first)
 
 
 def _exponential(q: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -4,8 +4,11 @@
 `stream_options.include_usage`). Errors are OpenAI error bodies with their status codes (raised as
 ServiceError, rendered by the app's handler). A client that disconnects aborts its request: for SSE,
 Starlette cancels the body iterator; otherwise a watcher on `http.disconnect` cancels the collection.
-Unknown top-level fields are ignored (as OpenAI clients and frontends send extras); unsupported features
-that would change the answer (functions, echo, suffix, logit_bias) are refused. `logprobs` (chat: with
+Unknown top-level fields are ignored (as OpenAI clients and frontends send extras), each logged at debug
+and counted (`body_fields.note_ignored`); unsupported features that would change the answer (functions,
+suffix, echo with logprobs) are refused. `/v1/completions` takes a batch of prompts (a list of strings or
+of token-id lists): one engine request each, choices indexed prompt-major (prompt i's choice j is
+`i * n + j`, as OpenAI), usage summed; `echo` puts the prompt before each choice's text. `logprobs` (chat: with
 `top_logprobs` 0..20; completions: an integer 0..20) come in OpenAI's shapes (`logprobs.py`), streamed per
 chunk or whole. A finish reason is OpenAI's name for the engine's (`accounting.FINISH_NAMES`); a request the
 server cut (the drain) finishes "length" with an extra flag on the choice (`streamd_drained: true`).
@@ -18,6 +21,7 @@ either way the calls are returned as `tool_calls` (streamed as `delta.tool_calls
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -32,14 +36,15 @@ from starlette.responses import JSONResponse, Response
 from streamd.engine import MAX_LOGPROBS, RequestDelta, RequestStream, is_int
 from streamd.server.accounting import FinishNames, RequestAccount
 from streamd.server.auth import bearer_token
-from streamd.server.body_fields import body_flag, check_model
+from streamd.server.body_fields import body_flag, check_model, note_ignored, template_options
 from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.http.common import RouteSpec, SSEResponse, json_body, until_disconnect
 from streamd.server.logprobs import LogprobsBuilder
+from streamd.server.reasoning import ReasoningParser
 from streamd.server.services import Services
-from streamd.server.structured_api import plan_tools
+from streamd.server.structured_api import plan_tools, with_enforced_call
 from streamd.server.tool_parsers import ToolCallParser
 
 
@@ -57,12 +62,22 @@ class _Call:
     tool_format: str | None = None  # the format the replies' tool calls are parsed in (None: text)
     logprobs: LogprobsBuilder | None = None  # set when the request asked for logprobs
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice, with a tool_format
+    first_index: int = 0  # the wire index of its first choice (a batch's prompt i starts at i * n)
+    echo: str | None = None  # the prompt's text, put before each choice's text (completions' `echo`)
+    think_inside: bool | None = None  # a reasoning model's chat: whether replies start inside `<think>`
+    reasoners: dict[int, ReasoningParser] = field(default_factory=dict)  # per choice, with think_inside
 
     def parser(self, index: int) -> ToolCallParser:
         assert self.tool_format is not None
         if index not in self.parsers:
             self.parsers[index] = ToolCallParser(self.tool_format)
         return self.parsers[index]
+
+    def reasoner(self, index: int) -> ReasoningParser:
+        assert self.think_inside is not None
+        if index not in self.reasoners:
+            self.reasoners[index] = ReasoningParser(self.think_inside)
+        return self.reasoners[index]
 
     def finish(self) -> None:
         """The request is over for this call (finished, or its client left): abort if needed, count it."""
@@ -94,82 +109,148 @@ async def chat_completions(request: Request) -> Response:
     s: Services = request.app.state.services
     body = await json_body(request)
     check_model(s, body)
-    _refuse(body, functions=None, logit_bias=None)
+    _refuse(body, functions=None)
+    note_ignored(s, "chat", body, _CHAT_FIELDS)
     params = _params(body)
     params["logprobs"] = _chat_logprobs(body)
     if body.get("max_completion_tokens") is not None:
         params["max_tokens"] = body["max_completion_tokens"]
     plan = plan_tools(body.get("tools"), body.get("tool_choice"), s.tool_format)
     if plan is not None and plan.structured is not None:
-        if params.get("response_format") or params.get("structured_outputs"):
-            raise ServiceError(
-                "invalid_request",
-                "a required or named tool_choice cannot be combined with response_format or structured_outputs",
-                "tool_choice",
-            )
-        params["structured_outputs"] = plan.structured
-    ids = await s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None)
+        params = with_enforced_call(params, plan.structured)
+    options = template_options(body)
+    ids = await s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None, options)
     prepared = s.generation.prepare(ids, params, default_max_tokens=None)
-    return await _respond(request, s, body, "chat", prepared, plan.parser if plan is not None else None)
+    return await _respond(request, s, body, "chat", [prepared], plan.parser if plan is not None else None)
 
 
 async def completions(request: Request) -> Response:
     s: Services = request.app.state.services
     body = await json_body(request)
     check_model(s, body)
-    _refuse(body, echo=False, suffix=None, logit_bias=None)
+    _refuse(body, suffix=None)
+    note_ignored(s, "completion", body, _COMPLETION_FIELDS)
     best_of = body.get("best_of")
     if body.get("use_beam_search") is True and best_of is not None and body.get("beam_width") is None:
         body["beam_width"] = best_of  # vLLM's legacy beam search: best_of is the beam width
     elif best_of not in (None, 1, body.get("n", 1)):
         raise ServiceError("unsupported", "best_of must equal n (or be the beam width with use_beam_search)", "best_of")
-    prompt = body.get("prompt")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    ids = await s.generation.prompt_ids(prompt)
     params = _params(body)
     params["logprobs"] = _completion_logprobs(body)
-    prepared = s.generation.prepare(
-        ids, params, default_max_tokens=16, prompt=prompt if isinstance(prompt, str) else None, prompt_param="prompt"
-    )
-    return await _respond(request, s, body, "completion", prepared)
+    echo = body_flag(body, "echo", False)
+    if echo and params["logprobs"] is not None:
+        raise ServiceError("unsupported", "echo with logprobs is not supported (no prompt logprobs)", "echo")
+    prepared = []
+    for prompt in _prompts(body.get("prompt")):
+        ids = await s.generation.prompt_ids(prompt)
+        text = prompt if isinstance(prompt, str) else None
+        prepared.append(s.generation.prepare(ids, params, default_max_tokens=16, prompt=text, prompt_param="prompt"))
+    return await _respond(request, s, body, "completion", prepared, echo=echo)
+
+
+def _prompts(prompt: Any) -> list[Any]:
+    """Completions' `prompt`: one (a string or token ids) or a batch (a list of strings or of token-id lists)."""
+    if not isinstance(prompt, list) or not prompt or not all(isinstance(p, (str, list)) for p in prompt):
+        return [prompt]  # one prompt (`prompt_ids` refuses what is none)
+    if len(prompt) > MAX_PROMPTS:
+        raise ServiceError(
+            "invalid_request", f"a batch may hold at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt"
+        )
+    return prompt
 
 
 async def _respond(
-    request: Request, s: Services, body: dict[str, Any], kind: str, prepared: Prepared, tool_format: str | None = None
+    request: Request,
+    s: Services,
+    body: dict[str, Any],
+    kind: str,
+    prepared: list[Prepared],
+    tool_format: str | None = None,
+    *,
+    echo: bool = False,
 ) -> Response:
+    """Submits the call's requests (one per prompt) and answers them as one response, SSE or JSON."""
     stream_flag = body_flag(body, "stream", False)
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):
         raise ServiceError("invalid_request", f"stream_options must be an object, got {options!r}", "stream_options")
-    prefix = "chatcmpl-" if kind == "chat" else "cmpl-"
+    call_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     key = bearer_token(request.headers.get("authorization"))
-    account, stream = await s.generation.submit(prepared, kind, api_key=key)
-    assert stream is not None
-    top = prepared.params.logprobs
-    logprobs = None if top is None else LogprobsBuilder(s.token_texts, kind, top, prepared.params.n)
-    call = _Call(
-        kind,
-        prefix + uuid.uuid4().hex,
-        s.model_name,
-        int(time.time()),
-        prepared,
-        stream,
-        account,
-        tool_format,
-        logprobs,
-    )
-    structlog.contextvars.bind_contextvars(request_id=call.id)
-    if stream_flag:
-        first: RequestDelta | None = None
-        if prepared.params.queue_timeout_s is not None:  # a queue timeout must still be able to answer 503
-            answer = await until_disconnect(request, _first_delta(call))
-            if isinstance(answer, Response):
-                call.finish()
-                return answer
-            first = answer
-        return SSEResponse(_sse(call, bool((options or {}).get("include_usage")), first), call.finish)
-    return await until_disconnect(request, _collect(call))
+    calls = await _start_all(s, kind, call_id, prepared, tool_format, echo, key)
+    structlog.contextvars.bind_contextvars(request_id=call_id)
+    if not stream_flag:
+        return await until_disconnect(request, _collect_all(calls))
+    firsts: list[RequestDelta | None] = [None] * len(calls)
+    if calls[0].prepared.params.queue_timeout_s is not None:  # a queue timeout must still be able to answer 503
+        try:
+            answer = await until_disconnect(request, asyncio.gather(*(_first_delta(c) for c in calls)))
+        except BaseException:  # one request timed out in the queue: the whole call answers 503
+            _finish_all(calls)
+            raise
+        if isinstance(answer, Response):
+            _finish_all(calls)
+            return answer
+        firsts = list(answer)
+    include_usage = bool((options or {}).get("include_usage"))
+    if len(calls) == 1:
+        return SSEResponse(_sse(calls[0], include_usage, firsts[0]), calls[0].finish)
+    parts = [_sse(c, include_usage, f, last=False) for c, f in zip(calls, firsts)]
+    return SSEResponse(_batch_sse(calls, parts, include_usage), lambda: _finish_all(calls))
+
+
+async def _start_all(
+    s: Services,
+    kind: str,
+    call_id: str,
+    prepared: list[Prepared],
+    tool_format: str | None,
+    echo: bool,
+    api_key: str | None,
+) -> list[_Call]:
+    """Submits every prompt's request (`api_key`: whose compile slots a grammar takes); a refusal of one lets
+    go of those already submitted."""
+    calls: list[_Call] = []
+    try:
+        for i, one in enumerate(prepared):
+            account, stream = await s.generation.submit(one, kind, api_key=api_key)
+            assert stream is not None
+            top = one.params.logprobs
+            logprobs = None if top is None else LogprobsBuilder(s.token_texts, kind, top, one.params.n)
+            text = _echo_text(s, one) if echo else None
+            think = s.generation.think
+            inside = think.starts_inside(one.prompt_token_ids) if think is not None and kind == "chat" else None
+            created = int(time.time())
+            calls.append(
+                _Call(
+                    kind,
+                    call_id,
+                    s.model_name,
+                    created,
+                    one,
+                    stream,
+                    account,
+                    tool_format,
+                    logprobs,
+                    first_index=i * one.params.n,
+                    echo=text,
+                    think_inside=inside,
+                )
+            )
+    except BaseException:
+        _finish_all(calls)
+        raise
+    return calls
+
+
+def _echo_text(s: Services, prepared: Prepared) -> str:
+    if prepared.prompt is not None:
+        return prepared.prompt
+    return str(s.engine.tokenizer.decode(prepared.prompt_token_ids))
+
+
+def _finish_all(calls: list[_Call]) -> None:
+    for call in calls:
+        call.finish()
 
 
 async def _first_delta(call: _Call) -> RequestDelta:
@@ -191,9 +272,12 @@ async def _deltas(call: _Call, first: RequestDelta | None) -> AsyncIterator[Requ
         yield delta
 
 
-async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = None) -> AsyncIterator[bytes]:
+async def _sse(
+    call: _Call, include_usage: bool, first: RequestDelta | None = None, *, last: bool = True
+) -> AsyncIterator[bytes]:
     """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end.
-    The chunks of one delta go out in one write, and so do the closing ones."""
+    The chunks of one delta go out in one write, and so do the closing ones. `last`: this call ends the
+    response (its usage chunk and `[DONE]`; a batch's calls leave them to `_batch_sse`)."""
     extra = {"usage": None} if include_usage else {}
     account = call.account
     if call.kind == "chat":
@@ -201,6 +285,8 @@ async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = No
             _data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra)).encode()
             for index in range(account.num_choices)
         )
+    if call.echo:
+        yield b"".join(_data(_chunk(call, i, call.echo, None, extra)).encode() for i in range(account.num_choices))
     texts = TextEvents(call, extra)
     async for delta in _deltas(call, first):
         events = []
@@ -209,7 +295,9 @@ async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = No
                 call.logprobs.add(choice)
             if not choice.text:
                 continue
-            if call.tool_format is not None:
+            if call.think_inside is not None:
+                events += _reasoned(call, texts, choice.index, choice.text, final=False)
+            elif call.tool_format is not None:
                 events += _parsed(call, texts, choice.index, choice.text, final=False)
             elif call.logprobs is None:
                 events.append(texts.event(choice.index, choice.text))
@@ -222,13 +310,61 @@ async def _sse(call: _Call, include_usage: bool, first: RequestDelta | None = No
         tail.append(_data(ServiceError("internal_error", account.error).openai_body()).encode())
     else:
         for index, finish in enumerate(account.choice_finishes()):
-            if call.tool_format is not None:  # what was held back (text that might have become a call)
+            if call.think_inside is not None:  # what was held back (part of a tag, text that might be a call)
+                tail += _reasoned(call, texts, index, "", final=True)
+            elif call.tool_format is not None:  # what was held back (text that might have become a call)
                 tail += _parsed(call, texts, index, "", final=True)
             tail.append(_data(_chunk(call, index, _piece(call, ""), finish, extra)).encode())
-    if include_usage:
+    if include_usage and last:
         tail.append(_data({**_envelope(call), "choices": [], "usage": account.usage()}).encode())
-    tail.append(b"data: [DONE]\n\n")
+    if last:
+        tail.append(b"data: [DONE]\n\n")
     yield b"".join(tail)
+
+
+async def _batch_sse(
+    calls: list[_Call], parts: list[AsyncIterator[bytes]], include_usage: bool
+) -> AsyncIterator[bytes]:
+    """A batch's chunks as its requests produce them (at most one pending write per request), then the
+    summed usage and `[DONE]`."""
+    queue: asyncio.Queue[bytes | None] = asyncio.Queue(maxsize=len(parts))
+
+    async def pump(part: AsyncIterator[bytes]) -> None:
+        try:
+            async for chunk in part:
+                await queue.put(chunk)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(part)) for part in parts]
+    try:
+        running = len(tasks)
+        while running:
+            chunk = await queue.get()
+            running -= chunk is None
+            if chunk is not None:
+                yield chunk
+        for task in tasks:
+            task.result()  # a request's failure surfaces here
+    finally:
+        for task in tasks:
+            task.cancel()
+    tail = [_data({**_envelope(calls[0]), "choices": [], "usage": _usage(calls)}).encode()] if include_usage else []
+    yield b"".join([*tail, b"data: [DONE]\n\n"])
+
+
+def _usage(calls: list[_Call]) -> dict[str, Any]:
+    """The calls' usage, summed (a batch's)."""
+    total: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
+    cached = 0
+    for call in calls:
+        usage = call.account.usage()
+        for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
+            total[name] += usage[name]
+        cached += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+    if cached:
+        total["prompt_tokens_details"] = {"cached_tokens": cached}
+    return total
 
 
 class TextEvents:
@@ -257,7 +393,17 @@ class TextEvents:
         return _data(_chunk(self.call, index, _piece(self.call, text), None, self.extra)).encode()
 
 
-async def _collect(call: _Call) -> Response:
+async def _collect_all(calls: list[_Call]) -> Response:
+    """Every request's choices (in wire-index order) and the summed usage, as one JSON answer."""
+    try:
+        choices = await asyncio.gather(*(_collect(call) for call in calls))
+    finally:
+        _finish_all(calls)  # a failed request's siblings are aborted, not left to run
+    body = {**_envelope(calls[0], final=True), "choices": [c for one in choices for c in one], "usage": _usage(calls)}
+    return JSONResponse(body)
+
+
+async def _collect(call: _Call) -> list[dict[str, Any]]:
     account = call.account
     texts: list[list[str]] = [[] for _ in range(account.num_choices)]
     try:
@@ -274,21 +420,27 @@ async def _collect(call: _Call) -> Response:
         raise queue_timed_out()
     choices = []
     for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
-        content = "".join(pieces)
+        content = (call.echo or "") + "".join(pieces)
+        reasoning = None
+        if call.think_inside is not None:
+            content = call.reasoner(index).feed(content, final=True).content
+            reasoning = call.reasoner(index).reasoning_text
         if call.tool_format is not None:
             call.parser(index).feed(content, final=True)
         logprobs = call.logprobs.take(index) if call.logprobs is not None else None
         ending = _ending(call, index, finish)
         if call.kind != "chat":
-            choices.append({"index": index, "text": content, "logprobs": logprobs, **ending})
+            choices.append({"index": call.first_index + index, "text": content, "logprobs": logprobs, **ending})
             continue
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if call.tool_format is not None:
             reply = call.parser(index).result()
             if reply.tool_calls:
                 message = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
-        choices.append({"index": index, "message": message, "logprobs": logprobs, **ending})
-    return JSONResponse({**_envelope(call, final=True), "choices": choices, "usage": account.usage()})
+        if reasoning is not None:
+            message["reasoning_content"] = reasoning
+        choices.append({"index": call.first_index + index, "message": message, "logprobs": logprobs, **ending})
+    return choices
 
 
 def _ending(call: _Call, index: int, finish: FinishNames) -> dict[str, Any]:
@@ -298,6 +450,22 @@ def _ending(call: _Call, index: int, finish: FinishNames) -> dict[str, Any]:
     if call.tool_format is not None and reason == "stop" and call.parser(index).called:
         reason = "tool_calls"
     return {"finish_reason": reason, **({finish.flag: True} if finish.flag else {})}
+
+
+def _reasoned(call: _Call, texts: TextEvents, index: int, text: str, final: bool) -> list[bytes]:
+    """A reasoning model's new text: its reasoning as `reasoning_content` chunks, the rest as content (through
+    the tool-call parser when there is one)."""
+    split = call.reasoner(index).feed(text, final)
+    events = []
+    if split.reasoning:
+        events.append(_data(_chunk(call, index, {"reasoning_content": split.reasoning}, None, texts.extra)).encode())
+    if call.tool_format is not None:
+        return events + _parsed(call, texts, index, split.content, final)
+    if split.content and call.logprobs is None:
+        events.append(texts.event(index, split.content))
+    elif split.content:
+        events.append(_data(_chunk(call, index, _piece(call, split.content), None, texts.extra)).encode())
+    return events
 
 
 def _parsed(call: _Call, texts: TextEvents, index: int, text: str, final: bool) -> list[bytes]:
@@ -329,10 +497,11 @@ def _chunk(call: _Call, index: int, piece: Any, finish: FinishNames | None, extr
     builder = call.logprobs
     logprobs = builder.take(index) if builder is not None and builder.has_pending(index) else None
     ending = {"finish_reason": None} if finish is None else _ending(call, index, finish)
+    wire_index = call.first_index + index
     if call.kind == "chat":
-        choice = {"index": index, "delta": piece if finish is None else {}, "logprobs": logprobs, **ending}
+        choice = {"index": wire_index, "delta": piece if finish is None else {}, "logprobs": logprobs, **ending}
     else:
-        choice = {"index": index, "text": piece, "logprobs": logprobs, **ending}
+        choice = {"index": wire_index, "text": piece, "logprobs": logprobs, **ending}
     return {**_envelope(call), "choices": [choice], **extra}
 
 
@@ -373,6 +542,36 @@ def _completion_logprobs(body: dict[str, Any]) -> int | None:
             "invalid_request", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}", "logprobs"
         )
     return top
+
+
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch (each is an engine request of n sequences)
+# The top-level fields each route reads (the rest is ignored: `note_ignored`).
+_CHAT_FIELDS = WIRE_PARAMS | {
+    "messages",
+    "model",
+    "stream",
+    "stream_options",
+    "tools",
+    "tool_choice",
+    "max_completion_tokens",
+    "top_logprobs",
+    "logprobs",
+    "functions",
+    "chat_template_kwargs",
+    "add_generation_prompt",
+    "continue_final_message",
+    "add_special_tokens",
+}
+_COMPLETION_FIELDS = WIRE_PARAMS | {
+    "prompt",
+    "model",
+    "stream",
+    "stream_options",
+    "echo",
+    "suffix",
+    "best_of",
+    "logprobs",
+}
 
 
 def make_routes() -> list[RouteSpec]:

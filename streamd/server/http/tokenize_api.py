@@ -18,8 +18,8 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from streamd.engine import TemplateOptions, is_int
-from streamd.server.body_fields import body_flag, check_model
+from streamd.engine import is_int
+from streamd.server.body_fields import body_flag, check_model, template_options
 from streamd.server.errors import ServiceError
 from streamd.server.http.common import RouteSpec, json_body
 from streamd.server.services import Services
@@ -38,7 +38,7 @@ async def tokenize(request: Request) -> Response:
             raise ServiceError("invalid_request", "prompt must be a string", "prompt")
         ids = await s.generation.prompt_ids(body["prompt"], body_flag(body, "add_special_tokens", True))
     else:
-        ids = await s.generation.messages_ids(body["messages"], _tools(body), _template_options(body))
+        ids = await s.generation.messages_ids(body["messages"], _tools(body), template_options(body))
     answer: dict[str, Any] = {
         "count": len(ids),
         "max_model_len": s.engine.max_model_len,
@@ -59,21 +59,6 @@ async def detokenize(request: Request) -> Response:
         raise ServiceError("invalid_request", f"tokens must be a list of token ids in [0, {vocab})", "tokens")
     s.generation.check_chars(len(tokens), "tokens")
     return JSONResponse({"prompt": await s.generation.tokenizing.run(lambda t: t.decode(tokens), len(tokens))})
-
-
-def _template_options(body: dict[str, Any]) -> TemplateOptions:
-    options = TemplateOptions(
-        body_flag(body, "add_generation_prompt", True),
-        body_flag(body, "continue_final_message", False),
-        body_flag(body, "add_special_tokens", False),
-    )
-    if options.add_generation_prompt and options.continue_final_message:
-        raise ServiceError(
-            "invalid_request",
-            "add_generation_prompt and continue_final_message cannot both be true",
-            "continue_final_message",
-        )
-    return options
 
 
 def _tools(body: dict[str, Any]) -> list[dict[str, Any]] | None:

@@ -1,6 +1,7 @@
 """The WebSocket protocol: parsing client frames, building server frames, encoding messages.
 
-Client: `{"type":"generate","id":ID,"prompt":TEXT|"messages":[...],"params":{...}}`,
+Client: `{"type":"generate","id":ID,"prompt":TEXT|"messages":[...],"params":{...}}` (with messages also
+OpenAI function `tools` and `tool_choice`: the reply's calls then come as `tool_calls` on its delta frames),
 `{"type":"cancel","id":ID}`, `{"type":"resume","id":ID,"resume_token":T,"after_seq":K}`,
 `{"type":"ack","id":ID,"resume_token":T}` (its `done` arrived: nothing to keep for a resume). Server: `start`
 (with a `resume_token` when resumable), `delta` (seq from 0 per id), `done` (finish_reason, usage;
@@ -39,6 +40,8 @@ class Generate:
     prompt: str | list[int] | None = None
     messages: list[Any] | None = None
     params: dict[str, Any] = field(default_factory=dict)
+    tools: Any = None  # OpenAI function tools (with messages only)
+    tool_choice: Any = None
 
 
 @dataclass(slots=True)
@@ -105,7 +108,7 @@ def parse_frame(text: str) -> Generate | Cancel | Resume | Ack | SubscribeStats 
             "unsubscribe_stats",
             frame_id,
         )
-    unknown = sorted(set(frame) - {"type", "id", "prompt", "messages", "params"})
+    unknown = sorted(set(frame) - {"type", "id", "prompt", "messages", "params", "tools", "tool_choice"})
     if unknown:
         raise ServiceError("invalid_request", f"unknown field {unknown[0]!r}", frame_id)
     has_prompt, has_messages = frame.get("prompt") is not None, frame.get("messages") is not None
@@ -115,7 +118,11 @@ def parse_frame(text: str) -> Generate | Cancel | Resume | Ack | SubscribeStats 
     params = {} if params is None else params
     if not isinstance(params, dict):
         raise ServiceError("invalid_request", "params must be an object", frame_id)
-    return Generate(frame_id, frame.get("prompt"), frame.get("messages"), params)
+    if not has_messages and (frame.get("tools") is not None or frame.get("tool_choice") is not None):
+        raise ServiceError("invalid_request", "tools and tool_choice need messages", frame_id)
+    return Generate(
+        frame_id, frame.get("prompt"), frame.get("messages"), params, frame.get("tools"), frame.get("tool_choice")
+    )
 
 
 def check_id(value: Any, name: str, param: str | None) -> str:
@@ -142,10 +149,15 @@ def delta_frame(
     token_ids: list[int],
     index: int,
     logprobs: list[dict[int, float]] | None = None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> Frame:
+    """A choice's new tokens and text (with tools: its content, the calls' text withheld) and, with tools,
+    OpenAI tool-call deltas (`tool_calls`: the first of a call with its id and name, then argument pieces)."""
     frame: Frame = {"type": "delta", "id": request_id, "seq": seq, "text": text, "token_ids": token_ids, "index": index}
     if logprobs is not None:
         frame["logprobs"] = logprobs  # the int token ids become string keys
+    if tool_calls:
+        frame["tool_calls"] = tool_calls
     return frame
 
 

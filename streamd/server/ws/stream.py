@@ -29,6 +29,8 @@ from streamd.server.accounting import RequestAccount
 from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import Prepared
 from streamd.server.services import Services
+from streamd.server.structured_api import plan_tools, with_enforced_call
+from streamd.server.tool_parsers import ToolCallParser
 from streamd.server.ws import protocol
 from streamd.server.ws.resume import Retention
 from streamd.server.ws.socket import SocketConnection, accept
@@ -63,6 +65,9 @@ class WsRequest:
         "seq",
         "start_sent",
         "task",
+        "tool_format",
+        "tool_parsers",
+        "tools_flushed",
     )
 
     def __init__(self, client_id: str, connection: Connection) -> None:
@@ -79,6 +84,9 @@ class WsRequest:
         self.start_sent = False
         self.cancel_requested = False
         self.finished = False  # its done frame is built (the account closes once it is sent)
+        self.tool_format: str | None = None  # with tools: the format its replies' calls are parsed in
+        self.tool_parsers: dict[int, ToolCallParser] = {}  # per choice, with a tool_format
+        self.tools_flushed: set[int] = set()  # choices whose parser had its final feed
 
     def put(self, delta: RequestDelta) -> None:
         """DeltaSink: merge, and tell the writer (or, detached, retain the frames now)."""
@@ -123,14 +131,16 @@ class WsRequest:
         account.absorb(delta)
         built = []
         for choice in delta.outputs:
-            if choice.text or choice.token_ids:
+            text, calls = self._parsed(choice.index, choice.text, choice.finish_reason is not None)
+            if text or choice.token_ids or calls:
                 built.append(
                     protocol.delta_frame(
-                        self.client_id, self.seq, choice.text, choice.token_ids, choice.index, choice.logprobs
+                        self.client_id, self.seq, text, choice.token_ids, choice.index, choice.logprobs, calls
                     )
                 )
                 self.seq += 1
         if delta.finished:
+            built += self._flush_tools()
             if delta.error is not None:
                 built.append(protocol.error_frame(self.client_id, ServiceError("internal_error", delta.error)))
             if account.overloaded:
@@ -138,9 +148,9 @@ class WsRequest:
             built.append(
                 protocol.done_frame(
                     self.client_id,
-                    account.finish.wire,
+                    self._finish_name(0, account.finish.wire),
                     account.usage(),
-                    [finish.wire for finish in account.choice_finishes()],
+                    [self._finish_name(i, finish.wire) for i, finish in enumerate(account.choice_finishes())],
                     account.drained,
                 )
             )
@@ -151,6 +161,34 @@ class WsRequest:
             self._retain(built)
         frames.extend(built)
         return frames
+
+    def _parsed(self, index: int, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
+        """A choice's new text as (content, tool-call deltas): through its tool-call parser when the request
+        has tools (the text a call is made of is withheld; `final` releases what was held back)."""
+        if self.tool_format is None:
+            return text, []
+        parser = self.tool_parsers.get(index)
+        if parser is None:
+            parser = self.tool_parsers[index] = ToolCallParser(self.tool_format)
+        out = parser.feed(text, final)
+        if final:
+            self.tools_flushed.add(index)
+        return out.content, out.tool_calls
+
+    def _flush_tools(self) -> list[protocol.Frame]:
+        """At the end: what choices that ended without a last delta of their own still held back."""
+        frames = []
+        for index in sorted(set(self.tool_parsers) - self.tools_flushed):
+            text, calls = self._parsed(index, "", True)
+            if text or calls:
+                frames.append(protocol.delta_frame(self.client_id, self.seq, text, [], index, None, calls))
+                self.seq += 1
+        return frames
+
+    def _finish_name(self, index: int, wire: str) -> str:
+        """ "tool_calls" for a choice that stopped with a complete call, else the finish's wire name."""
+        parser = self.tool_parsers.get(index)
+        return "tool_calls" if wire == "stop" and parser is not None and parser.called else wire
 
     def _retain(self, built: list[protocol.Frame]) -> None:
         """Keeps the frames for a resume; past a bound the request is aborted with an error saying so."""
@@ -331,20 +369,22 @@ class Connection(SocketConnection):
                 f"(limit {self.services.config.max_requests_per_connection})",
             )
 
-    async def _prepare(self, frame: protocol.Generate) -> Prepared:
-        """Tokenizes (off the loop when long) and checks a generate frame; raises ServiceError."""
-        gen = self.services.generation
+    async def _prepare(self, request: WsRequest, frame: protocol.Generate) -> Prepared:
+        """Tokenizes (off the loop when long) and checks a generate frame; raises ServiceError. Tools go
+        through the OpenAI routes' `plan_tools`: the request's `tool_format` says how its calls are read."""
+        gen, params = self.services.generation, frame.params
         if frame.messages is not None:
-            ids, prompt, param = await gen.messages_ids(frame.messages), None, "messages"
+            plan = plan_tools(frame.tools, frame.tool_choice, self.services.tool_format)
+            if plan is not None and plan.structured is not None:
+                params = with_enforced_call(params, plan.structured)
+            request.tool_format = plan.parser if plan is not None else None
+            tools = plan.tools if plan is not None else None
+            ids, prompt, param = await gen.messages_ids(frame.messages, tools), None, "messages"
         else:
             ids = await gen.prompt_ids(frame.prompt)
             prompt, param = (frame.prompt if isinstance(frame.prompt, str) else None), "prompt"
         return gen.prepare(
-            ids,
-            frame.params,
-            default_max_tokens=self.services.config.default_max_tokens,
-            prompt=prompt,
-            prompt_param=param,
+            ids, params, default_max_tokens=self.services.config.default_max_tokens, prompt=prompt, prompt_param=param
         )
 
     def _resume(self, frame: protocol.Resume) -> None:
@@ -385,7 +425,7 @@ class Connection(SocketConnection):
         gen = self.services.generation
         try:
             try:
-                request.prepared = await self._prepare(frame)
+                request.prepared = await self._prepare(request, frame)
             except asyncio.CancelledError:
                 gen.count_cancelled("ws")  # the socket went away while it was tokenized
                 raise

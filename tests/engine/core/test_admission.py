@@ -4,6 +4,7 @@ set of messages, shared by the server (lengths and its width cap) and the engine
 from __future__ import annotations
 
 import pickle
+import re
 
 import pytest
 
@@ -76,3 +77,14 @@ def test_prompt_and_parameter_messages() -> None:
 def test_a_refusal_crosses_processes_with_its_field() -> None:
     error = pickle.loads(pickle.dumps(_refusal(ENGINE, 90, max_tokens=11)))
     assert type(error) is ContextLengthError and error.param == "max_tokens" and "plus max_tokens" in str(error)
+
+
+def test_logit_bias_is_checked_against_the_vocabulary_and_openais_range() -> None:
+    from streamd.engine.core.admission import MAX_LOGIT_BIAS
+
+    Admission.check_logit_bias(SamplingParams(logit_bias={"0": -100, "99": 100}), vocab_size=100)
+    too_many = {str(i): 1 for i in range(MAX_LOGIT_BIAS + 1)}
+    for bias, needle in (({"100": 1}, "not in [0, 100)"), ({"5": 100.5}, "[-100, 100]"), (too_many, "at most")):
+        with pytest.raises(RequestError, match=re.escape(needle)) as caught:
+            Admission.check_logit_bias(SamplingParams(logit_bias=bias), vocab_size=100)
+        assert caught.value.param == "logit_bias"

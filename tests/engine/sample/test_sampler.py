@@ -359,3 +359,47 @@ def test_distributions_on_cuda() -> None:
     assert abs(_freqs(out.token_ids[1::2], 8)[1] - 0.75) < 0.04
     top = sampler(torch.tensor([row] * 64, device=dev), [_seq()] * 64, [SamplingParams(top_k=1)] * 64)
     assert set(top.token_ids) == {1}
+
+
+def test_logit_bias_adds_per_row_and_keeps_the_callers_logits(sampler) -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0, 0.0, 0.0, 0.0, 0.0]] * 2)
+    before = logits.clone()
+    params = [SamplingParams(temperature=0.0, logit_bias={"3": -100}), SamplingParams(temperature=0.0,
+                                                                                        logit_bias={5: 100})]
+    assert sampler(logits, [_seq(), _seq()], params).token_ids == [2, 5]
+    assert torch.equal(logits, before)
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={"-1": 1})
+    with pytest.raises(ValueError, match="logit_bias"):
+        SamplingParams(logit_bias={1: float("nan")})
+
+
+END = [6, 7]  # a two-token `</think>`
+
+
+def _budget(budget: int) -> SamplingParams:
+    return SamplingParams(temperature=1.0, thinking_token_budget=budget, thinking_end_token_ids=END)
+
+
+@pytest.mark.parametrize("output, forced", [
+    ([1, 2], None),  # within budget
+    ([1, 2, 3], 6),  # budget spent: the closing sequence's first token
+    ([1, 2, 3, 6], 7),  # then its next
+    ([1, 2, 3, 6, 7], None),  # closed
+    ([1, 6, 7], None),  # the model closed it itself before the budget
+    ([1, 6, 7, 4, 6], None),  # ... and went on
+    ([1, 2, 3, 5], None),  # something else after the budget (cannot happen while forcing): left alone
+])
+def test_forced_thinking_token(output: list[int], forced: int | None) -> None:
+    from streamd.engine.sample.sampler import forced_thinking_token
+
+    assert forced_thinking_token(output, _budget(3)) == forced
+
+
+def test_the_budget_forces_the_closing_tokens_whatever_the_logits(sampler) -> None:
+    logits = torch.tensor([[9.0, 9.0, 9.0, 9.0, 9.0, 9.0, -50.0, -50.0]] * 3)
+    seqs = [_seq(output=(1, 2)), _seq(output=(1, 2, 3)), _seq(output=(1, 2, 3, 6))]
+    assert sampler(logits, seqs, [_budget(3)] * 3).token_ids[1:] == [6, 7]
+    with pytest.raises(ValueError, match="thinking_end_token_ids"):
+        SamplingParams(thinking_token_budget=3)
+    assert _budget(3).needs_host_tokens
