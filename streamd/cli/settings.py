@@ -75,12 +75,13 @@ NO_EFFECT: dict[str, str] = {
     "built-in architectures",
     "--enable-auto-tool-choice": "tool calls are parsed whenever the chat template has a known tool format",
     "--tool-call-parser": "the tool-call format is read from the chat template",
+    "--reasoning-parser": "the <think> reasoning format is read from the chat template",
     "--enable-chunked-prefill": "prefills are always chunked",
     "--disable-log-requests": "requests are logged without their prompts (one request_done line each)",
     "--disable-uvicorn-access-log": "the access log is always off",
 }
 
-_TAKES_VALUE = frozenset({"--tool-call-parser"})
+_TAKES_VALUE = frozenset({"--tool-call-parser", "--reasoning-parser"})
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:

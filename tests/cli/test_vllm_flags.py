@@ -17,7 +17,8 @@ from tests.cli.test_cli import assert_one_line_error, streamd
 VLLM_LINE = ("serve Qwen/Qwen2.5-0.5B-Instruct --max-model-len 8192 -tp 2 --api-key K --served-model-name a b "
              "--gpu-memory-utilization 0.85 --dtype bfloat16 --chat-template T --enable-prefix-caching "
              "--host 0.0.0.0 --port 9000 --max-num-seqs 64 --max-num-batched-tokens 4096 --block-size 32 "
-             "--swap-space 2 --seed 7 --enforce-eager --trust-remote-code --uvicorn-log-level warning")
+             "--swap-space 2 --seed 7 --enforce-eager --trust-remote-code --uvicorn-log-level warning "
+             "--reasoning-parser deepseek_r1")
 
 
 def parse(line: str) -> tuple[argparse.Namespace, Config]:

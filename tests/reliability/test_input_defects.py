@@ -70,6 +70,7 @@ async def test_dns_rebinding_hosts_are_refused_without_api_keys(rserver: Server)
     assert "attacker.example" in answer.json()["error"]["message"]
     async with httpx.AsyncClient(base_url=rserver.http, timeout=120) as http:
         assert (await http.get("/v1/models", headers={"host": evil})).status_code == 400
+        assert (await http.get("/health", headers={"host": evil})).status_code == 200  # probes by pod address
     assert await _handshake_status(rserver, evil, f"http://{evil}") == 400
     for good in (f"127.0.0.1:{rserver.port}", f"localhost:{rserver.port}"):  # loopback pages stay same-origin
         assert (await _post_as(rserver, good, f"http://{good}")).status_code == 200

@@ -1,7 +1,8 @@
 """HTTP request guard (an ASGI middleware): what may reach a route handler at all.
 
 - a request whose Host the Host allowlist does not serve (hosts.py: DNS rebinding) gets 400, whatever its
-  method;
+  method, except the liveness probes `/health` and `/ready` (they say only whether the server is up, and
+  orchestrators probe them by a pod's address);
 - a browser request (it carries an Origin) from an Origin the policy refuses (auth.py) gets 403, so a
   page a local user visits cannot drive the server with a cross-origin "simple" POST;
 - a POST that declares a Content-Type other than `application/json` gets 415 (text/plain and form bodies
@@ -21,6 +22,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from streamd.server.auth import Authenticator
 from streamd.server.errors import ServiceError, error_response
 
+PROBE_PATHS = frozenset({"/health", "/ready"})  # served whatever the Host (no secret, no side effect)
+
 
 class HttpGuard:
     def __init__(self, app: ASGIApp, auth: Authenticator, max_body_bytes: int) -> None:
@@ -33,7 +36,7 @@ class HttpGuard:
             await self.app(scope, receive, send)
             return
         headers = Headers(scope=scope)
-        error = self._refusal(scope["method"], headers)
+        error = self._refusal(scope["method"], scope["path"], headers)
         if error is None and scope["method"] == "POST":
             body, error = await self._read_body(receive)
             if error is None:
@@ -43,8 +46,10 @@ class HttpGuard:
             return
         await self.app(scope, receive, send)
 
-    def _refusal(self, method: str, headers: Headers) -> ServiceError | None:
-        host_refusal = self.auth.hosts.refusal(headers.get("host")) if self.auth.hosts is not None else None
+    def _refusal(self, method: str, path: str, headers: Headers) -> ServiceError | None:
+        host_refusal = None
+        if self.auth.hosts is not None and path not in PROBE_PATHS:
+            host_refusal = self.auth.hosts.refusal(headers.get("host"))
         if host_refusal is not None or method != "POST":
             return host_refusal
         if not self.auth.origin_ok(headers.get("origin"), headers.get("host")):
