@@ -11,6 +11,12 @@ layers without the head, as their eager step) with the row-parallel all-reduces 
 collectives issued on the capturing stream are captured; NCCL >= 2.9). The ranks capture together, size by
 size (each size's warm-up forward runs the all-reduces), and `agree` tells whether every rank captured a
 size: if one did not, all drop their graphs and run eagerly, so replays always pair up across the ranks.
+
+A graph that captured NCCL kernels holds a reference on their communicator: NCCL destroys (or aborts) a
+communicator only once every such graph is gone, and waits for that without limit. So every rank `release`s
+its graphs before its process groups go (`workers.close_group`); left to the garbage collector, the
+group's destructor ran first whenever the model outlived the runner (the CUDA test kept `runner.graphs`),
+and its abort hung the process for good (torch's destructor joins the abort thread after its timeout).
 """
 
 from __future__ import annotations
@@ -128,6 +134,18 @@ class DecodeGraphs:
             set_attention_metadata(None)
         self.graphs[n] = graph
         return True
+
+    def release(self) -> None:
+        """Destroys the graphs now (their memory and, under tensor parallelism, their hold on the NCCL
+        communicator); `replays` stays readable. Called before the process groups are shut down."""
+        if not self.graphs:
+            return
+        torch.cuda.synchronize()  # no replay still running
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.logits.clear()
+        torch.cuda.synchronize()  # the graphs' destructors (NCCL's persistent plans) have run
 
     def size_for(self, num_seqs: int) -> int:
         """The captured size that runs a batch of `num_seqs` decodes."""

@@ -100,6 +100,13 @@ class ModelRunner:
         self.graphs = graphs if captured else None
         return captured
 
+    def release_graphs(self) -> None:
+        """Destroys the decode graphs (decode runs eagerly after this); before a tensor-parallel rank
+        shuts down its process groups (`DecodeGraphs.release`)."""
+        graphs, self.graphs = self.graphs, None
+        if graphs is not None:
+            graphs.release()
+
     def graph_size(self, batch: ModelInput) -> int:
         """The captured decode graph that runs `batch` (0: none, run eagerly). A graph computes logits for
         every row, so it serves only batches in which every row samples."""

@@ -18,6 +18,7 @@ from streamd import LLM, SamplingParams
 from streamd.config import ConfigError, load_config
 from streamd.engine.worker.fusion import FusedDecoder
 from streamd.engine.worker.model_runner import ModelInput
+from streamd.engine.worker.parallel import executor as executor_module
 from streamd.engine.worker.parallel.step_message import (
     CacheOrder,
     Command,
@@ -147,3 +148,41 @@ def test_a_worker_fuses_its_shard_as_rank_0_does(tmp_path: Path) -> None:
     runner = _load_shard(WorkerArgs(1, 2, 0, config, None), groups, torch.device("cpu"))
     assert isinstance(runner.model.model, FusedDecoder)
     assert runner.model.model.layers[0].qkv_proj.weight.shape[0] == (4 + 2 * 1) * 16  # its 4 q heads, 1 k, 1 v
+
+
+def test_shutdown_releases_rank_0_graphs_before_its_groups(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA test hung after its TP=2 run: it kept `runner.graphs` (whose model holds the NCCL group) past
+    `executor.shutdown()`, so the group died in its destructor while graphs with captured all-reduces were
+    alive, and NCCL's abort waits for those graphs forever. Shutdown now releases the graphs, then closes the
+    groups explicitly, in that order; the worker does the same on SHUTDOWN and exits on its own."""
+    path = save_random_model("llama", tmp_path / "llama")
+    llm = LLM(str(path), tensor_parallel_size=2, **_engine_args("recompute"))
+    engine = llm.engine
+    prompts = _prompts()[:2]
+    for i, ids in enumerate(prompts):
+        engine.add_request(f"r{i}", ids, SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True,
+                                                        detokenize=False))
+    while engine.has_unfinished_requests():
+        engine.step()
+    events: list[str] = []
+
+    class Graphs:  # rank 0's decode graphs (no CUDA here): what the order of teardown is about
+        replays = 0
+
+        def release(self) -> None:
+            events.append("graphs released")
+
+    held = engine.runner.graphs = Graphs()  # type: ignore[assignment]  # held, as the CUDA test holds them
+    real_close = getattr(executor_module, "close_group", None)
+
+    def close_group(group: object, name: str, graceful: bool = True) -> None:
+        events.append(f"{name} closed" if graceful else f"{name} aborted")
+        if real_close is not None:
+            real_close(group, name, graceful)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(executor_module, "close_group", close_group, raising=False)
+    engine.executor.shutdown()
+    assert events == ["graphs released", "collectives closed", "control closed"]
+    assert engine.runner.graphs is None and held.replays == 0
+    [worker] = engine.executor.workers.processes
+    assert worker.exitcode == 0, "the worker did not leave on its own after SHUTDOWN"

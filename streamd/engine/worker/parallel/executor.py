@@ -29,7 +29,7 @@ from streamd.engine.worker.parallel.step_message import (
     StepMessage,
     apply_order,
 )
-from streamd.engine.worker.parallel.workers import WorkerPool, all_agree
+from streamd.engine.worker.parallel.workers import WorkerPool, all_agree, close_group
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -90,14 +90,25 @@ class TensorParallelExecutor:
         return captured
 
     def shutdown(self) -> None:
-        """Stops the workers (SHUTDOWN, then terminate whatever has not exited)."""
+        """Stops the workers: SHUTDOWN (each worker then releases its graphs and shuts its groups down),
+        rank 0's graphs released and its groups shut down (aborted if a worker was lost), then terminate
+        whatever has not exited. The graphs go before the groups: NCCL frees a communicator only once no
+        CUDA graph holds its kernels (`workers` module docstring)."""
         if self._closed:
             return
-        if self._failure is None and not self.workers.dead():
-            self._send(StepMessage(Command.SHUTDOWN))
+        healthy = self._failure is None and not self.workers.dead()
         self._closed = True
-        self.workers.stop(_STOP_TIMEOUT_S)
-        self._finalizer.detach()
+        try:
+            if healthy:
+                self._send(StepMessage(Command.SHUTDOWN))
+        finally:
+            graceful = healthy and self._failure is None
+            groups = self.workers.groups
+            self.runner.release_graphs()
+            close_group(groups.collectives, "collectives", graceful)  # (NCCL: with the workers, at once)
+            self.workers.stop(_STOP_TIMEOUT_S)
+            close_group(groups.control, "control", graceful)  # once the workers have read SHUTDOWN
+            self._finalizer.detach()
 
     def _order(self, kind: OrderKind, pairs: list[tuple[int, int]]) -> None:
         """Applies the order here at once and queues it for the workers (the same `apply_order` there)."""

@@ -10,11 +10,20 @@ layers as rank 0 does, and captures its decode graphs when rank 0 says CAPTURE, 
 same kernels at the same pace. A worker that dies closes
 its sockets, so the next collective fails at once; one that hangs fails the all-reduces by the timeout.
 A worker whose rank 0 goes away fails its next receive and exits.
+
+Shutdown: on SHUTDOWN every rank destroys its decode graphs, then shuts its groups down (`close_group`),
+rank 0 right after sending SHUTDOWN. The order matters on CUDA: NCCL frees a communicator only once no CUDA
+graph holds its captured kernels, so a group dropped to its destructor with graphs alive hung the process.
+
+`STREAMD_TP_HANG_DUMP_S=<seconds>` (debugging, e.g. `benchmarks/tp_hang_device.sh`): a worker rank arms
+`faulthandler.dump_traceback_later` at start, so a rank still running that long after it started dumps every
+thread's Python stack to its stderr (again each period while it runs); the process goes on running.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
@@ -45,6 +54,18 @@ _IDLE_TIMEOUT = datetime.timedelta(days=365)  # the step broadcast waits for the
 class Groups:
     collectives: Collectives  # the device's backend: all-reduces, the step's batch
     control: Collectives  # gloo on the host: step headers and cache orders, capture agreement
+
+
+def close_group(group: Collectives, name: str, graceful: bool = True) -> None:
+    """Shuts one of this rank's groups down explicitly (`graceful`: flushes and destroys; otherwise aborts,
+    when a rank was lost) rather than leaving it to its destructor, which aborts (and warns) at exit. The
+    layers' group goes only after the rank's decode graphs (module docstring). Failures are logged: this
+    runs at shutdown."""
+    backend = cast(dist.ProcessGroup, group)
+    try:
+        backend.shutdown() if graceful else backend.abort()
+    except RuntimeError as exc:
+        log.warning("tensor_parallel.group_close_failed", group=name, error=str(exc))
 
 
 def all_agree(group: Collectives, ok: bool, world: int) -> bool:
@@ -122,6 +143,7 @@ def start_tensor_parallel(
 def worker_main(args: WorkerArgs) -> None:
     """Ranks 1..N-1: load the shard, then run whatever rank 0 broadcasts until SHUTDOWN."""
     config = args.config
+    _arm_hang_dump()
     device = _device_of(config, args.rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # graphs, streams and Triton launches use the current device
@@ -130,6 +152,13 @@ def worker_main(args: WorkerArgs) -> None:
     groups = _connect(store, args.rank, args.world_size, config, device)
     runner = _load_shard(args, groups, device)
     Worker(args, groups, runner).serve()
+
+
+def _arm_hang_dump() -> None:
+    """`STREAMD_TP_HANG_DUMP_S`: dump this worker's stacks after that many seconds (module docstring)."""
+    seconds = os.environ.get("STREAMD_TP_HANG_DUMP_S")
+    if seconds:
+        faulthandler.dump_traceback_later(float(seconds), repeat=True)
 
 
 def _load_shard(args: WorkerArgs, groups: Groups, device: torch.device) -> ModelRunner:
@@ -164,6 +193,9 @@ class Worker:
                 self._capture(*message.args)
             else:
                 self._step(message)
+        self.runner.release_graphs()  # before the groups: NCCL keeps a communicator that a graph holds
+        close_group(self.groups.collectives, "collectives")
+        close_group(self.groups.control, "control")
 
     def _allocate(self, num_blocks: int, num_swap_blocks: int) -> None:
         runner, args = self.runner, self.args
