@@ -102,3 +102,17 @@ def test_admission_bounds_it_as_logprobs(smol_llm: LLM, value) -> None:
 def test_beam_search_refuses_it() -> None:
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(use_beam_search=True, beam_width=2, prompt_logprobs=1)
+
+
+def test_they_cross_the_process_wire() -> None:
+    """The process layout carries them (the codec derives from the records' fields)."""
+    from streamd.engine.client.loop import STEP_BATCH_WIRE, StepBatch
+    from streamd.engine.outputs import CompletionDelta, RequestDelta, RequestUpdate, SeqUpdate
+
+    entries = [None, {5: -0.25, 9: -1.5}]
+    batch = StepBatch(
+        deltas=[RequestDelta("a", 2, [CompletionDelta(0, "x", [3])], prompt_logprobs=entries)],
+        updates=[RequestUpdate("b", [SeqUpdate(0, [3])], prompt_logprobs=entries)],
+    )
+    back = STEP_BATCH_WIRE.decode(STEP_BATCH_WIRE.encode(batch))
+    assert back.deltas[0].prompt_logprobs == entries and back.updates[0].prompt_logprobs == entries
