@@ -116,3 +116,9 @@ def test_they_cross_the_process_wire() -> None:
     )
     back = STEP_BATCH_WIRE.decode(STEP_BATCH_WIRE.encode(batch))
     assert back.deltas[0].prompt_logprobs == entries and back.updates[0].prompt_logprobs == entries
+
+
+def test_parallel_samples_share_one_prompt_logprobs(smol_llm: LLM) -> None:
+    ids = prompt_of(smol_llm, 12, seed=4)
+    out = smol_llm.generate([ids], SamplingParams(n=2, max_tokens=2, seed=1, prompt_logprobs=1))[0]
+    assert len(out.outputs) == 2 and out.prompt_logprobs is not None and len(out.prompt_logprobs) == 12

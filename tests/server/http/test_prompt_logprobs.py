@@ -88,3 +88,11 @@ async def test_prompt_logprobs_field_as_vllm_returns_it(server: Server, hf_smol)
 async def test_a_bad_prompt_logprobs_is_refused_by_name(server: Server, value) -> None:
     reply = await _post(server, {"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": value})
     assert reply.status_code == 400 and reply.json()["error"]["param"] == "prompt_logprobs"
+
+
+async def test_every_choice_echoes_the_prompt_logprobs(server: Server) -> None:
+    ids = _prompt_ids(server)
+    reply = await _post(server, {"prompt": PROMPT, "max_tokens": 2, "n": 2, "seed": 3, "logprobs": 0, "echo": True})
+    choices = reply.json()["choices"]
+    assert [len(c["logprobs"]["tokens"]) for c in choices] == [len(ids) + 2] * 2
+    assert choices[0]["logprobs"]["token_logprobs"][: len(ids)] == choices[1]["logprobs"]["token_logprobs"][: len(ids)]
