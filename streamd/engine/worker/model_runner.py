@@ -2,7 +2,9 @@
 
 It builds `input_ids`, `positions`, `slot_mapping`, `block_tables`, `seq_lens` and `query_start_loc`,
 sets the attention metadata, runs the transformers model with streamd's paged attention and returns
-logits only for the positions that sample (one per sequence whose chunk reaches its last token).
+logits only for the positions that sample (one per sequence whose chunk reaches its last token), and for
+the prompt positions of requests that asked for `prompt_logprobs` (turned into logprobs at once and kept for
+`take_prompt_logprobs`).
 It also measures what the KV pool may use (`profile_num_blocks`).
 """
 
