@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from streamd.engine import builder
-from streamd.engine.core.requests import RequestRegistry
+from streamd.engine.core.requests import Request, RequestRegistry
 from streamd.engine.core.sequence import Sequence, SequenceGroup
 from streamd.engine.output.chat_template import chat_template_ids
 from streamd.engine.output.output_processor import OutputStage
@@ -52,6 +52,10 @@ class LLMEngine:
         self.output_processor: OutputStage = parts.output_processor
         self.requests: RequestRegistry[BeamSearch] = RequestRegistry()
         self.requests.on_remove(self.grammars.remove)
+        # Prompt logprobs of the requests that asked, filled chunk by chunk (by position: a recomputed chunk
+        # overwrites), until their first update with tokens carries them.
+        self._prompt_logprobs: dict[str, list[dict[int, float] | None]] = {}
+        self.requests.on_remove(self._drop_prompt_logprobs)
         self._generated_tokens = 0  # cumulative tokens sampled and kept (EngineStats.generated_tokens)
         self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: InFlight | None = None  # the launched step whose tokens are not read back yet
@@ -95,6 +99,8 @@ class LLMEngine:
         self.requests.add(group, self.beams.create(params, len(ids)))
         self.scheduler.add_seq_group(group)
         self.output_processor.add_request(request_id, ids, params, arrival)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = [None] * len(ids)
         return ids
 
     def compile_grammar(self, params: SamplingParams) -> None:
@@ -209,6 +215,8 @@ class LLMEngine:
             logits = self.executor.execute(out, prev.pending.tokens, prev.rows)
         else:
             logits = self.executor.execute(out)
+        if self._prompt_logprobs:
+            self._take_prompt_logprobs()
         beams = None
         if self.requests.num_beam:
             logits, sampling, beams = self.beams.select(logits, sampling, self.requests, self.grammars)
@@ -227,6 +235,8 @@ class LLMEngine:
         outcome = self.scheduler.update_from_output(
             step.sampling, result.token_ids, result.logprobs, self.grammars.acceptor()
         )
+        if self._prompt_logprobs:
+            self._attach_prompt_logprobs(outcome.updates)
         if step.beams is not None:
             self.beams.advance(step.beams, self.requests, self.scheduler, self.grammars, outcome)
         self._generated_tokens += outcome.num_tokens
@@ -234,6 +244,28 @@ class LLMEngine:
         for group in self.scheduler.free_finished(outcome.ended):
             self.requests.remove(group.request_id)
         return list(outcome.updates.values())
+
+    def _drop_prompt_logprobs(self, request: Request[BeamSearch]) -> None:
+        self._prompt_logprobs.pop(request.group.request_id, None)
+
+    def _take_prompt_logprobs(self) -> None:
+        """Files the prompt logprobs the forward computed under their requests' prompt positions."""
+        got = self.runner.take_prompt_logprobs()
+        if got is None:
+            return
+        row = 0
+        for request_id, first, count, _k in got.spans:
+            entries = self._prompt_logprobs.get(request_id)
+            if entries is not None:
+                entries[first : first + count] = got.entries[row : row + count]
+            row += count
+
+    def _attach_prompt_logprobs(self, updates: dict[str, RequestUpdate]) -> None:
+        """A request's prompt logprobs go with its first update that carries tokens (its prompt has been
+        computed whole by then: the step that samples its first token ran the prompt's last chunk)."""
+        for request_id, update in updates.items():
+            if request_id in self._prompt_logprobs and any(seq.token_ids for seq in update.seqs):
+                update.prompt_logprobs = self._prompt_logprobs.pop(request_id)
 
     def _process(self, updates: list[RequestUpdate]) -> list[RequestDelta]:
         """Updates -> deltas; sequences a stop string ended are finished here (blocks freed at once)."""

@@ -42,6 +42,9 @@ class RequestUpdate:
     num_cached_tokens: int = 0
     scheduled_time: float | None = None  # monotonic time of its first scheduling, once it has one
     error: str | None = None  # the request failed inside the engine
+    # `prompt_logprobs` asked: one entry per prompt token ({token_id: logprob}, the top k then the prompt
+    # token's; the first token's None), with the request's first update that carries tokens, once.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 @dataclass(slots=True)
@@ -73,6 +76,7 @@ class RequestDelta:
     error: str | None = None
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling, once known
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first delta (RequestUpdate's)
 
     def merge(self, later: RequestDelta) -> None:
         mine, theirs = self.outputs, later.outputs
@@ -89,6 +93,8 @@ class RequestDelta:
         self.error = self.error or later.error
         self.num_cached_tokens = later.num_cached_tokens
         self.queue_time = self.queue_time if later.queue_time is None else later.queue_time
+        if self.prompt_logprobs is None:
+            self.prompt_logprobs = later.prompt_logprobs
 
     @property
     def num_new_tokens(self) -> int:
@@ -121,6 +127,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     # Set when the request failed inside the engine.
     error: str | None = None
+    prompt_logprobs: list[dict[int, float] | None] | None = None  # `prompt_logprobs` asked (vLLM's shape)
 
 
 @dataclass(slots=True)
@@ -136,6 +143,7 @@ class RequestOutputBuilder:
     _finished: bool = False
     _error: str | None = None
     _num_cached_tokens: int = 0
+    _prompt_logprobs: list[dict[int, float] | None] | None = None
 
     def add(self, delta: RequestDelta) -> None:
         for part in delta.outputs:
@@ -148,6 +156,8 @@ class RequestOutputBuilder:
         self._finished = self._finished or delta.finished
         self._error = self._error or delta.error
         self._num_cached_tokens = delta.num_cached_tokens
+        if self._prompt_logprobs is None:
+            self._prompt_logprobs = delta.prompt_logprobs
 
     @property
     def finished(self) -> bool:
@@ -167,6 +177,7 @@ class RequestOutputBuilder:
             finished=self._finished,
             num_cached_tokens=self._num_cached_tokens,
             error=self._error,
+            prompt_logprobs=self._prompt_logprobs,
         )
 
 

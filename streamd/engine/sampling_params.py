@@ -99,6 +99,11 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None
+    # Prompt logprobs (vLLM's name): for every prompt position p >= 1, the logprob of prompt token p given
+    # the tokens before it and the top `prompt_logprobs` alternatives, delivered with the first output
+    # (`RequestDelta.prompt_logprobs`; position 0 is None). Checked in `Admission.check` (0..MAX_LOGPROBS).
+    # Such a request takes no prefix-cache hit: every prompt position is computed.
+    prompt_logprobs: int | None = None
     detokenize: bool = True
     skip_special_tokens: bool = True
     structured_outputs: StructuredOutputs | None = None
@@ -334,6 +339,7 @@ _NOT_WITH_BEAMS: tuple[tuple[str, object], ...] = (
     ("repetition_penalty", 1.0),
     ("stop", []),
     ("logprobs", None),
+    ("prompt_logprobs", None),
     ("logit_bias", None),
     ("thinking_token_budget", None),
 )

@@ -44,7 +44,8 @@ from streamd.server.tokenizing import Tokenizing
 # SamplingParams fields no request may set: `detokenize` (the server always streams text),
 # `queue_timeout_s` (the server sets it from `server.max_queue_time_s`) and `thinking_end_token_ids` (the
 # model's `</think>`, set with a `thinking_token_budget`).
-ENGINE_ONLY_PARAMS = frozenset({"detokenize", "queue_timeout_s", "thinking_end_token_ids"})
+# (`prompt_logprobs` is read by the completions route only, the one route that returns it.)
+ENGINE_ONLY_PARAMS = frozenset({"detokenize", "queue_timeout_s", "thinking_end_token_ids", "prompt_logprobs"})
 # Wire names that are no SamplingParams field but become one (OpenAI's `response_format` and vLLM's older
 # `guided_*`: structured_outputs).
 WIRE_ALIASES = frozenset({"response_format", *GUIDED_ALIASES})
@@ -136,14 +137,18 @@ class Generation:
         default_max_tokens: int | None,
         prompt: str | None = None,
         prompt_param: str = "messages",
+        prompt_logprobs: int | None = None,
     ) -> Prepared:
         """Validates params against the context; `default_max_tokens` None means "the rest of the context".
-        `prompt_param` names the field the prompt came in (`prompt` or `messages`) in context errors."""
+        `prompt_param` names the field the prompt came in (`prompt` or `messages`) in context errors.
+        `prompt_logprobs`: the completions route's (echo with logprobs, or vLLM's `prompt_logprobs`)."""
         unknown = sorted(set(raw) - WIRE_PARAMS)
         if unknown:
             raise ServiceError("invalid_request", f"unknown parameter {unknown[0]!r}", unknown[0])
         fields = {k: v for k, v in raw.items() if v is not None}
         structured_from_fields(fields)
+        if prompt_logprobs is not None:
+            fields["prompt_logprobs"] = prompt_logprobs
         if "thinking_token_budget" in fields:
             fields["thinking_end_token_ids"] = self._thinking_end()
         context, n_prompt = self.engine.max_model_len, len(prompt_ids)
@@ -166,6 +171,7 @@ class Generation:
             raise ServiceError("invalid_request", str(exc), str(exc).split(" ", 1)[0]) from exc
         with _refusal(prompt_param):
             self.admission.check_width(params)
+            self.admission.check_prompt_logprobs(params)
         return Prepared(prompt_ids, params, prompt)
 
     def _thinking_end(self) -> list[int]:

@@ -7,7 +7,12 @@ turning those into what OpenAI clients read:
 - chat (and the Responses API): `{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
   "bytes"}, ...]}` per token, `top_logprobs` being the first `top` entries (OpenAI's `top_logprobs`);
 - completions: `{"tokens", "token_logprobs", "top_logprobs": [{text: logprob}], "text_offset"}`, whose
-  `top_logprobs` dicts hold the top N plus the sampled token (OpenAI: "up to logprobs + 1 elements").
+  `top_logprobs` dicts hold the top N plus the sampled token (OpenAI: "up to logprobs + 1 elements"). With
+  `echo` the prompt's tokens come first (`add_prompt`, from the engine's prompt logprobs), the first one's
+  logprob and top logprobs null, as OpenAI's legacy completions give them;
+- vLLM's `prompt_logprobs` on completions (`prompt_entries`): per prompt token null (the first) or
+  `{token_id: {"logprob", "rank", "decoded_token"}}`, the prompt token's and the top N (rank: its place in
+  the top N, 1 the most likely; null for the prompt token when it is not among them).
 
 A token's text is the tokenizer's decoding of it alone (a byte-level token that holds part of a character
 decodes to U+FFFD); its `bytes` are its exact bytes (byte-level BPE: the token's own bytes, so the bytes
@@ -18,7 +23,7 @@ of consecutive tokens join into the text). Log probabilities below -9999 (-inf i
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from streamd.engine import CompletionDelta, byte_table
 
@@ -72,10 +77,36 @@ def _chat_token(text: TokenText, logprob: float) -> dict[str, Any]:
     return {"token": text.text, "logprob": _value(logprob), "bytes": text.bytes}
 
 
+def top_entry(entry: dict[int, float], token_id: int, top: int) -> dict[int, float]:
+    """An engine entry (ranked top N, then the token's) cut to its top `top` plus the token's."""
+    cut = dict(list(entry.items())[:top])
+    cut.setdefault(token_id, entry[token_id])
+    return cut
+
+
+def prompt_entries(
+    texts: TokenTexts, token_ids: list[int], logprobs: list[dict[int, float] | None], top: int
+) -> list[dict[str, Any] | None]:
+    """vLLM's `prompt_logprobs` of a completion choice: null for the first prompt token, then per token
+    `{id: {"logprob", "rank", "decoded_token"}}` (JSON keys are the ids' decimal strings)."""
+    out: list[dict[str, Any] | None] = []
+    for token_id, entry in zip(token_ids, logprobs):
+        if entry is None:
+            out.append(None)
+            continue
+        ranked = list(entry)[:top]
+        item = {}
+        for t, lp in top_entry(entry, token_id, top).items():
+            rank = ranked.index(t) + 1 if t in ranked else None
+            item[str(t)] = {"logprob": _value(lp), "rank": rank, "decoded_token": texts.get(t).text}
+        out.append(item)
+    return out
+
+
 @dataclass(slots=True)
 class _Pending:
     token_ids: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] = field(default_factory=list)
+    logprobs: list[dict[int, float] | None] = field(default_factory=list)  # None: the first prompt token's
     text_offset: int = 0  # completions: where the next token's text starts in the choice's text
 
 
@@ -95,6 +126,13 @@ class LogprobsBuilder:
             pending.token_ids.extend(choice.token_ids[: len(choice.logprobs)])
             pending.logprobs.extend(choice.logprobs)
 
+    def add_prompt(self, token_ids: list[int], logprobs: list[dict[int, float] | None]) -> None:
+        """Completions' `echo`: the prompt's tokens go first in every choice's logprobs."""
+        entries = [None if e is None else top_entry(e, t, self.top) for t, e in zip(token_ids, logprobs)]
+        for pending in self._choices:
+            pending.token_ids[:0] = token_ids
+            pending.logprobs[:0] = entries
+
     def has_pending(self, index: int) -> bool:
         return bool(self._choices[index].token_ids)
 
@@ -103,10 +141,13 @@ class LogprobsBuilder:
         token_ids, logprobs = pending.token_ids, pending.logprobs
         pending.token_ids, pending.logprobs = [], []
         if self.kind == "chat":
-            return {"content": chat_entries(self.texts, token_ids, logprobs, self.top), "refusal": None}
+            entries = cast(list[dict[int, float]], logprobs)  # (only completions' echo has None entries)
+            return {"content": chat_entries(self.texts, token_ids, entries, self.top), "refusal": None}
         return self._completion(pending, token_ids, logprobs)
 
-    def _completion(self, pending: _Pending, token_ids: list[int], logprobs: list[dict[int, float]]) -> dict[str, Any]:
+    def _completion(
+        self, pending: _Pending, token_ids: list[int], logprobs: list[dict[int, float] | None]
+    ) -> dict[str, Any]:
         tokens, offsets = [], []
         for token_id in token_ids:
             text = self.texts.get(token_id).text
@@ -115,7 +156,9 @@ class LogprobsBuilder:
             pending.text_offset += len(text)
         return {
             "tokens": tokens,
-            "token_logprobs": [_value(entry[t]) for t, entry in zip(token_ids, logprobs)],
-            "top_logprobs": [{self.texts.get(t).text: _value(lp) for t, lp in entry.items()} for entry in logprobs],
+            "token_logprobs": [None if e is None else _value(e[t]) for t, e in zip(token_ids, logprobs)],
+            "top_logprobs": [
+                None if e is None else {self.texts.get(t).text: _value(lp) for t, lp in e.items()} for e in logprobs
+            ],
             "text_offset": offsets,
         }

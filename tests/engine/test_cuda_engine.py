@@ -71,3 +71,32 @@ def test_bfloat16_generation_runs() -> None:
     assert all(len(o.outputs[0].token_ids) == 48 for o in outs)
     assert len({tuple(o.outputs[0].token_ids) for o in outs}) == len(outs)
     assert_pool_whole(llm.engine)
+
+
+def test_prompt_logprobs_on_cuda_match_transformers() -> None:
+    """Prompt logprobs through the Triton prefill, in chunks (128 tokens a step), beside decoding requests,
+    and for a prompt whose prefix is cached: a float32 transformers forward within 2e-3."""
+    config = llama_1b_shape(layers=2)
+    llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=128, num_swap_blocks=0)
+    prompts = _prompts(config.vocab_size, 6, seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False,
+                             prompt_logprobs=3 if i % 2 == 0 else None) for i in range(len(prompts))]
+    outs = llm.generate(prompts + [prompts[0]], params + [params[0]])  # the last one's prefix is cached
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    reference.load_state_dict(llm.engine.runner.model.state_dict())
+    reference = reference.cuda().eval()
+    for prompt, p, out in zip(prompts + [prompts[0]], params + [params[0]], outs):
+        if p.prompt_logprobs is None:
+            assert out.prompt_logprobs is None
+            continue
+        with torch.inference_mode():
+            ids = torch.tensor([prompt], device="cuda")
+            logprobs = torch.log_softmax(reference(ids).logits[0].float(), dim=-1)[:-1].cpu()
+        entries = out.prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+        for pos in range(1, len(prompt)):
+            entry = entries[pos]
+            assert entry is not None
+            assert entry[prompt[pos]] == pytest.approx(logprobs[pos - 1, prompt[pos]].item(), abs=2e-3)
+            assert list(entry)[:3] == logprobs[pos - 1].topk(3).indices.tolist()
+    assert_pool_whole(llm.engine)

@@ -1,6 +1,7 @@
 """`engine.process`: the real server over an engine in its own process, detokenizing in the server
 process (`ProcessEngine(outputs="network")`): `/v1/stream` (v1 and v2 framing) and streamed
-`/v1/completions` give the offline engine's greedy tokens and text; a structured request is constrained (its
+`/v1/completions` give the offline engine's greedy tokens and text (and echo with logprobs its prompt
+logprobs); a structured request is constrained (its
 grammar compiled in the engine process) and a bad grammar is refused with a 400 naming it; the pool is whole
 afterwards."""
 
@@ -37,6 +38,12 @@ async def test_engine_process_server_matches_the_offline_engine(smol_llm, async_
                                                      temperature=0.0, stream=True, extra_body={"ignore_eos": True})
             text = "".join([chunk.choices[0].text async for chunk in stream if chunk.choices])
             assert text == want.text
+            echoed = await client.completions.create(model=srv.services.model_name, prompt=PROMPT, max_tokens=3,
+                                                     temperature=0.0, echo=True, logprobs=1)
+            lp = echoed.choices[0].logprobs  # the prompt logprobs crossed the process wire with the first delta
+            num_prompt = len(smol_llm.engine.tokenizer(PROMPT).input_ids)
+            assert len(lp.tokens) == len(lp.token_logprobs) == num_prompt + 3 and lp.token_logprobs[0] is None
+            assert all(v is not None for v in lp.token_logprobs[1:])
             choice = await client.completions.create(
                 model=srv.services.model_name, prompt="Yes or no? ", max_tokens=8, temperature=0.0,
                 extra_body={"structured_outputs": {"choice": ["maybe so", "no"]}})

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from streamd.engine.errors import ContextLengthError, KVCacheCapacityError, RequestError
-from streamd.engine.sampling_params import SamplingParams
+from streamd.engine.sampling_params import MAX_LOGPROBS, SamplingParams, is_int
 
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (as OpenAI)
 
@@ -37,6 +37,16 @@ class Admission:
         self.check_capacity(num_prompt_tokens, params)
         self.check_width(params)
         self.check_worst_case(num_prompt_tokens, params)
+        self.check_prompt_logprobs(params)
+
+    @staticmethod
+    def check_prompt_logprobs(params: SamplingParams) -> None:
+        """`prompt_logprobs` as `logprobs` is bounded: an integer in [0, MAX_LOGPROBS], or None."""
+        top = params.prompt_logprobs
+        if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
+            raise RequestError(
+                f"prompt_logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}", "prompt_logprobs"
+            )
 
     def check_lengths(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """The prompt must leave room for one output token; with max_tokens, the whole must fit the context."""

@@ -89,29 +89,31 @@ class BlockManager:
 
     # ---- admission ------------------------------------------------------------------------------
 
-    def blocks_to_allocate(self, seqs: Iterable[Sequence]) -> int:
+    def blocks_to_allocate(self, seqs: Iterable[Sequence], reuse_prefix: bool = True) -> int:
         """Free blocks that allocating `seqs` would consume: prefix hits on held blocks cost nothing,
         hits on free cached blocks take them off the free list. Counts a hit shared by two of `seqs`
-        twice, which only errs on the safe side."""
+        twice, which only errs on the safe side. `reuse_prefix` False: no hits (see `allocate`)."""
         total = 0
         for seq in seqs:
-            hits = self._prefix_hits(seq)
+            hits = self._prefix_hits(seq, reuse_prefix)
             total += self.blocks_needed(seq.num_tokens) - len(hits)
             total += sum(1 for b in hits if self._ref[b] == 0)
         return total
 
-    def can_allocate(self, seqs: Iterable[Sequence], reserve: int | None = None) -> bool:
+    def can_allocate(self, seqs: Iterable[Sequence], reserve: int | None = None, reuse_prefix: bool = True) -> bool:
         """Watermark admission: `free - needed >= reserve` (default: the watermark)."""
         reserve = self.watermark_blocks if reserve is None else reserve
-        return self.num_free_blocks() - self.blocks_to_allocate(seqs) >= reserve
+        return self.num_free_blocks() - self.blocks_to_allocate(seqs, reuse_prefix) >= reserve
 
-    def allocate(self, seq: Sequence) -> int:
+    def allocate(self, seq: Sequence, reuse_prefix: bool = True) -> int:
         """Gives `seq` blocks for all its tokens, reusing cached prefix blocks. Returns the cached token
         count, which never includes the last token: the caller (the scheduler) makes it the sequence's
-        `num_computed_tokens`."""
+        `num_computed_tokens`. `reuse_prefix` False (a request with prompt logprobs, which needs the logits
+        of every prompt position): no hits, every token is computed; its blocks are still registered for
+        later requests to find."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
-        hits = self._prefix_hits(seq)
+        hits = self._prefix_hits(seq, reuse_prefix)
         fresh = self.blocks_needed(seq.num_tokens) - len(hits)
         if fresh + sum(1 for b in hits if self._ref[b] == 0) > self.num_free_blocks():
             raise RuntimeError("not enough free KV cache blocks; check can_allocate first")
@@ -230,14 +232,16 @@ class BlockManager:
         if state is not None and num_full > state.num_committed:
             self._cache.commit(state, seq.token_ids, seq.block_table, num_full)
 
-    def _prefix_hits(self, seq: Sequence) -> list[int]:
+    def _prefix_hits(self, seq: Sequence, reuse_prefix: bool = True) -> list[int]:
         """Device blocks holding the longest cached prefix of `seq`, leaving at least its last token
-        to compute (the forward must produce its logits)."""
+        to compute (the forward must produce its logits); none when not `reuse_prefix`."""
         if not self.enable_prefix_caching:
             return []
         state = self._seq_hashes.get(seq.seq_id)
         if state is None:
             state = self._seq_hashes[seq.seq_id] = SeqHashes(self.block_size)
+        if not reuse_prefix:
+            return []
         limit = (seq.num_tokens - 1) // self.block_size
         hits = self._cache.match(state, seq.token_ids, limit)
         bs = self.block_size

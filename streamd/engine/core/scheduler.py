@@ -398,7 +398,8 @@ class Scheduler:
             # prefix-cache entries alone do not re-trigger it: they only delay admission by some steps).
             blocked = (id(group), bm.num_free_blocks(), bool(self.running))
             reserve = (bm.watermark_blocks if self.running else 0) + self._growth_blocks(group, needed)
-            if blocked == self._blocked or not bm.can_allocate(seqs, reserve):
+            reuse = group.sampling_params.prompt_logprobs is None  # prompt logprobs: every position computed
+            if blocked == self._blocked or not bm.can_allocate(seqs, reserve, reuse):
                 if self._preempt_paused(out):  # memory held by a stalled reader goes first
                     continue
                 self._blocked = blocked
@@ -406,7 +407,7 @@ class Scheduler:
             del waiting[k]
             cached = 0
             for seq in seqs:
-                seq.num_computed_tokens = hits = bm.allocate(seq)
+                seq.num_computed_tokens = hits = bm.allocate(seq, reuse)
                 cached += hits
                 seq.status = _RUNNING
                 chunk = self._chunk(out.shape, seq, group.prefill_end(seq) - seq.num_computed_tokens, budget)

@@ -143,6 +143,7 @@ class OutputProcessor:
             update.error,
             state.num_cached_tokens,
             state.queue_time,
+            update.prompt_logprobs,
         )
 
     def _process_choice(self, state: RequestState, choice: ChoiceState, seq: SeqUpdate) -> CompletionDelta:

@@ -2,7 +2,9 @@
 
 It builds `input_ids`, `positions`, `slot_mapping`, `block_tables`, `seq_lens` and `query_start_loc`,
 sets the attention metadata, runs the transformers model with streamd's paged attention and returns
-logits only for the positions that sample (one per sequence whose chunk reaches its last token).
+logits only for the positions that sample (one per sequence whose chunk reaches its last token), and for
+the prompt positions of requests that asked for `prompt_logprobs` (turned into logprobs at once and kept for
+`take_prompt_logprobs`).
 It also measures what the KV pool may use (`profile_num_blocks`).
 """
 
@@ -65,6 +67,21 @@ class ModelInput:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     sample_idx: torch.Tensor  # int64 [num_sampling_seqs]: the rows whose logits are computed
     decode_only: bool
+    # Prompt logprobs: the rows (positions q of a prompt chunk, q + 1 still in the prompt) whose logits give
+    # the logprob of prompt token q + 1 (`prompt_targets`), and per request (request_id, first prompt
+    # position, number of rows, top k), in row order. None: no request of the step asked for them.
+    prompt_idx: torch.Tensor | None = None  # int64 [num_prompt_rows]
+    prompt_targets: torch.Tensor | None = None  # int64 [num_prompt_rows]
+    prompt_spans: list[tuple[str, int, int, int]] | None = None
+
+
+@dataclass(slots=True)
+class PromptLogprobs:
+    """One step's prompt logprobs on the host: per span (request_id, first prompt position, number of
+    positions, top k), each position's {token_id: logprob}: the top k first, then the prompt token's."""
+
+    spans: list[tuple[str, int, int, int]]
+    entries: list[dict[int, float]]
 
 
 class ModelRunner:
@@ -77,6 +94,7 @@ class ModelRunner:
         self.ops = kernel_ops(device)
         self.kv_cache: torch.Tensor | None = None
         self.graphs: DecodeGraphs | None = None
+        self._prompt_logprobs: PromptLogprobs | None = None  # the last `run`'s, until taken
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         self.kv_cache = kv_cache
@@ -112,7 +130,7 @@ class ModelRunner:
         every row, so it serves only batches in which every row samples."""
         graphs = self.graphs
         n = len(batch.input_ids)
-        if graphs is None or not batch.decode_only or len(batch.sample_idx) != n:
+        if graphs is None or not batch.decode_only or len(batch.sample_idx) != n or batch.prompt_idx is not None:
             return 0
         return graphs.size_for(n) if graphs.can_run(n, batch.block_tables.shape[1]) else 0
 
@@ -149,16 +167,26 @@ class ModelRunner:
         if graph_size:
             return self._replay(batch).float()
         set_attention_metadata(self._metadata(batch))
+        keep = batch.sample_idx if batch.prompt_idx is None else torch.cat([batch.sample_idx, batch.prompt_idx])
         try:
             logits = self.model(
                 input_ids=batch.input_ids[None],
                 position_ids=batch.positions[None],
-                logits_to_keep=batch.sample_idx,
+                logits_to_keep=keep,
                 use_cache=False,
             ).logits[0]
         finally:
             set_attention_metadata(None)
+        if batch.prompt_idx is not None:
+            num_sampling = len(batch.sample_idx)
+            self._prompt_logprobs = _prompt_logprobs(batch, logits[num_sampling:])
+            logits = logits[:num_sampling]
         return logits.float()
+
+    def take_prompt_logprobs(self) -> PromptLogprobs | None:
+        """The prompt logprobs the last forward computed (None: it computed none), once."""
+        taken, self._prompt_logprobs = self._prompt_logprobs, None
+        return taken
 
     @torch.inference_mode()
     def run_layers(self, batch: ModelInput, graph_size: int = 0) -> None:
@@ -201,10 +229,22 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_idx: list[int] = []
         pending: list[tuple[int, int]] = []
+        prompt_idx: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_spans: list[tuple[str, int, int, int]] = []
         for item in out.scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             end = start + n
             table = seq.block_table
+            top = item.group.sampling_params.prompt_logprobs
+            if top is not None and start < seq.num_prompt_tokens - 1:
+                # The logits at position q score prompt token q + 1: this chunk's positions up to the
+                # prompt's second to last (the last one's logits sample the first output token).
+                stop = min(end, seq.num_prompt_tokens - 1)
+                base = len(tokens) - start
+                prompt_idx.extend(range(base + start, base + stop))
+                prompt_targets.extend(seq.token_ids[start + 1 : stop + 1])
+                prompt_spans.append((item.group.request_id, start + 1, stop - start, top))
             if n == 1:  # a decode: the common case at large batch, without slices and ranges
                 tokens.append(seq.token_ids[start])
                 positions.append(start)
@@ -233,6 +273,10 @@ class ModelRunner:
             sample_idx=to_device(sample_idx, torch.int64, dev),
             decode_only=len(tokens) == len(seq_lens),
         )
+        if prompt_spans:
+            batch.prompt_idx = to_device(prompt_idx, torch.int64, dev)
+            batch.prompt_targets = to_device(prompt_targets, torch.int64, dev)
+            batch.prompt_spans = prompt_spans
         return batch, pending
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
@@ -241,6 +285,32 @@ class ModelRunner:
         for i, table in enumerate(tables):
             rows[i, : len(table)] = table
         return to_device(rows, torch.int32, self.device)
+
+
+def _prompt_logprobs(batch: ModelInput, logits: torch.Tensor) -> PromptLogprobs:
+    """The prompt rows' logprobs (float32 log-softmax of their logits): each row's target token's and its
+    top k (the span's), read back to the host now (a step with prompt logprobs is a prefill step, eager)."""
+    assert batch.prompt_targets is not None and batch.prompt_spans is not None
+    spans = batch.prompt_spans
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    targets = batch.prompt_targets
+    chosen = logprobs.gather(1, targets.unsqueeze(1)).squeeze(1)
+    top_n = min(max(span[3] for span in spans), logprobs.shape[-1])
+    top_ids: list[list[int]] = []
+    top_values: list[list[float]] = []
+    if top_n:
+        top = logprobs.topk(top_n, dim=-1)
+        top_ids, top_values = top.indices.tolist(), top.values.tolist()
+    target_ids, target_values = targets.tolist(), chosen.tolist()
+    entries: list[dict[int, float]] = []
+    row = 0
+    for _request_id, _first, count, k in spans:
+        for r in range(row, row + count):
+            entry = dict(zip(top_ids[r][:k], top_values[r][:k])) if k else {}
+            entry.setdefault(target_ids[r], target_values[r])  # the prompt token's, in the top k or not
+            entries.append(entry)
+        row += count
+    return PromptLogprobs(spans, entries)
 
 
 @torch.inference_mode()

@@ -6,11 +6,14 @@ ServiceError, rendered by the app's handler). A client that disconnects aborts i
 Starlette cancels the body iterator; otherwise a watcher on `http.disconnect` cancels the collection.
 Unknown top-level fields are ignored (as OpenAI clients and frontends send extras), each logged at debug
 and counted (`body_fields.note_ignored`); unsupported features that would change the answer (functions,
-suffix, echo with logprobs) are refused. `/v1/completions` takes a batch of prompts (a list of strings or
+suffix) are refused. `/v1/completions` takes a batch of prompts (a list of strings or
 of token-id lists): one engine request each, choices indexed prompt-major (prompt i's choice j is
-`i * n + j`, as OpenAI), usage summed; `echo` puts the prompt before each choice's text. `logprobs` (chat: with
-`top_logprobs` 0..20; completions: an integer 0..20) come in OpenAI's shapes (`logprobs.py`), streamed per
-chunk or whole. A finish reason is OpenAI's name for the engine's (`accounting.FINISH_NAMES`); a request the
+`i * n + j`, as OpenAI), usage summed; `echo` puts the prompt before each choice's text (with `logprobs`,
+the prompt's tokens come first in the logprobs, the first one's null, as OpenAI's legacy completions: the
+engine's `prompt_logprobs`; vLLM's `prompt_logprobs` field gives each choice its `prompt_logprobs`, in the
+first chunk when streamed). `logprobs` (chat: with `top_logprobs` 0..20; completions: an integer 0..20) come
+in OpenAI's shapes (`logprobs.py`), streamed per chunk or whole. A finish reason is OpenAI's name for the
+engine's (`accounting.FINISH_NAMES`); a request the
 server cut (the drain) finishes "length" with an extra flag on the choice (`streamd_drained: true`).
 `response_format` and `structured_outputs` constrain the reply by a grammar; `tools` with `tool_choice`
 "required" or a named function make the reply a grammar-enforced tool call (`structured_api.py`), and with
@@ -41,7 +44,7 @@ from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.http.common import RouteSpec, SSEResponse, json_body, until_disconnect
-from streamd.server.logprobs import LogprobsBuilder
+from streamd.server.logprobs import LogprobsBuilder, TokenTexts, prompt_entries
 from streamd.server.reasoning import ReasoningParser
 from streamd.server.services import Services
 from streamd.server.structured_api import plan_tools, with_enforced_call
@@ -64,6 +67,8 @@ class _Call:
     parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice, with a tool_format
     first_index: int = 0  # the wire index of its first choice (a batch's prompt i starts at i * n)
     echo: str | None = None  # the prompt's text, put before each choice's text (completions' `echo`)
+    prompt_top: int | None = None  # vLLM's `prompt_logprobs` asked (completions): each choice's `prompt_logprobs`
+    token_texts: TokenTexts | None = None  # with prompt_top: the tokens' texts
     think_inside: bool | None = None  # a reasoning model's chat: whether replies start inside `<think>`
     reasoners: dict[int, ReasoningParser] = field(default_factory=dict)  # per choice, with think_inside
 
@@ -138,14 +143,25 @@ async def completions(request: Request) -> Response:
     params = _params(body)
     params["logprobs"] = _completion_logprobs(body)
     echo = body_flag(body, "echo", False)
-    if echo and params["logprobs"] is not None:
-        raise ServiceError("unsupported", "echo with logprobs is not supported (no prompt logprobs)", "echo")
+    # Echo with logprobs puts the prompt's tokens first in the logprobs (OpenAI's legacy completions); vLLM's
+    # `prompt_logprobs` adds each choice's `prompt_logprobs`. Either asks the engine for prompt logprobs.
+    prompt_top = _completion_logprobs(body, "prompt_logprobs")
+    asked = [k for k in (params["logprobs"] if echo else None, prompt_top) if k is not None]
     prepared = []
     for prompt in _prompts(body.get("prompt")):
         ids = await s.generation.prompt_ids(prompt)
         text = prompt if isinstance(prompt, str) else None
-        prepared.append(s.generation.prepare(ids, params, default_max_tokens=16, prompt=text, prompt_param="prompt"))
-    return await _respond(request, s, body, "completion", prepared, echo=echo)
+        prepared.append(
+            s.generation.prepare(
+                ids,
+                params,
+                default_max_tokens=16,
+                prompt=text,
+                prompt_param="prompt",
+                prompt_logprobs=max(asked) if asked else None,
+            )
+        )
+    return await _respond(request, s, body, "completion", prepared, echo=echo, prompt_top=prompt_top)
 
 
 def _prompts(prompt: Any) -> list[Any]:
@@ -168,6 +184,7 @@ async def _respond(
     tool_format: str | None = None,
     *,
     echo: bool = False,
+    prompt_top: int | None = None,
 ) -> Response:
     """Submits the call's requests (one per prompt) and answers them as one response, SSE or JSON."""
     stream_flag = body_flag(body, "stream", False)
@@ -176,7 +193,7 @@ async def _respond(
         raise ServiceError("invalid_request", f"stream_options must be an object, got {options!r}", "stream_options")
     call_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     key = bearer_token(request.headers.get("authorization"))
-    calls = await _start_all(s, kind, call_id, prepared, tool_format, echo, key)
+    calls = await _start_all(s, kind, call_id, prepared, tool_format, echo, key, prompt_top)
     structlog.contextvars.bind_contextvars(request_id=call_id)
     if not stream_flag:
         return await until_disconnect(request, _collect_all(calls))
@@ -206,6 +223,7 @@ async def _start_all(
     tool_format: str | None,
     echo: bool,
     api_key: str | None,
+    prompt_top: int | None = None,
 ) -> list[_Call]:
     """Submits every prompt's request (`api_key`: whose compile slots a grammar takes); a refusal of one lets
     go of those already submitted."""
@@ -233,6 +251,8 @@ async def _start_all(
                     logprobs,
                     first_index=i * one.params.n,
                     echo=text,
+                    prompt_top=prompt_top,
+                    token_texts=s.token_texts,
                     think_inside=inside,
                 )
             )
@@ -285,10 +305,19 @@ async def _sse(
             _data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra)).encode()
             for index in range(account.num_choices)
         )
-    if call.echo:
-        yield b"".join(_data(_chunk(call, i, call.echo, None, extra)).encode() for i in range(account.num_choices))
+    deltas = _deltas(call, first)
+    if call.echo or call.prompt_top is not None:  # (completions) the prompt first, with its logprobs if asked
+        head = None
+        if (call.echo and call.logprobs is not None) or call.prompt_top is not None:
+            head = await anext(deltas, None)  # the first delta carries the prompt logprobs
+            _add_prompt(call, head.prompt_logprobs if head is not None else None)
+        yield b"".join(
+            _data(_prompt_chunk(call, i, head.prompt_logprobs if head is not None else None, extra)).encode()
+            for i in range(account.num_choices)
+        )
+        deltas = _after(head, deltas)
     texts = TextEvents(call, extra)
-    async for delta in _deltas(call, first):
+    async for delta in deltas:
         events = []
         for choice in delta.outputs:
             if call.logprobs is not None:
@@ -320,6 +349,37 @@ async def _sse(
     if last:
         tail.append(b"data: [DONE]\n\n")
     yield b"".join(tail)
+
+
+def _add_prompt(call: _Call, prompt_logprobs: list[dict[int, float] | None] | None) -> None:
+    """Echo with logprobs: the prompt's tokens go first in every choice's logprobs."""
+    if call.echo is not None and call.logprobs is not None and prompt_logprobs is not None:
+        call.logprobs.add_prompt(call.prepared.prompt_token_ids, prompt_logprobs)
+
+
+def _prompt_chunk(
+    call: _Call, index: int, prompt_logprobs: list[dict[int, float] | None] | None, extra: dict[str, Any]
+) -> dict[str, Any]:
+    """A completion stream's first chunk of a choice: the echoed prompt (with its logprobs) and vLLM's
+    `prompt_logprobs` when asked."""
+    chunk = _chunk(call, index, call.echo or "", None, extra)
+    if call.prompt_top is not None:
+        chunk["choices"][0]["prompt_logprobs"] = _prompt_entries(call, prompt_logprobs)
+    return chunk
+
+
+def _prompt_entries(call: _Call, prompt_logprobs: list[dict[int, float] | None] | None) -> list[Any] | None:
+    if call.prompt_top is None or prompt_logprobs is None:
+        return None
+    assert call.token_texts is not None
+    return prompt_entries(call.token_texts, call.prepared.prompt_token_ids, prompt_logprobs, call.prompt_top)
+
+
+async def _after(head: RequestDelta | None, rest: AsyncIterator[RequestDelta]) -> AsyncIterator[RequestDelta]:
+    if head is not None:
+        yield head
+    async for delta in rest:
+        yield delta
 
 
 async def _batch_sse(
@@ -406,8 +466,12 @@ async def _collect_all(calls: list[_Call]) -> Response:
 async def _collect(call: _Call) -> list[dict[str, Any]]:
     account = call.account
     texts: list[list[str]] = [[] for _ in range(account.num_choices)]
+    prompt_logprobs: list[dict[int, float] | None] | None = None
     try:
         async for delta in _deltas(call, None):
+            if delta.prompt_logprobs is not None and prompt_logprobs is None:
+                prompt_logprobs = delta.prompt_logprobs
+                _add_prompt(call, prompt_logprobs)
             for choice in delta.outputs:
                 texts[choice.index].append(choice.text)
                 if call.logprobs is not None:
@@ -430,7 +494,10 @@ async def _collect(call: _Call) -> list[dict[str, Any]]:
         logprobs = call.logprobs.take(index) if call.logprobs is not None else None
         ending = _ending(call, index, finish)
         if call.kind != "chat":
-            choices.append({"index": call.first_index + index, "text": content, "logprobs": logprobs, **ending})
+            entry = {"index": call.first_index + index, "text": content, "logprobs": logprobs, **ending}
+            if call.prompt_top is not None:
+                entry["prompt_logprobs"] = _prompt_entries(call, prompt_logprobs)
+            choices.append(entry)
             continue
         message: dict[str, Any] = {"role": "assistant", "content": content}
         if call.tool_format is not None:
@@ -534,13 +601,12 @@ def _chat_logprobs(body: dict[str, Any]) -> int | None:
     return (top or 0) if wanted else None
 
 
-def _completion_logprobs(body: dict[str, Any]) -> int | None:
-    """Completions' `logprobs`: how many top logprobs per token (the sampled token's always comes too)."""
-    top = body.get("logprobs")
+def _completion_logprobs(body: dict[str, Any], name: str = "logprobs") -> int | None:
+    """Completions' `logprobs` (or vLLM's `prompt_logprobs`): how many top logprobs per token (the
+    token's own always comes too)."""
+    top = body.get(name)
     if top is not None and not (is_int(top) and 0 <= top <= MAX_LOGPROBS):
-        raise ServiceError(
-            "invalid_request", f"logprobs must be an integer in [0, {MAX_LOGPROBS}], got {top!r}", "logprobs"
-        )
+        raise ServiceError("invalid_request", f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {top!r}", name)
     return top
 
 
@@ -571,6 +637,7 @@ _COMPLETION_FIELDS = WIRE_PARAMS | {
     "suffix",
     "best_of",
     "logprobs",
+    "prompt_logprobs",
 }
 
 
