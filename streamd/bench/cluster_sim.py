@@ -82,7 +82,8 @@ class Replica:
         self.block_manager = BlockManager(
             shape.num_blocks, shape.block_size, num_swap_blocks=0, enable_prefix_caching=shape.enable_prefix_caching
         )
-        config = SchedulerConfig(shape.max_num_seqs, shape.max_num_batched_tokens, "recompute")
+        # No step latency budget: no step is measured here, and the runs this replays were made before it.
+        config = SchedulerConfig(shape.max_num_seqs, shape.max_num_batched_tokens, "recompute", max_step_ms=0)
         self.scheduler = Scheduler(config, self.block_manager, shape.max_model_len)
         self.outstanding = 0  # requests routed here and not finished (the router's load signal)
         self.busy = False  # a step is under way

@@ -29,8 +29,10 @@ class ModelNames:
     def primary(self) -> str:
         return self.served[0]
 
-    def check(self, requested: str | None) -> None:
-        """Refuses a `model` this server does not serve (absent: the primary one)."""
+    def check(self, requested: object) -> None:
+        """Refuses a `model` this server does not serve (absent: the primary one), or one that is no string."""
+        if requested is not None and not isinstance(requested, str):
+            raise ServiceError("invalid_request", f"model must be a string, got {type(requested).__name__}", "model")
         if requested is not None and requested not in self.accepted:
             served = ", ".join(repr(name) for name in self.served)
             raise ServiceError(

@@ -213,7 +213,10 @@ async def test_requests_cancelled_before_admission_are_counted(rserver: Server) 
     async with ws_connect(rserver) as ws:
         for i in range(8):  # the connection's limit
             await send(ws, type="generate", id=f"c{i}", prompt="Hello there " * (i + 1), params={"max_tokens": 50})
-        ws.transport.abort()  # gone right after the frames
+        started: set[str] = set()
+        while len(started) < 8:  # every frame read by the server (an RST drops bytes it has not read yet)
+            started |= {f["id"] for f in await recv_frames(ws) if f["type"] == "start"}
+        ws.transport.abort()  # gone right after
     await settle(rserver)  # the server has seen the socket go and let go of its requests
     await rserver.services.engine.wait_idle(timeout=120)  # and the engine confirmed every abort
     assert total() - before == 8
@@ -231,6 +234,8 @@ async def test_polish(rserver: Server, caplog: pytest.LogCaptureFixture) -> None
     async with httpx.AsyncClient(base_url=rserver.http, timeout=60) as http:
         answer = await http.post("/v1/completions", json={"prompt": [7] * 8500, "max_tokens": 1})
         assert answer.status_code == 400 and answer.json()["error"]["param"] == "prompt"
+        answer = await http.post("/v1/chat/completions", json={"model": [False], "messages": []})  # (fuzz: was 500)
+        assert answer.status_code == 400 and answer.json()["error"]["param"] == "model"
         page = await http.get("/")
         assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
         assert page.headers["x-frame-options"] == "DENY" and page.headers["x-content-type-options"] == "nosniff"
