@@ -41,8 +41,10 @@ async def test_chaos_bench_floods_within_the_servers_bounds(async_engine: AsyncE
         parser = argparse.ArgumentParser()
         chaos.add_arguments(parser)
         args = parser.parse_args(["--url", server.http, "--duration", "8", "--storm-clients", "1", "--fuzzers", "0",
-                                  "--slow-readers", "0", "--max-tokens", "8", "--flood-sockets", "60",
-                                  "--body-holders", "4", "--body-bytes", "60000", "--long-prompt-tokens", "300"])
+                                  "--slow-readers", "0", "--flooders", "0", "--schema-flooders", "0",
+                                  "--max-tokens", "8", "--flood-sockets", "60",
+                                  "--body-holders", "4", "--body-bytes", "60000", "--long-prompt-tokens", "300",
+                                  "--max-rss-growth-mb", "1000"])  # (this process: client, server and engine)
         result = await chaos.run_chaos(args)
         await settle(server)
     assert chaos.bound_breaches(result, args) == [], result
