@@ -109,10 +109,8 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"cache.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _positive("cache.cpu_kv_cache_gib", self.cpu_kv_cache_gib)
-        if self.swap_space_gib < 0:
-            raise ConfigError(f"cache.swap_space_gib must be >= 0, got {self.swap_space_gib}")
-        if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
-            raise ConfigError(f"cache.num_swap_blocks must be >= 0, got {self.num_swap_blocks}")
+        _non_negative("cache.swap_space_gib", self.swap_space_gib)
+        _non_negative("cache.num_swap_blocks", self.num_swap_blocks, allow_none=True)
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"cache.watermark must be in [0, 1), got {self.watermark}")
 
@@ -129,8 +127,7 @@ class SchedulerConfig:
     def validate(self) -> None:
         _positive("scheduler.max_num_seqs", self.max_num_seqs)
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
-        if self.max_step_ms < 0:
-            raise ConfigError(f"scheduler.max_step_ms must be >= 0, got {self.max_step_ms}")
+        _non_negative("scheduler.max_step_ms", self.max_step_ms)
         _one_of("scheduler.preemption_mode", self.preemption_mode, ("auto", "swap", "recompute"))
 
 
@@ -189,10 +186,9 @@ class GrammarConfig:
             "cache_bytes",
             "max_concurrent_compiles",
             "max_concurrent_compiles_per_key",
+            "compile_timeout_s",
         ):
             _positive(f"grammar.{key}", getattr(self, key))
-        if self.compile_timeout_s <= 0:
-            raise ConfigError(f"grammar.compile_timeout_s must be > 0, got {self.compile_timeout_s}")
 
 
 @dataclass(slots=True)
@@ -250,11 +246,14 @@ class ServerConfig:
             "header_timeout_s",
             "body_timeout_s",
             "keep_alive_timeout_s",
+            "responses_store_ttl_s",
+            "resume_max_tokens_per_request",
+            "resume_max_tokens_total",
+            "ws_close_timeout_s",
         ):
             _positive(f"server.{key}", getattr(self, key))
-        _positive("server.max_tokens_limit", self.max_tokens_limit, allow_none=True)
-        if self.responses_store_ttl_s <= 0:
-            raise ConfigError(f"server.responses_store_ttl_s must be > 0, got {self.responses_store_ttl_s}")
+        for key in ("max_tokens_limit", "max_request_time_s", "max_queue_time_s"):
+            _positive(f"server.{key}", getattr(self, key), allow_none=True)
         for key in (
             "drain_timeout_s",
             "resume_grace_s",
@@ -262,14 +261,7 @@ class ServerConfig:
             "socket_send_buffer_bytes",
             "max_connections_per_client",
         ):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"server.{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("resume_max_tokens_per_request", "resume_max_tokens_total"):
-            _positive(f"server.{key}", getattr(self, key))
-        for key in ("max_request_time_s", "max_queue_time_s"):
-            _positive(f"server.{key}", getattr(self, key), allow_none=True)
-        if self.ws_close_timeout_s <= 0:
-            raise ConfigError(f"server.ws_close_timeout_s must be > 0, got {self.ws_close_timeout_s}")
+            _non_negative(f"server.{key}", getattr(self, key))
 
 
 @dataclass(slots=True)
@@ -322,6 +314,11 @@ _LOOKALIKES = {f"{s}_{k}": f"{s}.{k}" for s, keys in _KEYS.items() for k in keys
 _BARE_RENAMED = {old.partition(".")[2]: old.partition(".")[0] for old in RENAMED}  # old bare key -> old section
 
 
+def key_types(section: str) -> dict[str, Any]:
+    """`section`'s keys -> their declared types (the command line's flags are generated from them)."""
+    return dict(_KEYS[section])
+
+
 def load_config(
     path: str | os.PathLike[str] | None = None,
     overrides: Mapping[str, Any] | None = None,
@@ -369,12 +366,9 @@ def _refuse_lookalike(name: str) -> None:
     if name in OTHER_VARIABLES or name in API_KEY_VARIABLES:
         return
     rest = name[len("STREAMD_") :].lower()
-    spelled = {f"{s}_{k}": f"{s}.{k}" for s, keys in _KEYS.items() for k in keys} | {
-        k: f"{s}.{k}" for k, s in _BARE.items()
-    }
-    close = difflib.get_close_matches(rest, spelled, n=1, cutoff=0.8)
+    close = difflib.get_close_matches(rest, _LOOKALIKES, n=1, cutoff=0.8)
     if close:
-        section, _, key = spelled[close[0]].partition(".")
+        section, _, key = _LOOKALIKES[close[0]].partition(".")
         raise ConfigError(
             f"environment variable {name} is not a setting; did you mean STREAMD_{section.upper()}__{key.upper()}?"
         )
@@ -466,3 +460,10 @@ def _positive(where: str, value: Any, allow_none: bool = False) -> None:
         return
     if value is None or value <= 0:
         raise ConfigError(f"{where} must be > 0, got {value!r}")
+
+
+def _non_negative(where: str, value: Any, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if value is None or value < 0:
+        raise ConfigError(f"{where} must be >= 0, got {value!r}")

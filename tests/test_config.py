@@ -54,6 +54,26 @@ def test_bad_keys_and_values_name_the_key(kwargs: dict, needle: str) -> None:
         load_config(**kwargs)
 
 
+@pytest.mark.parametrize("key, bad, edge", [
+    ("scheduler.max_step_ms", -1.0, 0.0),  # 0: no step budget
+    ("cache.swap_space_gib", -0.5, 0.0),
+    ("cache.num_swap_blocks", -1, 0),
+    ("server.max_connections_per_client", -1, 0),  # 0: no cap per address
+    ("server.resume_grace_s", -1.0, 0.0),
+    ("grammar.compile_timeout_s", 0.0, 0.1),
+    ("server.ws_close_timeout_s", 0.0, 0.1),
+    ("server.responses_store_ttl_s", 0.0, 0.1),
+    ("server.keep_alive_timeout_s", 0, 1),
+    ("grammar.max_concurrent_compiles_per_key", 0, 1),
+])
+def test_each_bound_refuses_past_its_edge(key: str, bad: float, edge: float) -> None:
+    section, _, name = key.partition(".")
+    assert getattr(getattr(load_config(overrides={key: edge}, environ={}), section), name) == edge
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides={key: bad}, environ={})
+    assert f"{key} must be {'>=' if edge == 0 else '>'} 0, got {bad!r}" in str(info.value)
+
+
 def test_bad_file_is_named(tmp_path: Path) -> None:
     file = tmp_path / "bad.toml"
     file.write_text("[cache]\nblock_size = 16\n[nope]\nx = 1\n")

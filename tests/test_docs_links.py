@@ -1,15 +1,19 @@
 """The user docs hold together: every relative link in README.md and docs/*.md reaches a file or folder
 of the repository (and, with `#anchor`, a heading of that page, by GitHub's slug rules), and
 docs/configuration.md names every key that config/streamd.toml documents, so a new setting cannot ship
-undocumented."""
+undocumented, and every flag it names is one `streamd serve` takes (in a key's row: that key's, or another
+key's the row names)."""
 
 from __future__ import annotations
 
+import argparse
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from streamd.cli.main import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -18,6 +22,10 @@ CODE_SPAN = re.compile(r"`[^`]*`")
 HEADING = re.compile(r"^(#{1,6})\s+(.*?)\s*#*\s*$")
 TOML_KEY = re.compile(r"^#?\s?([a-z_]+)\s*=")
 TOML_SECTION = re.compile(r"^\[([a-z_]+)\]")
+FLAG = re.compile(r"`(--?[a-z][a-z0-9-]*)`")
+SETTING = re.compile(r"`([a-z]+\.[a-z_]+)`")
+# vLLM flags the configuration page names only to say streamd has none like them.
+VLLM_ONLY_FLAGS = frozenset({"--compilation-config"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +115,28 @@ def test_configuration_page_names_every_key() -> None:
     assert "model.name" in keys and "server.max_queue_time_s" in keys  # commented-out keys count
     page = (ROOT / "docs" / "configuration.md").read_text()
     assert [key for key in keys if f"`{key}`" not in page] == []
+
+
+def serve_options() -> dict[str, argparse.Action]:
+    """`streamd serve`'s option strings -> their actions."""
+    commands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(commands.choices["serve"]._option_string_actions)
+
+
+def test_configuration_page_flags_are_the_generated_ones() -> None:
+    options = serve_options()
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    named = set(FLAG.findall(page)) - VLLM_ONLY_FLAGS
+    assert {"--max-model-len", "-tp", "--api-key", "--no-enable-prefix-caching"} <= named  # the parser found them
+    assert sorted(named - options.keys()) == []
+    wrong = []
+    for line in page.splitlines():
+        if line.startswith("| `") and (settings := SETTING.findall(line)):
+            for flag in set(FLAG.findall(line)) - VLLM_ONLY_FLAGS:
+                dest = options[flag].dest
+                if "." in dest and dest not in settings:  # (a refused or no-effect vLLM flag has no setting)
+                    wrong.append(f"{flag} sets {dest}, not {settings[0]}")
+    assert wrong == []
 
 
 @pytest.mark.parametrize(

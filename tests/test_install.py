@@ -106,10 +106,18 @@ def test_uvicorn_private_names_streamd_relies_on_still_exist() -> None:
     for attribute in attributes:
         assert f"self.{attribute} =" in source, attribute
     assert "self.close_timer = self.loop.call_later(" in source  # the unanswered close handshake.py aborts
-    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+    from uvicorn.protocols.http.flow_control import FlowControl
+    from uvicorn.protocols.http.httptools_impl import STATUS_LINE, HttpToolsProtocol, RequestResponseCycle
 
     assert callable(HttpToolsProtocol.on_headers_complete) and callable(HttpToolsProtocol.connection_lost)
     assert "self.cycle" in inspect.getsource(HttpToolsProtocol)  # (http/pipelining.py)
+    # server/connections.py's gated protocol: the hooks it extends and the state it reads
+    for method in ("connection_made", "data_received", "on_body", "on_message_complete", "_should_upgrade"):
+        assert callable(getattr(HttpToolsProtocol, method, None)), method
+    http = inspect.getsource(HttpToolsProtocol)
+    for attribute in ("parser", "loop", "transport", "client", "flow"):
+        assert f"self.{attribute} =" in http, attribute
+    assert "self.read_paused =" in inspect.getsource(FlowControl) and STATUS_LINE[503]
     cycle = inspect.getsource(RequestResponseCycle)
     for attribute in ("disconnected", "message_event", "response_complete"):
         assert f"self.{attribute} =" in cycle, attribute

@@ -43,6 +43,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from streamd.config import ConfigError
+
 _HOST = "127.0.0.1"
 ROUTER_POLICIES = ("cache_aware", "round_robin")
 _STOP_TIMEOUT_S = 40.0  # a replica drains in-flight requests for up to server.drain_timeout_s (30 s) on SIGTERM
@@ -65,11 +67,12 @@ class ClusterSpec:
         return [self.first_replica_port + i for i in range(self.replicas)]
 
     def check(self) -> None:
-        """Raises SystemExit when the replicas need more GPUs than the host has."""
+        """Raises ConfigError (a usage error: exit status 2) for a count below 1, or replicas that need more
+        GPUs than the host has."""
         if self.replicas < 1 or self.tp < 1:
-            raise SystemExit("--replicas and --tp must be >= 1")
+            raise ConfigError("--replicas and --tp must be >= 1")
         if self.num_gpus and self.replicas * self.tp > self.num_gpus:
-            raise SystemExit(
+            raise ConfigError(
                 f"{self.replicas} replicas x --tp {self.tp} need {self.replicas * self.tp} GPUs; "
                 f"this host has {self.num_gpus}"
             )

@@ -23,12 +23,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from streamd.config import Config, ConfigError, load_config, parse_value
+from streamd.config import Config, ConfigError, key_types, load_config, parse_value
 
 # `section.key` -> its flags where they are not `--<key>` (vLLM's spelling first, then streamd's).
 FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "model.name": ("--model",),
     "model.num_threads": ("--num-threads", "--threads"),
+    "cache.num_kv_blocks": ("--num-gpu-blocks-override", "--num-kv-blocks"),
     "cache.swap_space_gib": ("--swap-space", "--swap-space-gib"),
     "parallel.tensor_parallel_size": ("--tensor-parallel-size", "-tp", "--tp"),
     "engine.process": ("--engine-process",),
@@ -98,13 +99,12 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
 def add_config_flags(parser: argparse.ArgumentParser, sections: Sequence[str]) -> None:
     """One flag per key of `sections` (an argument group each), and vLLM's flags refused or noted."""
     defaults = Config()
-    hints = typing.get_type_hints(Config)
     for section in sections:
         group = parser.add_argument_group(
             f"[{section}] settings",
             f"config/streamd.toml documents each; a flag beats --set, STREAMD_{section.upper()}__<KEY> and --config",
         )
-        for key, hint in typing.get_type_hints(hints[section]).items():
+        for key, hint in key_types(section).items():
             _add_flag(group, f"{section}.{key}", hint, getattr(getattr(defaults, section), key))
     _add_vllm_flags(parser)
 

@@ -42,6 +42,7 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *needles: st
     (["generate", "--model", "/no/such/model", "hi"], ["/no/such/model"]),
     (["bench", "throughput", "--device", "cpu", "--out", "streamd/results"], ["inside the streamd package"]),
     (["bench", "throughput", "--device", "cpu", "--repeats", "0"], ["--repeats"]),
+    (["cluster", "--replicas", "0"], ["streamd cluster: error:", "--replicas"]),
 ])
 def test_bad_settings_and_arguments_give_one_line(args: list[str], needles: list[str]) -> None:
     assert_one_line_error(streamd(*args), *needles)

@@ -33,6 +33,7 @@ from streamd.cli.cluster import (
     stop_processes,
     wait_ready,
 )
+from streamd.config import ConfigError
 from tests.engine.worker.tp_models import save_random_model
 
 ROUTER = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
@@ -186,7 +187,7 @@ def test_replicas_are_pinned_to_their_gpus(tmp_path: Path, monkeypatch: pytest.M
     envs = [replica_env(spec, i, tmp_path / "responses") for i in range(2)]
     assert [e["CUDA_VISIBLE_DEVICES"] for e in envs] == ["0,1", "2,3"]
     assert {e["STREAMD_SERVER__RESPONSES_STORE_DIR"] for e in envs} == {str(tmp_path / "responses")}
-    with pytest.raises(SystemExit, match="need 6 GPUs; this host has 4"):
+    with pytest.raises(ConfigError, match="need 6 GPUs; this host has 4"):
         ClusterSpec(3, 1, 2, 3, 4, tp=2, num_gpus=gpus).check()
     monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
     cpu_only = ClusterSpec(3, 1, 2, 3, 4, tp=2, num_gpus=0)  # no GPUs: any number of replicas, on the CPU
