@@ -11,12 +11,17 @@ reply is all content.
 `</think>` (after an opening `<think>` at the reply's start, when the prompt did not open it) is reasoning,
 the rest content (its leading whitespace after the closing tag dropped). A piece of a tag split across
 deltas is held back until it is decided; `feed("", final=True)` releases it. Each character is scanned once.
+
+`ReplyParser` is one choice's whole pipeline, as chat completions and the Responses API run it: the reasoning
+parser (a reasoning model's), then the tool-call parser (`tool_parsers.py`, with a tool format) on the content.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from streamd.server.tool_parsers import ToolCallParser
 
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -124,6 +129,39 @@ class ReasoningParser:
             self.reasoning.append(text)
         else:
             out.content += text
+
+
+@dataclass(slots=True)
+class ReplyDeltas:
+    reasoning: str
+    content: str
+    tool_calls: list[dict[str, Any]]  # OpenAI tool-call deltas (`ToolCallParser.feed`)
+
+
+class ReplyParser:
+    """One choice's reply as it streams -> what is new of its reasoning, content and tool calls. Without a
+    reasoning model (`think_inside` None) and tools (`tool_format` None) the text is all content."""
+
+    __slots__ = ("reasoner", "tools")
+
+    def __init__(self, think_inside: bool | None, tool_format: str | None) -> None:
+        self.reasoner = ReasoningParser(think_inside) if think_inside is not None else None
+        self.tools = ToolCallParser(tool_format) if tool_format is not None else None
+
+    def feed(self, piece: str, final: bool = False) -> ReplyDeltas:
+        reasoning = ""
+        if self.reasoner is not None:
+            split = self.reasoner.feed(piece, final)
+            reasoning, piece = split.reasoning, split.content
+        if self.tools is None:
+            return ReplyDeltas(reasoning, piece, [])
+        out = self.tools.feed(piece, final)
+        return ReplyDeltas(reasoning, out.content, out.tool_calls)
+
+    @property
+    def called(self) -> bool:
+        """Whether the whole reply (after `feed(..., final=True)`) made a complete, valid tool call."""
+        return self.tools is not None and self.tools.called
 
 
 def _partial_tag(text: str, tag: str) -> int:

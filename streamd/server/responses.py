@@ -28,11 +28,10 @@ from streamd.server.body_fields import body_flag, check_model
 from streamd.server.errors import ServiceError
 from streamd.server.generation import Prepared, normalize_messages
 from streamd.server.logprobs import TokenTexts, chat_entries
-from streamd.server.reasoning import ReasoningParser
+from streamd.server.reasoning import ReplyParser
 from streamd.server.responses_store import StoredResponse
 from streamd.server.services import Services
 from streamd.server.structured_api import plan_tools, structured_from_text_format
-from streamd.server.tool_parsers import ToolCallParser
 
 # Fields that ask for features this server does not have; refused unless empty / the harmless value.
 _REFUSED: dict[str, Any] = {
@@ -328,7 +327,7 @@ class ResponseBuilder:
     """One response's events, in order, numbered from 0; also its final `response` object. A plain text
     response opens its message at once (as before any tools or reasoning); with tools or a reasoning model,
     each item (reasoning, message, function calls) opens when its first text arrives and the previous one is
-    done then. Reply text goes through the reasoning parser and the tool-call parser the chat route uses."""
+    done then. Reply text goes through the `ReplyParser` the chat route uses (reasoning, then tool calls)."""
 
     plan: ResponsePlan
     model: str
@@ -338,20 +337,16 @@ class ResponseBuilder:
     items: list[_Item] = field(default_factory=list)
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[str, Any]] = field(default_factory=list)
-    reasoner: ReasoningParser | None = None
-    tool_parser: ToolCallParser | None = None
+    reply: ReplyParser = field(init=False)
     calls: dict[int, _Item] = field(default_factory=dict)  # the parser's call index -> its item
 
     def __post_init__(self) -> None:
-        if self.plan.think_inside is not None:
-            self.reasoner = ReasoningParser(self.plan.think_inside)
-        if self.plan.tool_format is not None:
-            self.tool_parser = ToolCallParser(self.plan.tool_format)
+        self.reply = ReplyParser(self.plan.think_inside, self.plan.tool_format)
 
     @property
     def eager(self) -> bool:
         """Whether the message item opens at once (a plain text response)."""
-        return self.reasoner is None and self.tool_parser is None
+        return self.plan.think_inside is None and self.plan.tool_format is None
 
     def event(self, kind: str, **fields: Any) -> dict[str, Any]:
         event = {"type": kind, **fields, "sequence_number": self.seq}
@@ -387,15 +382,10 @@ class ResponseBuilder:
 
     # ---- reply text -> items ------------------------------------------------------------------------
     def _text(self, text: str, logprobs: list[dict[str, Any]], final: bool) -> list[dict[str, Any]]:
+        out = self.reply.feed(text, final)
         events = []
-        if self.reasoner is not None:
-            split = self.reasoner.feed(text, final)
-            if split.reasoning:
-                events += self._append("reasoning", split.reasoning, "response.reasoning_text.delta")
-            text = split.content
-        if self.tool_parser is None:
-            return events + self._content(text, logprobs)
-        out = self.tool_parser.feed(text, final)
+        if out.reasoning:
+            events += self._append("reasoning", out.reasoning, "response.reasoning_text.delta")
         events += self._content(out.content, logprobs)
         for delta in out.tool_calls:
             events += self._call_delta(delta)

@@ -6,29 +6,18 @@ regex (`structured_outputs`) makes each reply a call in its family's format, or 
 
 from __future__ import annotations
 
-import copy
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import pytest_asyncio
-import torch
 from openai import AsyncOpenAI
 from transformers import LlamaConfig, PretrainedConfig, Qwen2Config
 
-from streamd.config import load_config
-from streamd.engine.client.async_engine import AsyncEngine
-from streamd.engine.llm_engine import LLMEngine
-from streamd.engine.worker.model_loader import load_model
 from tests.chat_templates import LLAMA_3_2_TEMPLATE, QWEN_2_5_TEMPLATE
-from tests.helpers import register_engine
-from tests.server.util import Server, running_server
-from tests.smollm2_tokenizer import smollm2_tokenizer
+from tests.server.util import Server, templated_server
 
-SMALL = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
-         "eos_token_id": 2, "bos_token_id": 1}
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                           "required": ["city"]}}}
@@ -45,18 +34,8 @@ FAMILIES: dict[str, tuple[type[PretrainedConfig], str]] = {
 async def family_server(request: pytest.FixtureRequest) -> AsyncIterator[tuple[str, Server]]:
     family = request.param
     config_class, template = FAMILIES[family]
-    loaded = load_model(config_class(**SMALL), torch.float32, torch.device("cpu"), seed=5)
-    loaded.tokenizer = copy.deepcopy(smollm2_tokenizer())  # (the session's shared one keeps its own template)
-    loaded.tokenizer.chat_template = template
-    config = load_config(None, {"model.device": "cpu", "model.dtype": "float32", "cache.block_size": 8,
-                                "cache.num_kv_blocks": 256, "cache.num_swap_blocks": 0})
-    engine = AsyncEngine(register_engine(LLMEngine(config, loaded, torch.device("cpu"))))
-    engine.start()
-    try:
-        async with running_server(engine) as srv:
-            yield family, srv
-    finally:
-        await engine.shutdown()
+    async with templated_server(config_class, template, seed=5) as srv:
+        yield family, srv
 
 
 def _request(srv: Server, regex: str, **extra: Any) -> dict[str, Any]:

@@ -6,27 +6,16 @@ get `reasoning_content` apart from `content`, streamed and not. `thinking_token_
 
 from __future__ import annotations
 
-import copy
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest_asyncio
-import torch
 from openai import AsyncOpenAI
 from transformers import Qwen2Config
 
-from streamd.config import load_config
-from streamd.engine.client.async_engine import AsyncEngine
-from streamd.engine.llm_engine import LLMEngine
-from streamd.engine.worker.model_loader import load_model
-from tests.helpers import register_engine
-from tests.server.util import Server, gather_until_done, running_server, send, ws_connect
-from tests.smollm2_tokenizer import smollm2_tokenizer
+from tests.server.util import Server, gather_until_done, send, templated_server, ws_connect
 
-SMALL = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
-         "eos_token_id": 2, "bos_token_id": 1}
 THINKING_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n"
@@ -38,18 +27,8 @@ MESSAGES = [{"role": "user", "content": "Is it?"}]
 
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def think_server() -> AsyncIterator[Server]:
-    loaded = load_model(Qwen2Config(**SMALL), torch.float32, torch.device("cpu"), seed=7)
-    loaded.tokenizer = copy.deepcopy(smollm2_tokenizer())  # (the session's shared one keeps its own template)
-    loaded.tokenizer.chat_template = THINKING_TEMPLATE
-    config = load_config(None, {"model.device": "cpu", "model.dtype": "float32", "cache.block_size": 8,
-                                "cache.num_kv_blocks": 256, "cache.num_swap_blocks": 0})
-    engine = AsyncEngine(register_engine(LLMEngine(config, loaded, torch.device("cpu"))))
-    engine.start()
-    try:
-        async with running_server(engine) as srv:
-            yield srv
-    finally:
-        await engine.shutdown()
+    async with templated_server(Qwen2Config, THINKING_TEMPLATE, seed=7) as srv:
+        yield srv
 
 
 def _client(srv: Server) -> AsyncOpenAI:

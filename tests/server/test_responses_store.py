@@ -32,7 +32,14 @@ def test_expired_and_excess_files_go(tmp_path: Path) -> None:
         os.utime(path, (old, old))
     assert store.shared is not None
     store.shared.prune()
-    assert len(list(tmp_path.glob("*.json"))) <= 4
+    assert len(list(tmp_path.glob("*.json"))) == 4  # the aged file and the oldest other went
+    assert ResponseStore(4, 60.0, tmp_path).get("k", "resp_5") == _response(5)  # the newest stayed
+    aged = ResponseStore(8, 60.0, tmp_path / "aged")
+    aged.put("k", _response(7))
+    aged.put("k", _response(8))
+    os.utime(aged.shared._path("k", "resp_7"), (old, old))
+    aged.shared.prune()  # under max_entries: only the file past its TTL goes
+    assert sorted(p.name for p in (tmp_path / "aged").glob("*.json")) == [aged.shared._path("k", "resp_8").name]
     short = ResponseStore(4, 0.05, tmp_path / "short")
     short.put("k", _response(9))
     deadline = time.monotonic() + 10

@@ -1,22 +1,30 @@
-"""Helpers for server tests: running a real uvicorn server, a WebSocket client that gathers frames."""
+"""Helpers for server tests: running a real uvicorn server (over a given engine, or over a tiny random-weight
+model with a chat template of the test's own), a WebSocket client that gathers frames."""
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from starlette.applications import Starlette
+from transformers import PretrainedConfig
 from websockets.asyncio.client import ClientConnection, connect
 
 from streamd.config import load_config
 from streamd.engine.client.async_engine import AsyncEngine
+from streamd.engine.llm_engine import LLMEngine
+from streamd.engine.worker.model_loader import load_model
 from streamd.server.app import create_app
 from streamd.server.serve import DrainingServer, uvicorn_config
 from streamd.server.services import Services
+from tests.helpers import register_engine
+from tests.smollm2_tokenizer import smollm2_tokenizer
 
 WS_TIMEOUT = 120.0
 
@@ -59,6 +67,31 @@ async def running_server(engine: AsyncEngine, warm_up: bool = False, environ: di
     finally:
         srv.should_exit = True
         await task
+
+
+# A random-weight model small enough for CPU, with SmolLM2's vocabulary (its tokenizer is the real one).
+TINY_MODEL = {"vocab_size": 49152, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 1024,
+              "eos_token_id": 2, "bos_token_id": 1}
+
+
+@asynccontextmanager
+async def templated_server(config_class: type[PretrainedConfig], chat_template: str,
+                           seed: int) -> AsyncIterator[Server]:
+    """A server over a random-weight `config_class` model (`TINY_MODEL`) whose tokenizer is SmolLM2's with
+    `chat_template` (the model family's own, e.g. to test its tool-call or reasoning format)."""
+    loaded = load_model(config_class(**TINY_MODEL), torch.float32, torch.device("cpu"), seed=seed)
+    loaded.tokenizer = copy.deepcopy(smollm2_tokenizer())  # (the session's shared one keeps its own template)
+    loaded.tokenizer.chat_template = chat_template
+    config = load_config(None, {"model.device": "cpu", "model.dtype": "float32", "cache.block_size": 8,
+                                "cache.num_kv_blocks": 256, "cache.num_swap_blocks": 0})
+    engine = AsyncEngine(register_engine(LLMEngine(config, loaded, torch.device("cpu"))))
+    engine.start()
+    try:
+        async with running_server(engine) as srv:
+            yield srv
+    finally:
+        await engine.shutdown()
 
 
 def ws_connect(server: Server, **kwargs: Any) -> Any:

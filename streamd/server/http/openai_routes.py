@@ -45,10 +45,9 @@ from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import WIRE_PARAMS, Prepared
 from streamd.server.http.common import RouteSpec, SSEResponse, json_body, until_disconnect
 from streamd.server.logprobs import LogprobsBuilder, TokenTexts, prompt_entries
-from streamd.server.reasoning import ReasoningParser
+from streamd.server.reasoning import ReplyParser
 from streamd.server.services import Services
 from streamd.server.structured_api import plan_tools, with_enforced_call
-from streamd.server.tool_parsers import ToolCallParser
 
 
 @dataclass(slots=True)
@@ -64,25 +63,17 @@ class _Call:
     account: RequestAccount
     tool_format: str | None = None  # the format the replies' tool calls are parsed in (None: text)
     logprobs: LogprobsBuilder | None = None  # set when the request asked for logprobs
-    parsers: dict[int, ToolCallParser] = field(default_factory=dict)  # per choice, with a tool_format
     first_index: int = 0  # the wire index of its first choice (a batch's prompt i starts at i * n)
     echo: str | None = None  # the prompt's text, put before each choice's text (completions' `echo`)
     prompt_top: int | None = None  # vLLM's `prompt_logprobs` asked (completions): each choice's `prompt_logprobs`
     token_texts: TokenTexts | None = None  # with prompt_top: the tokens' texts
     think_inside: bool | None = None  # a reasoning model's chat: whether replies start inside `<think>`
-    reasoners: dict[int, ReasoningParser] = field(default_factory=dict)  # per choice, with think_inside
+    replies: dict[int, ReplyParser] = field(default_factory=dict)  # per choice (chat): reasoning, tool calls
 
-    def parser(self, index: int) -> ToolCallParser:
-        assert self.tool_format is not None
-        if index not in self.parsers:
-            self.parsers[index] = ToolCallParser(self.tool_format)
-        return self.parsers[index]
-
-    def reasoner(self, index: int) -> ReasoningParser:
-        assert self.think_inside is not None
-        if index not in self.reasoners:
-            self.reasoners[index] = ReasoningParser(self.think_inside)
-        return self.reasoners[index]
+    def reply(self, index: int) -> ReplyParser:
+        if index not in self.replies:
+            self.replies[index] = ReplyParser(self.think_inside, self.tool_format)
+        return self.replies[index]
 
     def finish(self) -> None:
         """The request is over for this call (finished, or its client left): abort if needed, count it."""
@@ -228,6 +219,7 @@ async def _start_all(
     """Submits every prompt's request (`api_key`: whose compile slots a grammar takes); a refusal of one lets
     go of those already submitted."""
     calls: list[_Call] = []
+    created, think = int(time.time()), s.generation.think if kind == "chat" else None
     try:
         for i, one in enumerate(prepared):
             account, stream = await s.generation.submit(one, kind, api_key=api_key)
@@ -235,9 +227,7 @@ async def _start_all(
             top = one.params.logprobs
             logprobs = None if top is None else LogprobsBuilder(s.token_texts, kind, top, one.params.n)
             text = _echo_text(s, one) if echo else None
-            think = s.generation.think
-            inside = think.starts_inside(one.prompt_token_ids) if think is not None and kind == "chat" else None
-            created = int(time.time())
+            inside = think.starts_inside(one.prompt_token_ids) if think is not None else None
             calls.append(
                 _Call(
                     kind,
@@ -317,21 +307,16 @@ async def _sse(
         )
         deltas = _after(head, deltas)
     texts = TextEvents(call, extra)
+    plain = call.logprobs is None and call.think_inside is None and call.tool_format is None  # the fast path
     async for delta in deltas:
         events = []
         for choice in delta.outputs:
             if call.logprobs is not None:
                 call.logprobs.add(choice)
-            if not choice.text:
-                continue
-            if call.think_inside is not None:
-                events += _reasoned(call, texts, choice.index, choice.text, final=False)
-            elif call.tool_format is not None:
-                events += _parsed(call, texts, choice.index, choice.text, final=False)
-            elif call.logprobs is None:
+            if plain and choice.text:
                 events.append(texts.event(choice.index, choice.text))
-            else:  # the chunk carries the logprobs of its tokens
-                events.append(_data(_chunk(call, choice.index, _piece(call, choice.text), None, extra)).encode())
+            elif choice.text:
+                events += _text_events(call, texts, choice.index, choice.text, final=False)
         if events:
             yield b"".join(events)
     tail: list[bytes] = []
@@ -339,15 +324,11 @@ async def _sse(
         tail.append(_data(ServiceError("internal_error", account.error).openai_body()).encode())
     else:
         for index, finish in enumerate(account.choice_finishes()):
-            if call.think_inside is not None:  # what was held back (part of a tag, text that might be a call)
-                tail += _reasoned(call, texts, index, "", final=True)
-            elif call.tool_format is not None:  # what was held back (text that might have become a call)
-                tail += _parsed(call, texts, index, "", final=True)
+            if not plain:  # what the parsers held back (part of a tag, text that might have become a call)
+                tail += _text_events(call, texts, index, "", final=True)
             tail.append(_data(_chunk(call, index, _piece(call, ""), finish, extra)).encode())
-    if include_usage and last:
-        tail.append(_data({**_envelope(call), "choices": [], "usage": account.usage()}).encode())
     if last:
-        tail.append(b"data: [DONE]\n\n")
+        tail.append(_stream_end([call], include_usage))
     yield b"".join(tail)
 
 
@@ -409,8 +390,13 @@ async def _batch_sse(
     finally:
         for task in tasks:
             task.cancel()
-    tail = [_data({**_envelope(calls[0]), "choices": [], "usage": _usage(calls)}).encode()] if include_usage else []
-    yield b"".join([*tail, b"data: [DONE]\n\n"])
+    yield _stream_end(calls, include_usage)
+
+
+def _stream_end(calls: list[_Call], include_usage: bool) -> bytes:
+    """A stream's last write: the calls' summed usage (when asked) and `[DONE]`."""
+    usage = [_data({**_envelope(calls[0]), "choices": [], "usage": _usage(calls)}).encode()] if include_usage else []
+    return b"".join([*usage, b"data: [DONE]\n\n"])
 
 
 def _usage(calls: list[_Call]) -> dict[str, Any]:
@@ -449,6 +435,13 @@ class TextEvents:
         except TypeError:  # text orjson refuses (a lone surrogate): the generic encoder decides
             return self._whole(index, text)
 
+    def content(self, index: int, text: str) -> list[bytes]:
+        """A choice's new content as its chunk (none for no text); with logprobs, the whole chunk carries
+        those of its tokens."""
+        if not text:
+            return []
+        return [self.event(index, text) if self.call.logprobs is None else self._whole(index, text)]
+
     def _whole(self, index: int, text: str) -> bytes:
         return _data(_chunk(self.call, index, _piece(self.call, text), None, self.extra)).encode()
 
@@ -484,67 +477,56 @@ async def _collect(call: _Call) -> list[dict[str, Any]]:
         raise queue_timed_out()
     choices = []
     for index, (pieces, finish) in enumerate(zip(texts, account.choice_finishes())):
-        content = (call.echo or "") + "".join(pieces)
-        reasoning = None
-        if call.think_inside is not None:
-            content = call.reasoner(index).feed(content, final=True).content
-            reasoning = call.reasoner(index).reasoning_text
-        if call.tool_format is not None:
-            call.parser(index).feed(content, final=True)
+        text = (call.echo or "") + "".join(pieces)
+        message = _message(call, index, text) if call.kind == "chat" else None  # (before `_ending`: it parses)
         logprobs = call.logprobs.take(index) if call.logprobs is not None else None
         ending = _ending(call, index, finish)
-        if call.kind != "chat":
-            entry = {"index": call.first_index + index, "text": content, "logprobs": logprobs, **ending}
-            if call.prompt_top is not None:
-                entry["prompt_logprobs"] = _prompt_entries(call, prompt_logprobs)
-            choices.append(entry)
+        if message is not None:
+            choices.append({"index": call.first_index + index, "message": message, "logprobs": logprobs, **ending})
             continue
-        message: dict[str, Any] = {"role": "assistant", "content": content}
-        if call.tool_format is not None:
-            reply = call.parser(index).result()
-            if reply.tool_calls:
-                message = {"role": "assistant", "content": reply.content, "tool_calls": reply.tool_calls}
-        if reasoning is not None:
-            message["reasoning_content"] = reasoning
-        choices.append({"index": call.first_index + index, "message": message, "logprobs": logprobs, **ending})
+        entry = {"index": call.first_index + index, "text": text, "logprobs": logprobs, **ending}
+        if call.prompt_top is not None:
+            entry["prompt_logprobs"] = _prompt_entries(call, prompt_logprobs)
+        choices.append(entry)
     return choices
+
+
+def _message(call: _Call, index: int, text: str) -> dict[str, Any]:
+    """A chat choice's whole reply as its message: the content, the tool calls, the reasoning."""
+    reply = call.reply(index)
+    message: dict[str, Any] = {"role": "assistant", "content": reply.feed(text, final=True).content}
+    if reply.tools is not None:
+        parsed = reply.tools.result()  # (its content: all the text after the reasoning when it made no call)
+        message["content"] = parsed.content
+        if parsed.tool_calls:
+            message["tool_calls"] = parsed.tool_calls
+    reasoning = reply.reasoner.reasoning_text if reply.reasoner is not None else None
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    return message
 
 
 def _ending(call: _Call, index: int, finish: FinishNames) -> dict[str, Any]:
     """A finished choice's `finish_reason` ("tool_calls" when it stopped with a complete tool call, else
     OpenAI's name for the engine's) and its extra flag, if the finish has one (`streamd_drained`)."""
     reason = finish.openai
-    if call.tool_format is not None and reason == "stop" and call.parser(index).called:
+    if call.tool_format is not None and reason == "stop" and call.reply(index).called:
         reason = "tool_calls"
     return {"finish_reason": reason, **({finish.flag: True} if finish.flag else {})}
 
 
-def _reasoned(call: _Call, texts: TextEvents, index: int, text: str, final: bool) -> list[bytes]:
-    """A reasoning model's new text: its reasoning as `reasoning_content` chunks, the rest as content (through
-    the tool-call parser when there is one)."""
-    split = call.reasoner(index).feed(text, final)
+def _text_events(call: _Call, texts: TextEvents, index: int, text: str, final: bool) -> list[bytes]:
+    """A choice's new text -> its chunks: a reasoning model's reasoning as `reasoning_content`, the rest as
+    content, through the tool-call parser when there is one (`final`: release what the parsers held back)."""
+    out = call.reply(index).feed(text, final)
     events = []
-    if split.reasoning:
-        events.append(_data(_chunk(call, index, {"reasoning_content": split.reasoning}, None, texts.extra)).encode())
-    if call.tool_format is not None:
-        return events + _parsed(call, texts, index, split.content, final)
-    if split.content and call.logprobs is None:
-        events.append(texts.event(index, split.content))
-    elif split.content:
-        events.append(_data(_chunk(call, index, _piece(call, split.content), None, texts.extra)).encode())
-    return events
-
-
-def _parsed(call: _Call, texts: TextEvents, index: int, text: str, final: bool) -> list[bytes]:
-    """A choice's new text through its tool-call parser -> the chunks to send (content, tool calls); plain
-    content without logprobs takes the text chunks' fast path."""
-    out = call.parser(index).feed(text, final)
-    if not out.tool_calls and call.logprobs is None:
-        return [texts.event(index, out.content)] if out.content else []
+    if out.reasoning:
+        events.append(_data(_chunk(call, index, {"reasoning_content": out.reasoning}, None, texts.extra)).encode())
+    if not out.tool_calls:
+        return events + texts.content(index, out.content)
     pieces: list[dict[str, Any]] = [{"content": out.content}] if out.content else []
-    if out.tool_calls:
-        pieces.append({"tool_calls": out.tool_calls})
-    return [_data(_chunk(call, index, piece, None, texts.extra)).encode() for piece in pieces]
+    pieces.append({"tool_calls": out.tool_calls})
+    return events + [_data(_chunk(call, index, piece, None, texts.extra)).encode() for piece in pieces]
 
 
 def _envelope(call: _Call, final: bool = False) -> dict[str, Any]:

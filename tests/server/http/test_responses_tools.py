@@ -67,8 +67,8 @@ async def test_function_call_output_reaches_the_template_as_a_tool_message(serve
             {"role": "assistant", "content": "", "tool_calls": [{"id": call.call_id, "type": "function", "function": {
                 "name": call.name, "arguments": call.arguments}}]},
             {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 C"}])
-    assert whole.usage.input_tokens == chat.usage.prompt_tokens
-    assert whole.output_text == chat.choices[0].message.content
+    assert whole.usage.input_tokens == follow.usage.input_tokens == chat.usage.prompt_tokens
+    assert whole.output_text == follow.output_text == chat.choices[0].message.content
 
 
 async def test_websocket_mode_streams_the_call(server: Server) -> None:
