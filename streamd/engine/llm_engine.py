@@ -262,9 +262,11 @@ class LLMEngine:
 
     def _attach_prompt_logprobs(self, updates: dict[str, RequestUpdate]) -> None:
         """A request's prompt logprobs go with its first update that carries tokens (its prompt has been
-        computed whole by then: the step that samples its first token ran the prompt's last chunk)."""
-        for request_id, update in updates.items():
-            if request_id in self._prompt_logprobs and any(seq.token_ids for seq in update.seqs):
+        computed whole by then: the step that samples its first token ran the prompt's last chunk). Scans
+        the few requests that asked, not the step's every update."""
+        for request_id in [r for r in self._prompt_logprobs if r in updates]:
+            update = updates[request_id]
+            if any(seq.token_ids for seq in update.seqs):
                 update.prompt_logprobs = self._prompt_logprobs.pop(request_id)
 
     def _process(self, updates: list[RequestUpdate]) -> list[RequestDelta]:

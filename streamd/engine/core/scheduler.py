@@ -250,8 +250,10 @@ class Scheduler:
         return self.max_step_s is not None and bool(shape.pairs) and self.step_cost.predict(shape) >= self.max_step_s
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """The engine measured the step `out` planned: the step cost learns from it."""
-        self.step_cost.observe(out.shape, seconds)
+        """The engine measured the step `out` planned: the step cost learns from it (only with a latency
+        budget: without one nothing reads the fit)."""
+        if self.max_step_s is not None:
+            self.step_cost.observe(out.shape, seconds)
 
     def _schedule_running(
         self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq]

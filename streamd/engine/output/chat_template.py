@@ -75,7 +75,9 @@ def read_chat_template(spec: str) -> str:
 
 def _check_template_kwargs(tokenizer: Any, kwargs: dict[str, Any]) -> None:
     """Template variables must be names that are no argument of `apply_chat_template` (`chat_template`,
-    `tokenize`, ...), so they reach only the template."""
+    `tokenize`, ...), so they reach only the template. (The signature is read only when there are some.)"""
+    if not kwargs:
+        return
     reserved = inspect.signature(tokenizer.apply_chat_template).parameters
     for name in kwargs:
         if not isinstance(name, str) or not name.isidentifier() or name in reserved:

@@ -26,7 +26,6 @@ step.
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections.abc import Callable, Iterable
@@ -40,7 +39,7 @@ from streamd.engine.core.requests import Request
 from streamd.engine.core.scheduler_output import ScheduledSeq
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.errors import RequestError
-from streamd.engine.sample.grammar_budget import GrammarBudget, GrammarError, grammar_size, schema_object
+from streamd.engine.sample.grammar_budget import GrammarBudget, GrammarError, grammar_size
 from streamd.engine.sampling_params import SamplingParams, StructuredOutputs
 
 _REGEX_SPECIAL = frozenset("\\^$.|?*+()[]{}/")
@@ -85,10 +84,8 @@ class GrammarCompiler:
         self.budget.check(size)
         kind = size.kind
         try:
-            if spec.json is not None:
-                # property order is kept: the grammar generates properties in schema order
-                schema = json.dumps(schema_object(spec.json))
-                return self._compiler.compile_json_schema(schema, any_whitespace=False)
+            if size.schema is not None:  # (property order kept: the grammar generates them in schema order)
+                return self._compiler.compile_json_schema(size.schema, any_whitespace=False)
             if spec.json_object:
                 return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
             if spec.regex is not None:
@@ -123,8 +120,8 @@ class GrammarMatchers:
     def __len__(self) -> int:
         return len(self._matchers)
 
-    def add(self, seq: Sequence, spec: StructuredOutputs) -> None:
-        self._matchers[seq.seq_id] = xgr.GrammarMatcher(self.compiler.compile(spec))
+    def add(self, seq: Sequence, grammar: xgr.CompiledGrammar) -> None:
+        self._matchers[seq.seq_id] = xgr.GrammarMatcher(grammar)
 
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """The child (a sample forked from `parent`) continues from a copy of the parent's matcher state."""
@@ -194,13 +191,13 @@ class Grammars:
         tokenizer: Any,
         vocab_size: int,
         eos_token_ids: Iterable[int],
-        budget: GrammarBudget | None = None,
-        cache_bytes: int = 256 << 20,
+        budget: GrammarBudget,
+        cache_bytes: int,
     ) -> None:
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._eos_token_ids = frozenset(eos_token_ids)
-        self._budget = budget or GrammarBudget()
+        self._budget = budget
         self._cache_bytes = cache_bytes
         self._lock = threading.Lock()
         self.matchers: GrammarMatchers | None = None  # made by the first constrained request
@@ -242,9 +239,9 @@ class Grammars:
         spec = group.sampling_params.structured_outputs
         if spec is not None:
             matchers = self._made()
-            matchers.compiler.compile(spec)
+            grammar = matchers.compiler.compile(spec)  # once for all its sequences (cached by text)
             for seq in group.seqs:
-                matchers.add(seq, spec)
+                matchers.add(seq, grammar)
 
     def remove(self, request: Request[Any]) -> None:
         """The request registry's teardown hook: the request's sequences' matchers go."""

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from streamd.config import GrammarConfig
@@ -45,6 +45,9 @@ class SpecSize:
     properties: int  # object properties, every object of a schema together
     alternatives: int  # enum values and choice items
     repeat: int  # the largest counted repetition (a length or item bound, a regex's {m,n})
+    # A JSON schema's compact text (property order kept), as measured: what the engine hands xgrammar, so
+    # a schema is parsed and printed once per compile.
+    schema: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def light(self) -> bool:
@@ -53,13 +56,14 @@ class SpecSize:
 
 @dataclass(slots=True, frozen=True)
 class GrammarBudget:
-    """The largest spec the engine compiles (config section `grammar`); a real application stays far below."""
+    """The largest spec the engine compiles (config section `grammar`, whose defaults these are: `of`); a real
+    application stays far below."""
 
-    max_chars: int = 65536
-    max_depth: int = 64
-    max_properties: int = 1000
-    max_alternatives: int = 4096
-    max_repeat: int = 2048
+    max_chars: int
+    max_depth: int
+    max_properties: int
+    max_alternatives: int
+    max_repeat: int
 
     @classmethod
     def of(cls, config: GrammarConfig) -> GrammarBudget:
@@ -68,10 +72,10 @@ class GrammarBudget:
 
     def check(self, size: SpecSize) -> None:
         """Raises GrammarError naming the first limit `size` exceeds."""
-        field = f"structured_outputs.{size.kind}"
+        name = f"structured_outputs.{size.kind}"
         if size.depth > self.max_depth:
             raise GrammarError(
-                f"{field} is nested too deeply ({size.depth} levels of objects and arrays; at most "
+                f"{name} is nested too deeply ({size.depth} levels of objects and arrays; at most "
                 f"{self.max_depth}, grammar.max_depth)"
             )
         for what, value, limit, key in (
@@ -81,9 +85,7 @@ class GrammarBudget:
             ("as the largest repetition count or length bound", size.repeat, self.max_repeat, "max_repeat"),
         ):
             if value > limit:
-                raise GrammarError(
-                    f"{field} is too complex to compile: {value} {what} (at most {limit}, grammar.{key})"
-                )
+                raise GrammarError(f"{name} is too complex to compile: {value} {what} (at most {limit}, grammar.{key})")
 
 
 def grammar_size(spec: StructuredOutputs) -> SpecSize:
@@ -129,7 +131,8 @@ def _schema_size(schema: dict[str, Any]) -> SpecSize:
             continue
         depth = max(depth, level)
         stack.extend((child, level + 1) for child in children)
-    return SpecSize("json", len(json.dumps(schema)), depth, properties, alternatives, repeat)
+    text = json.dumps(schema)
+    return SpecSize("json", len(text), depth, properties, alternatives, repeat, text)
 
 
 def _bounds(node: dict[str, Any]) -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from streamd.config import GrammarConfig
 from streamd.engine.sample.grammar import GrammarCompiler
 from streamd.engine.sample.grammar_budget import GrammarBudget, GrammarError, grammar_size
 from streamd.engine.sampling_params import StructuredOutputs
@@ -23,7 +24,7 @@ def test_a_spec_is_measured_in_one_walk() -> None:
 
 
 def test_the_first_limit_exceeded_is_named() -> None:
-    budget = GrammarBudget(max_properties=10)
+    budget = GrammarBudget.of(GrammarConfig(max_properties=10))
     many = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(11)}}
     with pytest.raises(GrammarError, match=r"11 object properties \(at most 10, grammar.max_properties\)"):
         budget.check(grammar_size(StructuredOutputs(json=many)))
@@ -37,7 +38,7 @@ def test_the_first_limit_exceeded_is_named() -> None:
 def test_the_compiled_grammar_cache_stays_within_its_bytes() -> None:
     """Issue 35 D3: 400 distinct small schemas kept ~1.5 MB each for ever; now least recently used go."""
     limit = 4 << 20  # about three of these schemas (each ~1.25 MB compiled)
-    compiler = GrammarCompiler(smollm2_tokenizer(), 49152, [2], GrammarBudget(), limit)
+    compiler = GrammarCompiler(smollm2_tokenizer(), 49152, [2], GrammarBudget.of(GrammarConfig()), limit)
     for i in range(12):
         schema = {"type": "object", "properties": {f"field_{i}": {"type": "string", "maxLength": 20}}}
         compiler.compile(StructuredOutputs(json=schema))

@@ -121,8 +121,16 @@ def test_dead_end_ends_the_request_with_a_reason(engine: LLMEngine) -> None:
     assert "dead end" in (out.error or ""), out
 
 
+def _nested(levels: int) -> dict:
+    schema: dict = {"type": "string"}
+    for _ in range(levels):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
 @pytest.mark.parametrize("spec, message", [
     ({"json": {"type": "object", "properties": {"a": {"type": "strin"}}}}, 'Unsupported type "strin"'),
+    ({"json": _nested(70)}, "grammar.max_depth"),  # the engine's own compile budget, not only the server's
     ({"json": '{"type": '}, "structured_outputs.json is not valid JSON"),
     ({"regex": "(abc"}, "structured_outputs.regex cannot be compiled"),
     ({"grammar": "root ::= foo"}, 'Rule "foo" is not defined'),
