@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# Issue 26 on a 2-GPU box (<= 9 minutes, no network). From the repository root on the device machine:
+# Issue 26 on a 2-GPU box (<= 9.5 minutes, no network). From the repository root on the device machine:
 #   benchmarks/tp_device.sh            (the device tool's $OUT receives everything; default /tmp/out)
-# 1. the CUDA tensor-parallel test (TP=2 greedy == TP=1 on a float32 Llama-3.2-1B shape; graphs and eager);
+# 1. the CUDA tensor-parallel test (TP=2 greedy == TP=1 on a float32 Llama-3.2-1B shape; graphs and eager),
+#    watched for hangs (it once hung in teardown: NCCL's abort waits for CUDA graphs that hold the
+#    communicator, `cuda_graphs` module docstring): pytest's faulthandler dumps rank 0's stacks at 120 s,
+#    STREAMD_TP_HANG_DUMP_S the worker rank's (workers.py, `_arm_hang_dump`), both into cuda-tests.log, and
+#    NCCL_DEBUG=WARN shows a communicator's abort or destroy going wrong;
 # 2. `streamd bench throughput --tp 1,2 --shapes llama3.1-8b`: random bf16 weights saved once as a checkpoint,
 #    nano-vllm's workload at TP=1 then TP=2 in one process, the 4k-prompt TTFT of each, the NCCL probe and the
 #    two-GPU roofline (JSON: tp1_tok_s, tp2_tok_s, roofline_tok_s, nccl_bus_gb_s, ...);
@@ -18,8 +22,12 @@ nvidia-smi -L | tee "$OUT/gpus.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, 'nccl', torch.cuda.nccl.version())" | tee -a "$OUT/gpus.txt"
 
 echo "=== cuda tests $(date -u +%T)"
-timeout 140 python3 -m pytest -x -q -m cuda -p no:cacheprovider tests/engine/worker/test_tensor_parallel_cuda.py \
-  > "$OUT/cuda-tests.log" 2>&1; echo "rc=$?" >> "$OUT/cuda-tests.log"; tail -5 "$OUT/cuda-tests.log"
+start=$(date +%s)
+STREAMD_TP_HANG_DUMP_S=120 NCCL_DEBUG=WARN timeout 150 python3 -X faulthandler -m pytest -x -q -s -m cuda \
+  -p no:cacheprovider -o faulthandler_timeout=120 tests/engine/worker/test_tensor_parallel_cuda.py \
+  > "$OUT/cuda-tests.log" 2>&1
+echo "rc=$? seconds=$(( $(date +%s) - start ))" >> "$OUT/cuda-tests.log"
+grep -E "passed|failed|error|Timeout|group_close_failed|rc=" "$OUT/cuda-tests.log" | tail -20
 
 echo "=== throughput tp 1,2 $(date -u +%T)"
 timeout 280 python3 -m streamd.cli.main bench throughput --device cuda --tp 1,2 --shapes llama3.1-8b \

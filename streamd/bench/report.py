@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from datetime import date
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,14 @@ def save_report(report: dict[str, Any], out: str | os.PathLike[str] | None, name
         tmp.write_text(text)
         os.replace(tmp, path)  # a half-written report never replaces a good one
     return stem
+
+
+def report_header(device: str) -> dict[str, Any]:
+    """The fields a device benchmark's report starts with: today's date, the commit, the device and torch's
+    version (`save_report` names the files by the first and the third)."""
+    import torch
+
+    return {"date": date.today().isoformat(), "git_commit": git_commit(), "device": device, "torch": torch.__version__}
 
 
 def git_commit() -> str:

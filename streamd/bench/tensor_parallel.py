@@ -3,19 +3,16 @@ sizes in one invocation, with what bounds the multi-GPU number.
 
 The weights are random (bf16) but saved once as a checkpoint that every run loads, as a deployment would
 (the tensor-parallel ranks each load it and keep their shard). Each size runs nano-vllm's workload
-(`throughput.random_workload`), then the time to first token of a lone 4k-token prompt (fresh tokens each
+(`offline.random_workload`), then the time to first token of a lone 4k-token prompt (fresh tokens each
 time: no prefix-cache hits). Beside them:
 
 - an NCCL probe: all-reduces of a few sizes over the GPUs, reported as bus bandwidth
   (busbw = 2 (n - 1) / n * bytes / time, nccl-tests' definition) and the smallest size's latency;
-- the N-GPU roofline: every decode step reads each card's share of the layers' weights and KV once (in
-  parallel on the cards), rank 0 also the replicated head, and waits for the two all-reduces of every layer
-  (latency + bytes at the bus bandwidth); prefill FLOPs split over the cards at the measured matrix rate.
+- the N-GPU roofline (`offline.roofline_tok_s`), which charges the all-reduces at the probe's numbers.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import random
 import socket
@@ -33,7 +30,7 @@ from streamd.bench.offline import (
     random_workload,
     roofline_tok_s,
 )
-from streamd.bench.report import BenchError, git_commit, save_report
+from streamd.bench.report import BenchError, report_header, save_report
 from streamd.bench.workloads import TokenWorkload
 
 TTFT_PROMPT = 4096
@@ -41,9 +38,9 @@ TTFT_REPEATS = 5
 _PROBE_SIZES = (1 << 16, 1 << 21, 1 << 24, 1 << 27)  # bytes: 64 KiB (latency) .. 128 MiB (bandwidth)
 
 
-def save_checkpoint(config: Any, path: Path) -> Path:
-    """Random bf16 weights of `config` (made on the GPU: seconds) and a word-level tokenizer, as a
-    directory `LLM` loads; kept if already there."""
+def save_checkpoint(config: Any, path: Path, dtype: str = "bfloat16") -> Path:
+    """Random weights of `config` in `dtype` (made on the GPU: seconds) and a word-level tokenizer, as a
+    directory `LLM` loads; kept if already there. (The CUDA tensor-parallel test saves its model so too.)"""
     import torch
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
@@ -53,7 +50,7 @@ def save_checkpoint(config: Any, path: Path) -> Path:
         return path
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     model.save_pretrained(path)
     del model
     torch.cuda.empty_cache()
@@ -167,10 +164,7 @@ def tp_main(shape: str, sizes: list[int], num_requests: int, num_kv_blocks: int,
     work = random_workload(config.vocab_size, num_requests)
     path = save_checkpoint(config, Path(os.environ.get("STREAMD_BENCH_CKPT", "/tmp/streamd-ckpt")) / shape)
     report: dict[str, Any] = {
-        "date": dt.date.today().isoformat(),
-        "git_commit": git_commit(),
-        "device": f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}",
-        "torch": torch.__version__,
+        **report_header(f"{torch.cuda.device_count()}x {torch.cuda.get_device_name()}"),
         "model_shape": shape,
         "workload": work.name,
         "num_kv_blocks": num_kv_blocks,

@@ -11,7 +11,6 @@ Workload (nano-vllm's): 256 requests, seed 0, random-token prompts and output le
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import json
 import random
 import time
@@ -28,7 +27,7 @@ from streamd.bench.offline import (  # (re-exported: other benchmarks and device
     random_workload,
     roofline_tok_s,
 )
-from streamd.bench.report import BenchError, add_out_argument, git_commit, save_report
+from streamd.bench.report import BenchError, add_out_argument, report_header, save_report
 from streamd.bench.tensor_parallel import tp_main
 from streamd.bench.workloads import TokenWorkload
 
@@ -178,10 +177,7 @@ def _cuda_main(args: argparse.Namespace) -> int:
     ceilings = measure_ceilings()
     peers = [p for p in args.peers.split(",") if p and p != "none"]
     report: dict[str, Any] = {
-        "date": dt.date.today().isoformat(),
-        "git_commit": git_commit(),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **report_header(torch.cuda.get_device_name()),
         "ceilings": ceilings,
         "runs": [],
     }

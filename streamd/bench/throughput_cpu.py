@@ -8,7 +8,6 @@ transformers forward of it. Ratios are taken within one invocation (the machine 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import os
 import platform
 import random
@@ -21,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from streamd.bench.hf_peer import run_continuous_batching
-from streamd.bench.report import BenchError, git_commit, results_dir, save_report
+from streamd.bench.report import BenchError, report_header, results_dir, save_report
 from streamd.bench.workloads import TokenWorkload
 
 BUSY_LOOP = "while True: pass"
@@ -212,13 +211,10 @@ def run_cpu_benchmark(settings: CpuBenchSettings, log: Callable[[str], None] = p
     work = cpu_workload(vocab, settings)
     streamd.run(cpu_workload(vocab, CpuBenchSettings(num_requests=4, output_len=4), seed=9))  # warm-up
     report: dict[str, Any] = {
-        "date": dt.date.today().isoformat(),
-        "git_commit": git_commit(),
-        "device": "cpu",
+        **report_header("cpu"),
         "cpu": cpu_model_name() or platform.processor() or platform.machine(),
         "usable_cores": usable_cores(),
         "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
         "dtype": settings.dtype,
         "workload": work.name,
         "output_tokens": work.output_tokens,

@@ -60,6 +60,15 @@ def test_chunked_prefill_gives_the_same_prompt_logprobs(smol_llm: LLM, hf_smol) 
     check(out, hf_smol, ids, 2)
 
 
+def test_a_prompt_behind_another_in_its_step_gets_its_own_rows(smol_llm: LLM, hf_smol) -> None:
+    """Both prompts are prefilled in one step, the one that asks second: its rows start after the first's."""
+    first, second = prompt_of(smol_llm, 30, seed=8), prompt_of(smol_llm, 40, seed=9)
+    params = [SamplingParams(max_tokens=2), SamplingParams(max_tokens=2, prompt_logprobs=2)]
+    plain, asked = smol_llm.generate([first, second], params)
+    assert plain.prompt_logprobs is None
+    check(asked, hf_smol, second, 2)
+
+
 def test_small_chunks_agree_with_one_chunk(smol_llm: LLM) -> None:
     small = LLM(device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, num_swap_blocks=0)
     ids = prompt_of(smol_llm, 50, seed=5)

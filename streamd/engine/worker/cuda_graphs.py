@@ -44,11 +44,6 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
-def _alone(captured: bool) -> bool:
-    """The agreement of a single rank: its own outcome."""
-    return captured
-
-
 class DecodeGraphs:
     def __init__(
         self,
@@ -98,12 +93,14 @@ class DecodeGraphs:
         ).logits[0]
 
     @torch.inference_mode()
-    def capture(self, agree: Callable[[bool], bool] = _alone) -> bool:
-        """Captures every size, largest first; False (and no graphs kept) once `agree` says a rank failed."""
+    def capture(self, agree: Callable[[bool], bool] | None = None) -> bool:
+        """Captures every size, largest first; False (and no graphs kept) once a size failed here or, with
+        `agree` (a tensor-parallel group's vote on this rank's outcome), on any rank."""
         pool = torch.cuda.graph_pool_handle()
         before = torch.cuda.memory_allocated()
         for n in reversed(self.sizes):  # largest first, so smaller graphs reuse its pool memory
-            if not agree(self._capture_one(n, pool)):
+            captured = self._capture_one(n, pool)
+            if not (captured if agree is None else agree(captured)):
                 self.graphs.clear()
                 self.logits.clear()
                 log.warning("cuda_graphs.abandoned", size=n, reason="a rank failed to capture; decoding eagerly")

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from streamd.engine.core.scheduler_output import SchedulerOutput
+from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.core.sequence import PLACEHOLDER
 from streamd.engine.worker.attention import (
     ATTN_IMPLEMENTATION,
@@ -114,7 +114,7 @@ class ModelRunner:
         False: not captured (the ranks did not all succeed), decode stays eager."""
         assert self.kv_cache is not None and self.device.type == "cuda"
         graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, max_batch, max_blocks, layers_only)
-        captured = graphs.capture(agree) if agree is not None else graphs.capture()
+        captured = graphs.capture(agree)
         self.graphs = graphs if captured else None
         return captured
 
@@ -229,22 +229,10 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_idx: list[int] = []
         pending: list[tuple[int, int]] = []
-        prompt_idx: list[int] = []
-        prompt_targets: list[int] = []
-        prompt_spans: list[tuple[str, int, int, int]] = []
         for item in out.scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             end = start + n
             table = seq.block_table
-            top = item.group.sampling_params.prompt_logprobs
-            if top is not None and start < seq.num_prompt_tokens - 1:
-                # The logits at position q score prompt token q + 1: this chunk's positions up to the
-                # prompt's second to last (the last one's logits sample the first output token).
-                stop = min(end, seq.num_prompt_tokens - 1)
-                base = len(tokens) - start
-                prompt_idx.extend(range(base + start, base + stop))
-                prompt_targets.extend(seq.token_ids[start + 1 : stop + 1])
-                prompt_spans.append((item.group.request_id, start + 1, stop - start, top))
             if n == 1:  # a decode: the common case at large batch, without slices and ranges
                 tokens.append(seq.token_ids[start])
                 positions.append(start)
@@ -273,10 +261,7 @@ class ModelRunner:
             sample_idx=to_device(sample_idx, torch.int64, dev),
             decode_only=len(tokens) == len(seq_lens),
         )
-        if prompt_spans:
-            batch.prompt_idx = to_device(prompt_idx, torch.int64, dev)
-            batch.prompt_targets = to_device(prompt_targets, torch.int64, dev)
-            batch.prompt_spans = prompt_spans
+        _add_prompt_rows(batch, out.scheduled[: len(out.scheduled) - out.num_decode_tokens], dev)
         return batch, pending
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
@@ -285,6 +270,31 @@ class ModelRunner:
         for i, table in enumerate(tables):
             rows[i, : len(table)] = table
         return to_device(rows, torch.int32, self.device)
+
+
+def _add_prompt_rows(batch: ModelInput, prefills: list[ScheduledSeq], dev: torch.device) -> None:
+    """The rows of `batch` whose logits give prompt logprobs (`ModelInput.prompt_idx`), if any prompt chunk
+    asks. Only the prefill items are looked at: they come first (their rows start at 0), and a decode
+    computes no prompt position, so a step without prompt chunks pays nothing here."""
+    idx: list[int] = []
+    targets: list[int] = []
+    spans: list[tuple[str, int, int, int]] = []
+    row = 0
+    for item in prefills:
+        seq, start = item.seq, item.seq.num_computed_tokens
+        top = item.group.sampling_params.prompt_logprobs
+        if top is not None and start < seq.num_prompt_tokens - 1:
+            # The logits at position q score prompt token q + 1: this chunk's positions up to the
+            # prompt's second to last (the last one's logits sample the first output token).
+            stop = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            idx.extend(range(row, row + stop - start))
+            targets.extend(seq.token_ids[start + 1 : stop + 1])
+            spans.append((item.group.request_id, start + 1, stop - start, top))
+        row += item.num_new_tokens
+    if spans:
+        batch.prompt_idx = to_device(idx, torch.int64, dev)
+        batch.prompt_targets = to_device(targets, torch.int64, dev)
+        batch.prompt_spans = spans
 
 
 def _prompt_logprobs(batch: ModelInput, logits: torch.Tensor) -> PromptLogprobs:

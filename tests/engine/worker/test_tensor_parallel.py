@@ -19,6 +19,7 @@ from streamd.config import ConfigError, load_config
 from streamd.engine.worker.fusion import FusedDecoder
 from streamd.engine.worker.model_runner import ModelInput
 from streamd.engine.worker.parallel import executor as executor_module
+from streamd.engine.worker.parallel.collectives import Collectives
 from streamd.engine.worker.parallel.step_message import (
     CacheOrder,
     Command,
@@ -173,14 +174,13 @@ def test_shutdown_releases_rank_0_graphs_before_its_groups(tmp_path: Path, monke
             events.append("graphs released")
 
     held = engine.runner.graphs = Graphs()  # type: ignore[assignment]  # held, as the CUDA test holds them
-    real_close = getattr(executor_module, "close_group", None)
+    real_close = executor_module.close_group
 
-    def close_group(group: object, name: str, graceful: bool = True) -> None:
+    def close_group(group: Collectives, name: str, graceful: bool = True) -> None:
         events.append(f"{name} closed" if graceful else f"{name} aborted")
-        if real_close is not None:
-            real_close(group, name, graceful)  # type: ignore[arg-type]
+        real_close(group, name, graceful)
 
-    monkeypatch.setattr(executor_module, "close_group", close_group, raising=False)
+    monkeypatch.setattr(executor_module, "close_group", close_group)
     engine.executor.shutdown()
     assert events == ["graphs released", "collectives closed", "control closed"]
     assert engine.runner.graphs is None and held.replays == 0

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from streamd import LLM, SamplingParams
-from streamd.bench.throughput import model_config
+from streamd.bench.offline import model_config
+from streamd.bench.tensor_parallel import save_checkpoint
 from tests.helpers import fold_deltas
 
 pytestmark = [
@@ -24,21 +25,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detoken
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Random float32 weights of Llama-3.2-1B's shape, saved (every rank loads the same weights)."""
-    from tokenizers import Tokenizer
-    from tokenizers.models import WordLevel
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("llama1b")
     config = model_config("llama3.2-1b", max_len=1024)
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(path)
-    del model
-    torch.cuda.empty_cache()
-    words = WordLevel({f"w{i}": i for i in range(config.vocab_size)}, unk_token="w0")
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words), unk_token="w0").save_pretrained(path)
-    return path
+    return save_checkpoint(config, tmp_path_factory.mktemp("llama1b"), dtype="float32")
 
 
 def _prompts() -> list[list[int]]:

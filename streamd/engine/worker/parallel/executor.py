@@ -112,9 +112,9 @@ class TensorParallelExecutor:
 
     def _order(self, kind: OrderKind, pairs: list[tuple[int, int]]) -> None:
         """Applies the order here at once and queues it for the workers (the same `apply_order` there)."""
-        self._check()
-        if not pairs:  # (most steps: nothing to apply or send)
+        if not pairs:  # (most steps: nothing to apply or send; `execute` checks the workers)
             return
+        self._check()
         order = CacheOrder(kind, list(pairs))
         apply_order(self.cache, order)
         self._orders.append(order)

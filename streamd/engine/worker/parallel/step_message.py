@@ -140,10 +140,13 @@ def decode_header(control: torch.Tensor) -> Header:
     )
 
 
-def decode(control: torch.Tensor, payload: torch.Tensor | None) -> StepMessage:
-    """Inverse of `encode`; the batch's tensors are views of (or made from) `payload`."""
-    header = decode_header(control)
-    orders = _decode_orders(control[HEADER_WORDS : HEADER_WORDS + header.num_order_words].tolist())
+def decode(control: torch.Tensor, payload: torch.Tensor | None, header: Header | None = None) -> StepMessage:
+    """Inverse of `encode` (`header`: `control`'s, when already decoded); the batch's tensors are views of
+    (or made from) `payload`."""
+    if header is None:
+        header = decode_header(control)
+    words = header.num_order_words  # (most steps: none)
+    orders = _decode_orders(control[HEADER_WORDS : HEADER_WORDS + words].tolist()) if words else []
     batch = None if payload is None or not header.num_tokens else _batch(header, payload)
     return StepMessage(header.command, orders, batch, header.args, header.graph_size)
 
@@ -205,7 +208,7 @@ class StepChannel:
             self.control.broadcast(self._buffer, 0).wait()
             header = decode_header(self._buffer)
             if header.command != Command.GROW:
-                return decode(self._buffer, self._recv_payload(header))
+                return decode(self._buffer, self._recv_payload(header), header)
             self._resize(header.args[0])
 
     @property

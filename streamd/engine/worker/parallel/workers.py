@@ -15,7 +15,7 @@ Shutdown: on SHUTDOWN every rank destroys its decode graphs, then shuts its grou
 rank 0 right after sending SHUTDOWN. The order matters on CUDA: NCCL frees a communicator only once no CUDA
 graph holds its captured kernels, so a group dropped to its destructor with graphs alive hung the process.
 
-`STREAMD_TP_HANG_DUMP_S=<seconds>` (debugging, e.g. `benchmarks/tp_hang_device.sh`): a worker rank arms
+`STREAMD_TP_HANG_DUMP_S=<seconds>` (debugging; `benchmarks/tp_device.sh` sets it for the CUDA test): a worker rank arms
 `faulthandler.dump_traceback_later` at start, so a rank still running that long after it started dumps every
 thread's Python stack to its stderr (again each period while it runs); the process goes on running.
 """
