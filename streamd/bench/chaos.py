@@ -87,8 +87,8 @@ class Tally:
     unanswered: int = 0  # fuzz frames that got no answer
     control_itl: list[float] = field(default_factory=list)
     control_streams: int = 0
-    flood_frames: int = 0  # unread-reply frames the flooders sent
-    flood_closed: int = 0  # flooder sockets the server closed
+    flood_frames: int = 0  # unread-reply frames the frame flooders sent
+    flooders_closed: int = 0  # frame flooders' sockets the server closed (1008: replies unread)
     trivial_schema_waits: list[float] = field(default_factory=list)  # a trivial schema's first token, flooded
     control_running: asyncio.Event = field(default_factory=asyncio.Event)
     flood: Counter[str] = field(default_factory=Counter)  # the flood's sockets by what the server did
@@ -282,7 +282,7 @@ async def frame_flood(target: Target, tally: Tally, until: float, responses: boo
                 tally.flood_frames += 100
             _reset(ws)
     except ConnectionClosed:
-        tally.flood_closed += 1
+        tally.flooders_closed += 1
     except (InvalidStatus, OSError) as exc:
         tally.errors[f"client:{type(exc).__name__}"] += 1
 
@@ -428,18 +428,15 @@ async def metrics(target: Target) -> dict[str, float]:
     return values
 
 
-async def leaks(target: Target) -> dict[str, float]:
-    """Once the server is idle (nothing running, waiting or swapped): its KV and swap blocks still used."""
+async def idle_metrics(target: Target) -> tuple[bool, dict[str, float]]:
+    """The server's metrics once it is idle (nothing running, waiting or swapped), or at the deadline
+    (False): its KV and swap blocks still used then are leaks, its descriptors should be back."""
     deadline = time.monotonic() + IDLE_TIMEOUT_S
     while True:
         m = await metrics(target)
         busy = sum(m.get(f"streamd_requests_{k}", 0.0) for k in ("running", "waiting", "swapped"))
         if not busy or time.monotonic() > deadline:
-            return {
-                "idle": float(not busy),
-                "kv_blocks_used": m.get("streamd_kv_blocks_used", 0.0),
-                "swap_blocks_used": m.get("streamd_swap_blocks_used", 0.0),
-            }
+            return not busy, m
         await asyncio.sleep(0.5)  # polling a remote server's gauges: there is nothing to wait on
 
 
@@ -462,17 +459,17 @@ async def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
     tasks += [schema_flood(target, tally, random.Random(rng.random()), until) for _ in range(args.schema_flooders)]
     await asyncio.gather(*tasks)
     elapsed = time.monotonic() - start
-    leaked = await leaks(target)
-    _note_process(tally, await metrics(target), "after")
-    return report(tally, elapsed, leaked)
+    idle, after = await idle_metrics(target)
+    _note_process(tally, after, "after")
+    return report(tally, elapsed, idle, after)
 
 
-def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, Any]:
+def report(tally: Tally, elapsed: float, idle: bool, after: dict[str, float]) -> dict[str, Any]:
     p99 = percentiles(tally.control_itl)["p99"]
     trivial = percentiles(tally.trivial_schema_waits)["p99"]
     return {
         "flood_frames": tally.flood_frames,
-        "flood_sockets_closed": tally.flood_closed,
+        "frame_flooders_closed": tally.flooders_closed,
         "duration_s": round(elapsed, 2),
         "requests": tally.requests,
         "tokens": tally.tokens,
@@ -485,9 +482,9 @@ def report(tally: Tally, elapsed: float, leaked: dict[str, float]) -> dict[str, 
         "long_prompt": dict(tally.long_prompt),
         "flood": dict(sorted(tally.flood.items())),
         **{k: round(v, 1) for k, v in sorted(tally.process.items())},
-        "idle_after": bool(leaked["idle"]),
-        "leaked_kv_blocks": int(leaked["kv_blocks_used"]),
-        "leaked_swap_blocks": int(leaked["swap_blocks_used"]),
+        "idle_after": idle,
+        "leaked_kv_blocks": int(after.get("streamd_kv_blocks_used", 0.0)),
+        "leaked_swap_blocks": int(after.get("streamd_swap_blocks_used", 0.0)),
     }
 
 

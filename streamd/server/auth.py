@@ -17,6 +17,7 @@ import hmac
 from collections.abc import Iterable, Iterator, Mapping
 from urllib.parse import urlsplit
 
+from streamd.server.errors import ServiceError
 from streamd.server.hosts import HostAllowlist, is_loopback
 
 BEARER_SUBPROTOCOL_PREFIX = "bearer."
@@ -55,6 +56,10 @@ class Authenticator:
         connection's resumable requests and stored responses are bound to."""
         offered = _offered_keys(headers, subprotocols)
         return next((key for key in offered if self.key_ok(key)), None)
+
+    def host_refusal(self, host: str | None) -> ServiceError | None:
+        """Why a request with this Host header is not served (hosts.py: DNS rebinding); None: it is."""
+        return None if self.hosts is None else self.hosts.refusal(host)
 
     def origin_ok(self, origin: str | None, host: str | None) -> bool:
         """A missing Origin is a non-browser client; browsers always send one. `host`: the Host header."""

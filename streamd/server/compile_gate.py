@@ -21,7 +21,7 @@ from typing import Any
 
 from streamd.config import GrammarConfig
 from streamd.engine import GrammarBudget, SamplingParams, grammar_size
-from streamd.server.errors import RETRY_AFTER_S, ServiceError
+from streamd.server.errors import ServiceError
 
 
 class CompileGate:
@@ -82,7 +82,6 @@ class CompileGate:
                 f"structured_outputs did not compile within {self.config.compile_timeout_s:g} s "
                 "(grammar.compile_timeout_s); retry later",
                 "structured_outputs",
-                retry_after_s=RETRY_AFTER_S,
             ) from None
 
     def _release(self, tenant: str) -> None:
@@ -95,5 +94,4 @@ class CompileGate:
             "overloaded",
             f"too many large structured-output schemas are compiling for {whom} ({key}); retry later",
             "structured_outputs",
-            retry_after_s=RETRY_AFTER_S,
         )

@@ -30,12 +30,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-import orjson
 from uvicorn.protocols.http.httptools_impl import STATUS_LINE
 
 from streamd.config import ServerConfig
 from streamd.logs import get_logger
-from streamd.server.errors import ServiceError
+from streamd.server.errors import ServiceError, error_response
 from streamd.server.http.pipelining import PipelinedHttpProtocol
 from streamd.server.ws.handshake import GuardedWebSocketProtocol
 
@@ -153,11 +152,11 @@ class ConnectionGate:
 
 
 def http_answer(error: ServiceError) -> bytes:
-    """A whole HTTP/1.1 answer (its OpenAI error body) that closes the connection, for a refusal made
-    before or beside the app."""
-    body = orjson.dumps(error.openai_body())
-    head = b"content-type: application/json\r\nconnection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
-    return STATUS_LINE[error.status] + head + body
+    """A whole HTTP/1.1 answer that closes the connection, for a refusal made before or beside the app: the
+    app's own (`error_response`: OpenAI error body, `Retry-After` on a 503 that a retry may pass)."""
+    response = error_response(error, headers={"connection": "close"})
+    head = b"".join(b"%s: %s\r\n" % header for header in response.raw_headers)
+    return STATUS_LINE[response.status_code] + head + b"\r\n" + response.body
 
 
 class GatedHttpProtocol(PipelinedHttpProtocol):

@@ -70,7 +70,6 @@ class ServiceError(Exception):
     code: str
     message: str
     param: str | None = None
-    retry_after_s: int | None = None  # a 503 that passes soon: HTTP says so in Retry-After
 
     def __str__(self) -> str:
         return self.message
@@ -94,15 +93,10 @@ def error_response(
     error: ServiceError, status: int | None = None, headers: Mapping[str, str] | None = None
 ) -> JSONResponse:
     """The HTTP answer to a refusal: its OpenAI error body, with its status (or `status`); a refusal that a
-    later try may pass (`RETRY_LATER`: overloaded, warming up, draining; or one that names its own
-    `retry_after_s`) says when in `Retry-After`, which the OpenAI SDKs honour."""
-    retry_after = (
-        error.retry_after_s
-        if error.retry_after_s is not None
-        else (RETRY_AFTER_S if error.code in RETRY_LATER else None)
-    )
-    if retry_after is not None:
-        headers = {"Retry-After": str(retry_after), **(headers or {})}
+    later try may pass (`RETRY_LATER`: overloaded, warming up, draining) says when in `Retry-After`, which
+    the OpenAI SDKs honour."""
+    if error.code in RETRY_LATER:
+        headers = {"Retry-After": str(RETRY_AFTER_S), **(headers or {})}
     return JSONResponse(error.openai_body(), status_code=status or error.status, headers=headers)
 
 

@@ -114,13 +114,14 @@ async def test_sockets_are_capped_per_client_and_in_all_websockets_included(lser
         await wait_open(gate, 12)
         with pytest.raises(InvalidStatus) as refused:
             await ws_connect(lserver, local_addr=("127.0.0.4", 0)).__aenter__()
-        assert refused.value.response.status_code == 503
+        assert refused.value.response.status_code == 503 and refused.value.response.headers["Retry-After"] == "1"
         assert b"connections open" in refused.value.response.body
         await held.pop().close()  # one place free in all, none for 127.0.0.2
         await wait_open(gate, 11)
         reader, writer = await open_from(lserver, "127.0.0.2")
         answer = await read_answer(reader)
         assert answer.status == 503 and answer.json()["error"]["code"] == "overloaded", answer
+        assert answer.headers["retry-after"] == "1" and answer.headers["connection"] == "close", answer
         assert "server.max_connections_per_client" in answer.json()["error"]["message"]
         await close((reader, writer))
         reader, writer = await open_from(lserver, "127.0.0.3")  # its place is free again

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -25,7 +24,7 @@ from websockets.exceptions import ConnectionClosed
 from streamd.engine.client.async_engine import AsyncEngine
 from streamd.server import lifecycle
 from tests.reliability.util import fd_count, post_bytes, settle
-from tests.server.util import Server, gather_until_done, recv, running_server, send, ws_connect
+from tests.server.util import Server, gather_until_done, recv, running_server, send, tiny_socket, ws_connect
 
 DEADLINE_S = 60.0
 # A big event per token (20 logprobs) fills a stalled socket's buffers within a few dozen tokens.
@@ -56,14 +55,6 @@ async def live_server(engine: AsyncEngine, **limits: Any) -> AsyncIterator[Serve
     stats = await engine.wait_idle(timeout=120)
     assert stats.kv.blocks_free == stats.kv.blocks_total, f"KV blocks leaked: {stats}"
     assert fd_count() <= before, "file descriptors leaked"
-
-
-async def tiny_socket(server: Server) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-    return sock
 
 
 async def stalled(server: Server, path: str = "/v1/stream", **kwargs: Any) -> Any:

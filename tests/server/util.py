@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -92,6 +93,15 @@ async def templated_server(config_class: type[PretrainedConfig], chat_template: 
             yield srv
     finally:
         await engine.shutdown()
+
+
+async def tiny_socket(server: Server) -> socket.socket:
+    """A connected socket whose receive buffer is tiny: a client that stops reading backs the server up soon."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setblocking(False)
+    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
+    return sock
 
 
 def ws_connect(server: Server, **kwargs: Any) -> Any:

@@ -47,9 +47,7 @@ class HttpGuard:
         await self.app(scope, receive, send)
 
     def _refusal(self, method: str, path: str, headers: Headers) -> ServiceError | None:
-        host_refusal = None
-        if self.auth.hosts is not None and path not in PROBE_PATHS:
-            host_refusal = self.auth.hosts.refusal(headers.get("host"))
+        host_refusal = None if path in PROBE_PATHS else self.auth.host_refusal(headers.get("host"))
         if host_refusal is not None or method != "POST":
             return host_refusal
         if not self.auth.origin_ok(headers.get("origin"), headers.get("host")):

@@ -47,8 +47,7 @@ def handshake_refusal(services: Services, websocket: WebSocket) -> ServiceError 
     headers = websocket.headers
     if services.lifecycle.draining:
         return ServiceError("shutting_down", "the server is shutting down")
-    hosts = services.auth.hosts
-    if hosts is not None and (refusal := hosts.refusal(headers.get("host"))) is not None:
+    if (refusal := services.auth.host_refusal(headers.get("host"))) is not None:
         return refusal
     if not services.auth.origin_ok(headers.get("origin"), headers.get("host")):
         return ServiceError("forbidden_origin", "this Origin is not allowed")

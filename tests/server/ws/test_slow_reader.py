@@ -16,7 +16,17 @@ from typing import Any
 import httpx
 
 from streamd.engine.client.async_engine import AsyncEngine
-from tests.server.util import Result, Server, check_stream, gather_until_done, recv, running_server, send, ws_connect
+from tests.server.util import (
+    Result,
+    Server,
+    check_stream,
+    gather_until_done,
+    recv,
+    running_server,
+    send,
+    tiny_socket,
+    ws_connect,
+)
 
 STREAMS = 30
 OTHERS = {"max_tokens": 10, "ignore_eos": True, "temperature": 0.0}
@@ -38,14 +48,6 @@ async def one_stream(server: Server, i: int) -> list[float]:
 async def median_itl(server: Server) -> float:
     gaps = await asyncio.gather(*(one_stream(server, i) for i in range(STREAMS)))
     return statistics.median(g for per_stream in gaps for g in per_stream)
-
-
-async def tiny_socket(server: Server) -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    sock.setblocking(False)
-    await asyncio.get_running_loop().sock_connect(sock, ("127.0.0.1", server.port))
-    return sock
 
 
 async def stalled_client(server: Server) -> Any:
