@@ -16,6 +16,7 @@ from tests.server.util import Server
 LIMITS: dict[str, Any] = {
     "max_frame_bytes": 65536, "max_requests_per_connection": 8, "max_prompt_chars": 9000,
     "max_body_bytes": 65536, "default_max_tokens": 4, "max_tokens_limit": 256,
+    "resume_grace_s": 1.0,  # a dropped socket's requests are aborted 1 s later (the default 30 s is waited out)
 }
 SETTLE_S = 30.0
 
