@@ -1,5 +1,6 @@
-# streamd: `make serve` starts the server with the default model; `make test` runs the whole suite
-# (`make soak`: the reliability suite with ten times the fuzzing);
+# streamd: `make serve` starts the server with the default model; `make test` runs the suite without the
+# scenarios marked slow (each has a light form that runs there); `make test-all` runs everything, slow included
+# (`make soak`: the reliability suite, slow included, with ten times the fuzzing);
 # `make docker-test` builds the CPU image and runs it under `docker compose` (tests/docker/run.sh).
 # All set up .venv first if needed (idempotent: a stamp file records the installed pyproject.toml).
 
@@ -15,7 +16,7 @@ SERVE_STAMP := $(VENV)/.streamd-installed-serve
 TORCH_SPEC      ?= torch==2.13.0+cpu
 TORCH_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 
-.PHONY: setup lint test soak docker-test serve browser nginx cluster clean
+.PHONY: setup lint test test-all soak docker-test serve browser nginx cluster clean
 
 setup: $(STAMP)
 
@@ -50,7 +51,11 @@ lint: setup
 	$(PY) -m ruff format --check streamd
 	$(PY) -m mypy
 
+# Each slow scenario (`@pytest.mark.slow`, most as the "full" size beside a "light" one) runs only in test-all.
 test: setup browser nginx
+	$(PY) -m pytest -q -m "not slow"
+
+test-all: setup browser nginx
 	$(PY) -m pytest -q
 
 # The reliability suite with ten times the fuzzing of `make test` (a fresh seed each run; ~15 minutes on 2 cores).

@@ -1,15 +1,23 @@
-"""Test helpers: the engine leak check, and reference generation with plain Hugging Face transformers."""
+"""Test helpers: the engine leak check, reference generation with plain Hugging Face transformers, and the
+two sizes of a heavy scenario (`sizes`)."""
 
 from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 
 _REQUEST_IDS = itertools.count()
 
 # Engines under the leak check that ends every test (see conftest.py).
 ENGINES: list = []
+
+
+def sizes(light, full) -> list:
+    """A scenario's size as two parameters: `light` runs in `make test`, `full` is marked slow and runs in
+    `make test-all` (same behaviour and assertions, a smaller workload)."""
+    return [pytest.param(light, id="light"), pytest.param(full, id="full", marks=pytest.mark.slow)]
 
 
 def register_engine(engine):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from streamd import LLM, SamplingParams
-from tests.helpers import fold_deltas, hf_greedy, random_engine_and_hf_twin, tiny_arch_config
+from tests.helpers import fold_deltas, hf_greedy, random_engine_and_hf_twin, sizes, tiny_arch_config
 
 CHATS = [
     "What is the capital of France?",
@@ -41,14 +41,16 @@ def _run_staggered(llm: LLM, prompts: list[list[int]], params: SamplingParams) -
     return {rid: b.build().outputs[0].token_ids for rid, b in builders.items()}
 
 
-def test_default_model_matches_hf_generate(smol_llm: LLM, hf_smol) -> None:
-    prompts = [smol_llm.engine.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
+# Light: every other chat (short and long prompts both); full (slow): all eight.
+@pytest.mark.parametrize("chats", sizes(CHATS[::2], CHATS))
+def test_default_model_matches_hf_generate(smol_llm: LLM, hf_smol, chats: list[str]) -> None:
+    prompts = [smol_llm.engine.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
     eos = smol_llm.tokenizer.eos_token_id
     params = SamplingParams(temperature=0.0, max_tokens=32)
     got = _run_staggered(smol_llm, prompts, params)
     for i, ids in enumerate(prompts):
         want = hf_greedy(hf_smol, ids, 32, eos)
-        assert got[f"r{i}"] == want, f"prompt {i} ({CHATS[i]!r}) diverged from transformers"
+        assert got[f"r{i}"] == want, f"prompt {i} ({chats[i]!r}) diverged from transformers"
     assert any(len(got[f"r{i}"]) == 32 for i in range(len(prompts)))
 
 

@@ -5,8 +5,9 @@ WebSocket: every frame is answered (each readable id gets exactly one `done` or 
 whose id cannot be read gets one `error` with id null), the socket stays open, a control stream on the
 same socket and a control client on another socket get exactly the reference tokens, and the pool is whole
 at the end (fixture). HTTP (completions, chat, responses, /tokenize): every body gets a JSON answer (or a
-whole SSE stream), never a 500. At least `FRAMES` frames per run, from a fresh seed each run
-(`STREAMD_FUZZ_SEED` replays one; the seed is printed on failure).
+whole SSE stream), never a 500. At least `FRAMES` frames and `HTTP_BODIES` bodies per full run (slow: `make
+test-all`, ten times more in `make soak`); the light run of `make test` sends 200 frames and 30 bodies. A fresh
+seed each run (`STREAMD_FUZZ_SEED` replays one; the seed is printed on failure).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from websockets.sync.client import ClientConnection, connect
 
+from tests.helpers import sizes
 from tests.reliability.fuzz_frames import Sent, frame, http_body
 from tests.reliability.test_reproductions import CONTROL, reference_tokens
 from tests.server.util import Server, gather_until_done, send, ws_connect
@@ -99,8 +101,8 @@ def check_batch(ws: ClientConnection, sent: list[Sent]) -> None:
     assert got_nulls == nulls
 
 
-@pytest.mark.slow
-async def test_websocket_fuzz(rserver: Server) -> None:
+@pytest.mark.parametrize("frames", sizes(200, FRAMES))
+async def test_websocket_fuzz(rserver: Server, frames: int) -> None:
     expected = await reference_tokens(rserver)
     stop = asyncio.Event()
     control = asyncio.create_task(_control_client(rserver, expected, stop))
@@ -109,7 +111,7 @@ async def test_websocket_fuzz(rserver: Server) -> None:
 
     @_seeded
     @seed(SEED)
-    @FUZZ
+    @settings(FUZZ, max_examples=max(1, frames // BATCH))
     @given(batch())
     def fuzz(sent: list[Sent]) -> None:
         examples.append(len(sent))
@@ -132,7 +134,7 @@ async def test_websocket_fuzz(rserver: Server) -> None:
     finally:
         stop.set()
         rounds = await control
-    assert rounds >= 1 and sum(examples) >= FRAMES
+    assert rounds >= 1 and sum(examples) >= frames
 
 
 async def _control_client(server: Server, expected: list[int], stop: asyncio.Event) -> int:
@@ -147,13 +149,13 @@ async def _control_client(server: Server, expected: list[int], stop: asyncio.Eve
     return rounds
 
 
-@pytest.mark.slow
-async def test_http_fuzz(rserver: Server) -> None:
+@pytest.mark.parametrize("bodies", sizes(30, HTTP_BODIES))
+async def test_http_fuzz(rserver: Server, bodies: int) -> None:
     base = rserver.http
 
     @_seeded
     @seed(SEED)
-    @settings(FUZZ, max_examples=HTTP_BODIES)
+    @settings(FUZZ, max_examples=bodies)
     @given(http_body())
     def fuzz(case: tuple[str, bytes, str]) -> None:
         path, body, content_type = case

@@ -1,12 +1,15 @@
-"""200 concurrent WebSocket clients on the CPU model: every token delivered, no block leaked."""
+"""Concurrent WebSocket clients on the CPU model (50 in `make test`, 200 in the slow full size): every token
+delivered, no block leaked."""
 
 from __future__ import annotations
 
 import asyncio
 
+import pytest
+
+from tests.helpers import sizes
 from tests.server.util import Server, check_stream, gather_until_done, send, ws_connect
 
-CLIENTS = 200
 MAX_TOKENS = 4
 
 
@@ -21,9 +24,10 @@ async def one_client(server: Server, i: int, connected: asyncio.Barrier) -> None
     assert len(result.token_ids) == MAX_TOKENS
 
 
-async def test_200_concurrent_websocket_clients(server: Server, async_engine) -> None:
-    connected = asyncio.Barrier(CLIENTS)
-    await asyncio.wait_for(asyncio.gather(*(one_client(server, i, connected) for i in range(CLIENTS))), 600)
+@pytest.mark.parametrize("clients", sizes(50, 200))
+async def test_concurrent_websocket_clients(server: Server, async_engine, clients: int) -> None:
+    connected = asyncio.Barrier(clients)
+    await asyncio.wait_for(asyncio.gather(*(one_client(server, i, connected) for i in range(clients))), 600)
     stats = await async_engine.wait_idle()
     assert stats.kv.blocks_free == stats.kv.blocks_total
     assert server.services.lifecycle.num_active == 0

@@ -14,6 +14,7 @@ import openai
 import pytest
 from openai import AsyncOpenAI
 
+from tests.helpers import sizes
 from tests.server.util import Server, gather_until_done, send, ws_connect
 
 NAME = {"type": "string", "minLength": 1, "maxLength": 12}
@@ -40,6 +41,8 @@ QUESTIONS = ["Tell me about a person.", "Pick a colour.", "Give me some tags for
              "Pick the colour of a ripe banana.", "Give tags for a mountain hike.", "Where was pizza invented?",
              "What is 12 times 12?"]
 CASES = [(SCHEMAS[i % len(SCHEMAS)], question) for i, question in enumerate(QUESTIONS)]
+# Light: the first prompt under each schema (every schema greedy and sampled); full (slow): all 20.
+CASE_SIZES = sizes(CASES[:len(SCHEMAS)], CASES)
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "Current weather of a city",
            "parameters": {"type": "object", "properties": {"city": NAME, "unit": {"enum": ["celsius", "fahrenheit"]}},
                           "required": ["city", "unit"], "additionalProperties": False}}}
@@ -62,22 +65,25 @@ def _format(schema: dict[str, Any]) -> dict[str, Any]:
     return {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
 
 
-async def test_openai_client_outputs_validate(client: AsyncOpenAI, server: Server) -> None:
+@pytest.mark.parametrize("cases", CASE_SIZES)
+async def test_openai_client_outputs_validate(client: AsyncOpenAI, server: Server,
+                                              cases: list[tuple[dict[str, Any], str]]) -> None:
     async def one(schema: dict[str, Any], question: str, sampling: dict[str, Any]) -> None:
         reply = await client.chat.completions.create(model=server.services.model_name, messages=_messages(question),
                                                      response_format=_format(schema), max_tokens=80, **sampling)
         jsonschema.validate(json.loads(reply.choices[0].message.content), schema)
         assert reply.choices[0].finish_reason == "stop"
 
-    await asyncio.gather(*(one(schema, q, sampling) for schema, q in CASES
+    await asyncio.gather(*(one(schema, q, sampling) for schema, q in cases
                            for sampling in ({"temperature": 0.0}, SAMPLED)))
 
 
-async def test_websocket_outputs_validate(server: Server) -> None:
+@pytest.mark.parametrize("cases", CASE_SIZES)
+async def test_websocket_outputs_validate(server: Server, cases: list[tuple[dict[str, Any], str]]) -> None:
     async def one_schema(k: int, schema: dict[str, Any]) -> None:
         async with ws_connect(server) as ws:
             ids = set()
-            for i, question in enumerate(q for s, q in CASES if s is schema):  # 4 x 2: the 8 a socket may run
+            for i, question in enumerate(q for s, q in cases if s is schema):  # up to 4 x 2: the 8 a socket may run
                 for j, sampling in enumerate(({"temperature": 0.0}, SAMPLED)):
                     ids.add(f"{k}-{i}-{j}")
                     params = {"max_tokens": 80, "structured_outputs": {"json": schema}, **sampling}

@@ -13,12 +13,15 @@ from streamd import LLM, SamplingParams
 from streamd.engine.core.sequence import Sequence
 from streamd.engine.errors import KVCacheCapacityError
 from streamd.engine.sample.beam_search import BeamHypothesis, BeamSearch, BeamStep, Candidate
-from tests.helpers import fold_deltas, random_prompt, run_to_completion, tiny_llm
+from tests.helpers import fold_deltas, random_prompt, run_to_completion, sizes, tiny_llm
 
 CHATS = ["What is the capital of France?", "Write a haiku about the sea.", "List three prime numbers."]
 # (beam width, early_stopping, length_penalty)
 SEARCHES = [(2, True, 1.0), (3, False, 1.0), (4, True, 1.0), (4, False, 0.5), (3, "never", 1.0)]
 MAX_TOKENS = 20
+# (chat, search) pairs: light, every search once and every chat in turn; full (slow), every search on every chat.
+LIGHT_CASES = [(CHATS[i % len(CHATS)], search) for i, search in enumerate(SEARCHES)]
+FULL_CASES = [(chat, search) for search in SEARCHES for chat in CHATS]
 
 
 def _beams(width: int, early_stopping: bool | str = False, length_penalty: float = 1.0, **kw) -> SamplingParams:
@@ -42,11 +45,12 @@ def _hf_beams(model, ids: list[int], width: int, early_stopping: bool | str, len
     return beams
 
 
-def test_beams_equal_hf_generate(smol_llm: LLM, hf_smol) -> None:
+@pytest.mark.parametrize("chats_and_searches", sizes(LIGHT_CASES, FULL_CASES))
+def test_beams_equal_hf_generate(smol_llm: LLM, hf_smol, chats_and_searches) -> None:
     engine = smol_llm.engine
     (eos,) = engine.eos_token_ids
-    prompts = [engine.apply_chat_template([{"role": "user", "content": c}]) for c in CHATS]
-    cases = [(ids, search) for search in SEARCHES for ids in prompts]
+    cases = [(engine.apply_chat_template([{"role": "user", "content": chat}]), search)
+             for chat, search in chats_and_searches]
     # Every case in one run: groups of widths 2, 3 and 4 share each step's candidate selection.
     outputs = run_to_completion(engine, [ids for ids, _ in cases], [_beams(*search) for _, search in cases])
     finishes = set()

@@ -10,7 +10,14 @@ from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Con
 
 from streamd import LLM, SamplingParams
 from streamd.engine.worker.fusion import FusedDecoder, fuse_layers
-from tests.helpers import hf_greedy, random_engine_and_hf_twin, register_engine, run_to_completion, tiny_arch_config
+from tests.helpers import (
+    hf_greedy,
+    random_engine_and_hf_twin,
+    register_engine,
+    run_to_completion,
+    sizes,
+    tiny_arch_config,
+)
 
 
 def _tiny(kind: str):
@@ -23,11 +30,20 @@ def _engine_and_reference(kind: str, num_prompts: int):
                                      num_kv_blocks=120, block_size=8, max_num_batched_tokens=40, seed=11)
 
 
-@pytest.mark.parametrize("mode", ["reference", "triton", "compile"])
+def _modes() -> list:
+    """(mode, (prompts, max tokens)). The interpreted Triton kernels and torch.compile are slow on CPU: fewer
+    requests there (the kernel tests cover shapes), lighter still in `make test` (their full size is slow)."""
+    modes = [pytest.param("reference", (6, 12), id="reference")]
+    for mode in ("triton", "compile"):
+        modes += [pytest.param(mode, *size.values, id=f"{mode}-{size.id}", marks=size.marks)
+                  for size in sizes((2, 6), (4, 8))]
+    return modes
+
+
+@pytest.mark.parametrize("mode, shape", _modes())
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
-def test_fused_layers_match_hf_generate(kind: str, mode: str) -> None:
-    # The interpreted Triton kernels are slow on CPU: fewer requests there (the kernel tests cover shapes).
-    num_prompts, max_tokens = (6, 12) if mode == "reference" else (4, 8)
+def test_fused_layers_match_hf_generate(kind: str, mode: str, shape: tuple[int, int]) -> None:
+    num_prompts, max_tokens = shape
     llm, reference, prompts = _engine_and_reference(kind, num_prompts)
     model = llm.engine.runner.model
     torch._dynamo.reset()  # compiled variants of other tests' models share the stretches' code objects
