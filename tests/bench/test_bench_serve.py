@@ -1,5 +1,5 @@
-"""`streamd bench serve --offline-baseline` end to end at a tiny size: its own servers (every layout: the
-engine on a thread; in its own process, making deltas there or in the server process), the offline rate, WebSocket and SSE clients, and the report
+"""`streamd bench serve --offline-baseline` end to end at a tiny size: its own servers (the
+engine on a thread; in its own process, making deltas in the server process, and in the full (slow) run also there), the offline rate, WebSocket and SSE clients, and the report
 in the schema issue 9 asks for. The null model runs here because this tests the benchmark, not outputs. Also the `--json` writer that
 `bench serve` and `bench chaos` share."""
 
@@ -13,22 +13,25 @@ from pathlib import Path
 import pytest
 
 from streamd.bench.report import write_json
+from tests.helpers import sizes
 
 RUN_FIELDS = {"transport", "concurrency", "offline_tok_s", "served_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s",
               "itl_p99_s", "server_cpu_us_per_token", "client_cpu_us_per_token"}
 
 
-def test_offline_baseline_writes_the_report(tmp_path: Path) -> None:
+# Light: the engine in the server's process and in its own (split); full (slow): the process layout too.
+@pytest.mark.parametrize("layouts", sizes(("thread", "split"), ("thread", "process", "split")))
+def test_offline_baseline_writes_the_report(tmp_path: Path, layouts: tuple[str, ...]) -> None:
     command = [sys.executable, "-m", "streamd.cli.main", "bench", "serve", "--offline-baseline", "--levels", "4",
                "--repeats", "1", "--requests-per-stream", "2", "--max-tokens", "6", "--prompt-words", "8",
-               "--layouts", "thread,process,split", "--out", str(tmp_path)]
+               "--layouts", ",".join(layouts), "--out", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     (path,) = tmp_path.glob("serve-*.json")
     report = json.loads(path.read_text())
     assert report["model"] == "null" and report["git_commit"] and report["device"]
     assert {(r["transport"], r["layout"]) for r in report["runs"]} == {
-        (transport, layout) for transport in ("ws", "sse") for layout in ("thread", "process", "split")}
+        (transport, layout) for transport in ("ws", "sse") for layout in layouts}
     for run in report["runs"]:
         assert set(run) >= RUN_FIELDS, RUN_FIELDS - set(run)
         assert run["concurrency"] == 4 and run["failed"] == 0, run["errors"]

@@ -16,15 +16,15 @@ import httpx
 import pytest
 from websockets.asyncio.client import connect
 
+from tests.helpers import sizes
 from tests.server.test_sigterm import SERVE, LogWatcher, read_until_closed
 
-STREAMS_PER_SOCKET = 5
-SOCKETS = 4
 EXIT_BOUND_S = 30.0
 
 
-@pytest.mark.slow
-async def test_sigterm_with_many_streams_and_a_second_signal() -> None:
+@pytest.mark.parametrize("shape", sizes((2, 3), (4, 5)))  # (sockets, streams per socket)
+async def test_sigterm_with_many_streams_and_a_second_signal(shape: tuple[int, int]) -> None:
+    num_sockets, streams_per_socket = shape
     env = {**os.environ, "STREAMD_LOG_FORMAT": "json"}
     serve = [*SERVE, "--set", "server.drain_timeout_s=120"]  # the later --set wins: only the 2nd signal ends it
     proc = await asyncio.create_subprocess_exec(*serve, stderr=asyncio.subprocess.PIPE,
@@ -35,9 +35,9 @@ async def test_sigterm_with_many_streams_and_a_second_signal() -> None:
         port = (await log.wait_for("listening", 180))["port"]
         await log.wait_for("ready", 180)
         sockets = [await connect(f"ws://127.0.0.1:{port}/v1/stream", subprotocols=["streamd.v1"])
-                   for _ in range(SOCKETS)]
+                   for _ in range(num_sockets)]
         for s, ws in enumerate(sockets):
-            for i in range(STREAMS_PER_SOCKET):
+            for i in range(streams_per_socket):
                 await ws.send(json.dumps({"type": "generate", "id": f"{s}-{i}", "prompt": "Hi",
                                           "params": {"max_tokens": 4000, "ignore_eos": True}}))
         for ws in sockets:  # every socket is streaming

@@ -1,6 +1,7 @@
 """SIGTERM on a real `streamd serve` process: /ready turns 503, streams that can finish within
-drain_timeout_s finish, the rest are cancelled (their `done` says `drained`), every one of 20 resumable
-WebSocket streams and an SSE stream gets its end, sockets close 1012 (service restart: reconnect
+drain_timeout_s finish, the rest are cancelled (their `done` says `drained`), every one of the resumable
+WebSocket streams (five a socket: two sockets in `make test`, four in the slow full size) and an SSE stream
+gets its end, sockets close 1012 (service restart: reconnect
 elsewhere), exit 0; a resume token of the old process is refused by a new server."""
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from websockets.asyncio.client import connect
 from websockets.exceptions import ConnectionClosed
 
 from streamd.engine.client.async_engine import AsyncEngine
+from tests.helpers import sizes
 from tests.server.util import recv, running_server, send, ws_connect
 
 DRAIN_S = 4.0
@@ -98,10 +100,11 @@ async def start_server() -> tuple[asyncio.subprocess.Process, LogWatcher, int]:
     return proc, log, port
 
 
-async def start_streams(port: int) -> tuple[list[Any], dict[int, list[dict[str, Any]]]]:
-    """Four sockets with five resumable streams each (the first of each short enough to finish before
-    the drain ends, the others not); returns once every stream has its start and a first delta."""
-    sockets = [await connect(f"ws://127.0.0.1:{port}/v1/stream", subprotocols=["streamd.v1"]) for _ in range(4)]
+async def start_streams(port: int, num_sockets: int) -> tuple[list[Any], dict[int, list[dict[str, Any]]]]:
+    """Sockets with five resumable streams each (the first of each short enough to finish before the drain
+    ends, the others not); returns once every stream has its start and a first delta."""
+    sockets = [await connect(f"ws://127.0.0.1:{port}/v1/stream", subprotocols=["streamd.v1"])
+               for _ in range(num_sockets)]
     for c, ws in enumerate(sockets):
         for r in range(5):
             await ws.send(json.dumps({"type": "generate", "id": f"s{c}.{r}", "prompt": "Hi",
@@ -114,14 +117,14 @@ async def start_streams(port: int) -> tuple[list[Any], dict[int, list[dict[str, 
     return sockets, seen
 
 
-@pytest.mark.slow
-async def test_sigterm_drains_and_exits_zero(async_engine: AsyncEngine) -> None:
+@pytest.mark.parametrize("num_sockets", sizes(2, 4))
+async def test_sigterm_drains_and_exits_zero(async_engine: AsyncEngine, num_sockets: int) -> None:
     proc, log, port = await start_server()
     try:
         base = f"http://127.0.0.1:{port}"
         async with httpx.AsyncClient(base_url=base, timeout=30) as http:
             assert (await http.get("/ready")).status_code == 200
-            sockets, seen = await start_streams(port)
+            sockets, seen = await start_streams(port, num_sockets)
             sse_started = asyncio.Event()
             sse = asyncio.create_task(sse_stream(base, sse_started))
             await asyncio.wait_for(sse_started.wait(), 120)
