@@ -9,7 +9,7 @@ import torch
 
 from streamd import LLM, SamplingParams
 from streamd.engine.core.sequence import PLACEHOLDER
-from tests.helpers import fold_deltas, register_engine, run_to_completion, step_until_idle, tiny_config
+from tests.helpers import fold_deltas, register_engine, run_to_completion, sizes, step_until_idle, tiny_config
 
 CONFIG = tiny_config(vocab_size=200)
 
@@ -113,17 +113,18 @@ def test_warm_up_leaves_the_engine_idle_and_its_counters_at_zero() -> None:
     assert not engine.has_unfinished_requests() and stats.kv.blocks_free == stats.kv.blocks_total
 
 
-def test_step_output_does_not_grow_with_the_tokens_already_generated(smol_llm) -> None:
+@pytest.mark.parametrize("num_tokens", sizes(40, 120))
+def test_step_output_does_not_grow_with_the_tokens_already_generated(smol_llm, num_tokens: int) -> None:
     """The engine step hands out only what is new: one token (and its logprobs, and at most a few
-    characters) per sequence per step, at token 100 as at token 1. Cumulative outputs would grow."""
+    characters) per sequence per step, at the last token as at token 1. Cumulative outputs would grow."""
     engine = smol_llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=num_tokens, ignore_eos=True, logprobs=2)
     engine.add_request("grow", "Count from one to a hundred:", params)
-    sizes = []
+    step_sizes = []
     while engine.has_unfinished_requests():
         for delta in engine.step():
             (choice,) = delta.outputs
-            sizes.append((len(choice.token_ids), len(choice.logprobs or []), len(choice.text)))
-    assert len(sizes) >= 120 and sum(s[0] for s in sizes) == 120
-    assert max(s[0] for s in sizes) == 1 and max(s[1] for s in sizes) == 1
-    assert max(s[2] for s in sizes) <= 32
+            step_sizes.append((len(choice.token_ids), len(choice.logprobs or []), len(choice.text)))
+    assert len(step_sizes) >= num_tokens and sum(s[0] for s in step_sizes) == num_tokens
+    assert max(s[0] for s in step_sizes) == 1 and max(s[1] for s in step_sizes) == 1
+    assert max(s[2] for s in step_sizes) <= 32

@@ -13,7 +13,9 @@ import sys
 from typing import Any
 
 import httpx
+import pytest
 
+from tests.helpers import sizes
 from tests.reliability.test_reproductions import CONTROL, reference_tokens
 from tests.reliability.util import upgrade_bytes
 from tests.server.util import Result, Server, check_stream, gather_until_done, recv_frames, send, ws_connect
@@ -137,7 +139,10 @@ def _masked_text(text: str) -> bytes:
     return head + b"\0\0\0\0" + payload
 
 
-async def test_preemption_under_load_with_cancels(tiny_server: Server) -> None:
+# Streams a socket: even with every other one cancelled, 2 x 3 streams of ~53 tokens (4 blocks each) need
+# more than the 16-block pool, so they preempt each other; the full size (slow) runs 2 x 8.
+@pytest.mark.parametrize("per_socket", sizes(6, 8))
+async def test_preemption_under_load_with_cancels(tiny_server: Server, per_socket: int) -> None:
     prompts = ["The history of Rome", "A recipe for bread"]
     params = {"max_tokens": 48, "temperature": 0, "ignore_eos": True}
     reference: dict[str, list[int]] = {}
@@ -149,17 +154,17 @@ async def test_preemption_under_load_with_cancels(tiny_server: Server) -> None:
     async with ws_connect(tiny_server) as a, ws_connect(tiny_server) as b:
         sockets = {"a": a, "b": b}
         for name, ws in sockets.items():
-            for i in range(8):
+            for i in range(per_socket):
                 await send(ws, type="generate", id=f"{name}{i}", prompt=prompts[i % 2], params=params)
         results: dict[str, dict[str, Result]] = {name: {} for name in sockets}
         for name, ws in sockets.items():  # cancel every other stream once it has started
-            for i in range(1, 8, 2):
+            for i in range(1, per_socket, 2):
                 await send(ws, type="cancel", id=f"{name}{i}")
-        done = await asyncio.gather(*(gather_until_done(ws, {f"{n}{i}" for i in range(8)}, results[n])
+        done = await asyncio.gather(*(gather_until_done(ws, {f"{n}{i}" for i in range(per_socket)}, results[n])
                                       for n, ws in sockets.items()))
-    for name, per_socket in zip(sockets, done):
-        for i in range(8):
-            result = per_socket[f"{name}{i}"]
+    for name, socket_results in zip(sockets, done):
+        for i in range(per_socket):
+            result = socket_results[f"{name}{i}"]
             if result.of("error"):
                 continue  # refused (the connection or pool was full): answered, nothing to compare
             check_stream(result)
