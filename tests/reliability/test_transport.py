@@ -107,7 +107,6 @@ async def events_until_end(ws: Any) -> list[dict[str, Any]]:
 
 
 # ---- D1: a drain that stalled readers cannot hold up ------------------------------------------------
-@pytest.mark.slow
 async def test_drain_ends_while_clients_stopped_reading(async_engine: AsyncEngine,
                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(lifecycle, "CANCEL_GRACE_S", 1.0)
@@ -129,7 +128,6 @@ async def test_drain_ends_while_clients_stopped_reading(async_engine: AsyncEngin
 
 
 # ---- D7: the Responses socket pauses a slow reader --------------------------------------------------
-@pytest.mark.slow
 async def test_responses_socket_pauses_a_slow_reader(async_engine: AsyncEngine) -> None:
     async with live_server(async_engine, max_unsent_tokens=2, socket_send_buffer_bytes=4096) as server:
         ws = await stalled(server, "/v1/responses")

@@ -30,6 +30,7 @@ from tests.server.util import (
     ws_connect,
 )
 
+DEADLINE_S = 120.0
 OTHERS = {"max_tokens": 10, "ignore_eos": True, "temperature": 0.0}
 # A big frame per step (16 choices with 20 logprobs each) fills the stalled socket's buffers in a few steps.
 STALLED = {"n": 16, "logprobs": 20, "max_tokens": 40, "ignore_eos": True, "temperature": 0.9, "seed": 7}
@@ -79,11 +80,14 @@ async def read_sse(sock: socket.socket) -> bytes:
 
 async def paused_count(engine: AsyncEngine, wanted: int) -> int:
     """Waits (one engine step at a time) until the engine pauses `wanted` requests; returns early when
-    fewer are live."""
-    while True:
-        paused, live = await engine.call(lambda e: (e.stats().scheduler.num_paused, e.stats().num_requests))
-        if paused >= wanted or live <= paused:
-            return paused
+    fewer are live once all `wanted` were (a request admitted late, on a loaded box, is not a finished one)."""
+    all_live = False
+    async with asyncio.timeout(DEADLINE_S):
+        while True:
+            paused, live = await engine.call(lambda e: (e.stats().scheduler.num_paused, e.stats().num_requests))
+            all_live = all_live or live >= wanted
+            if paused >= wanted or (all_live and live <= paused):
+                return paused
 
 
 @pytest.mark.parametrize("streams", sizes(10, 30))
