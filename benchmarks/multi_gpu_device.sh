@@ -3,7 +3,7 @@
 #   benchmarks/multi_gpu_device.sh tp         the symmetric-memory all-reduce probe (benchmarks/symm_mem_probe.py)
 #                                             and `streamd bench throughput --tp 1,2,4 --shapes llama3.1-8b`
 #   benchmarks/multi_gpu_device.sh replicas   `streamd bench replicas --replicas 1,2,4` on the 8B checkpoint
-#                                             the first call saved (256 SSE streams behind vllm-router)
+#                                             (saved here unless the first call did; 256 SSE streams behind vllm-router)
 # The device tool's $OUT receives everything (default /tmp/out). Carry [".whl"] (vllm-router's wheel is there).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -30,10 +30,14 @@ tp)
 replicas)
   echo "=== replicas $sizes $(date -u +%T)"
   ckpt=/tmp/streamd-ckpt/llama3.1-8b
-  [ -f "$ckpt/config.json" ] || { echo "no checkpoint at $ckpt: run the tp part first"; exit 1; }
-  timeout 560 python3 -m streamd.cli.main bench replicas --replicas "$sizes" --concurrency 256 \
-    --requests-per-stream 3 --max-tokens 256 --prompt-words 200 --clients 4 --out "$OUT/results" --log-dir "$OUT/replica-logs" \
-    -- "$ckpt" --set model.dtype=bfloat16 > "$OUT/replicas.log" 2>&1
-  echo "rc=$?" >> "$OUT/replicas.log"; tail -40 "$OUT/replicas.log"
+  python3 -c "from pathlib import Path; from streamd.bench.offline import model_config; \
+from streamd.bench.tensor_parallel import save_checkpoint; save_checkpoint(model_config('llama3.1-8b', 8192), Path('$ckpt'))"
+  for mode in router direct; do
+    flag=; [ $mode = direct ] && flag=--direct
+    timeout 280 python3 -m streamd.cli.main bench replicas --replicas "$sizes" --concurrency 256 $flag \
+      --requests-per-stream 6 --max-tokens 512 --prompt-words 200 --clients 8 --out "$OUT/results" \
+      -- "$ckpt" --set model.dtype=bfloat16 > "$OUT/replicas-$mode.log" 2>&1
+    echo "rc=$?" >> "$OUT/replicas-$mode.log"; grep -A12 '"replicas": ' "$OUT/replicas-$mode.log" | grep -E 'replicas|tok_s|vs_first|failed'
+  done
   ;;
 esac

@@ -32,6 +32,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=int, default=1, help="GPUs per replica")
     parser.add_argument("--first-port", type=int, default=18000)
     parser.add_argument("--ready-timeout-s", type=float, default=600.0)
+    parser.add_argument(
+        "--direct", action="store_true", help="clients load the replicas directly (client i: replica i mod R)"
+    )
     parser.add_argument("--log-dir", help="keep each count's replica and router logs under this folder")
     parser.add_argument("serve_args", nargs=argparse.REMAINDER, help="after --: `streamd serve` arguments")
     add_out_argument(parser)
@@ -46,7 +49,7 @@ def main(args: argparse.Namespace) -> int:
         run["vs_first"] = run["output_tok_s"] / base if base else 0.0
     report = {**report_header(_device_name(gpus)), "settings": _settings(args), "runs": runs}
     print(json.dumps(runs, indent=2))
-    save_report(report, args.out, "replicas", _markdown(report))
+    save_report(report, args.out, "replicas-direct" if args.direct else "replicas", _markdown(report))
     return 0 if all(r["failed"] == 0 for r in runs) else 1
 
 
@@ -60,7 +63,8 @@ def _measure(args: argparse.Namespace, replicas: int, gpus: int) -> dict[str, An
         logs = Path(args.log_dir) / f"replicas-{replicas}"
         logs.mkdir(parents=True, exist_ok=True)
     with running_cluster(spec, args.ready_timeout_s, logs, websockets=False):
-        results = _run_clients(args, f"http://127.0.0.1:{spec.router_port}")
+        ports = spec.replica_ports if args.direct else [spec.router_port]
+        results = _run_clients(args, [f"http://127.0.0.1:{p}" for p in ports])
     tokens = sum(r["output_tokens"] for r in results)
     wall = max(r["duration_s"] for r in results)
     return {
@@ -74,12 +78,14 @@ def _measure(args: argparse.Namespace, replicas: int, gpus: int) -> dict[str, An
     }
 
 
-def _run_clients(args: argparse.Namespace, url: str) -> list[dict[str, Any]]:
-    """`--clients` load processes started together; each one's JSON report."""
+def _run_clients(args: argparse.Namespace, urls: list[str]) -> list[dict[str, Any]]:
+    """`--clients` load processes started together (client i on `urls[i % len(urls)]`); their JSON reports."""
     per_client = max(1, args.concurrency // args.clients)
     with tempfile.TemporaryDirectory() as tmp:
         paths = [Path(tmp) / f"client-{i}.json" for i in range(args.clients)]
-        procs = [subprocess.Popen(_client_command(args, url, per_client, i, p)) for i, p in enumerate(paths)]
+        procs = [
+            subprocess.Popen(_client_command(args, urls[i % len(urls)], per_client, i, p)) for i, p in enumerate(paths)
+        ]
         for proc in procs:
             proc.wait()
         return [json.loads(p.read_text()) for p in paths]
@@ -109,7 +115,7 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("concurrency", "requests_per_stream", "max_tokens", "prompt_words", "clients", "tp")
+    keys = ("concurrency", "requests_per_stream", "max_tokens", "prompt_words", "clients", "tp", "direct")
     return {**{k: getattr(args, k) for k in keys}, "serve_args": _serve_args(args)}
 
 
@@ -117,7 +123,9 @@ def _markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Replicas behind the router, {report['device']}, {report['date']} ({report['git_commit']})",
         "",
-        f"Settings: {report['settings']}. vllm-router round_robin, HTTP + SSE (no nginx).",
+        f"Settings: {report['settings']}. "
+        + ("Clients on the replicas directly" if report["settings"]["direct"] else "vllm-router round_robin")
+        + ", HTTP + SSE (no nginx).",
         "",
         "| replicas | output tok/s | vs first | TTFT p50 s | ITL p50 ms | failed |",
         "|---|---|---|---|---|---|",
