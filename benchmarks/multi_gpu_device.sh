@@ -3,7 +3,9 @@
 #   benchmarks/multi_gpu_device.sh tp         the symmetric-memory all-reduce probe (benchmarks/symm_mem_probe.py)
 #                                             and `streamd bench throughput --tp 1,2,4 --shapes llama3.1-8b`
 #   benchmarks/multi_gpu_device.sh replicas   `streamd bench replicas --replicas 1,2,4` on the 8B checkpoint
-#                                             (saved here unless the first call did; 256 SSE streams behind vllm-router)
+#                                             (saved here unless the first call did; 256 SSE streams behind vllm-router;
+#                                             MODES="router direct scaled": through the router, clients on the
+#                                             replicas directly, 256 streams per replica)
 # The device tool's $OUT receives everything (default /tmp/out). Carry [".whl"] (vllm-router's wheel is there).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -32,8 +34,8 @@ replicas)
   ckpt=/tmp/streamd-ckpt/llama3.1-8b
   python3 -c "from pathlib import Path; from streamd.bench.offline import model_config; \
 from streamd.bench.tensor_parallel import save_checkpoint; save_checkpoint(model_config('llama3.1-8b', 8192), Path('$ckpt'))"
-  for mode in router direct; do
-    flag=; [ $mode = direct ] && flag=--direct
+  for mode in ${MODES:-router direct}; do
+    flag=; [ $mode = direct ] && flag=--direct; [ $mode = scaled ] && flag=--scale-load
     timeout 280 python3 -m streamd.cli.main bench replicas --replicas "$sizes" --concurrency 256 $flag \
       --requests-per-stream 6 --max-tokens 512 --prompt-words 200 --clients 8 --out "$OUT/results" \
       -- "$ckpt" --set model.dtype=bfloat16 > "$OUT/replicas-$mode.log" 2>&1

@@ -25,6 +25,9 @@ from streamd.cli.cluster import ClusterSpec, count_gpus, running_cluster
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--replicas", default="1,2", help="comma-separated replica counts, the first the baseline")
     parser.add_argument("--concurrency", type=int, default=256, help="streams in flight over all clients")
+    parser.add_argument(
+        "--scale-load", action="store_true", help="--concurrency per replica (the load grows with the replicas)"
+    )
     parser.add_argument("--requests-per-stream", type=int, default=3, help="requests each stream sends in turn")
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--prompt-words", type=int, default=200)
@@ -49,7 +52,8 @@ def main(args: argparse.Namespace) -> int:
         run["vs_first"] = run["output_tok_s"] / base if base else 0.0
     report = {**report_header(_device_name(gpus)), "settings": _settings(args), "runs": runs}
     print(json.dumps(runs, indent=2))
-    save_report(report, args.out, "replicas-direct" if args.direct else "replicas", _markdown(report))
+    name = "replicas" + ("-direct" if args.direct else "") + ("-scaled" if args.scale_load else "")
+    save_report(report, args.out, name, _markdown(report))
     return 0 if all(r["failed"] == 0 for r in runs) else 1
 
 
@@ -64,11 +68,13 @@ def _measure(args: argparse.Namespace, replicas: int, gpus: int) -> dict[str, An
         logs.mkdir(parents=True, exist_ok=True)
     with running_cluster(spec, args.ready_timeout_s, logs, websockets=False):
         ports = spec.replica_ports if args.direct else [spec.router_port]
-        results = _run_clients(args, [f"http://127.0.0.1:{p}" for p in ports])
+        streams = args.concurrency * (replicas if args.scale_load else 1)
+        results = _run_clients(args, [f"http://127.0.0.1:{p}" for p in ports], streams)
     tokens = sum(r["output_tokens"] for r in results)
     wall = max(r["duration_s"] for r in results)
     return {
         "replicas": replicas,
+        "streams": streams,
         "output_tok_s": tokens / wall,
         "output_tokens": tokens,
         "wall_s": wall,
@@ -78,9 +84,9 @@ def _measure(args: argparse.Namespace, replicas: int, gpus: int) -> dict[str, An
     }
 
 
-def _run_clients(args: argparse.Namespace, urls: list[str]) -> list[dict[str, Any]]:
+def _run_clients(args: argparse.Namespace, urls: list[str], streams: int) -> list[dict[str, Any]]:
     """`--clients` load processes started together (client i on `urls[i % len(urls)]`); their JSON reports."""
-    per_client = max(1, args.concurrency // args.clients)
+    per_client = max(1, streams // args.clients)
     with tempfile.TemporaryDirectory() as tmp:
         paths = [Path(tmp) / f"client-{i}.json" for i in range(args.clients)]
         procs = [
@@ -115,7 +121,7 @@ def _serve_args(args: argparse.Namespace) -> list[str]:
 
 
 def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    keys = ("concurrency", "requests_per_stream", "max_tokens", "prompt_words", "clients", "tp", "direct")
+    keys = ("concurrency", "requests_per_stream", "max_tokens", "prompt_words", "clients", "tp", "direct", "scale_load")
     return {**{k: getattr(args, k) for k in keys}, "serve_args": _serve_args(args)}
 
 
@@ -127,12 +133,12 @@ def _markdown(report: dict[str, Any]) -> str:
         + ("Clients on the replicas directly" if report["settings"]["direct"] else "vllm-router round_robin")
         + ", HTTP + SSE (no nginx).",
         "",
-        "| replicas | output tok/s | vs first | TTFT p50 s | ITL p50 ms | failed |",
-        "|---|---|---|---|---|---|",
+        "| replicas | streams | output tok/s | vs first | TTFT p50 s | ITL p50 ms | failed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in report["runs"]:
         lines.append(
-            f"| {r['replicas']} | {r['output_tok_s']:,.0f} | {r['vs_first']:.2f}x | {r['ttft_p50_s']:.3f} "
-            f"| {r['itl_p50_s'] * 1000:.1f} | {r['failed']} |"
+            f"| {r['replicas']} | {r['streams']} | {r['output_tok_s']:,.0f} | {r['vs_first']:.2f}x "
+            f"| {r['ttft_p50_s']:.3f} | {r['itl_p50_s'] * 1000:.1f} | {r['failed']} |"
         )
     return "\n".join(lines) + "\n"
