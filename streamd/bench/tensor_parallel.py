@@ -44,6 +44,7 @@ def save_checkpoint(config: Any, path: Path, dtype: str = "bfloat16") -> Path:
     import torch
     from tokenizers import Tokenizer
     from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
     if (path / "config.json").is_file():
@@ -55,7 +56,9 @@ def save_checkpoint(config: Any, path: Path, dtype: str = "bfloat16") -> Path:
     del model
     torch.cuda.empty_cache()
     words = WordLevel({f"w{i}": i for i in range(config.vocab_size)}, unk_token="w0")
-    PreTrainedTokenizerFast(tokenizer_object=Tokenizer(words), unk_token="w0").save_pretrained(path)
+    tokenizer = Tokenizer(words)
+    tokenizer.pre_tokenizer = WhitespaceSplit()  # (a served prompt of N words is N tokens: `bench replicas`)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(path)
     return path
 
 

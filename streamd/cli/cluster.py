@@ -39,7 +39,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -201,9 +201,10 @@ http {{
 
 @contextlib.contextmanager
 def running_cluster(
-    spec: ClusterSpec, ready_timeout_s: float = 300.0, log_dir: Path | None = None
+    spec: ClusterSpec, ready_timeout_s: float = 300.0, log_dir: Path | None = None, websockets: bool = True
 ) -> Iterator[ClusterSpec]:
-    """Starts the replicas, waits until each `/ready`, then the router and nginx; stops all on exit."""
+    """Starts the replicas, waits until each `/ready`, then the router and (with `websockets`) nginx; stops
+    all on exit. Without nginx only the router's port serves (HTTP and SSE: `streamd bench replicas`)."""
     processes: list[subprocess.Popen[bytes]] = []
     workdir = Path(tempfile.mkdtemp(prefix="streamd-cluster-"))  # nginx's config and temp files
     logs = log_dir or workdir
@@ -223,19 +224,22 @@ def running_cluster(
             wait_ready(f"http://{_HOST}:{port}/ready", deadline, processes)
         start("router", router_command(spec.router_port, spec.router_metrics_port, spec.replica_ports, spec.policy))
         wait_ready(f"http://{_HOST}:{spec.router_port}/v1/models", deadline, processes)
-        nginx = shutil.which("nginx") or "/usr/sbin/nginx"
-        if not Path(nginx).exists():
-            raise SystemExit("streamd cluster needs nginx for WebSockets: apt-get install nginx-light")
-        (workdir / "nginx.conf").write_text(
-            nginx_config(spec.front_port, spec.router_port, spec.replica_ports, workdir)
-        )
-        start("nginx", [nginx, "-c", str(workdir / "nginx.conf"), "-p", str(workdir)])
-        wait_ready(f"http://{_HOST}:{spec.front_port}/v1/models", deadline, processes)
+        if websockets:
+            _start_nginx(spec, workdir, start)
+            wait_ready(f"http://{_HOST}:{spec.front_port}/v1/models", deadline, processes)
         yield spec
     finally:
         stop_processes(processes)
         if log_dir is not None:  # (otherwise the logs are in workdir: kept for a look after a failure)
             shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start_nginx(spec: ClusterSpec, workdir: Path, start: Callable[[str, list[str]], None]) -> None:
+    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    if not Path(nginx).exists():
+        raise SystemExit("streamd cluster needs nginx for WebSockets: apt-get install nginx-light")
+    (workdir / "nginx.conf").write_text(nginx_config(spec.front_port, spec.router_port, spec.replica_ports, workdir))
+    start("nginx", [nginx, "-c", str(workdir / "nginx.conf"), "-p", str(workdir)])
 
 
 def wait_ready(url: str, deadline: float, processes: list[subprocess.Popen[bytes]]) -> None:
