@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from streamd.cli.cluster import router_command
+from tests.helpers import sizes
 
 pytestmark = pytest.mark.skipif(
     shutil.which("vllm-router") is None and not Path(sys.executable).with_name("vllm-router").exists(),
@@ -35,9 +36,7 @@ def _free_base() -> int:
         return base
 
 
-@pytest.mark.parametrize(
-    "counts", ["1", pytest.param("1,2", marks=pytest.mark.slow)], ids=["one-replica", "one-then-two"]
-)
+@pytest.mark.parametrize("counts", sizes("1", "1,2"))  # one replica; full (slow): one, then two
 def test_replicas_bench_loads_each_count_through_the_router(tmp_path: Path, counts: str) -> None:
     assert Path(router_command(1, 2, [3], "round_robin")[0]).exists()
     command = [sys.executable, "-m", "streamd.cli.main", "bench", "replicas", "--replicas", counts, "--scale-load",
