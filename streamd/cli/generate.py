@@ -21,14 +21,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Generate text from the command line with the offline engine."""
+    """Generate text from the command line with the offline engine. The settings and sampling parameters are
+    checked before torch is imported (seconds of CPU), so a bad flag's one-line error comes at once."""
+    from streamd.config import load_config
     from streamd.engine.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
+    overrides = command_line_overrides(args)
+    load_config(args.config, overrides)
+
     from streamd.llm import LLM
     from streamd.logs import configure_logging
 
     configure_logging()
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature)
-    llm = LLM(config_path=args.config, **command_line_overrides(args))
+    llm = LLM(config_path=args.config, **overrides)
     if args.chat:
         outputs = llm.chat([[{"role": "user", "content": p}] for p in args.prompt], params)
     else:
