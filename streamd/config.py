@@ -250,8 +250,25 @@ class ServerConfig:
     body_timeout_s: float = 60.0  # a request body must arrive within this after its head
     keep_alive_timeout_s: int = 30  # seconds an idle keep-alive socket is kept (uvicorn takes whole seconds)
     max_pending_body_bytes: int = 256 << 20  # body bytes still arriving, every socket together
+    # Fair share (server/tenants.py): whose share a request draws on: "auto" (the key when keys are on, else the
+    # `user` field), "key", "user" or "none"; `tenants` names keys or users ("name=value") for the scheduler's
+    # weights and the metrics' labels (others are digests, labelled "other").
+    tenant_from: str = "auto"
+    tenants: list[str] = field(default_factory=list)
+
+    def tenant_map(self) -> dict[str, str]:
+        """`tenants` as value -> name; a malformed entry raises naming it."""
+        names = {}
+        for entry in self.tenants:
+            name, sep, value = entry.partition("=")
+            if not sep or not name or not value:
+                raise ConfigError(f"server.tenants: an entry must be name=key (or name=user), got {name!r}=...")
+            names[value] = name
+        return names
 
     def validate(self) -> None:
+        _one_of("server.tenant_from", self.tenant_from, ("auto", "key", "user", "none"))
+        self.tenant_map()
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         for key in (

@@ -27,6 +27,9 @@ from streamd.engine.stats import TenantStats
 
 PROMPT_WEIGHT = 1.0  # the paper's w_p
 OUTPUT_WEIGHT = 2.0  # the paper's w_q: an output token costs a step of its own
+MAX_TENANTS = 1024  # tenants remembered; past it the idle ones least served are forgotten (keys off: `user`)
+STATS_TENANTS = 16  # tenants reported one by one in the stats (most served first); the rest as OTHER
+OTHER = "other"
 TIERS = {"priority": 0, "auto": 1, "default": 1, "flex": 2}
 FLEX = TIERS["flex"]
 DEFAULT_TIER = TIERS["default"]
@@ -70,6 +73,15 @@ class FairShare:
     def leave(self, group: SequenceGroup) -> None:
         self.tenants[group.sampling_params.tenant].active -= 1
         self._tiered -= _tiered(group)
+        if len(self.tenants) > MAX_TENANTS:
+            self._forget_idle()
+
+    def _forget_idle(self) -> None:
+        """Drops the idle tenants least served (a returning one starts at the least active counter, as
+        it would have been lifted to) down to half of MAX_TENANTS."""
+        idle = sorted((t.counter, name) for name, t in self.tenants.items() if not t.active)
+        for _, name in idle[: len(self.tenants) - MAX_TENANTS // 2]:
+            del self.tenants[name]
 
     def charge(self, scheduled: Iterable[ScheduledSeq]) -> None:
         """The step's tokens to their tenants' counters: a chunk's tokens as prompt, a decode's as output."""
@@ -117,10 +129,20 @@ class FairShare:
         return tenant
 
     def stats(self) -> list[TenantStats]:
-        return [
-            TenantStats(name, t.prompt_tokens, t.output_tokens, t.preemptions, t.counter)
-            for name, t in self.tenants.items()
-        ]
+        """The STATS_TENANTS most served tenants, the rest summed as OTHER (a bounded snapshot per step)."""
+        ranked = sorted(self.tenants.items(), key=lambda item: -item[1].counter)
+        shown = [TenantStats(n, t.prompt_tokens, t.output_tokens, t.preemptions, t.counter) for n, t in ranked]
+        if len(shown) <= STATS_TENANTS:
+            return shown
+        rest = shown[STATS_TENANTS - 1 :]
+        other = TenantStats(
+            OTHER,
+            sum(r.prompt_tokens for r in rest),
+            sum(r.output_tokens for r in rest),
+            sum(r.preemptions for r in rest),
+            max(r.virtual_tokens for r in rest),
+        )
+        return [*shown[: STATS_TENANTS - 1], other]
 
 
 def _tiered(group: SequenceGroup) -> int:

@@ -110,8 +110,8 @@ def test_backlogged_tenants_get_their_weighted_share_in_every_window(weights, sh
         for item in out.scheduled:
             weight = OUTPUT_WEIGHT if item.num_new_tokens == 1 else PROMPT_WEIGHT * item.num_new_tokens
             tokens[item.group.sampling_params.tenant] += weight
-        for tenant in served:
-            served[tenant].append(tokens[tenant])
+        for tenant, history in served.items():
+            history.append(tokens[tenant])
     assert len(served["a"]) > 4 * window
     for start in range(window, len(served["a"]) - window, window):
         a, b = (sum(served[t][start:start + window]) for t in ("a", "b"))
