@@ -84,16 +84,18 @@ class FairShare:
             del self.tenants[name]
 
     def charge(self, scheduled: Iterable[ScheduledSeq]) -> None:
-        """The step's tokens to their tenants' counters: a chunk's tokens as prompt, a decode's as output."""
+        """The step's tokens to their tenants' counters: a chunk's tokens as prompt (a recompute's too), each
+        token the step samples as output."""
         tenants = self.tenants
         for item in scheduled:
-            tenant = tenants[item.group.sampling_params.tenant]
-            if item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens:
-                tenant.output_tokens += 1
-                tenant.counter += OUTPUT_WEIGHT / tenant.weight
-            else:
+            tenant, seq, cost = tenants[item.group.sampling_params.tenant], item.seq, 0.0
+            if item.num_new_tokens > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
                 tenant.prompt_tokens += item.num_new_tokens
-                tenant.counter += PROMPT_WEIGHT * item.num_new_tokens / tenant.weight
+                cost = PROMPT_WEIGHT * item.num_new_tokens
+            if item.samples:
+                tenant.output_tokens += 1
+                cost += OUTPUT_WEIGHT
+            tenant.counter += cost / tenant.weight
 
     def preempted(self, group: SequenceGroup) -> None:
         self.tenants[group.sampling_params.tenant].preemptions += 1

@@ -92,7 +92,7 @@ def test_a_tenant_that_arrives_late_is_lifted_to_the_least_active_counter():
     eng.add_as("b0", _prompt("b0", 8), 30, "b")
     for _ in range(10):
         eng.step()
-    assert eng.counter("a") == eng.counter("b") == PROMPT_WEIGHT * 8 + OUTPUT_WEIGHT * 9
+    assert eng.counter("a") == eng.counter("b") == PROMPT_WEIGHT * 8 + OUTPUT_WEIGHT * 10
     eng.add_as("c0", _prompt("c0", 8), 4, "c")
     assert eng.counter("c") == eng.counter("a")  # no credit banked for the time it was away
 
@@ -108,7 +108,8 @@ def test_backlogged_tenants_get_their_weighted_share_in_every_window(weights, sh
         out = eng.step()
         tokens = {"a": 0.0, "b": 0.0}
         for item in out.scheduled:
-            weight = OUTPUT_WEIGHT if item.num_new_tokens == 1 else PROMPT_WEIGHT * item.num_new_tokens
+            decode = item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+            weight = (0 if decode else PROMPT_WEIGHT * item.num_new_tokens) + OUTPUT_WEIGHT * item.samples
             tokens[item.group.sampling_params.tenant] += weight
         for tenant, history in served.items():
             history.append(tokens[tenant])
