@@ -15,6 +15,11 @@ and how many tokens each; every memory decision goes through the BlockManager. O
    that does not fit stops admission; nothing is admitted while any group is swapped out or when this
    step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
 
+Many tenants, tiers or priorities (`FairShare`, engine/core/fairness.py): each step first orders the queues
+by tier, priority, the tenant's fair-share counter and arrival (so "earliest" above reads "most deserving" and
+the latest-arrived victim the least deserving); a waiting group that does not fit then holds back only its own
+tenant and `flex` requests, not the others. One tenant without tiers keeps the arrival order exactly.
+
 Paused groups (`set_paused`: the server pauses a request whose reader fell behind) are skipped by every
 queue; they keep their blocks, and are the first victims when memory runs short: a running group that
 needs a block, or a waiting group that cannot be admitted, preempts a paused group before any other. A
