@@ -94,8 +94,8 @@ FULL = {
         chats=12,
         chat_every=8,
         backlog=160,
-        tier_requests=96,
-        window_s=1.0,
+        tier_requests=160,
+        window_s=0.25,
     ),
     "default": Sizes(
         seats=8,
@@ -105,7 +105,7 @@ FULL = {
         chats=8,
         chat_every=6,
         backlog=24,
-        tier_requests=48,
+        tier_requests=64,
         window_s=10.0,
     ),
 }
@@ -296,15 +296,16 @@ def window_shares(out: Run, window_s: float) -> list[float]:
 
 
 def tiers(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
-    """One tenant submits `tier_requests` at once (saturating the seats), every fourth `priority`."""
+    """One tenant submits a request every tick, faster than the seats free up (saturation: the queue grows),
+    every eighth `priority` (slower than they free up: the tier's own queue stays short)."""
     arrivals = [
         Arrival(
-            i // 8,
+            i,
             f"t{i}",
             "A",
             sizes.long_prompt // 2,
             sizes.long_output // 2,
-            "priority" if i % 4 == 3 else "default",
+            "priority" if i % 8 == 7 else "default",
         )
         for i in range(sizes.tier_requests)
     ]

@@ -255,7 +255,7 @@ class Scheduler:
         self._reordered = True
         self.running.sort(key=lambda g: fair.key(g, rank[g.request_id]))
         self.swapped.sort(key=lambda g: fair.key(g, rank[g.request_id]))
-        if len(self.waiting) > 1:
+        if len(self.waiting) > 1 and len(self.running) < self.max_num_seqs:  # else none can be admitted
             order = fair.waiting_order(sorted(self.waiting, key=self._rank), rank)
             self.waiting.clear()
             self.waiting.extend(order)
