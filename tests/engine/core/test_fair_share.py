@@ -119,6 +119,19 @@ def test_backlogged_tenants_get_their_weighted_share_in_every_window(weights, sh
         assert a / (a + b) == pytest.approx(share_a, abs=0.05), (start, a, b)
 
 
+def test_a_request_that_does_not_fit_holds_back_only_its_own_tenant():
+    eng = TenantEngine(num_blocks=12, block_size=4)
+    eng.add_as("run", _prompt("run", 24), 8, "c")
+    eng.step()
+    eng.add_as("a-big", _prompt("a-big", 24), 4, "a")  # does not fit beside "run"
+    eng.add_as("a-small", _prompt("a-small", 4), 4, "a")  # fits, but waits behind its own tenant's head
+    eng.add_as("b-small", _prompt("b-small", 4), 4, "b")  # fits: admitted now, no head-of-line stop
+    eng.step()
+    assert "b-small" in eng.admitted_at and "a-small" not in eng.admitted_at and "a-big" not in eng.admitted_at
+    eng.run()
+    assert eng.admitted.index("a-big") < eng.admitted.index("a-small")
+
+
 # ---- tiers and priorities ----------------------------------------------------------------------------
 
 def test_priority_tier_goes_first_and_flex_only_on_spare_capacity():
