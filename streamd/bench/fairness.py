@@ -203,19 +203,19 @@ def submit(engine: LLMEngine, arrival: Arrival, out: Run) -> None:
 
 
 def step(engine: LLMEngine, out: Run) -> None:
-    scheduled = {}
+    weighted: dict[str, float] = {}  # this step's weighted tokens per tenant
     for delta in engine.step():
         timing = out.timings[delta.request_id]
         tokens = sum(len(c.token_ids) for c in delta.outputs)
         if tokens and timing.first_token is None:
             timing.first_token = time.perf_counter()
             prompt = PROMPT_WEIGHT * delta.num_prompt_tokens
-            scheduled[timing.tenant] = scheduled.get(timing.tenant, 0.0) + prompt
+            weighted[timing.tenant] = weighted.get(timing.tenant, 0.0) + prompt
             out.tokens += delta.num_prompt_tokens
-        scheduled[timing.tenant] = scheduled.get(timing.tenant, 0.0) + OUTPUT_WEIGHT * tokens
+        weighted[timing.tenant] = weighted.get(timing.tenant, 0.0) + OUTPUT_WEIGHT * tokens
         out.tokens += tokens
     now = time.perf_counter()
-    out.served.extend((now, tenant, weight) for tenant, weight in scheduled.items())
+    out.served.extend((now, tenant, weight) for tenant, weight in weighted.items())
 
 
 # ---- workloads ----------------------------------------------------------------------------------------
