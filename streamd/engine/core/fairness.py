@@ -30,9 +30,19 @@ OUTPUT_WEIGHT = 2.0  # the paper's w_q: an output token costs a step of its own
 MAX_TENANTS = 1024  # tenants remembered; past it the idle ones least served are forgotten (keys off: `user`)
 STATS_TENANTS = 16  # tenants reported one by one in the stats (most served first); the rest as OTHER
 OTHER = "other"
+# A waiting request passed over (it did not fit) for longer than this, or half its queue timeout, stops the
+# admission of those after it in the order, so memory freed is kept for it: nobody starves behind others.
+STARVING_S = 10.0
 TIERS = {"priority": 0, "auto": 1, "default": 1, "flex": 2}
 FLEX = TIERS["flex"]
 DEFAULT_TIER = TIERS["default"]
+
+
+def starving(group: SequenceGroup, now: float) -> bool:
+    """Whether `group` has waited so long that admission must stop behind it (`STARVING_S`)."""
+    timeout = group.sampling_params.queue_timeout_s
+    limit = STARVING_S if timeout is None else min(STARVING_S, timeout / 2)
+    return now - group.arrival_time > limit
 
 
 def tier_of(group: SequenceGroup) -> int:

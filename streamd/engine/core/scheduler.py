@@ -18,7 +18,8 @@ and how many tokens each; every memory decision goes through the BlockManager. O
 Many tenants, tiers or priorities (`FairShare`, engine/core/fairness.py): each step first orders the queues
 by tier, priority, the tenant's fair-share counter and arrival (so "earliest" above reads "most deserving" and
 the latest-arrived victim the least deserving); a waiting group that does not fit then holds back only its own
-tenant and `flex` requests, not the others. One tenant without tiers keeps the arrival order exactly.
+tenant and `flex` requests, not the others, until it has waited `STARVING_S` (then everything after it
+waits). One tenant without tiers keeps the arrival order exactly.
 
 Paused groups (`set_paused`: the server pauses a request whose reader fell behind) are skipped by every
 queue; they keep their blocks, and are the first victims when memory runs short: a running group that
@@ -55,7 +56,7 @@ from dataclasses import dataclass, field
 from streamd.config import SchedulerConfig
 from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
-from streamd.engine.core.fairness import FLEX, FairShare, tier_of
+from streamd.engine.core.fairness import FLEX, FairShare, starving, tier_of
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.core.step_cost import StepCost, StepShape
@@ -443,7 +444,7 @@ class Scheduler:
                 if self._preempt_paused(out):  # memory held by a stalled reader goes first
                     continue
                 self._blocked = blocked
-                if skip is None:
+                if skip is None or starving(group, time.monotonic()):
                     break
                 skip.add(group)
                 k += 1

@@ -10,7 +10,7 @@ import zlib
 import pytest
 
 from streamd.config import SchedulerConfig
-from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT
+from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, STARVING_S
 from streamd.engine.core.prefix_cache import ROOT_HASH, prefix_root
 from streamd.engine.core.scheduler import Scheduler
 from streamd.engine.core.sequence import Sequence, SequenceGroup
@@ -130,6 +130,19 @@ def test_a_request_that_does_not_fit_holds_back_only_its_own_tenant():
     assert "b-small" in eng.admitted_at and "a-small" not in eng.admitted_at and "a-big" not in eng.admitted_at
     eng.run()
     assert eng.admitted.index("a-big") < eng.admitted.index("a-small")
+
+
+def test_a_request_passed_over_too_long_stops_admission_behind_it():
+    eng = TenantEngine(num_blocks=12, block_size=4)
+    eng.add_as("run", _prompt("run", 24), 8, "c")
+    eng.step()
+    big = eng.add_as("a-big", _prompt("a-big", 24), 4, "a", priority=-1)  # first in the order, does not fit
+    big.arrival_time -= STARVING_S + 1  # it has waited long enough: memory that frees is kept for it
+    eng.add_as("b-small", _prompt("b-small", 4), 4, "b")
+    eng.step()
+    assert "b-small" not in eng.admitted_at
+    eng.run()
+    assert eng.admitted.index("a-big") < eng.admitted.index("b-small")
 
 
 # ---- tiers and priorities ----------------------------------------------------------------------------
