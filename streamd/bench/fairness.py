@@ -229,7 +229,7 @@ def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
     fcfs = drive(engine, flood + chats, False, lambda _: [])
     p99 = {name: percentile(r.ttfts("B"), 99) for name, r in (("solo", solo), ("fair", fair), ("fcfs", fcfs))}
     throughput = {name: r.tokens / r.seconds for name, r in (("fair", fair), ("fcfs", fcfs))}
-    result = {
+    result: dict[str, Any] = {
         "chat_p99_ttft_s": p99,
         "flood_p50_ttft_s": {name: percentile(r.ttfts("A"), 50) for name, r in (("fair", fair), ("fcfs", fcfs))},
         "tokens_per_s": throughput,

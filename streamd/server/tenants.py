@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any
 
 from streamd.config import ServerConfig
 
@@ -34,9 +33,9 @@ class Tenants:
         self._names = config.tenant_map()
         self.labels = frozenset({*self._names.values(), DEFAULT_TENANT})
 
-    def of(self, api_key: str | None, body: dict[str, Any] | None = None) -> Tenant:
-        """The tenant of a request made with `api_key` and this wire `body`."""
-        value, kind = self._identity(api_key, body or {})
+    def of(self, api_key: str | None, user: str | None = None) -> Tenant:
+        """The tenant of a request made with `api_key` by `user` (the body's, `generation.wire_user`)."""
+        value, kind = self._identity(api_key, user)
         if value is None:
             return Tenant(DEFAULT_TENANT, DEFAULT_TENANT)
         name = self._names.get(value)
@@ -44,12 +43,11 @@ class Tenants:
             return Tenant(name, name)
         return Tenant(f"{kind}-{hashlib.sha256(value.encode()).hexdigest()[:16]}", OTHER_LABEL)
 
-    def _identity(self, api_key: str | None, body: dict[str, Any]) -> tuple[str | None, str]:
+    def _identity(self, api_key: str | None, user: str | None) -> tuple[str | None, str]:
         if self._from == "key":
             return api_key, "key"
         if self._from == "user":
-            user = body.get("user") or body.get("safety_identifier")
-            return (user if isinstance(user, str) and user else None), "user"
+            return user, "user"
         return None, "none"
 
     def label(self, name: str) -> str:
