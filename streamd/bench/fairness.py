@@ -84,6 +84,7 @@ class Sizes:
     window_s: float
 
 
+MEASURED_WINDOWS = 3  # the backlog run's windows after the first (which fills the seats)
 # Per model: the null model's steps cost milliseconds, the default model's on 2 CPU cores tens of them.
 FULL = {
     "null": Sizes(
@@ -95,17 +96,17 @@ FULL = {
         chat_every=8,
         backlog=160,
         tier_requests=160,
-        window_s=0.25,
+        window_s=0.5,
     ),
     "default": Sizes(
         seats=8,
-        flood=32,
-        long_prompt=128,
-        long_output=48,
-        chats=8,
+        flood=24,
+        long_prompt=96,
+        long_output=32,
+        chats=6,
         chat_every=6,
-        backlog=24,
-        tier_requests=64,
+        backlog=16,
+        tier_requests=48,
         window_s=10.0,
     ),
 }
@@ -247,43 +248,51 @@ def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
 
 
 def backlog(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
-    """A and B keep `backlog` requests queued each (refilled as they are admitted), until each has
-    submitted three times that many."""
+    """A (long requests) and B (short) each keep `backlog` requests queued, refilled every tick, for
+    `MEASURED_WINDOWS` + 1 windows; then whatever is left is aborted (draining A's backlog measures nothing)."""
     counts = {"A": 0, "B": 0}
     shapes = {"A": (sizes.long_prompt, sizes.long_output), "B": (sizes.long_prompt // 4, sizes.long_output // 4)}
+    until: list[float] = []  # when refilling stops (set at the first refill)
 
     def refill(tick: int) -> list[Arrival]:
-        waiting = {t: 0 for t in counts}
+        now = time.perf_counter()
+        until.append(until[0] if until else now + (MEASURED_WINDOWS + 1) * sizes.window_s)
+        if now > until[0]:
+            for group in [*engine.scheduler.running, *engine.scheduler.waiting, *engine.scheduler.swapped]:
+                engine.abort(group.request_id)
+            return []
+        waiting = dict.fromkeys(counts, 0)
         for group in engine.scheduler.waiting:
             waiting[group.sampling_params.tenant] += 1
         new = []
         for tenant, queued in waiting.items():
-            while queued < sizes.backlog and counts[tenant] < 3 * sizes.backlog:
+            for _ in range(queued, sizes.backlog):
                 prompt, output = shapes[tenant]
                 new.append(Arrival(tick, f"{tenant.lower()}{counts[tenant]}", tenant, prompt, output))
                 counts[tenant] += 1
-                queued += 1
         return new
 
     out = drive(engine, [], True, refill)
-    shares = window_shares(out, sizes.window_s)
+    shares = window_shares(out, sizes.window_s, until[0])
     return {
         "window_s": sizes.window_s,
         "windows": len(shares),
+        "shares_A": [round(share, 4) for share in shares],
         "share_A_min": min(shares, default=float("nan")),
         "share_A_max": max(shares, default=float("nan")),
         "targets": {"shares_50_pm_5": bool(shares) and all(abs(s - 0.5) <= 0.05 for s in shares)},
     }
 
 
-def window_shares(out: Run, window_s: float) -> list[float]:
-    """A's share of the weighted tokens in each whole window while both tenants are being served."""
+def window_shares(out: Run, window_s: float, until: float = float("inf")) -> list[float]:
+    """A's share of the weighted tokens in each whole window while both tenants are being served (and
+    before `until`)."""
     if not out.served:
         return []
     start = out.served[0][0]
     last_b = max((t for t, tenant, _ in out.served if tenant == "B"), default=start)
     last_a = max((t for t, tenant, _ in out.served if tenant == "A"), default=start)
-    end = min(last_a, last_b)
+    end = min(last_a, last_b, until)
     shares = []
     begin = start + window_s  # the first window fills the seats: not measured
     while begin + window_s <= end:
