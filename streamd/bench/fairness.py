@@ -183,8 +183,10 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], fair: bool, refill: Callab
     scheduler.fair = FairShare(fair, scheduler.config.tenant_weight_map())
     pending, out, tick = sorted(arrivals, key=lambda a: a.tick), Run(), 0
     start = time.perf_counter()
-    while pending or engine.has_unfinished_requests():
+    while True:
         pending.extend(refill(tick))
+        if not pending and not engine.has_unfinished_requests():
+            break
         while pending and pending[0].tick <= tick:
             submit(engine, pending.pop(0), out)
         tick += 1

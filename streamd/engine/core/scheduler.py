@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -222,6 +222,7 @@ class Scheduler:
         out = SchedulerOutput()
         if self.fair.reorders:
             self._reorder()
+            self._seat_for_unserved(out)
         elif self._reordered:
             self._restore_arrival_order()
         decodes: list[ScheduledSeq] = []
@@ -260,6 +261,26 @@ class Scheduler:
             order = fair.waiting_order(sorted(self.waiting, key=self._rank), rank)
             self.waiting.clear()
             self.waiting.extend(order)
+
+    def _seat_for_unserved(self, out: SchedulerOutput) -> None:
+        """Every seat (`max_num_seqs`) is taken and an active tenant has nothing running: the least deserving
+        group of the tenant running the most groups gives up its seat (recomputed, so admission goes on in
+        this step), and the unserved tenant's first waiting request goes to the front of the queue."""
+        running = self.running
+        if self.swapped or sum(len(g.seqs) for g in running) < self.max_num_seqs:
+            return
+        seats = Counter(g.sampling_params.tenant for g in running)
+        unserved = {name for name, t in self.fair.tenants.items() if t.active and name not in seats}
+        if not unserved or seats.most_common(1)[0][1] < 2:
+            return
+        candidate = next((g for g in self.waiting if _may_take_seat(g, unserved, self.paused)), None)
+        if candidate is None:
+            return
+        richest = seats.most_common(1)[0][0]
+        victim = max(i for i, g in enumerate(running) if g.sampling_params.tenant == richest)
+        self._preempt(running.pop(victim), out, recompute=True)
+        self.waiting.remove(candidate)
+        self.waiting.appendleft(candidate)
 
     def _restore_arrival_order(self) -> None:
         """Back to arrival order once nothing reorders (one tenant left, no tiers): the queues' invariant."""
@@ -501,11 +522,11 @@ class Scheduler:
             return bool(self.swapped)
         return len(self.swapped) > sum(1 for g in self.swapped if g.request_id in self.paused)
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput, recompute: bool = False) -> None:
         bm = self.block_manager
         seqs = [s for s in group.seqs if s.status < FINISHED]
         self.fair.preempted(group)
-        if self._use_swap(seqs):
+        if not recompute and self._use_swap(seqs):
             out.blocks_to_swap_out.extend(bm.swap_out(seqs))
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
@@ -732,6 +753,12 @@ class _Skipped:
 
     def holds(self, group: SequenceGroup) -> bool:
         return group.sampling_params.tenant in self.tenants or (self.flex and tier_of(group) == FLEX)
+
+
+def _may_take_seat(group: SequenceGroup, unserved: set[str], paused: set[str]) -> bool:
+    """A waiting group of a tenant with nothing running, neither paused nor `flex` (spare capacity only)."""
+    params = group.sampling_params
+    return params.tenant in unserved and group.request_id not in paused and params.service_tier != "flex"
 
 
 def _running_parts(group: SequenceGroup) -> tuple[list[Sequence], list[ScheduledSeq]]:
