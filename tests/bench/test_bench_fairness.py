@@ -31,8 +31,9 @@ def test_light_form_reports_every_measure(smol_llm) -> None:
 
 
 def test_window_shares_count_whole_windows_while_both_are_served() -> None:
-    run = Run(served=[(t / 10, "A" if t % 3 else "B", 1.0) for t in range(100)])  # A twice as often
+    run = Run(served=[(t / 10, tenant, weight) for t in range(100) for tenant, weight in (("A", 2.0), ("B", 1.0))])
     shares = fairness.window_shares(run, 1.0)
     assert len(shares) == 8  # 10 s of service, the first window and the partial last one left out
-    assert all(math.isclose(s, 2 / 3, abs_tol=0.05) for s in shares)
+    assert all(math.isclose(s, 2 / 3) for s in shares)
+    assert len(fairness.window_shares(run, 1.0, until=5.0)) == 4  # [1, 2) .. [4, 5): the refill stopped at 5 s
     assert fairness.window_shares(Run(), 1.0) == []
