@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from streamd.bench import fairness
 from streamd.bench.fairness import Run
 
 
+@pytest.mark.slow  # ~35 s on 2 loaded cores; test_window_shares... is the fast check of the report's windows
 def test_light_form_reports_every_measure(smol_llm) -> None:
     engine = smol_llm.engine
     before = engine.scheduler.fair
