@@ -102,8 +102,12 @@ class CacheConfig:
     num_swap_blocks: int | None = None  # None: from swap_space_gib (capped at 40% of RAM)
     watermark: float = 0.01
     enable_prefix_caching: bool = True
+    # "tenant": a tenant's prompts find only its own cached blocks (no cross-tenant timing or cached_tokens
+    # signal); "none": one cache for all. A request's `cache_salt` separates it either way.
+    prefix_isolation: str = "none"
 
     def validate(self) -> None:
+        _one_of("cache.prefix_isolation", self.prefix_isolation, ("none", "tenant"))
         _one_of("cache.block_size", self.block_size, (8, 16, 32, 64, 128))
         _positive("cache.num_kv_blocks", self.num_kv_blocks, allow_none=True)
         if not 0 < self.gpu_memory_utilization <= 1:
@@ -123,8 +127,27 @@ class SchedulerConfig:
     # A step's latency budget: prompt chunks are sized so the predicted step stays under it (core/step_cost.py,
     # at least one block of a prompt per step); 0: chunks bounded by max_num_batched_tokens only.
     max_step_ms: float = 500.0
+    # Who goes first (engine/core/fairness.py): "fair" (a fair share per tenant, then arrival) or "fcfs"
+    # (arrival). Both order by service tier and priority first; with one tenant they schedule alike.
+    scheduling: str = "fair"
+    tenant_weights: list[str] = field(default_factory=list)  # "name=weight" (default weight 1)
+
+    def tenant_weight_map(self) -> dict[str, float]:
+        """`tenant_weights` as name -> weight; a malformed entry raises naming it."""
+        weights = {}
+        for entry in self.tenant_weights:
+            name, _, value = entry.partition("=")
+            try:
+                weights[name] = float(value)
+            except ValueError:
+                weights[name] = 0.0
+            if not name or not weights[name] > 0 or weights[name] == float("inf"):
+                raise ConfigError(f"scheduler.tenant_weights: {entry!r} must be name=weight with a weight > 0")
+        return weights
 
     def validate(self) -> None:
+        _one_of("scheduler.scheduling", self.scheduling, ("fair", "fcfs"))
+        self.tenant_weight_map()
         _positive("scheduler.max_num_seqs", self.max_num_seqs)
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative("scheduler.max_step_ms", self.max_step_ms)
@@ -227,8 +250,25 @@ class ServerConfig:
     body_timeout_s: float = 60.0  # a request body must arrive within this after its head
     keep_alive_timeout_s: int = 30  # seconds an idle keep-alive socket is kept (uvicorn takes whole seconds)
     max_pending_body_bytes: int = 256 << 20  # body bytes still arriving, every socket together
+    # Fair share (server/tenants.py): whose share a request draws on: "auto" (the key when keys are on, else the
+    # `user` field), "key", "user" or "none"; `tenants` names keys or users ("name=value") for the scheduler's
+    # weights and the metrics' labels (others are digests, labelled "other").
+    tenant_from: str = "auto"
+    tenants: list[str] = field(default_factory=list)
+
+    def tenant_map(self) -> dict[str, str]:
+        """`tenants` as value -> name; a malformed entry raises naming it."""
+        names = {}
+        for entry in self.tenants:
+            name, sep, value = entry.partition("=")
+            if not sep or not name or not value:
+                raise ConfigError(f"server.tenants: an entry must be name=key (or name=user), got {name!r}=...")
+            names[value] = name
+        return names
 
     def validate(self) -> None:
+        _one_of("server.tenant_from", self.tenant_from, ("auto", "key", "user", "none"))
+        self.tenant_map()
         if not 0 <= self.port <= 65535:
             raise ConfigError(f"server.port must be in [0, 65535], got {self.port}")
         for key in (

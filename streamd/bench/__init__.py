@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "cluster": ("streamd.bench.cluster", "run"),
     "chaos": ("streamd.bench.chaos", "main"),
     "replicas": ("streamd.bench.replicas", "main"),
+    "fairness": ("streamd.bench.fairness", "run"),
 }
 EXAMPLES: dict[str, str] = {
     "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
@@ -27,6 +28,7 @@ EXAMPLES: dict[str, str] = {
     "cluster": "streamd bench cluster --replicas 1,2,4,8 --out /tmp/results",
     "chaos": "streamd serve &  streamd bench chaos --url http://127.0.0.1:8000 --duration 60",
     "replicas": "streamd bench replicas --replicas 1,2 --concurrency 256 -- --set model.dtype=bfloat16",
+    "fairness": "streamd bench fairness --models null,default   # ~5 minutes on 2 cores",
 }
 
 

@@ -21,7 +21,7 @@ from streamd.engine.outputs import (
     RequestOutputBuilder,
 )
 from streamd.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs, is_int
-from streamd.engine.stats import EngineStats
+from streamd.engine.stats import EngineStats, TenantStats
 
 if TYPE_CHECKING:
     from streamd.engine.client.async_engine import AsyncEngine
@@ -87,6 +87,7 @@ __all__ = [
     "SamplingParams",
     "StructuredOutputs",
     "TemplateOptions",
+    "TenantStats",
     "byte_table",
     "chat_template_ids",
     "grammar_size",

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from streamd.engine import builder
+from streamd.engine.core.prefix_cache import prefix_root
 from streamd.engine.core.requests import Request, RequestRegistry
 from streamd.engine.core.sequence import Sequence, SequenceGroup
 from streamd.engine.output.chat_template import chat_template_ids
@@ -94,7 +95,9 @@ class LLMEngine:
         self.admission.check(len(ids), params)
         self.admission.check_logit_bias(params, self.vocab_size)
         arrival = arrival_time if arrival_time is not None else time.monotonic()
-        group = SequenceGroup(request_id, [Sequence(prompt_token_ids=ids)], params, prompt=text, arrival_time=arrival)
+        isolated = params.tenant if self.config.cache.prefix_isolation == "tenant" else None
+        seq = Sequence(prompt_token_ids=ids, prefix_root=prefix_root(params.cache_salt, isolated))
+        group = SequenceGroup(request_id, [seq], params, prompt=text, arrival_time=arrival)
         self.grammars.add(group)  # (a grammar that does not compile raises before anything else is kept)
         self.requests.add(group, self.beams.create(params, len(ids)))
         self.scheduler.add_seq_group(group)

@@ -20,6 +20,8 @@ MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY = 1e-2, 100.0
 MAX_STOP_STRINGS = 64
 MAX_STOP_CHARS = 256
 MAX_LOGPROBS = 20  # top logprobs a request may ask for per token (as OpenAI)
+SERVICE_TIERS = ("auto", "default", "priority", "flex")  # OpenAI's `service_tier` values
+MAX_PRIORITY = 1 << 31  # |priority| at most this (vLLM's field is an int)
 
 
 @dataclass(slots=True, frozen=True)
@@ -125,6 +127,16 @@ class SamplingParams:
     # Seconds it may wait before its first scheduling; past it, it ends with "timeout" and no output (the
     # server sets it from `server.max_queue_time_s` and answers "overloaded"). Not a wire parameter.
     queue_timeout_s: float | None = None
+    # Scheduling order (engine/core/fairness.py): OpenAI's `service_tier` ("priority" first, "flex" only on
+    # spare capacity; "auto" is "default"), then vLLM's `priority` (lower first), then the tenant's fair share.
+    service_tier: str = "default"
+    priority: int = 0
+    # Whose fair share this request draws on: a name from the server's config or a digest of the key or
+    # `user` (never a raw key). Set by the server; not a wire parameter.
+    tenant: str = ""
+    # Mixed into the root of the prefix cache's hash chain (vLLM's `cache_salt`): only requests with the
+    # same salt share cached blocks.
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if self.structured_outputs is not None:
@@ -233,6 +245,7 @@ class SamplingParams:
                 f"must be an integer in [0, {MAX_LOGPROBS}]",
             )
         self._validate_thinking()
+        self._validate_scheduling()
         for name in ("timeout_s", "queue_timeout_s"):
             value = getattr(self, name)
             _check(value is None or (is_num(value) and value > 0), name, value, "must be a number of seconds > 0")
@@ -244,6 +257,27 @@ class SamplingParams:
             "use_beam_search",
         ):
             _check(isinstance(getattr(self, name), bool), name, getattr(self, name), "must be a boolean")
+
+    def _validate_scheduling(self) -> None:
+        _check(
+            self.service_tier in SERVICE_TIERS,
+            "service_tier",
+            self.service_tier,
+            f"must be one of {list(SERVICE_TIERS)}",
+        )
+        _check(
+            is_int(self.priority) and abs(self.priority) <= MAX_PRIORITY,
+            "priority",
+            self.priority,
+            f"must be an integer in [-{MAX_PRIORITY}, {MAX_PRIORITY}] (lower is scheduled first)",
+        )
+        _check(isinstance(self.tenant, str), "tenant", self.tenant, "must be a string")
+        _check(
+            self.cache_salt is None or (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= 256),
+            "cache_salt",
+            self.cache_salt,
+            "must be a non-empty string of at most 256 characters",
+        )
 
     def _validate_thinking(self) -> None:
         budget = self.thinking_token_budget

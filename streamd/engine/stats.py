@@ -6,7 +6,7 @@ them with the engine's own counts; `/metrics`, the benchmarks and the tests read
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True, frozen=True)
@@ -33,6 +33,17 @@ class KVCacheStats:
 
 
 @dataclass(slots=True, frozen=True)
+class TenantStats:
+    """One tenant's share (engine/core/fairness.py); `name` is the request's `tenant`, never a raw key."""
+
+    name: str
+    prompt_tokens: int  # cumulative prompt tokens computed (recomputes included)
+    output_tokens: int  # cumulative output tokens decoded
+    preemptions: int  # cumulative
+    virtual_tokens: float  # its fair-share counter (weighted tokens over its weight)
+
+
+@dataclass(slots=True, frozen=True)
 class SchedulerStats:
     num_running: int
     num_waiting: int
@@ -41,6 +52,7 @@ class SchedulerStats:
     preemptions_recompute: int  # cumulative
     recomputed_tokens: int  # cumulative tokens prefilled again after recompute preemption
     num_paused: int = 0  # requests not scheduled because their reader fell behind (they keep their blocks)
+    tenants: list[TenantStats] = field(default_factory=list)  # every tenant seen, by first arrival
 
 
 @dataclass(slots=True, frozen=True)

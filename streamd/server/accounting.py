@@ -68,11 +68,13 @@ class RequestAccount:
         lifecycle: Lifecycle,
         cancel: Callable[[], None],
         num_choices: int = 1,
+        tenant: str = "default",
     ) -> None:
         self.request_id = request_id
         self.route = route
         self.num_prompt_tokens = num_prompt_tokens
         self.num_choices = num_choices
+        self.tenant = tenant  # its metrics label (server/tenants.py: a configured name, never a key)
         self.num_cached_tokens = 0
         self.completion_tokens: dict[int, int] = {}  # per choice
         self.finish_reasons: dict[int, str] = {}  # per choice, engine names
@@ -189,6 +191,7 @@ class RequestAccount:
                 queue_s = self._first_token - self.arrival  # bounded by the wait for the first token
             if queue_s is not None:
                 metrics.queue.observe(queue_s)
+                metrics.tenant_queue.labels(self.tenant).observe(queue_s)
         logger.info(
             "request_done",
             request_id=self.request_id,

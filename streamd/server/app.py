@@ -44,6 +44,7 @@ from streamd.server.metrics import CONTENT_TYPE, Metrics
 from streamd.server.model_names import ModelNames
 from streamd.server.responses_store import ResponseStore
 from streamd.server.services import Services
+from streamd.server.tenants import Tenants
 from streamd.server.tool_parsers import tool_format
 from streamd.server.ws import responses as responses_ws
 from streamd.server.ws import stream as ws
@@ -75,7 +76,7 @@ PAGE_HEADERS = {
 
 def create_app(config: Config, engine: EngineClient, *, warm_up: bool = True) -> Starlette:
     server = config.server
-    metrics = Metrics(engine)
+    metrics = Metrics(engine, Tenants(server).label)
     lifecycle = Lifecycle(engine, server.drain_timeout_s)
     services = Services(
         server,

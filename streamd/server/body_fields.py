@@ -22,7 +22,6 @@ NAMED_IGNORED = frozenset(
         "user",
         "metadata",
         "store",
-        "service_tier",
         "parallel_tool_calls",
         "prediction",
         "modalities",
@@ -35,7 +34,6 @@ NAMED_IGNORED = frozenset(
         "guided_decoding_backend",
         "guided_whitespace_pattern",
         "documents",
-        "priority",
         "request_id",
     }
 )

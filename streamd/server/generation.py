@@ -39,18 +39,22 @@ from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
 from streamd.server.reasoning import think_tags
 from streamd.server.structured_api import GUIDED_ALIASES, structured_from_fields
+from streamd.server.tenants import Tenants
 from streamd.server.tokenizing import Tokenizing
 
 # SamplingParams fields no request may set: `detokenize` (the server always streams text),
 # `queue_timeout_s` (the server sets it from `server.max_queue_time_s`) and `thinking_end_token_ids` (the
 # model's `</think>`, set with a `thinking_token_budget`).
 # (`prompt_logprobs` is read by the completions route only, the one route that returns it.)
-ENGINE_ONLY_PARAMS = frozenset({"detokenize", "queue_timeout_s", "thinking_end_token_ids", "prompt_logprobs"})
+# `tenant` (set from the API key or user: server/tenants.py).
+ENGINE_ONLY_PARAMS = frozenset({"detokenize", "queue_timeout_s", "thinking_end_token_ids", "prompt_logprobs", "tenant"})
 # Wire names that are no SamplingParams field but become one (OpenAI's `response_format` and vLLM's older
 # `guided_*`: structured_outputs).
 WIRE_ALIASES = frozenset({"response_format", *GUIDED_ALIASES})
 # Wire parameter names (OpenAI / vLLM) accepted on every route: every SamplingParams field but the engine's own.
 WIRE_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - ENGINE_ONLY_PARAMS | WIRE_ALIASES
+# Who goes first (engine/core/fairness.py) and which prefix cache a request shares: accepted on every route.
+SCHEDULING_FIELDS = ("service_tier", "priority", "cache_salt")
 MAX_N = 16  # parallel samples or beams per request (each is a sequence of the batch)
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
@@ -60,6 +64,13 @@ class Prepared:
     prompt_token_ids: list[int]
     params: SamplingParams
     prompt: str | None = None
+    user: str | None = None  # the body's `user` / `safety_identifier` (the tenant where keys are off)
+
+    @property
+    def service_tier(self) -> str:
+        """The tier the response reports (OpenAI's `service_tier`; "auto" is served as "default")."""
+        tier = self.params.service_tier
+        return "default" if tier == "auto" else tier
 
 
 class Generation:
@@ -76,6 +87,7 @@ class Generation:
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.compiles = compiles or CompileGate(GrammarConfig())
+        self.tenants = Tenants(config)
         self.tokenizing = Tokenizing(engine.tokenizer)
         # The engine's admission check, as far as the server knows the engine: its context, and the server's
         # cap on the samples or beams of one request (the engine checks its KV pool on submission).
@@ -138,10 +150,12 @@ class Generation:
         prompt: str | None = None,
         prompt_param: str = "messages",
         prompt_logprobs: int | None = None,
+        user: Any = None,
     ) -> Prepared:
         """Validates params against the context; `default_max_tokens` None means "the rest of the context".
         `prompt_param` names the field the prompt came in (`prompt` or `messages`) in context errors.
-        `prompt_logprobs`: the completions route's (echo with logprobs, or vLLM's `prompt_logprobs`)."""
+        `prompt_logprobs`: the completions route's (echo with logprobs, or vLLM's `prompt_logprobs`); `user`: the
+        body's `wire_user`."""
         unknown = sorted(set(raw) - WIRE_PARAMS)
         if unknown:
             raise ServiceError("invalid_request", f"unknown parameter {unknown[0]!r}", unknown[0])
@@ -172,7 +186,7 @@ class Generation:
         with _refusal(prompt_param):
             self.admission.check_width(params)
             self.admission.check_prompt_logprobs(params)
-        return Prepared(prompt_ids, params, prompt)
+        return Prepared(prompt_ids, params, prompt, user)
 
     def _thinking_end(self) -> list[int]:
         if self.think is None:
@@ -210,14 +224,16 @@ class Generation:
             compiling = self.compiles.start(self.engine.compile_grammar(prepared.params))
             with _grammar_refusal():  # before the request exists: a bad schema never takes a KV block
                 await self.compiles.wait(compiling)
-            return await self._submit(prepared, route, sink)
+            return await self._submit(prepared, route, sink, api_key)
         finally:
             self.compiles.leave(slot, compiling)
 
     async def _submit(
-        self, prepared: Prepared, route: str, sink: DeltaSink | None
+        self, prepared: Prepared, route: str, sink: DeltaSink | None, api_key: str | None
     ) -> tuple[RequestAccount, RequestStream | None]:
         engine, request_id = self.engine, new_request_id()
+        tenant = self.tenants.of(api_key, prepared.user)
+        prepared.params.tenant = tenant.name
         stream = None
         if sink is None:
             backpressure = Backpressure(request_id, self.config.max_unsent_tokens, engine.set_paused)
@@ -230,6 +246,7 @@ class Generation:
             self.lifecycle,
             cancel=lambda: engine.abort(request_id),
             num_choices=prepared.params.n,
+            tenant=tenant.label,
         )
         try:
             await engine.submit(
@@ -252,6 +269,19 @@ class Generation:
     def count_cancelled(self, route: str) -> None:
         """Counts a request whose client left before it could even be submitted (as cancelled)."""
         RequestAccount(new_request_id(), route, 0, self.metrics, self.lifecycle, cancel=lambda: None).close()
+
+
+def wire_user(body: dict[str, Any]) -> str | None:
+    """OpenAI's `user` (or its successor `safety_identifier`): who the end user is, the tenant where keys are
+    off (server/tenants.py). Refused unless a string of at most 256 characters."""
+    for name in ("safety_identifier", "user"):
+        value = body.get(name)
+        if value is None:
+            continue
+        if not isinstance(value, str) or not 0 < len(value) <= 256:
+            raise ServiceError("invalid_request", f"{name} must be a string of 1 to 256 characters", name)
+        return value
+    return None
 
 
 @contextlib.contextmanager

@@ -9,7 +9,7 @@ collector, because the engine keeps those counts itself (exporting them as Count
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from itertools import accumulate
 from typing import TYPE_CHECKING
 
@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from streamd.engine import EngineClient
+    from streamd.engine import EngineClient, TenantStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -31,7 +31,8 @@ _E2E = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0, 120.0, 300.0, 600
 class Metrics:
     """The app's metrics registry and the families the request accounts record into."""
 
-    def __init__(self, engine: EngineClient | None = None) -> None:
+    def __init__(self, engine: EngineClient | None = None, tenant_label: Callable[[str], str] = str) -> None:
+        """`tenant_label`: an engine tenant's metrics label (`Tenants.label`: configured names, else "other")."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         ProcessCollector(registry=r)  # process_open_fds, process_resident_memory_bytes: what bench chaos bounds
@@ -48,6 +49,13 @@ class Metrics:
         self.requests = Counter(
             "streamd_requests", "Finished requests by finish reason.", ["finish_reason"], registry=r
         )
+        self.tenant_queue = Histogram(
+            "streamd_tenant_queue_time_seconds",
+            "Time from arrival to first scheduling, by tenant.",
+            ["tenant"],
+            buckets=_LATENCY,
+            registry=r,
+        )
         self.ws_connections = Gauge("streamd_ws_connections", "Open WebSocket connections.", registry=r)
         self.ws_closes = Counter(
             "streamd_ws_closes", "Closed WebSocket connections by close code.", ["code"], registry=r
@@ -62,7 +70,7 @@ class Metrics:
         for reason in ("stop", "length", "cancelled", "error", "timeout"):
             self.requests.labels(reason)
         if engine is not None:
-            r.register(EngineStatsCollector(engine))
+            r.register(EngineStatsCollector(engine, tenant_label))
 
     def observe_inter_token(self, seconds: float, count: int) -> None:
         """`count` tokens that arrived together, `seconds` apart on average."""
@@ -99,8 +107,9 @@ class CountedHistogram(Collector):
 class EngineStatsCollector(Collector):
     """Turns the engine's stats snapshot into gauges and counters at scrape time."""
 
-    def __init__(self, engine: EngineClient) -> None:
+    def __init__(self, engine: EngineClient, tenant_label: Callable[[str], str] = str) -> None:
         self._engine = engine
+        self._tenant_label = tenant_label
 
     def describe(self) -> list[Metric]:
         return []  # names are known only from collect(); avoids a stats read at registration
@@ -136,6 +145,26 @@ class EngineStatsCollector(Collector):
         )
         yield _counter("streamd_generation_tokens", "Output tokens generated.", stats.generated_tokens)
         yield _gauge("streamd_grammar_cache_bytes", "Compiled grammars cached, in bytes.", stats.grammar_cache_bytes)
+        yield from self._tenants(sched.tenants)
+
+    def _tenants(self, tenants: list[TenantStats]) -> Iterator[Metric]:
+        """Served tokens and preemptions per tenant label (tenants without a configured name summed)."""
+        families = {
+            "prompt": CounterMetricFamily("streamd_tenant_prompt_tokens", "Prompt tokens computed.", labels=["tenant"]),
+            "output": CounterMetricFamily("streamd_tenant_generation_tokens", "Output tokens.", labels=["tenant"]),
+            "preempt": CounterMetricFamily("streamd_tenant_preemptions", "Preemptions.", labels=["tenant"]),
+        }
+        sums: dict[str, list[int]] = {}
+        for tenant in tenants:
+            row = sums.setdefault(self._tenant_label(tenant.name), [0, 0, 0])
+            row[0] += tenant.prompt_tokens
+            row[1] += tenant.output_tokens
+            row[2] += tenant.preemptions
+        for label, (prompt, output, preemptions) in sums.items():
+            families["prompt"].add_metric([label], prompt)
+            families["output"].add_metric([label], output)
+            families["preempt"].add_metric([label], preemptions)
+        yield from families.values()
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

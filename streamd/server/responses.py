@@ -26,7 +26,7 @@ from streamd.server.accounting import RequestAccount
 from streamd.server.auth import bearer_token
 from streamd.server.body_fields import body_flag, check_model
 from streamd.server.errors import ServiceError
-from streamd.server.generation import Prepared, normalize_messages
+from streamd.server.generation import SCHEDULING_FIELDS, Prepared, normalize_messages, wire_user
 from streamd.server.logprobs import TokenTexts, chat_entries
 from streamd.server.reasoning import ReplyParser
 from streamd.server.responses_store import StoredResponse
@@ -95,7 +95,11 @@ async def plan_response(
         messages = previous.messages + new
         ids = await continuation_ids(s, previous, new, template_tools)
     prepared = s.generation.prepare(
-        ids, {**_sampling(body), "structured_outputs": structured}, default_max_tokens=None, prompt_param="input"
+        ids,
+        {**_sampling(body), "structured_outputs": structured},
+        default_max_tokens=None,
+        prompt_param="input",
+        user=wire_user(body),
     )
     echo = {
         "instructions": body.get("instructions"),
@@ -107,6 +111,7 @@ async def plan_response(
         "top_logprobs": body.get("top_logprobs"),
         "store": store,
         "text": body.get("text") or {"format": {"type": "text"}},
+        "service_tier": prepared.service_tier,
     }
     think = s.generation.think
     return ResponsePlan(
@@ -305,7 +310,13 @@ def _sampling(body: dict[str, Any]) -> dict[str, Any]:
         raise ServiceError(
             "invalid_request", f"top_logprobs must be an integer in [0, 20], got {top!r}", "top_logprobs"
         )
-    return {"max_tokens": limit, "temperature": body.get("temperature"), "top_p": body.get("top_p"), "logprobs": top}
+    return {
+        "max_tokens": limit,
+        "temperature": body.get("temperature"),
+        "top_p": body.get("top_p"),
+        "logprobs": top,
+        **{name: body.get(name) for name in SCHEDULING_FIELDS},
+    }
 
 
 # ---- events ------------------------------------------------------------------------------------------

@@ -239,7 +239,7 @@ class BlockManager:
             return []
         state = self._seq_hashes.get(seq.seq_id)
         if state is None:
-            state = self._seq_hashes[seq.seq_id] = SeqHashes(self.block_size)
+            state = self._seq_hashes[seq.seq_id] = SeqHashes(self.block_size, root=seq.prefix_root)
         if not reuse_prefix:
             return []
         limit = (seq.num_tokens - 1) // self.block_size

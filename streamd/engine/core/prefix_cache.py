@@ -19,6 +19,16 @@ import xxhash
 ROOT_HASH = 0
 
 
+def prefix_root(cache_salt: str | None, tenant: str | None) -> int:
+    """The parent hash of a sequence's first block: ROOT_HASH (one cache for all) unless a `cache_salt` or
+    an isolated `tenant` (`cache.prefix_isolation = "tenant"`) separates its chain from everyone else's.
+    The hit check compares parents, so a separate root can never match another root's blocks."""
+    if cache_salt is None and tenant is None:
+        return ROOT_HASH
+    key = f"{tenant or ''}\0{cache_salt or ''}".encode()
+    return xxhash.xxh64_intdigest(key) or 1  # never ROOT_HASH itself
+
+
 def hash_block(parent_hash: int, token_ids: list[int]) -> int:
     """Chained content hash of one full block."""
     # 'q' (int64) so any token id fits; the parent goes first so equal blocks after different
@@ -34,19 +44,20 @@ class SeqHashes:
     block_size: int
     hashes: list[int] = field(default_factory=list)
     num_committed: int = 0
+    root: int = ROOT_HASH  # the first block's parent (`prefix_root`)
 
     def block_hash(self, token_ids: list[int], index: int) -> int:
         hashes, bs = self.hashes, self.block_size
         while len(hashes) <= index:
             j = len(hashes)
-            hashes.append(hash_block(hashes[j - 1] if j else ROOT_HASH, token_ids[j * bs : (j + 1) * bs]))
+            hashes.append(hash_block(hashes[j - 1] if j else self.root, token_ids[j * bs : (j + 1) * bs]))
         return hashes[index]
 
     def parent(self, index: int) -> int:
-        return self.hashes[index - 1] if index else ROOT_HASH
+        return self.hashes[index - 1] if index else self.root
 
     def copy(self) -> SeqHashes:
-        return SeqHashes(self.block_size, list(self.hashes), self.num_committed)
+        return SeqHashes(self.block_size, list(self.hashes), self.num_committed, self.root)
 
 
 class PrefixCache:

@@ -15,6 +15,12 @@ and how many tokens each; every memory decision goes through the BlockManager. O
    that does not fit stops admission; nothing is admitted while any group is swapped out or when this
    step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
 
+Many tenants, tiers or priorities (`FairShare`, engine/core/fairness.py): each step first orders the queues
+by tier, priority, the tenant's fair-share counter and arrival (so "earliest" above reads "most deserving" and
+the latest-arrived victim the least deserving); a waiting group that does not fit then holds back only its own
+tenant and `flex` requests, not the others, until it has waited `STARVING_S` (then everything after it
+waits). One tenant without tiers keeps the arrival order exactly.
+
 Paused groups (`set_paused`: the server pauses a request whose reader fell behind) are skipped by every
 queue; they keep their blocks, and are the first victims when memory runs short: a running group that
 needs a block, or a waiting group that cannot be admitted, preempts a paused group before any other. A
@@ -43,13 +49,14 @@ from __future__ import annotations
 
 import bisect
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from streamd.config import SchedulerConfig
 from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
+from streamd.engine.core.fairness import FLEX, FairShare, starving, tier_of
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.core.step_cost import StepCost, StepShape
@@ -114,6 +121,8 @@ class Scheduler:
         self.preemptions_swap = 0
         self.preemptions_recompute = 0
         self.recomputed_tokens = 0
+        self._reordered = False  # the queues are in fair order, not arrival order
+        self.fair = FairShare(scheduler_config.scheduling == "fair", scheduler_config.tenant_weight_map())
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -130,6 +139,7 @@ class Scheduler:
         self._groups[rid] = group
         self._arrival[rid] = self._next_rank
         self._next_rank += 1
+        self.fair.arrive(group)
         self.waiting.append(group)
 
     def abort_seq_group(self, request_id: str) -> SequenceGroup | None:
@@ -151,9 +161,11 @@ class Scheduler:
             if i < len(ordered) and ordered[i] is group:
                 del ordered[i]
                 break
-        else:
-            if group in self.waiting:
-                self.waiting.remove(group)
+        else:  # in waiting, or the fair share reordered the queues (not by arrival)
+            for queue in (self.running, self.swapped, self.waiting):
+                if group in queue:
+                    queue.remove(group)
+                    break
         for seq in group.seqs:
             self.block_manager.free(seq)
         self._forget(group)
@@ -208,6 +220,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """This iteration's plan (see the module docstring for the order)."""
         out = SchedulerOutput()
+        if self.fair.reorders:
+            self._reorder()
+            self._seat_for_unserved(out)
+        elif self._reordered:
+            self._restore_arrival_order()
         decodes: list[ScheduledSeq] = []
         partial: list[ScheduledSeq] = []  # prompt chunks, sized once the decodes have their tokens
         num_seqs, preempted = self._schedule_running(out, decodes, partial)
@@ -230,7 +247,49 @@ class Scheduler:
         out.num_decode_tokens = len(decodes)
         prefills.extend(decodes)
         out.scheduled = prefills
+        self.fair.charge(prefills)
         return out
+
+    def _reorder(self) -> None:
+        """Tiers, priorities and fair shares order the queues (`FairShare.key`): running and swapped most
+        deserving first (victims come off the end), waiting as `FairShare.waiting_order` says."""
+        fair, rank = self.fair, self._arrival
+        self._reordered = True
+        self.running.sort(key=lambda g: fair.key(g, rank[g.request_id]))
+        self.swapped.sort(key=lambda g: fair.key(g, rank[g.request_id]))
+        if len(self.waiting) > 1 and len(self.running) < self.max_num_seqs:  # else none can be admitted
+            order = fair.waiting_order(sorted(self.waiting, key=self._rank), rank)
+            self.waiting.clear()
+            self.waiting.extend(order)
+
+    def _seat_for_unserved(self, out: SchedulerOutput) -> None:
+        """Every seat (`max_num_seqs`) is taken and an active tenant has nothing running: the least deserving
+        group of the tenant running the most groups gives up its seat (recomputed, so admission goes on in
+        this step), and the unserved tenant's first waiting request goes to the front of the queue."""
+        running = self.running
+        if self.swapped or sum(len(g.seqs) for g in running) < self.max_num_seqs:
+            return
+        seats = Counter(g.sampling_params.tenant for g in running)
+        unserved = {name for name, t in self.fair.tenants.items() if t.active and name not in seats}
+        if not unserved or seats.most_common(1)[0][1] < 2:
+            return
+        candidate = next((g for g in self.waiting if _may_take_seat(g, unserved, self.paused)), None)
+        if candidate is None:
+            return
+        richest = seats.most_common(1)[0][0]
+        victim = max(i for i, g in enumerate(running) if g.sampling_params.tenant == richest)
+        self._preempt(running.pop(victim), out, recompute=True)
+        self.waiting.remove(candidate)
+        self.waiting.appendleft(candidate)
+
+    def _restore_arrival_order(self) -> None:
+        """Back to arrival order once nothing reorders (one tenant left, no tiers): the queues' invariant."""
+        self._reordered = False
+        self.running.sort(key=self._rank)
+        self.swapped.sort(key=self._rank)
+        order = sorted(self.waiting, key=self._rank)
+        self.waiting.clear()
+        self.waiting.extend(order)
 
     def _chunk(self, shape: StepShape, seq: Sequence, wanted: int, budget: int) -> int:
         """The tokens of `seq`'s next prompt chunk: what it wants within the token `budget` and, with a
@@ -383,9 +442,10 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, prefills: list[ScheduledSeq], num_seqs: int, budget: int) -> None:
         bm, waiting, k = self.block_manager, self.waiting, 0
+        skip = _Skipped() if self.fair.reorders else None  # else the first that does not fit stops admission
         while k < len(waiting) and budget > 0 and not self._step_full(out.shape):
             group = waiting[k]
-            if self.paused and group.request_id in self.paused:
+            if (self.paused and group.request_id in self.paused) or (skip is not None and skip.holds(group)):
                 k += 1
                 continue
             seqs = group.seqs_with_status(SequenceStatus.WAITING)
@@ -405,7 +465,11 @@ class Scheduler:
                 if self._preempt_paused(out):  # memory held by a stalled reader goes first
                     continue
                 self._blocked = blocked
-                break
+                if skip is None or starving(group, time.monotonic()):
+                    break
+                skip.add(group)
+                k += 1
+                continue
             del waiting[k]
             cached = 0
             for seq in seqs:
@@ -458,10 +522,11 @@ class Scheduler:
             return bool(self.swapped)
         return len(self.swapped) > sum(1 for g in self.swapped if g.request_id in self.paused)
 
-    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput, recompute: bool = False) -> None:
         bm = self.block_manager
         seqs = [s for s in group.seqs if s.status < FINISHED]
-        if self._use_swap(seqs):
+        self.fair.preempted(group)
+        if not recompute and self._use_swap(seqs):
             out.blocks_to_swap_out.extend(bm.swap_out(seqs))
             for seq in seqs:
                 seq.status = SequenceStatus.SWAPPED
@@ -640,7 +705,8 @@ class Scheduler:
     def _forget(self, group: SequenceGroup) -> None:
         self._blocked = None
         self.paused.discard(group.request_id)
-        self._groups.pop(group.request_id, None)
+        if self._groups.pop(group.request_id, None) is not None:
+            self.fair.leave(group)
         self._arrival.pop(group.request_id, None)
         self._lost_tokens.pop(group.request_id, None)
 
@@ -668,7 +734,31 @@ class Scheduler:
             self.preemptions_recompute,
             self.recomputed_tokens,
             len(self.paused),
+            self.fair.stats(),
         )
+
+
+@dataclass(slots=True)
+class _Skipped:
+    """What one step's admission passes over once a group did not fit (fair order): the rest of that
+    group's tenant (each tenant's requests keep their arrival order) and, after any group that is not
+    `flex`, every `flex` one (it runs only on spare capacity)."""
+
+    tenants: set[str] = field(default_factory=set)
+    flex: bool = False
+
+    def add(self, group: SequenceGroup) -> None:
+        self.tenants.add(group.sampling_params.tenant)
+        self.flex |= tier_of(group) != FLEX
+
+    def holds(self, group: SequenceGroup) -> bool:
+        return group.sampling_params.tenant in self.tenants or (self.flex and tier_of(group) == FLEX)
+
+
+def _may_take_seat(group: SequenceGroup, unserved: set[str], paused: set[str]) -> bool:
+    """A waiting group of a tenant with nothing running, neither paused nor `flex` (spare capacity only)."""
+    params = group.sampling_params
+    return params.tenant in unserved and group.request_id not in paused and params.service_tier != "flex"
 
 
 def _running_parts(group: SequenceGroup) -> tuple[list[Sequence], list[ScheduledSeq]]:

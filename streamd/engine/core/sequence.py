@@ -79,6 +79,7 @@ class Sequence:
     # This sample's index within its request (CompletionOutput.index). Seeded sampling mixes it into the
     # seed so the n samples of one seeded request differ; the engine sets it when it creates/forks seqs.
     sample_index: int = 0
+    prefix_root: int = 0  # the parent hash of its first block (`prefix_cache.prefix_root`; 0: shared cache)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -126,6 +127,7 @@ class Sequence:
         if child is None:
             child = Sequence(prompt_token_ids=self.prompt_token_ids)
         child.token_ids = list(self.token_ids)
+        child.prefix_root = self.prefix_root
         return child
 
 

@@ -42,7 +42,7 @@ from streamd.server.auth import bearer_token
 from streamd.server.body_fields import body_flag, check_model, note_ignored, template_options
 from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError, queue_timed_out
-from streamd.server.generation import WIRE_PARAMS, Prepared
+from streamd.server.generation import WIRE_PARAMS, Prepared, wire_user
 from streamd.server.http.common import RouteSpec, SSEResponse, json_body, until_disconnect
 from streamd.server.logprobs import LogprobsBuilder, TokenTexts, prompt_entries
 from streamd.server.reasoning import ReplyParser
@@ -116,7 +116,7 @@ async def chat_completions(request: Request) -> Response:
         params = with_enforced_call(params, plan.structured)
     options = template_options(body)
     ids = await s.generation.messages_ids(body.get("messages"), plan.tools if plan is not None else None, options)
-    prepared = s.generation.prepare(ids, params, default_max_tokens=None)
+    prepared = s.generation.prepare(ids, params, default_max_tokens=None, user=wire_user(body))
     return await _respond(request, s, body, "chat", [prepared], plan.parser if plan is not None else None)
 
 
@@ -150,6 +150,7 @@ async def completions(request: Request) -> Response:
                 prompt=text,
                 prompt_param="prompt",
                 prompt_logprobs=max(asked) if asked else None,
+                user=wire_user(body),
             )
         )
     return await _respond(request, s, body, "completion", prepared, echo=echo, prompt_top=prompt_top)
@@ -533,7 +534,13 @@ def _envelope(call: _Call, final: bool = False) -> dict[str, Any]:
     obj = {"chat": "chat.completion", "completion": "text_completion"}[call.kind]
     if call.kind == "chat" and not final:
         obj = "chat.completion.chunk"
-    return {"id": call.id, "object": obj, "created": call.created, "model": call.model}
+    return {
+        "id": call.id,
+        "object": obj,
+        "created": call.created,
+        "model": call.model,
+        "service_tier": call.prepared.service_tier,
+    }
 
 
 def _piece(call: _Call, text: str) -> dict[str, Any] | str:

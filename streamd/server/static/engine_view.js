@@ -68,6 +68,20 @@
 
   function show(id, value) { $(id).textContent = String(value); }
 
+  // Per-tenant share: served tokens (prompt + output) and preemptions, most served first.
+  function showTenants(tenants) {
+    const rows = tenants.map(t => {
+      const row = document.createElement("div");
+      const name = document.createElement("span");
+      const served = document.createElement("b");
+      name.textContent = t.tenant;
+      served.textContent = `${t.prompt_tokens + t.output_tokens} tok` + (t.preemptions ? `, ${t.preemptions} preempted` : "");
+      row.append(name, served);
+      return row;
+    });
+    $("tenants").replaceChildren(...rows);
+  }
+
   function update(frame) {
     const {kv, swap, requests, prefix_cache: prefix} = frame;
     show("kv-total", `${kv.total} on device` + (swap.total ? `, ${swap.total} host` : ""));
@@ -82,6 +96,7 @@
     show("prefix-hit", prefix.queried_tokens ? `${(prefix.hit_rate * 100).toFixed(1)}%` : "–");
     $("prefix-hit").title = `${prefix.hit_tokens} of ${prefix.queried_tokens} prompt tokens found in the cache`;
     show("engine-tps", frame.tokens_per_s.toFixed(1));
+    showTenants(frame.tenants || []);
     rates.push(frame.tokens_per_s);
     if (rates.length > HISTORY) rates.shift();
     drawGrid(kv, swap);

@@ -18,8 +18,9 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from streamd.engine import EngineClient, EngineStats
+from streamd.engine import EngineClient, EngineStats, TenantStats
 from streamd.server.ws.protocol import Frame
 
 
@@ -31,7 +32,8 @@ class Sample:
     generated_tokens: int
 
 
-def stats_frame(stats: EngineStats, tokens_per_s: float) -> Frame:
+def stats_frame(stats: EngineStats, tokens_per_s: float, tenant_label: Callable[[str], str] = str) -> Frame:
+    """The engine view's numbers; tenants by `tenant_label` (configured names, the rest as "other")."""
     kv, sched = stats.kv, stats.scheduler
     queried = kv.prefix_queried_tokens
     return {
@@ -56,7 +58,20 @@ def stats_frame(stats: EngineStats, tokens_per_s: float) -> Frame:
         },
         "generated_tokens": stats.generated_tokens,
         "tokens_per_s": round(tokens_per_s, 2),
+        "tenants": tenant_rows(sched.tenants, tenant_label),
     }
+
+
+def tenant_rows(tenants: list[TenantStats], tenant_label: Callable[[str], str]) -> list[dict[str, Any]]:
+    """Served tokens and preemptions per tenant label, most served first."""
+    rows: dict[str, dict[str, Any]] = {}
+    for tenant in tenants:
+        label = tenant_label(tenant.name)
+        row = rows.setdefault(label, {"tenant": label, "prompt_tokens": 0, "output_tokens": 0, "preemptions": 0})
+        row["prompt_tokens"] += tenant.prompt_tokens
+        row["output_tokens"] += tenant.output_tokens
+        row["preemptions"] += tenant.preemptions
+    return sorted(rows.values(), key=lambda row: -(row["prompt_tokens"] + row["output_tokens"]))
 
 
 def token_rate(before: Sample, after: Sample) -> float:
@@ -67,9 +82,12 @@ def token_rate(before: Sample, after: Sample) -> float:
 class StatsFeed:
     """One connection's subscription: a task that pushes a frame every interval while subscribed."""
 
-    def __init__(self, engine: EngineClient, push: Callable[[Frame], None]) -> None:
+    def __init__(
+        self, engine: EngineClient, push: Callable[[Frame], None], tenant_label: Callable[[str], str] = str
+    ) -> None:
         self._engine = engine
         self._push = push
+        self._tenant_label = tenant_label
         self._task: asyncio.Task[None] | None = None
 
     def subscribe(self, interval_s: float) -> None:
@@ -86,7 +104,7 @@ class StatsFeed:
         last = self._sample()
         rate = 0.0
         while True:
-            self._push(stats_frame(self._engine.stats(), rate))
+            self._push(stats_frame(self._engine.stats(), rate, self._tenant_label))
             await asyncio.sleep(interval_s)  # the feed's period, not a synchronization
             now = self._sample()
             rate, last = token_rate(last, now), now

@@ -221,7 +221,7 @@ class Connection(SocketConnection):
         self._ready: dict[WsRequest, None] = {}  # requests with something to send, in order
         self._control: list[protocol.Frame] = []  # error frames not tied to a live request
         self._stats: protocol.Frame | None = None  # the newest unsent stats frame
-        self.stats_feed = StatsFeed(services.engine, self.push_stats)
+        self.stats_feed = StatsFeed(services.engine, self.push_stats, services.generation.tenants.label)
         self._wake = asyncio.Event()
 
     def _describe(self) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection
 
 from streamd.engine.client.async_engine import AsyncEngine
-from streamd.engine.stats import EngineStats, KVCacheStats, SchedulerStats
+from streamd.engine.stats import EngineStats, KVCacheStats, SchedulerStats, TenantStats
 from streamd.server.ws.stats_feed import Sample, stats_frame, token_rate
 from tests.server.util import Server, recv, send, ws_connect
 
@@ -18,8 +18,12 @@ def test_frame_from_engine_stats() -> None:
                       swapped_out_blocks=12, swapped_in_blocks=3, prefix_queried_tokens=400, prefix_hit_tokens=100,
                       allocated_blocks=90, copied_blocks=2)
     sched = SchedulerStats(num_running=3, num_waiting=2, num_swapped=1, preemptions_swap=1, preemptions_recompute=0,
-                           recomputed_tokens=0, num_paused=4)
-    frame = stats_frame(EngineStats(kv, sched, num_requests=6, generated_tokens=1234), tokens_per_s=12.345)
+                           recomputed_tokens=0, num_paused=4,
+                           tenants=[TenantStats("alice", 10, 5, 1, 20.0), TenantStats("key-1f2e", 7, 3, 0, 13.0),
+                                    TenantStats("user-9a8b", 100, 50, 2, 200.0)])
+    named = {"alice"}.__contains__
+    frame = stats_frame(EngineStats(kv, sched, num_requests=6, generated_tokens=1234), tokens_per_s=12.345,
+                        tenant_label=lambda name: name if named(name) else "other")
     assert frame == {
         "type": "stats",
         "kv": {"total": 100, "used": 30, "cached": 20, "free": 50},
@@ -28,6 +32,10 @@ def test_frame_from_engine_stats() -> None:
         "prefix_cache": {"queried_tokens": 400, "hit_tokens": 100, "hit_rate": 0.25},
         "generated_tokens": 1234,
         "tokens_per_s": 12.35,
+        "tenants": [  # unnamed tenants (digests) summed as "other", most served first
+            {"tenant": "other", "prompt_tokens": 107, "output_tokens": 53, "preemptions": 2},
+            {"tenant": "alice", "prompt_tokens": 10, "output_tokens": 5, "preemptions": 1},
+        ],
     }
     assert sum(frame["kv"][part] for part in ("used", "cached", "free")) == kv.blocks_total
 

@@ -1,0 +1,55 @@
+"""Who a request is, for the engine's fair share and the per-tenant metrics: never the raw API key.
+
+The tenant is the request's API key (`server.tenant_from = "key"`), or its `user` / `safety_identifier` field
+(`"user"`: a deployment with keys off whose frontend names its users), or nobody (`"none"`: one tenant);
+`"auto"` takes the key where keys are on, else the user field. `server.tenants` gives keys (or user values)
+names ("name=value" entries): the engine sees that name, metrics label by it. Any other key or user is a
+stable digest in the engine ("key-…", "user-…", so equal values share a fair share without the value ever
+reaching the engine) and "other" in metrics (a client cannot grow the label set).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from streamd.config import ServerConfig
+
+DEFAULT_TENANT = "default"  # every request when nobody is named (tenant_from "none", or no key and no user)
+OTHER_LABEL = "other"
+
+
+@dataclass(slots=True, frozen=True)
+class Tenant:
+    name: str  # what the engine schedules by
+    label: str  # what metrics show
+
+
+class Tenants:
+    def __init__(self, config: ServerConfig) -> None:
+        self._from = config.tenant_from
+        if self._from == "auto":
+            self._from = "key" if config.api_keys else "user"
+        self._names = config.tenant_map()
+        self.labels = frozenset({*self._names.values(), DEFAULT_TENANT})
+
+    def of(self, api_key: str | None, user: str | None = None) -> Tenant:
+        """The tenant of a request made with `api_key` by `user` (the body's, `generation.wire_user`)."""
+        value, kind = self._identity(api_key, user)
+        if value is None:
+            return Tenant(DEFAULT_TENANT, DEFAULT_TENANT)
+        name = self._names.get(value)
+        if name is not None:
+            return Tenant(name, name)
+        return Tenant(f"{kind}-{hashlib.sha256(value.encode()).hexdigest()[:16]}", OTHER_LABEL)
+
+    def _identity(self, api_key: str | None, user: str | None) -> tuple[str | None, str]:
+        if self._from == "key":
+            return api_key, "key"
+        if self._from == "user":
+            return user, "user"
+        return None, "none"
+
+    def label(self, name: str) -> str:
+        """The metrics label of an engine tenant name."""
+        return name if name in self.labels else OTHER_LABEL

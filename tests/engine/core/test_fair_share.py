@@ -1,0 +1,251 @@
+"""Fair share per tenant, service tiers and priorities (engine/core/fairness.py through the Scheduler), and
+the prefix cache's per-tenant roots, driven by test_scheduler's model-free engine (its shadow KV cache
+fails any lost or misplaced KV, so reordering and preemption must still reproduce every output)."""
+
+from __future__ import annotations
+
+import random
+import zlib
+
+import pytest
+
+from streamd.config import SchedulerConfig
+from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, STARVING_S
+from streamd.engine.core.prefix_cache import ROOT_HASH, prefix_root
+from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.sequence import Sequence, SequenceGroup
+from streamd.engine.sampling_params import SamplingParams
+from tests.engine.core.test_scheduler import CHEAP_SWAP, FakeEngine, reference
+
+
+class TenantEngine(FakeEngine):
+    """FakeEngine whose requests name a tenant, a tier and a priority; records admission order."""
+
+    def __init__(self, scheduling: str = "fair", weights: tuple[str, ...] = (), **kwargs) -> None:
+        super().__init__(**kwargs)
+        config = self.sched.config
+        config.scheduling, config.tenant_weights = scheduling, list(weights)
+        self.sched = Scheduler(config, self.bm, 4096, kwargs.get("cost_model"))
+        self.admitted: list[str] = []
+        self.arrived_at: dict[str, int] = {}
+        self.admitted_at: dict[str, int] = {}
+
+    def add_as(self, rid: str, prompt: list[int], max_tokens: int, tenant: str, tier: str = "default",
+               priority: int = 0, root: int = ROOT_HASH) -> SequenceGroup:
+        params = SamplingParams(max_tokens=max_tokens, tenant=tenant, service_tier=tier, priority=priority)
+        group = SequenceGroup(rid, [Sequence(list(prompt), prefix_root=root)], params)
+        self.sched.add_seq_group(group)
+        self.arrived_at[rid] = self.steps
+        return group
+
+    def step(self):
+        out = super().step()
+        for item in out.scheduled:
+            rid = item.group.request_id
+            if rid not in self.admitted_at:
+                self.admitted_at[rid] = self.steps
+                self.admitted.append(rid)
+        return out
+
+    def counter(self, tenant: str) -> float:
+        return self.sched.fair.tenants[tenant].counter
+
+
+def _prompt(rid: str, n: int) -> list[int]:
+    return [(zlib.crc32(rid.encode()) + i) % 50 for i in range(n)]
+
+
+# ---- admission order ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("scheduling", ["fair", "fcfs"])
+def test_chatting_tenant_is_not_queued_behind_a_flood(scheduling):
+    eng = TenantEngine(scheduling, num_blocks=400, max_num_seqs=4)
+    for i in range(12):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 8), 20, "flood")
+    eng.step()
+    eng.add_as("b0", _prompt("b0", 4), 4, "chat")
+    eng.run()
+    waited = eng.admitted_at["b0"] - eng.arrived_at["b0"]
+    if scheduling == "fair":  # every seat is the flood's: its newest request gives one up to b0 at once
+        assert eng.admitted.index("b0") == 4 and waited <= 1
+        assert eng.sched.fair.tenants["flood"].preemptions == 1 and eng.sched.fair.tenants["chat"].preemptions == 0
+    else:
+        assert eng.admitted[-1] == "b0" and waited > 40
+    assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 8), 20)] for i in range(12))
+
+
+def test_one_tenant_schedules_exactly_as_fcfs():
+    runs = {}
+    for scheduling in ("fair", "fcfs"):
+        eng = TenantEngine(scheduling, num_blocks=20, max_num_seqs=6, max_num_batched_tokens=24)
+        for i in range(10):
+            eng.add_as(f"r{i}", _prompt(f"r{i}", 3 + i), 4 + 2 * i, "solo")
+        trace = []
+        while eng.sched.has_unfinished_seqs():
+            trace.append([(it.group.request_id, it.num_new_tokens) for it in eng.step().scheduled])
+        runs[scheduling] = trace, eng.finished
+    assert runs["fair"] == runs["fcfs"]
+
+
+def test_a_tenant_that_arrives_late_is_lifted_to_the_least_active_counter():
+    eng = TenantEngine(num_blocks=400)
+    eng.add_as("a0", _prompt("a0", 8), 30, "a")
+    eng.add_as("b0", _prompt("b0", 8), 30, "b")
+    for _ in range(10):
+        eng.step()
+    assert eng.counter("a") == eng.counter("b") == PROMPT_WEIGHT * 8 + OUTPUT_WEIGHT * 10
+    eng.add_as("c0", _prompt("c0", 8), 4, "c")
+    assert eng.counter("c") == eng.counter("a")  # no credit banked for the time it was away
+
+
+@pytest.mark.parametrize(("weights", "share_a", "window"), [((), 0.5, 30), (("a=3",), 0.75, 60)])
+def test_backlogged_tenants_get_their_weighted_share_in_every_window(weights, share_a, window):
+    eng = TenantEngine(weights=weights, num_blocks=1200, max_num_seqs=16, max_num_batched_tokens=64)
+    for i in range(200):  # both always have work waiting; a's requests are twice as long
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 16), 16, "a")
+        eng.add_as(f"b{i}", _prompt(f"b{i}", 8), 8, "b")
+    served: dict[str, list[float]] = {"a": [], "b": []}
+    while len({g.sampling_params.tenant for g in eng.sched.waiting}) == 2:
+        out = eng.step()
+        tokens = {"a": 0.0, "b": 0.0}
+        for item in out.scheduled:
+            decode = item.num_new_tokens == 1 and item.seq.num_computed_tokens >= item.seq.num_prompt_tokens
+            weight = (0 if decode else PROMPT_WEIGHT * item.num_new_tokens) + OUTPUT_WEIGHT * item.samples
+            tokens[item.group.sampling_params.tenant] += weight
+        for tenant, history in served.items():
+            history.append(tokens[tenant])
+    assert len(served["a"]) > 4 * window
+    for start in range(window, len(served["a"]) - window, window):
+        a, b = (sum(served[t][start:start + window]) for t in ("a", "b"))
+        assert a / (a + b) == pytest.approx(share_a, abs=0.05), (start, a, b)
+
+
+def test_a_request_that_does_not_fit_holds_back_only_its_own_tenant():
+    eng = TenantEngine(num_blocks=12, block_size=4)
+    eng.add_as("run", _prompt("run", 24), 8, "c")
+    eng.step()
+    eng.add_as("a-big", _prompt("a-big", 24), 4, "a")  # does not fit beside "run"
+    eng.add_as("a-small", _prompt("a-small", 4), 4, "a")  # fits, but waits behind its own tenant's head
+    eng.add_as("b-small", _prompt("b-small", 4), 4, "b")  # fits: admitted now, no head-of-line stop
+    eng.step()
+    assert "b-small" in eng.admitted_at and "a-small" not in eng.admitted_at and "a-big" not in eng.admitted_at
+    eng.run()
+    assert eng.admitted.index("a-big") < eng.admitted.index("a-small")
+
+
+def test_a_request_passed_over_too_long_stops_admission_behind_it():
+    eng = TenantEngine(num_blocks=12, block_size=4)
+    eng.add_as("run", _prompt("run", 24), 8, "c")
+    eng.step()
+    big = eng.add_as("a-big", _prompt("a-big", 24), 4, "a", priority=-1)  # first in the order, does not fit
+    big.arrival_time -= STARVING_S + 1  # it has waited long enough: memory that frees is kept for it
+    eng.add_as("b-small", _prompt("b-small", 4), 4, "b")
+    eng.step()
+    assert "b-small" not in eng.admitted_at
+    eng.run()
+    assert eng.admitted.index("a-big") < eng.admitted.index("b-small")
+
+
+# ---- tiers and priorities ----------------------------------------------------------------------------
+
+def test_priority_tier_goes_first_and_flex_only_on_spare_capacity():
+    eng = TenantEngine(num_blocks=400, max_num_seqs=2)
+    for i in range(4):
+        eng.add_as(f"d{i}", _prompt(f"d{i}", 4), 6, "t")
+    eng.add_as("f0", _prompt("f0", 4), 6, "t", tier="flex")
+    eng.add_as("p0", _prompt("p0", 4), 6, "t", tier="priority")
+    eng.add_as("q0", _prompt("q0", 4), 6, "t", priority=-1)  # default tier, vLLM's priority: lower first
+    eng.run()
+    assert eng.admitted[:3] == ["p0", "q0", "d0"] and eng.admitted[-1] == "f0"
+
+
+def test_flex_waits_while_a_default_request_does_not_fit():
+    eng = TenantEngine(num_blocks=12, block_size=4)
+    eng.add_as("big", _prompt("big", 24), 8, "a")  # 6 blocks + growth
+    eng.step()
+    eng.add_as("d", _prompt("d", 24), 4, "b")  # does not fit beside big
+    eng.add_as("f", _prompt("f", 4), 4, "c", tier="flex")  # would fit: spare capacity is not there
+    eng.step()
+    assert "d" not in eng.admitted_at and "f" not in eng.admitted_at
+    eng.run()
+    assert eng.admitted == ["big", "d", "f"]
+
+
+def test_preemption_takes_the_newest_group_of_the_most_served_tenant():
+    eng = TenantEngine(num_blocks=14, block_size=4, mode="recompute")
+    eng.add_as("b0", _prompt("b0", 4), 30, "b")
+    eng.add_as("a0", _prompt("a0", 4), 30, "a")
+    eng.add_as("a1", _prompt("a1", 4), 30, "a")
+    eng.add_as("b1", _prompt("b1", 4), 30, "b", tier="priority")  # last in, but last to go
+    eng.sched.fair.tenants["a"].counter += 100  # a was served more
+    while not eng.sched.preemptions_recompute:
+        eng.step()
+    assert [g.request_id for g in eng.sched.waiting] == ["a1"]
+    eng.run()
+    assert eng.sched.fair.tenants["a"].preemptions >= 1
+    assert all(eng.finished[r] == [reference(_prompt(r, 4), 30)] for r in ("a0", "a1", "b0", "b1"))
+
+
+# ---- the property: random tenants, weights, tiers and arrivals ---------------------------------------
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_tenants_all_finish_correctly_with_bounded_waits(seed):
+    rng = random.Random(seed)
+    tenants = [f"t{i}" for i in range(rng.randint(2, 5))]
+    weights = tuple(f"{t}={rng.choice([0.5, 1, 2, 4])}" for t in tenants)
+    mode, swap = rng.choice([("recompute", 0), ("swap", 40), ("auto", 8)])
+    eng = TenantEngine(weights=weights, num_blocks=28, watermark=0.05, mode=mode, num_swap_blocks=swap,
+                       max_num_seqs=8, max_num_batched_tokens=24,
+                       cost_model=CHEAP_SWAP if mode == "auto" else None)
+    requests = []
+    for i in range(40):
+        tenant = rng.choice(tenants)
+        requests.append((rng.randrange(3), f"r{i}", _prompt(f"r{i}", rng.randint(1, 20)), rng.randint(1, 20),
+                         tenant, rng.choice(["default", "default", "priority", "flex"]), rng.randint(-1, 1)))
+    pending = list(requests)
+    while pending or eng.sched.has_unfinished_seqs():
+        while pending and (pending[0][0] == 0 or not eng.sched.has_unfinished_seqs()):
+            _, rid, prompt, max_tokens, tenant, tier, priority = pending.pop(0)
+            eng.add_as(rid, prompt, max_tokens, tenant, tier, priority)
+        if pending:
+            pending[0] = (pending[0][0] - 1, *pending[0][1:])
+        eng.step()
+        assert eng.steps < 5000, "no progress"
+    eng.assert_pool_whole()
+    assert not eng.rejected
+    for _, rid, prompt, max_tokens, *_ in requests:
+        assert eng.finished[rid] == [reference(prompt, max_tokens)]
+    # Starvation is bounded: nobody waits longer than the whole workload takes to run one by one.
+    bound = sum(len(p) + m for _, _, p, m, *_ in requests)
+    assert max(eng.admitted_at[r] - eng.arrived_at[r] for r in eng.admitted_at) < bound
+    assert all(t.active == 0 for t in eng.sched.fair.tenants.values())
+
+
+# ---- prefix isolation ---------------------------------------------------------------------------------
+
+def test_a_separate_root_finds_no_other_roots_blocks():
+    isolated = prefix_root(None, "b")
+    assert isolated not in (ROOT_HASH, prefix_root(None, "a"), prefix_root("s", "b"))
+    assert prefix_root(None, None) == ROOT_HASH
+    eng = TenantEngine(num_blocks=40, block_size=4)
+    prompt = _prompt("shared", 13)
+    eng.add_as("a", prompt, 2, "a", root=prefix_root(None, "a"))
+    eng.run()
+    eng.add_as("b", prompt, 2, "b", root=isolated)
+    eng.add_as("a2", prompt, 2, "a", root=prefix_root(None, "a"))
+    eng.step()
+    cached = {rid: eng.sched._groups[rid].num_cached_tokens for rid in ("b", "a2")}
+    assert cached == {"b": 0, "a2": 12}
+    eng.run()
+    assert eng.finished["b"] == eng.finished["a2"] == [reference(prompt, 2)]
+
+
+def test_fcfs_config_leaves_counters_out_of_the_order():
+    config = SchedulerConfig(scheduling="fcfs")
+    assert config.tenant_weight_map() == {}
+    eng = TenantEngine("fcfs", num_blocks=400, max_num_seqs=1)
+    eng.add_as("a0", _prompt("a0", 4), 2, "a")
+    eng.add_as("a1", _prompt("a1", 4), 2, "a")
+    eng.add_as("b0", _prompt("b0", 4), 2, "b")
+    eng.run()
+    assert eng.admitted == ["a0", "a1", "b0"]
