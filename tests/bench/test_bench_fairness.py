@@ -8,15 +8,20 @@ import math
 import pytest
 
 from streamd.bench import fairness
-from streamd.bench.fairness import Run
+from streamd.bench.fairness import Run, Sizes
+from tests.helpers import sizes
+
+# `make test`'s form: the fewest requests that still make every workload (flood beside chats, backlog, tiers).
+TINY = Sizes(seats=2, flood=4, long_prompt=16, long_output=4, chats=2, chat_every=2, backlog=4, tier_requests=16,
+             window_s=0.05)
 
 
-@pytest.mark.slow  # ~35 s on 2 loaded cores; test_window_shares... is the fast check of the report's windows
-def test_light_form_reports_every_measure(smol_llm) -> None:
+@pytest.mark.parametrize("size", sizes(TINY, fairness.LIGHT))
+def test_light_form_reports_every_measure(smol_llm, size: Sizes) -> None:
     engine = smol_llm.engine
     before = engine.scheduler.fair
     try:
-        result = fairness.measure(engine, fairness.LIGHT)
+        result = fairness.measure(engine, size)
     finally:
         engine.scheduler.fair = before
     flood = result["flood_and_chat"]

@@ -12,6 +12,7 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, BadRequestError
 
+from tests.helpers import sizes
 from tests.server.test_metrics import scrape
 from tests.server.util import running_server
 
@@ -71,8 +72,9 @@ async def queued(srv, tasks: list[asyncio.Task], count: int = 6) -> None:
         await asyncio.sleep(0.01)  # the poll's period
 
 
-@pytest.mark.slow  # a live flood on the default model: a minute or more on 2 cores
-@pytest.mark.parametrize("fair", [True, False])
+# The fcfs run is the contrast (bob behind the whole flood), in `make test-all`; the engine-level contrast is
+# in tests/engine/core/test_fair_share.py.
+@pytest.mark.parametrize("fair", sizes(True, False))
 async def test_a_chat_is_served_ahead_of_another_keys_flood(async_engine, fair) -> None:
     with scheduling(async_engine, fair):
         async with running_server(async_engine, **SERVER) as srv:
@@ -84,7 +86,6 @@ async def test_a_chat_is_served_ahead_of_another_keys_flood(async_engine, fair) 
         assert ahead >= 11
 
 
-@pytest.mark.slow  # a live flood on the default model: a minute or more on 2 cores
 async def test_priority_tier_is_admitted_before_queued_default_requests(async_engine) -> None:
     with scheduling(async_engine, True):
         async with running_server(async_engine, **SERVER) as srv:
@@ -100,7 +101,6 @@ async def test_priority_tier_is_admitted_before_queued_default_requests(async_en
     assert sum(1 for t in defaults if t > flex_first) <= 1  # flex runs on spare capacity: after the queued ones
 
 
-@pytest.mark.slow  # eight long prompts through the default model, two servers
 async def test_another_tenant_gets_no_cached_tokens_with_isolation(async_engine) -> None:
     prompt = f"probe {time.time()}: {LONG}"
     cached = {}
