@@ -102,6 +102,9 @@ class CacheConfig:
     num_swap_blocks: int | None = None  # None: from swap_space_gib (capped at 40% of RAM)
     watermark: float = 0.01
     enable_prefix_caching: bool = True
+    # The prefix cache's disk tier (engine/core/disk_tier.py): evicted blocks as files, indexed again at start.
+    disk_cache_dir: str = ""  # "": off
+    disk_cache_gib: float = 16.0  # the tier's bound, least recently used files evicted first
 
     def validate(self) -> None:
         _one_of("cache.block_size", self.block_size, (8, 16, 32, 64, 128))
@@ -113,6 +116,7 @@ class CacheConfig:
         _non_negative("cache.num_swap_blocks", self.num_swap_blocks, allow_none=True)
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"cache.watermark must be in [0, 1), got {self.watermark}")
+        _positive("cache.disk_cache_gib", self.disk_cache_gib)
 
 
 @dataclass(slots=True)

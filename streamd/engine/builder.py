@@ -9,15 +9,17 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from transformers import PretrainedConfig
 
-from streamd.config import CacheConfig, Config, cache_path
+from streamd.config import CacheConfig, Config, ConfigError, cache_path
 from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
-from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.disk_tier import DiskTier
+from streamd.engine.core.scheduler import PreemptionCostModel, Scheduler
 from streamd.engine.output.chat_template import read_chat_template
 from streamd.engine.output.output_processor import OutputProcessor
 from streamd.engine.sample.beam_search import BeamSearches
@@ -88,17 +90,18 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     runner, cache = _kv_cache(config, loaded, device, max_model_len, vocab)
     executor = _executor(config, runner, cache, workers, max_model_len)
     cache_cfg = config.cache
+    costs = None
+    if (config.scheduler.preemption_mode != "recompute" and cache.num_swap_blocks) or cache_cfg.disk_cache_dir:
+        costs = cost_model(cache, executor, runner, max_model_len, cache_path(config.model.cache_dir))
     block_manager = BlockManager(
         cache.num_blocks,
         cache_cfg.block_size,
         cache.num_swap_blocks,
         cache_cfg.watermark,
         cache_cfg.enable_prefix_caching,
+        _disk_tier(config, loaded.name, cache.layout, costs),
     )
     eos = _eos_token_ids(loaded)
-    costs = None
-    if config.scheduler.preemption_mode != "recompute" and cache.num_swap_blocks:
-        costs = cost_model(cache, executor, runner, max_model_len, cache_path(config.model.cache_dir))
     scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos)
     return EngineParts(
         loaded.name,
@@ -116,6 +119,28 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         Grammars(loaded.tokenizer, vocab, eos, GrammarBudget.of(config.grammar), config.grammar.cache_bytes),
         BeamSearches(eos, max_model_len, vocab),
         OutputProcessor(loaded.tokenizer),
+    )
+
+
+def _disk_tier(config: Config, model_name: str, layout: KVLayout, costs: PreemptionCostModel | None) -> DiskTier | None:
+    """The prefix cache's disk tier, when `cache.disk_cache_dir` names one; its files are this layout's only."""
+    cache_cfg = config.cache
+    if not cache_cfg.disk_cache_dir or not cache_cfg.enable_prefix_caching:
+        return None
+    tp = config.parallel.tensor_parallel_size
+    if tp > 1:
+        raise ConfigError("cache.disk_cache_dir is not supported with tensor parallelism yet (one shard per rank)")
+    description = (
+        f"model={model_name}|dtype={layout.dtype}|block={layout.block_size}|layers={layout.num_layers}"
+        f"|kv_heads={layout.num_kv_heads}|head_dim={layout.head_dim}|layout=block-major|tp={tp}|kv_dtype={layout.dtype}"
+    )
+    recompute_s = None if costs is None else costs.recompute_cost_s(layout.block_size)
+    return DiskTier(
+        Path(cache_cfg.disk_cache_dir).expanduser(),
+        int(cache_cfg.disk_cache_gib * 2**30),
+        description,
+        layout.bytes_per_block,
+        recompute_s,
     )
 
 

@@ -19,6 +19,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from streamd.engine.core.kv_tiers import BlockKey, KVTier, TierOrders
 from streamd.engine.core.prefix_cache import PrefixCache, SeqHashes
 from streamd.engine.core.sequence import Sequence
 from streamd.engine.stats import KVCacheStats
@@ -35,7 +36,10 @@ class BlockManager:
         num_swap_blocks: int = 0,
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
+        tier: KVTier | None = None,
     ) -> None:
+        """`tier`: the prefix cache's lower tier (disk), which takes evicted cached blocks and gives them back
+        (`kv_tiers.py`)."""
         if num_blocks <= 0 or block_size <= 0 or num_swap_blocks < 0:
             raise ValueError("num_blocks and block_size must be > 0 and num_swap_blocks >= 0")
         if not 0 <= watermark < 1:
@@ -66,6 +70,9 @@ class BlockManager:
         self.copied_blocks = 0  # cumulative: copy-on-write copies ordered
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.device_hit_blocks = 0  # cumulative
+        self.tier = tier if enable_prefix_caching else None
+        self._tier_orders = TierOrders.none()
 
     # ---- capacity -------------------------------------------------------------------------------
 
@@ -121,12 +128,16 @@ class BlockManager:
             self._take(block)
         num_hits = len(hits)
         seq.block_table = hits + [self._alloc() for _ in range(fresh)]
-        cached = num_hits * self.block_size
         if self.enable_prefix_caching:
-            self._seq_hashes[seq.seq_id].num_committed = num_hits
+            state = self._seq_hashes[seq.seq_id]
+            state.num_committed = num_hits
+            self.device_hit_blocks += num_hits
+            if reuse_prefix:  # restored blocks are findable at once: the restore precedes every forward
+                num_hits += self._restore(seq, num_hits, fresh)
+                self._cache.commit(state, seq.token_ids, seq.block_table, num_hits)
             self.prefix_cache_queried_tokens += seq.num_tokens
-            self.prefix_cache_hit_tokens += cached
-        return cached
+            self.prefix_cache_hit_tokens += num_hits * self.block_size
+        return num_hits * self.block_size
 
     # ---- growth ---------------------------------------------------------------------------------
 
@@ -274,6 +285,42 @@ class BlockManager:
                 block_hash, (seq.block_table[index], state.parent(index), seq.token_ids[index * bs : (index + 1) * bs])
             )
 
+    def _restore(self, seq: Sequence, first: int, fresh: int) -> int:
+        """Continues `seq`'s prefix chain in the lower tier from block `first`: each block found there is
+        ordered restored into the fresh device block at its place; returns how many (a chain, so it stops
+        at the first miss). Only while reading beats recomputing."""
+        tier, state, bs = self.tier, self._seq_hashes[seq.seq_id], self.block_size
+        if tier is None or not tier.worth_reading():
+            return 0
+        limit = min(first + fresh, (seq.num_tokens - 1) // bs)
+        for index in range(first, limit):
+            tokens = seq.token_ids[index * bs : (index + 1) * bs]
+            payload = tier.fetch(BlockKey(state.block_hash(seq.token_ids, index), state.parent(index), tuple(tokens)))
+            if payload is None:
+                return index - first
+            self._tier_orders.restores.append((seq.block_table[index], payload))
+        return limit - first
+
+    def _spill(self, block: int) -> None:
+        """A findable device block is about to be reused: its content goes to the lower tier."""
+        key = self._cache.key_of(block)
+        if self.tier is not None and key is not None:
+            self._tier_orders.spills.append((block, BlockKey(*key)))
+
+    def spill_all(self) -> TierOrders:
+        """Orders every findable device block to the lower tier, least recently used first (at shutdown:
+        a restarted server finds what this one had cached)."""
+        if self.tier is not None:
+            held = [b for b in self._cache.registered().values() if self._ref[b] > 0]
+            for block in [*self._cached_free, *held]:
+                self._spill(block)
+        return self.take_tier_orders()
+
+    def take_tier_orders(self) -> TierOrders:
+        """This step's spills and restores (the scheduler hands them to the CacheEngine with the plan)."""
+        orders, self._tier_orders = self._tier_orders, TierOrders.none()
+        return orders
+
     def _cached_copy(self, seq: Sequence, index: int) -> int | None:
         """A device block already holding `seq`'s committed block `index`, if the cache has one."""
         state = self._seq_hashes.get(seq.seq_id)
@@ -364,6 +411,7 @@ class BlockManager:
             block = self._free.pop()
         elif self._cached_free:
             block, _ = self._cached_free.popitem(last=False)  # least recently freed
+            self._spill(block)
             self._cache.forget(block)
         else:
             raise RuntimeError("out of KV cache blocks")
@@ -415,6 +463,8 @@ class BlockManager:
             prefix_hit_tokens=self.prefix_cache_hit_tokens,
             allocated_blocks=self.allocated_blocks,
             copied_blocks=self.copied_blocks,
+            device_hit_blocks=self.device_hit_blocks,
+            tiers=[] if self.tier is None else [self.tier.stats()],
         )
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:

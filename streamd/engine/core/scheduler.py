@@ -230,6 +230,7 @@ class Scheduler:
         out.num_decode_tokens = len(decodes)
         prefills.extend(decodes)
         out.scheduled = prefills
+        out.tier_orders = self.block_manager.take_tier_orders()
         return out
 
     def _chunk(self, shape: StepShape, seq: Sequence, wanted: int, budget: int) -> int:

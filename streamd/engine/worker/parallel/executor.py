@@ -67,6 +67,12 @@ class TensorParallelExecutor:
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self._order(OrderKind.COPY, pairs)
 
+    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+        raise NotImplementedError("the disk tier needs every rank's shard; the builder refuses it with TP")
+
+    def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
+        raise NotImplementedError("the disk tier needs every rank's shard; the builder refuses it with TP")
+
     def execute(
         self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
     ) -> torch.Tensor:
