@@ -304,8 +304,11 @@ class BlockManager:
     def _spill(self, block: int) -> None:
         """A findable device block is about to be reused: its content goes to the lower tier."""
         key = self._cache.key_of(block)
-        if self.tier is not None and key is not None:
-            self._tier_orders.spills.append((block, BlockKey(*key)))
+        if self.tier is None or key is None:
+            return
+        block_key = BlockKey(*key)
+        if not self.tier.contains(block_key):  # (restored blocks are on disk already)
+            self._tier_orders.spills.append((block, block_key))
 
     def spill_all(self) -> TierOrders:
         """Orders every findable device block to the lower tier, least recently used first (at shutdown:

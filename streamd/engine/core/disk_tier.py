@@ -191,21 +191,26 @@ class DiskTier:
             with path.open("rb") as f:
                 head = f.read(_HEADER.size)
                 if len(head) < _HEADER.size:
-                    return self._skip(path, "truncated header")
+                    self._skip(path, "truncated header")
+                    return None
                 magic, digest, block_hash, parent, _, num_tokens, payload_len = _HEADER.unpack(head)
                 if magic != MAGIC or digest != self.digest:
-                    return self._skip(path, "foreign file (another format or KV layout)")
+                    self._skip(path, "foreign file (another format or KV layout)")
+                    return None
                 tokens = array("q")
                 tokens.frombytes(f.read(8 * num_tokens))
             size = path.stat().st_size
         except (OSError, ValueError) as exc:
-            return self._skip(path, f"unreadable: {exc}")
+            self._skip(path, f"unreadable: {exc}")
+            return None
         expected = _HEADER.size + 8 * num_tokens + payload_len
         if payload_len != self.block_bytes or size != expected or path.name != f"{block_hash:016x}.kv":
-            return self._skip(path, f"truncated or misnamed ({size} bytes, {expected} expected)")
+            self._skip(path, f"truncated or misnamed ({size} bytes, {expected} expected)")
+            return None
         return _Entry(BlockKey(block_hash, parent, tuple(tokens)), size)
 
     def _skip(self, path: Path, why: str) -> None:
+        """Logs a file that is not used (its entry, if any, is dropped by the caller)."""
         self.skipped_files += 1
         log.warning("disk_tier.file_skipped", path=str(path), reason=why)
 
@@ -218,17 +223,21 @@ class DiskTier:
         try:
             data = path.read_bytes()
         except OSError as exc:
-            return self._skip(path, f"unreadable: {exc}")
+            self._skip(path, f"unreadable: {exc}")
+            return None
         head_size = _HEADER.size + 8 * len(key.token_ids)
         if len(data) != head_size + self.block_bytes:
-            return self._skip(path, f"truncated ({len(data)} bytes, {head_size + self.block_bytes} expected)")
+            self._skip(path, f"truncated ({len(data)} bytes, {head_size + self.block_bytes} expected)")
+            return None
         magic, digest, block_hash, parent, checksum, num_tokens, _ = _HEADER.unpack_from(data)
         payload = data[head_size:]
         stored = BlockKey(block_hash, parent, tuple(array("q", data[_HEADER.size : head_size])))
         if (magic, digest, num_tokens) != (MAGIC, self.digest, len(key.token_ids)) or stored != key:
-            return self._skip(path, "header does not match the index")
+            self._skip(path, "header does not match the index")
+            return None
         if xxhash.xxh64_intdigest(payload) != checksum:
-            return self._skip(path, "payload checksum mismatch (tampered or corrupt)")
+            self._skip(path, "payload checksum mismatch (tampered or corrupt)")
+            return None
         elapsed = time.perf_counter() - began
         self.read_s_per_block += _EMA * (elapsed - self.read_s_per_block)
         self.bytes_read += len(data)
