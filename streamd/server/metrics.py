@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from streamd.engine import EngineClient
+    from streamd.engine import EngineClient, KVCacheStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -123,6 +123,7 @@ class EngineStatsCollector(Collector):
         yield _counter(
             "streamd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", kv.prefix_hit_tokens
         )
+        yield from _tier_metrics(kv)
         preemptions = CounterMetricFamily("streamd_preemptions", "Preemptions by mode.", labels=["mode"])
         preemptions.add_metric(["swap"], sched.preemptions_swap)
         preemptions.add_metric(["recompute"], sched.preemptions_recompute)
@@ -136,6 +137,24 @@ class EngineStatsCollector(Collector):
         )
         yield _counter("streamd_generation_tokens", "Output tokens generated.", stats.generated_tokens)
         yield _gauge("streamd_grammar_cache_bytes", "Compiled grammars cached, in bytes.", stats.grammar_cache_bytes)
+
+
+def _tier_metrics(kv: KVCacheStats) -> Iterator[Metric]:
+    """The prefix cache per tier: blocks found on the device and restored from each lower tier, bytes moved."""
+    hits = CounterMetricFamily("streamd_prefix_cache_hits", "Prefix-cache blocks found, by tier.", labels=["tier"])
+    hits.add_metric(["device"], kv.device_hit_blocks)
+    moved = CounterMetricFamily(
+        "streamd_prefix_cache_tier_bytes", "Bytes moved to and from a lower tier.", labels=["tier", "direction"]
+    )
+    blocks = GaugeMetricFamily("streamd_prefix_cache_tier_blocks", "Blocks a lower tier holds.", labels=["tier"])
+    for tier in kv.tiers:
+        hits.add_metric([tier.name], tier.hit_blocks)
+        moved.add_metric([tier.name, "read"], tier.bytes_read)
+        moved.add_metric([tier.name, "written"], tier.bytes_written)
+        blocks.add_metric([tier.name], tier.blocks)
+    yield hits
+    yield moved
+    yield blocks
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
