@@ -95,7 +95,8 @@ class TimedTier:
     def fetch(self, key: BlockKey) -> bytes | None:
         began = time.perf_counter()
         try:
-            return self.tier.fetch(key)  # type: ignore[no-any-return]
+            payload: bytes | None = self.tier.fetch(key)
+            return payload
         finally:
             self.fetch_s += time.perf_counter() - began
 
@@ -155,7 +156,7 @@ def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path) -> dict[str, Any]:
     device_only = conversations(make_llm(base), sizes, system)
     tiered_llm = make_llm({**base, "cache.disk_cache_dir": str(disk_dir)})
     bm = tiered_llm.engine.block_manager
-    bm.tier = TimedTier(bm.tier)  # type: ignore[assignment]
+    bm.tier = TimedTier(bm.tier)
     tiered = conversations(tiered_llm, sizes, system)
     fresh = random.Random(sizes.seed + 2)
     warm = Run()
@@ -169,7 +170,9 @@ def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path) -> dict[str, Any]:
     return report_of(sizes, device_only, tiered, warm, restarted, disk_stats)
 
 
-def report_of(sizes: Sizes, device_only: Run, tiered: Run, warm: Run, restarted: Run, disk: TierStats) -> dict[str, Any]:
+def report_of(
+    sizes: Sizes, device_only: Run, tiered: Run, warm: Run, restarted: Run, disk: TierStats
+) -> dict[str, Any]:
     plain, disk_run = device_only.summary(), tiered.summary()
     full_system = sizes.system_tokens // sizes.block_size * sizes.block_size
     return {
@@ -210,7 +213,8 @@ def markdown(report: dict[str, Any]) -> str:
             ),
             "",
             f"- follow-up TTFT {report['follow_up_ttft_speedup']:.2f}x lower; recomputed tokens "
-            f"-{report['recomputed_tokens_reduction']:.0%}; greedy outputs identical: {report['greedy_outputs_identical']}",
+            f"-{report['recomputed_tokens_reduction']:.0%}; greedy outputs identical: "
+            f"{report['greedy_outputs_identical']}",
             f"- restart: cached_tokens {restart['cached_tokens']} (system prompt's full blocks: "
             f"{restart['system_prompt_full_block_tokens']}), TTFT {restart['ttft_s'] * 1e3:.0f} ms vs warm "
             f"{restart['warm_ttft_s'] * 1e3:.0f} ms ({restart['ttft_vs_warm']:.2f}x)",
@@ -235,7 +239,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    sizes = Sizes(args.conversations, args.turns, args.system_tokens, args.turn_tokens, args.reply_tokens, args.device_share)
+    sizes = Sizes(
+        args.conversations, args.turns, args.system_tokens, args.turn_tokens, args.reply_tokens, args.device_share
+    )
     dtype = "float32" if args.device == "cpu" else "auto"
 
     def make_llm(overrides: dict[str, Any]) -> LLM:
