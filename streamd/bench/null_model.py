@@ -53,6 +53,9 @@ class NullExecutor:
     def read_blocks(self, blocks: list[int]) -> list[bytes]:
         return self.executor.read_blocks(blocks)
 
+    def read_host_blocks(self, blocks: list[int]) -> list[bytes]:
+        return self.executor.read_host_blocks(blocks)
+
     def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
         self.executor.write_blocks(pairs)
 

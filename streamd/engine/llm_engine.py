@@ -188,10 +188,11 @@ class LLMEngine:
         for group, reason in out.rejected:
             self.requests.remove(group.request_id)
             updates.append(_ended(group, reason))
-        self._spill(out.tier_orders)
-        self.executor.swap_out(out.blocks_to_swap_out)
-        self.executor.swap_in(out.blocks_to_swap_in)
-        self.executor.write_blocks(out.tier_orders.restores)
+        tiers = out.tier_orders
+        self._spill(tiers)
+        self.executor.swap_out(tiers.host_spills + out.blocks_to_swap_out)  # evicted blocks before anything writes
+        self.executor.swap_in(out.blocks_to_swap_in + tiers.host_restores)
+        self.executor.write_blocks(tiers.restores)
         self.executor.copy(out.blocks_to_copy)
         if out.scheduled:
             began = time.perf_counter()
@@ -213,15 +214,16 @@ class LLMEngine:
         """Hands the bytes of the blocks this step evicts from the prefix cache to its lower tier, before
         anything in the step overwrites them."""
         tier = self.block_manager.tier
-        if tier is None or not orders.spills:
+        if tier is None or not (orders.spills or orders.host_to_disk):
             return
-        payloads = self.executor.read_blocks([block for block, _ in orders.spills])
-        for (_, key), payload in zip(orders.spills, payloads, strict=True):
+        payloads = self.executor.read_host_blocks([block for block, _ in orders.host_to_disk])
+        payloads += self.executor.read_blocks([block for block, _ in orders.spills])
+        for (_, key), payload in zip(orders.host_to_disk + orders.spills, payloads, strict=True):
             tier.put(key, payload)
 
     def close(self) -> None:
-        """At shutdown (after the last step): the device's cached prefixes go to the lower tier, whose
-        writes are then finished, so a restarted server finds them."""
+        """At shutdown (after the last step): the device's and the host tier's cached prefixes go to the disk
+        tier, whose writes are then finished, so a restarted server finds them."""
         tier = self.block_manager.tier
         if tier is not None:
             self._spill(self.block_manager.spill_all())

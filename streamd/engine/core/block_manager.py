@@ -19,6 +19,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from streamd.engine.core.host_tier import HostCache
 from streamd.engine.core.kv_tiers import BlockKey, KVTier, TierOrders
 from streamd.engine.core.prefix_cache import PrefixCache, SeqHashes
 from streamd.engine.core.sequence import Sequence
@@ -37,9 +38,10 @@ class BlockManager:
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
         tier: KVTier | None = None,
+        host_cache: HostCache | None = None,
     ) -> None:
-        """`tier`: the prefix cache's lower tier (disk), which takes evicted cached blocks and gives them back
-        (`kv_tiers.py`)."""
+        """`tier`: the prefix cache's lowest tier (disk), which takes evicted cached blocks and gives them back
+        (`kv_tiers.py`); `host_cache`: the host-RAM tier above it, in the swap pool's free blocks."""
         if num_blocks <= 0 or block_size <= 0 or num_swap_blocks < 0:
             raise ValueError("num_blocks and block_size must be > 0 and num_swap_blocks >= 0")
         if not 0 <= watermark < 1:
@@ -72,7 +74,12 @@ class BlockManager:
         self.prefix_cache_hit_tokens = 0
         self.device_hit_blocks = 0  # cumulative
         self.tier = tier if enable_prefix_caching else None
+        self.host_cache = host_cache if enable_prefix_caching and num_swap_blocks else None
         self._tier_orders = TierOrders.none()
+        # With a host tier: host hits being copied in this step (not evictable), and host blocks freed in this
+        # step (not reusable before its copies ran: a swap-in may still read them).
+        self._host_pinned: list[int] = []
+        self._host_freed: list[int] = []
 
     # ---- capacity -------------------------------------------------------------------------------
 
@@ -80,7 +87,8 @@ class BlockManager:
         return len(self._free) + len(self._cached_free)
 
     def num_free_swap_blocks(self) -> int:
-        return len(self._host_free)
+        """Host blocks a swap-out may take now: free ones and those holding only a cached prefix."""
+        return len(self._host_free) + (self.host_cache.evictable() if self.host_cache is not None else 0)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -127,14 +135,16 @@ class BlockManager:
         for block in hits:  # take hits before allocating so eviction cannot pick them
             self._take(block)
         num_hits = len(hits)
+        # Lower-tier hits are found (host ones pinned) before allocating, whose evictions could push them out.
+        found = self._find_in_tiers(seq, num_hits, fresh) if reuse_prefix else []
         seq.block_table = hits + [self._alloc() for _ in range(fresh)]
         if self.enable_prefix_caching:
             state = self._seq_hashes[seq.seq_id]
             state.num_committed = num_hits
             self.device_hit_blocks += num_hits
-            if reuse_prefix:  # restored blocks are findable at once: the restore precedes every forward
-                num_hits += self._restore(seq, num_hits, fresh)
-                self._cache.commit(state, seq.token_ids, seq.block_table, num_hits)
+            self._order_restores(seq, num_hits, found)
+            num_hits += len(found)  # restored blocks are findable at once: the restore precedes every forward
+            self._cache.commit(state, seq.token_ids, seq.block_table, num_hits)
             self.prefix_cache_queried_tokens += seq.num_tokens
             self.prefix_cache_hit_tokens += num_hits * self.block_size
         return num_hits * self.block_size
@@ -285,29 +295,56 @@ class BlockManager:
                 block_hash, (seq.block_table[index], state.parent(index), seq.token_ids[index * bs : (index + 1) * bs])
             )
 
-    def _restore(self, seq: Sequence, first: int, fresh: int) -> int:
-        """Continues `seq`'s prefix chain in the lower tier from block `first`: each block found there is
-        ordered restored into the fresh device block at its place; returns how many (a chain, so it stops
-        at the first miss). Only while reading beats recomputing."""
-        tier, state, bs = self.tier, self._seq_hashes[seq.seq_id], self.block_size
-        if tier is None or not tier.worth_reading():
-            return 0
-        limit = min(first + fresh, (seq.num_tokens - 1) // bs)
-        for index in range(first, limit):
+    def _find_in_tiers(self, seq: Sequence, first: int, fresh: int) -> list[int | bytes]:
+        """Continues `seq`'s prefix chain in the lower tiers from block `first`, block by block: a host
+        block (pinned for this step) or the disk tier's verified bytes; stops at the first miss. Each tier
+        only while reading from it beats recomputing."""
+        state, bs = self._seq_hashes.get(seq.seq_id), self.block_size
+        host = self.host_cache if self.host_cache is not None and self.host_cache.worth_reading() else None
+        disk = self.tier if self.tier is not None and self.tier.worth_reading() else None
+        found: list[int | bytes] = []
+        if state is None or (host is None and disk is None):
+            return found
+        for index in range(first, min(first + fresh, (seq.num_tokens - 1) // bs)):
             tokens = seq.token_ids[index * bs : (index + 1) * bs]
-            payload = tier.fetch(BlockKey(state.block_hash(seq.token_ids, index), state.parent(index), tuple(tokens)))
+            key = BlockKey(state.block_hash(seq.token_ids, index), state.parent(index), tuple(tokens))
+            if host is not None and (cached := host.lookup(key)) is not None:
+                host.pin(cached)
+                self._host_pinned.append(cached)
+                found.append(cached)
+                continue
+            payload = disk.fetch(key) if disk is not None else None
             if payload is None:
-                return index - first
-            self._tier_orders.restores.append((seq.block_table[index], payload))
-        return limit - first
+                break
+            found.append(payload)
+        return found
 
-    def _spill(self, block: int) -> None:
-        """A findable device block is about to be reused: its content goes to the lower tier."""
+    def _order_restores(self, seq: Sequence, first: int, found: list[int | bytes]) -> None:
+        """Orders what `_find_in_tiers` found copied into the sequence's fresh blocks from `first` on."""
+        orders = self._tier_orders
+        for block, source in zip(seq.block_table[first:], found, strict=False):
+            if isinstance(source, bytes):
+                orders.restores.append((block, source))
+            else:
+                orders.host_restores.append((source, block))
+
+    def _spill(self, block: int, to_host: bool = True) -> None:
+        """A findable device block is about to be reused: its content goes to the host tier if there is
+        one (and a host block for it), else to the disk tier."""
         key = self._cache.key_of(block)
-        if self.tier is None or key is None:
+        if key is None:
             return
         block_key = BlockKey(*key)
-        if not self.tier.contains(block_key):  # (restored blocks are on disk already)
+        host = self.host_cache if to_host else None
+        if host is not None:
+            if host.contains(block_key):
+                return
+            dst = self._alloc_host()
+            if dst is not None:
+                host.add(dst, block_key)
+                self._tier_orders.host_spills.append((block, dst))
+                return
+        if self.tier is not None and not self.tier.contains(block_key):  # (restored blocks are there already)
             self._tier_orders.spills.append((block, block_key))
 
     def spill_all(self) -> TierOrders:
@@ -316,12 +353,22 @@ class BlockManager:
         if self.tier is not None:
             held = [b for b in self._cache.registered().values() if self._ref[b] > 0]
             for block in [*self._cached_free, *held]:
-                self._spill(block)
+                self._spill(block, to_host=False)
+            while self.host_cache is not None and (evicted := self.host_cache.evict()) is not None:
+                if not self.tier.contains(evicted[1]):
+                    self._tier_orders.host_to_disk.append(evicted)
+                self._host_free.append(evicted[0])
         return self.take_tier_orders()
 
     def take_tier_orders(self) -> TierOrders:
         """This step's spills and restores (the scheduler hands them to the CacheEngine with the plan)."""
         orders, self._tier_orders = self._tier_orders, TierOrders.none()
+        if self.host_cache is not None:
+            for block in self._host_pinned:
+                self.host_cache.unpin(block)
+            self._host_pinned.clear()
+            self._host_free.extend(self._host_freed)
+            self._host_freed.clear()
         return orders
 
     def _cached_copy(self, seq: Sequence, index: int) -> int | None:
@@ -337,7 +384,7 @@ class BlockManager:
         return len({b for seq in seqs for b in seq.block_table})
 
     def can_swap_out(self, seqs: Iterable[Sequence]) -> bool:
-        return self.unique_blocks(seqs) <= len(self._host_free)
+        return self.unique_blocks(seqs) <= self.num_free_swap_blocks()
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Moves all of `seqs`' device blocks to the host pool (sharing preserved); returns the
@@ -350,7 +397,7 @@ class BlockManager:
             for block in seq.block_table:
                 host = mapping.get(block)
                 if host is None:
-                    host = mapping[block] = self._host_free.pop()
+                    host = mapping[block] = self._take_host()
                 self._host_ref[host] += 1
                 host_table.append(host)
             self._host_tables[seq.seq_id] = host_table
@@ -439,7 +486,25 @@ class BlockManager:
     def _release_host(self, block: int) -> None:
         self._host_ref[block] -= 1
         if self._host_ref[block] == 0:
-            self._host_free.append(block)
+            (self._host_freed if self.host_cache is not None else self._host_free).append(block)
+
+    def _take_host(self) -> int:
+        block = self._alloc_host()
+        if block is None:
+            raise RuntimeError("out of host blocks; check can_swap_out first")
+        return block
+
+    def _alloc_host(self) -> int | None:
+        """A free host block, else the least recently used cached one (its content goes on to the disk tier)."""
+        if self._host_free:
+            return self._host_free.pop()
+        evicted = self.host_cache.evict() if self.host_cache is not None else None
+        if evicted is None:
+            return None
+        block, key = evicted
+        if self.tier is not None and not self.tier.contains(key):
+            self._tier_orders.host_to_disk.append((block, key))
+        return block
 
     # ---- observability --------------------------------------------------------------------------
 
@@ -459,7 +524,7 @@ class BlockManager:
             blocks_free=self.num_free_blocks(),
             blocks_cached=len(self._cached_free),
             swap_blocks_total=self.num_swap_blocks,
-            swap_blocks_free=len(self._host_free),
+            swap_blocks_free=self.num_free_swap_blocks() + len(self._host_freed),
             swapped_out_blocks=self.swapped_out_blocks,
             swapped_in_blocks=self.swapped_in_blocks,
             prefix_queried_tokens=self.prefix_cache_queried_tokens,
@@ -467,7 +532,7 @@ class BlockManager:
             allocated_blocks=self.allocated_blocks,
             copied_blocks=self.copied_blocks,
             device_hit_blocks=self.device_hit_blocks,
-            tiers=[] if self.tier is None else [self.tier.stats()],
+            tiers=[t.stats() for t in (self.host_cache, self.tier) if t is not None],
         )
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
@@ -479,7 +544,10 @@ class BlockManager:
         assert set(self._host_tables) <= known, "host blocks held for a sequence that is gone"
         assert set(self._seq_hashes) <= known, "prefix-cache state kept for a sequence that is gone"
         assert not self._in_step, "blocks shared within a step outlived the step's planning"
-        _check_pool("host", self._host_ref, self._host_free, list(self._host_tables.values()))
+        cached_host = self.host_cache.cached_blocks() if self.host_cache is not None else []
+        assert not self._host_pinned, "host hits pinned past their step's orders"
+        host_free = self._host_free + self._host_freed + cached_host
+        _check_pool("host", self._host_ref, host_free, list(self._host_tables.values()))
         for block in self._free:
             assert not self._cache.is_registered(block), f"unregistered free list holds findable block {block}"
         for block_hash, block in self._cache.registered().items():

@@ -12,7 +12,7 @@ reading beats recomputing (`KVTier.worth_reading`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from streamd.engine.stats import TierStats
@@ -33,8 +33,13 @@ class TierOrders:
     """One step's moves between the device pool and the lower tier. Spills are read before anything in the
     step writes the device pool (their blocks are reused in it); restores are written before the forward."""
 
-    spills: list[tuple[int, BlockKey]]  # (device block, its content's key)
-    restores: list[tuple[int, bytes]]  # (device block, the tier's bytes for it)
+    spills: list[tuple[int, BlockKey]]  # (device block, its content's key) to the disk tier
+    restores: list[tuple[int, bytes]]  # (device block, the disk tier's bytes for it)
+    # The host tier (host_tier.py), in the swap pool: copies like swap-outs and swap-ins, and host blocks
+    # evicted from it on to the disk tier (read before any copy of the step writes the host pool).
+    host_spills: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
+    host_restores: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    host_to_disk: list[tuple[int, BlockKey]] = field(default_factory=list)  # (host block, its key)
 
     @classmethod
     def none(cls) -> TierOrders:

@@ -118,6 +118,16 @@ class CacheEngine:
         rows = self.kv_cache.index_select(0, index).cpu().view(torch.uint8).reshape(len(blocks), -1)
         return [row.numpy().tobytes() for row in rows]
 
+    def read_host_blocks(self, blocks: list[int]) -> list[bytes]:
+        """The bytes of each host pool block (after the swap copies queued so far): a host-tier block on
+        its way to the disk tier."""
+        if not blocks:
+            return []
+        if self._swap_stream is not None:
+            self._swap_stream.synchronize()
+        rows = self.swap_cache.index_select(0, torch.tensor(blocks, dtype=torch.int64))
+        return [row.numpy().tobytes() for row in rows.view(torch.uint8).reshape(len(blocks), -1)]
+
     def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
         """(device block, bytes) pairs, as `read_blocks` gave them: a prefix-cache restore."""
         if not pairs:

@@ -31,6 +31,8 @@ class Executor(Protocol):
 
     def read_blocks(self, blocks: list[int]) -> list[bytes]: ...
 
+    def read_host_blocks(self, blocks: list[int]) -> list[bytes]: ...
+
     def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None: ...
 
     def execute(
@@ -62,6 +64,9 @@ class LocalExecutor:
 
     def read_blocks(self, blocks: list[int]) -> list[bytes]:
         return self.cache.read_blocks(blocks)
+
+    def read_host_blocks(self, blocks: list[int]) -> list[bytes]:
+        return self.cache.read_host_blocks(blocks)
 
     def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
         self.cache.write_blocks(pairs)

@@ -10,6 +10,7 @@ from structlog.testing import capture_logs
 
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.disk_tier import DiskTier
+from streamd.engine.core.host_tier import HostCache
 from streamd.engine.core.kv_tiers import BlockKey
 from streamd.engine.core.prefix_cache import ROOT_HASH, hash_block
 from streamd.engine.core.sequence import Sequence
@@ -181,4 +182,54 @@ def test_no_restore_where_recomputing_is_cheaper_or_prompt_logprobs_are_asked(tm
     assert bm.allocate(other, reuse_prefix=False) == 0 and not bm.take_tier_orders().restores
     bm.free(seq)
     bm.free(other)
+    disk.close()
+
+
+# ---- the host-RAM tier (in the swap pool) above the disk tier --------------------------------------------
+
+
+def test_host_tier_takes_evicted_blocks_and_gives_them_back() -> None:
+    host = HostCache(BLOCK_BYTES)
+    bm = BlockManager(4, BS, num_swap_blocks=4, watermark=0.0, host_cache=host)
+    prompt = list(range(100, 113))
+    first = computed(bm, prompt)
+    table = list(first.block_table)
+    bm.free(first)
+    other = computed(bm, list(range(500, 516)))  # evicts the 3 cached device blocks to the host tier
+    orders = bm.take_tier_orders()
+    assert sorted(d for d, _ in orders.host_spills) == sorted(table[:3]) and not orders.spills
+    where = dict(orders.host_spills)  # device block -> host block
+    bm.free(other)
+    again = Sequence(prompt)
+    again.num_computed_tokens = bm.allocate(again)
+    assert again.num_computed_tokens == 3 * BS
+    assert bm.take_tier_orders().host_restores == [(where[table[i]], again.block_table[i]) for i in range(3)]
+    assert bm.stats().tiers[0].name == "host" and bm.stats().tiers[0].hit_blocks == 3
+    bm.check_invariants([again])
+    bm.free(again)
+    bm.check_invariants([])
+    assert bm.stats().swap_blocks_free == 4  # cached host blocks count as free for swap preemption
+
+
+def test_swap_preemption_takes_cached_host_blocks_first_and_they_go_to_disk(tmp_path: Path) -> None:
+    disk = tier(tmp_path)
+    bm = BlockManager(4, BS, num_swap_blocks=3, watermark=0.0, tier=disk, host_cache=HostCache(BLOCK_BYTES))
+    first = computed(bm, list(range(100, 113)))
+    bm.free(first)
+    other = computed(bm, list(range(500, 516)))  # the host pool is now all cached prefix blocks
+    cached = {h for _, h in bm.take_tier_orders().host_spills}
+    assert bm.num_free_swap_blocks() == 3 and bm.can_swap_out([other]) is False  # 4 blocks > 3
+    victim = Sequence(list(range(700, 712)))  # 3 blocks
+    bm.free(other)
+    victim.num_computed_tokens = bm.allocate(victim)
+    bm.take_tier_orders()
+    assert bm.can_swap_out([victim])
+    pairs = bm.swap_out([victim])
+    orders = bm.take_tier_orders()
+    assert sorted(h for _, h in pairs) == sorted(cached)  # the cached host blocks were taken
+    assert sorted(h for h, _ in orders.host_to_disk) == sorted(cached)  # and their content goes to disk
+    bm.check_invariants([victim])
+    bm.free(victim)
+    bm.take_tier_orders()
+    bm.check_invariants([])
     disk.close()

@@ -70,6 +70,9 @@ class TensorParallelExecutor:
     def read_blocks(self, blocks: list[int]) -> list[bytes]:
         raise NotImplementedError("the disk tier needs every rank's shard; the builder refuses it with TP")
 
+    def read_host_blocks(self, blocks: list[int]) -> list[bytes]:
+        raise NotImplementedError("the disk tier needs every rank's shard; the builder refuses it with TP")
+
     def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
         raise NotImplementedError("the disk tier needs every rank's shard; the builder refuses it with TP")
 
