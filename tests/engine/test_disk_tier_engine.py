@@ -67,3 +67,27 @@ def test_a_tampered_file_is_skipped_and_the_output_unchanged(tmp_path: Path) -> 
     assert again.num_cached_tokens == 0
     assert reader.engine.stats().kv.tiers[0].skipped_files == 1  # the chain stops at its first block
     reader.engine.close()
+
+
+def test_host_tier_on_the_cpu_then_disk_below_it(tmp_path: Path) -> None:
+    """The host tier's logic on the CPU (a device pool and a separate host pool, as swap preemption is
+    tested): evicted blocks come back from host memory; with a host pool of 2 blocks the rest of the chain
+    continues on disk."""
+    plain = engine(None)
+    plain.generate([PROMPT], GREEDY)
+    expected, _ = evict_then_ask(plain)
+    block_gib = plain.engine.cache.layout.bytes_per_block / 2**30
+
+    host_only = tiny_llm(num_kv_blocks=12, num_swap_blocks=0, **{"cache.host_cache_gib": 64 * block_gib})
+    host_only.generate([PROMPT], GREEDY)
+    assert evict_then_ask(host_only) == (expected, FULL_BLOCKS_TOKENS)
+    (host,) = host_only.engine.stats().kv.tiers
+    assert (host.name, host.hit_blocks) == ("host", 5)
+
+    both = tiny_llm(num_kv_blocks=12, num_swap_blocks=0, **{"cache.host_cache_gib": 2.5 * block_gib,
+                                                           "cache.disk_cache_dir": str(tmp_path)})
+    both.generate([PROMPT], GREEDY)
+    assert evict_then_ask(both) == (expected, FULL_BLOCKS_TOKENS)
+    host, disk = both.engine.stats().kv.tiers
+    assert host.hit_blocks + disk.hit_blocks == 5 and disk.hit_blocks > 0
+    both.engine.close()

@@ -342,6 +342,8 @@ class BlockManager:
             dst = self._alloc_host()
             if dst is not None:
                 host.add(dst, block_key)
+                host.pin(dst, hit=False)
+                self._host_pinned.append(dst)
                 self._tier_orders.host_spills.append((block, dst))
                 return
         if self.tier is not None and not self.tier.contains(block_key):  # (restored blocks are there already)

@@ -37,10 +37,11 @@ class HostCache:
         self._lru[block] = None
         self.spilled_blocks += 1
 
-    def pin(self, block: int) -> None:
-        """A hit being copied in this step: not evictable until `unpin`."""
+    def pin(self, block: int, hit: bool = True) -> None:
+        """A block copied in or out in this step (a hit, or one just spilled here): not evictable until
+        `unpin`, so no other order of the step reads or overwrites it before its copy ran."""
         del self._lru[block]
-        self.hit_blocks += 1
+        self.hit_blocks += hit
 
     def unpin(self, block: int) -> None:
         if block in self._keys:
