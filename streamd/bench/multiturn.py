@@ -1,5 +1,5 @@
-"""`streamd bench multiturn`: conversations behind one long system prompt, with the prefix cache's disk tier
-against device-only caching (issue 31).
+"""`streamd bench multiturn`: conversations behind one long system prompt, with the prefix cache's lower tiers
+(disk; on CUDA the host-RAM tier above it) against device-only caching (issue 31).
 
 C conversations of T turns each share an S-token system prompt; every turn adds U user tokens, and the
 model's R-token greedy reply joins the history. Turns go round-robin over the conversations (every
@@ -153,7 +153,8 @@ def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path) -> dict[str, Any]:
     """Device-only caching, then the disk tier, then a restart on the disk tier's directory."""
     system = tokens(random.Random(sizes.seed), sizes.system_tokens, sizes)
     base = {"cache.num_kv_blocks": sizes.num_kv_blocks(), "cache.block_size": sizes.block_size}
-    device_only = conversations(make_llm(base), sizes, system)
+    device_only = conversations(make_llm({**base, "cache.host_cache_gib": 0.0}), sizes, system)
+    # The tiers: the disk tier, and the host tier by its default (on with CUDA, off on the CPU).
     tiered_llm = make_llm({**base, "cache.disk_cache_dir": str(disk_dir)})
     bm = tiered_llm.engine.block_manager
     bm.tier = TimedTier(bm.tier)
@@ -161,7 +162,7 @@ def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path) -> dict[str, Any]:
     fresh = random.Random(sizes.seed + 2)
     warm = Run()
     ask(tiered_llm, system + tokens(fresh, sizes.turn_tokens, sizes), sizes, warm, 0)
-    disk_stats: TierStats = tiered_llm.engine.stats().kv.tiers[0]
+    disk_stats: TierStats = tiered_llm.engine.stats().kv.tiers[-1]
     tiered_llm.engine.close()
     restarted_llm = make_llm({**base, "cache.disk_cache_dir": str(disk_dir)})
     restarted = Run()
