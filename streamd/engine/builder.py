@@ -235,6 +235,7 @@ def warm_up(engine: Steppable) -> None:
             engine.step()
     # The throw-away requests are not traffic: the prefix-cache counters start from zero.
     engine.block_manager.prefix_cache_queried_tokens = engine.block_manager.prefix_cache_hit_tokens = 0
+    engine.block_manager.device_hit_blocks = 0
     log.info("engine.warmed_up", seconds=round(time.perf_counter() - start, 2))
 
 

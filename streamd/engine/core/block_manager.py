@@ -11,6 +11,10 @@ after the unregistered ones, so cached prefixes survive as long as memory allows
 
 A sequence's table always covers the token slots it is about to write: the whole token list after
 `allocate`, `num_computed_tokens + n` after `append_slots(seq, n)`.
+
+Below the device's prefix cache sit optional lower tiers (`host_tier.py` in the swap pool's free blocks,
+then `disk_tier.py`): a findable block the device LRU reuses is spilled down, admission's chain continues
+in them, and the moves leave as one step's `TierOrders` (`take_tier_orders`) for the CacheEngine.
 """
 
 from __future__ import annotations
