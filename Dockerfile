@@ -65,7 +65,7 @@ COPY streamd /tmp/src/streamd
 RUN pip install --no-deps /tmp/src && rm -rf /tmp/src
 
 RUN useradd --create-home --home-dir /home/streamd --uid 10001 --user-group --shell /usr/sbin/nologin streamd \
-    && mkdir -p /opt/streamd/cache /cache/huggingface \
+    && mkdir -p /opt/streamd/cache /cache/huggingface /cache/kv \
     && chown -R streamd:streamd /opt/streamd /cache
 COPY config /opt/streamd/config
 

@@ -105,6 +105,13 @@ class CacheConfig:
     # "tenant": a tenant's prompts find only its own cached blocks (no cross-tenant timing or cached_tokens
     # signal); "none": one cache for all. A request's `cache_salt` separates it either way.
     prefix_isolation: str = "none"
+    # The prefix cache's disk tier (engine/core/disk_tier.py): evicted blocks as files, indexed again at start.
+    disk_cache_dir: str = ""  # "": off
+    disk_cache_gib: float = 16.0  # the tier's bound, least recently used files evicted first
+    # The host-RAM tier (engine/core/host_tier.py): this many GiB added to the host swap pool for evicted prefix
+    # blocks (swap preemption still takes any of them first). None: on CUDA 20% of the RAM available at start, at
+    # most 32 GiB; on the CPU 0 (off: the device pool is host memory already).
+    host_cache_gib: float | None = None
 
     def validate(self) -> None:
         _one_of("cache.prefix_isolation", self.prefix_isolation, ("none", "tenant"))
@@ -117,6 +124,8 @@ class CacheConfig:
         _non_negative("cache.num_swap_blocks", self.num_swap_blocks, allow_none=True)
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"cache.watermark must be in [0, 1), got {self.watermark}")
+        _positive("cache.disk_cache_gib", self.disk_cache_gib)
+        _non_negative("cache.host_cache_gib", self.host_cache_gib, allow_none=True)
 
 
 @dataclass(slots=True)

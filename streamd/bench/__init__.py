@@ -18,6 +18,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "chaos": ("streamd.bench.chaos", "main"),
     "replicas": ("streamd.bench.replicas", "main"),
     "fairness": ("streamd.bench.fairness", "run"),
+    "multiturn": ("streamd.bench.multiturn", "run"),
 }
 EXAMPLES: dict[str, str] = {
     "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
@@ -29,6 +30,8 @@ EXAMPLES: dict[str, str] = {
     "chaos": "streamd serve &  streamd bench chaos --url http://127.0.0.1:8000 --duration 60",
     "replicas": "streamd bench replicas --replicas 1,2 --concurrency 256 -- --set model.dtype=bfloat16",
     "fairness": "streamd bench fairness --models null,default   # ~5 minutes on 2 cores",
+    "multiturn": "streamd bench multiturn --device cpu                # the disk tier vs device-only, minutes\n"
+    "  streamd bench multiturn --device cuda --conversations 128 --turns 8 --system-tokens 2048 --turn-tokens 300",
 }
 
 

@@ -50,6 +50,15 @@ class NullExecutor:
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self.executor.copy(pairs)
 
+    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+        return self.executor.read_blocks(blocks)
+
+    def read_host_blocks(self, blocks: list[int]) -> list[bytes]:
+        return self.executor.read_host_blocks(blocks)
+
+    def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
+        self.executor.write_blocks(pairs)
+
     def shutdown(self) -> None:
         self.executor.shutdown()
 

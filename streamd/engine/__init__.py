@@ -21,7 +21,7 @@ from streamd.engine.outputs import (
     RequestOutputBuilder,
 )
 from streamd.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs, is_int
-from streamd.engine.stats import EngineStats, TenantStats
+from streamd.engine.stats import EngineStats, KVCacheStats, TenantStats
 
 if TYPE_CHECKING:
     from streamd.engine.client.async_engine import AsyncEngine
@@ -76,6 +76,7 @@ __all__ = [
     "GrammarBudget",
     "GrammarError",
     "KVCacheCapacityError",
+    "KVCacheStats",
     "LLMEngine",
     "PendingDelta",
     "ProcessEngine",

@@ -9,15 +9,18 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 import torch
 from transformers import PretrainedConfig
 
-from streamd.config import CacheConfig, Config, cache_path
+from streamd.config import CacheConfig, Config, ConfigError, cache_path
 from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
-from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.disk_tier import DiskTier
+from streamd.engine.core.host_tier import HostCache
+from streamd.engine.core.scheduler import PreemptionCostModel, Scheduler
 from streamd.engine.output.chat_template import read_chat_template
 from streamd.engine.output.output_processor import OutputProcessor
 from streamd.engine.sample.beam_search import BeamSearches
@@ -40,6 +43,8 @@ from streamd.logs import get_logger
 log = get_logger(__name__)
 
 _SWAP_RAM_SHARE = 0.4  # the swap pool never takes more than this share of host RAM
+_HOST_CACHE_RAM_SHARE = 0.2  # the host tier's default share of the RAM available at start (CUDA)
+_HOST_CACHE_MAX_GIB = 32.0
 _GRAPH_SLACK_BYTES = 320 << 20  # decode-graph activations (measured < 40 MiB) and swap staging (64 MiB), with room
 
 
@@ -88,17 +93,20 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     runner, cache = _kv_cache(config, loaded, device, max_model_len, vocab)
     executor = _executor(config, runner, cache, workers, max_model_len)
     cache_cfg = config.cache
+    host_blocks = cache.num_swap_blocks - _num_swap_blocks(cache_cfg, cache.layout)  # the host tier's share
+    costs = None
+    if (config.scheduler.preemption_mode != "recompute" and cache.num_swap_blocks) or cache_cfg.disk_cache_dir:
+        costs = cost_model(cache, executor, runner, max_model_len, cache_path(config.model.cache_dir))
     block_manager = BlockManager(
         cache.num_blocks,
         cache_cfg.block_size,
         cache.num_swap_blocks,
         cache_cfg.watermark,
         cache_cfg.enable_prefix_caching,
+        _disk_tier(config, loaded.name, cache.layout, costs),
+        _host_cache(cache.layout, host_blocks, costs),
     )
     eos = _eos_token_ids(loaded)
-    costs = None
-    if config.scheduler.preemption_mode != "recompute" and cache.num_swap_blocks:
-        costs = cost_model(cache, executor, runner, max_model_len, cache_path(config.model.cache_dir))
     scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos)
     return EngineParts(
         loaded.name,
@@ -117,6 +125,54 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         BeamSearches(eos, max_model_len, vocab),
         OutputProcessor(loaded.tokenizer),
     )
+
+
+def _disk_tier(config: Config, model_name: str, layout: KVLayout, costs: PreemptionCostModel | None) -> DiskTier | None:
+    """The prefix cache's disk tier, when `cache.disk_cache_dir` names one; its files are this layout's only."""
+    cache_cfg = config.cache
+    if not cache_cfg.disk_cache_dir or not cache_cfg.enable_prefix_caching:
+        return None
+    tp = config.parallel.tensor_parallel_size
+    if tp > 1:
+        raise ConfigError("cache.disk_cache_dir is not supported with tensor parallelism yet (one shard per rank)")
+    description = (
+        f"model={model_name}|dtype={layout.dtype}|block={layout.block_size}|layers={layout.num_layers}"
+        f"|kv_heads={layout.num_kv_heads}|head_dim={layout.head_dim}|layout=block-major|tp={tp}|kv_dtype={layout.dtype}"
+    )
+    recompute_s = None if costs is None else costs.recompute_cost_s(layout.block_size)
+    return DiskTier(
+        Path(cache_cfg.disk_cache_dir).expanduser(),
+        int(cache_cfg.disk_cache_gib * 2**30),
+        description,
+        layout.bytes_per_block,
+        recompute_s,
+    )
+
+
+def _host_cache(layout: KVLayout, host_blocks: int, costs: PreemptionCostModel | None) -> HostCache | None:
+    """The host-RAM tier when `cache.host_cache_gib` gave the swap pool blocks for it; read only where one
+    block over the host link beats recomputing it."""
+    if host_blocks <= 0:
+        return None
+    pays = costs is None or costs.swap_cost_s(1) / 2 < costs.recompute_cost_s(layout.block_size)
+    log.info("host_tier.enabled", blocks=host_blocks, reading_pays=pays)
+    return HostCache(layout.bytes_per_block, pays)
+
+
+def _host_cache_blocks(cache: CacheConfig, layout: KVLayout, device: torch.device) -> int:
+    """`cache.host_cache_gib` in blocks; unset: on CUDA 20% of the RAM available now (at most 32 GiB), else 0."""
+    gib = cache.host_cache_gib
+    if gib is None:
+        available = _available_ram_bytes()
+        gib = min(_HOST_CACHE_MAX_GIB, _HOST_CACHE_RAM_SHARE * available / 2**30) if device.type == "cuda" else 0.0
+    return int(gib * 2**30) // layout.bytes_per_block
+
+
+def _available_ram_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 0
 
 
 def _executor(
@@ -146,7 +202,8 @@ def _kv_cache(
     fuse_layers(loaded.model, config.model.fuse_layers, device)
     layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype, config.parallel.tensor_parallel_size)
     num_blocks = cache_cfg.num_kv_blocks or _auto_num_blocks(config, runner, layout, device, max_model_len, vocab)
-    cache = CacheEngine(layout, num_blocks, _num_swap_blocks(cache_cfg, layout), device, runner.ops)
+    host_blocks = _num_swap_blocks(cache_cfg, layout) + _host_cache_blocks(cache_cfg, layout, device)
+    cache = CacheEngine(layout, num_blocks, host_blocks, device, runner.ops)
     runner.bind_kv_cache(cache.kv_cache)
     return runner, cache
 
@@ -178,6 +235,7 @@ def warm_up(engine: Steppable) -> None:
             engine.step()
     # The throw-away requests are not traffic: the prefix-cache counters start from zero.
     engine.block_manager.prefix_cache_queried_tokens = engine.block_manager.prefix_cache_hit_tokens = 0
+    engine.block_manager.device_hit_blocks = 0
     log.info("engine.warmed_up", seconds=round(time.perf_counter() - start, 2))
 
 

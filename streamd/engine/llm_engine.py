@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from streamd.config import Config
+    from streamd.engine.core.kv_tiers import TierOrders
     from streamd.engine.core.scheduler_output import SchedulerOutput
     from streamd.engine.worker.model_loader import LoadedModel
     from streamd.engine.worker.parallel.workers import WorkerPool
@@ -190,8 +191,11 @@ class LLMEngine:
         for group, reason in out.rejected:
             self.requests.remove(group.request_id)
             updates.append(_ended(group, reason))
-        self.executor.swap_out(out.blocks_to_swap_out)
-        self.executor.swap_in(out.blocks_to_swap_in)
+        tiers = out.tier_orders
+        self._spill(tiers)
+        self.executor.swap_out(tiers.host_spills + out.blocks_to_swap_out)  # evicted blocks before anything writes
+        self.executor.swap_in(out.blocks_to_swap_in + tiers.host_restores)
+        self.executor.write_blocks(tiers.restores)
         self.executor.copy(out.blocks_to_copy)
         if out.scheduled:
             began = time.perf_counter()
@@ -208,6 +212,25 @@ class LLMEngine:
         if prev is not None:
             updates += self._read_back(prev)
         return deltas + self._process(updates)
+
+    def _spill(self, orders: TierOrders) -> None:
+        """Hands the bytes of the blocks this step evicts from the prefix cache to its lower tier, before
+        anything in the step overwrites them."""
+        tier = self.block_manager.tier
+        if tier is None or not (orders.spills or orders.host_to_disk):
+            return
+        payloads = self.executor.read_host_blocks([block for block, _ in orders.host_to_disk])
+        payloads += self.executor.read_blocks([block for block, _ in orders.spills])
+        for (_, key), payload in zip(orders.host_to_disk + orders.spills, payloads, strict=True):
+            tier.put(key, payload)
+
+    def close(self) -> None:
+        """At shutdown (after the last step): the device's and the host tier's cached prefixes go to the disk
+        tier, whose writes are then finished, so a restarted server finds them."""
+        tier = self.block_manager.tier
+        if tier is not None:
+            self._spill(self.block_manager.spill_all())
+            tier.close()
 
     def _forward(self, out: SchedulerOutput, prev: InFlight | None) -> SampleRows:
         """Queues the step's forward (its inputs take `prev`'s tokens on the device); beam rows leave for

@@ -10,6 +10,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass(slots=True, frozen=True)
+class TierStats:
+    """One lower tier of the prefix cache (`core/kv_tiers.py`): the `tier` label of its metrics."""
+
+    name: str
+    blocks: int  # blocks the tier holds now
+    capacity_blocks: int
+    hit_blocks: int  # cumulative blocks restored from it
+    bytes_read: int  # cumulative
+    bytes_written: int  # cumulative
+    skipped_files: int = 0  # corrupt or foreign entries skipped (never loaded)
+
+
+@dataclass(slots=True, frozen=True)
 class KVCacheStats:
     blocks_total: int
     blocks_free: int
@@ -22,6 +35,8 @@ class KVCacheStats:
     prefix_hit_tokens: int  # cumulative prompt tokens found there
     allocated_blocks: int  # cumulative blocks taken off the free lists (sharing a block allocates nothing)
     copied_blocks: int  # cumulative copy-on-write copies
+    device_hit_blocks: int = 0  # cumulative prefix blocks found on the device (tier hits: `tiers`)
+    tiers: list[TierStats] = field(default_factory=list)  # the prefix cache's lower tiers (disk)
 
     @property
     def blocks_used(self) -> int:

@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 if TYPE_CHECKING:
-    from streamd.engine import EngineClient, TenantStats
+    from streamd.engine import EngineClient, KVCacheStats, TenantStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -132,6 +132,7 @@ class EngineStatsCollector(Collector):
         yield _counter(
             "streamd_prefix_cache_hit_tokens", "Prompt tokens found in the prefix cache.", kv.prefix_hit_tokens
         )
+        yield from _tier_metrics(kv)
         preemptions = CounterMetricFamily("streamd_preemptions", "Preemptions by mode.", labels=["mode"])
         preemptions.add_metric(["swap"], sched.preemptions_swap)
         preemptions.add_metric(["recompute"], sched.preemptions_recompute)
@@ -165,6 +166,24 @@ class EngineStatsCollector(Collector):
             families["output"].add_metric([label], output)
             families["preempt"].add_metric([label], preemptions)
         yield from families.values()
+
+
+def _tier_metrics(kv: KVCacheStats) -> Iterator[Metric]:
+    """The prefix cache per tier: blocks found on the device and restored from each lower tier, bytes moved."""
+    hits = CounterMetricFamily("streamd_prefix_cache_hits", "Prefix-cache blocks found, by tier.", labels=["tier"])
+    hits.add_metric(["device"], kv.device_hit_blocks)
+    moved = CounterMetricFamily(
+        "streamd_prefix_cache_tier_bytes", "Bytes moved to and from a lower tier.", labels=["tier", "direction"]
+    )
+    blocks = GaugeMetricFamily("streamd_prefix_cache_tier_blocks", "Blocks a lower tier holds.", labels=["tier"])
+    for tier in kv.tiers:
+        hits.add_metric([tier.name], tier.hit_blocks)
+        moved.add_metric([tier.name, "read"], tier.bytes_read)
+        moved.add_metric([tier.name, "written"], tier.bytes_written)
+        blocks.add_metric([tier.name], tier.blocks)
+    yield hits
+    yield moved
+    yield blocks
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:

@@ -89,9 +89,9 @@ async def sse_stream(base: str, started: asyncio.Event) -> list[dict[str, Any] |
     return items
 
 
-async def start_server() -> tuple[asyncio.subprocess.Process, LogWatcher, int]:
+async def start_server(command: list[str] = SERVE) -> tuple[asyncio.subprocess.Process, LogWatcher, int]:
     env = {**os.environ, "STREAMD_LOG_FORMAT": "json"}
-    proc = await asyncio.create_subprocess_exec(*SERVE, stderr=asyncio.subprocess.PIPE,
+    proc = await asyncio.create_subprocess_exec(*command, stderr=asyncio.subprocess.PIPE,
                                                 stdout=asyncio.subprocess.DEVNULL, env=env)
     assert proc.stderr is not None
     log = LogWatcher(proc.stderr)

@@ -252,4 +252,5 @@ class EngineLoop:
         while self.engine.has_unfinished_requests():
             if not self._step(batch):
                 break
+        self.engine.close()
         batch.dead = "the engine was shut down"

@@ -11,6 +11,10 @@ after the unregistered ones, so cached prefixes survive as long as memory allows
 
 A sequence's table always covers the token slots it is about to write: the whole token list after
 `allocate`, `num_computed_tokens + n` after `append_slots(seq, n)`.
+
+Below the device's prefix cache sit optional lower tiers (`host_tier.py` in the swap pool's free blocks,
+then `disk_tier.py`): a findable block the device LRU reuses is spilled down, admission's chain continues
+in them, and the moves leave as one step's `TierOrders` (`take_tier_orders`) for the CacheEngine.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable
 
+from streamd.engine.core.host_tier import HostCache
+from streamd.engine.core.kv_tiers import BlockKey, KVTier, TierOrders
 from streamd.engine.core.prefix_cache import PrefixCache, SeqHashes
 from streamd.engine.core.sequence import Sequence
 from streamd.engine.stats import KVCacheStats
@@ -35,7 +41,11 @@ class BlockManager:
         num_swap_blocks: int = 0,
         watermark: float = 0.01,
         enable_prefix_caching: bool = True,
+        tier: KVTier | None = None,
+        host_cache: HostCache | None = None,
     ) -> None:
+        """`tier`: the prefix cache's lowest tier (disk), which takes evicted cached blocks and gives them back
+        (`kv_tiers.py`); `host_cache`: the host-RAM tier above it, in the swap pool's free blocks."""
         if num_blocks <= 0 or block_size <= 0 or num_swap_blocks < 0:
             raise ValueError("num_blocks and block_size must be > 0 and num_swap_blocks >= 0")
         if not 0 <= watermark < 1:
@@ -66,6 +76,14 @@ class BlockManager:
         self.copied_blocks = 0  # cumulative: copy-on-write copies ordered
         self.prefix_cache_queried_tokens = 0
         self.prefix_cache_hit_tokens = 0
+        self.device_hit_blocks = 0  # cumulative
+        self.tier = tier if enable_prefix_caching else None
+        self.host_cache = host_cache if enable_prefix_caching and num_swap_blocks else None
+        self._tier_orders = TierOrders.none()
+        # With a host tier: host hits being copied in this step (not evictable), and host blocks freed in this
+        # step (not reusable before its copies ran: a swap-in may still read them).
+        self._host_pinned: list[int] = []
+        self._host_freed: list[int] = []
 
     # ---- capacity -------------------------------------------------------------------------------
 
@@ -73,7 +91,8 @@ class BlockManager:
         return len(self._free) + len(self._cached_free)
 
     def num_free_swap_blocks(self) -> int:
-        return len(self._host_free)
+        """Host blocks a swap-out may take now: free ones and those holding only a cached prefix."""
+        return len(self._host_free) + (self.host_cache.evictable() if self.host_cache is not None else 0)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -120,13 +139,19 @@ class BlockManager:
         for block in hits:  # take hits before allocating so eviction cannot pick them
             self._take(block)
         num_hits = len(hits)
+        # Lower-tier hits are found (host ones pinned) before allocating, whose evictions could push them out.
+        found = self._find_in_tiers(seq, num_hits, fresh) if reuse_prefix else []
         seq.block_table = hits + [self._alloc() for _ in range(fresh)]
-        cached = num_hits * self.block_size
         if self.enable_prefix_caching:
-            self._seq_hashes[seq.seq_id].num_committed = num_hits
+            state = self._seq_hashes[seq.seq_id]
+            state.num_committed = num_hits
+            self.device_hit_blocks += num_hits
+            self._order_restores(seq, num_hits, found)
+            num_hits += len(found)  # restored blocks are findable at once: the restore precedes every forward
+            self._cache.commit(state, seq.token_ids, seq.block_table, num_hits)
             self.prefix_cache_queried_tokens += seq.num_tokens
-            self.prefix_cache_hit_tokens += cached
-        return cached
+            self.prefix_cache_hit_tokens += num_hits * self.block_size
+        return num_hits * self.block_size
 
     # ---- growth ---------------------------------------------------------------------------------
 
@@ -274,6 +299,84 @@ class BlockManager:
                 block_hash, (seq.block_table[index], state.parent(index), seq.token_ids[index * bs : (index + 1) * bs])
             )
 
+    def _find_in_tiers(self, seq: Sequence, first: int, fresh: int) -> list[int | bytes]:
+        """Continues `seq`'s prefix chain in the lower tiers from block `first`, block by block: a host
+        block (pinned for this step) or the disk tier's verified bytes; stops at the first miss. Each tier
+        only while reading from it beats recomputing."""
+        state, bs = self._seq_hashes.get(seq.seq_id), self.block_size
+        host = self.host_cache if self.host_cache is not None and self.host_cache.worth_reading() else None
+        disk = self.tier if self.tier is not None and self.tier.worth_reading() else None
+        found: list[int | bytes] = []
+        if state is None or (host is None and disk is None):
+            return found
+        for index in range(first, min(first + fresh, (seq.num_tokens - 1) // bs)):
+            tokens = seq.token_ids[index * bs : (index + 1) * bs]
+            key = BlockKey(state.block_hash(seq.token_ids, index), state.parent(index), tuple(tokens))
+            if host is not None and (cached := host.lookup(key)) is not None:
+                host.pin(cached)
+                self._host_pinned.append(cached)
+                found.append(cached)
+                continue
+            payload = disk.fetch(key) if disk is not None else None
+            if payload is None:
+                break
+            found.append(payload)
+        return found
+
+    def _order_restores(self, seq: Sequence, first: int, found: list[int | bytes]) -> None:
+        """Orders what `_find_in_tiers` found copied into the sequence's fresh blocks from `first` on."""
+        orders = self._tier_orders
+        for block, source in zip(seq.block_table[first:], found, strict=False):
+            if isinstance(source, bytes):
+                orders.restores.append((block, source))
+            else:
+                orders.host_restores.append((source, block))
+
+    def _spill(self, block: int, to_host: bool = True) -> None:
+        """A findable device block is about to be reused: its content goes to the host tier if there is
+        one (and a host block for it), else to the disk tier."""
+        key = self._cache.key_of(block)
+        if key is None:
+            return
+        block_key = BlockKey(*key)
+        host = self.host_cache if to_host else None
+        if host is not None:
+            if host.contains(block_key):
+                return
+            dst = self._alloc_host()
+            if dst is not None:
+                host.add(dst, block_key)
+                host.pin(dst, hit=False)
+                self._host_pinned.append(dst)
+                self._tier_orders.host_spills.append((block, dst))
+                return
+        if self.tier is not None and not self.tier.contains(block_key):  # (restored blocks are there already)
+            self._tier_orders.spills.append((block, block_key))
+
+    def spill_all(self) -> TierOrders:
+        """Orders every findable device block to the lower tier, least recently used first (at shutdown:
+        a restarted server finds what this one had cached)."""
+        if self.tier is not None:
+            held = [b for b in self._cache.registered().values() if self._ref[b] > 0]
+            for block in [*self._cached_free, *held]:
+                self._spill(block, to_host=False)
+            while self.host_cache is not None and (evicted := self.host_cache.evict()) is not None:
+                if not self.tier.contains(evicted[1]):
+                    self._tier_orders.host_to_disk.append(evicted)
+                self._host_free.append(evicted[0])
+        return self.take_tier_orders()
+
+    def take_tier_orders(self) -> TierOrders:
+        """This step's spills and restores (the scheduler hands them to the CacheEngine with the plan)."""
+        orders, self._tier_orders = self._tier_orders, TierOrders.none()
+        if self.host_cache is not None:
+            for block in self._host_pinned:
+                self.host_cache.unpin(block)
+            self._host_pinned.clear()
+            self._host_free.extend(self._host_freed)
+            self._host_freed.clear()
+        return orders
+
     def _cached_copy(self, seq: Sequence, index: int) -> int | None:
         """A device block already holding `seq`'s committed block `index`, if the cache has one."""
         state = self._seq_hashes.get(seq.seq_id)
@@ -287,7 +390,7 @@ class BlockManager:
         return len({b for seq in seqs for b in seq.block_table})
 
     def can_swap_out(self, seqs: Iterable[Sequence]) -> bool:
-        return self.unique_blocks(seqs) <= len(self._host_free)
+        return self.unique_blocks(seqs) <= self.num_free_swap_blocks()
 
     def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
         """Moves all of `seqs`' device blocks to the host pool (sharing preserved); returns the
@@ -300,7 +403,7 @@ class BlockManager:
             for block in seq.block_table:
                 host = mapping.get(block)
                 if host is None:
-                    host = mapping[block] = self._host_free.pop()
+                    host = mapping[block] = self._take_host()
                 self._host_ref[host] += 1
                 host_table.append(host)
             self._host_tables[seq.seq_id] = host_table
@@ -364,6 +467,7 @@ class BlockManager:
             block = self._free.pop()
         elif self._cached_free:
             block, _ = self._cached_free.popitem(last=False)  # least recently freed
+            self._spill(block)
             self._cache.forget(block)
         else:
             raise RuntimeError("out of KV cache blocks")
@@ -388,7 +492,25 @@ class BlockManager:
     def _release_host(self, block: int) -> None:
         self._host_ref[block] -= 1
         if self._host_ref[block] == 0:
-            self._host_free.append(block)
+            (self._host_freed if self.host_cache is not None else self._host_free).append(block)
+
+    def _take_host(self) -> int:
+        block = self._alloc_host()
+        if block is None:
+            raise RuntimeError("out of host blocks; check can_swap_out first")
+        return block
+
+    def _alloc_host(self) -> int | None:
+        """A free host block, else the least recently used cached one (its content goes on to the disk tier)."""
+        if self._host_free:
+            return self._host_free.pop()
+        evicted = self.host_cache.evict() if self.host_cache is not None else None
+        if evicted is None:
+            return None
+        block, key = evicted
+        if self.tier is not None and not self.tier.contains(key):
+            self._tier_orders.host_to_disk.append((block, key))
+        return block
 
     # ---- observability --------------------------------------------------------------------------
 
@@ -408,13 +530,15 @@ class BlockManager:
             blocks_free=self.num_free_blocks(),
             blocks_cached=len(self._cached_free),
             swap_blocks_total=self.num_swap_blocks,
-            swap_blocks_free=len(self._host_free),
+            swap_blocks_free=self.num_free_swap_blocks() + len(self._host_freed),
             swapped_out_blocks=self.swapped_out_blocks,
             swapped_in_blocks=self.swapped_in_blocks,
             prefix_queried_tokens=self.prefix_cache_queried_tokens,
             prefix_hit_tokens=self.prefix_cache_hit_tokens,
             allocated_blocks=self.allocated_blocks,
             copied_blocks=self.copied_blocks,
+            device_hit_blocks=self.device_hit_blocks,
+            tiers=[t.stats() for t in (self.host_cache, self.tier) if t is not None],
         )
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:
@@ -426,7 +550,10 @@ class BlockManager:
         assert set(self._host_tables) <= known, "host blocks held for a sequence that is gone"
         assert set(self._seq_hashes) <= known, "prefix-cache state kept for a sequence that is gone"
         assert not self._in_step, "blocks shared within a step outlived the step's planning"
-        _check_pool("host", self._host_ref, self._host_free, list(self._host_tables.values()))
+        cached_host = self.host_cache.cached_blocks() if self.host_cache is not None else []
+        assert not self._host_pinned, "host hits pinned past their step's orders"
+        host_free = self._host_free + self._host_freed + cached_host
+        _check_pool("host", self._host_ref, host_free, list(self._host_tables.values()))
         for block in self._free:
             assert not self._cache.is_registered(block), f"unregistered free list holds findable block {block}"
         for block_hash, block in self._cache.registered().items():

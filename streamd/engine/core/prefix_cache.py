@@ -130,5 +130,12 @@ class PrefixCache:
         """A copy of hash -> block (for invariant checks and tests)."""
         return dict(self._by_hash)
 
+    def key_of(self, block: int) -> tuple[int, int, tuple[int, ...]] | None:
+        """(hash, parent hash, token ids) of a registered block, None for an unregistered one."""
+        block_hash, tokens = self._hash[block], self._tokens[block]
+        if block_hash is None or tokens is None:
+            return None
+        return block_hash, self._parent[block], tuple(tokens)
+
     def tokens_of(self, block: int) -> list[int] | None:
         return self._tokens[block]

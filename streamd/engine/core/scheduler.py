@@ -248,6 +248,7 @@ class Scheduler:
         prefills.extend(decodes)
         out.scheduled = prefills
         self.fair.charge(prefills)
+        out.tier_orders = self.block_manager.take_tier_orders()
         return out
 
     def _reorder(self) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from streamd.engine.core.kv_tiers import TierOrders
 from streamd.engine.core.sequence import Sequence, SequenceGroup
 from streamd.engine.core.step_cost import StepShape
 from streamd.engine.outputs import RequestUpdate
@@ -40,6 +41,8 @@ class SchedulerOutput:
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
     shape: StepShape = field(default_factory=StepShape)  # what the step cost model reads of it
+    # Moves to and from the prefix cache's lower tier (spills read first, restores before the forward).
+    tier_orders: TierOrders = field(default_factory=TierOrders.none)
 
     def sampling(self) -> list[ScheduledSeq]:
         """The items that sample, in schedule order: the prompt chunks that reach their sequence's end, and

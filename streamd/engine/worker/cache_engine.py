@@ -110,6 +110,34 @@ class CacheEngine:
         index = torch.tensor([src, dst], dtype=torch.int64).to(self.device, non_blocking=True)
         self.ops.copy_blocks(self.kv_cache, index[0], index[1])
 
+    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+        """The bytes of each device block (one gather, one copy to the host): a prefix-cache spill."""
+        if not blocks:
+            return []
+        index = torch.tensor(blocks, dtype=torch.int64).to(self.device)
+        rows = self.kv_cache.index_select(0, index).cpu().view(torch.uint8).reshape(len(blocks), -1)
+        return [row.numpy().tobytes() for row in rows]
+
+    def read_host_blocks(self, blocks: list[int]) -> list[bytes]:
+        """The bytes of each host pool block (after the swap copies queued so far): a host-tier block on
+        its way to the disk tier."""
+        if not blocks:
+            return []
+        if self._swap_stream is not None:
+            self._swap_stream.synchronize()
+        rows = self.swap_cache.index_select(0, torch.tensor(blocks, dtype=torch.int64))
+        return [row.numpy().tobytes() for row in rows.view(torch.uint8).reshape(len(blocks), -1)]
+
+    def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
+        """(device block, bytes) pairs, as `read_blocks` gave them: a prefix-cache restore."""
+        if not pairs:
+            return
+        blocks, payloads = zip(*pairs, strict=True)
+        host = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        rows = host.view(self.layout.dtype).view(len(blocks), *self.layout.block_shape())
+        index = torch.tensor(blocks, dtype=torch.int64).to(self.device)
+        self.kv_cache.index_copy_(0, index, rows.to(self.device))
+
     def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
         """(device block, host block) pairs, copied in the direction `to_host` says."""
         if not pairs:

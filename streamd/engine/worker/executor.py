@@ -29,6 +29,12 @@ class Executor(Protocol):
 
     def copy(self, pairs: list[tuple[int, int]]) -> None: ...
 
+    def read_blocks(self, blocks: list[int]) -> list[bytes]: ...
+
+    def read_host_blocks(self, blocks: list[int]) -> list[bytes]: ...
+
+    def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None: ...
+
     def execute(
         self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
     ) -> torch.Tensor: ...
@@ -55,6 +61,15 @@ class LocalExecutor:
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self.cache.copy(pairs)
+
+    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+        return self.cache.read_blocks(blocks)
+
+    def read_host_blocks(self, blocks: list[int]) -> list[bytes]:
+        return self.cache.read_host_blocks(blocks)
+
+    def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
+        self.cache.write_blocks(pairs)
 
     def execute(
         self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None

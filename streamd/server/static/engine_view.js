@@ -95,6 +95,8 @@
     show("req-paused", requests.paused);
     show("prefix-hit", prefix.queried_tokens ? `${(prefix.hit_rate * 100).toFixed(1)}%` : "–");
     $("prefix-hit").title = `${prefix.hit_tokens} of ${prefix.queried_tokens} prompt tokens found in the cache`;
+    show("prefix-tiers", "hit blocks: " + (prefix.tiers || []).map(
+      (t) => `${t.name} ${t.hit_blocks}` + (t.blocks === undefined ? "" : ` (holds ${t.blocks})`)).join(" · "));
     show("engine-tps", frame.tokens_per_s.toFixed(1));
     showTenants(frame.tenants || []);
     rates.push(frame.tokens_per_s);

@@ -30,6 +30,7 @@ class _ScriptedEngine:
         self.aborted: list[str] = []
         self.log: list[tuple[str, ...]] = []
         self.next_deadline = None
+        self.closed = False
 
     def add_request(self, request_id: str, prompt: str | None, params: SamplingParams, **_: object) -> list[int]:
         if prompt == "refuse":
@@ -73,6 +74,9 @@ class _ScriptedEngine:
     def stats(self) -> EngineStats:
         return EngineStats(KVCacheStats(*[0] * 11), SchedulerStats(0, 0, 0, 0, 0, 0), len(self.left), 0)
 
+    def close(self) -> None:  # what StopEngine calls last (the prefix cache's tiers flush there)
+        self.closed = True
+
 
 def _run(engine: _ScriptedEngine, *commands: object) -> list[StepBatch]:
     published: list[StepBatch] = []
@@ -93,6 +97,7 @@ def test_commands_then_one_publish_per_iteration_and_stop_finishes_the_aborted()
     assert batch.accepted == ["a"] and [r.request_id for r in batch.rejected] == ["bad"]
     assert [(d.request_id, d.finished, d.outputs[0].finish_reason) for d in batch.deltas] == [("a", True, "abort")]
     assert batch.dead == "the engine was shut down" and batch.stats is not None
+    assert engine.closed  # after the last step: the prefix cache's tiers get the device's cached blocks
 
 
 def test_repeated_step_failures_fail_the_requests_then_the_engine() -> None:

@@ -8,7 +8,7 @@ from typing import Any
 from websockets.asyncio.client import ClientConnection
 
 from streamd.engine.client.async_engine import AsyncEngine
-from streamd.engine.stats import EngineStats, KVCacheStats, SchedulerStats, TenantStats
+from streamd.engine.stats import EngineStats, KVCacheStats, SchedulerStats, TenantStats, TierStats
 from streamd.server.ws.stats_feed import Sample, stats_frame, token_rate
 from tests.server.util import Server, recv, send, ws_connect
 
@@ -16,7 +16,9 @@ from tests.server.util import Server, recv, send, ws_connect
 def test_frame_from_engine_stats() -> None:
     kv = KVCacheStats(blocks_total=100, blocks_free=70, blocks_cached=20, swap_blocks_total=40, swap_blocks_free=31,
                       swapped_out_blocks=12, swapped_in_blocks=3, prefix_queried_tokens=400, prefix_hit_tokens=100,
-                      allocated_blocks=90, copied_blocks=2)
+                      allocated_blocks=90, copied_blocks=2, device_hit_blocks=5,
+                      tiers=[TierStats("disk", blocks=30, capacity_blocks=1000, hit_blocks=7, bytes_read=70,
+                                       bytes_written=300)])
     sched = SchedulerStats(num_running=3, num_waiting=2, num_swapped=1, preemptions_swap=1, preemptions_recompute=0,
                            recomputed_tokens=0, num_paused=4,
                            tenants=[TenantStats("alice", 10, 5, 1, 20.0), TenantStats("key-1f2e", 7, 3, 0, 13.0),
@@ -29,7 +31,8 @@ def test_frame_from_engine_stats() -> None:
         "kv": {"total": 100, "used": 30, "cached": 20, "free": 50},
         "swap": {"total": 40, "used": 9},
         "requests": {"running": 3, "waiting": 2, "swapped": 1, "paused": 4},
-        "prefix_cache": {"queried_tokens": 400, "hit_tokens": 100, "hit_rate": 0.25},
+        "prefix_cache": {"queried_tokens": 400, "hit_tokens": 100, "hit_rate": 0.25,
+                         "tiers": [{"name": "device", "hit_blocks": 5}, {"name": "disk", "hit_blocks": 7, "blocks": 30}]},
         "generated_tokens": 1234,
         "tokens_per_s": 12.35,
         "tenants": [  # unnamed tenants (digests) summed as "other", most served first

@@ -15,6 +15,7 @@ fails the requests in flight and, after its consecutive-failure limit, reports t
 from __future__ import annotations
 
 import weakref
+from typing import Any
 
 import torch
 
@@ -66,6 +67,15 @@ class TensorParallelExecutor:
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self._order(OrderKind.COPY, pairs)
+
+    def read_blocks(self, blocks: list[int]) -> list[bytes]:
+        return _no_tier_orders(blocks)
+
+    def read_host_blocks(self, blocks: list[int]) -> list[bytes]:
+        return _no_tier_orders(blocks)
+
+    def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
+        _no_tier_orders(pairs)
 
     def execute(
         self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
@@ -139,3 +149,11 @@ class TensorParallelExecutor:
         log.error("tensor_parallel.failed", reason=reason)
         self.workers.stop(0.0)  # the survivors cannot go on without the lost rank
         return WorkerFailedError(reason)
+
+
+def _no_tier_orders(orders: list[Any]) -> list[bytes]:
+    """The disk tier's block bytes would need every rank's shard: the builder refuses it under tensor
+    parallelism, so a step never has such orders here."""
+    if orders:
+        raise NotImplementedError("the disk tier is not supported with tensor parallelism")
+    return []

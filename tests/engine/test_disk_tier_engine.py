@@ -1,0 +1,93 @@
+"""The disk tier in a real engine (a small random-weight model on the CPU): a prefix evicted from the device
+by other traffic comes back from disk (cached tokens reported, greedy output identical to an engine without
+the tier), an engine restarted on the same directory finds it, a tampered file is skipped and the output
+stays the same, and no block leaks in either pool."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from streamd.engine.sampling_params import SamplingParams
+from tests.helpers import random_prompt, tiny_llm
+
+BS = 8
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False)
+PROMPT = random_prompt(1, 5 * BS + 3)  # 5 full blocks
+TRAFFIC = [random_prompt(10 + i, 6 * BS) for i in range(3)]  # enough to evict PROMPT's cached blocks
+FULL_BLOCKS_TOKENS = 5 * BS
+
+
+def engine(directory: Path | None):
+    extra = {} if directory is None else {"cache.disk_cache_dir": str(directory)}
+    return tiny_llm(num_kv_blocks=12, num_swap_blocks=0, **extra)
+
+
+def evict_then_ask(llm) -> tuple[list[int], int]:
+    """Generates PROMPT after traffic that evicts its blocks from the device; its tokens and cached tokens."""
+    for prompt in TRAFFIC:
+        llm.generate([prompt], GREEDY)
+    (out,) = llm.generate([PROMPT], GREEDY)
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+def test_evicted_prefix_returns_from_disk_and_after_a_restart(tmp_path: Path) -> None:
+    plain = engine(None)
+    plain.generate([PROMPT], GREEDY)
+    expected, plain_cached = evict_then_ask(plain)
+    assert plain_cached == 0  # without the tier the prefix is recomputed
+
+    tiered = engine(tmp_path)
+    (first,) = tiered.generate([PROMPT], GREEDY)
+    assert first.outputs[0].token_ids == expected
+    tokens, cached = evict_then_ask(tiered)
+    assert (tokens, cached) == (expected, FULL_BLOCKS_TOKENS)
+    (disk,) = tiered.engine.stats().kv.tiers
+    assert disk.hit_blocks == 5 and disk.bytes_read > 0 and disk.bytes_written > 0
+    tiered.engine.close()  # as at shutdown: the device's cached blocks go to disk too
+
+    restarted = engine(tmp_path)
+    (again,) = restarted.generate([PROMPT], GREEDY)
+    assert (again.outputs[0].token_ids, again.num_cached_tokens) == (expected, FULL_BLOCKS_TOKENS)
+    restarted.engine.close()
+
+
+def test_a_tampered_file_is_skipped_and_the_output_unchanged(tmp_path: Path) -> None:
+    writer = engine(tmp_path)
+    (first,) = writer.generate([PROMPT], GREEDY)
+    writer.engine.close()
+    files = sorted(tmp_path.glob("*/*.kv"))
+    assert files
+    for file in files:  # flip the last byte of every block's payload
+        data = bytearray(file.read_bytes())
+        data[-1] ^= 0x55
+        file.write_bytes(bytes(data))
+    reader = engine(tmp_path)
+    (again,) = reader.generate([PROMPT], GREEDY)
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert again.num_cached_tokens == 0
+    assert reader.engine.stats().kv.tiers[0].skipped_files == 1  # the chain stops at its first block
+    reader.engine.close()
+
+
+def test_host_tier_on_the_cpu_then_disk_below_it(tmp_path: Path) -> None:
+    """The host tier's logic on the CPU (a device pool and a separate host pool, as swap preemption is
+    tested): evicted blocks come back from host memory; with a host pool of 2 blocks the rest of the chain
+    continues on disk."""
+    plain = engine(None)
+    plain.generate([PROMPT], GREEDY)
+    expected, _ = evict_then_ask(plain)
+    block_gib = plain.engine.cache.layout.bytes_per_block / 2**30
+
+    host_only = tiny_llm(num_kv_blocks=12, num_swap_blocks=0, **{"cache.host_cache_gib": 64 * block_gib})
+    host_only.generate([PROMPT], GREEDY)
+    assert evict_then_ask(host_only) == (expected, FULL_BLOCKS_TOKENS)
+    (host,) = host_only.engine.stats().kv.tiers
+    assert (host.name, host.hit_blocks) == ("host", 5)
+
+    both = tiny_llm(num_kv_blocks=12, num_swap_blocks=0, **{"cache.host_cache_gib": 2.5 * block_gib,
+                                                           "cache.disk_cache_dir": str(tmp_path)})
+    both.generate([PROMPT], GREEDY)
+    assert evict_then_ask(both) == (expected, FULL_BLOCKS_TOKENS)
+    host, disk = both.engine.stats().kv.tiers
+    assert host.hit_blocks + disk.hit_blocks == 5 and disk.hit_blocks > 0
+    both.engine.close()
