@@ -8,7 +8,6 @@ import asyncio
 import signal
 from pathlib import Path
 
-import pytest
 from openai import AsyncOpenAI
 
 from tests.server.test_sigterm import SERVE, start_server
@@ -48,7 +47,6 @@ async def serve_once(directory: Path) -> tuple[tuple[str, int, int], int]:
     return answer, opened["blocks"]
 
 
-@pytest.mark.slow
 async def test_a_restarted_server_finds_its_prefixes_on_disk(tmp_path: Path) -> None:
     (text, prompt_tokens, cached), blocks_at_start = await serve_once(tmp_path)
     assert blocks_at_start == 0 and cached == 0
