@@ -227,6 +227,7 @@ class ServerConfig:
     body_timeout_s: float = 60.0  # a request body must arrive within this after its head
     keep_alive_timeout_s: int = 30  # seconds an idle keep-alive socket is kept (uvicorn takes whole seconds)
     max_pending_body_bytes: int = 256 << 20  # body bytes still arriving, every socket together
+    sse_keepalive_s: float = 15.0  # an SSE stream silent this long gets a `: keepalive` comment; 0: never
 
     def validate(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -260,6 +261,7 @@ class ServerConfig:
             "max_unsent_tokens",
             "socket_send_buffer_bytes",
             "max_connections_per_client",
+            "sse_keepalive_s",
         ):
             _non_negative(f"server.{key}", getattr(self, key))
 

@@ -201,9 +201,9 @@ async def _respond(
         firsts = list(answer)
     include_usage = bool((options or {}).get("include_usage"))
     if len(calls) == 1:
-        return SSEResponse(_sse(calls[0], include_usage, firsts[0]), calls[0].finish)
+        return SSEResponse(_sse(calls[0], include_usage, firsts[0]), calls[0].finish, s.config.sse_keepalive_s)
     parts = [_sse(c, include_usage, f, last=False) for c, f in zip(calls, firsts)]
-    return SSEResponse(_batch_sse(calls, parts, include_usage), lambda: _finish_all(calls))
+    return SSEResponse(_batch_sse(calls, parts, include_usage), lambda: _finish_all(calls), s.config.sse_keepalive_s)
 
 
 async def _start_all(

@@ -31,7 +31,7 @@ async def create_response(request: Request) -> Response:
     run = ResponseRun(builder_for(s, plan), stream, account)
     structlog.contextvars.bind_contextvars(request_id=plan.id)
     if plan.stream:
-        return SSEResponse(_sse(s, key, run), run.finish)
+        return SSEResponse(_sse(s, key, run), run.finish, s.config.sse_keepalive_s)
     return await until_disconnect(request, _collect(s, key, run))
 
 
