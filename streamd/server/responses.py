@@ -339,6 +339,8 @@ class ResponseBuilder:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     reply: ReplyParser = field(init=False)
     calls: dict[int, _Item] = field(default_factory=dict)  # the parser's call index -> its item
+    queued: bool = False  # `response.queued` is out (the engine reported it waiting)
+    started: bool = False  # `response.in_progress` is out (the engine scheduled it, or it ended)
 
     def __post_init__(self) -> None:
         self.reply = ReplyParser(self.plan.think_inside, self.plan.tool_format)
@@ -356,15 +358,27 @@ class ResponseBuilder:
         return event
 
     def opening(self) -> list[dict[str, Any]]:
-        events = [
-            self.event("response.created", response=self.response(None)),
-            self.event("response.in_progress", response=self.response(None)),
-        ]
+        """`response.created` at once; `response.queued` / `response.in_progress` follow the engine (`_status`)."""
+        return [self.event("response.created", response=self.response(None))]
+
+    def _status(self, delta: RequestDelta | None) -> list[dict[str, Any]]:
+        """As OpenAI: `response.queued` while the engine reports it waiting, then `response.in_progress` (and a
+        plain response's message opens) once it is scheduled (`delta` None: it ended, never scheduled)."""
+        if self.started:
+            return []
+        waiting = delta is not None and delta.progress is not None and delta.progress.queue_position is not None
+        if waiting and delta is not None and not delta.finished:
+            if self.queued:
+                return []
+            self.queued = True
+            return [self.event("response.queued", response=self.response(None, "queued"))]
+        self.started = True
+        events = [self.event("response.in_progress", response=self.response(None))]
         return events + (self._open("message") if self.eager else [])
 
     def feed(self, delta: RequestDelta, account: RequestAccount) -> list[dict[str, Any]]:
         account.absorb(delta)
-        events = []
+        events = self._status(delta)
         for choice in delta.outputs:
             self.output_ids.extend(choice.token_ids)
             logprobs = self._logprobs(choice.token_ids, choice.logprobs)
@@ -373,7 +387,8 @@ class ResponseBuilder:
         return events
 
     def closing(self, account: RequestAccount) -> list[dict[str, Any]]:
-        events = [] if self.eager else self._text("", [], final=True)
+        events = self._status(None)
+        events += [] if self.eager else self._text("", [], final=True)
         if not self.items:
             events += self._open("message")
         for item in self.items:
@@ -449,14 +464,14 @@ class ResponseBuilder:
         return [*events, done]
 
     # ---- objects ------------------------------------------------------------------------------------
-    def response(self, account: RequestAccount | None) -> dict[str, Any]:
-        """The `response` object: in progress (no account) or as the account ended it."""
+    def response(self, account: RequestAccount | None, status: str = "in_progress") -> dict[str, Any]:
+        """The `response` object: `status` (no account) or as the account ended it."""
         body: dict[str, Any] = {
             "id": self.plan.id,
             "object": "response",
             "created_at": self.created_at,
             "model": self.model,
-            "status": "in_progress",
+            "status": status,
             "output": [],
             "parallel_tool_calls": bool(self.plan.tools),
             "tool_choice": self.plan.tool_choice,

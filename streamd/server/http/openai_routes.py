@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
 
 `stream: true` answers with SSE (`data: {chunk}` ... `data: [DONE]`, a usage chunk when
-`stream_options.include_usage`). Errors are OpenAI error bodies with their status codes (raised as
+`stream_options.include_usage`; with vLLM's `stream_options.continuous_usage_stats` too, every chunk carries the
+request's usage so far). Errors are OpenAI error bodies with their status codes (raised as
 ServiceError, rendered by the app's handler). A client that disconnects aborts its request: for SSE,
 Starlette cancels the body iterator; otherwise a watcher on `http.disconnect` cancels the collection.
 Unknown top-level fields are ignored (as OpenAI clients and frontends send extras), each logged at debug
@@ -200,9 +201,11 @@ async def _respond(
             return answer
         firsts = list(answer)
     include_usage = bool((options or {}).get("include_usage"))
+    continuous = include_usage and body_flag(options or {}, "continuous_usage_stats", False)
     if len(calls) == 1:
-        return SSEResponse(_sse(calls[0], include_usage, firsts[0]), calls[0].finish, s.config.sse_keepalive_s)
-    parts = [_sse(c, include_usage, f, last=False) for c, f in zip(calls, firsts)]
+        sse = _sse(calls[0], include_usage, firsts[0], continuous=continuous)
+        return SSEResponse(sse, calls[0].finish, s.config.sse_keepalive_s)
+    parts = [_sse(c, include_usage, f, last=False, continuous=continuous) for c, f in zip(calls, firsts)]
     return SSEResponse(_batch_sse(calls, parts, include_usage), lambda: _finish_all(calls), s.config.sse_keepalive_s)
 
 
@@ -283,13 +286,19 @@ async def _deltas(call: _Call, first: RequestDelta | None) -> AsyncIterator[Requ
 
 
 async def _sse(
-    call: _Call, include_usage: bool, first: RequestDelta | None = None, *, last: bool = True
+    call: _Call,
+    include_usage: bool,
+    first: RequestDelta | None = None,
+    *,
+    last: bool = True,
+    continuous: bool = False,
 ) -> AsyncIterator[bytes]:
     """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end.
     The chunks of one delta go out in one write, and so do the closing ones. `last`: this call ends the
-    response (its usage chunk and `[DONE]`; a batch's calls leave them to `_batch_sse`)."""
-    extra = {"usage": None} if include_usage else {}
+    response (its usage chunk and `[DONE]`; a batch's calls leave them to `_batch_sse`). `continuous`: every
+    chunk carries this request's usage as of its delta (vLLM's `continuous_usage_stats`)."""
     account = call.account
+    extra: dict[str, Any] = {"usage": account.usage() if continuous else None} if include_usage else {}
     if call.kind == "chat":
         yield b"".join(
             _data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra)).encode()
@@ -306,9 +315,11 @@ async def _sse(
             for i in range(account.num_choices)
         )
         deltas = _after(head, deltas)
-    texts = TextEvents(call, extra)
+    texts = TextEvents(call, extra, whole=continuous)
     plain = call.logprobs is None and call.think_inside is None and call.tool_format is None  # the fast path
     async for delta in deltas:
+        if continuous:
+            extra["usage"] = account.usage()
         events = []
         for choice in delta.outputs:
             if call.logprobs is not None:
@@ -420,12 +431,16 @@ class TextEvents:
 
     HOLE = "\x00streamd-text\x00"
 
-    def __init__(self, call: _Call, extra: dict[str, Any]) -> None:
+    def __init__(self, call: _Call, extra: dict[str, Any], whole: bool = False) -> None:
+        """`whole`: every chunk built whole (its `extra` changes from chunk to chunk: continuous usage)."""
         self.call = call
         self.extra = extra
+        self.whole = whole
         self.parts: dict[int, tuple[bytes, bytes]] = {}
 
     def event(self, index: int, text: str) -> bytes:
+        if self.whole:
+            return self._whole(index, text)
         parts = self.parts.get(index)
         if parts is None:
             before, _, after = self._whole(index, self.HOLE).partition(orjson.dumps(self.HOLE))
