@@ -35,7 +35,6 @@ from streamd.server.structured_api import plan_tools, structured_from_text_forma
 
 # Fields that ask for features this server does not have; refused unless empty / the harmless value.
 _REFUSED: dict[str, Any] = {
-    "background": False,
     "conversation": None,
     "prompt": None,
     "reasoning": None,
@@ -57,6 +56,7 @@ class ResponsePlan:
     store: bool
     stream: bool
     stream_id: str | None = None  # WebSocket mode's lane
+    background: bool = False  # runs detached (HTTP only: server/background.py)
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the request gave them (echoed)
     tool_choice: Any = "auto"  # as the request gave it (echoed)
     tool_format: str | None = None  # the format the reply's calls are parsed in (None: no tools, or text)
@@ -80,6 +80,7 @@ async def plan_response(
         structured = tools.structured
     template_tools = tools.tools if tools is not None else None
     stream, store = body_flag(body, "stream", False), body_flag(body, "store", True)
+    background = _background(body, store, stream_id)
     new = _input_messages(body.get("input"), body.get("instructions"), s.generation.developer_role)
     previous_id = body.get("previous_response_id")
     if previous_id is None:
@@ -106,6 +107,7 @@ async def plan_response(
         "previous_response_id": previous_id,
         "top_logprobs": body.get("top_logprobs"),
         "store": store,
+        "background": background,
         "text": body.get("text") or {"format": {"type": "text"}},
     }
     think = s.generation.think
@@ -121,7 +123,18 @@ async def plan_response(
         tool_choice=body.get("tool_choice") or ("auto" if tools is not None else "none"),
         tool_format=tools.parser if tools is not None else None,
         think_inside=think.starts_inside(ids) if think is not None else None,
+        background=background,
     )
+
+
+def _background(body: dict[str, Any], store: bool, stream_id: str | None) -> bool:
+    """`background: true`: over HTTP, and stored (its id is how it is reached again)."""
+    background = body_flag(body, "background", False)
+    if background and stream_id is not None:
+        raise ServiceError("unsupported", "background is for HTTP (POST /v1/responses) only", "background")
+    if background and not store:
+        raise ServiceError("invalid_request", "background needs store: true (it is retrieved by its id)", "background")
+    return background
 
 
 async def continuation_ids(
@@ -554,6 +567,20 @@ class ResponseRun:
     builder: ResponseBuilder
     stream: RequestStream
     account: RequestAccount
+
+    @property
+    def id(self) -> str:
+        return self.builder.plan.id
+
+    def cancel(self) -> None:
+        self.account.cancel()
+
+    def snapshot(self, done: bool) -> dict[str, Any]:
+        """The `response` object as of now: as it ended (`done`), else queued or in progress."""
+        builder = self.builder
+        if done:
+            return builder.response(self.account)
+        return builder.response(None, "queued" if builder.queued and not builder.started else "in_progress")
 
     def finish(self) -> None:
         """Over (finished, or its client left): abort if needed, count it once."""
