@@ -102,7 +102,9 @@ class BackgroundResponses:
     def get(self, key: str, response_id: str) -> BackgroundResponse:
         record = self._records.get(response_id)
         if record is None or record.key != key:
-            raise ServiceError("not_found", f"no background response {response_id!r} (unknown, expired or another key's)")
+            raise ServiceError(
+                "not_found", f"no background response {response_id!r} (unknown, expired or another key's)"
+            )
         return record
 
     def cancel(self, key: str, response_id: str) -> BackgroundResponse:

@@ -79,6 +79,4 @@ class ProgressReports:
 
 
 def _update(group: SequenceGroup, progress: Progress) -> RequestUpdate:
-    return RequestUpdate(
-        group.request_id, [], group.num_cached_tokens, group.first_scheduled_time, progress=progress
-    )
+    return RequestUpdate(group.request_id, [], group.num_cached_tokens, group.first_scheduled_time, progress=progress)
