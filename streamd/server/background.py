@@ -91,8 +91,13 @@ class BackgroundResponses:
         return len(self._records)
 
     def start(self, key: str, run: DetachedRun, keep: Keep) -> BackgroundResponse:
-        """Runs `run` detached (its events kept); `keep` stores it once it has finished."""
-        self._make_room()
+        """Runs `run` detached (its events kept); `keep` stores it once it has finished. Refused (the run
+        finished, i.e. aborted) when every place holds a running response."""
+        try:
+            self.make_room()
+        except ServiceError:
+            run.finish()
+            raise
         record = self._records[run.id] = BackgroundResponse(key, run)
         task = asyncio.ensure_future(self._drive(record, keep))
         self._tasks.add(task)
@@ -118,7 +123,8 @@ class BackgroundResponses:
         self.cancel(key, response_id)
         del self._records[response_id]
 
-    def _make_room(self) -> None:
+    def make_room(self) -> None:
+        """Evicts the oldest finished response when full; raises 503 `overloaded` when all are running."""
         if len(self._records) < self.max_responses:
             return
         oldest = next((r for r in self._records.values() if r.done), None)

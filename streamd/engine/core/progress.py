@@ -33,7 +33,7 @@ class ProgressReports:
 
     def step(self, done: SchedulerOutput | None, waiting: deque[SequenceGroup]) -> list[RequestUpdate]:
         """The updates of a step: `done` is the step whose forward just completed (its chunks are computed)."""
-        updates = self._chunks(done) if done is not None else []
+        updates = self._chunks(done) if done is not None and done.num_prefill_tokens else []
         return updates + self._queue(waiting)
 
     def _chunks(self, done: SchedulerOutput) -> list[RequestUpdate]:

@@ -31,6 +31,8 @@ async def create_response(request: Request) -> Response:
     if "stream_id" in body:
         raise ServiceError("invalid_request", "stream_id is for WebSocket mode only", "stream_id")
     plan = await plan_response(s, body, lambda rid: s.responses.get(key, rid))
+    if plan.background:
+        s.background.make_room()  # (refused before it takes any engine work)
     account, stream = await s.generation.submit(plan.prepared, "responses", api_key=key)
     assert stream is not None
     run = ResponseRun(builder_for(s, plan), stream, account)

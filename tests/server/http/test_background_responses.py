@@ -100,3 +100,18 @@ async def test_refusals_name_the_field(server: Server) -> None:
         await client.responses.create(model=model, background=True, store=False, **GREEDY)
     with pytest.raises(openai.NotFoundError):
         await client.responses.retrieve("resp_unknown")
+
+
+async def test_retention_is_bounded(async_engine: AsyncEngine) -> None:
+    """With room for one: a second is refused (503) while the first runs, and evicts it once it has ended."""
+    async with running_server(async_engine, max_background_responses=1) as srv:
+        client, model = _client(srv), srv.services.model_name
+        first = await client.responses.create(model=model, background=True, input="Write a very long story.",
+                                              max_output_tokens=2000, temperature=0)
+        with pytest.raises(openai.InternalServerError, match="max_background_responses"):
+            await client.responses.create(model=model, background=True, **GREEDY)
+        await client.responses.cancel(first.id)
+        second = await client.responses.create(model=model, background=True, **GREEDY)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(first.id)
+        assert (await _until_done(client, second.id)).status in ("completed", "incomplete")

@@ -24,7 +24,7 @@ async def test_progress_frames_come_before_the_first_delta(server: Server) -> No
         for name in "abc":
             await send(ws, type="generate", id=name, prompt=long_prompt(), params={"max_tokens": 2})
         results = await gather_until_done(ws, set("abc"))
-    seen_waiting = False
+    seen_waiting = seen_chunk = False
     for name, result in results.items():
         check_stream(result)
         kinds = [f["type"] for f in result.frames]
@@ -43,8 +43,9 @@ async def test_progress_frames_come_before_the_first_delta(server: Server) -> No
         places = [f["queue_position"] for f in progress if f["queue_position"] is not None]
         assert places == sorted(places, reverse=True), places  # a waiting request only moves up
         seen_waiting = seen_waiting or bool(places)
-        assert any(f["queue_position"] is None and f["prompt_tokens_done"] > 0 for f in progress), progress
+        seen_chunk = seen_chunk or any(f["queue_position"] is None and f["prompt_tokens_done"] > 0 for f in progress)
     assert seen_waiting, "with three long prompts at once, one waited"
+    assert seen_chunk, "a five-chunk prompt reported a chunk done"
 
 
 async def test_responses_queued_then_in_progress(server: Server) -> None:
