@@ -1,5 +1,6 @@
-"""Background Responses (`background: true` on `POST /v1/responses`): a response that runs detached from the
-HTTP request that created it, so a dropped SSE stream loses nothing.
+"""Background Responses (`background: true` on `POST /v1/responses`, and streamd's `streamd_background: true`
+on streamed chat completions and completions): a response that runs detached from the HTTP request that
+created it, so a dropped SSE stream loses nothing.
 
 Each one is a `BackgroundResponse`: a task drives its `DetachedRun` to the end whoever listens, keeping every
 event (they are numbered by `sequence_number` from 0, so event i is number i). Any number of readers follow
@@ -45,6 +46,7 @@ class BackgroundResponse:
     """One detached response: its run, every event it produced, and who may read it."""
 
     key: str  # the API key that created it ("" without keys)
+    kind: str  # the route family that reaches it ("responses", "chat", "completion")
     run: DetachedRun
     events: list[dict[str, Any]] = field(default_factory=list)
     done: bool = False
@@ -90,7 +92,7 @@ class BackgroundResponses:
     def __len__(self) -> int:
         return len(self._records)
 
-    def start(self, key: str, run: DetachedRun, keep: Keep) -> BackgroundResponse:
+    def start(self, key: str, kind: str, run: DetachedRun, keep: Keep) -> BackgroundResponse:
         """Runs `run` detached (its events kept); `keep` stores it once it has finished. Refused (the run
         finished, i.e. aborted) when every place holds a running response."""
         try:
@@ -98,29 +100,29 @@ class BackgroundResponses:
         except ServiceError:
             run.finish()
             raise
-        record = self._records[run.id] = BackgroundResponse(key, run)
+        record = self._records[run.id] = BackgroundResponse(key, kind, run)
         task = asyncio.ensure_future(self._drive(record, keep))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return record
 
-    def get(self, key: str, response_id: str) -> BackgroundResponse:
+    def get(self, key: str, kind: str, response_id: str) -> BackgroundResponse:
         record = self._records.get(response_id)
-        if record is None or record.key != key:
+        if record is None or record.key != key or record.kind != kind:
             raise ServiceError(
                 "not_found", f"no background response {response_id!r} (unknown, expired or another key's)"
             )
         return record
 
-    def cancel(self, key: str, response_id: str) -> BackgroundResponse:
+    def cancel(self, key: str, kind: str, response_id: str) -> BackgroundResponse:
         """Aborts it if it still runs (its terminal event follows, status `cancelled`)."""
-        record = self.get(key, response_id)
+        record = self.get(key, kind, response_id)
         if not record.done:
             record.run.cancel()
         return record
 
-    def delete(self, key: str, response_id: str) -> None:
-        self.cancel(key, response_id)
+    def delete(self, key: str, kind: str, response_id: str) -> None:
+        self.cancel(key, kind, response_id)
         del self._records[response_id]
 
     def make_room(self) -> None:

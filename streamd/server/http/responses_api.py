@@ -38,7 +38,7 @@ async def create_response(request: Request) -> Response:
     run = ResponseRun(builder_for(s, plan), stream, account)
     structlog.contextvars.bind_contextvars(request_id=plan.id)
     if plan.background:
-        record = s.background.start(key, run, lambda k, _: keep(s, k, run))
+        record = s.background.start(key, "responses", run, lambda k, _: keep(s, k, run))
         return _follow(s, record, -1) if plan.stream else JSONResponse(record.response())
     if plan.stream:
         return SSEResponse(_sse(s, key, run), run.finish, s.config.sse_keepalive_s)
@@ -67,7 +67,7 @@ def _follow(s: Services, record: BackgroundResponse, starting_after: int) -> SSE
 
 async def retrieve_response(request: Request) -> Response:
     s: Services = request.app.state.services
-    record = s.background.get(api_key(request.headers), request.path_params["response_id"])
+    record = s.background.get(api_key(request.headers), "responses", request.path_params["response_id"])
     query = request.query_params
     if query.get("stream", "false") not in ("true", "false"):
         raise ServiceError("invalid_request", f"stream must be true or false, got {query['stream']!r}", "stream")
@@ -85,7 +85,7 @@ async def retrieve_response(request: Request) -> Response:
 async def cancel_response(request: Request) -> Response:
     """Aborts a background response and answers it as it ended (status `cancelled`, or how it had ended)."""
     s: Services = request.app.state.services
-    record = s.background.cancel(api_key(request.headers), request.path_params["response_id"])
+    record = s.background.cancel(api_key(request.headers), "responses", request.path_params["response_id"])
     async for _ in record.replay(len(record.events) - 1):
         pass
     return JSONResponse(record.response())
@@ -94,7 +94,7 @@ async def cancel_response(request: Request) -> Response:
 async def delete_response(request: Request) -> Response:
     s: Services = request.app.state.services
     response_id = request.path_params["response_id"]
-    s.background.delete(api_key(request.headers), response_id)
+    s.background.delete(api_key(request.headers), "responses", response_id)
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 from streamd.bench import chaos
 from streamd.engine.client.async_engine import AsyncEngine
-from tests.server.util import running_server
+from tests.server.util import running_server  # (reliability: the session loop, see tests/conftest.py)
 
 
 async def test_background_kills_resume_exactly(async_engine: AsyncEngine) -> None:
