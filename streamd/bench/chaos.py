@@ -404,9 +404,12 @@ async def long_prompt(target: Target, tally: Tally, tokens: int, rng: random.Ran
 
 
 async def sample_process(target: Target, tally: Tally, until: float) -> None:
-    """The server's largest descriptor count and resident memory while the run lasts."""
-    while time.monotonic() < until:
+    """The server's largest descriptor count and resident memory while the run lasts (sampled at least once,
+    so a run of only background kills, `--duration 0`, still reports them)."""
+    while True:
         _note_process(tally, await metrics(target), "max", max)
+        if time.monotonic() >= until:
+            return
         await asyncio.sleep(0.5)  # polling a remote server's gauges: there is nothing to wait on
 
 
