@@ -29,7 +29,7 @@ class DetachedRun(Protocol):
     @property
     def id(self) -> str: ...
 
-    def events(self) -> AsyncIterator[dict[str, Any]]: ...
+    def events(self) -> AsyncIterator[Any]: ...  # the Responses API's event dicts, or a call's SSE bytes
 
     def finish(self) -> None: ...
 
@@ -48,7 +48,7 @@ class BackgroundResponse:
     key: str  # the API key that created it ("" without keys)
     kind: str  # the route family that reaches it ("responses", "chat", "completion")
     run: DetachedRun
-    events: list[dict[str, Any]] = field(default_factory=list)
+    events: list[Any] = field(default_factory=list)
     done: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced (after being set) on each event
 
@@ -56,7 +56,7 @@ class BackgroundResponse:
     def id(self) -> str:
         return self.run.id
 
-    def add(self, event: dict[str, Any]) -> None:
+    def add(self, event: Any) -> None:
         self.events.append(event)
         self.wake()
 
@@ -64,7 +64,7 @@ class BackgroundResponse:
         woken, self.changed = self.changed, asyncio.Event()
         woken.set()
 
-    async def replay(self, starting_after: int) -> AsyncIterator[dict[str, Any]]:
+    async def replay(self, starting_after: int) -> AsyncIterator[Any]:
         """The events numbered after `starting_after`, then the live ones until the last."""
         index = max(starting_after + 1, 0)
         while True:
