@@ -1,17 +1,22 @@
 """The light form of `streamd bench chaos --background-kills` (issue 32's 1,000 kills): 20 background
 Responses streams reset (TCP RST) at random events and resumed with `starting_after` against a live server;
-every resume exact (each sequence number once, the reference's text) and no KV block left in use."""
+every resume exact (each sequence number once, the reference's text) and no KV block left in use. Slow (~30 s
+idle, minutes on a loaded 2-core box); its light form in `make test` is
+tests/server/http/test_background_responses.py's cut-and-resume through the SDK."""
 
 from __future__ import annotations
 
 import argparse
 from typing import Any
 
+import pytest
+
 from streamd.bench import chaos
 from streamd.engine.client.async_engine import AsyncEngine
 from tests.server.util import running_server  # (reliability: the session loop, see tests/conftest.py)
 
 
+@pytest.mark.slow
 async def test_background_kills_resume_exactly(async_engine: AsyncEngine) -> None:
     async with running_server(async_engine) as server:
         result = await _run(server.http)
