@@ -259,6 +259,9 @@ class ServerConfig:
     body_timeout_s: float = 60.0  # a request body must arrive within this after its head
     keep_alive_timeout_s: int = 30  # seconds an idle keep-alive socket is kept (uvicorn takes whole seconds)
     max_pending_body_bytes: int = 256 << 20  # body bytes still arriving, every socket together
+    max_background_responses: int = 1024  # Responses with background: true kept at once (oldest finished evicted)
+    background_retention_s: float = 600.0  # a finished background response stays retrievable this long
+    sse_keepalive_s: float = 15.0  # an SSE stream silent this long gets a `: keepalive` comment; 0: never
     # Fair share (server/tenants.py): whose share a request draws on: "auto" (the key when keys are on, else the
     # `user` field), "key", "user" or "none"; `tenants` names keys or users ("name=value") for the scheduler's
     # weights and the metrics' labels (others are digests, labelled "other").
@@ -299,6 +302,8 @@ class ServerConfig:
             "resume_max_tokens_per_request",
             "resume_max_tokens_total",
             "ws_close_timeout_s",
+            "max_background_responses",
+            "background_retention_s",
         ):
             _positive(f"server.{key}", getattr(self, key))
         for key in ("max_tokens_limit", "max_request_time_s", "max_queue_time_s"):
@@ -309,6 +314,7 @@ class ServerConfig:
             "max_unsent_tokens",
             "socket_send_buffer_bytes",
             "max_connections_per_client",
+            "sse_keepalive_s",
         ):
             _non_negative(f"server.{key}", getattr(self, key))
 

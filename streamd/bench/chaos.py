@@ -19,7 +19,9 @@ Scenarios, all at once for `--duration` seconds:
   caps, 408 at its read deadlines) or still hold it when the run ends, never close one unanswered;
 - long prompt (`--long-prompt-tokens`): one prompt of about that many tokens, sent once the control
   stream runs; the control stream's largest gap (issue 35: a long prefill used to freeze every stream)
-  and the long prompt's time to first token are reported.
+  and the long prompt's time to first token are reported;
+- background kills (`--background-kills N`, `chaos_background.py`): background Responses streams reset at a
+  random event and resumed with `starting_after`; every sequence number once, the reference's exact text.
 
 All along it samples the server's descriptors and resident memory from `/metrics` (prometheus-client's
 process collector); the run fails when they grew more than `--max-fd-growth` / `--max-rss-growth-mb` or
@@ -48,6 +50,7 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 from websockets.typing import Subprotocol
 
+from streamd.bench.chaos_background import background_kills
 from streamd.bench.load import percentiles
 from streamd.bench.report import add_json_argument, write_json
 
@@ -76,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--long-prompt-tokens", type=int, default=0, help="a prompt of about this many tokens (0: none)"
     )
+    parser.add_argument("--background-kills", type=int, default=0, help="background Responses streams reset (0: none)")
+    parser.add_argument("--background-concurrency", type=int, default=8, help="kill rounds at once")
     add_json_argument(parser)
 
 
@@ -94,6 +99,7 @@ class Tally:
     flood: Counter[str] = field(default_factory=Counter)  # the flood's sockets by what the server did
     process: dict[str, float] = field(default_factory=dict)  # the server's fds and RSS: before, max, after
     long_prompt: dict[str, float] = field(default_factory=dict)  # its prompt tokens and time to first token
+    background: dict[str, Any] = field(default_factory=dict)  # the background kills' report
 
 
 @dataclass(slots=True)
@@ -398,9 +404,12 @@ async def long_prompt(target: Target, tally: Tally, tokens: int, rng: random.Ran
 
 
 async def sample_process(target: Target, tally: Tally, until: float) -> None:
-    """The server's largest descriptor count and resident memory while the run lasts."""
-    while time.monotonic() < until:
+    """The server's largest descriptor count and resident memory while the run lasts (sampled at least once,
+    so a run of only background kills, `--duration 0`, still reports them)."""
+    while True:
         _note_process(tally, await metrics(target), "max", max)
+        if time.monotonic() >= until:
+            return
         await asyncio.sleep(0.5)  # polling a remote server's gauges: there is nothing to wait on
 
 
@@ -457,11 +466,19 @@ async def run_chaos(args: argparse.Namespace) -> dict[str, Any]:
     ]
     tasks += [frame_flood(target, tally, until, bool(i % 2)) for i in range(args.flooders)]
     tasks += [schema_flood(target, tally, random.Random(rng.random()), until) for _ in range(args.schema_flooders)]
+    if args.background_kills:
+        tasks.append(_background(target, tally, args))
     await asyncio.gather(*tasks)
     elapsed = time.monotonic() - start
     idle, after = await idle_metrics(target)
     _note_process(tally, after, "after")
     return report(tally, elapsed, idle, after)
+
+
+async def _background(target: Target, tally: Tally, args: argparse.Namespace) -> None:
+    tally.background = await background_kills(
+        target.http, target.headers, args.background_kills, args.background_concurrency, target.max_tokens, args.seed
+    )
 
 
 def report(tally: Tally, elapsed: float, idle: bool, after: dict[str, float]) -> dict[str, Any]:
@@ -480,6 +497,7 @@ def report(tally: Tally, elapsed: float, idle: bool, after: dict[str, float]) ->
         "trivial_schema_wait_p99_ms": round(trivial * 1000, 2) if trivial is not None else None,
         "control_itl_max_ms": round(max(tally.control_itl) * 1000, 2) if tally.control_itl else None,
         "long_prompt": dict(tally.long_prompt),
+        "background_kills": dict(tally.background),
         "flood": dict(sorted(tally.flood.items())),
         **{k: round(v, 1) for k, v in sorted(tally.process.items())},
         "idle_after": idle,
@@ -509,4 +527,7 @@ def bound_breaches(result: dict[str, Any], args: argparse.Namespace) -> list[str
         breaches.append(f"resident memory grew by more than {args.max_rss_growth_mb} MB")
     if result["flood"].get("unanswered"):
         breaches.append("flood sockets closed without an answer")
+    kills = result["background_kills"]
+    if kills and kills["exact"] != kills["kills"]:
+        breaches.append("background streams resumed wrong (a sequence number missing or twice, or other text)")
     return breaches

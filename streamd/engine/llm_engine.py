@@ -19,6 +19,7 @@ import torch
 
 from streamd.engine import builder
 from streamd.engine.core.prefix_cache import prefix_root
+from streamd.engine.core.progress import ProgressReports
 from streamd.engine.core.requests import Request, RequestRegistry
 from streamd.engine.core.sequence import Sequence, SequenceGroup
 from streamd.engine.output.chat_template import chat_template_ids
@@ -61,6 +62,7 @@ class LLMEngine:
         self._generated_tokens = 0  # cumulative tokens sampled and kept (EngineStats.generated_tokens)
         self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: InFlight | None = None  # the launched step whose tokens are not read back yet
+        self._progress = ProgressReports()  # queue places and prompt chunks done, before the first token
 
     @classmethod
     def from_config(cls, config: Config, model_config: PretrainedConfig | None = None) -> LLMEngine:
@@ -179,6 +181,7 @@ class LLMEngine:
         updates, self._pending = self._pending, []
         deltas: list[RequestDelta] = []
         prev, self._inflight = self._inflight, None
+        done = prev.out if prev is not None else None
         if prev is not None:
             self.scheduler.on_step_done(prev.out)
             self.grammars.drop(self.scheduler.fork_samples(prev.forks))
@@ -188,6 +191,7 @@ class LLMEngine:
             else:
                 self.scheduler.append_placeholders(prev.sampling)
         out = self.scheduler.schedule()
+        updates += self._progress.step(done, self.scheduler.waiting)
         for group, reason in out.rejected:
             self.requests.remove(group.request_id)
             updates.append(_ended(group, reason))

@@ -23,6 +23,15 @@ FinishReason = Literal["stop", "length", "abort", "timeout"]
 
 
 @dataclass(slots=True)
+class Progress:
+    """A request's progress before its first token (`engine/core/progress.py` says when one is made)."""
+
+    queue_position: int | None  # its place among the waiting requests (1: next); None once scheduled
+    prompt_tokens_done: int = 0  # prompt tokens whose KV is computed (cached ones included)
+    cached_tokens: int = 0  # prompt tokens the prefix cache supplied
+
+
+@dataclass(slots=True)
 class SeqUpdate:
     """One sequence's news from one step."""
 
@@ -45,6 +54,7 @@ class RequestUpdate:
     # `prompt_logprobs` asked: one entry per prompt token ({token_id: logprob}, the top k then the prompt
     # token's; the first token's None), with the request's first update that carries tokens, once.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    progress: Progress | None = None  # a tokenless update reporting progress before the first token
 
 
 @dataclass(slots=True)
@@ -77,6 +87,7 @@ class RequestDelta:
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling, once known
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first delta (RequestUpdate's)
+    progress: Progress | None = None  # the newest progress before the first token (RequestUpdate's)
 
     def merge(self, later: RequestDelta) -> None:
         mine, theirs = self.outputs, later.outputs
@@ -95,6 +106,7 @@ class RequestDelta:
         self.queue_time = self.queue_time if later.queue_time is None else later.queue_time
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
+        self.progress = later.progress or self.progress
 
     @property
     def num_new_tokens(self) -> int:

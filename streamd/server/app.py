@@ -31,6 +31,7 @@ from streamd.config import Config
 from streamd.engine import EngineClient, SamplingParams
 from streamd.logs import get_logger
 from streamd.server.auth import Authenticator
+from streamd.server.background import BackgroundResponses
 from streamd.server.compile_gate import CompileGate
 from streamd.server.errors import ServiceError, error_response, http_error
 from streamd.server.generation import Generation, new_request_id
@@ -101,6 +102,7 @@ def create_app(config: Config, engine: EngineClient, *, warm_up: bool = True) ->
         ResumeStore(
             server.resume_grace_s, server.resume_max_tokens_per_request, server.resume_max_tokens_total, metrics
         ),
+        BackgroundResponses(server.max_background_responses, server.background_retention_s),
     )
     lifecycle.on_drain(services.resumes.end_detached)
     page = (STATIC / "index.html").read_text(encoding="utf-8")

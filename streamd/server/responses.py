@@ -35,7 +35,6 @@ from streamd.server.structured_api import plan_tools, structured_from_text_forma
 
 # Fields that ask for features this server does not have; refused unless empty / the harmless value.
 _REFUSED: dict[str, Any] = {
-    "background": False,
     "conversation": None,
     "prompt": None,
     "reasoning": None,
@@ -57,6 +56,7 @@ class ResponsePlan:
     store: bool
     stream: bool
     stream_id: str | None = None  # WebSocket mode's lane
+    background: bool = False  # runs detached (HTTP only: server/background.py)
     tools: list[dict[str, Any]] = field(default_factory=list)  # as the request gave them (echoed)
     tool_choice: Any = "auto"  # as the request gave it (echoed)
     tool_format: str | None = None  # the format the reply's calls are parsed in (None: no tools, or text)
@@ -80,6 +80,7 @@ async def plan_response(
         structured = tools.structured
     template_tools = tools.tools if tools is not None else None
     stream, store = body_flag(body, "stream", False), body_flag(body, "store", True)
+    background = _background(body, store, stream_id)
     new = _input_messages(body.get("input"), body.get("instructions"), s.generation.developer_role)
     previous_id = body.get("previous_response_id")
     if previous_id is None:
@@ -110,6 +111,7 @@ async def plan_response(
         "previous_response_id": previous_id,
         "top_logprobs": body.get("top_logprobs"),
         "store": store,
+        "background": background,
         "text": body.get("text") or {"format": {"type": "text"}},
         "service_tier": prepared.service_tier,
     }
@@ -126,7 +128,18 @@ async def plan_response(
         tool_choice=body.get("tool_choice") or ("auto" if tools is not None else "none"),
         tool_format=tools.parser if tools is not None else None,
         think_inside=think.starts_inside(ids) if think is not None else None,
+        background=background,
     )
+
+
+def _background(body: dict[str, Any], store: bool, stream_id: str | None) -> bool:
+    """`background: true`: over HTTP, and stored (its id is how it is reached again)."""
+    background = body_flag(body, "background", False)
+    if background and stream_id is not None:
+        raise ServiceError("unsupported", "background is for HTTP (POST /v1/responses) only", "background")
+    if background and not store:
+        raise ServiceError("invalid_request", "background needs store: true (it is retrieved by its id)", "background")
+    return background
 
 
 async def continuation_ids(
@@ -350,6 +363,8 @@ class ResponseBuilder:
     logprobs: list[dict[str, Any]] = field(default_factory=list)
     reply: ReplyParser = field(init=False)
     calls: dict[int, _Item] = field(default_factory=dict)  # the parser's call index -> its item
+    queued: bool = False  # `response.queued` is out (the engine reported it waiting)
+    started: bool = False  # `response.in_progress` is out (the engine scheduled it, or it ended)
 
     def __post_init__(self) -> None:
         self.reply = ReplyParser(self.plan.think_inside, self.plan.tool_format)
@@ -367,15 +382,27 @@ class ResponseBuilder:
         return event
 
     def opening(self) -> list[dict[str, Any]]:
-        events = [
-            self.event("response.created", response=self.response(None)),
-            self.event("response.in_progress", response=self.response(None)),
-        ]
+        """`response.created` at once; `response.queued` / `response.in_progress` follow the engine (`_status`)."""
+        return [self.event("response.created", response=self.response(None))]
+
+    def _status(self, delta: RequestDelta | None) -> list[dict[str, Any]]:
+        """As OpenAI: `response.queued` while the engine reports it waiting, then `response.in_progress` (and a
+        plain response's message opens) once it is scheduled (`delta` None: it ended, never scheduled)."""
+        if self.started:
+            return []
+        waiting = delta is not None and delta.progress is not None and delta.progress.queue_position is not None
+        if waiting and delta is not None and not delta.finished:
+            if self.queued:
+                return []
+            self.queued = True
+            return [self.event("response.queued", response=self.response(None, "queued"))]
+        self.started = True
+        events = [self.event("response.in_progress", response=self.response(None))]
         return events + (self._open("message") if self.eager else [])
 
     def feed(self, delta: RequestDelta, account: RequestAccount) -> list[dict[str, Any]]:
         account.absorb(delta)
-        events = []
+        events = self._status(delta)
         for choice in delta.outputs:
             self.output_ids.extend(choice.token_ids)
             logprobs = self._logprobs(choice.token_ids, choice.logprobs)
@@ -384,7 +411,8 @@ class ResponseBuilder:
         return events
 
     def closing(self, account: RequestAccount) -> list[dict[str, Any]]:
-        events = [] if self.eager else self._text("", [], final=True)
+        events = self._status(None)
+        events += [] if self.eager else self._text("", [], final=True)
         if not self.items:
             events += self._open("message")
         for item in self.items:
@@ -460,14 +488,14 @@ class ResponseBuilder:
         return [*events, done]
 
     # ---- objects ------------------------------------------------------------------------------------
-    def response(self, account: RequestAccount | None) -> dict[str, Any]:
-        """The `response` object: in progress (no account) or as the account ended it."""
+    def response(self, account: RequestAccount | None, status: str = "in_progress") -> dict[str, Any]:
+        """The `response` object: `status` (no account) or as the account ended it."""
         body: dict[str, Any] = {
             "id": self.plan.id,
             "object": "response",
             "created_at": self.created_at,
             "model": self.model,
-            "status": "in_progress",
+            "status": status,
             "output": [],
             "parallel_tool_calls": bool(self.plan.tools),
             "tool_choice": self.plan.tool_choice,
@@ -550,6 +578,20 @@ class ResponseRun:
     builder: ResponseBuilder
     stream: RequestStream
     account: RequestAccount
+
+    @property
+    def id(self) -> str:
+        return self.builder.plan.id
+
+    def cancel(self) -> None:
+        self.account.cancel()
+
+    def snapshot(self, done: bool) -> dict[str, Any]:
+        """The `response` object as of now: as it ended (`done`), else queued or in progress."""
+        builder = self.builder
+        if done:
+            return builder.response(self.account)
+        return builder.response(None, "queued" if builder.queued and not builder.started else "in_progress")
 
     def finish(self) -> None:
         """Over (finished, or its client left): abort if needed, count it once."""

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from streamd.config import ServerConfig
 from streamd.engine import EngineClient
 from streamd.server.auth import Authenticator
+from streamd.server.background import BackgroundResponses
 from streamd.server.generation import Generation
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.logprobs import TokenTexts
@@ -34,6 +35,7 @@ class Services:
     token_texts: TokenTexts  # token id -> text and bytes, for logprobs
     tool_format: str | None  # the tool-call format of the model's chat template ("hermes", "json", None)
     resumes: ResumeStore  # resumable WebSocket requests' tokens and retained output
+    background: BackgroundResponses  # `background: true` Responses, by id
 
     @property
     def model_name(self) -> str:

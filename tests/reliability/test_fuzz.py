@@ -97,7 +97,7 @@ def check_batch(ws: ClientConnection, sent: list[Sent]) -> None:
                 assert fid not in answered, f"two answers for {fid!r}: {f}"
                 answered[fid] = "error"
             else:
-                assert f["type"] in ("delta", "error"), f
+                assert f["type"] in ("delta", "error", "progress"), f
     assert got_nulls == nulls
 
 

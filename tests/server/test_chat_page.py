@@ -371,3 +371,26 @@ async def test_the_page_resumes_an_answer_on_the_real_server(page: Page, server:
         expected = (await gather_until_done(ws, {"ref"}))["ref"]
     assert got["detail"]["error"] is None and got["detail"]["reason"] == expected.done["finish_reason"]
     assert got["detail"]["text"] == expected.text
+
+
+async def test_progress_frames_show_queue_place_and_prompt_reading(page: Page) -> None:
+    """Issue 32: before the first token the answer says where it waits and how much of the prompt is read,
+    instead of a frozen spinner; the first delta replaces that note with the text."""
+    await evaluate(page, SPY_SEND, True)
+    progress = {"type": "progress", "prompt_tokens": 200, "cached_tokens": 0}
+    note = "#messages .assistant:last-child .progress-note"
+    await evaluate(page, FEED, {"prompt": "hi", "frames": [
+        {"type": "start", "prompt_tokens": 200}, {**progress, "queue_position": 3, "prompt_tokens_done": 0}]})
+    assert await page.text_content(note) == "queued #3"
+    assert await page.text_content("#status-text") == "queued #3…"
+    await evaluate(page, """(frame) => window.fakeWs.dispatchEvent(new MessageEvent('message',
+      {data: JSON.stringify({...frame, id: window.sentFrames.at(-1).id})}))""",
+                   {**progress, "queue_position": None, "prompt_tokens_done": 90})
+    assert await page.text_content(note) == "reading the prompt 45%"
+    await evaluate(page, ARM_DONE)
+    await evaluate(page, """(frames) => { for (const frame of frames) window.fakeWs.dispatchEvent(new MessageEvent(
+      'message', {data: JSON.stringify({...frame, id: window.sentFrames.at(-1).id})})); }""", [
+        {"type": "delta", "seq": 0, "text": "Hello", "token_ids": [1], "index": 0},
+        {"type": "done", "finish_reason": "stop", "finish_reasons": ["stop"], "usage": {}}])
+    assert (await evaluate(page, "window.nextDone"))["text"] == "Hello"
+    assert await page.query_selector(note) is None

@@ -133,7 +133,7 @@ class OutputProcessor:
         finished = state.num_unfinished == 0 or update.error is not None
         if finished:
             del self._requests[state.request_id]
-        if not outputs and not finished:
+        if not outputs and not finished and update.progress is None:
             return None
         return RequestDelta(
             state.request_id,
@@ -144,6 +144,7 @@ class OutputProcessor:
             state.num_cached_tokens,
             state.queue_time,
             update.prompt_logprobs,
+            update.progress,
         )
 
     def _process_choice(self, state: RequestState, choice: ChoiceState, seq: SeqUpdate) -> CompletionDelta:

@@ -1,5 +1,9 @@
 """What the HTTP routes share: reading a JSON body, answering with SSE, and aborting when the client leaves.
 
+Every SSE answer is an `SSEResponse`: while its body sends nothing for `server.sse_keepalive_s` it writes an
+SSE comment (`: keepalive`), which clients ignore and which keeps a proxy's idle timeout (nginx's
+`proxy_read_timeout`) from cutting a stream during a long prefill or queue wait.
+
 The route modules (`openai_routes`, `responses_api`, `tokenize_api`, `server_info`) import from here and
 never from each other, so each route family can change alone.
 """
@@ -7,12 +11,13 @@ never from each other, so each route family can change alone.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.types import Send
+from starlette.types import Message, Send
 
 from streamd.logs import get_logger
 from streamd.server.encoding import loads_object
@@ -21,6 +26,7 @@ logger = get_logger(__name__)
 T = TypeVar("T")
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+KEEPALIVE = b": keepalive\n\n"  # an SSE comment: every client skips it
 
 # A route family's routes: (path, handler, methods), listed by the app.
 RouteSpec = tuple[str, Callable[..., Any], list[str]]
@@ -29,16 +35,61 @@ RouteSpec = tuple[str, Callable[..., Any], list[str]]
 class SSEResponse(StreamingResponse):
     """A StreamingResponse that always lets go of its request, even if its body never started."""
 
-    def __init__(self, content: AsyncIterator[str] | AsyncIterator[bytes], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        content: AsyncIterator[str] | AsyncIterator[bytes],
+        on_close: Callable[[], None],
+        keepalive_s: float = 0.0,
+    ) -> None:
+        """`keepalive_s`: the silence after which a `: keepalive` comment is written (0: never)."""
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
         self._on_close = on_close
+        self._keepalive_s = keepalive_s
 
     async def stream_response(self, send: Send) -> None:
+        keeper = Keepalive(send, self._keepalive_s) if self._keepalive_s > 0 else None
         try:
-            await super().stream_response(send)
+            await super().stream_response(keeper.send if keeper is not None else send)
         finally:
+            if keeper is not None:
+                keeper.stop()
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             self._on_close()
+
+
+class Keepalive:
+    """Wraps a response's `send`: once the head is out, a timer task writes `KEEPALIVE` whenever nothing was
+    written for `interval_s`; one lock orders its writes with the body's."""
+
+    def __init__(self, send: Send, interval_s: float) -> None:
+        self._send, self._interval_s = send, interval_s
+        self._lock = asyncio.Lock()
+        self._last = time.monotonic()
+        self._timer: asyncio.Task[None] | None = None
+        self._done = False
+
+    async def send(self, message: Message) -> None:
+        async with self._lock:
+            await self._send(message)
+            self._last = time.monotonic()
+        self._done = message["type"] == "http.response.body" and not message.get("more_body", False)
+        if self._timer is None and not self._done:
+            self._timer = asyncio.ensure_future(self._keep())
+
+    def stop(self) -> None:
+        self._done = True
+        if self._timer is not None:
+            self._timer.cancel()
+
+    async def _keep(self) -> None:
+        try:
+            while not self._done:
+                await asyncio.sleep(max(0.0, self._last + self._interval_s - time.monotonic()))
+                if self._done or self._lock.locked() or time.monotonic() - self._last < self._interval_s:
+                    continue
+                await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+        except OSError:  # the client is gone: the body's next write (or the disconnect watch) ends the response
+            return
 
 
 async def json_body(request: Request) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """OpenAI-compatible HTTP: `GET /v1/models`, `POST /v1/completions`, `POST /v1/chat/completions`.
 
 `stream: true` answers with SSE (`data: {chunk}` ... `data: [DONE]`, a usage chunk when
-`stream_options.include_usage`). Errors are OpenAI error bodies with their status codes (raised as
+`stream_options.include_usage`; with vLLM's `stream_options.continuous_usage_stats` too, every chunk carries the
+request's usage so far). Errors are OpenAI error bodies with their status codes (raised as
 ServiceError, rendered by the app's handler). A client that disconnects aborts its request: for SSE,
 Starlette cancels the body iterator; otherwise a watcher on `http.disconnect` cancels the collection.
 Unknown top-level fields are ignored (as OpenAI clients and frontends send extras), each logged at debug
@@ -20,6 +21,12 @@ server cut (the drain) finishes "length" with an extra flag on the choice (`stre
 "auto" the model's own tool-call format is parsed where its chat template defines one (`tool_parsers.py`):
 either way the calls are returned as `tool_calls` (streamed as `delta.tool_calls`), finish reason
 "tool_calls".
+
+streamd's `streamd_background: true` (with `stream: true`, one prompt) runs the stream detached from its
+connection (`server/background.py`): every SSE event carries `id: N` (from 0), and
+`GET /v1/chat/completions/{id}` (or `/v1/completions/{id}`) with `starting_after=N` (or the SSE
+`Last-Event-ID: N` header) replays the events after N, then the live ones; `POST .../{id}/cancel` and
+`DELETE .../{id}` as for background Responses, bound to the API key that created it.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from starlette.responses import JSONResponse, Response
 from streamd.engine import MAX_LOGPROBS, RequestDelta, RequestStream, is_int
 from streamd.server.accounting import FinishNames, RequestAccount
 from streamd.server.auth import bearer_token
+from streamd.server.background import BackgroundResponse
 from streamd.server.body_fields import body_flag, check_model, note_ignored, template_options
 from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError, queue_timed_out
@@ -185,6 +193,7 @@ async def _respond(
         raise ServiceError("invalid_request", f"stream_options must be an object, got {options!r}", "stream_options")
     call_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
     key = bearer_token(request.headers.get("authorization"))
+    background = _background(s, body, stream_flag, len(prepared))
     calls = await _start_all(s, kind, call_id, prepared, tool_format, echo, key, prompt_top)
     structlog.contextvars.bind_contextvars(request_id=call_id)
     if not stream_flag:
@@ -201,10 +210,105 @@ async def _respond(
             return answer
         firsts = list(answer)
     include_usage = bool((options or {}).get("include_usage"))
+    continuous = include_usage and body_flag(options or {}, "continuous_usage_stats", False)
     if len(calls) == 1:
-        return SSEResponse(_sse(calls[0], include_usage, firsts[0]), calls[0].finish)
-    parts = [_sse(c, include_usage, f, last=False) for c, f in zip(calls, firsts)]
-    return SSEResponse(_batch_sse(calls, parts, include_usage), lambda: _finish_all(calls))
+        sse = _sse(calls[0], include_usage, firsts[0], continuous=continuous)
+        if background:
+            record = s.background.start(key or "", kind, _DetachedCall(calls[0], sse), lambda _k, _r: None)
+            return _follow(s, record, -1)
+        return SSEResponse(sse, calls[0].finish, s.config.sse_keepalive_s)
+    parts = [_sse(c, include_usage, f, last=False, continuous=continuous) for c, f in zip(calls, firsts)]
+    return SSEResponse(_batch_sse(calls, parts, include_usage), lambda: _finish_all(calls), s.config.sse_keepalive_s)
+
+
+def _background(s: Services, body: dict[str, Any], stream: bool, num_prompts: int) -> bool:
+    """streamd's `streamd_background`: a streamed call of one prompt, run detached (room checked before it
+    takes any engine work)."""
+    if not body_flag(body, "streamd_background", False):
+        return False
+    if not stream or num_prompts != 1:
+        raise ServiceError(
+            "invalid_request", "streamd_background needs stream: true and one prompt", "streamd_background"
+        )
+    s.background.make_room()
+    return True
+
+
+@dataclass(slots=True)
+class _DetachedCall:
+    """A background call's stream as `background.DetachedRun`: its SSE events one by one."""
+
+    call: _Call
+    body: AsyncIterator[bytes]
+
+    @property
+    def id(self) -> str:
+        return self.call.id
+
+    async def events(self) -> AsyncIterator[bytes]:
+        async for chunk in self.body:
+            for event in chunk.split(b"\n\n"):
+                if event:
+                    yield event + b"\n\n"
+
+    def finish(self) -> None:
+        self.call.finish()
+
+    def cancel(self) -> None:
+        self.call.account.cancel()
+
+    def snapshot(self, done: bool) -> dict[str, Any]:
+        account = self.call.account
+        status = ("failed" if account.error else account.finish.status) if done else "in_progress"
+        return {"id": self.call.id, "object": "streamd.background", "status": status, "usage": account.usage()}
+
+
+def _follow(s: Services, record: BackgroundResponse, starting_after: int) -> SSEResponse:
+    """A background call's events after `starting_after`, each with its SSE `id`; leaving does not stop it."""
+
+    async def events() -> AsyncIterator[bytes]:
+        number = max(starting_after, -1)
+        async for event in record.replay(starting_after):
+            number += 1
+            yield b"id: %d\n" % number + event
+
+    return SSEResponse(events(), lambda: None, s.config.sse_keepalive_s)
+
+
+async def retrieve_call(request: Request) -> Response:
+    """A background call's events after `starting_after` (or the `Last-Event-ID` header), then live."""
+    s: Services = request.app.state.services
+    record = s.background.get(_key(request), _kind(request), request.path_params["call_id"])
+    after = request.query_params.get("starting_after", request.headers.get("last-event-id", "-1"))
+    try:
+        return _follow(s, record, int(after))
+    except ValueError:
+        raise ServiceError(
+            "invalid_request", f"starting_after must be an integer, got {after!r}", "starting_after"
+        ) from None
+
+
+async def cancel_call(request: Request) -> Response:
+    s: Services = request.app.state.services
+    record = s.background.cancel(_key(request), _kind(request), request.path_params["call_id"])
+    async for _ in record.replay(len(record.events) - 1):
+        pass
+    return JSONResponse(record.response())
+
+
+async def delete_call(request: Request) -> Response:
+    s: Services = request.app.state.services
+    call_id = request.path_params["call_id"]
+    s.background.delete(_key(request), _kind(request), call_id)
+    return JSONResponse({"id": call_id, "object": "streamd.background", "deleted": True})
+
+
+def _key(request: Request) -> str:
+    return bearer_token(request.headers.get("authorization")) or ""
+
+
+def _kind(request: Request) -> str:
+    return "chat" if request.url.path.startswith("/v1/chat/") else "completion"
 
 
 async def _start_all(
@@ -284,13 +388,19 @@ async def _deltas(call: _Call, first: RequestDelta | None) -> AsyncIterator[Requ
 
 
 async def _sse(
-    call: _Call, include_usage: bool, first: RequestDelta | None = None, *, last: bool = True
+    call: _Call,
+    include_usage: bool,
+    first: RequestDelta | None = None,
+    *,
+    last: bool = True,
+    continuous: bool = False,
 ) -> AsyncIterator[bytes]:
     """One chunk per choice that has new text (each with its index); each choice's finish chunk at the end.
     The chunks of one delta go out in one write, and so do the closing ones. `last`: this call ends the
-    response (its usage chunk and `[DONE]`; a batch's calls leave them to `_batch_sse`)."""
-    extra = {"usage": None} if include_usage else {}
+    response (its usage chunk and `[DONE]`; a batch's calls leave them to `_batch_sse`). `continuous`: every
+    chunk carries this request's usage as of its delta (vLLM's `continuous_usage_stats`)."""
     account = call.account
+    extra: dict[str, Any] = {"usage": account.usage() if continuous else None} if include_usage else {}
     if call.kind == "chat":
         yield b"".join(
             _data(_chunk(call, index, {"role": "assistant", "content": ""}, None, extra)).encode()
@@ -307,9 +417,11 @@ async def _sse(
             for i in range(account.num_choices)
         )
         deltas = _after(head, deltas)
-    texts = TextEvents(call, extra)
+    texts = TextEvents(call, extra, whole=continuous)
     plain = call.logprobs is None and call.think_inside is None and call.tool_format is None  # the fast path
     async for delta in deltas:
+        if continuous:
+            extra["usage"] = account.usage()
         events = []
         for choice in delta.outputs:
             if call.logprobs is not None:
@@ -421,12 +533,16 @@ class TextEvents:
 
     HOLE = "\x00streamd-text\x00"
 
-    def __init__(self, call: _Call, extra: dict[str, Any]) -> None:
+    def __init__(self, call: _Call, extra: dict[str, Any], whole: bool = False) -> None:
+        """`whole`: every chunk built whole (its `extra` changes from chunk to chunk: continuous usage)."""
         self.call = call
         self.extra = extra
+        self.whole = whole
         self.parts: dict[int, tuple[bytes, bytes]] = {}
 
     def event(self, index: int, text: str) -> bytes:
+        if self.whole:
+            return self._whole(index, text)
         parts = self.parts.get(index)
         if parts is None:
             before, _, after = self._whole(index, self.HOLE).partition(orjson.dumps(self.HOLE))
@@ -616,6 +732,7 @@ _CHAT_FIELDS = WIRE_PARAMS | {
     "add_generation_prompt",
     "continue_final_message",
     "add_special_tokens",
+    "streamd_background",
 }
 _COMPLETION_FIELDS = WIRE_PARAMS | {
     "prompt",
@@ -627,6 +744,7 @@ _COMPLETION_FIELDS = WIRE_PARAMS | {
     "best_of",
     "logprobs",
     "prompt_logprobs",
+    "streamd_background",
 }
 
 
@@ -635,4 +753,13 @@ def make_routes() -> list[RouteSpec]:
         ("/v1/models", list_models, ["GET"]),
         ("/v1/completions", completions, ["POST"]),
         ("/v1/chat/completions", chat_completions, ["POST"]),
+        *(
+            route
+            for base in ("/v1/chat/completions", "/v1/completions")
+            for route in (
+                (base + "/{call_id}", retrieve_call, ["GET"]),
+                (base + "/{call_id}", delete_call, ["DELETE"]),
+                (base + "/{call_id}/cancel", cancel_call, ["POST"]),
+            )
+        ),
     ]

@@ -215,8 +215,11 @@
     if (frame.type === "start") {
       c.started = true;
       c.resumeToken = frame.resume_token ?? null;
+    } else if (frame.type === "progress") {
+      onProgress(c, frame);
     } else if (frame.type === "delta") {
       c.resuming = false;
+      if (c.first === null) setStatus("busy", "generating…");
       onDelta(c, frame);
     } else if (frame.type === "error") {
       c.error = frame.error.message;
@@ -226,6 +229,26 @@
       if (c.resumeToken && socketOpen()) chat.ws.send(JSON.stringify({type: "ack", id: c.id, resume_token: c.resumeToken}));
       finish(c, frame.finish_reason, frame.usage, c.error);
     }
+  }
+
+  // Before the first token: where the request waits, or how much of the prompt the model has read.
+  function progressText(frame) {
+    if (frame.queue_position !== null) return `queued #${frame.queue_position}`;
+    const share = frame.prompt_tokens ? frame.prompt_tokens_done / frame.prompt_tokens : 0;
+    return `reading the prompt ${Math.floor(100 * share)}%`;
+  }
+
+  function onProgress(c, frame) {
+    if (c.first !== null) return;
+    const text = progressText(frame);
+    setStatus("busy", `${text}…`);
+    let note = c.body.querySelector(".progress-note");
+    if (!note) {
+      note = document.createElement("p");
+      note.className = "progress-note";
+      c.body.appendChild(note);
+    }
+    note.textContent = text;
   }
 
   function onDelta(c, frame) {

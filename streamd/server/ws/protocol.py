@@ -23,6 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from streamd.engine import Progress
 from streamd.server.encoding import dumps, loads_object
 from streamd.server.errors import ServiceError
 
@@ -140,6 +141,19 @@ def start_frame(request_id: str, prompt_tokens: int, resume_token: str | None = 
     if resume_token is not None:
         frame["resume_token"] = resume_token
     return frame
+
+
+def progress_frame(request_id: str, prompt_tokens: int, progress: Progress) -> Frame:
+    """Before the first token: the request's place in the queue (null once scheduled) and how much of its
+    prompt the model has read (`prompt_tokens_done` of `prompt_tokens`, `cached_tokens` of them cached)."""
+    return {
+        "type": "progress",
+        "id": request_id,
+        "queue_position": progress.queue_position,
+        "prompt_tokens": prompt_tokens,
+        "prompt_tokens_done": progress.prompt_tokens_done,
+        "cached_tokens": progress.cached_tokens,
+    }
 
 
 def delta_frame(

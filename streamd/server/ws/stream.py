@@ -19,6 +19,7 @@ frames, stats_feed.py); only the newest unsent one is kept, so a slow reader nev
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from starlette.websockets import WebSocket, WebSocketDisconnect
@@ -37,6 +38,7 @@ from streamd.server.ws.socket import SocketConnection, accept
 from streamd.server.ws.stats_feed import StatsFeed
 
 logger = get_logger(__name__)
+PROGRESS_INTERVAL_S = 0.2  # at most this often a request's `progress` frame (the engine reports per chunk)
 
 
 async def stream_endpoint(websocket: WebSocket) -> None:
@@ -59,6 +61,7 @@ class WsRequest:
         "finished",
         "pending",
         "prepared",
+        "progress_sent",
         "replay",
         "resume_token",
         "retention",
@@ -87,6 +90,7 @@ class WsRequest:
         self.tool_format: str | None = None  # with tools: the format its replies' calls are parsed in
         self.tool_parsers: dict[int, ToolCallParser] = {}  # per choice, with a tool_format
         self.tools_flushed: set[int] = set()  # choices whose parser had its final feed
+        self.progress_sent = 0.0  # monotonic time of its last `progress` frame
 
     def put(self, delta: RequestDelta) -> None:
         """DeltaSink: merge, and tell the writer (or, detached, retain the frames now)."""
@@ -129,6 +133,7 @@ class WsRequest:
         if delta is None:
             return frames
         account.absorb(delta)
+        frames.extend(self._progress(delta, len(prepared.prompt_token_ids)))
         built = []
         for choice in delta.outputs:
             text, calls = self._parsed(choice.index, choice.text, choice.finish_reason is not None)
@@ -161,6 +166,17 @@ class WsRequest:
             self._retain(built)
         frames.extend(built)
         return frames
+
+    def _progress(self, delta: RequestDelta, prompt_tokens: int) -> list[protocol.Frame]:
+        """A `progress` frame before the first delta frame, at most one per PROGRESS_INTERVAL_S (the engine
+        repeats a waiting request's place every second); never retained for a resume (it has no seq)."""
+        now = time.monotonic()
+        if delta.progress is None or self.seq or delta.finished or delta.num_new_tokens:
+            return []
+        if now - self.progress_sent < PROGRESS_INTERVAL_S:
+            return []
+        self.progress_sent = now
+        return [protocol.progress_frame(self.client_id, prompt_tokens, delta.progress)]
 
     def _parsed(self, index: int, text: str, final: bool) -> tuple[str, list[dict[str, Any]]]:
         """A choice's new text as (content, tool-call deltas): through its tool-call parser when the request

@@ -1,0 +1,72 @@
+"""Progress before the first token (issue 32): the engine reports a waiting request's queue place and each
+prompt chunk it completed; `/v1/stream` sends them as `progress` frames and the Responses API as
+`response.queued` then `response.in_progress` (through the official `openai` SDK). Three long prompts sent at
+once on the session engine (256 tokens per step) make the first prefill in chunks while the others wait."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from typing import Any
+
+from openai import AsyncOpenAI
+
+from tests.server.util import Server, check_stream, gather_until_done, send, ws_connect
+
+
+def long_prompt() -> str:
+    """~1,200 tokens (five 256-token chunks), new from its first token (no prefix cache hit)."""
+    return f"{uuid.uuid4().hex}. " + " ".join(f"item {i} is blue." for i in range(150))
+
+
+async def test_progress_frames_come_before_the_first_delta(server: Server) -> None:
+    async with ws_connect(server) as ws:
+        for name in "abc":
+            await send(ws, type="generate", id=name, prompt=long_prompt(), params={"max_tokens": 2})
+        results = await gather_until_done(ws, set("abc"))
+    seen_waiting = seen_chunk = False
+    for name, result in results.items():
+        check_stream(result)
+        kinds = [f["type"] for f in result.frames]
+        first_delta = kinds.index("delta")
+        assert "progress" not in kinds[first_delta:], kinds
+        progress = result.of("progress")
+        assert progress, f"{name}: no progress before its first token: {kinds}"
+        prompt_tokens = result.frames[0]["prompt_tokens"]
+        for frame in progress:
+            assert frame["prompt_tokens"] == prompt_tokens
+            assert 0 <= frame["cached_tokens"] <= frame["prompt_tokens_done"] < prompt_tokens, frame
+            assert frame["queue_position"] is None or (frame["queue_position"] >= 1
+                                                       and frame["prompt_tokens_done"] == 0), frame
+        done = [f["prompt_tokens_done"] for f in progress]
+        assert done == sorted(done), done
+        places = [f["queue_position"] for f in progress if f["queue_position"] is not None]
+        assert places == sorted(places, reverse=True), places  # a waiting request only moves up
+        seen_waiting = seen_waiting or bool(places)
+        seen_chunk = seen_chunk or any(f["queue_position"] is None and f["prompt_tokens_done"] > 0 for f in progress)
+    assert seen_waiting, "with three long prompts at once, one waited"
+    assert seen_chunk, "a five-chunk prompt reported a chunk done"
+
+
+async def test_responses_queued_then_in_progress(server: Server) -> None:
+    client = AsyncOpenAI(base_url=f"{server.http}/v1", api_key="unused", max_retries=0, timeout=300)
+
+    async def run() -> list[Any]:
+        stream = await client.responses.create(model=server.services.model_name, input=long_prompt(),
+                                               max_output_tokens=2, temperature=0, stream=True)
+        return [event async for event in stream]
+
+    runs = await asyncio.gather(*(run() for _ in range(3)))
+    queued = 0
+    for events in runs:
+        kinds = [e.type for e in events]
+        assert [e.sequence_number for e in events] == list(range(len(events)))
+        assert kinds[0] == "response.created" and kinds.count("response.in_progress") == 1, kinds
+        start = kinds.index("response.in_progress")
+        assert kinds[1:start] in ([], ["response.queued"]), kinds
+        assert kinds[start + 1] == "response.output_item.added", kinds
+        if kinds[1] == "response.queued":
+            assert events[1].response.status == "queued"
+            queued += 1
+        assert events[-1].type in ("response.completed", "response.incomplete")
+    assert queued >= 1, "with three long prompts at once, one waited"
