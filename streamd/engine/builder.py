@@ -18,6 +18,7 @@ from streamd.config import CacheConfig, Config, cache_path
 from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.speculation import Speculator
 from streamd.engine.output.chat_template import read_chat_template
 from streamd.engine.output.output_processor import OutputProcessor
 from streamd.engine.sample.beam_search import BeamSearches
@@ -99,7 +100,8 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     costs = None
     if config.scheduler.preemption_mode != "recompute" and cache.num_swap_blocks:
         costs = cost_model(cache, executor, runner, max_model_len, cache_path(config.model.cache_dir))
-    scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos)
+    speculator = Speculator(config.speculative, max_model_len)
+    scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos, speculator)
     return EngineParts(
         loaded.name,
         loaded.tokenizer,

@@ -45,6 +45,10 @@ class RequestUpdate:
     # `prompt_logprobs` asked: one entry per prompt token ({token_id: logprob}, the top k then the prompt
     # token's; the first token's None), with the request's first update that carries tokens, once.
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Speculative decoding in this step: draft tokens taken from the request's `prediction`, and how many of
+    # them the model accepted (usage's accepted / rejected prediction tokens).
+    prediction_tokens: int = 0
+    accepted_prediction_tokens: int = 0
 
 
 @dataclass(slots=True)
