@@ -81,6 +81,8 @@ class RequestDelta:
     num_cached_tokens: int = 0
     queue_time: float | None = None  # seconds from arrival to first scheduling, once known
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first delta (RequestUpdate's)
+    prediction_tokens: int = 0  # draft tokens taken from the request's `prediction` (RequestUpdate's)
+    accepted_prediction_tokens: int = 0  # those the model accepted
 
     def merge(self, later: RequestDelta) -> None:
         mine, theirs = self.outputs, later.outputs
@@ -99,6 +101,8 @@ class RequestDelta:
         self.queue_time = self.queue_time if later.queue_time is None else later.queue_time
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
+        self.prediction_tokens += later.prediction_tokens
+        self.accepted_prediction_tokens += later.accepted_prediction_tokens
 
     @property
     def num_new_tokens(self) -> int:

@@ -24,7 +24,6 @@ NAMED_IGNORED = frozenset(
         "store",
         "service_tier",
         "parallel_tool_calls",
-        "prediction",
         "modalities",
         "audio",
         "reasoning_effort",

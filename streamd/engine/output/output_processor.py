@@ -144,6 +144,8 @@ class OutputProcessor:
             state.num_cached_tokens,
             state.queue_time,
             update.prompt_logprobs,
+            update.prediction_tokens,
+            update.accepted_prediction_tokens,
         )
 
     def _process_choice(self, state: RequestState, choice: ChoiceState, seq: SeqUpdate) -> CompletionDelta:

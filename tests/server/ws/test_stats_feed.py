@@ -18,7 +18,7 @@ def test_frame_from_engine_stats() -> None:
                       swapped_out_blocks=12, swapped_in_blocks=3, prefix_queried_tokens=400, prefix_hit_tokens=100,
                       allocated_blocks=90, copied_blocks=2)
     sched = SchedulerStats(num_running=3, num_waiting=2, num_swapped=1, preemptions_swap=1, preemptions_recompute=0,
-                           recomputed_tokens=0, num_paused=4)
+                           recomputed_tokens=0, num_paused=4, spec_draft_tokens=80, spec_accepted_tokens=60)
     frame = stats_frame(EngineStats(kv, sched, num_requests=6, generated_tokens=1234), tokens_per_s=12.345)
     assert frame == {
         "type": "stats",
@@ -26,6 +26,7 @@ def test_frame_from_engine_stats() -> None:
         "swap": {"total": 40, "used": 9},
         "requests": {"running": 3, "waiting": 2, "swapped": 1, "paused": 4},
         "prefix_cache": {"queried_tokens": 400, "hit_tokens": 100, "hit_rate": 0.25},
+        "speculation": {"draft_tokens": 80, "accepted_tokens": 60, "acceptance_rate": 0.75},
         "generated_tokens": 1234,
         "tokens_per_s": 12.35,
     }
