@@ -252,3 +252,19 @@ def test_tokens_kept_or_drawn_follow_the_sampling_distribution(draft: int, top_k
     kept = sum(result.accepted) / rows
     p_draft = expected[draft].item() / rows
     assert abs(kept - p_draft) < 0.02  # a draft is kept with its probability
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_output_at_its_token(smol_llm: LLM) -> None:
+    engine = smol_llm.engine
+    prompt = engine.apply_chat_template([{"role": "user", "content": PROMPTS[1]}])
+    free = SamplingParams(temperature=0, max_tokens=24)
+    off = run_to_completion(engine, [prompt], free)[0].outputs[0]
+    stop = off.text[30:36]
+    params = dataclasses.replace(free, stop=[stop])
+    expected = run_to_completion(engine, [prompt], params)[0].outputs[0]
+    before = engine.stats().scheduler.spec_accepted_tokens
+    out = run_to_completion(engine, [prompt], dataclasses.replace(params, prediction=off.text))[0].outputs[0]
+    assert engine.stats().scheduler.spec_accepted_tokens > before
+    assert (out.text, out.token_ids, out.finish_reason, out.stop_reason) == (
+        expected.text, expected.token_ids, "stop", stop)
+    assert len(out.token_ids) < len(off.token_ids)
