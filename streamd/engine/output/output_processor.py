@@ -207,19 +207,22 @@ class OutputProcessor:
 
 def _stop_string_parts(seq: SeqUpdate, params: SamplingParams) -> list[SeqUpdate]:
     """A run of several new tokens (speculative decoding keeps several per step) meets stop strings one token
-    at a time, so that the output ends at the token that completed the stop string, as without the run."""
-    if not params.stop or len(seq.token_ids) < 2:
-        return [seq]
+    at a time, so that the output ends at the token that completed the stop string, as without the run; and
+    a run ending in a stop token comes as its other tokens, then the stop token (whose text is dropped)."""
     last = len(seq.token_ids) - 1
+    if last < 1 or not (params.stop or seq.finish_reason is not None):
+        return [seq]
+    cuts = list(range(last + 1)) if params.stop else [0, last]
+    ends = [*cuts[1:], last + 1]
     return [
         SeqUpdate(
             seq.index,
-            [token],
-            None if seq.logprobs is None else [seq.logprobs[i]],
-            seq.finish_reason if i == last else None,
-            seq.stop_token_id if i == last else None,
+            seq.token_ids[start:end],
+            None if seq.logprobs is None else seq.logprobs[start:end],
+            seq.finish_reason if end > last else None,
+            seq.stop_token_id if end > last else None,
         )
-        for i, token in enumerate(seq.token_ids)
+        for start, end in zip(cuts, ends)
     ]
 
 
