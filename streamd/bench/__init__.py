@@ -16,6 +16,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("streamd.bench.serve", "main"),
     "cluster": ("streamd.bench.cluster", "run"),
     "chaos": ("streamd.bench.chaos", "main"),
+    "spec": ("streamd.bench.spec", "run"),
 }
 EXAMPLES: dict[str, str] = {
     "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
@@ -25,6 +26,7 @@ EXAMPLES: dict[str, str] = {
     "  streamd bench serve --offline-baseline --levels 64,256 --repeats 3   # starts its own server",
     "cluster": "streamd bench cluster --replicas 1,2,4,8 --out /tmp/results",
     "chaos": "streamd serve &  streamd bench chaos --url http://127.0.0.1:8000 --duration 60",
+    "spec": "streamd bench spec --out /tmp/results      # speculative decoding on vs off, CPU default model",
 }
 
 

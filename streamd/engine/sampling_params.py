@@ -160,7 +160,12 @@ class SamplingParams:
 
     def _validate(self) -> None:
         _check(is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
-        _check(self.prediction is None or isinstance(self.prediction, str), "prediction", self.prediction, "must be a string")
+        _check(
+            self.prediction is None or isinstance(self.prediction, str),
+            "prediction",
+            self.prediction,
+            "must be a string",
+        )
         if self.max_tokens is not None:
             _check(
                 is_int(self.max_tokens) and self.max_tokens >= 1,

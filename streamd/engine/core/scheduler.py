@@ -626,7 +626,9 @@ class Scheduler:
             kept, reason, stop_token_id = self._append_run(seq, group.sampling_params, token_ids[i])
             outcome.num_tokens += kept
             update.seqs.append(
-                SeqUpdate(seq.sample_index, token_ids[i][:kept], None if rows is None else rows[:kept], reason, stop_token_id)
+                SeqUpdate(
+                    seq.sample_index, token_ids[i][:kept], None if rows is None else rows[:kept], reason, stop_token_id
+                )
             )
             if item.draft.from_prediction:
                 update.prediction_tokens += len(item.draft.token_ids)

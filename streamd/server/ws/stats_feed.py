@@ -8,8 +8,9 @@ Each frame is built from the typed `EngineStats` snapshot the engine thread hand
 Frame (documented in docs/SERVER.md, protocol section):
 `{"type":"stats","kv":{"total","used","cached","free"},"swap":{"total","used"},
 "requests":{"running","waiting","swapped","paused"},"prefix_cache":{"queried_tokens","hit_tokens","hit_rate"},
-"speculation":{"draft_tokens","accepted_tokens","acceptance_rate"},"generated_tokens":N,"tokens_per_s":X}`. KV `free` excludes `cached` (free blocks still holding a findable
-prefix), so used + cached + free = total. `tokens_per_s` is the output-token rate since the previous frame.
+"speculation":{"draft_tokens","accepted_tokens","acceptance_rate"},"generated_tokens":N,"tokens_per_s":X}`.
+KV `free` excludes `cached` (free blocks still holding a findable prefix), so used + cached + free = total.
+`tokens_per_s` is the output-token rate since the previous frame.
 """
 
 from __future__ import annotations
