@@ -142,10 +142,10 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # longest n-gram of the output's tail looked up
     prompt_lookup_min: int = 2  # shortest one (a prediction is also searched with 1)
     min_acceptance: float = 0.3  # a sequence whose recent acceptance falls below this stops drafting a while
-    max_batch: int = 4  # a step with more decoding sequences than this does not speculate
+    disable_by_batch_size: int = 4  # a step with more decoding sequences than this does not speculate
 
     def validate(self) -> None:
-        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "max_batch"):
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
             _positive(f"speculative.{key}", getattr(self, key))
         if self.prompt_lookup_min > self.prompt_lookup_max:
             raise ConfigError(

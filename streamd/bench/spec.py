@@ -54,6 +54,7 @@ class Sizes:
     streams: int = 32
 
 
+FULL = Sizes()
 LIGHT = Sizes(edit_requests=1, edit_sentences=4, edit_max_tokens=12, chat_requests=2, chat_max_tokens=8, streams=2)
 
 
@@ -66,7 +67,7 @@ class ModeResult:
     seconds: float = 0.0
     draft_tokens: int = 0
     accepted_tokens: int = 0
-    token_ids: list[list[int]] = field(default_factory=list)
+    outputs: list[list[int]] = field(default_factory=list)  # per request, its output token ids
 
     def summary(self, reference: ModeResult | None) -> dict[str, Any]:
         return {
@@ -77,19 +78,19 @@ class ModeResult:
             "draft_tokens": self.draft_tokens,
             "accepted_tokens": self.accepted_tokens,
             "acceptance_rate": round(self.accepted_tokens / self.draft_tokens, 4) if self.draft_tokens else None,
-            "identical_to_off": None if reference is None else self.token_ids == reference.token_ids,
+            "identical_to_off": None if reference is None else self.outputs == reference.outputs,
         }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a model path or GGUF file (default: the default model)")
     parser.add_argument("--light", action="store_true", help="tiny sizes (the test's light form)")
-    parser.add_argument("--edit-requests", type=int, default=Sizes.edit_requests)
-    parser.add_argument("--edit-sentences", type=int, default=Sizes.edit_sentences, help="sentences of the text")
-    parser.add_argument("--edit-max-tokens", type=int, default=Sizes.edit_max_tokens)
-    parser.add_argument("--chat-requests", type=int, default=Sizes.chat_requests, help="per stream count")
-    parser.add_argument("--chat-max-tokens", type=int, default=Sizes.chat_max_tokens)
-    parser.add_argument("--streams", type=int, default=Sizes.streams, help="the chat workload's wide level")
+    parser.add_argument("--edit-requests", type=int, default=FULL.edit_requests)
+    parser.add_argument("--edit-sentences", type=int, default=FULL.edit_sentences, help="sentences of the text")
+    parser.add_argument("--edit-max-tokens", type=int, default=FULL.edit_max_tokens)
+    parser.add_argument("--chat-requests", type=int, default=FULL.chat_requests, help="per stream count")
+    parser.add_argument("--chat-max-tokens", type=int, default=FULL.chat_max_tokens)
+    parser.add_argument("--streams", type=int, default=FULL.streams, help="the chat workload's wide level")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help="speculative.num_speculative_tokens")
     add_out_argument(parser)
 
@@ -119,7 +120,7 @@ def edit_requests(sizes: Sizes) -> list[tuple[str, str]]:
 
 def run_mode(engine: Any, prompts: list[list[int]], params: list[Any], streams: int) -> ModeResult:
     """Runs the requests `streams` at a time (a new one starts as one ends); times every token's arrival."""
-    result = ModeResult(token_ids=[[] for _ in prompts])
+    result = ModeResult(outputs=[[] for _ in prompts])
     before = engine.stats().scheduler
     arrivals: dict[int, list[float]] = {i: [] for i in range(len(prompts))}
     pending = list(range(len(prompts)))
@@ -137,7 +138,7 @@ def run_mode(engine: Any, prompts: list[list[int]], params: list[Any], streams: 
                 continue
             for choice in delta.outputs:
                 arrivals[i] += [time.perf_counter()] * len(choice.token_ids)
-                result.token_ids[i] += choice.token_ids
+                result.outputs[i] += choice.token_ids
             if delta.finished:
                 del live[delta.request_id]
     result.seconds = time.perf_counter() - began

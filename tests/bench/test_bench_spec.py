@@ -12,8 +12,8 @@ from streamd.bench import spec
 
 
 def test_edit_texts_are_600_to_1500_tokens(smol_llm) -> None:
-    requests = spec.edit_requests(spec.Sizes())
-    assert len(requests) == spec.Sizes.edit_requests and len({text for _, text in requests}) == len(requests)
+    requests = spec.edit_requests(spec.FULL)
+    assert len(requests) == spec.FULL.edit_requests and len({text for _, text in requests}) == len(requests)
     for instruction, text in requests:
         assert text in instruction and "Holiday" in instruction
         assert 600 <= len(smol_llm.tokenizer.encode(text)) <= 1500

@@ -51,7 +51,7 @@ def _check_identity(llm: LLM, prompts: list, max_tokens: int) -> None:
     off = _tokens(run_to_completion(engine, prompts, params))
     saved = spec.config
     try:
-        _speculate(engine, prompt_lookup=True, max_batch=len(prompts))
+        _speculate(engine, prompt_lookup=True, disable_by_batch_size=len(prompts))
         before = engine.stats().scheduler
         assert _tokens(run_to_completion(engine, prompts, params)) == off
         after = engine.stats().scheduler

@@ -12,7 +12,7 @@ they must be cheap to propose and likely to be right. Two proposers, no model:
   last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in the prompt and output so far.
 
 A sequence whose recent acceptance rate falls below `min_acceptance` stops drafting for a while (longer
-after each relapse); a step with more decoding sequences than `max_batch` does not speculate at all (the
+after each relapse); a step with more decoding sequences than `disable_by_batch_size` does not speculate at all (the
 wider forward stops paying). Requests whose sampling reads per-position state (penalties, seeds, grammars,
 beam search, a thinking budget, pending `min_tokens`) never speculate: their output stays exactly as
 without speculation. Plain Python: the scheduler owns one `Speculator`.
@@ -74,7 +74,7 @@ class Speculator:
         return (self.config.prompt_lookup or bool(group.prediction_token_ids)) and can_speculate(params)
 
     def step_allowed(self, num_decodes: int) -> bool:
-        return 0 < num_decodes <= self.config.max_batch
+        return 0 < num_decodes <= self.config.disable_by_batch_size
 
     def propose(self, seq: Sequence, group: SequenceGroup, limit: int) -> Draft | None:
         """`seq`'s drafts for this step (at most `limit` tokens), or None."""
