@@ -8,8 +8,9 @@ they must be cheap to propose and likely to be right. Two proposers, no model:
 - the request's `prediction` (OpenAI's Predicted Outputs: the text the client expects, e.g. the file
   being edited): before any output its first tokens, then what follows the output's tail where that tail
   occurs in the prediction (searched from where the last match left off, so an edit realigns);
-- prompt lookup (`speculative.prompt_lookup`): what followed the latest earlier occurrence of the output's
-  last n tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in the prompt and output so far.
+- prompt lookup (`speculative.prompt_lookup`): what followed an earlier occurrence of the output's last n
+  tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in the prompt and output so far: the first
+  one at or after where the last match ended (a copy follows its source forward), else the latest.
 
 A sequence whose recent acceptance rate falls below `min_acceptance` stops drafting for a while (longer
 after each relapse); a step with more decoding sequences than `disable_by_batch_size` does not speculate at all (the
@@ -47,6 +48,7 @@ class DraftRecord:
     paused_steps: int = 0
     relapses: int = 0
     cursor: int = 0  # where the last match in the prediction ended
+    lookup_cursor: int = 0  # where the last prompt-lookup match ended (a copy follows its source forward)
 
 
 def can_speculate(params: SamplingParams) -> bool:
@@ -87,7 +89,7 @@ class Speculator:
         k = min(limit, self.config.num_speculative_tokens, self._room(seq, group.sampling_params))
         if k <= 0 or seq.token_ids[-1] == PLACEHOLDER:
             return None
-        return self._from_prediction(seq, group, record, k) or self._from_lookup(seq, k)
+        return self._from_prediction(seq, group, record, k) or self._from_lookup(seq, record, k)
 
     def _room(self, seq: Sequence, params: SamplingParams) -> int:
         """Drafts that can still become output: the token after them is the step's own (max_tokens, context)."""
@@ -110,12 +112,17 @@ class Speculator:
         tokens = prediction[start : start + k]
         return Draft(tokens, from_prediction=True) if tokens else None
 
-    def _from_lookup(self, seq: Sequence, k: int) -> Draft | None:
+    def _from_lookup(self, seq: Sequence, record: DraftRecord, k: int) -> Draft | None:
         if not self.config.prompt_lookup:
             return None
-        tokens = seq.token_ids
-        start = find_continuation(tokens, tokens, self.config.prompt_lookup_max, self.config.prompt_lookup_min)
-        return Draft(tokens[start : start + k]) if start is not None else None
+        tokens, config = seq.token_ids, self.config
+        start = find_continuation(
+            tokens, tokens, config.prompt_lookup_max, config.prompt_lookup_min, record.lookup_cursor
+        )
+        if start is None:
+            return None
+        record.lookup_cursor = start
+        return Draft(tokens[start : start + k])
 
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verified draft of `seq`: `accepted` of its `drafted` tokens were kept."""
@@ -133,17 +140,19 @@ class Speculator:
             self._records.pop(seq.seq_id, None)
 
 
-def find_continuation(history: list[int], source: list[int], n_max: int, n_min: int, after: int = 0) -> int | None:
+def find_continuation(
+    history: list[int], source: list[int], n_max: int, n_min: int, after: int | None = None
+) -> int | None:
     """Where in `source` the continuation of `history`'s last n tokens starts (the longest n from `n_max`
-    down to `n_min` that occurs): the first occurrence ending at or after `after`, else the latest one. When
-    `source` is `history` itself, the tail's own place does not count."""
+    down to `n_min` that occurs): the first occurrence ending at or after `after` if given, else the latest
+    one. When `source` is `history` itself, the tail's own place does not count."""
     same = source is history
     for n in range(min(n_max, len(history) - same), n_min - 1, -1):
         tail = history[-n:]
         end = len(source) - 1 if same else len(source)  # an occurrence must leave a token to propose
         found = _occurrences(source, tail, end)
         if found:
-            later = [i for i in found if i + n >= after]
+            later = [i for i in found if i + n >= after] if after is not None else []
             return (later[0] if later else found[-1]) + n
     return None
 
