@@ -226,12 +226,12 @@ class LLMEngine:
             logits = self.executor.execute(out)
         if self._prompt_logprobs:
             self._take_prompt_logprobs()
+        drafted = None
+        if out.num_draft_tokens:  # (first: the other items have one row each from here on)
+            logits, sampling, drafted = split_drafts(logits, sampling)
         beams = None
         if self.requests.num_beam:
             logits, sampling, beams = self.beams.select(logits, sampling, self.requests, self.grammars)
-        drafted = None
-        if out.num_draft_tokens:
-            logits, sampling, drafted = split_drafts(logits, sampling)
         logits, sampling, forks = fork_rows(logits, sampling)
         if forks:
             self.grammars.fork_samples(forks)
