@@ -199,6 +199,22 @@ def test_abort_mid_speculation_frees_every_block(tiny: LLM) -> None:
     assert any(d.finished and d.outputs and d.outputs[0].finish_reason == "abort" for d in deltas)
 
 
+def test_beam_search_beside_a_drafting_request_is_unchanged(tiny: LLM) -> None:
+    engine = tiny.engine
+    beam_prompt, greedy_prompt = random_prompt(13, 11), random_prompt(14, 9)
+    beam = _params(n=2, use_beam_search=True, max_tokens=10)
+    greedy = _params(max_tokens=20)
+    alone = _tokens(run_to_completion(engine, [beam_prompt, greedy_prompt], [beam, greedy]))
+    before = engine.stats().scheduler.spec_accepted_tokens
+    _oracle(engine, alone[-1])
+    try:
+        mixed = run_to_completion(engine, [beam_prompt, greedy_prompt], [beam, dataclasses.replace(greedy, prediction="o")])
+    finally:
+        del engine._prediction_ids
+    assert _tokens(mixed) == alone
+    assert engine.stats().scheduler.spec_accepted_tokens > before
+
+
 def test_sampled_requests_with_drafts_end_right(tiny: LLM) -> None:
     prompt = random_prompt(8, 10)
     params = _params(n=2, temperature=0.8, top_k=20, max_tokens=30, ignore_eos=True)
