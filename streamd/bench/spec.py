@@ -157,7 +157,9 @@ def _speculation(engine: Any, prompt_lookup: bool) -> None:
     spec.config = dataclasses.replace(spec.config, prompt_lookup=prompt_lookup)
 
 
-def workload(engine: Any, name: str, chats: list[str], max_tokens: int, streams: int, predictions: list[str] | None):
+def workload(
+    engine: Any, name: str, chats: list[str], max_tokens: int, streams: int, predictions: list[str] | None
+) -> dict[str, Any]:
     """Runs one workload in every mode it has; returns its report entry."""
     from streamd.engine.sampling_params import SamplingParams
 
@@ -237,15 +239,16 @@ def run(args: argparse.Namespace) -> int:
     overrides: dict[str, Any] = {"max_num_seqs": max(sizes.streams, 1)}
     if args.num_speculative_tokens is not None:
         overrides["num_speculative_tokens"] = args.num_speculative_tokens
-    llm = LLM(args.model, **overrides)
-    engine = llm.engine
+    engine = LLM(args.model, **overrides).engine
+    speculator = engine.scheduler.speculator
+    assert speculator is not None
     report = {
         "date": date.today().isoformat(),
         "device": str(engine.device.type),
         "model": engine.model_name,
         "command": "streamd bench spec" + (" --light" if args.light else ""),
         "note": "Shared, noisy 2-core machine: compare modes within this one run only.",
-        "speculative": dataclasses.asdict(engine.scheduler.speculator.config),
+        "speculative": dataclasses.asdict(speculator.config),
         "results": measure(engine, sizes),
     }
     stem = save_report(report, args.out, "spec", markdown(report))
