@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import random
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from datetime import date
 from typing import Any
 
@@ -194,11 +195,15 @@ def measure(engine: Any, sizes: Sizes) -> list[dict[str, Any]]:
     edits = edit_requests(sizes)
     chats = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(sizes.chat_requests)]
     wide = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] + f" (variant {i})" for i in range(sizes.streams)]
-    return [
-        workload(engine, "edit", [e[0] for e in edits], sizes.edit_max_tokens, 1, [e[1] for e in edits]),
-        workload(engine, "chat", chats, sizes.chat_max_tokens, 1, None),
-        workload(engine, "chat", wide, sizes.chat_max_tokens, sizes.streams, None),
-    ]
+    results = []
+    for name, prompts, max_tokens, streams, predictions in (
+        ("edit", [e[0] for e in edits], sizes.edit_max_tokens, 1, [e[1] for e in edits]),
+        ("chat", chats, sizes.chat_max_tokens, 1, None),
+        ("chat", wide, sizes.chat_max_tokens, sizes.streams, None),
+    ):
+        results.append(workload(engine, name, prompts, max_tokens, streams, predictions))
+        print(json.dumps(results[-1]), flush=True)  # each workload as it ends (a long run shows progress)
+    return results
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -246,7 +251,8 @@ def run(args: argparse.Namespace) -> int:
         "date": date.today().isoformat(),
         "device": str(engine.device.type),
         "model": engine.model_name,
-        "command": "streamd bench spec" + (" --light" if args.light else ""),
+        "command": "streamd bench spec "
+        + ("--light" if args.light else " ".join(f"--{k.replace('_', '-')} {v}" for k, v in asdict(sizes).items())),
         "note": "Shared, noisy 2-core machine: compare modes within this one run only.",
         "speculative": dataclasses.asdict(speculator.config),
         "results": measure(engine, sizes),
