@@ -164,6 +164,31 @@ class SchedulerConfig:
 
 
 @dataclass(slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/core/speculation.py): draft tokens proposed per sequence, verified in
+    one forward. A request's `prediction` (OpenAI's Predicted Outputs) always drafts; prompt lookup drafts
+    from the prompt and the output so far when `prompt_lookup` is on."""
+
+    prompt_lookup: bool = False  # draft from n-grams of the prompt and output (no model)
+    num_speculative_tokens: int = 8  # draft tokens per sequence and step at most
+    prompt_lookup_max: int = 4  # longest n-gram of the output's tail looked up
+    prompt_lookup_min: int = 2  # shortest one (a prediction is also searched with 1)
+    min_acceptance: float = 0.3  # a sequence whose recent acceptance falls below this stops drafting a while
+    disable_by_batch_size: int = 4  # a step with more decoding sequences than this does not speculate
+
+    def validate(self) -> None:
+        for key in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size"):
+            _positive(f"speculative.{key}", getattr(self, key))
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ConfigError(
+                f"speculative.prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                f"speculative.prompt_lookup_max ({self.prompt_lookup_max})"
+            )
+        if not 0 <= self.min_acceptance <= 1:
+            raise ConfigError(f"speculative.min_acceptance must be in [0, 1], got {self.min_acceptance}")
+
+
+@dataclass(slots=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1  # N ranks, each holding 1/N of the heads, KV heads and MLP columns
     collective_timeout_s: float = 60.0  # a collective not done by then fails the step (a lost worker)
@@ -334,6 +359,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)

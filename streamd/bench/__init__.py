@@ -19,6 +19,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "replicas": ("streamd.bench.replicas", "main"),
     "fairness": ("streamd.bench.fairness", "run"),
     "multiturn": ("streamd.bench.multiturn", "run"),
+    "spec": ("streamd.bench.spec", "run"),
 }
 EXAMPLES: dict[str, str] = {
     "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
@@ -32,6 +33,7 @@ EXAMPLES: dict[str, str] = {
     "fairness": "streamd bench fairness --models null,default   # ~5 minutes on 2 cores",
     "multiturn": "streamd bench multiturn --device cpu                # the disk tier vs device-only, minutes\n"
     "  streamd bench multiturn --device cuda --conversations 128 --turns 8 --system-tokens 2048 --turn-tokens 300",
+    "spec": "streamd bench spec --out /tmp/results      # speculative decoding on vs off, CPU default model",
 }
 
 

@@ -53,7 +53,8 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--quantization", "-q"): "weights load unquantized (a GGUF file is dequantized once)",
     ("--kv-cache-dtype",): "the KV cache is kept in the model's dtype (--dtype)",
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters are not supported",
-    ("--speculative-config", "--speculative-model"): "speculative decoding is not supported",
+    ("--speculative-config", "--speculative-model"): "speculative decoding is set by the [speculative] keys "
+    "(--prompt-lookup, --num-speculative-tokens; a request's `prediction` always drafts); no draft models yet",
     ("--tokenizer", "--tokenizer-mode"): "the tokenizer is always the model's own (--model)",
     ("--revision", "--tokenizer-revision", "--download-dir"): "streamd never downloads: a Hub id must already "
     "be in the local Hugging Face cache (HF_HOME)",

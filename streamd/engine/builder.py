@@ -21,6 +21,7 @@ from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.disk_tier import DiskTier
 from streamd.engine.core.host_tier import HostCache
 from streamd.engine.core.scheduler import PreemptionCostModel, Scheduler
+from streamd.engine.core.speculation import Speculator
 from streamd.engine.output.chat_template import read_chat_template
 from streamd.engine.output.output_processor import OutputProcessor
 from streamd.engine.sample.beam_search import BeamSearches
@@ -107,7 +108,8 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         _host_cache(cache.layout, host_blocks, costs),
     )
     eos = _eos_token_ids(loaded)
-    scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos)
+    speculator = Speculator(config.speculative, max_model_len)
+    scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos, speculator)
     return EngineParts(
         loaded.name,
         loaded.tokenizer,

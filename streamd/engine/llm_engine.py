@@ -26,7 +26,7 @@ from streamd.engine.output.chat_template import chat_template_ids
 from streamd.engine.output.output_processor import OutputStage
 from streamd.engine.outputs import FinishReason, RequestDelta, RequestUpdate, SeqUpdate
 from streamd.engine.sample.beam_search import BeamSearch
-from streamd.engine.sample.rows import InFlight, SampleRows, fork_rows, launch
+from streamd.engine.sample.rows import InFlight, SampleRows, fork_rows, launch, split_drafts
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import EngineStats
 
@@ -101,6 +101,8 @@ class LLMEngine:
         isolated = params.tenant if self.config.cache.prefix_isolation == "tenant" else None
         seq = Sequence(prompt_token_ids=ids, prefix_root=prefix_root(params.cache_salt, isolated))
         group = SequenceGroup(request_id, [seq], params, prompt=text, arrival_time=arrival)
+        if params.prediction:
+            group.prediction_token_ids = self._prediction_ids(params.prediction)
         self.grammars.add(group)  # (a grammar that does not compile raises before anything else is kept)
         self.requests.add(group, self.beams.create(params, len(ids)))
         self.scheduler.add_seq_group(group)
@@ -108,6 +110,12 @@ class LLMEngine:
         if params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = [None] * len(ids)
         return ids
+
+    def _prediction_ids(self, prediction: str) -> list[int]:
+        """A request's `prediction` as draft tokens (ids the model has, up to the first it has not)."""
+        ids = self.tokenizer.encode(prediction, add_special_tokens=False)
+        bad = next((i for i, token in enumerate(ids) if not 0 <= token < self.vocab_size), len(ids))
+        return list(ids[:bad])
 
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compiles (and caches) the request's grammar, if any; raises GrammarError naming what is wrong.
@@ -185,7 +193,8 @@ class LLMEngine:
         if prev is not None:
             self.scheduler.on_step_done(prev.out)
             self.grammars.drop(self.scheduler.fork_samples(prev.forks))
-            if self.requests.num_serial:  # penalties and beam search need the tokens on the host: no overlap
+            # Penalties and beam search need the tokens on the host, and drafts continue them: no overlap.
+            if self.requests.num_serial or prev.verified is not None or self.scheduler.may_speculate():
                 deltas = self._process(updates + self._read_back(prev))
                 updates, prev = [], None
             else:
@@ -247,13 +256,16 @@ class LLMEngine:
             logits = self.executor.execute(out)
         if self._prompt_logprobs:
             self._take_prompt_logprobs()
+        drafted = None
+        if out.num_draft_tokens:  # (first: the other items have one row each from here on)
+            logits, sampling, drafted = split_drafts(logits, sampling)
         beams = None
         if self.requests.num_beam:
             logits, sampling, beams = self.beams.select(logits, sampling, self.requests, self.grammars)
         logits, sampling, forks = fork_rows(logits, sampling)
         if forks:
             self.grammars.fork_samples(forks)
-        return SampleRows(out, sampling, logits, forks, beams)
+        return SampleRows(out, sampling, logits, forks, beams, drafted)
 
     def _read_back(self, step: InFlight) -> list[RequestUpdate]:
         """Reads a launched step's tokens back: the scheduler applies them (and the beam searches theirs),
@@ -265,6 +277,11 @@ class LLMEngine:
         outcome = self.scheduler.update_from_output(
             step.sampling, result.token_ids, result.logprobs, self.grammars.acceptor()
         )
+        if step.verified is not None:
+            verified = step.verified.result()
+            self.scheduler.update_from_drafts(
+                step.verified.items, verified.token_ids, verified.logprobs, verified.accepted, outcome
+            )
         if self._prompt_logprobs:
             self._attach_prompt_logprobs(outcome.updates)
         if step.beams is not None:

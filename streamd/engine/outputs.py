@@ -55,6 +55,10 @@ class RequestUpdate:
     # token's; the first token's None), with the request's first update that carries tokens, once.
     prompt_logprobs: list[dict[int, float] | None] | None = None
     progress: Progress | None = None  # a tokenless update reporting progress before the first token
+    # Speculative decoding in this step: draft tokens taken from the request's `prediction`, and how many of
+    # them the model accepted (usage's accepted / rejected prediction tokens).
+    prediction_tokens: int = 0
+    accepted_prediction_tokens: int = 0
 
 
 @dataclass(slots=True)
@@ -88,6 +92,8 @@ class RequestDelta:
     queue_time: float | None = None  # seconds from arrival to first scheduling, once known
     prompt_logprobs: list[dict[int, float] | None] | None = None  # with the first delta (RequestUpdate's)
     progress: Progress | None = None  # the newest progress before the first token (RequestUpdate's)
+    prediction_tokens: int = 0  # draft tokens taken from the request's `prediction` (RequestUpdate's)
+    accepted_prediction_tokens: int = 0  # those the model accepted
 
     def merge(self, later: RequestDelta) -> None:
         mine, theirs = self.outputs, later.outputs
@@ -107,6 +113,8 @@ class RequestDelta:
         if self.prompt_logprobs is None:
             self.prompt_logprobs = later.prompt_logprobs
         self.progress = later.progress or self.progress
+        self.prediction_tokens += later.prediction_tokens
+        self.accepted_prediction_tokens += later.accepted_prediction_tokens
 
     @property
     def num_new_tokens(self) -> int:

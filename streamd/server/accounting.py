@@ -76,6 +76,9 @@ class RequestAccount:
         self.num_choices = num_choices
         self.tenant = tenant  # its metrics label (server/tenants.py: a configured name, never a key)
         self.num_cached_tokens = 0
+        self.predicted = False  # the request gave a `prediction`: usage reports its accepted / rejected tokens
+        self.prediction_tokens = 0  # draft tokens taken from the prediction
+        self.accepted_prediction_tokens = 0
         self.completion_tokens: dict[int, int] = {}  # per choice
         self.finish_reasons: dict[int, str] = {}  # per choice, engine names
         self.error: str | None = None
@@ -101,6 +104,8 @@ class RequestAccount:
                 self.finish_reasons[choice.index] = choice.finish_reason
         self.error = self.error or delta.error
         self.num_cached_tokens = delta.num_cached_tokens or self.num_cached_tokens
+        self.prediction_tokens += delta.prediction_tokens
+        self.accepted_prediction_tokens += delta.accepted_prediction_tokens
         if delta.queue_time is not None:
             self._queue_time = delta.queue_time
         if count:
@@ -172,6 +177,11 @@ class RequestAccount:
         }
         if self.num_cached_tokens:
             body["prompt_tokens_details"] = {"cached_tokens": self.num_cached_tokens}
+        if self.predicted:  # (as OpenAI: rejected ones are draft tokens of the prediction the model refused)
+            body["completion_tokens_details"] = {
+                "accepted_prediction_tokens": self.accepted_prediction_tokens,
+                "rejected_prediction_tokens": self.prediction_tokens - self.accepted_prediction_tokens,
+            }
         return body
 
     # ---- closing -----------------------------------------------------------------------------------

@@ -23,7 +23,6 @@ NAMED_IGNORED = frozenset(
         "metadata",
         "store",
         "parallel_tool_calls",
-        "prediction",
         "modalities",
         "audio",
         "reasoning_effort",

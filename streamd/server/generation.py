@@ -161,6 +161,9 @@ class Generation:
             raise ServiceError("invalid_request", f"unknown parameter {unknown[0]!r}", unknown[0])
         fields = {k: v for k, v in raw.items() if v is not None}
         structured_from_fields(fields)
+        if "prediction" in fields:
+            fields["prediction"] = prediction_text(fields["prediction"])
+            self.check_chars(len(fields["prediction"]), "prediction")
         if prompt_logprobs is not None:
             fields["prompt_logprobs"] = prompt_logprobs
         if "thinking_token_budget" in fields:
@@ -248,6 +251,7 @@ class Generation:
             num_choices=prepared.params.n,
             tenant=tenant.label,
         )
+        account.predicted = prepared.params.prediction is not None
         try:
             await engine.submit(
                 request_id, prepared.prompt, prepared.params, sink, prompt_token_ids=prepared.prompt_token_ids
@@ -300,6 +304,23 @@ def _grammar_refusal() -> Iterator[None]:
         yield
     except RequestError as exc:
         raise ServiceError(exc.code, str(exc), "structured_outputs") from exc
+
+
+def prediction_text(value: Any) -> str:
+    """OpenAI's `prediction` (Predicted Outputs): `{"type": "content", "content": text or [text parts]}`, or
+    the text itself (`/v1/stream`); its text, or a refusal naming the field."""
+    if isinstance(value, str):
+        return value
+    content = value.get("content") if isinstance(value, dict) and value.get("type") == "content" else None
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+        content = "".join(str(p.get("text", "")) for p in content)
+    if not isinstance(content, str):
+        raise ServiceError(
+            "invalid_request",
+            'prediction must be {"type": "content", "content": a string or text parts} (or a string)',
+            "prediction",
+        )
+    return content
 
 
 def chat_chars(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> int:

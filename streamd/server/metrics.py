@@ -145,6 +145,10 @@ class EngineStatsCollector(Collector):
             "streamd_recomputed_tokens", "Tokens prefilled again after recompute preemption.", sched.recomputed_tokens
         )
         yield _counter("streamd_generation_tokens", "Output tokens generated.", stats.generated_tokens)
+        yield _counter(
+            "streamd_spec_draft_tokens", "Draft tokens verified (speculative decoding).", sched.spec_draft_tokens
+        )
+        yield _counter("streamd_spec_accepted_tokens", "Draft tokens accepted.", sched.spec_accepted_tokens)
         yield _gauge("streamd_grammar_cache_bytes", "Compiled grammars cached, in bytes.", stats.grammar_cache_bytes)
         yield from self._tenants(sched.tenants)
 

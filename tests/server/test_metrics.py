@@ -14,7 +14,7 @@ GAUGES = ["streamd_requests_running", "streamd_requests_waiting", "streamd_reque
           "streamd_kv_blocks_used", "streamd_kv_blocks_free", "streamd_swap_blocks_used", "streamd_ws_connections"]
 COUNTERS = ["streamd_prefix_cache_queried_tokens", "streamd_prefix_cache_hit_tokens", "streamd_preemptions",
             "streamd_swapped_blocks", "streamd_recomputed_tokens", "streamd_requests", "streamd_ws_closes",
-            "streamd_generation_tokens"]
+            "streamd_generation_tokens", "streamd_spec_draft_tokens", "streamd_spec_accepted_tokens"]
 
 
 async def scrape(http: httpx.AsyncClient) -> dict[str, dict[tuple, float]]:

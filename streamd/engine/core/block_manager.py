@@ -215,6 +215,13 @@ class BlockManager:
             table.append(self._alloc())
         return copies
 
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Gives back the blocks of `seq`'s table past its first `num_tokens` slots (the slots rejected draft
+        tokens took: their KV was never registered, so nothing findable goes)."""
+        table, keep = seq.block_table, self.blocks_needed(num_tokens)
+        while len(table) > keep:
+            self._release(table.pop())
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` shares every block of `parent` (both pools); it must not own blocks yet. Only a
         sequence past its prompt forks: shared blocks are then written only through `append_slots`."""

@@ -59,9 +59,11 @@ from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.fairness import FLEX, FairShare, starving, tier_of
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.core.speculation import Speculator
 from streamd.engine.core.step_cost import StepCost, StepShape
 from streamd.engine.core.stop_checker import StopChecker
-from streamd.engine.outputs import RequestUpdate, SeqUpdate
+from streamd.engine.outputs import FinishReason, RequestUpdate, SeqUpdate
+from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import SchedulerStats
 
 _RUNNING = SequenceStatus.RUNNING
@@ -94,8 +96,10 @@ class Scheduler:
         max_model_len: int,
         cost_model: PreemptionCostModel | None = None,
         eos_token_ids: Iterable[int] = (),
+        speculator: Speculator | None = None,
     ) -> None:
         self.config = scheduler_config
+        self.speculator = speculator  # draft tokens for decodes (speculative decoding); None: never
         self.block_manager = block_manager
         self.max_model_len = max_model_len
         self.cost_model = cost_model
@@ -232,8 +236,10 @@ class Scheduler:
         if not preempted:
             num_seqs, budget = self._schedule_swapped(out, decodes, partial, num_seqs, budget)
         prefills: list[ScheduledSeq] = []
+        num_drafts = self._add_drafts(out, decodes, budget)
+        budget -= num_drafts
         shape = out.shape
-        shape.tokens = len(decodes)
+        shape.tokens = len(decodes) + num_drafts
         for item in partial:
             item.num_new_tokens = self._chunk(shape, item.seq, item.num_new_tokens, budget)
             if item.num_new_tokens <= 0:
@@ -245,6 +251,7 @@ class Scheduler:
             self.block_manager.end_step()
         out.num_prefill_tokens = sum(item.num_new_tokens for item in prefills)
         out.num_decode_tokens = len(decodes)
+        out.num_draft_tokens = num_drafts
         prefills.extend(decodes)
         out.scheduled = prefills
         self.fair.charge(prefills)
@@ -291,6 +298,32 @@ class Scheduler:
         order = sorted(self.waiting, key=self._rank)
         self.waiting.clear()
         self.waiting.extend(order)
+    def may_speculate(self) -> bool:
+        """Whether the next step may draft (then the engine takes the previous step's tokens first: drafts
+        continue them)."""
+        spec, running = self.speculator, self.running
+        if spec is None or not spec.step_allowed(len(running)):
+            return False
+        return any(spec.wants(group) for group in running)
+
+    def _add_drafts(self, out: SchedulerOutput, decodes: list[ScheduledSeq], budget: int) -> int:
+        """Draft tokens for the step's decodes (speculative decoding), within the token `budget` and the free
+        blocks above the watermark (a draft never preempts); returns how many."""
+        spec, bm = self.speculator, self.block_manager
+        if spec is None or not spec.step_allowed(len(decodes)):
+            return 0
+        total = 0
+        for item in decodes:
+            draft = spec.propose(item.seq, item.group, budget - total) if budget > total else None
+            if draft is None:
+                continue
+            slots = 1 + len(draft.token_ids)
+            if bm.blocks_to_append(item.seq, slots) > bm.num_free_blocks() - bm.watermark_blocks:
+                continue
+            out.blocks_to_copy.extend(bm.append_slots(item.seq, slots))
+            item.draft = draft
+            total += len(draft.token_ids)
+        return total
 
     def _chunk(self, shape: StepShape, seq: Sequence, wanted: int, budget: int) -> int:
         """The tokens of `seq`'s next prompt chunk: what it wants within the token `budget` and, with a
@@ -634,6 +667,57 @@ class Scheduler:
                 ended.append(group)
         return StepOutcome(updates, ended, kept)
 
+    def update_from_drafts(
+        self,
+        items: list[ScheduledSeq],
+        token_ids: list[list[int]],
+        logprobs: list[list[dict[int, float]]] | None,
+        accepted: list[int],
+        outcome: StepOutcome,
+    ) -> None:
+        """A speculative step's verified tokens, into `outcome`: item i kept `accepted[i]` of its draft tokens
+        and `token_ids[i]` (those plus the model's own next one). Each token is appended and stop-checked in
+        turn (a stop token or max_tokens inside the run ends it there); the accepted drafts' KV counts as
+        computed, the blocks the rejected ones took go back."""
+        assert self.speculator is not None
+        bm = self.block_manager
+        for i, item in enumerate(items):
+            seq, group = item.seq, item.group
+            if seq.status >= FINISHED or item.draft is None:
+                continue
+            self.speculator.record(seq, len(item.draft.token_ids), accepted[i])
+            update = _update_of(outcome, group)
+            rows = logprobs[i] if logprobs is not None and group.sampling_params.logprobs is not None else None
+            kept, reason, stop_token_id = self._append_run(seq, group.sampling_params, token_ids[i])
+            outcome.num_tokens += kept
+            update.seqs.append(
+                SeqUpdate(
+                    seq.sample_index, token_ids[i][:kept], None if rows is None else rows[:kept], reason, stop_token_id
+                )
+            )
+            if item.draft.from_prediction:
+                update.prediction_tokens += len(item.draft.token_ids)
+                update.accepted_prediction_tokens += min(accepted[i], kept)
+            if reason is not None:
+                seq.status = SequenceStatus.of_reason(reason)
+                outcome.ended.append(group)
+                continue
+            seq.num_computed_tokens += accepted[i]
+            bm.truncate(seq, seq.num_tokens)
+            if bm.enable_prefix_caching:
+                bm.mark_computed(seq)
+
+    def _append_run(
+        self, seq: Sequence, params: SamplingParams, tokens: list[int]
+    ) -> tuple[int, FinishReason | None, int | None]:
+        """Appends `tokens` to `seq` up to the first that ends it; returns how many and the stop found."""
+        for count, token in enumerate(tokens, 1):
+            seq.append_token(token)
+            reason, stop_token_id = self.stops.check(seq, params)
+            if reason is not None:
+                return count, reason, stop_token_id
+        return len(tokens), None, None
+
     def _dead_end(self, seq: Sequence, update: RequestUpdate) -> SeqUpdate:
         """A constrained sequence whose grammar allowed no token (e.g. min_tokens masked the only one
         left): it ends, without the token sampled from nothing, and the request says why."""
@@ -704,6 +788,8 @@ class Scheduler:
         return self._arrival[group.request_id]
 
     def _forget(self, group: SequenceGroup) -> None:
+        if self.speculator is not None:
+            self.speculator.forget(group)
         self._blocked = None
         self.paused.discard(group.request_id)
         if self._groups.pop(group.request_id, None) is not None:
@@ -736,6 +822,8 @@ class Scheduler:
             self.recomputed_tokens,
             len(self.paused),
             self.fair.stats(),
+            self.speculator.draft_tokens if self.speculator is not None else 0,
+            self.speculator.accepted_tokens if self.speculator is not None else 0,
         )
 
 
@@ -760,6 +848,16 @@ def _may_take_seat(group: SequenceGroup, unserved: set[str], paused: set[str]) -
     """A waiting group of a tenant with nothing running, neither paused nor `flex` (spare capacity only)."""
     params = group.sampling_params
     return params.tenant in unserved and group.request_id not in paused and params.service_tier != "flex"
+
+
+def _update_of(outcome: StepOutcome, group: SequenceGroup) -> RequestUpdate:
+    """The request's update in `outcome`, made when it has none yet."""
+    update = outcome.updates.get(group.request_id)
+    if update is None:
+        update = outcome.updates[group.request_id] = RequestUpdate(
+            group.request_id, [], group.num_cached_tokens, group.first_scheduled_time
+        )
+    return update
 
 
 def _running_parts(group: SequenceGroup) -> tuple[list[Sequence], list[ScheduledSeq]]:

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from streamd.engine.core.kv_tiers import TierOrders
 from streamd.engine.core.sequence import Sequence, SequenceGroup
+from streamd.engine.core.speculation import Draft
 from streamd.engine.core.step_cost import StepShape
 from streamd.engine.outputs import RequestUpdate
 
@@ -20,6 +21,9 @@ class ScheduledSeq:
     seq: Sequence
     group: SequenceGroup
     num_new_tokens: int
+    # A decode's draft tokens, run after its token in the same forward (speculative decoding); the step's
+    # verification keeps those the model agrees with. Not counted in `num_new_tokens`.
+    draft: Draft | None = None
 
     @property
     def samples(self) -> bool:
@@ -40,6 +44,7 @@ class SchedulerOutput:
     rejected: list[tuple[SequenceGroup, str]] = field(default_factory=list)
     num_prefill_tokens: int = 0
     num_decode_tokens: int = 0
+    num_draft_tokens: int = 0  # draft tokens of the decodes (speculative decoding), beside `num_decode_tokens`
     shape: StepShape = field(default_factory=StepShape)  # what the step cost model reads of it
     # Moves to and from the prefix cache's lower tier (spills read first, restores before the forward).
     tier_orders: TierOrders = field(default_factory=TierOrders.none)

@@ -142,6 +142,8 @@ class SequenceGroup:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None  # monotonic; set by the scheduler when it first admits it
     num_cached_tokens: int = 0
+    # The request's `prediction` (the output it expects), tokenized: drafts for speculative decoding.
+    prediction_token_ids: list[int] = field(default_factory=list)
 
     @property
     def prompt_token_ids(self) -> list[int]:

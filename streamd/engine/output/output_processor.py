@@ -114,20 +114,21 @@ class OutputProcessor:
             state.queue_time = max(0.0, update.scheduled_time - state.arrival_time)
         state.num_cached_tokens = update.num_cached_tokens or state.num_cached_tokens
         outputs: list[CompletionDelta] = []
-        for seq in update.seqs:
-            choice = state.choices[seq.index]
-            if choice.finish_reason is not None:
-                continue  # a token sampled after a stop string ended the choice: void
-            delta = self._process_choice(state, choice, seq)
-            if delta.finish_reason is not None:
-                choice.finish_reason = delta.finish_reason
-                state.num_unfinished -= 1
-                if seq.finish_reason is None:  # a stop string: the engine does not know yet
-                    stop_hits.append(StopHit(state.request_id, seq.index))
-            if outputs and outputs[-1].index == delta.index:  # a final beam comes as text, then its stop token
-                outputs[-1].merge(delta)
-            else:
-                outputs.append(delta)
+        for whole in update.seqs:
+            choice = state.choices[whole.index]
+            for seq in _stop_string_parts(whole, state.params):
+                if choice.finish_reason is not None:
+                    break  # a token sampled after a stop string ended the choice: void
+                delta = self._process_choice(state, choice, seq)
+                if delta.finish_reason is not None:
+                    choice.finish_reason = delta.finish_reason
+                    state.num_unfinished -= 1
+                    if seq.finish_reason is None:  # a stop string: the engine does not know yet
+                        stop_hits.append(StopHit(state.request_id, seq.index))
+                if outputs and outputs[-1].index == delta.index:  # a final beam: text, then its stop token
+                    outputs[-1].merge(delta)
+                else:
+                    outputs.append(delta)
         if update.error is not None:
             outputs.extend(self._finish_rest(state))
         finished = state.num_unfinished == 0 or update.error is not None
@@ -145,6 +146,8 @@ class OutputProcessor:
             state.queue_time,
             update.prompt_logprobs,
             update.progress,
+            update.prediction_tokens,
+            update.accepted_prediction_tokens,
         )
 
     def _process_choice(self, state: RequestState, choice: ChoiceState, seq: SeqUpdate) -> CompletionDelta:
@@ -201,6 +204,27 @@ class OutputProcessor:
         if not params.detokenize:
             return None
         return make_detokenizer(self.tokenizer, self._byte_table, prompt_token_ids, params.skip_special_tokens)
+
+
+def _stop_string_parts(seq: SeqUpdate, params: SamplingParams) -> list[SeqUpdate]:
+    """A run of several new tokens (speculative decoding keeps several per step) meets stop strings one token
+    at a time, so that the output ends at the token that completed the stop string, as without the run; and
+    a run ending in a stop token comes as its other tokens, then the stop token (whose text is dropped)."""
+    last = len(seq.token_ids) - 1
+    if last < 1 or not (params.stop or seq.finish_reason is not None):
+        return [seq]
+    cuts = list(range(last + 1)) if params.stop else [0, last]
+    ends = [*cuts[1:], last + 1]
+    return [
+        SeqUpdate(
+            seq.index,
+            seq.token_ids[start:end],
+            None if seq.logprobs is None else seq.logprobs[start:end],
+            seq.finish_reason if end > last else None,
+            seq.stop_token_id if end > last else None,
+        )
+        for start, end in zip(cuts, ends)
+    ]
 
 
 def _find_stop(text: str, num_new_chars: int, params: SamplingParams) -> tuple[int, str] | None:

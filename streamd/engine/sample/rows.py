@@ -19,6 +19,7 @@ from streamd.engine.core.sequence import Sequence, SequenceGroup
 from streamd.engine.sample.beam_search import PendingCandidates
 from streamd.engine.sample.grammar import Grammars
 from streamd.engine.sample.sampler import PendingSample, Sampler
+from streamd.engine.sample.speculative import PendingVerify, verify
 
 Forks = list[tuple[ScheduledSeq, list[Sequence]]]  # a completing prompt's row and the samples made from it
 
@@ -33,6 +34,7 @@ class SampleRows:
     logits: torch.Tensor
     forks: Forks
     beams: PendingCandidates | None  # beam search requests' candidates (their rows are not in `sampling`)
+    drafted: DraftRows | None = None  # decodes with draft tokens (their rows are not in `sampling`)
 
 
 @dataclass(slots=True)
@@ -46,7 +48,43 @@ class InFlight:
     # Prompts that completed in this step and the samples made from them, forked once their KV is written.
     forks: Forks
     beams: PendingCandidates | None = None
+    verified: PendingVerify | None = None  # decodes with draft tokens: their verification
     dispatch_s: float = 0.0  # host seconds spent queuing its forward and sampling (on the CPU: computing them)
+
+
+@dataclass(slots=True)
+class DraftRows:
+    """The decodes of a step that carry draft tokens, and their logits rows (k + 1 each, item after item)."""
+
+    items: list[ScheduledSeq]
+    logits: torch.Tensor
+
+
+def split_drafts(
+    logits: torch.Tensor, sampling: list[ScheduledSeq]
+) -> tuple[torch.Tensor, list[ScheduledSeq], DraftRows | None]:
+    """Separates the rows of decodes with drafts (several each) from the others (one each)."""
+    plain_rows: list[int] = []
+    draft_rows: list[int] = []
+    plain: list[ScheduledSeq] = []
+    drafted: list[ScheduledSeq] = []
+    row = 0
+    for item in sampling:
+        if item.draft is None:
+            plain_rows.append(row)
+            plain.append(item)
+            row += 1
+            continue
+        count = len(item.draft.token_ids) + 1
+        draft_rows.extend(range(row, row + count))
+        drafted.append(item)
+        row += count
+    if not drafted:
+        return logits, sampling, None
+    dev = logits.device
+    mine = logits.index_select(0, torch.tensor(draft_rows, dtype=torch.int64).to(dev))
+    others = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.int64).to(dev))
+    return others, plain, DraftRows(drafted, mine)
 
 
 def fork_rows(logits: torch.Tensor, sampling: list[ScheduledSeq]) -> tuple[torch.Tensor, list[ScheduledSeq], Forks]:
@@ -76,7 +114,9 @@ def launch(step: SampleRows, sampler: Sampler, grammars: Grammars, constrained: 
         logits, seqs, [item.group.sampling_params for item in sampling], bitmask, owns_logits=True
     )
     rows = {item.seq.seq_id: i for i, item in enumerate(sampling)}
-    return InFlight(step.out, sampling, pending, rows, step.forks, step.beams)
+    drafted = step.drafted
+    verified = verify(sampler, drafted.logits, drafted.items) if drafted is not None else None
+    return InFlight(step.out, sampling, pending, rows, step.forks, step.beams, verified)
 
 
 def _children(group: SequenceGroup) -> list[Sequence]:

@@ -217,6 +217,31 @@ class Sampler:
     ) -> torch.Tensor:
         """Random sampling of rows none of which is greedy (`distinct`: their distinct params)."""
         dev = x.device
+        probs = self.distribution(x, params, distinct)
+        q = _exponential(torch.empty_like(probs), self._unseeded_generator(dev))
+        if any(p.seed is not None for p in distinct):
+            # Seeded rows: a fresh generator per row and step, keyed by (seed, sample, position) —
+            # no state carried between steps, so batch composition and preemption cannot change it.
+            for i, (s, p) in enumerate(zip(seqs, params)):
+                if p.seed is not None:
+                    gen = torch.Generator(device=dev)
+                    gen.manual_seed(_mix(p.seed, s.sample_index, s.num_output_tokens))
+                    _exponential(q[i], gen)
+        return probs.div_(q).argmax(dim=-1)
+
+    def draw(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row of `probs` (unnormalized is fine) by the exponential race, and a uniform draw
+        per row (speculative decoding's acceptance test), from the engine's unseeded generator."""
+        generator = self._unseeded_generator(probs.device)
+        q = _exponential(torch.empty_like(probs), generator)
+        uniform = torch.empty(probs.shape[0], dtype=torch.float32, device=probs.device).uniform_(generator=generator)
+        return probs.div(q).argmax(dim=-1), uniform
+
+    def distribution(
+        self, x: torch.Tensor, params: list[SamplingParams], distinct: list[SamplingParams]
+    ) -> torch.Tensor:
+        """The probabilities non-greedy rows sample from: temperature, min-p, top-k, top-p, softmax."""
+        dev = x.device
         x = x.float()
         # Temperature: a scalar when all rows agree (the common case), else a column.
         x = x / self._scalar_or_column(params, "temperature", distinct, dev)
@@ -236,17 +261,7 @@ class Sampler:
         if bounded:
             x = self._on_rows(x, params, bounded, self._top_k_top_p_bounded)
 
-        probs = torch.softmax(x, dim=-1)
-        q = _exponential(torch.empty_like(probs), self._unseeded_generator(dev))
-        if any(p.seed is not None for p in distinct):
-            # Seeded rows: a fresh generator per row and step, keyed by (seed, sample, position) —
-            # no state carried between steps, so batch composition and preemption cannot change it.
-            for i, (s, p) in enumerate(zip(seqs, params)):
-                if p.seed is not None:
-                    gen = torch.Generator(device=dev)
-                    gen.manual_seed(_mix(p.seed, s.sample_index, s.num_output_tokens))
-                    _exponential(q[i], gen)
-        return probs.div_(q).argmax(dim=-1)
+        return torch.softmax(x, dim=-1)
 
     def _on_rows(
         self,

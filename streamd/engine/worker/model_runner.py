@@ -233,6 +233,12 @@ class ModelRunner:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             end = start + n
             table = seq.block_table
+            if item.draft is not None:  # a decode and its draft tokens: every position samples (verification)
+                end = _add_drafted(item, tokens, positions, slots, sample_idx, bs)
+                seq_lens.append(end)
+                query_lens.append(end - start)
+                tables.append(table)
+                continue
             if n == 1:  # a decode: the common case at large batch, without slices and ranges
                 tokens.append(seq.token_ids[start])
                 positions.append(start)
@@ -270,6 +276,23 @@ class ModelRunner:
         for i, table in enumerate(tables):
             rows[i, : len(table)] = table
         return to_device(rows, torch.int32, self.device)
+
+
+def _add_drafted(
+    item: ScheduledSeq, tokens: list[int], positions: list[int], slots: list[int], sample_idx: list[int], bs: int
+) -> int:
+    """A decode's token and its drafts (speculative decoding) into the batch lists, each position a
+    sampling row (position i's logits verify draft i + 1); returns the sequence's length with them."""
+    assert item.draft is not None
+    seq, start = item.seq, item.seq.num_computed_tokens
+    run = [seq.token_ids[start], *item.draft.token_ids]
+    end = start + len(run)
+    table = seq.block_table
+    sample_idx.extend(range(len(tokens), len(tokens) + len(run)))
+    tokens.extend(run)
+    positions.extend(range(start, end))
+    slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+    return end
 
 
 def _add_prompt_rows(batch: ModelInput, prefills: list[ScheduledSeq], dev: torch.device) -> None:

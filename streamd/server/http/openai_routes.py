@@ -516,13 +516,18 @@ def _usage(calls: list[_Call]) -> dict[str, Any]:
     """The calls' usage, summed (a batch's)."""
     total: dict[str, Any] = {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0}
     cached = 0
+    details: dict[str, int] = {}  # completion_tokens_details (a `prediction`'s accepted / rejected tokens)
     for call in calls:
         usage = call.account.usage()
         for name in ("prompt_tokens", "completion_tokens", "total_tokens"):
             total[name] += usage[name]
         cached += usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+        for name, count in usage.get("completion_tokens_details", {}).items():
+            details[name] = details.get(name, 0) + count
     if cached:
         total["prompt_tokens_details"] = {"cached_tokens": cached}
+    if details:
+        total["completion_tokens_details"] = details
     return total
 
 

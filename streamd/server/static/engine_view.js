@@ -1,6 +1,7 @@
 // The live engine view: draws each `stats` frame (see stats_feed.py) the chat socket subscribed to.
 // KV blocks as a grid (one cell per block, or per few blocks on a large pool: used, cached, free; the
-// host swap pool's used blocks after them), request counts, prefix-cache hit rate and tokens/s with a
+// host swap pool's used blocks after them), request counts, prefix-cache hit rate, speculative decoding's
+// draft acceptance rate and tokens/s with a
 // one-minute sparkline. Canvas drawing and CSSOM only, so a strict CSP holds.
 "use strict";
 (() => {
@@ -99,6 +100,10 @@
       (t) => `${t.name} ${t.hit_blocks}` + (t.blocks === undefined ? "" : ` (holds ${t.blocks})`)).join(" · "));
     show("engine-tps", frame.tokens_per_s.toFixed(1));
     showTenants(frame.tenants || []);
+    const spec = frame.speculation;
+    show("spec-accept", spec && spec.draft_tokens ? `${(spec.acceptance_rate * 100).toFixed(1)}%` : "–");
+    show("spec-drafts", spec ? spec.draft_tokens : "–");
+    $("spec-accept").title = spec ? `${spec.accepted_tokens} of ${spec.draft_tokens} draft tokens accepted` : "";
     rates.push(frame.tokens_per_s);
     if (rates.length > HISTORY) rates.shift();
     drawGrid(kv, swap);

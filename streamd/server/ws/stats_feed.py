@@ -8,8 +8,9 @@ Each frame is built from the typed `EngineStats` snapshot the engine thread hand
 Frame (documented in docs/SERVER.md, protocol section):
 `{"type":"stats","kv":{"total","used","cached","free"},"swap":{"total","used"},
 "requests":{"running","waiting","swapped","paused"},"prefix_cache":{"queried_tokens","hit_tokens","hit_rate","tiers"},
-"generated_tokens":N,"tokens_per_s":X}`. KV `free` excludes `cached` (free blocks still holding a findable
-prefix), so used + cached + free = total. `tokens_per_s` is the output-token rate since the previous frame.
+"speculation":{"draft_tokens","accepted_tokens","acceptance_rate"},"generated_tokens":N,"tokens_per_s":X}`.
+KV `free` excludes `cached` (free blocks still holding a findable prefix), so used + cached + free = total.
+`tokens_per_s` is the output-token rate since the previous frame.
 """
 
 from __future__ import annotations
@@ -57,6 +58,11 @@ def stats_frame(stats: EngineStats, tokens_per_s: float, tenant_label: Callable[
             "hit_rate": kv.prefix_hit_tokens / queried if queried else 0.0,
             "tiers": [{"name": "device", "hit_blocks": kv.device_hit_blocks}]
             + [{"name": t.name, "hit_blocks": t.hit_blocks, "blocks": t.blocks} for t in kv.tiers],
+        },
+        "speculation": {
+            "draft_tokens": sched.spec_draft_tokens,
+            "accepted_tokens": sched.spec_accepted_tokens,
+            "acceptance_rate": sched.spec_accepted_tokens / sched.spec_draft_tokens if sched.spec_draft_tokens else 0.0,
         },
         "generated_tokens": stats.generated_tokens,
         "tokens_per_s": round(tokens_per_s, 2),

@@ -20,7 +20,7 @@ def test_frame_from_engine_stats() -> None:
                       tiers=[TierStats("disk", blocks=30, capacity_blocks=1000, hit_blocks=7, bytes_read=70,
                                        bytes_written=300)])
     sched = SchedulerStats(num_running=3, num_waiting=2, num_swapped=1, preemptions_swap=1, preemptions_recompute=0,
-                           recomputed_tokens=0, num_paused=4,
+                           recomputed_tokens=0, num_paused=4, spec_draft_tokens=80, spec_accepted_tokens=60,
                            tenants=[TenantStats("alice", 10, 5, 1, 20.0), TenantStats("key-1f2e", 7, 3, 0, 13.0),
                                     TenantStats("user-9a8b", 100, 50, 2, 200.0)])
     named = {"alice"}.__contains__
@@ -33,6 +33,7 @@ def test_frame_from_engine_stats() -> None:
         "requests": {"running": 3, "waiting": 2, "swapped": 1, "paused": 4},
         "prefix_cache": {"queried_tokens": 400, "hit_tokens": 100, "hit_rate": 0.25,
                          "tiers": [{"name": "device", "hit_blocks": 5}, {"name": "disk", "hit_blocks": 7, "blocks": 30}]},
+        "speculation": {"draft_tokens": 80, "accepted_tokens": 60, "acceptance_rate": 0.75},
         "generated_tokens": 1234,
         "tokens_per_s": 12.35,
         "tenants": [  # unnamed tenants (digests) summed as "other", most served first

@@ -1,0 +1,177 @@
+"""Speculation: which draft tokens a decoding sequence proposes this step, and when it stops proposing.
+
+Speculative decoding runs k draft tokens after a sequence's last token through the model in one forward
+(a k+1-token query over its cached blocks) and keeps the longest prefix the model agrees with plus one
+token of its own (`engine/sample/speculative.py` decides the agreement). Drafts cost a wider forward, so
+they must be cheap to propose and likely to be right. Two proposers, no model:
+
+- the request's `prediction` (OpenAI's Predicted Outputs: the text the client expects, e.g. the file
+  being edited): before any output its first tokens, then what follows the output's tail where that tail
+  occurs in the prediction (searched from where the last match left off, so an edit realigns);
+- prompt lookup (`speculative.prompt_lookup`): what followed an earlier occurrence of the output's last n
+  tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in the prompt and output so far: the first
+  one at or after where the last match ended (a copy follows its source forward), else the latest.
+
+A sequence whose recent acceptance rate falls below `min_acceptance` stops drafting for a while (longer
+after each relapse); a step with more decoding sequences than `disable_by_batch_size` does not speculate at all (the
+wider forward stops paying). Requests whose sampling reads per-position state (penalties, seeds, grammars,
+beam search, a thinking budget, pending `min_tokens`) never speculate: their output stays exactly as
+without speculation. Plain Python: the scheduler owns one `Speculator`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from streamd.config import SpeculativeConfig
+from streamd.engine.core.sequence import PLACEHOLDER, Sequence, SequenceGroup
+from streamd.engine.sampling_params import SamplingParams
+
+_RATE_WEIGHT = 0.3  # weight of the newest step in a sequence's acceptance rate (exponential average)
+_BASE_PAUSE_STEPS = 8  # steps a sequence below the floor stops drafting, doubled per relapse
+_MAX_PAUSE_STEPS = 256
+
+
+@dataclass(slots=True)
+class Draft:
+    """Draft tokens proposed for one sequence in one step, and whether they came from its prediction."""
+
+    token_ids: list[int]
+    from_prediction: bool = False
+
+
+@dataclass(slots=True)
+class DraftRecord:
+    """One sequence's speculation history: its recent acceptance rate and its pause."""
+
+    rate: float = 1.0
+    paused_steps: int = 0
+    relapses: int = 0
+    cursor: int = 0  # where the last match in the prediction ended
+    lookup_cursor: int = 0  # where the last prompt-lookup match ended (a copy follows its source forward)
+
+
+def can_speculate(params: SamplingParams) -> bool:
+    """Whether drafts can be verified without changing what the request samples (context-free sampling)."""
+    return not (
+        params.use_beam_search
+        or params.uses_penalties
+        or params.seed is not None
+        or params.structured_outputs is not None
+        or params.thinking_token_budget is not None
+    )
+
+
+class Speculator:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self._records: dict[int, DraftRecord] = {}  # seq_id -> its history
+        self.draft_tokens = 0  # cumulative draft tokens verified
+        self.accepted_tokens = 0  # cumulative draft tokens accepted
+
+    def wants(self, group: SequenceGroup) -> bool:
+        """Whether `group` may draft at all (a prediction, or prompt lookup on, and context-free sampling)."""
+        params = group.sampling_params
+        return (self.config.prompt_lookup or bool(group.prediction_token_ids)) and can_speculate(params)
+
+    def step_allowed(self, num_decodes: int) -> bool:
+        return 0 < num_decodes <= self.config.disable_by_batch_size
+
+    def propose(self, seq: Sequence, group: SequenceGroup, limit: int) -> Draft | None:
+        """`seq`'s drafts for this step (at most `limit` tokens), or None."""
+        if not self.wants(group) or seq.num_output_tokens < group.sampling_params.min_tokens:
+            return None
+        record = self._records.setdefault(seq.seq_id, DraftRecord())
+        if record.paused_steps:
+            record.paused_steps -= 1
+            return None
+        k = min(limit, self.config.num_speculative_tokens, self._room(seq, group.sampling_params))
+        if k <= 0 or seq.token_ids[-1] == PLACEHOLDER:
+            return None
+        return self._from_prediction(seq, group, record, k) or self._from_lookup(seq, record, k)
+
+    def _room(self, seq: Sequence, params: SamplingParams) -> int:
+        """Drafts that can still become output: the token after them is the step's own (max_tokens, context)."""
+        room = self.max_model_len - seq.num_tokens - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        return room
+
+    def _from_prediction(self, seq: Sequence, group: SequenceGroup, record: DraftRecord, k: int) -> Draft | None:
+        prediction = group.prediction_token_ids
+        if not prediction:
+            return None
+        output = seq.output_token_ids
+        if not output:
+            return Draft(prediction[:k], from_prediction=True)
+        start = find_continuation(output, prediction, self.config.prompt_lookup_max, 1, record.cursor)
+        if start is None:
+            return None
+        record.cursor = start
+        tokens = prediction[start : start + k]
+        return Draft(tokens, from_prediction=True) if tokens else None
+
+    def _from_lookup(self, seq: Sequence, record: DraftRecord, k: int) -> Draft | None:
+        if not self.config.prompt_lookup:
+            return None
+        tokens, config = seq.token_ids, self.config
+        start = find_continuation(
+            tokens, tokens, config.prompt_lookup_max, config.prompt_lookup_min, record.lookup_cursor
+        )
+        if start is None:
+            return None
+        record.lookup_cursor = start
+        return Draft(tokens[start : start + k])
+
+    def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
+        """A verified draft of `seq`: `accepted` of its `drafted` tokens were kept."""
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        record = self._records.setdefault(seq.seq_id, DraftRecord())
+        record.rate += _RATE_WEIGHT * (accepted / drafted - record.rate)
+        if record.rate < self.config.min_acceptance:
+            record.paused_steps = min(_BASE_PAUSE_STEPS << record.relapses, _MAX_PAUSE_STEPS)
+            record.relapses += 1
+            record.rate = self.config.min_acceptance  # one more bad step after the pause stops it again
+
+    def forget(self, group: SequenceGroup) -> None:
+        for seq in group.seqs:
+            self._records.pop(seq.seq_id, None)
+
+
+def find_continuation(
+    history: list[int], source: list[int], n_max: int, n_min: int, after: int | None = None
+) -> int | None:
+    """Where in `source` the continuation of `history`'s last n tokens starts (the longest n from `n_max`
+    down to `n_min` that occurs): the first occurrence ending at or after `after` if given, else the latest
+    one. When `source` is `history` itself, the tail's own place does not count."""
+    same = source is history
+    for n in range(min(n_max, len(history) - same), n_min - 1, -1):
+        tail = history[-n:]
+        end = len(source) - 1 if same else len(source)  # an occurrence must leave a token to propose
+        found = _occurrences(source, tail, end)
+        if found:
+            later = [i for i in found if i + n >= after] if after is not None else []
+            return (later[0] if later else found[-1]) + n
+    return None
+
+
+def _occurrences(source: list[int], tail: list[int], end: int) -> list[int]:
+    """Starts of `tail` in `source` that end before `end`, in order."""
+    first, n, found = tail[0], len(tail), []
+    i = _index(source, first, 0, end - n + 1)
+    while i is not None:
+        if source[i : i + n] == tail:
+            found.append(i)
+        i = _index(source, first, i + 1, end - n + 1)
+    return found
+
+
+def _index(source: list[int], value: int, start: int, stop: int) -> int | None:
+    if start >= stop:
+        return None
+    try:
+        return source.index(value, start, stop)
+    except ValueError:
+        return None

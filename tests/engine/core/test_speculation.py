@@ -1,0 +1,74 @@
+"""The draft proposers and the acceptance floor (plain Python): what prompt lookup and a prediction propose,
+that drafts stop short of max_tokens, and that a sequence whose drafts keep failing stops drafting a while."""
+
+from __future__ import annotations
+
+from streamd.config import SpeculativeConfig
+from streamd.engine.core.sequence import Sequence, SequenceGroup
+from streamd.engine.core.speculation import Speculator, find_continuation
+from streamd.engine.sampling_params import SamplingParams
+
+
+def _group(prompt: list[int], output: list[int], prediction: list[int] = (), **params) -> SequenceGroup:
+    seq = Sequence(prompt_token_ids=list(prompt))
+    for token in output:
+        seq.append_token(token)
+    group = SequenceGroup("r", [seq], SamplingParams(temperature=0, **params))
+    group.prediction_token_ids = list(prediction)
+    return group
+
+
+def test_prompt_lookup_follows_its_last_match_forward() -> None:
+    tokens = [1, 2, 3, 4, 5, 9, 1, 2, 3, 7, 8, 1, 2, 3]
+    assert find_continuation(tokens, tokens, 3, 2) == 9  # no match before: the latest earlier occurrence
+    assert find_continuation(tokens, tokens, 3, 2, after=0) == 3  # the first one at or after the last match
+    assert find_continuation(tokens, tokens, 3, 2, after=4) == 9
+    alone = [5, 6, 7]
+    assert find_continuation(alone, alone, 3, 1) is None  # only the tail itself
+    assert find_continuation([4, 4], [9, 4, 4, 1], 2, 1) == 3
+
+
+def test_a_prediction_drafts_from_its_start_then_where_the_output_left_it() -> None:
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=3), max_model_len=100)
+    prediction = [10, 11, 12, 13, 14, 15, 16]
+    fresh = _group([1, 2], [], prediction, max_tokens=50)
+    assert spec.propose(fresh.seqs[0], fresh, 8).token_ids == [10, 11, 12]
+    edited = _group([1, 2], [10, 11, 99, 13], prediction, max_tokens=50)  # an edit, then back on the text
+    draft = spec.propose(edited.seqs[0], edited, 8)
+    assert draft.token_ids == [14, 15, 16] and draft.from_prediction
+    unrelated = _group([1, 2], [50, 51], prediction, max_tokens=50)
+    assert spec.propose(unrelated.seqs[0], unrelated, 8) is None  # prompt lookup is off
+
+
+def test_drafts_stop_short_of_max_tokens_and_the_budget() -> None:
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=8), max_model_len=100)
+    group = _group([1], [10], list(range(10, 40)), max_tokens=5)
+    assert len(spec.propose(group.seqs[0], group, 8).token_ids) == 3  # 1 + 3 drafts + the model's own = 5
+    assert len(spec.propose(group.seqs[0], group, 2).token_ids) == 2
+    last = _group([1], [10, 11, 12, 13], list(range(10, 40)), max_tokens=5)
+    assert spec.propose(last.seqs[0], last, 8) is None
+
+
+def test_failing_drafts_pause_a_sequence_longer_after_each_relapse() -> None:
+    spec = Speculator(SpeculativeConfig(prompt_lookup=True, min_acceptance=0.5), max_model_len=100)
+    group = _group([1, 2, 3, 1, 2], [3], max_tokens=50)
+    seq = group.seqs[0]
+    assert spec.propose(seq, group, 8) is not None
+    pauses = []
+    for _ in range(2):
+        while spec.propose(seq, group, 8) is not None:
+            spec.record(seq, 4, 0)
+        skipped = 0
+        while spec.propose(seq, group, 8) is None:
+            skipped += 1
+        pauses.append(skipped)
+    assert pauses[0] >= 1 and pauses[1] > pauses[0]
+    assert spec.draft_tokens > 0 and spec.accepted_tokens == 0
+
+
+def test_requests_whose_sampling_reads_their_history_never_draft() -> None:
+    spec = Speculator(SpeculativeConfig(prompt_lookup=True), max_model_len=100)
+    for params in ({"repetition_penalty": 1.2}, {"seed": 1, "temperature": 0.5}, {"min_tokens": 5}):
+        group = _group([1, 2, 3, 1, 2], [3], max_tokens=50)
+        group.sampling_params = SamplingParams(max_tokens=50, **params)
+        assert spec.propose(group.seqs[0], group, 8) is None, params
