@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import pytest
-
 from streamd.bench import spec
 
 
@@ -19,7 +17,6 @@ def test_edit_texts_are_600_to_1500_tokens(smol_llm) -> None:
         assert 600 <= len(smol_llm.tokenizer.encode(text)) <= 1500
 
 
-@pytest.mark.slow
 def test_light_run_reports_every_mode_and_identical_tokens(tmp_path) -> None:
     parser = argparse.ArgumentParser()
     spec.add_arguments(parser)

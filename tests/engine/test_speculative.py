@@ -13,7 +13,7 @@ import dataclasses
 import pytest
 
 from streamd import LLM, SamplingParams
-from tests.helpers import random_prompt, run_to_completion, tiny_llm
+from tests.helpers import random_prompt, run_to_completion, sizes, tiny_llm
 
 
 def _speculate(engine, **changes) -> None:
@@ -64,13 +64,10 @@ def _check_identity(llm: LLM, prompts: list, max_tokens: int) -> None:
         spec.config = saved
 
 
-def test_greedy_tokens_are_identical_with_speculation_on_the_default_model(smol_llm: LLM) -> None:
-    _check_identity(smol_llm, PROMPTS[:2], max_tokens=20)
-
-
-@pytest.mark.slow
-def test_greedy_tokens_are_identical_with_speculation_over_many_prompts(smol_llm: LLM) -> None:
-    _check_identity(smol_llm, PROMPTS, max_tokens=40)
+@pytest.mark.parametrize("size", sizes((2, 20), (len(PROMPTS), 40)))
+def test_greedy_tokens_are_identical_with_speculation_on_the_default_model(smol_llm: LLM, size) -> None:
+    count, max_tokens = size
+    _check_identity(smol_llm, PROMPTS[:count], max_tokens=max_tokens)
 
 
 # ---- a random model with oracle drafts ------------------------------------------------------------
