@@ -18,7 +18,7 @@ import pytest
 from streamd.engine.client import wire
 from streamd.engine.client.loop import STEP_BATCH_WIRE, CallResult, Rejection, StepBatch
 from streamd.engine.client.wire import Codec
-from streamd.engine.outputs import CompletionDelta, RequestDelta, RequestUpdate, SeqUpdate
+from streamd.engine.outputs import CompletionDelta, Progress, RequestDelta, RequestUpdate, SeqUpdate
 from streamd.engine.stats import EngineStats, KVCacheStats, SchedulerStats, TenantStats, TierStats
 
 
@@ -64,7 +64,7 @@ def _cross(codec: Codec[Any], record: Any) -> Any:
 
 def test_the_step_batch_codec_reaches_every_record() -> None:
     assert STEP_BATCH_WIRE.records == {StepBatch, Rejection, RequestDelta, CompletionDelta, RequestUpdate, SeqUpdate,
-                                       EngineStats, KVCacheStats, SchedulerStats, TenantStats, TierStats}
+                                       EngineStats, KVCacheStats, SchedulerStats, TenantStats, TierStats, Progress}
 
 
 @pytest.mark.parametrize("record", sorted(STEP_BATCH_WIRE.records, key=lambda c: c.__name__),
