@@ -298,6 +298,7 @@ class Scheduler:
         order = sorted(self.waiting, key=self._rank)
         self.waiting.clear()
         self.waiting.extend(order)
+
     def may_speculate(self) -> bool:
         """Whether the next step may draft (then the engine takes the previous step's tokens first: drafts
         continue them)."""
