@@ -52,8 +52,11 @@ lint: setup
 	$(PY) -m mypy
 
 # Each slow scenario (`@pytest.mark.slow`, most as the "full" size beside a "light" one) runs only in test-all.
+# Two workers (pytest-xdist), one file at a time each: a file's tests keep sharing their module fixtures, and a
+# test that waits on a server or a subprocess no longer leaves the second core idle.
+TEST_WORKERS ?= 2
 test: setup browser nginx
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 test-all: setup browser nginx
 	$(PY) -m pytest -q
