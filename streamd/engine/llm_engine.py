@@ -184,6 +184,8 @@ class LLMEngine:
         Outputs therefore trail the device by one step. A batch with grammar-constrained rows keeps the
         overlap: its forward is queued first, then the previous step's tokens are read back and advance
         the matchers, and the masks are filled while the device runs the forward."""
+        if self.executor.failed:  # each step fails at once, so the engine loop declares the engine dead
+            raise RuntimeError("the executor failed in an earlier step; the engine cannot step")
         for request in self.requests.expired():  # timeout_s / queue_timeout_s: the output so far is kept
             self._pending.append(self._end(request.group, "timeout"))
         updates, self._pending = self._pending, []

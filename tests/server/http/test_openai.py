@@ -3,6 +3,8 @@ OpenAI error bodies with the right status, a disconnect aborts the request."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import httpx
 import openai
 import pytest
@@ -136,7 +138,8 @@ def test_text_events_are_the_chunks_encoded_whole(kind: str, include_usage: bool
     """The pre-split SSE chunk gives, for any text, the bytes of the chunk built and encoded whole."""
     from streamd.server.http.openai_routes import TextEvents, _Call, _chunk, _data, _piece
 
-    call = _Call(kind, "cmpl-x\"y", "model \u00e9", 1700000000, None, None, None)  # type: ignore[arg-type]
+    prepared = SimpleNamespace(service_tier="default")
+    call = _Call(kind, "cmpl-x\"y", "model \u00e9", 1700000000, prepared, None, None)  # type: ignore[arg-type]
     extra = {"usage": None} if include_usage else {}
     events = TextEvents(call, extra)
     for index in (0, 3):
