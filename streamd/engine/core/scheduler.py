@@ -252,9 +252,9 @@ class Scheduler:
         out.num_prefill_tokens = sum(item.num_new_tokens for item in prefills)
         out.num_decode_tokens = len(decodes)
         out.num_draft_tokens = num_drafts
+        self.fair.charge(prefills, decodes)
         prefills.extend(decodes)
         out.scheduled = prefills
-        self.fair.charge(prefills)
         out.tier_orders = self.block_manager.take_tier_orders()
         return out
 
