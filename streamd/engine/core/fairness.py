@@ -125,6 +125,10 @@ class FairShare:
         for name, count in Counter(item.group.sampling_params.tenant for item in decodes).items():
             self._charge_output(tenants[name], count)
 
+    def charge_output(self, name: str, count: int) -> None:
+        """`count` more output tokens of tenant `name` (a speculative step's accepted drafts)."""
+        self._charge_output(self.tenants[name], count)
+
     @staticmethod
     def _charge_output(tenant: Tenant, count: int) -> None:
         tenant.output_tokens += count

@@ -691,6 +691,7 @@ class Scheduler:
             rows = logprobs[i] if logprobs is not None and group.sampling_params.logprobs is not None else None
             kept, reason, stop_token_id = self._append_run(seq, group.sampling_params, token_ids[i])
             outcome.num_tokens += kept
+            self.fair.charge_output(group.sampling_params.tenant, kept - 1)  # (the step charged its own token)
             update.seqs.append(
                 SeqUpdate(
                     seq.sample_index, token_ids[i][:kept], None if rows is None else rows[:kept], reason, stop_token_id
