@@ -301,11 +301,13 @@ class Scheduler:
 
     def may_speculate(self) -> bool:
         """Whether the next step may draft (then the engine takes the previous step's tokens first: drafts
-        continue them)."""
+        continue them, so the step is not overlapped): few enough running sequences, one of which may draft
+        (wants to, and is not pausing after failed drafts). O(1) past `disable_by_batch_size` groups."""
         spec, running = self.speculator, self.running
-        if spec is None or not spec.step_allowed(len(running)):
+        if spec is None or not spec.step_allowed(len(running)):  # (more groups: more sequences too)
             return False
-        return any(spec.wants(group) for group in running)
+        live = [(seq, group) for group in running for seq in group.seqs if seq.status is _RUNNING]
+        return spec.step_allowed(len(live)) and any(spec.may_draft(seq, group) for seq, group in live)
 
     def _add_drafts(self, out: SchedulerOutput, decodes: list[ScheduledSeq], budget: int) -> int:
         """Draft tokens for the step's decodes (speculative decoding), within the token `budget` and the free
