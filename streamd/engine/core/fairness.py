@@ -19,7 +19,7 @@ tenant and no tiers the order is arrival order: `fcfs` and `fair` schedule alike
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from streamd.engine.core.scheduler_output import ScheduledSeq
@@ -133,6 +133,10 @@ class FairShare:
     def _charge_output(tenant: Tenant, count: int) -> None:
         tenant.output_tokens += count
         tenant.counter += OUTPUT_WEIGHT * count / tenant.weight
+
+    def unserved(self, served: Container[str]) -> set[str]:
+        """The active tenants not in `served` (O(active tenants))."""
+        return {name for name in self._active if name not in served}
 
     def preempted(self, group: SequenceGroup) -> None:
         self.tenants[group.sampling_params.tenant].preemptions += 1

@@ -278,7 +278,7 @@ class Scheduler:
         if self.swapped or sum(len(g.seqs) for g in running) < self.max_num_seqs:
             return
         seats = Counter(g.sampling_params.tenant for g in running)
-        unserved = {name for name, t in self.fair.tenants.items() if t.active and name not in seats}
+        unserved = self.fair.unserved(seats)
         if not unserved or seats.most_common(1)[0][1] < 2:
             return
         candidate = next((g for g in self.waiting if _may_take_seat(g, unserved, self.paused)), None)
