@@ -505,6 +505,8 @@ class Scheduler:
                 if skip is None or starving(group, time.monotonic()):
                     break
                 skip.add(group)
+                if len(skip.tenants) == self.fair.num_active:  # every tenant held back: the rest too
+                    break
                 k += 1
                 continue
             del waiting[k]
