@@ -74,6 +74,7 @@ class FairShare:
     tenants: dict[str, Tenant] = field(default_factory=dict)
     _active: dict[str, Tenant] = field(default_factory=dict)  # the tenants with `active` groups (an index)
     _tiered: int = 0  # active groups outside the default tier or with a priority
+    _expected: dict[str, float] = field(default_factory=dict)  # request id -> `_expected_cost` over its weight
     _idle_stats: tuple[list[TenantStats], TenantStats | None] | None = None  # `_idle_rows`'s cache; None: stale
 
     def arrive(self, group: SequenceGroup) -> None:
@@ -87,6 +88,7 @@ class FairShare:
             self._idle_stats = None
         tenant.active += 1
         self._tiered += _tiered(group)
+        self._expected[group.request_id] = _expected_cost(group) / tenant.weight
 
     def leave(self, group: SequenceGroup) -> None:
         name = group.sampling_params.tenant
@@ -96,6 +98,7 @@ class FairShare:
             del self._active[name]
             self._idle_stats = None
         self._tiered -= _tiered(group)
+        del self._expected[group.request_id]
         if len(self.tenants) > MAX_TENANTS:
             self._forget_idle()
 
@@ -162,13 +165,12 @@ class FairShare:
         pending: dict[str, float] = {}
         keyed = []
         for group in groups:
-            tenant = group.sampling_params.tenant
+            tenant, rid = group.sampling_params.tenant, group.request_id
             charged = pending.get(tenant, 0.0)
-            keyed.append((self.key(group, rank[group.request_id], charged), group))
-            cost = _expected_cost(group) / self.tenants[tenant].weight
-            pending[tenant] = charged + cost
-        keyed.sort(key=lambda pair: pair[0])
-        return [group for _, group in keyed]
+            keyed.append((*self.key(group, rank[rid], charged), group))
+            pending[tenant] = charged + self._expected[rid]
+        keyed.sort()  # (the ranks differ: two groups are never compared)
+        return [item[-1] for item in keyed]
 
     def _tenant(self, name: str) -> Tenant:
         tenant = self.tenants.get(name)
