@@ -137,11 +137,6 @@ class FairShare:
         tenant.output_tokens += count
         tenant.counter += OUTPUT_WEIGHT * count / tenant.weight
 
-    @property
-    def num_active(self) -> int:
-        """Tenants with groups in the queues (every queued group's tenant is one)."""
-        return len(self._active)
-
     def unserved(self, served: Container[str]) -> set[str]:
         """The active tenants not in `served` (O(active tenants))."""
         return {name for name in self._active if name not in served}

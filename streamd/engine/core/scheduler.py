@@ -505,7 +505,7 @@ class Scheduler:
                 if skip is None or starving(group, time.monotonic()):
                     break
                 skip.add(group)
-                if len(skip.tenants) == self.fair.num_active:  # every tenant held back: the rest too
+                if skip.holds_all(waiting):
                     break
                 k += 1
                 continue
@@ -841,6 +841,7 @@ class _Skipped:
 
     tenants: set[str] = field(default_factory=set)
     flex: bool = False
+    queued: set[str] | None = None  # the tenants with a waiting group, once one is held back
 
     def add(self, group: SequenceGroup) -> None:
         self.tenants.add(group.sampling_params.tenant)
@@ -848,6 +849,14 @@ class _Skipped:
 
     def holds(self, group: SequenceGroup) -> bool:
         return group.sampling_params.tenant in self.tenants or (self.flex and tier_of(group) == FLEX)
+
+    def holds_all(self, waiting: Iterable[SequenceGroup]) -> bool:
+        """Whether every tenant with a group in `waiting` is held back: then the rest of the queue is too, and
+        the step's admission need not walk it (a long queue in overload). Admission only takes groups out of the
+        queue (a paused group that a preemption puts back is not admitted)."""
+        if self.queued is None:
+            self.queued = {group.sampling_params.tenant for group in waiting}
+        return self.tenants >= self.queued
 
 
 def _may_take_seat(group: SequenceGroup, unserved: set[str], paused: set[str]) -> bool:
