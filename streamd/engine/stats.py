@@ -67,7 +67,7 @@ class SchedulerStats:
     preemptions_recompute: int  # cumulative
     recomputed_tokens: int  # cumulative tokens prefilled again after recompute preemption
     num_paused: int = 0  # requests not scheduled because their reader fell behind (they keep their blocks)
-    tenants: list[TenantStats] = field(default_factory=list)  # every tenant seen, by first arrival
+    tenants: list[TenantStats] = field(default_factory=list)  # most served first; past 16 the rest as "other"
     spec_draft_tokens: int = 0  # cumulative draft tokens verified (speculative decoding)
     spec_accepted_tokens: int = 0  # cumulative draft tokens accepted
 

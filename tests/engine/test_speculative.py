@@ -107,9 +107,12 @@ def test_accepted_runs_and_refusals_keep_greedy_tokens(tiny: LLM, every: int) ->
     params = _params(temperature=0, max_tokens=60, ignore_eos=True)
     off = run_to_completion(tiny.engine, [prompt], params)[0].outputs[0].token_ids
     before = tiny.engine.stats().scheduler
+    tenant = tiny.engine.scheduler.fair.tenants[params.tenant]
+    served = tenant.output_tokens
     on = _run_with_oracle(tiny, prompt, params, _corrupted(off, every)).outputs[0].token_ids
     after = tiny.engine.stats().scheduler
     assert on == off
+    assert tenant.output_tokens - served == len(on)  # accepted drafts count as output in the fair share
     drafted = after.spec_draft_tokens - before.spec_draft_tokens
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     if every < 1000:

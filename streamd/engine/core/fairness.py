@@ -18,7 +18,8 @@ tenant and no tiers the order is arrival order: `fcfs` and `fair` schedule alike
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections import Counter
+from collections.abc import Container, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from streamd.engine.core.scheduler_output import ScheduledSeq
@@ -64,25 +65,40 @@ class Tenant:
 @dataclass(slots=True)
 class FairShare:
     """Per-tenant counters and the orders built from them (`fair`); with `fair` False every tenant's
-    counter is left out of the order (first come, first served within a tier)."""
+    counter is left out of the order (first come, first served within a tier). Every step reads it
+    (`reorders`, `charge`, `stats`): those cost O(active tenants), not O(tenants remembered), and one tenant
+    charges its decodes at once."""
 
     fair: bool = True
     weights: Mapping[str, float] = field(default_factory=dict)
     tenants: dict[str, Tenant] = field(default_factory=dict)
+    _active: dict[str, Tenant] = field(default_factory=dict)  # the tenants with `active` groups (an index)
     _tiered: int = 0  # active groups outside the default tier or with a priority
+    _expected: dict[str, float] = field(default_factory=dict)  # request id -> `_expected_cost` over its weight
+    _idle_stats: tuple[list[TenantStats], TenantStats | None] | None = None  # `_idle_rows`'s cache; None: stale
 
     def arrive(self, group: SequenceGroup) -> None:
         """A group entered the queues: its tenant, newly active, is lifted to the least active counter."""
-        tenant = self._tenant(group.sampling_params.tenant)
+        name = group.sampling_params.tenant
+        tenant = self._tenant(name)
         if tenant.active == 0:
-            counters = [t.counter for t in self.tenants.values() if t.active]
+            counters = [t.counter for t in self._active.values()]
             tenant.counter = max(tenant.counter, min(counters, default=tenant.counter))
+            self._active[name] = tenant
+            self._idle_stats = None
         tenant.active += 1
         self._tiered += _tiered(group)
+        self._expected[group.request_id] = _expected_cost(group) / tenant.weight
 
     def leave(self, group: SequenceGroup) -> None:
-        self.tenants[group.sampling_params.tenant].active -= 1
+        name = group.sampling_params.tenant
+        tenant = self.tenants[name]
+        tenant.active -= 1
+        if tenant.active == 0:
+            del self._active[name]
+            self._idle_stats = None
         self._tiered -= _tiered(group)
+        del self._expected[group.request_id]
         if len(self.tenants) > MAX_TENANTS:
             self._forget_idle()
 
@@ -92,20 +108,38 @@ class FairShare:
         idle = sorted((t.counter, name) for name, t in self.tenants.items() if not t.active)
         for _, name in idle[: len(self.tenants) - MAX_TENANTS // 2]:
             del self.tenants[name]
+        self._idle_stats = None
 
-    def charge(self, scheduled: Iterable[ScheduledSeq]) -> None:
-        """The step's tokens to their tenants' counters: a chunk's tokens as prompt (a recompute's too), each
-        token the step samples as output."""
+    def charge(self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> None:
+        """The step's tokens to their tenants' counters: a prompt chunk's tokens as prompt (a recompute's too)
+        and its token if it samples as output; a decode's token as output. One active tenant takes all the
+        decodes at once (no loop over the batch)."""
         tenants = self.tenants
-        for item in scheduled:
-            tenant, seq, cost = tenants[item.group.sampling_params.tenant], item.seq, 0.0
-            if item.num_new_tokens > 1 or seq.num_computed_tokens < seq.num_prompt_tokens:
-                tenant.prompt_tokens += item.num_new_tokens
-                cost = PROMPT_WEIGHT * item.num_new_tokens
+        for item in prefills:
+            tenant = tenants[item.group.sampling_params.tenant]
+            tenant.prompt_tokens += item.num_new_tokens
+            tenant.counter += PROMPT_WEIGHT * item.num_new_tokens / tenant.weight
             if item.samples:
-                tenant.output_tokens += 1
-                cost += OUTPUT_WEIGHT
-            tenant.counter += cost / tenant.weight
+                self._charge_output(tenant, 1)
+        if len(self._active) == 1:
+            if decodes:
+                self._charge_output(next(iter(self._active.values())), len(decodes))
+            return
+        for name, count in Counter(item.group.sampling_params.tenant for item in decodes).items():
+            self._charge_output(tenants[name], count)
+
+    def charge_output(self, name: str, count: int) -> None:
+        """`count` more output tokens of tenant `name` (a speculative step's accepted drafts)."""
+        self._charge_output(self.tenants[name], count)
+
+    @staticmethod
+    def _charge_output(tenant: Tenant, count: int) -> None:
+        tenant.output_tokens += count
+        tenant.counter += OUTPUT_WEIGHT * count / tenant.weight
+
+    def unserved(self, served: Container[str]) -> set[str]:
+        """The active tenants not in `served` (O(active tenants))."""
+        return {name for name in self._active if name not in served}
 
     def preempted(self, group: SequenceGroup) -> None:
         self.tenants[group.sampling_params.tenant].preemptions += 1
@@ -113,7 +147,7 @@ class FairShare:
     @property
     def reorders(self) -> bool:
         """Whether the order can differ from arrival order (several active tenants, or tiers)."""
-        return self._tiered > 0 or (self.fair and sum(1 for t in self.tenants.values() if t.active) > 1)
+        return self._tiered > 0 or (self.fair and len(self._active) > 1)
 
     def key(self, group: SequenceGroup, rank: int, charged: float = 0.0) -> tuple[int, int, float, int]:
         """Ascending: admitted first, preempted last."""
@@ -126,13 +160,12 @@ class FairShare:
         pending: dict[str, float] = {}
         keyed = []
         for group in groups:
-            tenant = group.sampling_params.tenant
+            tenant, rid = group.sampling_params.tenant, group.request_id
             charged = pending.get(tenant, 0.0)
-            keyed.append((self.key(group, rank[group.request_id], charged), group))
-            cost = _expected_cost(group) / self.tenants[tenant].weight
-            pending[tenant] = charged + cost
-        keyed.sort(key=lambda pair: pair[0])
-        return [group for _, group in keyed]
+            keyed.append((*self.key(group, rank[rid], charged), group))
+            pending[tenant] = charged + self._expected[rid]
+        keyed.sort()  # (the ranks differ: two groups are never compared)
+        return [item[-1] for item in keyed]
 
     def _tenant(self, name: str) -> Tenant:
         tenant = self.tenants.get(name)
@@ -141,20 +174,42 @@ class FairShare:
         return tenant
 
     def stats(self) -> list[TenantStats]:
-        """The STATS_TENANTS most served tenants, the rest summed as OTHER (a bounded snapshot per step)."""
-        ranked = sorted(self.tenants.items(), key=lambda item: -item[1].counter)
-        shown = [TenantStats(n, t.prompt_tokens, t.output_tokens, t.preemptions, t.counter) for n, t in ranked]
-        if len(shown) <= STATS_TENANTS:
-            return shown
-        rest = shown[STATS_TENANTS - 1 :]
-        other = TenantStats(
-            OTHER,
-            sum(r.prompt_tokens for r in rest),
-            sum(r.output_tokens for r in rest),
-            sum(r.preemptions for r in rest),
-            max(r.virtual_tokens for r in rest),
-        )
-        return [*shown[: STATS_TENANTS - 1], other]
+        """The STATS_TENANTS most served tenants, the rest summed as OTHER (a bounded snapshot per step). Only
+        the active tenants' counts change, so the idle ones are ranked once per change of the idle set."""
+        idle, idle_rest = self._idle_rows()
+        rows = sorted([*map(_row, self._active.items()), *idle], key=_most_served)
+        if idle_rest is None and len(rows) <= STATS_TENANTS:
+            return rows
+        rest = rows[STATS_TENANTS - 1 :] + ([idle_rest] if idle_rest is not None else [])
+        return [*rows[: STATS_TENANTS - 1], _summed(rest)]
+
+    def _idle_rows(self) -> tuple[list[TenantStats], TenantStats | None]:
+        """The idle tenants' STATS_TENANTS most served rows and the rest summed (None: none), cached."""
+        if self._idle_stats is None:
+            idle = sorted((_row(item) for item in self.tenants.items() if not item[1].active), key=_most_served)
+            rest = idle[STATS_TENANTS:]
+            self._idle_stats = idle[:STATS_TENANTS], _summed(rest) if rest else None
+        return self._idle_stats
+
+
+def _row(item: tuple[str, Tenant]) -> TenantStats:
+    name, t = item
+    return TenantStats(name, t.prompt_tokens, t.output_tokens, t.preemptions, t.counter)
+
+
+def _most_served(row: TenantStats) -> float:
+    return -row.virtual_tokens
+
+
+def _summed(rows: list[TenantStats]) -> TenantStats:
+    """`rows` as one OTHER row: their tallies summed, the highest counter."""
+    return TenantStats(
+        OTHER,
+        sum(r.prompt_tokens for r in rows),
+        sum(r.output_tokens for r in rows),
+        sum(r.preemptions for r in rows),
+        max(r.virtual_tokens for r in rows),
+    )
 
 
 def _tiered(group: SequenceGroup) -> int:

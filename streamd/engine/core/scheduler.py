@@ -252,9 +252,9 @@ class Scheduler:
         out.num_prefill_tokens = sum(item.num_new_tokens for item in prefills)
         out.num_decode_tokens = len(decodes)
         out.num_draft_tokens = num_drafts
+        self.fair.charge(prefills, decodes)
         prefills.extend(decodes)
         out.scheduled = prefills
-        self.fair.charge(prefills)
         out.tier_orders = self.block_manager.take_tier_orders()
         return out
 
@@ -278,7 +278,7 @@ class Scheduler:
         if self.swapped or sum(len(g.seqs) for g in running) < self.max_num_seqs:
             return
         seats = Counter(g.sampling_params.tenant for g in running)
-        unserved = {name for name, t in self.fair.tenants.items() if t.active and name not in seats}
+        unserved = self.fair.unserved(seats)
         if not unserved or seats.most_common(1)[0][1] < 2:
             return
         candidate = next((g for g in self.waiting if _may_take_seat(g, unserved, self.paused)), None)
@@ -301,11 +301,13 @@ class Scheduler:
 
     def may_speculate(self) -> bool:
         """Whether the next step may draft (then the engine takes the previous step's tokens first: drafts
-        continue them)."""
+        continue them, so the step is not overlapped): few enough running sequences, one of which may draft
+        (wants to, and is not pausing after failed drafts). O(1) past `disable_by_batch_size` groups."""
         spec, running = self.speculator, self.running
-        if spec is None or not spec.step_allowed(len(running)):
+        if spec is None or not spec.step_allowed(len(running)):  # (more groups: more sequences too)
             return False
-        return any(spec.wants(group) for group in running)
+        live = [(seq, group) for group in running for seq in group.seqs if seq.status is _RUNNING]
+        return spec.step_allowed(len(live)) and any(spec.may_draft(seq, group) for seq, group in live)
 
     def _add_drafts(self, out: SchedulerOutput, decodes: list[ScheduledSeq], budget: int) -> int:
         """Draft tokens for the step's decodes (speculative decoding), within the token `budget` and the free
@@ -503,6 +505,8 @@ class Scheduler:
                 if skip is None or starving(group, time.monotonic()):
                     break
                 skip.add(group)
+                if skip.holds_all(waiting):
+                    break
                 k += 1
                 continue
             del waiting[k]
@@ -691,6 +695,7 @@ class Scheduler:
             rows = logprobs[i] if logprobs is not None and group.sampling_params.logprobs is not None else None
             kept, reason, stop_token_id = self._append_run(seq, group.sampling_params, token_ids[i])
             outcome.num_tokens += kept
+            self.fair.charge_output(group.sampling_params.tenant, kept - 1)  # (the step charged its own token)
             update.seqs.append(
                 SeqUpdate(
                     seq.sample_index, token_ids[i][:kept], None if rows is None else rows[:kept], reason, stop_token_id
@@ -836,6 +841,7 @@ class _Skipped:
 
     tenants: set[str] = field(default_factory=set)
     flex: bool = False
+    queued: set[str] | None = None  # the tenants with a waiting group, once one is held back
 
     def add(self, group: SequenceGroup) -> None:
         self.tenants.add(group.sampling_params.tenant)
@@ -843,6 +849,14 @@ class _Skipped:
 
     def holds(self, group: SequenceGroup) -> bool:
         return group.sampling_params.tenant in self.tenants or (self.flex and tier_of(group) == FLEX)
+
+    def holds_all(self, waiting: Iterable[SequenceGroup]) -> bool:
+        """Whether every tenant with a group in `waiting` is held back: then the rest of the queue is too, and
+        the step's admission need not walk it (a long queue in overload). Admission only takes groups out of the
+        queue (a paused group that a preemption puts back is not admitted)."""
+        if self.queued is None:
+            self.queued = {group.sampling_params.tenant for group in waiting}
+        return self.tenants >= self.queued
 
 
 def _may_take_seat(group: SequenceGroup, unserved: set[str], paused: set[str]) -> bool:

@@ -78,6 +78,11 @@ class Speculator:
     def step_allowed(self, num_decodes: int) -> bool:
         return 0 < num_decodes <= self.config.disable_by_batch_size
 
+    def may_draft(self, seq: Sequence, group: SequenceGroup) -> bool:
+        """Whether `propose` may draft for `seq` next step: it wants to, and it is not pausing."""
+        record = self._records.get(seq.seq_id)
+        return self.wants(group) and (record is None or record.paused_steps == 0)
+
     def propose(self, seq: Sequence, group: SequenceGroup, limit: int) -> Draft | None:
         """`seq`'s drafts for this step (at most `limit` tokens), or None."""
         if not self.wants(group) or seq.num_output_tokens < group.sampling_params.min_tokens:

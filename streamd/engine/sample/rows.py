@@ -20,6 +20,7 @@ from streamd.engine.sample.beam_search import PendingCandidates
 from streamd.engine.sample.grammar import Grammars
 from streamd.engine.sample.sampler import PendingSample, Sampler
 from streamd.engine.sample.speculative import PendingVerify, verify
+from streamd.engine.worker.host_to_device import to_device
 
 Forks = list[tuple[ScheduledSeq, list[Sequence]]]  # a completing prompt's row and the samples made from it
 
@@ -82,8 +83,8 @@ def split_drafts(
     if not drafted:
         return logits, sampling, None
     dev = logits.device
-    mine = logits.index_select(0, torch.tensor(draft_rows, dtype=torch.int64).to(dev))
-    others = logits.index_select(0, torch.tensor(plain_rows, dtype=torch.int64).to(dev))
+    mine = logits.index_select(0, to_device(draft_rows, torch.int64, dev))
+    others = logits.index_select(0, to_device(plain_rows, torch.int64, dev))
     return others, plain, DraftRows(drafted, mine)
 
 

@@ -10,7 +10,7 @@ import zlib
 import pytest
 
 from streamd.config import SchedulerConfig
-from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, STARVING_S
+from streamd.engine.core.fairness import OTHER, OUTPUT_WEIGHT, PROMPT_WEIGHT, STARVING_S, STATS_TENANTS
 from streamd.engine.core.prefix_cache import ROOT_HASH, prefix_root
 from streamd.engine.core.scheduler import Scheduler
 from streamd.engine.core.sequence import Sequence, SequenceGroup
@@ -29,6 +29,7 @@ class TenantEngine(FakeEngine):
         self.admitted: list[str] = []
         self.arrived_at: dict[str, int] = {}
         self.admitted_at: dict[str, int] = {}
+        self.prompt_tokens: dict[str, int] = {}  # per tenant: the prompt chunks' tokens scheduled
 
     def add_as(self, rid: str, prompt: list[int], max_tokens: int, tenant: str, tier: str = "default",
                priority: int = 0, root: int = ROOT_HASH) -> SequenceGroup:
@@ -40,6 +41,9 @@ class TenantEngine(FakeEngine):
 
     def step(self):
         out = super().step()
+        for item in out.scheduled[: len(out.scheduled) - out.num_decode_tokens]:
+            tenant = item.group.sampling_params.tenant
+            self.prompt_tokens[tenant] = self.prompt_tokens.get(tenant, 0) + item.num_new_tokens
         for item in out.scheduled:
             rid = item.group.request_id
             if rid not in self.admitted_at:
@@ -49,6 +53,13 @@ class TenantEngine(FakeEngine):
 
     def counter(self, tenant: str) -> float:
         return self.sched.fair.tenants[tenant].counter
+
+    def assert_tallies(self, requests: dict[str, str]) -> None:
+        """Each tenant's tallies are what it was served: its prompt chunks (recomputes too), and the tokens
+        its requests (`requests`: request id -> tenant) output."""
+        for name, tenant in self.sched.fair.tenants.items():
+            outputs = sum(len(self.finished[r][0]) for r, t in requests.items() if t == name)
+            assert (tenant.prompt_tokens, tenant.output_tokens) == (self.prompt_tokens.get(name, 0), outputs), name
 
 
 def _prompt(rid: str, n: int) -> list[int]:
@@ -85,6 +96,17 @@ def test_one_tenant_schedules_exactly_as_fcfs():
             trace.append([(it.group.request_id, it.num_new_tokens) for it in eng.step().scheduled])
         runs[scheduling] = trace, eng.finished
     assert runs["fair"] == runs["fcfs"]
+
+
+def test_one_tenant_is_charged_every_token_it_is_served():
+    eng = TenantEngine(num_blocks=14, max_num_seqs=6, max_num_batched_tokens=24)  # preemptions recompute
+    for i in range(10):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 5 + i), 12 + i, "a")
+    eng.run()
+    assert eng.sched.preemptions_recompute > 0
+    eng.assert_tallies({f"a{i}": "a" for i in range(10)})
+    tenant = eng.sched.fair.tenants["a"]
+    assert tenant.counter == PROMPT_WEIGHT * tenant.prompt_tokens + OUTPUT_WEIGHT * tenant.output_tokens
 
 
 def test_a_tenant_that_arrives_late_is_lifted_to_the_least_active_counter():
@@ -219,6 +241,42 @@ def test_random_tenants_all_finish_correctly_with_bounded_waits(seed):
     bound = sum(len(p) + m for _, _, p, m, *_ in requests)
     assert max(eng.admitted_at[r] - eng.arrived_at[r] for r in eng.admitted_at) < bound
     assert all(t.active == 0 for t in eng.sched.fair.tenants.values())
+    eng.assert_tallies({rid: tenant for _, rid, _, _, tenant, *_ in requests})
+
+
+def test_stats_show_the_most_served_tenants_and_sum_the_rest_as_other():
+    eng = TenantEngine(num_blocks=400)
+    count = STATS_TENANTS + 6
+    for i in range(count):
+        eng.add_as(f"r{i}", _prompt(f"r{i}", 4 + i), 1 + i % 5, f"t{i}")
+    _check_stats(eng.sched.fair)
+    eng.run()
+    _check_stats(eng.sched.fair)  # every tenant idle
+    eng.add_as("back", _prompt("back", 40), 30, "t0")  # the least served comes back and overtakes the rest
+    eng.add_as("new", _prompt("new", 4), 2, "newcomer")
+    for _ in range(12):
+        eng.step()
+        _check_stats(eng.sched.fair)
+    eng.run()
+    _check_stats(eng.sched.fair)
+    assert eng.sched.fair.stats()[0].name == "t0"
+
+
+def _check_stats(fair) -> None:
+    """`fair.stats()`: the STATS_TENANTS - 1 most served tenants as they are, then OTHER summing the rest."""
+    rows = fair.stats()
+    assert len(rows) == STATS_TENANTS and rows[-1].name == OTHER
+    shown, other = rows[:-1], rows[-1]
+    for row in shown:
+        t = fair.tenants[row.name]
+        assert (row.prompt_tokens, row.output_tokens, row.preemptions, row.virtual_tokens) == (
+            t.prompt_tokens, t.output_tokens, t.preemptions, t.counter)
+    counters = [row.virtual_tokens for row in shown]
+    rest = [t for name, t in fair.tenants.items() if name not in {row.name for row in shown}]
+    assert counters == sorted(counters, reverse=True) and counters[-1] >= max(t.counter for t in rest)
+    assert (other.prompt_tokens, other.output_tokens, other.preemptions, other.virtual_tokens) == (
+        sum(t.prompt_tokens for t in rest), sum(t.output_tokens for t in rest), sum(t.preemptions for t in rest),
+        max(t.counter for t in rest))
 
 
 # ---- prefix isolation ---------------------------------------------------------------------------------

@@ -3,8 +3,10 @@ that drafts stop short of max_tokens, and that a sequence whose drafts keep fail
 
 from __future__ import annotations
 
-from streamd.config import SpeculativeConfig
-from streamd.engine.core.sequence import Sequence, SequenceGroup
+from streamd.config import SchedulerConfig, SpeculativeConfig
+from streamd.engine.core.block_manager import BlockManager
+from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.core.speculation import Speculator, find_continuation
 from streamd.engine.sampling_params import SamplingParams
 
@@ -72,3 +74,26 @@ def test_requests_whose_sampling_reads_their_history_never_draft() -> None:
         group = _group([1, 2, 3, 1, 2], [3], max_tokens=50)
         group.sampling_params = SamplingParams(max_tokens=50, **params)
         assert spec.propose(group.seqs[0], group, 8) is None, params
+
+
+def test_the_overlap_stays_on_unless_a_running_sequence_may_draft() -> None:
+    """`may_speculate` (False: the engine keeps the step overlapped) counts running sequences, not groups,
+    and a sequence pausing after failed drafts does not turn the overlap off."""
+    spec = Speculator(SpeculativeConfig(prompt_lookup=True, min_acceptance=0.5, disable_by_batch_size=2), 100)
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4), 100, speculator=spec)
+    group = _group([1, 2, 3, 1, 2], [3], max_tokens=50)
+    group.seqs[0].status = SequenceStatus.RUNNING
+    sched.running.append(group)
+    assert sched.may_speculate()
+    for _ in range(2):  # every draft refused: its acceptance rate falls under the floor, it pauses
+        spec.record(group.seqs[0], 4, 0)
+    assert not sched.may_speculate()
+    while spec.propose(group.seqs[0], group, 8) is None:  # the pause runs out (one step each)
+        pass
+    assert sched.may_speculate()
+    twins = _group([5, 6, 7, 5, 6], [7], max_tokens=50)
+    twins.seqs.append(twins.seqs[0].fork())
+    for seq in twins.seqs:
+        seq.status = SequenceStatus.RUNNING
+    sched.running.append(twins)  # two groups, three sequences: past the cut-off
+    assert not sched.may_speculate()
