@@ -474,7 +474,8 @@ class BlockManager:
             block = self._free.pop()
         elif self._cached_free:
             block, _ = self._cached_free.popitem(last=False)  # least recently freed
-            self._spill(block)
+            if self.tier is not None or self.host_cache is not None:  # (no tier: no key to build)
+                self._spill(block)
             self._cache.forget(block)
         else:
             raise RuntimeError("out of KV cache blocks")
