@@ -69,6 +69,8 @@ class TieredManager:
 
     def carry_out(self) -> None:
         orders, kv, disk = self._bm.take_tier_orders(), self._kv, self._disk
+        if orders is None:
+            return
         for block, key in orders.host_to_disk:
             disk.put(key, pickle.dumps(kv.host.get(block)))
         for block, key in orders.spills:
