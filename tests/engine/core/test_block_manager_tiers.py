@@ -41,7 +41,7 @@ class MemoryDisk:
         return True
 
     def stats(self) -> TierStats:
-        return TierStats("disk", len(self.blocks), 0, self.hits, 0, 0)
+        return TierStats("disk", len(self.blocks), self.hits, 0, 0)
 
     def close(self) -> None:
         pass
