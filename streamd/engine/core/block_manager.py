@@ -343,10 +343,9 @@ class BlockManager:
     def _spill(self, block: int, to_host: bool = True) -> None:
         """A findable device block is about to be reused: its content goes to the host tier if there is
         one (and a host block for it), else to the disk tier."""
-        key = self._cache.key_of(block)
-        if key is None:
+        block_key = self._cache.key_of(block)
+        if block_key is None:
             return
-        block_key = BlockKey(*key)
         host = self.host_cache if to_host else None
         if host is not None:
             if host.contains(block_key):
