@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from structlog.testing import capture_logs
 
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.disk_tier import DiskTier
 from streamd.engine.core.host_tier import HostCache
 from streamd.engine.core.kv_tiers import BlockKey, TierOrders
-from streamd.engine.core.prefix_cache import ROOT_HASH, hash_block
+from streamd.engine.core.prefix_cache import ROOT_HASH, PrefixCache, hash_block
 from streamd.engine.core.sequence import Sequence
 
 BS = 4
@@ -159,6 +160,22 @@ def test_evicted_blocks_spill_and_a_returning_prefix_is_restored(tmp_path: Path)
     bm.free(again)
     bm.check_invariants([])
     disk.close()
+
+
+def test_without_a_tier_eviction_and_steps_cost_no_tier_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiers off (the default on the CPU): evicting a cached block builds no key, and no step carries
+    orders."""
+
+    def no_key(cache: PrefixCache, block: int) -> BlockKey | None:
+        raise AssertionError("a block key was built without a tier")
+
+    monkeypatch.setattr(PrefixCache, "key_of", no_key)
+    bm = BlockManager(4, BS, watermark=0.0)
+    bm.free(computed(bm, list(range(100, 113))))
+    assert bm.stats().blocks_cached == 3
+    other = computed(bm, list(range(500, 516)))  # evicts the 3 cached blocks
+    assert bm.stats().blocks_cached == 0 and bm.take_tier_orders() is None
+    bm.free(other)
 
 
 def test_the_chain_stops_at_the_first_block_the_tier_lacks(tmp_path: Path) -> None:
