@@ -165,16 +165,9 @@ def _host_cache_blocks(cache: CacheConfig, layout: KVLayout, device: torch.devic
     """`cache.host_cache_gib` in blocks; unset: on CUDA 20% of the RAM available now (at most 32 GiB), else 0."""
     gib = cache.host_cache_gib
     if gib is None:
-        available = _available_ram_bytes()
+        available = _ram_bytes("SC_AVPHYS_PAGES")
         gib = min(_HOST_CACHE_MAX_GIB, _HOST_CACHE_RAM_SHARE * available / 2**30) if device.type == "cuda" else 0.0
     return int(gib * 2**30) // layout.bytes_per_block
-
-
-def _available_ram_bytes() -> int:
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 def _executor(
@@ -276,14 +269,16 @@ def _max_model_len(loaded: LoadedModel, configured: int | None) -> int:
 def _num_swap_blocks(cache: CacheConfig, layout: KVLayout) -> int:
     if cache.num_swap_blocks is not None:
         return cache.num_swap_blocks
-    ram = _host_ram_bytes()
+    ram = _ram_bytes("SC_PHYS_PAGES")
     budget = min(cache.swap_space_gib * 2**30, _SWAP_RAM_SHARE * ram) if ram else cache.swap_space_gib * 2**30
     return int(budget // layout.bytes_per_block)
 
 
-def _host_ram_bytes() -> int:
+def _ram_bytes(pages: str) -> int:
+    """Host RAM in bytes: all of it ("SC_PHYS_PAGES") or what is available now ("SC_AVPHYS_PAGES"); 0 where
+    the platform does not say."""
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
     except (ValueError, OSError, AttributeError):
         return 0
 

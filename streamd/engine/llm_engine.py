@@ -206,12 +206,7 @@ class LLMEngine:
         for group, reason in out.rejected:
             self.requests.remove(group.request_id)
             updates.append(_ended(group, reason))
-        tiers = out.tier_orders
-        self._spill(tiers)
-        self.executor.swap_out(tiers.host_spills + out.blocks_to_swap_out)  # evicted blocks before anything writes
-        self.executor.swap_in(out.blocks_to_swap_in + tiers.host_restores)
-        self.executor.write_blocks(tiers.restores)
-        self.executor.copy(out.blocks_to_copy)
+        self._move_blocks(out)
         if out.scheduled:
             began = time.perf_counter()
             forward = self._forward(out, prev)
@@ -228,11 +223,25 @@ class LLMEngine:
             updates += self._read_back(prev)
         return deltas + self._process(updates)
 
-    def _spill(self, orders: TierOrders) -> None:
+    def _move_blocks(self, out: SchedulerOutput) -> None:
+        """The step's cache orders before its forward: the prefix cache's evicted blocks are read (to disk)
+        or copied out (to the host tier) before anything writes the pools, restores come in with swap-ins."""
+        tiers = out.tier_orders
+        if tiers is None:  # (most steps, and all without a tier)
+            self.executor.swap_out(out.blocks_to_swap_out)
+            self.executor.swap_in(out.blocks_to_swap_in)
+        else:
+            self._spill(tiers)
+            self.executor.swap_out(tiers.host_spills + out.blocks_to_swap_out)
+            self.executor.swap_in(out.blocks_to_swap_in + tiers.host_restores)
+            self.executor.write_blocks(tiers.restores)
+        self.executor.copy(out.blocks_to_copy)
+
+    def _spill(self, orders: TierOrders | None) -> None:
         """Hands the bytes of the blocks this step evicts from the prefix cache to its lower tier, before
         anything in the step overwrites them."""
         tier = self.block_manager.tier
-        if tier is None or not (orders.spills or orders.host_to_disk):
+        if tier is None or orders is None or not (orders.spills or orders.host_to_disk):
             return
         payloads = self.executor.read_host_blocks([block for block, _ in orders.host_to_disk])
         payloads += self.executor.read_blocks([block for block, _ in orders.spills])

@@ -15,7 +15,6 @@ class TierStats:
 
     name: str
     blocks: int  # blocks the tier holds now
-    capacity_blocks: int
     hit_blocks: int  # cumulative blocks restored from it
     bytes_read: int  # cumulative
     bytes_written: int  # cumulative

@@ -1,6 +1,6 @@
 """/metrics with the disk tier: a prompt evicted from the device by other traffic and asked again counts its
-blocks under `streamd_prefix_cache_hits_total{tier="disk"}`, with the bytes read and written per tier; the
-device's own hits keep their label."""
+blocks under `streamd_prefix_cache_hits_total{tier="disk"}`, with the bytes read and written per tier; asked
+a third time it finds them on the device, under `tier="device"`."""
 
 from __future__ import annotations
 
@@ -36,10 +36,12 @@ async def test_disk_tier_hits_and_bytes_on_metrics(tmp_path: Path) -> None:
     try:
         async with running_server(engine) as srv, httpx.AsyncClient(base_url=srv.http, timeout=60) as http:
             body = {"max_tokens": 2, "temperature": 0}
-            for prompt in [PROMPT, *TRAFFIC, PROMPT]:
+            usages = []
+            for prompt in [PROMPT, *TRAFFIC, PROMPT, PROMPT]:
                 reply = await http.post("/v1/completions", json={**body, "prompt": prompt})
                 assert reply.status_code == 200, reply.text
-            usage = reply.json()["usage"]
+                usages.append(reply.json()["usage"])
+            usage = usages[-2]
             await engine.wait_idle()
             samples = await scrape(http)
     finally:
@@ -48,7 +50,8 @@ async def test_disk_tier_hits_and_bytes_on_metrics(tmp_path: Path) -> None:
     assert cached == (usage["prompt_tokens"] - 1) // 8 * 8  # every full block came back from disk
     hits = samples["streamd_prefix_cache_hits_total"]
     assert hits[(("tier", "disk"),)] == cached // 8
-    assert (("tier", "device"),) in hits
+    assert hits[(("tier", "device"),)] == cached // 8  # the third time: the restored blocks, on the device
+    assert usages[-1]["prompt_tokens_details"]["cached_tokens"] == cached
     moved = samples["streamd_prefix_cache_tier_bytes_total"]
     assert moved[(("direction", "read"), ("tier", "disk"))] > 0
     assert moved[(("direction", "written"), ("tier", "disk"))] > 0

@@ -79,7 +79,7 @@ class BlockManager:
         self.device_hit_blocks = 0  # cumulative
         self.tier = tier if enable_prefix_caching else None
         self.host_cache = host_cache if enable_prefix_caching and num_swap_blocks else None
-        self._tier_orders = TierOrders.none()
+        self._tier_orders: TierOrders | None = None  # this step's tier moves, made at its first one
         # With a host tier: host hits being copied in this step (not evictable), and host blocks freed in this
         # step (not reusable before its copies ran: a swap-in may still read them).
         self._host_pinned: list[int] = []
@@ -146,9 +146,10 @@ class BlockManager:
             state = self._seq_hashes[seq.seq_id]
             state.num_committed = num_hits
             self.device_hit_blocks += num_hits
-            self._order_restores(seq, num_hits, found)
-            num_hits += len(found)  # restored blocks are findable at once: the restore precedes every forward
-            self._cache.commit(state, seq.token_ids, seq.block_table, num_hits)
+            if found:
+                self._order_restores(seq, num_hits, found)
+                num_hits += len(found)  # restored blocks are findable at once: the restore precedes every forward
+                self._cache.commit(state, seq.token_ids, seq.block_table, num_hits)
             self.prefix_cache_queried_tokens += seq.num_tokens
             self.prefix_cache_hit_tokens += num_hits * self.block_size
         return num_hits * self.block_size
@@ -332,7 +333,7 @@ class BlockManager:
 
     def _order_restores(self, seq: Sequence, first: int, found: list[int | bytes]) -> None:
         """Orders what `_find_in_tiers` found copied into the sequence's fresh blocks from `first` on."""
-        orders = self._tier_orders
+        orders = self._orders()
         for block, source in zip(seq.block_table[first:], found, strict=False):
             if isinstance(source, bytes):
                 orders.restores.append((block, source))
@@ -342,10 +343,9 @@ class BlockManager:
     def _spill(self, block: int, to_host: bool = True) -> None:
         """A findable device block is about to be reused: its content goes to the host tier if there is
         one (and a host block for it), else to the disk tier."""
-        key = self._cache.key_of(block)
-        if key is None:
+        block_key = self._cache.key_of(block)
+        if block_key is None:
             return
-        block_key = BlockKey(*key)
         host = self.host_cache if to_host else None
         if host is not None:
             if host.contains(block_key):
@@ -355,12 +355,12 @@ class BlockManager:
                 host.add(dst, block_key)
                 host.pin(dst, hit=False)
                 self._host_pinned.append(dst)
-                self._tier_orders.host_spills.append((block, dst))
+                self._orders().host_spills.append((block, dst))
                 return
         if self.tier is not None and not self.tier.contains(block_key):  # (restored blocks are there already)
-            self._tier_orders.spills.append((block, block_key))
+            self._orders().spills.append((block, block_key))
 
-    def spill_all(self) -> TierOrders:
+    def spill_all(self) -> TierOrders | None:
         """Orders every findable device block to the lower tier, least recently used first (at shutdown:
         a restarted server finds what this one had cached)."""
         if self.tier is not None:
@@ -369,13 +369,14 @@ class BlockManager:
                 self._spill(block, to_host=False)
             while self.host_cache is not None and (evicted := self.host_cache.evict()) is not None:
                 if not self.tier.contains(evicted[1]):
-                    self._tier_orders.host_to_disk.append(evicted)
+                    self._orders().host_to_disk.append(evicted)
                 self._host_free.append(evicted[0])
         return self.take_tier_orders()
 
-    def take_tier_orders(self) -> TierOrders:
-        """This step's spills and restores (the scheduler hands them to the CacheEngine with the plan)."""
-        orders, self._tier_orders = self._tier_orders, TierOrders.none()
+    def take_tier_orders(self) -> TierOrders | None:
+        """This step's spills and restores (the scheduler hands them to the CacheEngine with the plan); None
+        when it ordered none (most steps, and every step without a tier: nothing is made or carried)."""
+        orders, self._tier_orders = self._tier_orders, None
         if self.host_cache is not None:
             for block in self._host_pinned:
                 self.host_cache.unpin(block)
@@ -383,6 +384,12 @@ class BlockManager:
             self._host_free.extend(self._host_freed)
             self._host_freed.clear()
         return orders
+
+    def _orders(self) -> TierOrders:
+        """This step's tier orders, made at its first move."""
+        if self._tier_orders is None:
+            self._tier_orders = TierOrders.none()
+        return self._tier_orders
 
     def _cached_copy(self, seq: Sequence, index: int) -> int | None:
         """A device block already holding `seq`'s committed block `index`, if the cache has one."""
@@ -474,7 +481,8 @@ class BlockManager:
             block = self._free.pop()
         elif self._cached_free:
             block, _ = self._cached_free.popitem(last=False)  # least recently freed
-            self._spill(block)
+            if self.tier is not None or self.host_cache is not None:  # (no tier: no key to build)
+                self._spill(block)
             self._cache.forget(block)
         else:
             raise RuntimeError("out of KV cache blocks")
@@ -516,7 +524,7 @@ class BlockManager:
             return None
         block, key = evicted
         if self.tier is not None and not self.tier.contains(key):
-            self._tier_orders.host_to_disk.append((block, key))
+            self._orders().host_to_disk.append((block, key))
         return block
 
     # ---- observability --------------------------------------------------------------------------

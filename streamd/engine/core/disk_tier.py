@@ -133,11 +133,9 @@ class DiskTier:
         self._jobs.put(("write", key.block_hash, self._path(key.block_hash)))
 
     def stats(self) -> TierStats:
-        entry_bytes = _HEADER.size + self.block_bytes
         return TierStats(
             "disk",
             len(self._entries),
-            self.capacity_bytes // entry_bytes,
             self.hit_blocks,
             self.bytes_read,
             self.bytes_written,

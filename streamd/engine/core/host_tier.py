@@ -77,6 +77,4 @@ class HostCache:
 
     def stats(self) -> TierStats:
         moved = self.bytes_per_block
-        return TierStats(
-            "host", len(self._keys), 0, self.hit_blocks, self.hit_blocks * moved, self.spilled_blocks * moved
-        )
+        return TierStats("host", len(self._keys), self.hit_blocks, self.hit_blocks * moved, self.spilled_blocks * moved)

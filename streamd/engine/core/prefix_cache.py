@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import xxhash
 
+from streamd.engine.core.kv_tiers import BlockKey
+
 # Parent "hash" of a sequence's first block. Any fixed value works: the hit is confirmed anyway.
 ROOT_HASH = 0
 
@@ -130,12 +132,12 @@ class PrefixCache:
         """A copy of hash -> block (for invariant checks and tests)."""
         return dict(self._by_hash)
 
-    def key_of(self, block: int) -> tuple[int, int, tuple[int, ...]] | None:
-        """(hash, parent hash, token ids) of a registered block, None for an unregistered one."""
+    def key_of(self, block: int) -> BlockKey | None:
+        """The content key of a registered block (what a lower tier files it under), None for an unregistered one."""
         block_hash, tokens = self._hash[block], self._tokens[block]
         if block_hash is None or tokens is None:
             return None
-        return block_hash, self._parent[block], tuple(tokens)
+        return BlockKey(block_hash, self._parent[block], tuple(tokens))
 
     def tokens_of(self, block: int) -> list[int] | None:
         return self._tokens[block]

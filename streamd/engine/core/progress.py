@@ -34,13 +34,17 @@ class ProgressReports:
     def step(self, done: SchedulerOutput | None, waiting: deque[SequenceGroup]) -> list[RequestUpdate]:
         """The updates of a step: `done` is the step whose forward just completed (its chunks are computed)."""
         updates = self._chunks(done) if done is not None and done.num_prefill_tokens else []
+        if not waiting:  # (most steps under load: nothing to walk or time)
+            self._places.clear()
+            return updates
         return updates + self._queue(waiting)
 
     def _chunks(self, done: SchedulerOutput) -> list[RequestUpdate]:
         """Prompt chunks that completed without finishing their prompt (the first sequence of a group; its
-        `num_computed_tokens` already counts the chunk)."""
+        `num_computed_tokens` already counts the chunk). Only the prompt chunks are walked, never the decodes
+        (the last `num_decode_tokens` items)."""
         updates = []
-        for item in done.scheduled:
+        for item in done.scheduled[: len(done.scheduled) - done.num_decode_tokens]:
             seq, group = item.seq, item.group
             done_all = seq.num_computed_tokens >= seq.num_prompt_tokens  # (it has sampled, or is decoding)
             if seq.status is not SequenceStatus.RUNNING or done_all or seq is not group.seqs[0]:

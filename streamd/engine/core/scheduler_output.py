@@ -46,8 +46,9 @@ class SchedulerOutput:
     num_decode_tokens: int = 0
     num_draft_tokens: int = 0  # draft tokens of the decodes (speculative decoding), beside `num_decode_tokens`
     shape: StepShape = field(default_factory=StepShape)  # what the step cost model reads of it
-    # Moves to and from the prefix cache's lower tier (spills read first, restores before the forward).
-    tier_orders: TierOrders = field(default_factory=TierOrders.none)
+    # Moves to and from the prefix cache's lower tiers (spills read first, restores before the forward);
+    # None when the step has none (most steps, and all without a tier).
+    tier_orders: TierOrders | None = None
 
     def sampling(self) -> list[ScheduledSeq]:
         """The items that sample, in schedule order: the prompt chunks that reach their sequence's end, and

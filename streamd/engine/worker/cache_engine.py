@@ -133,7 +133,7 @@ class CacheEngine:
         if not pairs:
             return
         blocks, payloads = zip(*pairs, strict=True)
-        host = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8)
+        host = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8)  # (one copy, writable)
         rows = host.view(self.layout.dtype).view(len(blocks), *self.layout.block_shape())
         index = torch.tensor(blocks, dtype=torch.int64).to(self.device)
         self.kv_cache.index_copy_(0, index, rows.to(self.device))

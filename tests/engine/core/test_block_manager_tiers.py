@@ -41,7 +41,7 @@ class MemoryDisk:
         return True
 
     def stats(self) -> TierStats:
-        return TierStats("disk", len(self.blocks), 0, self.hits, 0, 0)
+        return TierStats("disk", len(self.blocks), self.hits, 0, 0)
 
     def close(self) -> None:
         pass
@@ -69,6 +69,8 @@ class TieredManager:
 
     def carry_out(self) -> None:
         orders, kv, disk = self._bm.take_tier_orders(), self._kv, self._disk
+        if orders is None:
+            return
         for block, key in orders.host_to_disk:
             disk.put(key, pickle.dumps(kv.host.get(block)))
         for block, key in orders.spills:

@@ -6,13 +6,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 from structlog.testing import capture_logs
 
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.disk_tier import DiskTier
 from streamd.engine.core.host_tier import HostCache
-from streamd.engine.core.kv_tiers import BlockKey
-from streamd.engine.core.prefix_cache import ROOT_HASH, hash_block
+from streamd.engine.core.kv_tiers import BlockKey, TierOrders
+from streamd.engine.core.prefix_cache import ROOT_HASH, PrefixCache, hash_block
 from streamd.engine.core.sequence import Sequence
 
 BS = 4
@@ -126,6 +127,13 @@ def computed(bm: BlockManager, tokens: list[int]) -> Sequence:
     return seq
 
 
+def taken(bm: BlockManager) -> TierOrders:
+    """The step's tier orders, which must hold some."""
+    orders = bm.take_tier_orders()
+    assert orders is not None
+    return orders
+
+
 def test_evicted_blocks_spill_and_a_returning_prefix_is_restored(tmp_path: Path) -> None:
     disk = tier(tmp_path)
     bm = BlockManager(4, BS, watermark=0.0, tier=disk)
@@ -134,9 +142,9 @@ def test_evicted_blocks_spill_and_a_returning_prefix_is_restored(tmp_path: Path)
     table = list(first.block_table)
     bytes_of = {block: payload(block) for block in table}  # what the device holds
     bm.free(first)
-    assert bm.take_tier_orders().spills == []  # freed cached blocks stay on the device
+    assert bm.take_tier_orders() is None  # freed cached blocks stay on the device
     other = computed(bm, list(range(500, 516)))  # takes all 4 blocks: evicts the 3 cached ones
-    spills = bm.take_tier_orders().spills
+    spills = taken(bm).spills
     assert sorted(b for b, _ in spills) == sorted(table[:3])
     for block, k in spills:  # what the engine does with the orders
         disk.put(k, bytes_of[block])
@@ -144,7 +152,7 @@ def test_evicted_blocks_spill_and_a_returning_prefix_is_restored(tmp_path: Path)
     again = Sequence(prompt)
     again.num_computed_tokens = cached = bm.allocate(again)
     assert cached == 3 * BS
-    restores = bm.take_tier_orders().restores
+    restores = taken(bm).restores
     assert restores == [(again.block_table[i], bytes_of[table[i]]) for i in range(3)]
     assert bm.stats().device_hit_blocks == 0 and bm.stats().tiers[0].hit_blocks == 3
     assert set(bm.findable_blocks().values()) >= set(again.block_table[:3])  # restored blocks are findable
@@ -152,6 +160,22 @@ def test_evicted_blocks_spill_and_a_returning_prefix_is_restored(tmp_path: Path)
     bm.free(again)
     bm.check_invariants([])
     disk.close()
+
+
+def test_without_a_tier_eviction_and_steps_cost_no_tier_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The tiers off (the default on the CPU): evicting a cached block builds no key, and no step carries
+    orders."""
+
+    def no_key(cache: PrefixCache, block: int) -> BlockKey | None:
+        raise AssertionError("a block key was built without a tier")
+
+    monkeypatch.setattr(PrefixCache, "key_of", no_key)
+    bm = BlockManager(4, BS, watermark=0.0)
+    bm.free(computed(bm, list(range(100, 113))))
+    assert bm.stats().blocks_cached == 3
+    other = computed(bm, list(range(500, 516)))  # evicts the 3 cached blocks
+    assert bm.stats().blocks_cached == 0 and bm.take_tier_orders() is None
+    bm.free(other)
 
 
 def test_the_chain_stops_at_the_first_block_the_tier_lacks(tmp_path: Path) -> None:
@@ -164,7 +188,7 @@ def test_the_chain_stops_at_the_first_block_the_tier_lacks(tmp_path: Path) -> No
     bm = BlockManager(8, BS, watermark=0.0, tier=disk)
     seq = Sequence(prompt)
     assert bm.allocate(seq) == BS
-    assert [p for _, p in bm.take_tier_orders().restores] == [payload(0)]
+    assert [p for _, p in taken(bm).restores] == [payload(0)]
     bm.free(seq)
     bm.check_invariants([])
     disk.close()
@@ -176,10 +200,10 @@ def test_no_restore_where_recomputing_is_cheaper_or_prompt_logprobs_are_asked(tm
     disk.put(key(prompt[:4]), payload(0))
     bm = BlockManager(8, BS, watermark=0.0, tier=disk)
     seq = Sequence(prompt)
-    assert bm.allocate(seq) == 0 and not bm.take_tier_orders().restores
+    assert bm.allocate(seq) == 0 and bm.take_tier_orders() is None
     disk.recompute_s_per_block = None
     other = Sequence(prompt)
-    assert bm.allocate(other, reuse_prefix=False) == 0 and not bm.take_tier_orders().restores
+    assert bm.allocate(other, reuse_prefix=False) == 0 and bm.take_tier_orders() is None
     bm.free(seq)
     bm.free(other)
     disk.close()
@@ -196,14 +220,14 @@ def test_host_tier_takes_evicted_blocks_and_gives_them_back() -> None:
     table = list(first.block_table)
     bm.free(first)
     other = computed(bm, list(range(500, 516)))  # evicts the 3 cached device blocks to the host tier
-    orders = bm.take_tier_orders()
+    orders = taken(bm)
     assert sorted(d for d, _ in orders.host_spills) == sorted(table[:3]) and not orders.spills
     where = dict(orders.host_spills)  # device block -> host block
     bm.free(other)
     again = Sequence(prompt)
     again.num_computed_tokens = bm.allocate(again)
     assert again.num_computed_tokens == 3 * BS
-    assert bm.take_tier_orders().host_restores == [(where[table[i]], again.block_table[i]) for i in range(3)]
+    assert taken(bm).host_restores == [(where[table[i]], again.block_table[i]) for i in range(3)]
     assert bm.stats().tiers[0].name == "host" and bm.stats().tiers[0].hit_blocks == 3
     bm.check_invariants([again])
     bm.free(again)
@@ -217,7 +241,7 @@ def test_swap_preemption_takes_cached_host_blocks_first_and_they_go_to_disk(tmp_
     first = computed(bm, list(range(100, 113)))
     bm.free(first)
     other = computed(bm, list(range(500, 516)))  # the host pool is now all cached prefix blocks
-    cached = {h for _, h in bm.take_tier_orders().host_spills}
+    cached = {h for _, h in taken(bm).host_spills}
     assert bm.num_free_swap_blocks() == 3 and bm.can_swap_out([other]) is False  # 4 blocks > 3
     victim = Sequence(list(range(700, 712)))  # 3 blocks
     bm.free(other)
@@ -225,7 +249,7 @@ def test_swap_preemption_takes_cached_host_blocks_first_and_they_go_to_disk(tmp_
     bm.take_tier_orders()
     assert bm.can_swap_out([victim])
     pairs = bm.swap_out([victim])
-    orders = bm.take_tier_orders()
+    orders = taken(bm)
     assert sorted(h for _, h in pairs) == sorted(cached)  # the cached host blocks were taken
     assert sorted(h for h, _ in orders.host_to_disk) == sorted(cached)  # and their content goes to disk
     bm.check_invariants([victim])

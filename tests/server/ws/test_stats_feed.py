@@ -17,7 +17,7 @@ def test_frame_from_engine_stats() -> None:
     kv = KVCacheStats(blocks_total=100, blocks_free=70, blocks_cached=20, swap_blocks_total=40, swap_blocks_free=31,
                       swapped_out_blocks=12, swapped_in_blocks=3, prefix_queried_tokens=400, prefix_hit_tokens=100,
                       allocated_blocks=90, copied_blocks=2, device_hit_blocks=5,
-                      tiers=[TierStats("disk", blocks=30, capacity_blocks=1000, hit_blocks=7, bytes_read=70,
+                      tiers=[TierStats("disk", blocks=30, hit_blocks=7, bytes_read=70,
                                        bytes_written=300)])
     sched = SchedulerStats(num_running=3, num_waiting=2, num_swapped=1, preemptions_swap=1, preemptions_recompute=0,
                            recomputed_tokens=0, num_paused=4, spec_draft_tokens=80, spec_accepted_tokens=60,
