@@ -38,7 +38,7 @@ class DetachedRun(Protocol):
     def snapshot(self, done: bool) -> dict[str, Any]: ...
 
 
-Keep = Callable[[str, DetachedRun], None]  # stores a finished run for previous_response_id (`responses.keep`)
+Keep = Callable[[], None]  # what to do once it has finished (Responses: store it for previous_response_id)
 
 
 @dataclass(slots=True, eq=False)
@@ -64,16 +64,22 @@ class BackgroundResponse:
         woken, self.changed = self.changed, asyncio.Event()
         woken.set()
 
-    async def replay(self, starting_after: int) -> AsyncIterator[Any]:
-        """The events numbered after `starting_after`, then the live ones until the last."""
+    async def replay(self, starting_after: int) -> AsyncIterator[tuple[int, Any]]:
+        """The events numbered after `starting_after`, then the live ones until the last, each with its number."""
         index = max(starting_after + 1, 0)
         while True:
             while index < len(self.events):
-                yield self.events[index]
+                yield index, self.events[index]
                 index += 1
             if self.done:
                 return
             await self.changed.wait()
+
+    async def ended(self) -> dict[str, Any]:
+        """The `response` object once it has ended (its terminal event kept)."""
+        while not self.done:
+            await self.changed.wait()
+        return self.response()
 
     def response(self) -> dict[str, Any]:
         """The `response` object as of now (queued, in progress, or as it ended)."""
@@ -92,7 +98,7 @@ class BackgroundResponses:
     def __len__(self) -> int:
         return len(self._records)
 
-    def start(self, key: str, kind: str, run: DetachedRun, keep: Keep) -> BackgroundResponse:
+    def start(self, key: str, kind: str, run: DetachedRun, keep: Keep | None = None) -> BackgroundResponse:
         """Runs `run` detached (its events kept); `keep` stores it once it has finished. Refused (the run
         finished, i.e. aborted) when every place holds a running response."""
         try:
@@ -136,7 +142,7 @@ class BackgroundResponses:
             )
         del self._records[oldest.id]
 
-    async def _drive(self, record: BackgroundResponse, keep: Keep) -> None:
+    async def _drive(self, record: BackgroundResponse, keep: Keep | None) -> None:
         run = record.run
         try:
             async for event in run.events():
@@ -145,7 +151,8 @@ class BackgroundResponses:
             run.finish()
             record.done = True
             record.wake()
-        keep(record.key, run)
+        if keep is not None:
+            keep()
         asyncio.get_running_loop().call_later(self.retention_s, self._expire, record)
 
     def _expire(self, record: BackgroundResponse) -> None:

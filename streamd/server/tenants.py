@@ -36,7 +36,7 @@ class Tenants:
     def of(self, api_key: str | None, user: str | None = None) -> Tenant:
         """The tenant of a request made with `api_key` by `user` (the body's, `generation.wire_user`)."""
         value, kind = self._identity(api_key, user)
-        if value is None:
+        if not value:  # (no key: None, or "" as `auth.api_key` has it)
             return Tenant(DEFAULT_TENANT, DEFAULT_TENANT)
         name = self._names.get(value)
         if name is not None:
