@@ -16,12 +16,14 @@ KV `free` excludes `cached` (free blocks still holding a findable prefix), so us
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from streamd.engine import EngineClient, EngineStats, TenantStats
+from streamd.server.tenants import tenant_totals
 from streamd.server.ws.protocol import Frame
 
 
@@ -72,14 +74,7 @@ def stats_frame(stats: EngineStats, tokens_per_s: float, tenant_label: Callable[
 
 def tenant_rows(tenants: list[TenantStats], tenant_label: Callable[[str], str]) -> list[dict[str, Any]]:
     """Served tokens and preemptions per tenant label, most served first."""
-    rows: dict[str, dict[str, Any]] = {}
-    for tenant in tenants:
-        label = tenant_label(tenant.name)
-        row = rows.setdefault(label, {"tenant": label, "prompt_tokens": 0, "output_tokens": 0, "preemptions": 0})
-        row["prompt_tokens"] += tenant.prompt_tokens
-        row["output_tokens"] += tenant.output_tokens
-        row["preemptions"] += tenant.preemptions
-    return sorted(rows.values(), key=lambda row: -(row["prompt_tokens"] + row["output_tokens"]))
+    return [dataclasses.asdict(row) for row in tenant_totals(tenants, tenant_label)]
 
 
 def token_rate(before: Sample, after: Sample) -> float:
