@@ -51,6 +51,7 @@ class BackgroundResponse:
     events: list[Any] = field(default_factory=list)
     done: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced (after being set) on each event
+    expiry: asyncio.TimerHandle | None = None  # once finished: when it is forgotten (cancelled if sooner)
 
     @property
     def id(self) -> str:
@@ -128,8 +129,7 @@ class BackgroundResponses:
         return record
 
     def delete(self, key: str, kind: str, response_id: str) -> None:
-        self.cancel(key, kind, response_id)
-        del self._records[response_id]
+        self._forget(self.cancel(key, kind, response_id))
 
     def make_room(self) -> None:
         """Evicts the oldest finished response when full; raises 503 `overloaded` when all are running."""
@@ -140,7 +140,7 @@ class BackgroundResponses:
             raise ServiceError(
                 "overloaded", f"{self.max_responses} background responses are running (server.max_background_responses)"
             )
-        del self._records[oldest.id]
+        self._forget(oldest)
 
     async def _drive(self, record: BackgroundResponse, keep: Keep | None) -> None:
         run = record.run
@@ -153,8 +153,12 @@ class BackgroundResponses:
             record.wake()
         if keep is not None:
             keep()
-        asyncio.get_running_loop().call_later(self.retention_s, self._expire, record)
+        if self._records.get(record.id) is record:  # (not deleted or evicted meanwhile)
+            record.expiry = asyncio.get_running_loop().call_later(self.retention_s, self._forget, record)
 
-    def _expire(self, record: BackgroundResponse) -> None:
-        if self._records.get(record.id) is record:
-            del self._records[record.id]
+    def _forget(self, record: BackgroundResponse) -> None:
+        """Drops it, and its expiry timer: an evicted or deleted one is not held (events and all) by the loop
+        until its retention would have ended, so `max_responses` bounds the memory, not the request rate."""
+        del self._records[record.id]
+        if record.expiry is not None:
+            record.expiry.cancel()

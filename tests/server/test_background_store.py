@@ -1,6 +1,6 @@
 """`BackgroundResponses` on its own (no engine, no HTTP: the routes are tested in tests/server/http/
-test_background_*.py): its bounds (at most `max_responses`, the oldest finished one evicted, 503 when all run),
-the retention of a finished one, numbered replay, and the binding to a key and a route family."""
+test_background_*.py): its bounds (at most `max_responses`, the oldest finished one evicted and let go, 503
+when all run), the retention of a finished one, numbered replay, and the binding to a key and a route family."""
 
 from __future__ import annotations
 
@@ -60,8 +60,11 @@ async def test_full_evicts_the_oldest_finished_and_refuses_when_all_run() -> Non
         store.start("k", "chat", c)
     assert refused.value.code == "overloaded" and c.finished and len(store) == 2
     await _ended(store, b)
+    finished = store.get("k", "chat", "b")
+    assert finished.expiry is not None and not finished.expiry.cancelled()
     store.start("k", "chat", d)  # evicts b (finished), not a (running)
     assert _code(store, "k", "chat", "b") == "not_found" and _code(store, "k", "chat", "a") is None
+    assert finished.expiry.cancelled()  # the loop no longer holds the evicted one until its retention ends
     store.cancel("k", "chat", "a")
     await _ended(store, d)
 
