@@ -45,7 +45,7 @@ Keep = Callable[[], None]  # what to do once it has finished (Responses: store i
 class BackgroundResponse:
     """One detached response: its run, every event it produced, and who may read it."""
 
-    key: str  # the API key that created it ("" without keys)
+    key: str = field(repr=False)  # the API key that created it ("" without keys; never in a repr or log)
     kind: str  # the route family that reaches it ("responses", "chat", "completion")
     run: DetachedRun
     events: list[Any] = field(default_factory=list)
