@@ -151,7 +151,7 @@ class Generation:
         prompt: str | None = None,
         prompt_param: str = "messages",
         prompt_logprobs: int | None = None,
-        user: Any = None,
+        user: str | None = None,
     ) -> Prepared:
         """Validates params against the context; `default_max_tokens` None means "the rest of the context".
         `prompt_param` names the field the prompt came in (`prompt` or `messages`) in context errors.
