@@ -146,6 +146,7 @@ async def completions(request: Request) -> Response:
     # `prompt_logprobs` adds each choice's `prompt_logprobs`. Either asks the engine for prompt logprobs.
     prompt_top = _completion_logprobs(body, "prompt_logprobs")
     asked = [k for k in (params["logprobs"] if echo else None, prompt_top) if k is not None]
+    user = wire_user(body)
     prepared = []
     for prompt in _prompts(body.get("prompt")):
         ids = await s.generation.prompt_ids(prompt)
@@ -158,7 +159,7 @@ async def completions(request: Request) -> Response:
                 prompt=text,
                 prompt_param="prompt",
                 prompt_logprobs=max(asked) if asked else None,
-                user=wire_user(body),
+                user=user,
             )
         )
     return await _respond(request, s, body, "completion", prepared, echo=echo, prompt_top=prompt_top)
