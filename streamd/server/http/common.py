@@ -4,8 +4,9 @@ Every SSE answer is an `SSEResponse`: while its body sends nothing for `server.s
 SSE comment (`: keepalive`), which clients ignore and which keeps a proxy's idle timeout (nginx's
 `proxy_read_timeout`) from cutting a stream during a long prefill or queue wait.
 
-The route modules (`openai_routes`, `responses_api`, `tokenize_api`, `server_info`) import from here and
-never from each other, so each route family can change alone.
+The route modules (`openai_routes`, `responses_api`, `tokenize_api`, `server_info`) import from here (and
+from `background_routes`, the background responses' routes they share) and never from each other, so each
+route family can change alone.
 """
 
 from __future__ import annotations
