@@ -154,15 +154,9 @@ def nginx_config(front_port: int, router_port: int, replica_ports: list[int], wo
             proxy_set_header Connection $connection_upgrade;
             proxy_set_header Host $host;
             proxy_read_timeout 1h;"""
-    return f"""daemon off;
-pid {workdir}/nginx.pid;
-error_log stderr warn;
-events {{}}
-http {{
-    access_log off;
-    client_body_temp_path {workdir}/body;
-    proxy_temp_path {workdir}/proxy;
-    map $http_upgrade $connection_upgrade {{
+    return nginx_conf(
+        workdir,
+        f"""    map $http_upgrade $connection_upgrade {{
         default upgrade;
         "" close;
     }}
@@ -195,8 +189,28 @@ http {{
             proxy_read_timeout 1h;
         }}
     }}
-}}
+""",
+    )
+
+
+def nginx_conf(workdir: Path, http: str) -> str:
+    """A whole config for an nginx in the foreground whose own files (pid, temp files) are in `workdir`, errors
+    to stderr, no access log, around `http` (the `http` block's directives; also the keepalive tests' proxy)."""
+    return f"""daemon off;
+pid {workdir}/nginx.pid;
+error_log stderr warn;
+events {{}}
+http {{
+    access_log off;
+    client_body_temp_path {workdir}/body;
+    proxy_temp_path {workdir}/proxy;
+{http}}}
 """
+
+
+def nginx_binary() -> str:
+    """Where nginx is (Debian's package: /usr/sbin, often not on a user's PATH); it may not exist."""
+    return shutil.which("nginx") or "/usr/sbin/nginx"
 
 
 @contextlib.contextmanager
@@ -235,7 +249,7 @@ def running_cluster(
 
 
 def _start_nginx(spec: ClusterSpec, workdir: Path, start: Callable[[str, list[str]], None]) -> None:
-    nginx = shutil.which("nginx") or "/usr/sbin/nginx"
+    nginx = nginx_binary()
     if not Path(nginx).exists():
         raise SystemExit("streamd cluster needs nginx for WebSockets: apt-get install nginx-light")
     (workdir / "nginx.conf").write_text(nginx_config(spec.front_port, spec.router_port, spec.replica_ports, workdir))

@@ -25,6 +25,7 @@ from streamd.engine import RequestDelta
 from streamd.logs import get_logger
 from streamd.server.lifecycle import Lifecycle
 from streamd.server.metrics import Metrics
+from streamd.server.tenants import DEFAULT_TENANT
 
 logger = get_logger(__name__)
 
@@ -68,7 +69,7 @@ class RequestAccount:
         lifecycle: Lifecycle,
         cancel: Callable[[], None],
         num_choices: int = 1,
-        tenant: str = "default",
+        tenant: str = DEFAULT_TENANT,
     ) -> None:
         self.request_id = request_id
         self.route = route

@@ -77,7 +77,8 @@ PAGE_HEADERS = {
 
 def create_app(config: Config, engine: EngineClient, *, warm_up: bool = True) -> Starlette:
     server = config.server
-    metrics = Metrics(engine, Tenants(server).label)
+    tenants = Tenants(server)
+    metrics = Metrics(engine, tenants.label)
     lifecycle = Lifecycle(engine, server.drain_timeout_s)
     services = Services(
         server,
@@ -91,7 +92,7 @@ def create_app(config: Config, engine: EngineClient, *, warm_up: bool = True) ->
         ),
         metrics,
         lifecycle,
-        Generation(engine, server, lifecycle, metrics, CompileGate(config.grammar)),
+        Generation(engine, server, lifecycle, metrics, CompileGate(config.grammar), tenants),
         ResponseStore(
             server.responses_store_size,
             server.responses_store_ttl_s,

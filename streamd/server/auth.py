@@ -87,6 +87,12 @@ class Authenticator:
         return "loopback and same-origin pages only (set server.allowed_origins to allow others)"
 
 
+def api_key(headers: Mapping[str, str]) -> str:
+    """Whose a stored response is (the Responses store's and background responses' partition): the request's
+    bearer token ("" when the server has no keys)."""
+    return bearer_token(headers.get("authorization")) or ""
+
+
 def bearer_token(header: str | None) -> str | None:
     if not header:
         return None

@@ -38,19 +38,20 @@ class DetachedRun(Protocol):
     def snapshot(self, done: bool) -> dict[str, Any]: ...
 
 
-Keep = Callable[[str, DetachedRun], None]  # stores a finished run for previous_response_id (`responses.keep`)
+Keep = Callable[[], None]  # what to do once it has finished (Responses: store it for previous_response_id)
 
 
 @dataclass(slots=True, eq=False)
 class BackgroundResponse:
     """One detached response: its run, every event it produced, and who may read it."""
 
-    key: str  # the API key that created it ("" without keys)
+    key: str = field(repr=False)  # the API key that created it ("" without keys; never in a repr or log)
     kind: str  # the route family that reaches it ("responses", "chat", "completion")
     run: DetachedRun
     events: list[Any] = field(default_factory=list)
     done: bool = False
     changed: asyncio.Event = field(default_factory=asyncio.Event)  # replaced (after being set) on each event
+    expiry: asyncio.TimerHandle | None = None  # once finished: when it is forgotten (cancelled if sooner)
 
     @property
     def id(self) -> str:
@@ -64,16 +65,22 @@ class BackgroundResponse:
         woken, self.changed = self.changed, asyncio.Event()
         woken.set()
 
-    async def replay(self, starting_after: int) -> AsyncIterator[Any]:
-        """The events numbered after `starting_after`, then the live ones until the last."""
+    async def replay(self, starting_after: int) -> AsyncIterator[tuple[int, Any]]:
+        """The events numbered after `starting_after`, then the live ones until the last, each with its number."""
         index = max(starting_after + 1, 0)
         while True:
             while index < len(self.events):
-                yield self.events[index]
+                yield index, self.events[index]
                 index += 1
             if self.done:
                 return
             await self.changed.wait()
+
+    async def ended(self) -> dict[str, Any]:
+        """The `response` object once it has ended (its terminal event kept)."""
+        while not self.done:
+            await self.changed.wait()
+        return self.response()
 
     def response(self) -> dict[str, Any]:
         """The `response` object as of now (queued, in progress, or as it ended)."""
@@ -92,7 +99,7 @@ class BackgroundResponses:
     def __len__(self) -> int:
         return len(self._records)
 
-    def start(self, key: str, kind: str, run: DetachedRun, keep: Keep) -> BackgroundResponse:
+    def start(self, key: str, kind: str, run: DetachedRun, keep: Keep | None = None) -> BackgroundResponse:
         """Runs `run` detached (its events kept); `keep` stores it once it has finished. Refused (the run
         finished, i.e. aborted) when every place holds a running response."""
         try:
@@ -122,8 +129,7 @@ class BackgroundResponses:
         return record
 
     def delete(self, key: str, kind: str, response_id: str) -> None:
-        self.cancel(key, kind, response_id)
-        del self._records[response_id]
+        self._forget(self.cancel(key, kind, response_id))
 
     def make_room(self) -> None:
         """Evicts the oldest finished response when full; raises 503 `overloaded` when all are running."""
@@ -134,9 +140,9 @@ class BackgroundResponses:
             raise ServiceError(
                 "overloaded", f"{self.max_responses} background responses are running (server.max_background_responses)"
             )
-        del self._records[oldest.id]
+        self._forget(oldest)
 
-    async def _drive(self, record: BackgroundResponse, keep: Keep) -> None:
+    async def _drive(self, record: BackgroundResponse, keep: Keep | None) -> None:
         run = record.run
         try:
             async for event in run.events():
@@ -145,9 +151,14 @@ class BackgroundResponses:
             run.finish()
             record.done = True
             record.wake()
-        keep(record.key, run)
-        asyncio.get_running_loop().call_later(self.retention_s, self._expire, record)
+        if keep is not None:
+            keep()
+        if self._records.get(record.id) is record:  # (not deleted or evicted meanwhile)
+            record.expiry = asyncio.get_running_loop().call_later(self.retention_s, self._forget, record)
 
-    def _expire(self, record: BackgroundResponse) -> None:
-        if self._records.get(record.id) is record:
-            del self._records[record.id]
+    def _forget(self, record: BackgroundResponse) -> None:
+        """Drops it, and its expiry timer: an evicted or deleted one is not held (events and all) by the loop
+        until its retention would have ended, so `max_responses` bounds the memory, not the request rate."""
+        del self._records[record.id]
+        if record.expiry is not None:
+            record.expiry.cancel()

@@ -81,13 +81,14 @@ class Generation:
         lifecycle: Lifecycle,
         metrics: Metrics,
         compiles: CompileGate | None = None,
+        tenants: Tenants | None = None,
     ):
         self.engine = engine
         self.config = config
         self.lifecycle = lifecycle
         self.metrics = metrics
         self.compiles = compiles or CompileGate(GrammarConfig())
-        self.tenants = Tenants(config)
+        self.tenants = tenants or Tenants(config)  # (the app's, whose labels its metrics use too)
         self.tokenizing = Tokenizing(engine.tokenizer)
         # The engine's admission check, as far as the server knows the engine: its context, and the server's
         # cap on the samples or beams of one request (the engine checks its KV pool on submission).
@@ -150,7 +151,7 @@ class Generation:
         prompt: str | None = None,
         prompt_param: str = "messages",
         prompt_logprobs: int | None = None,
-        user: Any = None,
+        user: str | None = None,
     ) -> Prepared:
         """Validates params against the context; `default_max_tokens` None means "the rest of the context".
         `prompt_param` names the field the prompt came in (`prompt` or `messages`) in context errors.

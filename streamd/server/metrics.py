@@ -18,6 +18,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
+from streamd.server.tenants import tenant_totals
+
 if TYPE_CHECKING:
     from streamd.engine import EngineClient, KVCacheStats, TenantStats
 
@@ -159,16 +161,10 @@ class EngineStatsCollector(Collector):
             "output": CounterMetricFamily("streamd_tenant_generation_tokens", "Output tokens.", labels=["tenant"]),
             "preempt": CounterMetricFamily("streamd_tenant_preemptions", "Preemptions.", labels=["tenant"]),
         }
-        sums: dict[str, list[int]] = {}
-        for tenant in tenants:
-            row = sums.setdefault(self._tenant_label(tenant.name), [0, 0, 0])
-            row[0] += tenant.prompt_tokens
-            row[1] += tenant.output_tokens
-            row[2] += tenant.preemptions
-        for label, (prompt, output, preemptions) in sums.items():
-            families["prompt"].add_metric([label], prompt)
-            families["output"].add_metric([label], output)
-            families["preempt"].add_metric([label], preemptions)
+        for row in tenant_totals(tenants, self._tenant_label):
+            families["prompt"].add_metric([row.tenant], row.prompt_tokens)
+            families["output"].add_metric([row.tenant], row.output_tokens)
+            families["preempt"].add_metric([row.tenant], row.preemptions)
         yield from families.values()
 
 

@@ -23,7 +23,6 @@ from typing import Any
 
 from streamd.engine import RequestDelta, RequestStream, is_int
 from streamd.server.accounting import RequestAccount
-from streamd.server.auth import bearer_token
 from streamd.server.body_fields import body_flag, check_model
 from streamd.server.errors import ServiceError
 from streamd.server.generation import SCHEDULING_FIELDS, Prepared, normalize_messages, wire_user
@@ -608,11 +607,6 @@ class ResponseRun:
                 yield event
         for event in builder.closing(self.account):
             yield event
-
-
-def api_key(headers: Any) -> str:
-    """The store's partition: the caller's API key ("" when the server has no keys)."""
-    return bearer_token(headers.get("authorization")) or ""
 
 
 def builder_for(s: Services, plan: ResponsePlan) -> ResponseBuilder:

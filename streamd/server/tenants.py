@@ -11,9 +11,14 @@ reaching the engine) and "other" in metrics (a client cannot grow the label set)
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from streamd.config import ServerConfig
+
+if TYPE_CHECKING:
+    from streamd.engine import TenantStats
 
 DEFAULT_TENANT = "default"  # every request when nobody is named (tenant_from "none", or no key and no user)
 OTHER_LABEL = "other"
@@ -36,7 +41,7 @@ class Tenants:
     def of(self, api_key: str | None, user: str | None = None) -> Tenant:
         """The tenant of a request made with `api_key` by `user` (the body's, `generation.wire_user`)."""
         value, kind = self._identity(api_key, user)
-        if value is None:
+        if not value:  # (no key: None, or "" as `auth.api_key` has it)
             return Tenant(DEFAULT_TENANT, DEFAULT_TENANT)
         name = self._names.get(value)
         if name is not None:
@@ -53,3 +58,28 @@ class Tenants:
     def label(self, name: str) -> str:
         """The metrics label of an engine tenant name."""
         return name if name in self.labels else OTHER_LABEL
+
+
+@dataclass(slots=True)
+class TenantTotals:
+    """What the engine served one metrics label (every unnamed tenant summed under "other")."""
+
+    tenant: str  # the label
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+    preemptions: int = 0
+
+
+def tenant_totals(tenants: list[TenantStats], label: Callable[[str], str]) -> list[TenantTotals]:
+    """The engine's per-tenant stats summed per label (`Tenants.label`), most served first: what /metrics and
+    the engine view's `tenants` rows show."""
+    totals: dict[str, TenantTotals] = {}
+    for tenant in tenants:
+        name = label(tenant.name)
+        row = totals.get(name)
+        if row is None:
+            row = totals[name] = TenantTotals(name)
+        row.prompt_tokens += tenant.prompt_tokens
+        row.output_tokens += tenant.output_tokens
+        row.preemptions += tenant.preemptions
+    return sorted(totals.values(), key=lambda row: -(row.prompt_tokens + row.output_tokens))

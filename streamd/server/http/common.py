@@ -4,8 +4,9 @@ Every SSE answer is an `SSEResponse`: while its body sends nothing for `server.s
 SSE comment (`: keepalive`), which clients ignore and which keeps a proxy's idle timeout (nginx's
 `proxy_read_timeout`) from cutting a stream during a long prefill or queue wait.
 
-The route modules (`openai_routes`, `responses_api`, `tokenize_api`, `server_info`) import from here and
-never from each other, so each route family can change alone.
+The route modules (`openai_routes`, `responses_api`, `tokenize_api`, `server_info`) import from here (and
+from `background_routes`, the background responses' routes they share) and never from each other, so each
+route family can change alone.
 """
 
 from __future__ import annotations
@@ -36,12 +37,10 @@ class SSEResponse(StreamingResponse):
     """A StreamingResponse that always lets go of its request, even if its body never started."""
 
     def __init__(
-        self,
-        content: AsyncIterator[str] | AsyncIterator[bytes],
-        on_close: Callable[[], None],
-        keepalive_s: float = 0.0,
+        self, content: AsyncIterator[str] | AsyncIterator[bytes], on_close: Callable[[], None], keepalive_s: float
     ) -> None:
-        """`keepalive_s`: the silence after which a `: keepalive` comment is written (0: never)."""
+        """`keepalive_s`: the silence after which a `: keepalive` comment is written (0: never; `server.
+        sse_keepalive_s`, required so that no SSE route can leave it out)."""
         super().__init__(content, media_type="text/event-stream", headers=SSE_HEADERS)
         self._on_close = on_close
         self._keepalive_s = keepalive_s
@@ -82,12 +81,16 @@ class Keepalive:
             self._timer.cancel()
 
     async def _keep(self) -> None:
+        """Sleeps until `interval_s` after the last write, then writes unless something did meanwhile. It takes
+        the lock before it looks: a body write stalled on a slow reader is waited for, not polled."""
         try:
             while not self._done:
                 await asyncio.sleep(max(0.0, self._last + self._interval_s - time.monotonic()))
-                if self._done or self._lock.locked() or time.monotonic() - self._last < self._interval_s:
-                    continue
-                await self.send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+                async with self._lock:
+                    if self._done or time.monotonic() - self._last < self._interval_s:
+                        continue
+                    await self._send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+                    self._last = time.monotonic()
         except OSError:  # the client is gone: the body's next write (or the disconnect watch) ends the response
             return
 

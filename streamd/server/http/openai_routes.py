@@ -45,12 +45,12 @@ from starlette.responses import JSONResponse, Response
 
 from streamd.engine import MAX_LOGPROBS, RequestDelta, RequestStream, is_int
 from streamd.server.accounting import FinishNames, RequestAccount
-from streamd.server.auth import bearer_token
-from streamd.server.background import BackgroundResponse
+from streamd.server.auth import api_key
 from streamd.server.body_fields import body_flag, check_model, note_ignored, template_options
 from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError, queue_timed_out
 from streamd.server.generation import WIRE_PARAMS, Prepared, wire_user
+from streamd.server.http.background_routes import BackgroundRoutes
 from streamd.server.http.common import RouteSpec, SSEResponse, json_body, until_disconnect
 from streamd.server.logprobs import LogprobsBuilder, TokenTexts, prompt_entries
 from streamd.server.reasoning import ReplyParser
@@ -146,6 +146,7 @@ async def completions(request: Request) -> Response:
     # `prompt_logprobs` adds each choice's `prompt_logprobs`. Either asks the engine for prompt logprobs.
     prompt_top = _completion_logprobs(body, "prompt_logprobs")
     asked = [k for k in (params["logprobs"] if echo else None, prompt_top) if k is not None]
+    user = wire_user(body)
     prepared = []
     for prompt in _prompts(body.get("prompt")):
         ids = await s.generation.prompt_ids(prompt)
@@ -158,7 +159,7 @@ async def completions(request: Request) -> Response:
                 prompt=text,
                 prompt_param="prompt",
                 prompt_logprobs=max(asked) if asked else None,
-                user=wire_user(body),
+                user=user,
             )
         )
     return await _respond(request, s, body, "completion", prepared, echo=echo, prompt_top=prompt_top)
@@ -192,7 +193,7 @@ async def _respond(
     if options is not None and not isinstance(options, dict):
         raise ServiceError("invalid_request", f"stream_options must be an object, got {options!r}", "stream_options")
     call_id = ("chatcmpl-" if kind == "chat" else "cmpl-") + uuid.uuid4().hex
-    key = bearer_token(request.headers.get("authorization"))
+    key = api_key(request.headers)
     background = _background(s, body, stream_flag, len(prepared))
     calls = await _start_all(s, kind, call_id, prepared, tool_format, echo, key, prompt_top)
     structlog.contextvars.bind_contextvars(request_id=call_id)
@@ -214,8 +215,8 @@ async def _respond(
     if len(calls) == 1:
         sse = _sse(calls[0], include_usage, firsts[0], continuous=continuous)
         if background:
-            record = s.background.start(key or "", kind, _DetachedCall(calls[0], sse), lambda _k, _r: None)
-            return _follow(s, record, -1)
+            record = s.background.start(key, kind, _DetachedCall(calls[0], sse))
+            return _BACKGROUND[kind].follow(s, record, -1)
         return SSEResponse(sse, calls[0].finish, s.config.sse_keepalive_s)
     parts = [_sse(c, include_usage, f, last=False, continuous=continuous) for c, f in zip(calls, firsts)]
     return SSEResponse(_batch_sse(calls, parts, include_usage), lambda: _finish_all(calls), s.config.sse_keepalive_s)
@@ -263,52 +264,15 @@ class _DetachedCall:
         return {"id": self.call.id, "object": "streamd.background", "status": status, "usage": account.usage()}
 
 
-def _follow(s: Services, record: BackgroundResponse, starting_after: int) -> SSEResponse:
-    """A background call's events after `starting_after`, each with its SSE `id`; leaving does not stop it."""
-
-    async def events() -> AsyncIterator[bytes]:
-        number = max(starting_after, -1)
-        async for event in record.replay(starting_after):
-            number += 1
-            yield b"id: %d\n" % number + event
-
-    return SSEResponse(events(), lambda: None, s.config.sse_keepalive_s)
+def _numbered(number: int, event: bytes) -> bytes:
+    """A background call's event with its SSE `id` (what `Last-Event-ID` names when a reader reconnects)."""
+    return b"id: %d\n" % number + event
 
 
-async def retrieve_call(request: Request) -> Response:
-    """A background call's events after `starting_after` (or the `Last-Event-ID` header), then live."""
-    s: Services = request.app.state.services
-    record = s.background.get(_key(request), _kind(request), request.path_params["call_id"])
-    after = request.query_params.get("starting_after", request.headers.get("last-event-id", "-1"))
-    try:
-        return _follow(s, record, int(after))
-    except ValueError:
-        raise ServiceError(
-            "invalid_request", f"starting_after must be an integer, got {after!r}", "starting_after"
-        ) from None
-
-
-async def cancel_call(request: Request) -> Response:
-    s: Services = request.app.state.services
-    record = s.background.cancel(_key(request), _kind(request), request.path_params["call_id"])
-    async for _ in record.replay(len(record.events) - 1):
-        pass
-    return JSONResponse(record.response())
-
-
-async def delete_call(request: Request) -> Response:
-    s: Services = request.app.state.services
-    call_id = request.path_params["call_id"]
-    s.background.delete(_key(request), _kind(request), call_id)
-    return JSONResponse({"id": call_id, "object": "streamd.background", "deleted": True})
-
-
-def _key(request: Request) -> str:
-    return bearer_token(request.headers.get("authorization")) or ""
-
-
-def _kind(request: Request) -> str:
-    return "chat" if request.url.path.startswith("/v1/chat/") else "completion"
+_BACKGROUND = {
+    kind: BackgroundRoutes(base, kind, "streamd.background", _numbered)
+    for kind, base in (("chat", "/v1/chat/completions"), ("completion", "/v1/completions"))
+}
 
 
 async def _start_all(
@@ -318,7 +282,7 @@ async def _start_all(
     prepared: list[Prepared],
     tool_format: str | None,
     echo: bool,
-    api_key: str | None,
+    api_key: str,
     prompt_top: int | None = None,
 ) -> list[_Call]:
     """Submits every prompt's request (`api_key`: whose compile slots a grammar takes); a refusal of one lets
@@ -758,13 +722,5 @@ def make_routes() -> list[RouteSpec]:
         ("/v1/models", list_models, ["GET"]),
         ("/v1/completions", completions, ["POST"]),
         ("/v1/chat/completions", chat_completions, ["POST"]),
-        *(
-            route
-            for base in ("/v1/chat/completions", "/v1/completions")
-            for route in (
-                (base + "/{call_id}", retrieve_call, ["GET"]),
-                (base + "/{call_id}", delete_call, ["DELETE"]),
-                (base + "/{call_id}/cancel", cancel_call, ["POST"]),
-            )
-        ),
+        *(route for family in _BACKGROUND.values() for route in family.routes()),
     ]

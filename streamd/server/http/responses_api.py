@@ -16,11 +16,12 @@ import structlog
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from streamd.server.background import BackgroundResponse
+from streamd.server.auth import api_key
 from streamd.server.encoding import dumps
 from streamd.server.errors import ServiceError
+from streamd.server.http.background_routes import BackgroundRoutes
 from streamd.server.http.common import RouteSpec, SSEResponse, json_body, until_disconnect
-from streamd.server.responses import ResponseRun, api_key, builder_for, keep, plan_response
+from streamd.server.responses import ResponseRun, builder_for, keep, plan_response
 from streamd.server.services import Services
 
 
@@ -38,8 +39,8 @@ async def create_response(request: Request) -> Response:
     run = ResponseRun(builder_for(s, plan), stream, account)
     structlog.contextvars.bind_contextvars(request_id=plan.id)
     if plan.background:
-        record = s.background.start(key, "responses", run, lambda k, _: keep(s, k, run))
-        return _follow(s, record, -1) if plan.stream else JSONResponse(record.response())
+        record = s.background.start(key, "responses", run, lambda: keep(s, key, run))
+        return _BACKGROUND.follow(s, record, -1) if plan.stream else JSONResponse(record.response())
     if plan.stream:
         return SSEResponse(_sse(s, key, run), run.finish, s.config.sse_keepalive_s)
     return await until_disconnect(request, _collect(s, key, run))
@@ -55,47 +56,9 @@ def _event(event: dict[str, Any]) -> str:
     return f"event: {event['type']}\ndata: {dumps(event)}\n\n"
 
 
-def _follow(s: Services, record: BackgroundResponse, starting_after: int) -> SSEResponse:
-    """A background response's events after `starting_after`, then live; leaving does not stop it."""
-
-    async def events() -> AsyncIterator[str]:
-        async for event in record.replay(starting_after):
-            yield _event(event)
-
-    return SSEResponse(events(), lambda: None, s.config.sse_keepalive_s)
-
-
-async def retrieve_response(request: Request) -> Response:
-    s: Services = request.app.state.services
-    record = s.background.get(api_key(request.headers), "responses", request.path_params["response_id"])
-    query = request.query_params
-    if query.get("stream", "false") not in ("true", "false"):
-        raise ServiceError("invalid_request", f"stream must be true or false, got {query['stream']!r}", "stream")
-    if query.get("stream") != "true":
-        return JSONResponse(record.response())
-    after = query.get("starting_after", "-1")
-    try:
-        return _follow(s, record, int(after))
-    except ValueError:
-        raise ServiceError(
-            "invalid_request", f"starting_after must be an integer, got {after!r}", "starting_after"
-        ) from None
-
-
-async def cancel_response(request: Request) -> Response:
-    """Aborts a background response and answers it as it ended (status `cancelled`, or how it had ended)."""
-    s: Services = request.app.state.services
-    record = s.background.cancel(api_key(request.headers), "responses", request.path_params["response_id"])
-    async for _ in record.replay(len(record.events) - 1):
-        pass
-    return JSONResponse(record.response())
-
-
-async def delete_response(request: Request) -> Response:
-    s: Services = request.app.state.services
-    response_id = request.path_params["response_id"]
-    s.background.delete(api_key(request.headers), "responses", response_id)
-    return JSONResponse({"id": response_id, "object": "response", "deleted": True})
+_BACKGROUND = BackgroundRoutes(
+    "/v1/responses", "responses", "response", lambda _number, event: _event(event).encode(), json_unless_stream=True
+)
 
 
 async def _collect(s: Services, key: str, run: ResponseRun) -> Response:
@@ -113,7 +76,5 @@ async def _collect(s: Services, key: str, run: ResponseRun) -> Response:
 def make_routes() -> list[RouteSpec]:
     return [
         ("/v1/responses", create_response, ["POST"]),
-        ("/v1/responses/{response_id}", retrieve_response, ["GET"]),
-        ("/v1/responses/{response_id}", delete_response, ["DELETE"]),
-        ("/v1/responses/{response_id}/cancel", cancel_response, ["POST"]),
+        *_BACKGROUND.routes(),
     ]

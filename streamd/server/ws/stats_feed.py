@@ -18,10 +18,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import asdict, dataclass
 
-from streamd.engine import EngineClient, EngineStats, TenantStats
+from streamd.engine import EngineClient, EngineStats
+from streamd.server.tenants import tenant_totals
 from streamd.server.ws.protocol import Frame
 
 
@@ -66,20 +66,8 @@ def stats_frame(stats: EngineStats, tokens_per_s: float, tenant_label: Callable[
         },
         "generated_tokens": stats.generated_tokens,
         "tokens_per_s": round(tokens_per_s, 2),
-        "tenants": tenant_rows(sched.tenants, tenant_label),
+        "tenants": [asdict(row) for row in tenant_totals(sched.tenants, tenant_label)],
     }
-
-
-def tenant_rows(tenants: list[TenantStats], tenant_label: Callable[[str], str]) -> list[dict[str, Any]]:
-    """Served tokens and preemptions per tenant label, most served first."""
-    rows: dict[str, dict[str, Any]] = {}
-    for tenant in tenants:
-        label = tenant_label(tenant.name)
-        row = rows.setdefault(label, {"tenant": label, "prompt_tokens": 0, "output_tokens": 0, "preemptions": 0})
-        row["prompt_tokens"] += tenant.prompt_tokens
-        row["output_tokens"] += tenant.output_tokens
-        row["preemptions"] += tenant.preemptions
-    return sorted(rows.values(), key=lambda row: -(row["prompt_tokens"] + row["output_tokens"]))
 
 
 def token_rate(before: Sample, after: Sample) -> float:

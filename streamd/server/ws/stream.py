@@ -170,9 +170,9 @@ class WsRequest:
     def _progress(self, delta: RequestDelta, prompt_tokens: int) -> list[protocol.Frame]:
         """A `progress` frame before the first delta frame, at most one per PROGRESS_INTERVAL_S (the engine
         repeats a waiting request's place every second); never retained for a resume (it has no seq)."""
-        now = time.monotonic()
         if delta.progress is None or self.seq or delta.finished or delta.num_new_tokens:
-            return []
+            return []  # (checked first: after the first token every delta ends here, without a clock read)
+        now = time.monotonic()
         if now - self.progress_sent < PROGRESS_INTERVAL_S:
             return []
         self.progress_sent = now

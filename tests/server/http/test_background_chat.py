@@ -44,11 +44,15 @@ async def test_a_cut_chat_stream_resumes_exactly(server: Server, resume_by: str)
             whole = await _events(answer)
         first: list[tuple[int | None, Any]] = []
         async with http.stream("POST", "/v1/chat/completions", json={**body, "streamd_background": True}) as answer:
+            event_id = None
             async for line in answer.aiter_lines():
-                if line.startswith("data: "):
-                    first.append((len(first), orjson.loads(line[6:])))
+                if line.startswith("id: "):
+                    event_id = int(line[4:])
+                elif line.startswith("data: "):
+                    first.append((event_id, orjson.loads(line[6:])))
                 if len(first) == 4:
                     break
+        assert [i for i, _ in first] == [0, 1, 2, 3]  # the live stream numbers its events too
         call_id, last = first[0][1]["id"], len(first) - 1
         query, headers = ({"starting_after": last}, {}) if resume_by == "query" else ({}, {"Last-Event-ID": str(last)})
         async with http.stream("GET", f"/v1/chat/completions/{call_id}", params=query, headers=headers) as answer:

@@ -20,11 +20,12 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
 
+from streamd.cli.cluster import nginx_binary, nginx_conf
 from streamd.engine.client.async_engine import AsyncEngine
 from tests.helpers import sizes
 from tests.server.util import Server, running_server
 
-NGINX = shutil.which("nginx") or "/usr/sbin/nginx"
+NGINX = nginx_binary()
 pytestmark = pytest.mark.skipif(not Path(NGINX).exists(), reason="needs nginx (apt); `make test` installs it")
 
 READ_TIMEOUT_MS = 2500  # the proxy's idle timeout: far below the long prompt's prefill on CPU
@@ -47,15 +48,8 @@ def nginx_in_front(upstream_port: int) -> Iterator[str]:
     """nginx on a free port proxying everything to the server, SSE unbuffered, with a short read timeout."""
     workdir = Path(tempfile.mkdtemp(prefix="streamd-keepalive-"))
     port = _free_port()
-    (workdir / "nginx.conf").write_text(f"""daemon off;
-pid {workdir}/nginx.pid;
-error_log stderr warn;
-events {{}}
-http {{
-    access_log off;
-    client_body_temp_path {workdir}/body;
+    (workdir / "nginx.conf").write_text(nginx_conf(workdir, f"""\
     client_body_buffer_size 1m;  # the long prompt stays in memory (the worker may not write workdir)
-    proxy_temp_path {workdir}/proxy;
     server {{
         listen 127.0.0.1:{port};
         location / {{
@@ -65,8 +59,7 @@ http {{
             proxy_read_timeout {READ_TIMEOUT_MS}ms;
         }}
     }}
-}}
-""")
+"""))
     process = subprocess.Popen([NGINX, "-c", str(workdir / "nginx.conf"), "-p", str(workdir)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
