@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from streamd.bench.report import add_out_argument, report_header, save_report
+from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
 from streamd.config import load_config
 from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, FairShare
 from streamd.engine.llm_engine import LLMEngine
@@ -352,27 +352,50 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for model, result in report["models"].items():
         flood, back, tier = result["flood_and_chat"], result["backlog"], result["tiers"]
+        flood_met = flood["targets"]
         lines += [
             f"## model: {model}" + (" (null model: benchmark-only, no forward pass)" if model == "null" else ""),
             "",
             f"Sizes: {result['sizes']}",
             "",
-            "| measure | value | target | met |",
-            "|---|---|---|---|",
-            f"| chat p99 TTFT solo / fair / fcfs (s) | {fmt(flood['chat_p99_ttft_s'])} | | |",
-            f"| chat p99 fair / solo | {flood['fair_over_solo']:.2f} | <= 1.5 | "
-            f"{flood['targets']['chat_p99_le_1.5x_solo']} |",
-            f"| chat p99 fair / fcfs | {flood['fair_over_fcfs']:.3f} | <= 0.2 | "
-            f"{flood['targets']['chat_p99_le_0.2x_fcfs']} |",
-            f"| tokens/s fair / fcfs | {flood['throughput_fair_over_fcfs']:.3f} | >= 0.95 | "
-            f"{flood['targets']['throughput_ge_0.95x_fcfs']} |",
-            f"| backlog: A's share per {back['window_s']} s window ({back['windows']} windows) | "
-            f"{back['share_A_min']:.3f} .. {back['share_A_max']:.3f} | 0.45 .. 0.55 | "
-            f"{back['targets']['shares_50_pm_5']} |",
-            f"| tiers: p50 TTFT priority / default (s) | {fmt(tier['p50_ttft_s'])} | | |",
-            f"| tiers: default / priority p50 | {tier['default_over_priority']:.2f} | >= 3 | "
-            f"{tier['targets']['priority_p50_3x_lower']} |",
-            f"| longest wait for a first token (s) | {flood['max_queue_s']:.2f} | | |",
+            *markdown_table(
+                ["measure", "value", "target", "met"],
+                [
+                    ["chat p99 TTFT solo / fair / fcfs (s)", fmt(flood["chat_p99_ttft_s"]), "", ""],
+                    [
+                        "chat p99 fair / solo",
+                        f"{flood['fair_over_solo']:.2f}",
+                        "<= 1.5",
+                        flood_met["chat_p99_le_1.5x_solo"],
+                    ],
+                    [
+                        "chat p99 fair / fcfs",
+                        f"{flood['fair_over_fcfs']:.3f}",
+                        "<= 0.2",
+                        flood_met["chat_p99_le_0.2x_fcfs"],
+                    ],
+                    [
+                        "tokens/s fair / fcfs",
+                        f"{flood['throughput_fair_over_fcfs']:.3f}",
+                        ">= 0.95",
+                        flood_met["throughput_ge_0.95x_fcfs"],
+                    ],
+                    [
+                        f"backlog: A's share per {back['window_s']} s window ({back['windows']} windows)",
+                        f"{back['share_A_min']:.3f} .. {back['share_A_max']:.3f}",
+                        "0.45 .. 0.55",
+                        back["targets"]["shares_50_pm_5"],
+                    ],
+                    ["tiers: p50 TTFT priority / default (s)", fmt(tier["p50_ttft_s"]), "", ""],
+                    [
+                        "tiers: default / priority p50",
+                        f"{tier['default_over_priority']:.2f}",
+                        ">= 3",
+                        tier["targets"]["priority_p50_3x_lower"],
+                    ],
+                    ["longest wait for a first token (s)", f"{flood['max_queue_s']:.2f}", "", ""],
+                ],
+            ),
             "",
         ]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import date
 from typing import Any
 
-from streamd.bench.report import add_out_argument, save_report
+from streamd.bench.report import add_out_argument, markdown_table, save_report
 
 _NAMES = ["Ada", "Bruno", "Chen", "Dana", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kira", "Lev"]
 _PLACES = ["harbour", "library", "market", "station", "bakery", "garden", "museum", "workshop", "school"]
@@ -215,17 +215,35 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         f"Command: `{report['command']}`. {report['note']}",
         "",
-        "| workload | streams | mode | median ms/token | tokens/s | acceptance | identical | ms/token lower x "
-        "| rate vs off |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *markdown_table(
+            [
+                "workload",
+                "streams",
+                "mode",
+                "median ms/token",
+                "tokens/s",
+                "acceptance",
+                "identical",
+                "ms/token lower x",
+                "rate vs off",
+            ],
+            (
+                [
+                    entry["workload"],
+                    entry["streams"],
+                    mode,
+                    m["tpot_ms_median"],
+                    m["tokens_per_s"],
+                    m["acceptance_rate"],
+                    m["identical_to_off"],
+                    entry["tpot_lower_x"].get(mode, ""),
+                    entry["rate_vs_off"].get(mode, ""),
+                ]
+                for entry in report["results"]
+                for mode, m in entry["modes"].items()
+            ),
+        ),
     ]
-    for entry in report["results"]:
-        for mode, m in entry["modes"].items():
-            lines.append(
-                f"| {entry['workload']} | {entry['streams']} | {mode} | {m['tpot_ms_median']} | {m['tokens_per_s']} "
-                f"| {m['acceptance_rate']} | {m['identical_to_off']} | {entry['tpot_lower_x'].get(mode, '')} "
-                f"| {entry['rate_vs_off'].get(mode, '')} |"
-            )
     return "\n".join(lines) + "\n"
 
 
