@@ -23,7 +23,7 @@ import statistics
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
@@ -123,19 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="streamd bench fairness", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {**report_header("cpu"), "benchmark": "fairness", "models": {}}
     for name in args.models.split(","):
         sizes = sizes_for(name, args.light, args.window_s)
         engine = build_engine(name, sizes)
         try:
-            report["models"][name] = {"sizes": vars_of(sizes), **measure(engine, sizes)}
+            report["models"][name] = {"sizes": asdict(sizes), **measure(engine, sizes)}
         finally:
             engine.executor.shutdown()
     text = markdown(report)
@@ -149,11 +143,7 @@ def sizes_for(model: str, light: bool, window_s: float | None) -> Sizes:
     if model not in FULL:
         raise ValueError(f"--models: unknown model {model!r} (null or default)")
     sizes = LIGHT if light else FULL[model]
-    return sizes if window_s is None else Sizes(**{**vars_of(sizes), "window_s": window_s})
-
-
-def vars_of(sizes: Sizes) -> dict[str, Any]:
-    return {f: getattr(sizes, f) for f in Sizes.__dataclass_fields__}
+    return sizes if window_s is None else replace(sizes, window_s=window_s)
 
 
 def build_engine(model: str, sizes: Sizes) -> LLMEngine:
