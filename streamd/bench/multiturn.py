@@ -189,7 +189,7 @@ def report_of(
             "ttft_s": restarted.ttft_s[0],
             "warm_ttft_s": warm.ttft_s[0],
             "ttft_vs_warm": restarted.ttft_s[0] / warm.ttft_s[0],
-            "same_reply_as_warm_prefix": restarted.cached_tokens[0] >= full_system,
+            "system_prompt_restored": restarted.cached_tokens[0] >= full_system,
         },
         "max_restore_vs_median_step": disk_run["max_restore_s_in_a_step"] / disk_run["median_step_s"],
     }
@@ -255,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="streamd-multiturn-") as scratch:
         report = report_header(args.device) | measure(make_llm, sizes, Path(args.disk_dir or scratch))
-    stem = save_report(report, args.out, "multiturn", markdown(report))
-    print(markdown(report))
+    text = markdown(report)
+    stem = save_report(report, args.out, "multiturn", text)
+    print(text)
     print(f"written: {stem}.json, {stem}.md")
     return 0
