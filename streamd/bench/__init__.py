@@ -54,8 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Benchmarks: memory (CPU), throughput (CUDA, against transformers), serve (load a running server),
-    cluster (CPU, simulated replicas behind a router), chaos (storms, fuzzing and slow readers against a
-    running server)."""
+    """Benchmarks: each one below with what it measures; `streamd bench <name> --help` gives its arguments
+    and an example."""
+    # (No list of the benchmarks here: the subcommands' help is built from `BENCHMARKS`, this one fell behind.)
     module_name, entry = BENCHMARKS[args.benchmark]
     return getattr(importlib.import_module(module_name), entry)(args)

@@ -23,10 +23,10 @@ import statistics
 import time
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from streamd.bench.report import add_out_argument, report_header, save_report
+from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
 from streamd.config import load_config
 from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, FairShare
 from streamd.engine.llm_engine import LLMEngine
@@ -123,19 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-write", action="store_true", help="print only")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="streamd bench fairness", description=__doc__)
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {**report_header("cpu"), "benchmark": "fairness", "models": {}}
     for name in args.models.split(","):
         sizes = sizes_for(name, args.light, args.window_s)
         engine = build_engine(name, sizes)
         try:
-            report["models"][name] = {"sizes": vars_of(sizes), **measure(engine, sizes)}
+            report["models"][name] = {"sizes": asdict(sizes), **measure(engine, sizes)}
         finally:
             engine.executor.shutdown()
     text = markdown(report)
@@ -149,11 +143,7 @@ def sizes_for(model: str, light: bool, window_s: float | None) -> Sizes:
     if model not in FULL:
         raise ValueError(f"--models: unknown model {model!r} (null or default)")
     sizes = LIGHT if light else FULL[model]
-    return sizes if window_s is None else Sizes(**{**vars_of(sizes), "window_s": window_s})
-
-
-def vars_of(sizes: Sizes) -> dict[str, Any]:
-    return {f: getattr(sizes, f) for f in Sizes.__dataclass_fields__}
+    return sizes if window_s is None else replace(sizes, window_s=window_s)
 
 
 def build_engine(model: str, sizes: Sizes) -> LLMEngine:
@@ -352,27 +342,50 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for model, result in report["models"].items():
         flood, back, tier = result["flood_and_chat"], result["backlog"], result["tiers"]
+        flood_met = flood["targets"]
         lines += [
             f"## model: {model}" + (" (null model: benchmark-only, no forward pass)" if model == "null" else ""),
             "",
             f"Sizes: {result['sizes']}",
             "",
-            "| measure | value | target | met |",
-            "|---|---|---|---|",
-            f"| chat p99 TTFT solo / fair / fcfs (s) | {fmt(flood['chat_p99_ttft_s'])} | | |",
-            f"| chat p99 fair / solo | {flood['fair_over_solo']:.2f} | <= 1.5 | "
-            f"{flood['targets']['chat_p99_le_1.5x_solo']} |",
-            f"| chat p99 fair / fcfs | {flood['fair_over_fcfs']:.3f} | <= 0.2 | "
-            f"{flood['targets']['chat_p99_le_0.2x_fcfs']} |",
-            f"| tokens/s fair / fcfs | {flood['throughput_fair_over_fcfs']:.3f} | >= 0.95 | "
-            f"{flood['targets']['throughput_ge_0.95x_fcfs']} |",
-            f"| backlog: A's share per {back['window_s']} s window ({back['windows']} windows) | "
-            f"{back['share_A_min']:.3f} .. {back['share_A_max']:.3f} | 0.45 .. 0.55 | "
-            f"{back['targets']['shares_50_pm_5']} |",
-            f"| tiers: p50 TTFT priority / default (s) | {fmt(tier['p50_ttft_s'])} | | |",
-            f"| tiers: default / priority p50 | {tier['default_over_priority']:.2f} | >= 3 | "
-            f"{tier['targets']['priority_p50_3x_lower']} |",
-            f"| longest wait for a first token (s) | {flood['max_queue_s']:.2f} | | |",
+            *markdown_table(
+                ["measure", "value", "target", "met"],
+                [
+                    ["chat p99 TTFT solo / fair / fcfs (s)", fmt(flood["chat_p99_ttft_s"]), "", ""],
+                    [
+                        "chat p99 fair / solo",
+                        f"{flood['fair_over_solo']:.2f}",
+                        "<= 1.5",
+                        flood_met["chat_p99_le_1.5x_solo"],
+                    ],
+                    [
+                        "chat p99 fair / fcfs",
+                        f"{flood['fair_over_fcfs']:.3f}",
+                        "<= 0.2",
+                        flood_met["chat_p99_le_0.2x_fcfs"],
+                    ],
+                    [
+                        "tokens/s fair / fcfs",
+                        f"{flood['throughput_fair_over_fcfs']:.3f}",
+                        ">= 0.95",
+                        flood_met["throughput_ge_0.95x_fcfs"],
+                    ],
+                    [
+                        f"backlog: A's share per {back['window_s']} s window ({back['windows']} windows)",
+                        f"{back['share_A_min']:.3f} .. {back['share_A_max']:.3f}",
+                        "0.45 .. 0.55",
+                        back["targets"]["shares_50_pm_5"],
+                    ],
+                    ["tiers: p50 TTFT priority / default (s)", fmt(tier["p50_ttft_s"]), "", ""],
+                    [
+                        "tiers: default / priority p50",
+                        f"{tier['default_over_priority']:.2f}",
+                        ">= 3",
+                        tier["targets"]["priority_p50_3x_lower"],
+                    ],
+                    ["longest wait for a first token (s)", f"{flood['max_queue_s']:.2f}", "", ""],
+                ],
+            ),
             "",
         ]
     return "\n".join(lines)

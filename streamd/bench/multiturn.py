@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from streamd.bench.report import add_out_argument, report_header, save_report
+from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
 from streamd.engine.core.kv_tiers import BlockKey
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import TierStats
@@ -189,7 +189,7 @@ def report_of(
             "ttft_s": restarted.ttft_s[0],
             "warm_ttft_s": warm.ttft_s[0],
             "ttft_vs_warm": restarted.ttft_s[0] / warm.ttft_s[0],
-            "same_reply_as_warm_prefix": restarted.cached_tokens[0] >= full_system,
+            "system_prompt_restored": restarted.cached_tokens[0] >= full_system,
         },
         "max_restore_vs_median_step": disk_run["max_restore_s_in_a_step"] / disk_run["median_step_s"],
     }
@@ -205,12 +205,17 @@ def markdown(report: dict[str, Any]) -> str:
             f"prompt, +{s['turn_tokens']} tokens a turn, {s['reply_tokens']}-token greedy replies; "
             f"{s['num_kv_blocks']} device blocks (<= {s['device_share']:.0%} of all KV). Shared, noisy machine.",
             "",
-            "| system | follow-up TTFT p50 | first-turn TTFT p50 | prompt tokens recomputed |",
-            "|---|---|---|---|",
-            *(
-                f"| {name} | {r['follow_up_ttft_p50_s'] * 1e3:.0f} ms | {r['first_turn_ttft_p50_s'] * 1e3:.0f} ms | "
-                f"{r['recomputed_prompt_tokens']} of {r['prompt_tokens']} |"
-                for name, r in (("device only", plain), ("disk tier", disk))
+            *markdown_table(
+                ["system", "follow-up TTFT p50", "first-turn TTFT p50", "prompt tokens recomputed"],
+                (
+                    [
+                        name,
+                        f"{r['follow_up_ttft_p50_s'] * 1e3:.0f} ms",
+                        f"{r['first_turn_ttft_p50_s'] * 1e3:.0f} ms",
+                        f"{r['recomputed_prompt_tokens']} of {r['prompt_tokens']}",
+                    ]
+                    for name, r in (("device only", plain), ("disk tier", disk))
+                ),
             ),
             "",
             f"- follow-up TTFT {report['follow_up_ttft_speedup']:.2f}x lower; recomputed tokens "
@@ -250,7 +255,8 @@ def run(args: argparse.Namespace) -> int:
 
     with tempfile.TemporaryDirectory(prefix="streamd-multiturn-") as scratch:
         report = report_header(args.device) | measure(make_llm, sizes, Path(args.disk_dir or scratch))
-    stem = save_report(report, args.out, "multiturn", markdown(report))
-    print(markdown(report))
+    text = markdown(report)
+    stem = save_report(report, args.out, "multiturn", text)
+    print(text)
     print(f"written: {stem}.json, {stem}.md")
     return 0

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from streamd.bench.report import add_out_argument, report_header, save_report
+from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
 from streamd.cli.cluster import ClusterSpec, count_gpus, running_cluster
 
 
@@ -133,12 +133,20 @@ def _markdown(report: dict[str, Any]) -> str:
         + ("Clients on the replicas directly" if report["settings"]["direct"] else "vllm-router round_robin")
         + ", HTTP + SSE (no nginx).",
         "",
-        "| replicas | streams | output tok/s | vs first | TTFT p50 s | ITL p50 ms | failed |",
-        "|---|---|---|---|---|---|---|",
+        *markdown_table(
+            ["replicas", "streams", "output tok/s", "vs first", "TTFT p50 s", "ITL p50 ms", "failed"],
+            (
+                [
+                    r["replicas"],
+                    r["streams"],
+                    f"{r['output_tok_s']:,.0f}",
+                    f"{r['vs_first']:.2f}x",
+                    f"{r['ttft_p50_s']:.3f}",
+                    f"{r['itl_p50_s'] * 1000:.1f}",
+                    r["failed"],
+                ]
+                for r in report["runs"]
+            ),
+        ),
     ]
-    for r in report["runs"]:
-        lines.append(
-            f"| {r['replicas']} | {r['streams']} | {r['output_tok_s']:,.0f} | {r['vs_first']:.2f}x "
-            f"| {r['ttft_p50_s']:.3f} | {r['itl_p50_s'] * 1000:.1f} | {r['failed']} |"
-        )
     return "\n".join(lines) + "\n"

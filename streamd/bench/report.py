@@ -3,6 +3,7 @@
 `--out` names the folder; by default `./benchmarks/results` when run from a checkout (the current
 directory holds `benchmarks/` and `pyproject.toml`), else `./streamd-results`. Never inside the installed
 package. `BenchError` is a benchmark that cannot run as asked: the command prints its message on one line.
+`markdown_table` writes the summaries' tables, so a header and its rows never disagree on the columns.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable, Sequence
 from datetime import date
 from pathlib import Path
 from typing import Any
@@ -83,6 +85,16 @@ def save_report(report: dict[str, Any], out: str | os.PathLike[str] | None, name
         tmp.write_text(text)
         os.replace(tmp, path)  # a half-written report never replaces a good one
     return stem
+
+
+def markdown_table(header: Sequence[str], rows: Iterable[Sequence[object]]) -> list[str]:
+    """A markdown table's lines: the header, its rule, then one line per row (each cell as `str` gives it)."""
+    widths = len(header)
+    lines = [f"| {' | '.join(header)} |", "|" + "---|" * widths]
+    for row in rows:
+        assert len(row) == widths, f"a row of {len(row)} cells under {widths} columns: {row}"
+        lines.append(f"| {' | '.join(map(str, row))} |")
+    return lines
 
 
 def report_header(device: str) -> dict[str, Any]:

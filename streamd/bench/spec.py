@@ -25,10 +25,9 @@ import random
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import date
 from typing import Any
 
-from streamd.bench.report import add_out_argument, save_report
+from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
 
 _NAMES = ["Ada", "Bruno", "Chen", "Dana", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kira", "Lev"]
 _PLACES = ["harbour", "library", "market", "station", "bakery", "garden", "museum", "workshop", "school"]
@@ -46,7 +45,7 @@ CHAT_QUESTIONS = [
 ]
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, frozen=True)
 class Sizes:
     edit_requests: int = 3
     edit_sentences: int = 40  # about 15-20 tokens each: 600-800 tokens of text
@@ -211,21 +210,40 @@ def measure(engine: Any, sizes: Sizes) -> list[dict[str, Any]]:
 
 def markdown(report: dict[str, Any]) -> str:
     lines = [
-        f"# streamd bench spec — {report['date']}, {report['device']}, {report['model']}",
+        f"# streamd bench spec — {report['date']}, {report['device']}, {report['model']} "
+        f"(commit {report['git_commit']})",
         "",
         f"Command: `{report['command']}`. {report['note']}",
         "",
-        "| workload | streams | mode | median ms/token | tokens/s | acceptance | identical | ms/token lower x "
-        "| rate vs off |",
-        "|---|---|---|---|---|---|---|---|---|",
+        *markdown_table(
+            [
+                "workload",
+                "streams",
+                "mode",
+                "median ms/token",
+                "tokens/s",
+                "acceptance",
+                "identical",
+                "ms/token lower x",
+                "rate vs off",
+            ],
+            (
+                [
+                    entry["workload"],
+                    entry["streams"],
+                    mode,
+                    m["tpot_ms_median"],
+                    m["tokens_per_s"],
+                    m["acceptance_rate"],
+                    m["identical_to_off"],
+                    entry["tpot_lower_x"].get(mode, ""),
+                    entry["rate_vs_off"].get(mode, ""),
+                ]
+                for entry in report["results"]
+                for mode, m in entry["modes"].items()
+            ),
+        ),
     ]
-    for entry in report["results"]:
-        for mode, m in entry["modes"].items():
-            lines.append(
-                f"| {entry['workload']} | {entry['streams']} | {mode} | {m['tpot_ms_median']} | {m['tokens_per_s']} "
-                f"| {m['acceptance_rate']} | {m['identical_to_off']} | {entry['tpot_lower_x'].get(mode, '')} "
-                f"| {entry['rate_vs_off'].get(mode, '')} |"
-            )
     return "\n".join(lines) + "\n"
 
 
@@ -251,8 +269,7 @@ def run(args: argparse.Namespace) -> int:
     speculator = engine.scheduler.speculator
     assert speculator is not None
     report = {
-        "date": date.today().isoformat(),
-        "device": str(engine.device.type),
+        **report_header(str(engine.device.type)),
         "model": engine.model_name,
         "command": "streamd bench spec "
         + ("--light" if args.light else " ".join(f"--{k.replace('_', '-')} {v}" for k, v in asdict(sizes).items())),

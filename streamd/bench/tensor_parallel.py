@@ -30,7 +30,7 @@ from streamd.bench.offline import (
     random_workload,
     roofline_tok_s,
 )
-from streamd.bench.report import BenchError, report_header, save_report
+from streamd.bench.report import BenchError, markdown_table, report_header, save_report
 from streamd.bench.workloads import TokenWorkload
 
 TTFT_PROMPT = 4096
@@ -201,12 +201,18 @@ def summary_markdown(report: dict[str, Any]) -> str:
         f"{report['model_shape']}, {report['workload']}, {report['num_kv_blocks']} KV blocks; "
         f"NCCL bus bandwidth {report['nccl_bus_gb_s']:.0f} GB/s.",
         "",
-        "| TP | tok/s | roofline tok/s | of roofline | 4k-prompt TTFT s |",
-        "|---|---|---|---|---|",
+        *markdown_table(
+            ["TP", "tok/s", "roofline tok/s", "of roofline", "4k-prompt TTFT s"],
+            (
+                [
+                    run["tp"],
+                    f"{run['tok_s']:.0f}",
+                    f"{run['roofline_tok_s']:.0f}",
+                    f"{100 * run['tok_s'] / run['roofline_tok_s']:.0f}%",
+                    f"{run['ttft_4k_s']:.3f}",
+                ]
+                for run in report["runs"]
+            ),
+        ),
     ]
-    for run in report["runs"]:
-        lines.append(
-            f"| {run['tp']} | {run['tok_s']:.0f} | {run['roofline_tok_s']:.0f} | "
-            f"{100 * run['tok_s'] / run['roofline_tok_s']:.0f}% | {run['ttft_4k_s']:.3f} |"
-        )
     return "\n".join(lines) + "\n"

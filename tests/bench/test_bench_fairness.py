@@ -9,6 +9,7 @@ import pytest
 
 from streamd.bench import fairness
 from streamd.bench.fairness import Run, Sizes
+from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT
 from tests.helpers import sizes
 
 # `make test`'s form: the fewest requests that still make every workload (flood beside chats, backlog, tiers).
@@ -24,17 +25,28 @@ def test_light_form_reports_every_measure(smol_llm, size: Sizes) -> None:
         result = fairness.measure(engine, size)
     finally:
         engine.scheduler.fair = before
-    flood = result["flood_and_chat"]
-    assert set(flood["chat_p99_ttft_s"]) == {"solo", "fair", "fcfs"}
-    assert all(v > 0 for v in flood["chat_p99_ttft_s"].values())
-    assert flood["fair_over_fcfs"] == flood["chat_p99_ttft_s"]["fair"] / flood["chat_p99_ttft_s"]["fcfs"]
-    assert flood["throughput_fair_over_fcfs"] > 0 and flood["max_queue_s"] > 0
-    assert result["tiers"]["p50_ttft_s"]["priority"] > 0
-    for part in result.values():
-        assert part["targets"] and all(isinstance(met, bool) for met in part["targets"].values())
+    flood, back, tier = result["flood_and_chat"], result["backlog"], result["tiers"]
+    p99 = flood["chat_p99_ttft_s"]
+    assert set(p99) == {"solo", "fair", "fcfs"} and all(v > 0 for v in p99.values())
+    assert flood["fair_over_solo"] == p99["fair"] / p99["solo"]
+    assert flood["fair_over_fcfs"] == p99["fair"] / p99["fcfs"]
+    rates = flood["tokens_per_s"]
+    assert flood["throughput_fair_over_fcfs"] == rates["fair"] / rates["fcfs"] and rates["fcfs"] > 0
+    assert flood["max_queue_s"] >= max(p99["fair"], p99["fcfs"], *flood["flood_p50_ttft_s"].values())
+    assert flood["targets"] == {
+        "chat_p99_le_1.5x_solo": flood["fair_over_solo"] <= 1.5,
+        "chat_p99_le_0.2x_fcfs": flood["fair_over_fcfs"] <= 0.2,
+        "throughput_ge_0.95x_fcfs": flood["throughput_fair_over_fcfs"] >= 0.95,
+    }
+    shares = back["shares_A"]
+    assert back["windows"] == len(shares) <= fairness.MEASURED_WINDOWS and all(0 <= s <= 1 for s in shares)
+    assert back["targets"] == {"shares_50_pm_5": bool(shares) and all(abs(s - 0.5) <= 0.05 for s in shares)}
+    assert tier["default_over_priority"] == tier["p50_ttft_s"]["default"] / tier["p50_ttft_s"]["priority"] > 0
+    assert tier["targets"] == {"priority_p50_3x_lower": tier["default_over_priority"] >= 3}
     report = {"date": "d", "device": "cpu", "git_commit": "c", "models": {"default": {"sizes": {}, **result}}}
     text = fairness.markdown(report)
     assert "chat p99 fair / fcfs" in text and "default / priority p50" in text
+    assert text.count("\n| ") == 1 + 8  # the header, then a row per measure
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
 
 
@@ -45,3 +57,24 @@ def test_window_shares_count_whole_windows_while_both_are_served() -> None:
     assert all(math.isclose(s, 2 / 3) for s in shares)
     assert len(fairness.window_shares(run, 1.0, until=5.0)) == 4  # [1, 2) .. [4, 5): the refill stopped at 5 s
     assert fairness.window_shares(Run(), 1.0) == []
+
+
+def test_drive_counts_every_token_by_tenant_and_weight(smol_llm) -> None:
+    """What the measures stand on: each request's first token timed, every prompt and output token counted
+    once, and the weighted tokens (what the backlog's shares compare) credited to their tenant."""
+    engine = smol_llm.engine
+    before = engine.scheduler.fair
+    arrivals = [fairness.Arrival(0, "a0", "A", 20, 3), fairness.Arrival(1, "b0", "B", 9, 2),
+                fairness.Arrival(3, "a1", "A", 12, 4)]
+    try:
+        run = fairness.drive(engine, arrivals, True, lambda _: [])
+    finally:
+        engine.scheduler.fair = before
+    assert set(run.timings) == {"a0", "b0", "a1"} and all(t.first_token is not None for t in run.timings.values())
+    assert run.tokens == sum(a.prompt_len + a.max_tokens for a in arrivals) and run.seconds > 0
+    weighted = {tenant: sum(w for _, t, w in run.served if t == tenant) for tenant in ("A", "B")}
+    assert weighted == {
+        tenant: sum(PROMPT_WEIGHT * a.prompt_len + OUTPUT_WEIGHT * a.max_tokens for a in arrivals if a.tenant == tenant)
+        for tenant in ("A", "B")
+    }
+    assert [t for t, _, _ in run.served] == sorted(t for t, _, _ in run.served)

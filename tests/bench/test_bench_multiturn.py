@@ -33,6 +33,9 @@ def test_light_multiturn_report(tmp_path: Path) -> None:
     assert disk["tier"]["hit_blocks"] > 0 and disk["tier"]["bytes_written"] > 0
     restart = report["restart"]
     assert restart["cached_tokens"] >= restart["system_prompt_full_block_tokens"] == 40
+    assert restart["system_prompt_restored"] is True
+    assert restart["ttft_vs_warm"] == restart["ttft_s"] / restart["warm_ttft_s"]
+    assert report["follow_up_ttft_speedup"] == plain["follow_up_ttft_p50_s"] / disk["follow_up_ttft_p50_s"]
     assert restart["ttft_s"] > 0 and restart["warm_ttft_s"] > 0
     assert report["follow_up_ttft_speedup"] > 0 and report["max_restore_vs_median_step"] >= 0
     text = markdown(report)
