@@ -1,7 +1,8 @@
 """The server's wings keep apart: an HTTP route module imports no other route module (what the routes share
-is in `server/http/common.py` and, for background responses, `background_routes.py`), and no WebSocket module imports an HTTP route module (what both wings share,
-such as the Responses API's core, lives outside `server/http/`). Every import statement counts, at module
-level, inside functions and under `if TYPE_CHECKING:`."""
+is in `server/http/common.py` and, for background responses, `background_routes.py`), and no WebSocket module
+imports an HTTP route module (what both wings share, such as the Responses API's core, lives outside
+`server/http/`). Every import statement counts, at module level, inside functions and under
+`if TYPE_CHECKING:`."""
 
 from __future__ import annotations
 
