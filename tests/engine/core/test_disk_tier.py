@@ -118,6 +118,23 @@ def test_read_only_where_it_beats_recomputing(tmp_path: Path) -> None:
     instant_recompute.close()
 
 
+def test_a_slow_spell_does_not_shut_the_tier_for_good(tmp_path: Path) -> None:
+    """Reads are measured only when they happen: after a slow read closed the gate, every 64th admission
+    reads anyway, and fast reads there open it again."""
+    disk = tier(tmp_path, recompute_s=1.0)
+    k = key([1, 2, 3, 4])
+    disk.put(k, payload(1))
+    disk.flush()
+    disk.read_s_per_block = 10.0  # as after a read during a stall
+    answers = [disk.worth_reading() for _ in range(128)]
+    assert answers.count(True) == 2 and answers[63] and answers[127]
+    for _ in range(12):  # the reads the gate lets through are measured (~ms) and weighed in
+        assert disk.fetch(k) == payload(1)
+    assert disk.read_s_per_block < 1.0
+    assert all(disk.worth_reading() for _ in range(10))
+    disk.close()
+
+
 def computed(bm: BlockManager, tokens: list[int]) -> Sequence:
     """A sequence allocated and wholly computed (its full blocks registered)."""
     seq = Sequence(tokens)
