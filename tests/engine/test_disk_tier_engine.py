@@ -7,8 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from streamd.engine.sampling_params import SamplingParams
-from tests.helpers import random_prompt, tiny_llm
+from tests.helpers import fold_deltas, random_prompt, run_to_completion, tiny_llm
 
 BS = 8
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -91,3 +93,59 @@ def test_host_tier_on_the_cpu_then_disk_below_it(tmp_path: Path) -> None:
     host, disk = both.engine.stats().kv.tiers
     assert host.hit_blocks + disk.hit_blocks == 5 and disk.hit_blocks > 0
     both.engine.close()
+
+
+def tight_tiered(mode: str, directory: Path):
+    """A pool that holds about two of LEAK_PROMPTS' requests, a host tier of 3 blocks and a disk tier bounded
+    to 12 blocks (so both tiers evict too), preempting by `mode`."""
+    probe = tiny_llm(num_kv_blocks=4, num_swap_blocks=0)
+    block_gib = probe.engine.cache.layout.bytes_per_block / 2**30
+    file_gib = (probe.engine.cache.layout.bytes_per_block + 48 + 8 * BS) / 2**30
+    return tiny_llm(num_kv_blocks=14, num_swap_blocks=16 if mode == "swap" else 0, preemption_mode=mode,
+                    **{"cache.host_cache_gib": 3 * block_gib, "cache.disk_cache_dir": str(directory),
+                       "cache.disk_cache_gib": 12 * file_gib})
+
+
+SHARED = random_prompt(30, 3 * BS)
+LEAK_PROMPTS = [SHARED + random_prompt(31 + i, 5) for i in range(7)]
+
+
+def run_with_aborts(engine, which: range, params: SamplingParams, aborts: dict[int, str], folded: dict) -> None:
+    """Adds LEAK_PROMPTS[which] (as "r<i>") and steps until idle, aborting `aborts[k]` before step k."""
+    for i in which:
+        engine.add_request(f"r{i}", LEAK_PROMPTS[i], params)
+    step = 0
+    while engine.has_unfinished_requests():
+        if step in aborts:
+            engine.abort(aborts[step])
+        fold_deltas(engine.step(), folded)
+        step += 1
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_no_block_leaks_in_either_tier_after_cancels_and_preemption(tmp_path: Path, mode: str) -> None:
+    """Requests sharing a prefix through a pool too small for them: preempted, some cancelled while running
+    or waiting; then traffic evicts the prefix to the tiers, and two more requests restore it, one cancelled
+    just after. The rest finish with the greedy output of a roomy engine without tiers; afterwards every
+    device and host block is free, the block manager is consistent, and the disk tier's index matches its
+    files."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, detokenize=False)
+    roomy = tiny_llm(num_kv_blocks=200, num_swap_blocks=0, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in run_to_completion(roomy.engine, LEAK_PROMPTS, params)]
+    engine = tight_tiered(mode, tmp_path).engine
+    folded: dict = {}
+    run_with_aborts(engine, range(5), params, {6: "r1", 12: "r4"}, folded)  # r1 running, r4 queued or preempted
+    run_to_completion(engine, TRAFFIC, params)
+    run_with_aborts(engine, range(5, 7), params, {2: "r6"}, folded)
+    outputs = {rid: builder.build().outputs[0] for rid, builder in folded.items()}
+    assert {outputs[r].finish_reason for r in ("r1", "r4", "r6")} == {"abort"}
+    assert [outputs[f"r{i}"].token_ids for i in (0, 2, 3, 5)] == [expected[i] for i in (0, 2, 3, 5)]
+    stats = engine.stats()
+    preempted = stats.scheduler.preemptions_swap if mode == "swap" else stats.scheduler.preemptions_recompute
+    host, disk = stats.kv.tiers
+    assert preempted > 0 and host.hit_blocks + disk.hit_blocks > 0, stats
+    assert stats.pool_whole, stats.kv
+    engine.block_manager.check_invariants([])
+    engine.block_manager.tier.check_invariants()
+    engine.close()
+    engine.block_manager.tier.check_invariants()

@@ -160,6 +160,16 @@ class DiskTier:
         self._jobs.put(None)
         self._writer.join()
 
+    def check_invariants(self) -> None:
+        """Raises AssertionError unless the index and the directory agree once the writes are done (the leak
+        check: no file without an entry, no entry without its file, the bound's bytes exact and kept)."""
+        self.flush()
+        files = {path.name: path.stat().st_size for path in self.directory.glob("*.kv")}
+        indexed = {self._path(h).name: entry.size for h, entry in self._entries.items()}
+        assert files == indexed, f"disk tier: index and files differ ({len(indexed)} indexed, {len(files)} files)"
+        assert self._used_bytes == sum(indexed.values()) <= self.capacity_bytes, "disk tier: bytes miscounted"
+        assert not self._pending and self._pending_bytes == 0, "disk tier: written blocks still held in memory"
+
     # ---- the index ------------------------------------------------------------------------------
 
     def _path(self, block_hash: int) -> Path:
@@ -262,7 +272,10 @@ class DiskTier:
 
     def _do(self, op: str, block_hash: int, path: Path) -> None:
         if op == "delete":
-            path.unlink(missing_ok=True)
+            # A block evicted and put back before this job ran is indexed again: its file is the new one's
+            # (an earlier write job may already have written the new bytes), so it stays.
+            if block_hash not in self._entries:
+                path.unlink(missing_ok=True)
             return
         with self._lock:
             payload = self._pending.get(block_hash)

@@ -4,6 +4,7 @@ skipped with a log line (never loaded), and the BlockManager's spills and restor
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,29 @@ def test_the_bound_evicts_the_least_recently_used(tmp_path: Path) -> None:
     disk.flush()
     assert disk.contains(a) and disk.contains(c) and not disk.contains(b)
     assert not file_of(disk, b).exists() and file_of(disk, a).exists()
+    disk.close()
+
+
+def test_a_block_evicted_and_put_back_before_the_writer_caught_up_keeps_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer is behind: `a` is written, evicted (its delete queued) and put back before the first job
+    ran, so that job writes the new bytes; the queued delete must not remove them."""
+    a, b = key([1] * BS), key([2] * BS)
+    disk = tier(tmp_path, blocks=1)
+    behind, do = threading.Event(), disk._do
+
+    def late_first_job(*job: object) -> None:
+        behind.wait(5)
+        do(*job)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk, "_do", late_first_job)
+    disk.put(a, payload(1))
+    disk.put(b, payload(2))  # evicts a
+    disk.put(a, payload(3))  # evicts b, a is back
+    behind.set()
+    disk.check_invariants()  # (waits for the writer)
+    assert file_of(disk, a).exists() and disk.fetch(a) == payload(3)
     disk.close()
 
 
