@@ -6,11 +6,9 @@ model's R-token greedy reply joins the history. Turns go round-robin over the co
 conversation's turn t, then turn t + 1), one request at a time, so each conversation returns after all the
 others: the device pool (`cache.num_kv_blocks`) is sized to hold at most `--device-share` of all the
 conversations' KV, so device-only caching loses the histories in between and recomputes them, where the disk
-tier restores them. Reported per system: follow-up-turn TTFT (p50), prompt tokens recomputed, and whether the
-greedy replies are identical; for the disk tier also the slowest step's restore time against the median
-step. Then the restart: the engine is closed (its cached blocks go to disk) and a new one opens the same
-directory; a new conversation's first turn there (reusing the system prompt) reports its cached tokens and
-TTFT, against the same kind of request on the warm engine before the restart.
+tier restores them. Reported per system: follow-up-turn TTFT (p50), prompt tokens prefilled and recomputed, and
+whether the greedy replies are identical; for the disk tier also the tier's work per step against the median
+step; then restarts on the disk tier's directory.
 
 The defaults are sized to run in minutes on a 2-core CPU; the issue's full sizes (`--conversations 128
 --turns 8 --system-tokens 2048 --turn-tokens 300`) are for the GPU.
@@ -29,10 +27,11 @@ reads "restores never stall a step beyond 1.2x the median step": the most tier w
 the median step (at most 0.2x). Each tier-working step's own stretch (its time over its time without the
 tier's work) is reported beside it.
 
-Restart: each round measures a warm engine, closes it (its cached blocks go to disk), opens a new one on the
-same directory and measures that. Both measurements run one unrelated warm-up request first (random tokens,
-no system prompt), so the ratio compares the cache, not the process's first forward; the warm-up's own TTFT
-on the restarted engine is reported beside it (that is where a cold process spends its time).
+Restart: each round measures a new conversation's first turn (reusing the system prompt) on a warm engine,
+closes it (its cached blocks go to disk), opens a new one on the same directory and measures the same there.
+Both measurements run one unrelated warm-up request first (random tokens, no system prompt), so the ratio
+compares the cache, not a new engine's first forward; that warm-up's TTFT on the restarted engine and the
+engine's start time are reported beside it. (One process: a restarted server also pays torch's start.)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The disk tier in a real engine (a small random-weight model on the CPU): a prefix evicted from the device
 by other traffic comes back from disk (cached tokens reported, greedy output identical to an engine without
-the tier), an engine restarted on the same directory finds it, a tampered file is skipped and the output
-stays the same, and no block leaks in either pool."""
+the tier), an engine restarted on the same directory finds it, a tampered or truncated file is skipped and
+the output stays the same, and no block leaks in either pool or tier after cancels and preemption."""
 
 from __future__ import annotations
 
@@ -53,21 +53,33 @@ def test_evicted_prefix_returns_from_disk_and_after_a_restart(tmp_path: Path) ->
     restarted.engine.close()
 
 
-def test_a_tampered_file_is_skipped_and_the_output_unchanged(tmp_path: Path) -> None:
+def tamper(file: Path) -> None:
+    """Flips the last byte of the block's payload: found by the checksum when the block is read."""
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0x55
+    file.write_bytes(bytes(data))
+
+
+def truncate(file: Path) -> None:
+    """Cuts the block's last 100 bytes (a crash mid-copy): found by the size when the directory is indexed."""
+    file.write_bytes(file.read_bytes()[:-100])
+
+
+@pytest.mark.parametrize(("corrupt", "skipped"), [(tamper, 1), (truncate, None)])
+def test_a_corrupt_file_is_skipped_and_the_output_unchanged(tmp_path: Path, corrupt, skipped: int | None) -> None:
+    """`skipped`: files skipped (tampered: the chain stops at its first block; truncated: every file, at start)."""
     writer = engine(tmp_path)
     (first,) = writer.generate([PROMPT], GREEDY)
     writer.engine.close()
     files = sorted(tmp_path.glob("*/*.kv"))
     assert files
-    for file in files:  # flip the last byte of every block's payload
-        data = bytearray(file.read_bytes())
-        data[-1] ^= 0x55
-        file.write_bytes(bytes(data))
+    for file in files:
+        corrupt(file)
     reader = engine(tmp_path)
     (again,) = reader.generate([PROMPT], GREEDY)
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert again.num_cached_tokens == 0
-    assert reader.engine.stats().kv.tiers[0].skipped_files == 1  # the chain stops at its first block
+    assert reader.engine.stats().kv.tiers[0].skipped_files == (skipped or len(files))
     reader.engine.close()
 
 
