@@ -6,14 +6,32 @@ model's R-token greedy reply joins the history. Turns go round-robin over the co
 conversation's turn t, then turn t + 1), one request at a time, so each conversation returns after all the
 others: the device pool (`cache.num_kv_blocks`) is sized to hold at most `--device-share` of all the
 conversations' KV, so device-only caching loses the histories in between and recomputes them, where the disk
-tier restores them. Reported per system: follow-up-turn TTFT (p50), prompt tokens recomputed, and whether the
-greedy replies are identical; for the disk tier also the slowest step's restore time against the median
-step. Then the restart: the engine is closed (its cached blocks go to disk) and a new one opens the same
-directory; a new conversation's first turn there (reusing the system prompt) reports its cached tokens and
-TTFT, against the same kind of request on the warm engine before the restart.
+tier restores them. Reported per system: follow-up-turn TTFT (p50), prompt tokens prefilled and recomputed, and
+whether the greedy replies are identical; for the disk tier also the tier's work per step against the median
+step; then restarts on the disk tier's directory.
 
 The defaults are sized to run in minutes on a 2-core CPU; the issue's full sizes (`--conversations 128
 --turns 8 --system-tokens 2048 --turn-tokens 300`) are for the GPU.
+
+What counts as recomputed: a prompt token is *recomputed* when its KV had been computed before (by any
+earlier request: the same prefix at the same position) and was computed again; the tokens no cache could
+hold (each turn's new user text, the last reply token, which is sampled but never fed through the model)
+are *never computed before* and are reported apart (`SeenPrefixes`). Cached prefixes are whole blocks, so
+the tokens of a history's last, partly filled block are recomputed by any block cache: reported as what
+the blocks could not hold, against `missed_cacheable_tokens` (seen, in whole blocks, and still recomputed:
+what a perfect block cache would have saved; 0 when the tier misses nothing).
+
+Stalls: every step is timed, and so is the tier's work inside it (reading a restored block from disk and
+writing it into the pool; reading an evicted block out of the pool and handing it to the tier). The target
+reads "restores never stall a step beyond 1.2x the median step": the most tier work any step did, against
+the median step (at most 0.2x). Each tier-working step's own stretch (its time over its time without the
+tier's work) is reported beside it.
+
+Restart: each round measures a new conversation's first turn (reusing the system prompt) on a warm engine,
+closes it (its cached blocks go to disk), opens a new one on the same directory and measures the same there.
+Both measurements run one unrelated warm-up request first (random tokens, no system prompt), so the ratio
+compares the cache, not a new engine's first forward; that warm-up's TTFT on the restarted engine and the
+engine's start time are reported beside it. (One process: a restarted server also pays torch's start.)
 """
 
 from __future__ import annotations
@@ -23,18 +41,18 @@ import random
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
-from streamd.engine.core.kv_tiers import BlockKey
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import TierStats
 from streamd.llm import LLM
 
 MakeLLM = Callable[[dict[str, Any]], LLM]  # config overrides -> an engine
+_MOD = (1 << 61) - 1  # the prefix hashes' modulus (a Mersenne prime)
 
 
 @dataclass(slots=True, frozen=True)
@@ -48,6 +66,7 @@ class Sizes:
     block_size: int = 16
     seed: int = 0
     vocab: int = 20000  # token ids are drawn below this (and from 100 up: clear of special tokens)
+    restarts: int = 3  # restart rounds (each: a warm measurement, a restart, a restarted measurement)
 
     def num_kv_blocks(self) -> int:
         """At most `device_share` of every conversation's final KV (the system prompt's blocks counted
@@ -59,67 +78,133 @@ class Sizes:
         return max(int(self.device_share * total), one)
 
 
+def prefix_hashes(token_ids: list[int]) -> Iterator[int]:
+    """One hash per prefix of `token_ids` (lengths 1, 2, ...), its length folded in."""
+    h = 0
+    for length, token in enumerate(token_ids, 1):
+        h = (h * 1_000_003 + token + 1) % _MOD
+        yield h ^ (length << 61)
+
+
+@dataclass(slots=True)
+class SeenPrefixes:
+    """Every token prefix whose KV some earlier request computed: how much of a new prompt had been
+    computed before (whatever any cache still holds)."""
+
+    hashes: set[int] = field(default_factory=set)
+
+    def add(self, computed: list[int]) -> None:
+        self.hashes.update(prefix_hashes(computed))
+
+    def seen_length(self, prompt: list[int]) -> int:
+        length = 0
+        for h in prefix_hashes(prompt):
+            if h not in self.hashes:
+                break
+            length += 1
+        return length
+
+
+def cacheable(seen: int, prompt_len: int, block_size: int) -> int:
+    """Tokens a perfect block cache would serve: the seen prefix's whole blocks, never the last token."""
+    return min(seen, prompt_len - 1) // block_size * block_size
+
+
 @dataclass(slots=True)
 class Run:
-    """One system's run: per request its TTFT, prompt and cached tokens and reply."""
+    """One system's run: per request its TTFT, prompt, seen and cached tokens and reply; per step its time
+    and the tier's work in it."""
 
+    block_size: int
     ttft_s: list[float] = field(default_factory=list)
     turn: list[int] = field(default_factory=list)
     prompt_tokens: list[int] = field(default_factory=list)
+    seen_tokens: list[int] = field(default_factory=list)  # computed before by an earlier request
     cached_tokens: list[int] = field(default_factory=list)
     replies: list[list[int]] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
-    restore_s: list[float] = field(default_factory=list)  # per step: seconds reading the tier
+    tier_s: list[float] = field(default_factory=list)  # per step: seconds of the tier's reads and writes
+    seen: SeenPrefixes = field(default_factory=SeenPrefixes)
 
     def summary(self) -> dict[str, Any]:
+        return self.ttfts() | self.tokens() | self.stalls()
+
+    def ttfts(self) -> dict[str, Any]:
         follow = [t for t, turn in zip(self.ttft_s, self.turn, strict=True) if turn > 0]
-        median_step = statistics.median(self.step_s) if self.step_s else 0.0
+        first = [t for t, turn in zip(self.ttft_s, self.turn, strict=True) if turn == 0]
         return {
             "requests": len(self.ttft_s),
             "follow_up_ttft_p50_s": statistics.median(follow) if follow else None,
-            "first_turn_ttft_p50_s": statistics.median([t for t, n in zip(self.ttft_s, self.turn) if n == 0]),
-            "prompt_tokens": sum(self.prompt_tokens),
-            "recomputed_prompt_tokens": sum(self.prompt_tokens) - sum(self.cached_tokens),
+            "first_turn_ttft_p50_s": statistics.median(first) if first else None,
+        }
+
+    def tokens(self) -> dict[str, int]:
+        prompt, seen, cached = sum(self.prompt_tokens), sum(self.seen_tokens), sum(self.cached_tokens)
+        rows = zip(self.seen_tokens, self.prompt_tokens, strict=True)
+        whole_blocks = sum(cacheable(s, p, self.block_size) for s, p in rows)
+        return {
+            "prompt_tokens": prompt,
+            "prefilled_prompt_tokens": prompt - cached,
+            "never_computed_tokens": prompt - seen,
+            "recomputed_prompt_tokens": seen - cached,
+            "recomputed_in_partial_blocks": seen - whole_blocks,
+            "missed_cacheable_tokens": whole_blocks - cached,
+        }
+
+    def stalls(self) -> dict[str, Any]:
+        median_step = statistics.median(self.step_s) if self.step_s else 0.0
+        working = [(s, t) for s, t in zip(self.step_s, self.tier_s, strict=True) if t > 0]
+        return {
             "median_step_s": median_step,
-            "max_restore_s_in_a_step": max(self.restore_s, default=0.0),
+            "steps": len(self.step_s),
+            "steps_with_tier_work": len(working),
+            "max_tier_s_in_a_step": max(self.tier_s, default=0.0),
+            "max_tier_step_stretch": max((s / max(s - t, 1e-9) for s, t in working), default=1.0),
+            "slowest_tier_step_s": max((s for s, _ in working), default=0.0),
         }
 
 
-class TimedTier:
-    """The engine's tier, its reads timed (the bench's view of restore stalls); everything else passes."""
+class TierClock:
+    """Times the tier's work inside each step: its reads and hand-overs (`fetch`, `put`) and the pool's
+    block reads and writes for it (the executor's `read_blocks`, `read_host_blocks`, `write_blocks`)."""
 
-    def __init__(self, tier: Any) -> None:
-        self.tier = tier
-        self.fetch_s = 0.0
+    def __init__(self, llm: LLM) -> None:
+        self.seconds = 0.0
+        engine = llm.engine
+        tier = engine.block_manager.tier
+        if tier is not None:
+            self.wrap(tier, "fetch", "put")
+        self.wrap(engine.executor, "read_blocks", "read_host_blocks", "write_blocks")
 
-    def fetch(self, key: BlockKey) -> bytes | None:
-        began = time.perf_counter()
-        try:
-            payload: bytes | None = self.tier.fetch(key)
-            return payload
-        finally:
-            self.fetch_s += time.perf_counter() - began
+    def wrap(self, owner: Any, *names: str) -> None:
+        for name in names:
+            setattr(owner, name, self.timed(getattr(owner, name)))
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.tier, name)
+    def timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any) -> Any:
+            began = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                self.seconds += time.perf_counter() - began
+
+        return call
 
 
 def tokens(rng: random.Random, n: int, sizes: Sizes) -> list[int]:
     return [rng.randrange(100, sizes.vocab) for _ in range(n)]
 
 
-def ask(llm: LLM, prompt: list[int], sizes: Sizes, run: Run, turn: int) -> list[int]:
+def ask(llm: LLM, prompt: list[int], sizes: Sizes, run: Run, turn: int, clock: TierClock | None = None) -> list[int]:
     """One request alone: its TTFT (arrival to the step that gives its first token) and reply."""
     engine = llm.engine
     params = SamplingParams(max_tokens=sizes.reply_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-    request_id = f"mt{len(run.ttft_s)}"
-    timed = engine.block_manager.tier if isinstance(engine.block_manager.tier, TimedTier) else None
     began = time.perf_counter()
-    engine.add_request(request_id, prompt, params)
+    engine.add_request(f"mt{len(run.ttft_s)}", prompt, params)
     reply: list[int] = []
     ttft = cached = None
     while engine.has_unfinished_requests():
-        before_fetch = timed.fetch_s if timed else 0.0
+        before_tier = clock.seconds if clock else 0.0
         step_began = time.perf_counter()
         for delta in engine.step():
             reply += [t for c in delta.outputs for t in c.token_ids]
@@ -127,76 +212,128 @@ def ask(llm: LLM, prompt: list[int], sizes: Sizes, run: Run, turn: int) -> list[
             if ttft is None and reply:
                 ttft = time.perf_counter() - began
         run.step_s.append(time.perf_counter() - step_began)
-        run.restore_s.append((timed.fetch_s if timed else 0.0) - before_fetch)
-    run.ttft_s.append(ttft or 0.0)
-    run.turn.append(turn)
-    run.prompt_tokens.append(len(prompt))
-    run.cached_tokens.append(cached or 0)
-    run.replies.append(reply)
+        run.tier_s.append((clock.seconds if clock else 0.0) - before_tier)
+    record(run, prompt, reply, turn, ttft or 0.0, cached or 0)
     return reply
 
 
-def conversations(llm: LLM, sizes: Sizes, system: list[int]) -> Run:
+def record(run: Run, prompt: list[int], reply: list[int], turn: int, ttft: float, cached: int) -> None:
+    run.ttft_s.append(ttft)
+    run.turn.append(turn)
+    run.prompt_tokens.append(len(prompt))
+    run.seen_tokens.append(run.seen.seen_length(prompt))
+    run.cached_tokens.append(cached)
+    run.replies.append(reply)
+    run.seen.add(prompt + reply[:-1])  # the last reply token is sampled, never fed through the model
+
+
+def conversations(llm: LLM, sizes: Sizes, system: list[int], clock: TierClock | None = None) -> Run:
     """Every conversation's turns, round-robin, one request at a time."""
     rng = random.Random(sizes.seed + 1)
     users = [[tokens(rng, sizes.turn_tokens, sizes) for _ in range(sizes.turns)] for _ in range(sizes.conversations)]
     history: list[list[int]] = [list(system) for _ in range(sizes.conversations)]
-    run = Run()
+    run = Run(sizes.block_size)
     for turn in range(sizes.turns):
         for c in range(sizes.conversations):
             history[c] += users[c][turn]
-            history[c] += ask(llm, history[c], sizes, run, turn)
+            history[c] += ask(llm, history[c], sizes, run, turn, clock)
     return run
 
 
+@dataclass(slots=True)
+class RestartRound:
+    """One restart: the warm engine's and the restarted engine's TTFT for a new conversation's first turn
+    (each after one unrelated warm-up request), and what the restarted process's first request cost."""
+
+    warm_ttft_s: float
+    ttft_s: float
+    cached_tokens: int
+    start_s: float  # opening the restarted engine (model load, the disk tier's probe and index)
+    first_request_ttft_s: float  # the restarted engine's unrelated warm-up request (its first forward)
+    tier_s: float  # the tier's work during the measured request
+
+
+def fresh_request(llm: LLM, sizes: Sizes, system: list[int], rng: random.Random) -> tuple[Run, Run]:
+    """An unrelated warm-up request, then a new conversation's first turn; (warm-up, measured) runs."""
+    warm_up, measured = Run(sizes.block_size), Run(sizes.block_size)
+    ask(llm, tokens(rng, sizes.turn_tokens, sizes), sizes, warm_up, 0)
+    clock = TierClock(llm)
+    ask(llm, system + tokens(rng, sizes.turn_tokens, sizes), sizes, measured, 0, clock)
+    return warm_up, measured
+
+
+def restarts(make_llm: MakeLLM, llm: LLM, sizes: Sizes, system: list[int]) -> list[RestartRound]:
+    """`sizes.restarts` rounds: measure warm, close, reopen on the same directory, measure restarted."""
+    rng, rounds = random.Random(sizes.seed + 2), []
+    for _ in range(sizes.restarts):
+        _, warm = fresh_request(llm, sizes, system, rng)
+        llm.engine.close()
+        began = time.perf_counter()
+        llm = make_llm({})
+        start_s = time.perf_counter() - began
+        first, restarted = fresh_request(llm, sizes, system, rng)
+        rounds.append(
+            RestartRound(
+                warm.ttft_s[0],
+                restarted.ttft_s[0],
+                restarted.cached_tokens[0],
+                start_s,
+                first.ttft_s[0],
+                sum(restarted.tier_s),
+            )
+        )
+    llm.engine.close()
+    return rounds
+
+
 def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path) -> dict[str, Any]:
-    """Device-only caching, then the disk tier, then a restart on the disk tier's directory."""
+    """Device-only caching, then the disk tier, then restarts on the disk tier's directory."""
     system = tokens(random.Random(sizes.seed), sizes.system_tokens, sizes)
     base = {"cache.num_kv_blocks": sizes.num_kv_blocks(), "cache.block_size": sizes.block_size}
     device_only = conversations(make_llm({**base, "cache.host_cache_gib": 0.0}), sizes, system)
     # The tiers: the disk tier, and the host tier by its default (on with CUDA, off on the CPU).
-    tiered_llm = make_llm({**base, "cache.disk_cache_dir": str(disk_dir)})
-    bm = tiered_llm.engine.block_manager
-    bm.tier = TimedTier(bm.tier)
-    tiered = conversations(tiered_llm, sizes, system)
-    fresh = random.Random(sizes.seed + 2)
-    warm = Run()
-    ask(tiered_llm, system + tokens(fresh, sizes.turn_tokens, sizes), sizes, warm, 0)
+    tiered_config = {**base, "cache.disk_cache_dir": str(disk_dir)}
+    tiered_llm = make_llm(tiered_config)
+    tiered = conversations(tiered_llm, sizes, system, TierClock(tiered_llm))
+    disk = tiered_llm.engine.block_manager.tier
+    dropped = getattr(disk, "dropped_spills", 0)
     disk_stats: TierStats = tiered_llm.engine.stats().kv.tiers[-1]
-    tiered_llm.engine.close()
-    restarted_llm = make_llm({**base, "cache.disk_cache_dir": str(disk_dir)})
-    restarted = Run()
-    ask(restarted_llm, system + tokens(fresh, sizes.turn_tokens, sizes), sizes, restarted, 0)
-    restarted_llm.engine.close()
-    return report_of(sizes, device_only, tiered, warm, restarted, disk_stats)
+    rounds = restarts(lambda extra: make_llm({**tiered_config, **extra}), tiered_llm, sizes, system)
+    return report_of(sizes, device_only, tiered, rounds, disk_stats, dropped)
 
 
 def report_of(
-    sizes: Sizes, device_only: Run, tiered: Run, warm: Run, restarted: Run, disk: TierStats
+    sizes: Sizes, device_only: Run, tiered: Run, rounds: list[RestartRound], disk: TierStats, dropped: int
 ) -> dict[str, Any]:
     plain, disk_run = device_only.summary(), tiered.summary()
     full_system = sizes.system_tokens // sizes.block_size * sizes.block_size
+    ratios = [r.ttft_s / r.warm_ttft_s for r in rounds]
     return {
         "sizes": asdict(sizes) | {"num_kv_blocks": sizes.num_kv_blocks()},
         "device_only": plain,
-        "disk_tier": disk_run | {"tier": asdict(disk)},
+        "disk_tier": disk_run | {"tier": asdict(disk), "dropped_spills": dropped},
         "follow_up_ttft_speedup": plain["follow_up_ttft_p50_s"] / disk_run["follow_up_ttft_p50_s"],
-        "recomputed_tokens_reduction": 1 - disk_run["recomputed_prompt_tokens"] / plain["recomputed_prompt_tokens"],
+        "recomputed_tokens_reduction": reduction(plain, disk_run, "recomputed_prompt_tokens"),
+        "prefilled_tokens_reduction": reduction(plain, disk_run, "prefilled_prompt_tokens"),
         "greedy_outputs_identical": device_only.replies == tiered.replies,
         "restart": {
-            "cached_tokens": restarted.cached_tokens[0],
+            "rounds": [asdict(r) for r in rounds],
             "system_prompt_full_block_tokens": full_system,
-            "ttft_s": restarted.ttft_s[0],
-            "warm_ttft_s": warm.ttft_s[0],
-            "ttft_vs_warm": restarted.ttft_s[0] / warm.ttft_s[0],
-            "system_prompt_restored": restarted.cached_tokens[0] >= full_system,
+            "ttft_vs_warm": ratios,
+            "max_ttft_vs_warm": max(ratios),
+            "system_prompt_restored": all(r.cached_tokens >= full_system for r in rounds),
         },
-        "max_restore_vs_median_step": disk_run["max_restore_s_in_a_step"] / disk_run["median_step_s"],
+        "max_tier_vs_median_step": disk_run["max_tier_s_in_a_step"] / disk_run["median_step_s"],
     }
 
 
+def reduction(before: dict[str, Any], after: dict[str, Any], key: str) -> float:
+    """How much smaller `key` is after than before (0 where there was nothing before)."""
+    return 1 - after[key] / before[key] if before[key] else 0.0
+
+
 def markdown(report: dict[str, Any]) -> str:
-    s, plain, disk, restart = report["sizes"], report["device_only"], report["disk_tier"], report["restart"]
+    s = report["sizes"]
     return "\n".join(
         [
             f"# streamd bench multiturn ({report['device']}, {report['date']}, commit {report['git_commit']})",
@@ -205,29 +342,87 @@ def markdown(report: dict[str, Any]) -> str:
             f"prompt, +{s['turn_tokens']} tokens a turn, {s['reply_tokens']}-token greedy replies; "
             f"{s['num_kv_blocks']} device blocks (<= {s['device_share']:.0%} of all KV). Shared, noisy machine.",
             "",
-            *markdown_table(
-                ["system", "follow-up TTFT p50", "first-turn TTFT p50", "prompt tokens recomputed"],
-                (
-                    [
-                        name,
-                        f"{r['follow_up_ttft_p50_s'] * 1e3:.0f} ms",
-                        f"{r['first_turn_ttft_p50_s'] * 1e3:.0f} ms",
-                        f"{r['recomputed_prompt_tokens']} of {r['prompt_tokens']}",
-                    ]
-                    for name, r in (("device only", plain), ("disk tier", disk))
-                ),
-            ),
+            *systems_table(report),
             "",
-            f"- follow-up TTFT {report['follow_up_ttft_speedup']:.2f}x lower; recomputed tokens "
-            f"-{report['recomputed_tokens_reduction']:.0%}; greedy outputs identical: "
-            f"{report['greedy_outputs_identical']}",
-            f"- restart: cached_tokens {restart['cached_tokens']} (system prompt's full blocks: "
-            f"{restart['system_prompt_full_block_tokens']}), TTFT {restart['ttft_s'] * 1e3:.0f} ms vs warm "
-            f"{restart['warm_ttft_s'] * 1e3:.0f} ms ({restart['ttft_vs_warm']:.2f}x)",
-            f"- slowest step's restore reads {disk['max_restore_s_in_a_step'] * 1e3:.1f} ms = "
-            f"{report['max_restore_vs_median_step']:.2f}x the median step ({disk['median_step_s'] * 1e3:.1f} ms)",
+            *findings(report),
+            "",
+            *restart_table(report),
             "",
         ]
+    )
+
+
+def systems_table(report: dict[str, Any]) -> list[str]:
+    rows = (("device only", report["device_only"]), ("disk tier", report["disk_tier"]))
+    return markdown_table(
+        [
+            "system",
+            "follow-up TTFT p50",
+            "first-turn TTFT p50",
+            "prefilled",
+            "never computed before",
+            "recomputed",
+            "of which in partial blocks",
+            "missed in whole blocks",
+        ],
+        (
+            [
+                name,
+                f"{r['follow_up_ttft_p50_s'] * 1e3:.0f} ms",
+                f"{r['first_turn_ttft_p50_s'] * 1e3:.0f} ms",
+                f"{r['prefilled_prompt_tokens']} of {r['prompt_tokens']}",
+                r["never_computed_tokens"],
+                r["recomputed_prompt_tokens"],
+                r["recomputed_in_partial_blocks"],
+                r["missed_cacheable_tokens"],
+            ]
+            for name, r in rows
+        ),
+    )
+
+
+def findings(report: dict[str, Any]) -> list[str]:
+    disk, restart = report["disk_tier"], report["restart"]
+    return [
+        f"- follow-up TTFT {report['follow_up_ttft_speedup']:.2f}x lower; recomputed prompt tokens "
+        f"-{report['recomputed_tokens_reduction']:.0%} (prefilled -{report['prefilled_tokens_reduction']:.0%}); "
+        f"greedy outputs identical: {report['greedy_outputs_identical']}",
+        f"- restart: TTFT vs warm {', '.join(f'{r:.2f}x' for r in restart['ttft_vs_warm'])} (max "
+        f"{restart['max_ttft_vs_warm']:.2f}x); the system prompt's full blocks "
+        f"({restart['system_prompt_full_block_tokens']} tokens) restored every time: "
+        f"{restart['system_prompt_restored']}",
+        f"- stalls: the most tier work in a step {disk['max_tier_s_in_a_step'] * 1e3:.1f} ms = "
+        f"{report['max_tier_vs_median_step']:.3f}x the median step ({disk['median_step_s'] * 1e3:.1f} ms); "
+        f"{disk['steps_with_tier_work']} of {disk['steps']} steps did tier work, the most stretched by "
+        f"{disk['max_tier_step_stretch']:.3f}x; spills dropped: {disk['dropped_spills']}",
+    ]
+
+
+def restart_table(report: dict[str, Any]) -> list[str]:
+    return markdown_table(
+        [
+            "round",
+            "warm TTFT",
+            "restarted TTFT",
+            "ratio",
+            "cached tokens",
+            "engine start",
+            "first request (unrelated)",
+            "tier work",
+        ],
+        (
+            [
+                i + 1,
+                f"{r['warm_ttft_s'] * 1e3:.0f} ms",
+                f"{r['ttft_s'] * 1e3:.0f} ms",
+                f"{r['ttft_s'] / r['warm_ttft_s']:.2f}x",
+                r["cached_tokens"],
+                f"{r['start_s']:.1f} s",
+                f"{r['first_request_ttft_s'] * 1e3:.0f} ms",
+                f"{r['tier_s'] * 1e3:.1f} ms",
+            ]
+            for i, r in enumerate(report["restart"]["rounds"])
+        ),
     )
 
 
@@ -239,6 +434,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--turn-tokens", type=int, default=d.turn_tokens)
     parser.add_argument("--reply-tokens", type=int, default=d.reply_tokens)
     parser.add_argument("--device-share", type=float, default=d.device_share, help="of all KV the device holds")
+    parser.add_argument("--restarts", type=int, default=d.restarts, help="restart rounds measured")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: a fresh temporary one)")
     add_out_argument(parser)
@@ -246,7 +442,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     sizes = Sizes(
-        args.conversations, args.turns, args.system_tokens, args.turn_tokens, args.reply_tokens, args.device_share
+        args.conversations,
+        args.turns,
+        args.system_tokens,
+        args.turn_tokens,
+        args.reply_tokens,
+        args.device_share,
+        restarts=args.restarts,
     )
     dtype = "float32" if args.device == "cpu" else "auto"
 

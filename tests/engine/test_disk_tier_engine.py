@@ -1,14 +1,16 @@
 """The disk tier in a real engine (a small random-weight model on the CPU): a prefix evicted from the device
 by other traffic comes back from disk (cached tokens reported, greedy output identical to an engine without
-the tier), an engine restarted on the same directory finds it, a tampered file is skipped and the output
-stays the same, and no block leaks in either pool."""
+the tier), an engine restarted on the same directory finds it, a tampered or truncated file is skipped and
+the output stays the same, and no block leaks in either pool or tier after cancels and preemption."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from streamd.engine.sampling_params import SamplingParams
-from tests.helpers import random_prompt, tiny_llm
+from tests.helpers import fold_deltas, random_prompt, run_to_completion, tiny_llm
 
 BS = 8
 GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, detokenize=False)
@@ -51,21 +53,33 @@ def test_evicted_prefix_returns_from_disk_and_after_a_restart(tmp_path: Path) ->
     restarted.engine.close()
 
 
-def test_a_tampered_file_is_skipped_and_the_output_unchanged(tmp_path: Path) -> None:
+def tamper(file: Path) -> None:
+    """Flips the last byte of the block's payload: found by the checksum when the block is read."""
+    data = bytearray(file.read_bytes())
+    data[-1] ^= 0x55
+    file.write_bytes(bytes(data))
+
+
+def truncate(file: Path) -> None:
+    """Cuts the block's last 100 bytes (a crash mid-copy): found by the size when the directory is indexed."""
+    file.write_bytes(file.read_bytes()[:-100])
+
+
+@pytest.mark.parametrize(("corrupt", "skipped"), [(tamper, 1), (truncate, None)])
+def test_a_corrupt_file_is_skipped_and_the_output_unchanged(tmp_path: Path, corrupt, skipped: int | None) -> None:
+    """`skipped`: files skipped (tampered: the chain stops at its first block; truncated: every file, at start)."""
     writer = engine(tmp_path)
     (first,) = writer.generate([PROMPT], GREEDY)
     writer.engine.close()
     files = sorted(tmp_path.glob("*/*.kv"))
     assert files
-    for file in files:  # flip the last byte of every block's payload
-        data = bytearray(file.read_bytes())
-        data[-1] ^= 0x55
-        file.write_bytes(bytes(data))
+    for file in files:
+        corrupt(file)
     reader = engine(tmp_path)
     (again,) = reader.generate([PROMPT], GREEDY)
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     assert again.num_cached_tokens == 0
-    assert reader.engine.stats().kv.tiers[0].skipped_files == 1  # the chain stops at its first block
+    assert reader.engine.stats().kv.tiers[0].skipped_files == (skipped or len(files))
     reader.engine.close()
 
 
@@ -91,3 +105,59 @@ def test_host_tier_on_the_cpu_then_disk_below_it(tmp_path: Path) -> None:
     host, disk = both.engine.stats().kv.tiers
     assert host.hit_blocks + disk.hit_blocks == 5 and disk.hit_blocks > 0
     both.engine.close()
+
+
+def tight_tiered(mode: str, directory: Path):
+    """A pool that holds about two of LEAK_PROMPTS' requests, a host tier of 3 blocks and a disk tier bounded
+    to 12 blocks (so both tiers evict too), preempting by `mode`."""
+    probe = tiny_llm(num_kv_blocks=4, num_swap_blocks=0)
+    block_gib = probe.engine.cache.layout.bytes_per_block / 2**30
+    file_gib = (probe.engine.cache.layout.bytes_per_block + 48 + 8 * BS) / 2**30
+    return tiny_llm(num_kv_blocks=14, num_swap_blocks=16 if mode == "swap" else 0, preemption_mode=mode,
+                    **{"cache.host_cache_gib": 3 * block_gib, "cache.disk_cache_dir": str(directory),
+                       "cache.disk_cache_gib": 12 * file_gib})
+
+
+SHARED = random_prompt(30, 3 * BS)
+LEAK_PROMPTS = [SHARED + random_prompt(31 + i, 5) for i in range(7)]
+
+
+def run_with_aborts(engine, which: range, params: SamplingParams, aborts: dict[int, str], folded: dict) -> None:
+    """Adds LEAK_PROMPTS[which] (as "r<i>") and steps until idle, aborting `aborts[k]` before step k."""
+    for i in which:
+        engine.add_request(f"r{i}", LEAK_PROMPTS[i], params)
+    step = 0
+    while engine.has_unfinished_requests():
+        if step in aborts:
+            engine.abort(aborts[step])
+        fold_deltas(engine.step(), folded)
+        step += 1
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_no_block_leaks_in_either_tier_after_cancels_and_preemption(tmp_path: Path, mode: str) -> None:
+    """Requests sharing a prefix through a pool too small for them: preempted, some cancelled while running
+    or waiting; then traffic evicts the prefix to the tiers, and two more requests restore it, one cancelled
+    just after. The rest finish with the greedy output of a roomy engine without tiers; afterwards every
+    device and host block is free, the block manager is consistent, and the disk tier's index matches its
+    files."""
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, detokenize=False)
+    roomy = tiny_llm(num_kv_blocks=200, num_swap_blocks=0, enable_prefix_caching=False)
+    expected = [o.outputs[0].token_ids for o in run_to_completion(roomy.engine, LEAK_PROMPTS, params)]
+    engine = tight_tiered(mode, tmp_path).engine
+    folded: dict = {}
+    run_with_aborts(engine, range(5), params, {6: "r1", 12: "r4"}, folded)  # r1 running, r4 queued or preempted
+    run_to_completion(engine, TRAFFIC, params)
+    run_with_aborts(engine, range(5, 7), params, {2: "r6"}, folded)
+    outputs = {rid: builder.build().outputs[0] for rid, builder in folded.items()}
+    assert {outputs[r].finish_reason for r in ("r1", "r4", "r6")} == {"abort"}
+    assert [outputs[f"r{i}"].token_ids for i in (0, 2, 3, 5)] == [expected[i] for i in (0, 2, 3, 5)]
+    stats = engine.stats()
+    preempted = stats.scheduler.preemptions_swap if mode == "swap" else stats.scheduler.preemptions_recompute
+    host, disk = stats.kv.tiers
+    assert preempted > 0 and host.hit_blocks + disk.hit_blocks > 0, stats
+    assert stats.pool_whole, stats.kv
+    engine.block_manager.check_invariants([])
+    engine.block_manager.tier.check_invariants()
+    engine.close()
+    engine.block_manager.tier.check_invariants()

@@ -39,6 +39,8 @@ _HEADER = struct.Struct("<8sQQQQII")  # magic, layout digest, block hash, parent
 _U64 = (1 << 64) - 1
 _MAX_PENDING_BYTES = 256 << 20  # bytes handed to the writer and not yet on disk; beyond it a spill is dropped
 _EMA = 0.2  # weight of a new read time in the measured read seconds per block
+_PROBES = 5  # start-up reads of a scratch block; the fastest is the estimate (contention only adds time)
+_RETRY_EVERY = 64  # while reading loses to recomputing, every 64th admission reads anyway, to measure again
 
 
 def layout_digest(description: str) -> int:
@@ -76,6 +78,7 @@ class DiskTier:
         self._lock = threading.Lock()  # guards _pending against the writer thread
         self._jobs: queue.Queue[tuple[str, int, Path] | None] = queue.Queue()
         self.hit_blocks = self.bytes_read = self.bytes_written = self.skipped_files = self.dropped_spills = 0
+        self._refusals = 0  # admissions told not to read since the last read
         self.read_s_per_block = self._probe_read()
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="streamd-disk-tier", daemon=True)
@@ -98,7 +101,13 @@ class DiskTier:
         return entry is not None and entry.key == key
 
     def worth_reading(self) -> bool:
-        return self.recompute_s_per_block is None or self.read_s_per_block < self.recompute_s_per_block
+        """Whether reading a block beats recomputing it, as last measured. A refusal is not final: reads are
+        measured only when they happen, so every `_RETRY_EVERY`-th refused admission reads anyway, and a slow
+        spell (a contended disk or CPU) cannot keep the tier shut after it passed."""
+        if self.recompute_s_per_block is None or self.read_s_per_block < self.recompute_s_per_block:
+            return True
+        self._refusals = (self._refusals + 1) % _RETRY_EVERY
+        return self._refusals == 0
 
     def fetch(self, key: BlockKey) -> bytes | None:
         if not self.contains(key):
@@ -150,6 +159,16 @@ class DiskTier:
         self.flush()
         self._jobs.put(None)
         self._writer.join()
+
+    def check_invariants(self) -> None:
+        """Raises AssertionError unless the index and the directory agree once the writes are done (the leak
+        check: no file without an entry, no entry without its file, the bound's bytes exact and kept)."""
+        self.flush()
+        files = {path.name: path.stat().st_size for path in self.directory.glob("*.kv")}
+        indexed = {self._path(h).name: entry.size for h, entry in self._entries.items()}
+        assert files == indexed, f"disk tier: index and files differ ({len(indexed)} indexed, {len(files)} files)"
+        assert self._used_bytes == sum(indexed.values()) <= self.capacity_bytes, "disk tier: bytes miscounted"
+        assert not self._pending and self._pending_bytes == 0, "disk tier: written blocks still held in memory"
 
     # ---- the index ------------------------------------------------------------------------------
 
@@ -253,7 +272,10 @@ class DiskTier:
 
     def _do(self, op: str, block_hash: int, path: Path) -> None:
         if op == "delete":
-            path.unlink(missing_ok=True)
+            # A block evicted and put back before this job ran is indexed again: its file is the new one's
+            # (an earlier write job may already have written the new bytes), so it stays.
+            if block_hash not in self._entries:
+                path.unlink(missing_ok=True)
             return
         with self._lock:
             payload = self._pending.get(block_hash)
@@ -285,13 +307,15 @@ class DiskTier:
         self.bytes_written += len(header) + 8 * len(key.token_ids) + len(payload)
 
     def _probe_read(self) -> float:
-        """Seconds to read and check one block's file here (a scratch file of that size, read back)."""
+        """Seconds to read and check one block's file here (a scratch file of that size, read back): the
+        fastest of a few reads, since another process's burst only ever adds time, and one burst at start
+        must not decide that reading loses."""
         probe = self.directory / "read-probe.tmp"
-        payload = os.urandom(self.block_bytes)
-        probe.write_bytes(payload)
-        began = time.perf_counter()
-        for _ in range(4):
+        probe.write_bytes(os.urandom(self.block_bytes))
+        fastest = float("inf")
+        for _ in range(_PROBES):
+            began = time.perf_counter()
             xxhash.xxh64_intdigest(probe.read_bytes())
-        elapsed = (time.perf_counter() - began) / 4
+            fastest = min(fastest, time.perf_counter() - began)
         probe.unlink(missing_ok=True)
-        return elapsed
+        return fastest

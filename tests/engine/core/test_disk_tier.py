@@ -4,6 +4,7 @@ skipped with a log line (never loaded), and the BlockManager's spills and restor
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,29 @@ def test_the_bound_evicts_the_least_recently_used(tmp_path: Path) -> None:
     disk.close()
 
 
+def test_a_block_evicted_and_put_back_before_the_writer_caught_up_keeps_its_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer is behind: `a` is written, evicted (its delete queued) and put back before the first job
+    ran, so that job writes the new bytes; the queued delete must not remove them."""
+    a, b = key([1] * BS), key([2] * BS)
+    disk = tier(tmp_path, blocks=1)
+    behind, do = threading.Event(), disk._do
+
+    def late_first_job(*job: object) -> None:
+        behind.wait(5)
+        do(*job)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(disk, "_do", late_first_job)
+    disk.put(a, payload(1))
+    disk.put(b, payload(2))  # evicts a
+    disk.put(a, payload(3))  # evicts b, a is back
+    behind.set()
+    disk.check_invariants()  # (waits for the writer)
+    assert file_of(disk, a).exists() and disk.fetch(a) == payload(3)
+    disk.close()
+
+
 def test_truncated_and_foreign_files_are_skipped_with_a_log_line(tmp_path: Path) -> None:
     good, cut, alien = key([1] * BS), key([2] * BS), key([3] * BS)
     disk = tier(tmp_path)
@@ -116,6 +140,23 @@ def test_read_only_where_it_beats_recomputing(tmp_path: Path) -> None:
     assert slow_recompute.worth_reading() and not instant_recompute.worth_reading()
     slow_recompute.close()
     instant_recompute.close()
+
+
+def test_a_slow_spell_does_not_shut_the_tier_for_good(tmp_path: Path) -> None:
+    """Reads are measured only when they happen: after a slow read closed the gate, every 64th admission
+    reads anyway, and fast reads there open it again."""
+    disk = tier(tmp_path, recompute_s=1.0)
+    k = key([1, 2, 3, 4])
+    disk.put(k, payload(1))
+    disk.flush()
+    disk.read_s_per_block = 10.0  # as after a read during a stall
+    answers = [disk.worth_reading() for _ in range(128)]
+    assert answers.count(True) == 2 and answers[63] and answers[127]
+    for _ in range(12):  # the reads the gate lets through are measured (~ms) and weighed in
+        assert disk.fetch(k) == payload(1)
+    assert disk.read_s_per_block < 1.0
+    assert all(disk.worth_reading() for _ in range(10))
+    disk.close()
 
 
 def computed(bm: BlockManager, tokens: list[int]) -> Sequence:
