@@ -24,13 +24,15 @@ import time
 import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
 from streamd.config import load_config
 from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, FairShare
-from streamd.engine.llm_engine import LLMEngine
 from streamd.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # (the CLI imports this module to build its parser: no torch there)
+    from streamd.engine.llm_engine import LLMEngine
 
 
 @dataclass(slots=True, frozen=True)
@@ -161,6 +163,8 @@ def build_engine(model: str, sizes: Sizes) -> LLMEngine:
         from streamd.bench.null_model import null_engine
 
         return null_engine(config)
+    from streamd.engine.llm_engine import LLMEngine
+
     return LLMEngine.from_config(config)
 
 

@@ -44,14 +44,16 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import TierStats
-from streamd.llm import LLM
 
-MakeLLM = Callable[[dict[str, Any]], LLM]  # config overrides -> an engine
+if TYPE_CHECKING:  # (the CLI imports this module to build its parser: no torch there)
+    from streamd.llm import LLM
+
+MakeLLM = Callable[[dict[str, Any]], "LLM"]  # config overrides -> an engine
 _MOD = (1 << 61) - 1  # the prefix hashes' modulus (a Mersenne prime)
 
 
@@ -451,6 +453,8 @@ def run(args: argparse.Namespace) -> int:
         restarts=args.restarts,
     )
     dtype = "float32" if args.device == "cpu" else "auto"
+
+    from streamd.llm import LLM
 
     def make_llm(overrides: dict[str, Any]) -> LLM:
         return LLM(device=args.device, dtype=dtype, num_swap_blocks=0, **overrides)

@@ -48,6 +48,16 @@ def test_bad_settings_and_arguments_give_one_line(args: list[str], needles: list
     assert_one_line_error(streamd(*args), *needles)
 
 
+def test_the_parser_imports_no_torch() -> None:
+    """`streamd --help` and every refused argument answer at once: building the parser (each benchmark brings
+    its arguments) imports neither torch nor transformers."""
+    code = "import sys; from streamd.cli.main import build_parser; build_parser(); " \
+        "print(sorted({'torch', 'transformers'} & set(sys.modules)))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr[-2000:]
+
+
 def test_debug_shows_the_traceback() -> None:
     result = streamd("serve", "--debug", "--set", "cache.block_size=7")
     assert result.returncode != 0 and "Traceback" in result.stderr and "cache.block_size" in result.stderr
