@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     proxy.add_argument("--keepalive-s", type=float, default=15.0, help="server.sse_keepalive_s of the 'on' rows")
     proxy.add_argument("--ws-ping-s", type=float, default=20.0, help="server.ws_ping_interval_s of the 'on' rows")
     proxy.add_argument("--runs", type=int, default=20, help="streams per transport, all at once")
-    proxy.add_argument("--gather-s", type=float, default=10.0, help="the gate's prefill, while the runs arrive")
+    proxy.add_argument("--gather-s", type=float, default=20.0, help="the gate's prefill, while the runs arrive")
     proxy.add_argument("--transports", default=",".join(PROXY_TRANSPORTS), help="of: " + ", ".join(PROXY_TRANSPORTS))
     first = parser.add_argument_group("first-frame")
     first.add_argument("--max-num-seqs", type=int, default=64, help="the saturated server's running streams")
@@ -212,11 +212,15 @@ async def _proxy_all(
     clients = {"chat": _chat_run, "ws": _ws_run, "responses": _responses_run}
     async with httpx.AsyncClient(base_url=url, timeout=None) as http:
         model = (await http.get("/v1/models")).json()["data"][0]["id"]
-        # A streamed answer's head goes out at admission, right before the gate's prefill step begins.
-        async with http.stream("POST", "/v1/completions", json=_gate_body(gate_tokens, model)) as gate:
+        # A streamed chat's role chunk goes out at admission, right before the gate's prefill step begins.
+        async with http.stream("POST", "/v1/chat/completions", json=_gate_body(gate_tokens, model)) as gate:
             gate.raise_for_status()
-            results = await asyncio.gather(*(clients[t](front) for t in transports for _ in range(runs)))
-            await gate.aread()
+            lines = gate.aiter_lines()
+            while not (await anext(lines)).startswith("data: "):
+                pass
+            results = await asyncio.gather(*(clients[t](front, model) for t in transports for _ in range(runs)))
+            async for _ in lines:  # the gate's end
+                pass
     keepalive_s, ws_ping_s = keepalive
     return [
         _proxy_row(t, ws_ping_s if t == "ws" else keepalive_s, results[i * runs : (i + 1) * runs])
@@ -245,21 +249,27 @@ def _prompt(tokens: int = 12) -> str:
 
 
 def _gate_body(tokens: int, model: str) -> dict[str, Any]:
-    return {"prompt": _prompt(tokens), "max_tokens": 1, "model": model, "stream": True}
+    """A chat of about `tokens` tokens, its template's ~30 included."""
+    return {
+        "messages": [{"role": "user", "content": _prompt(tokens - 30)}],
+        "max_tokens": 1,
+        "model": model,
+        "stream": True,
+    }
 
 
 def _gauge(metrics: str, name: str) -> float:
     return sum(float(line.split()[1]) for line in metrics.splitlines() if line.startswith(f"{name} "))
 
 
-async def _chat_run(front: str) -> ProxyRun:
+async def _chat_run(front: str, model: str) -> ProxyRun:
     import httpx
 
-    body = {"messages": [{"role": "user", "content": _prompt(RUN_PROMPT_TOKENS - 30)}], "max_tokens": 4, "stream": True}
+    content = _prompt(RUN_PROMPT_TOKENS - 30)
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "stream": True, "model": model}
     run, began, lines = ProxyRun(), time.monotonic(), []
     try:
         async with httpx.AsyncClient(timeout=None) as http:
-            body["model"] = (await http.get(f"{front}/v1/models")).json()["data"][0]["id"]
             began = time.monotonic()
             async with http.stream("POST", f"{front}/v1/chat/completions", json=body) as answer:
                 if answer.status_code != 200:
@@ -275,10 +285,10 @@ async def _chat_run(front: str) -> ProxyRun:
     return run
 
 
-async def _responses_run(front: str) -> ProxyRun:
+async def _responses_run(front: str, model: str) -> ProxyRun:
     import httpx
 
-    body = {"input": _prompt(RUN_PROMPT_TOKENS - 30), "max_output_tokens": 4, "stream": True}
+    body = {"input": _prompt(RUN_PROMPT_TOKENS - 30), "max_output_tokens": 4, "stream": True, "model": model}
     run, events = ProxyRun(), []
     try:
         async with httpx.AsyncClient(timeout=None) as http:
@@ -299,7 +309,7 @@ async def _responses_run(front: str) -> ProxyRun:
     return run
 
 
-async def _ws_run(front: str) -> ProxyRun:
+async def _ws_run(front: str, model: str) -> ProxyRun:
     from websockets.asyncio.client import connect
     from websockets.exceptions import WebSocketException
     from websockets.typing import Subprotocol
@@ -307,7 +317,8 @@ async def _ws_run(front: str) -> ProxyRun:
     url = front.replace("http://", "ws://") + "/v1/stream"
     run = ProxyRun()
     try:
-        async with connect(url, subprotocols=[Subprotocol("streamd.v1")], open_timeout=60) as ws:
+        # No client pings (a browser sends none): only the server's may keep the proxy from cutting it.
+        async with connect(url, subprotocols=[Subprotocol("streamd.v1")], open_timeout=60, ping_interval=None) as ws:
             began = time.monotonic()
             generate = {
                 "type": "generate",
