@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     for name in scenarios:
         report[name] = asyncio.run(SCENARIO_RUNS[name](args))
         print(json.dumps({name: report[name]}, indent=1, default=str), flush=True)
-    stem = save_report(report, args.out, "live", markdown(report))
+    stem = save_report(report, args.out, "-".join(["live", *scenarios]), markdown(report))
     print(f"wrote {stem}.json and .md")
     return 0 if all_met(report) else 1
 
@@ -368,7 +368,7 @@ async def first_frame(args: argparse.Namespace) -> dict[str, Any]:
 
 def _saturate(url: str, streams: int) -> subprocess.Popen[bytes]:
     """More WebSocket streams than the server runs at once, long enough to outlast the probes."""
-    command = [sys.executable, "-m", "streamd", "bench", "serve", "--url", url, "--transport", "ws"]
+    command = [sys.executable, "-m", "streamd.cli", "bench", "serve", "--url", url, "--transport", "ws"]
     command += ["--concurrency", str(streams), "--num-requests", str(streams * 4), "--max-tokens", "4000"]
     return subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
