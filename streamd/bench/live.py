@@ -21,7 +21,8 @@ server, no forward pass), so what is measured is the transport, never tokens; ea
 - `overhead`: served output tok/s at `--streams` streams (`streamd bench serve`'s client, SSE and WebSocket)
   against two servers: "on" (progress reports, `server.sse_keepalive_s` 15, `continuous_usage_stats` asked
   by the SSE client) and "off" (none of them), `--pairs` pairs alternating which goes first; the ratio is
-  on/off per pair, and its median is reported.
+  on/off per pair, and its median is reported, beside the server process's CPU time per token (off/on),
+  which the box's contention moves less than a wall-clock rate.
 """
 
 from __future__ import annotations
@@ -42,9 +43,12 @@ import uuid
 from collections.abc import Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamd.bench.report import NULL_MODEL, BenchError, add_out_argument, markdown_table, report_header, save_report
+
+if TYPE_CHECKING:
+    from streamd.bench.serve_baseline import ServerProcess
 
 SCENARIOS = ("proxy", "first-frame", "overhead")
 PROXY_TRANSPORTS = ("chat", "ws", "responses")
@@ -94,13 +98,13 @@ def run(args: argparse.Namespace) -> int:
 
 # ---- servers and the proxy -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def null_server(settings: list[str], extra: list[str]) -> Iterator[str]:
-    """A null-model `streamd bench serve_target` process (the real server path); its base URL."""
+def null_server(settings: list[str], extra: list[str]) -> Iterator[ServerProcess]:
+    """A null-model `streamd bench serve_target` process (the real server path, its CPU time readable)."""
     from streamd.bench.serve_baseline import ServerProcess
 
     server = ServerProcess(NULL_MODEL, [*SETTINGS, *settings], "thread", extra)
     try:
-        yield server.url
+        yield server
     finally:
         server.stop()
 
@@ -197,7 +201,7 @@ def _proxy_rows(
     settings = [f"server.sse_keepalive_s={keepalive_s}", f"server.ws_ping_interval_s={ws_ping_s}", *PROXY_SETTINGS]
     rate = args.prefill_s / RUN_PROMPT_TOKENS
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(null_server(settings, ["--prefill-s-per-token", str(rate)]))
+        url = stack.enter_context(null_server(settings, ["--prefill-s-per-token", str(rate)])).url
         front = stack.enter_context(nginx_in_front(url, args.read_timeout_s))
         gate_tokens = round(args.gather_s / rate)
         return asyncio.run(_proxy_all(url, front, transports, args.runs, (keepalive_s, ws_ping_s), gate_tokens))
@@ -351,7 +355,8 @@ class Probe:
 async def first_frame(args: argparse.Namespace) -> dict[str, Any]:
     """Probes per transport queued behind a saturated server (module docstring)."""
     settings = [f"scheduler.max_num_seqs={args.max_num_seqs}"]
-    with null_server(settings, []) as url:
+    with null_server(settings, []) as server:
+        url = server.url
         load = _saturate(url, args.max_num_seqs * 3 // 2)
         try:
             model = await _until_queued(url)
@@ -496,30 +501,50 @@ def _overhead(args: argparse.Namespace) -> dict[str, Any]:
         for pair in range(args.pairs):
             for transport in ("sse", "ws"):
                 order = (("on", on), ("off", off)) if pair % 2 == 0 else (("off", off), ("on", on))
-                rates = {side: _served_tok_s(args, url, transport, side == "on", pair) for side, url in order}
-                rows.append(
-                    {"pair": pair, "transport": transport, **rates, "ratio": round(rates["on"] / rates["off"], 3)}
-                )
+                runs = {side: _served(args, server, transport, side == "on", pair) for side, server in order}
+                rows.append(_overhead_row(pair, transport, runs))
                 print(rows[-1], flush=True)
-    medians = {t: statistics.median(r["ratio"] for r in rows if r["transport"] == t) for t in ("sse", "ws")}
-    return {"streams": args.streams, "max_tokens": args.max_tokens, "pairs": rows, "median_ratio": medians}
+    return {
+        "streams": args.streams,
+        "max_tokens": args.max_tokens,
+        "pairs": rows,
+        "median_ratio": _medians(rows, "ratio"),
+        "median_cpu_ratio": _medians(rows, "cpu_ratio"),
+    }
 
 
-def _served_tok_s(args: argparse.Namespace, url: str, transport: str, on: bool, pair: int) -> float:
+def _overhead_row(pair: int, transport: str, runs: dict[str, tuple[float, float]]) -> dict[str, Any]:
+    """tok/s on/off (`ratio`) and the server's CPU µs per token off/on (`cpu_ratio`: below 1, "on" costs more)."""
+    (on, on_us), (off, off_us) = runs["on"], runs["off"]
+    cpu = {"on_cpu_us_per_token": on_us, "off_cpu_us_per_token": off_us, "cpu_ratio": round(off_us / on_us, 3)}
+    return {"pair": pair, "transport": transport, "on": on, "off": off, "ratio": round(on / off, 3), **cpu}
+
+
+def _medians(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
+    return {t: statistics.median(r[key] for r in rows if r["transport"] == t) for t in ("sse", "ws")}
+
+
+def _served(
+    args: argparse.Namespace, server: ServerProcess, transport: str, on: bool, pair: int
+) -> tuple[float, float]:
+    """One closed-loop run: output tok/s and the server process's CPU µs per output token."""
     from streamd.bench import serve
     from streamd.bench.load import report, run_load
     from streamd.server.serve import run_on_uvloop
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    load_args = parser.parse_args(["--url", url, "--transport", transport])
+    load_args = parser.parse_args(["--url", server.url, "--transport", transport])
     load_args.concurrency, load_args.max_tokens, load_args.seed = args.streams, args.max_tokens, 1000 + pair
     load_args.num_requests, load_args.continuous_usage = args.streams * args.requests_per_stream, on
+    cpu = server.cpu_seconds()["process"]
     timings, duration = run_on_uvloop(run_load(copy.copy(load_args)))
+    cpu = server.cpu_seconds()["process"] - cpu
     result = report(timings, duration, load_args)
     if result["failed"]:
         raise BenchError(f"served run failed: {result['errors']}")
-    return round(float(result["output_token_throughput"]), 1)
+    tokens = max(1, result["output_tokens"])
+    return round(float(result["output_token_throughput"]), 1), round(cpu / tokens * 1e6, 1)
 
 
 SCENARIO_RUNS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, dict[str, Any]]]] = {
@@ -552,8 +577,15 @@ def markdown(report: dict[str, Any]) -> str:
     if "proxy" in report:
         p = report["proxy"]
         lines += [f"## proxy: nginx `proxy_read_timeout {p['read_timeout_s']}s`, prefill {p['prefill_s']} s", ""]
-        header = ("transport", "keepalive s (SSE comment / WS ping)", "runs", "whole", "first token s", "errors")
-        rows = [
+        header: tuple[str, ...] = (
+            "transport",
+            "keepalive s (SSE comment / WS ping)",
+            "runs",
+            "whole",
+            "first token s",
+            "errors",
+        )
+        rows: list[tuple[Any, ...]] = [
             (r["transport"], r["keepalive_s"], r["runs"], r["whole"],
              f"{r['first_token_s_min']}-{r['first_token_s_max']}", "; ".join(r["errors"]) or "-")
             for r in p["rows"]
@@ -574,7 +606,12 @@ def markdown(report: dict[str, Any]) -> str:
     if "overhead" in report:
         o = report["overhead"]
         lines += [f"## served tok/s at {o['streams']} streams, live-stream features on vs off", ""]
-        header = ("pair", "transport", "on tok/s", "off tok/s", "on/off")
-        rows = [(r["pair"], r["transport"], r["on"], r["off"], r["ratio"]) for r in o["pairs"]]
-        lines += [*markdown_table(header, rows), "", f"Median on/off: {o['median_ratio']}", ""]
+        header = ("pair", "transport", "on tok/s", "off tok/s", "on/off", "on CPU µs/tok", "off CPU µs/tok", "off/on")
+        rows = [
+            (r["pair"], r["transport"], r["on"], r["off"], r["ratio"], r["on_cpu_us_per_token"],
+             r["off_cpu_us_per_token"], r["cpu_ratio"])
+            for r in o["pairs"]
+        ]  # fmt: skip
+        lines += [*markdown_table(header, rows), "", f"Median tok/s on/off: {o['median_ratio']}"]
+        lines += [f"Median server CPU per token off/on: {o['median_cpu_ratio']}", ""]
     return "\n".join(lines)
