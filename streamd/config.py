@@ -287,6 +287,7 @@ class ServerConfig:
     max_background_responses: int = 1024  # Responses with background: true kept at once (oldest finished evicted)
     background_retention_s: float = 600.0  # a finished background response stays retrievable this long
     sse_keepalive_s: float = 15.0  # an SSE stream silent this long gets a `: keepalive` comment; 0: never
+    ws_ping_interval_s: float = 20.0  # the server pings each WebSocket this often (uvicorn's default); 0: never
     # Fair share (server/tenants.py): whose share a request draws on: "auto" (the key when keys are on, else the
     # `user` field), "key", "user" or "none"; `tenants` names keys or users ("name=value") for the scheduler's
     # weights and the metrics' labels (others are digests, labelled "other").
@@ -340,6 +341,7 @@ class ServerConfig:
             "socket_send_buffer_bytes",
             "max_connections_per_client",
             "sse_keepalive_s",
+            "ws_ping_interval_s",
         ):
             _non_negative(f"server.{key}", getattr(self, key))
 

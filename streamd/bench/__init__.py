@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "fairness": ("streamd.bench.fairness", "run"),
     "multiturn": ("streamd.bench.multiturn", "run"),
     "spec": ("streamd.bench.spec", "run"),
+    "live": ("streamd.bench.live", "run"),
 }
 EXAMPLES: dict[str, str] = {
     "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
@@ -34,6 +35,7 @@ EXAMPLES: dict[str, str] = {
     "multiturn": "streamd bench multiturn --device cpu                # the disk tier vs device-only, minutes\n"
     "  streamd bench multiturn --device cuda --conversations 128 --turns 8 --system-tokens 2048 --turn-tokens 300",
     "spec": "streamd bench spec --out /tmp/results      # speculative decoding on vs off, CPU default model",
+    "live": "streamd bench live --scenarios proxy,first-frame,overhead   # issue 32's targets, null model, minutes",
 }
 
 

@@ -182,8 +182,10 @@ class SSEClient:
     one `data:` event is one delta (its arrival time is every token's in it); the usage chunk at the end
     gives the exact token count."""
 
-    def __init__(self, base: str, api_key: str | None, model: str | None) -> None:
+    def __init__(self, base: str, api_key: str | None, model: str | None, continuous_usage: bool = False) -> None:
+        """`continuous_usage`: ask for vLLM's `continuous_usage_stats` (every chunk carries the usage)."""
         parts = urlsplit(base)
+        self.stream_options = {"include_usage": True, "continuous_usage_stats": continuous_usage}
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         self.model = model
@@ -240,7 +242,7 @@ class SSEClient:
                 "max_tokens": max_tokens,
                 "ignore_eos": True,
                 "stream": True,
-                "stream_options": {"include_usage": True},
+                "stream_options": self.stream_options,
             }
         )
         timing = Timing(time.perf_counter())
@@ -252,7 +254,7 @@ class SSEClient:
             for event in complete:
                 if not event.startswith(b"data: {"):
                     continue
-                if b'"usage":{' in event:
+                if b'"choices":[]' in event:  # the usage chunk (with continuous usage every chunk has one)
                     timing.tokens = orjson.loads(event[6:])["usage"]["completion_tokens"]
                 elif b'"error":' in event:
                     timing.error = orjson.loads(event[6:])["error"]["message"]
@@ -359,7 +361,7 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Timing], float]:
         size = args.connections or max(1, min(16, math.ceil(limit / 32)))
         client: Any = WebSocketPool(ws_url, size, args.api_key, args.framing)
     else:
-        client = SSEClient(base, args.api_key, args.model)
+        client = SSEClient(base, args.api_key, args.model, args.continuous_usage)
     async with client:
         start = time.perf_counter()
         if concurrency:

@@ -5,16 +5,26 @@ batch preparation, output processor, detokenizer) and replaces only the forward 
 `NullExecutor` prepares each step's batch tensors as the real runner does and runs no model, and
 `NullSampler` draws every token uniformly from the real vocabulary. What is left is what streamd itself
 costs per token. Every report made with it says `"model": "null"`; no correctness test may use it.
+
+Two switches serve issue 32's transport benchmarks (`streamd bench live`), and each report that uses one says
+so: `prefill_s_per_token` makes a step that computes prompt tokens sleep that long per token of its longest
+prompt chunk, on the engine's thread (a step's prompts computed side by side, as on a GPU), so a proxy's idle
+timeout can be tested without a model that is really that slow; `progress=False` takes out the engine's
+progress reports (queue places, prompt chunks done), the "off" side of their cost.
 """
 
 from __future__ import annotations
+
+import time
+from collections import deque
 
 import torch
 
 from streamd.config import Config
 from streamd.engine.core.scheduler_output import SchedulerOutput
-from streamd.engine.core.sequence import Sequence
+from streamd.engine.core.sequence import Sequence, SequenceGroup
 from streamd.engine.llm_engine import LLMEngine
+from streamd.engine.outputs import RequestUpdate
 from streamd.engine.sample.grammar import TokenBitmask
 from streamd.engine.sample.sampler import PendingSample
 from streamd.engine.sampling_params import SamplingParams
@@ -26,10 +36,11 @@ class NullExecutor:
     """Builds the batch (positions, slot mapping, block tables) and skips the forward; cache orders go to
     the real executor."""
 
-    def __init__(self, executor: Executor, runner: ModelRunner) -> None:
+    def __init__(self, executor: Executor, runner: ModelRunner, prefill_s_per_token: float = 0.0) -> None:
         self.executor = executor
         self.runner = runner
         self.cache = executor.cache
+        self.prefill_s_per_token = prefill_s_per_token  # a prefill step's sleep per token of its longest chunk
 
     @property
     def failed(self) -> bool:
@@ -39,6 +50,10 @@ class NullExecutor:
         self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
     ) -> torch.Tensor:
         batch = self.runner.prepare(out, prev_tokens, prev_rows)
+        if out.num_prefill_tokens and self.prefill_s_per_token:
+            chunks = out.scheduled[: len(out.scheduled) - out.num_decode_tokens]
+            longest = max(item.num_new_tokens for item in chunks)
+            time.sleep(self.prefill_s_per_token * longest)  # the engine's thread is held, as by a real prefill
         return torch.empty((len(batch.sample_idx), 0))
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
@@ -83,9 +98,19 @@ class NullSampler:
         return PendingSample(tokens, tokens, params, 0)
 
 
-def null_engine(config: Config) -> LLMEngine:
-    """An engine over the configured model's tokenizer and vocabulary whose steps run no model."""
+class NoProgress:
+    """Stands in for the engine's `ProgressReports`: no step reports anything before a first token."""
+
+    def step(self, done: SchedulerOutput | None, waiting: deque[SequenceGroup]) -> list[RequestUpdate]:
+        return []
+
+
+def null_engine(config: Config, prefill_s_per_token: float = 0.0, progress: bool = True) -> LLMEngine:
+    """An engine over the configured model's tokenizer and vocabulary whose steps run no model (the switches:
+    the module docstring)."""
     engine = LLMEngine.from_config(config)
-    engine.executor = NullExecutor(engine.executor, engine.runner)
+    engine.executor = NullExecutor(engine.executor, engine.runner, prefill_s_per_token)
     engine.sampler = NullSampler(engine.vocab_size, config.model.seed or 0)  # type: ignore[assignment]
+    if not progress:
+        engine._progress = NoProgress()  # type: ignore[assignment]
     return engine

@@ -35,6 +35,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-key")
     parser.add_argument("--model", help="model name for HTTP requests (default: the server's first)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--continuous-usage", action="store_true", help="SSE: every chunk carries the usage (continuous_usage_stats)"
+    )
     add_json_argument(parser)
     serve_baseline.add_arguments(parser)
 

@@ -27,6 +27,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -117,9 +118,10 @@ class ServedRun:
 class ServerProcess:
     """The benchmark's own server, and the CPU time of its threads."""
 
-    def __init__(self, model: str, settings: list[str], layout: str = "thread") -> None:
+    def __init__(self, model: str, settings: list[str], layout: str = "thread", extra: Sequence[str] = ()) -> None:
+        """`extra`: more serve_target arguments (the null model's switches)."""
         self.layout = layout
-        cmd = [sys.executable, "-m", "streamd.bench.serve_target", "--model", model, "--layout", layout]
+        cmd = [sys.executable, "-m", "streamd.bench.serve_target", "--model", model, "--layout", layout, *extra]
         for item in settings:
             cmd += ["--set", item]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)

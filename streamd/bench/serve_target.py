@@ -6,15 +6,18 @@ It prints `LISTENING <port> <engine thread id> <engine process id>` once ready, 
 it and read its threads' CPU time from the OS; SIGTERM drains and exits as `streamd serve` does. Layouts:
 `thread` (the engine on a thread of the server process, as `streamd serve`), `process` (the engine in a
 child process, `ProcessEngine`) and `split` (the same, with the output processor
-in the server process).
+in the server process). `--prefill-s-per-token` and `--no-progress` are the null model's switches for
+`streamd bench live` (null_model.py).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import sys
 import time
+from collections.abc import Callable
 
 from streamd.bench.null_model import null_engine
 from streamd.bench.report import NULL_MODEL
@@ -41,17 +44,22 @@ def build_config(model: str, settings: list[str], layout: str | None = None) -> 
     return load_config(overrides=overrides)
 
 
-def build_engine(model: str, config: Config) -> LLMEngine:
-    return null_engine(config) if model == NULL_MODEL else LLMEngine.from_config(config)
+def build_engine(model: str, config: Config, prefill_s_per_token: float = 0.0, progress: bool = True) -> LLMEngine:
+    """The null model (with its switches) or the named model's real engine."""
+    if model == NULL_MODEL:
+        return null_engine(config, prefill_s_per_token, progress)
+    return LLMEngine.from_config(config)
 
 
-async def serve(model: str, config: Config, layout: str = "thread") -> int:
+async def serve(
+    model: str, config: Config, layout: str = "thread", build: Callable[[str, Config], LLMEngine] = build_engine
+) -> int:
     if layout == "process":  # the output processor stays in the engine's process
         engine: EngineClient = ProcessEngine(
-            build_engine, model, config, outputs="engine", batches_ahead=config.engine.batches_ahead
+            build, model, config, outputs="engine", batches_ahead=config.engine.batches_ahead
         )
     else:  # as `streamd serve` builds it (`engine.process` set from the layout in build_config)
-        engine = engine_for(config, build_engine, model, config)
+        engine = engine_for(config, build, model, config)
     server = http_server(config, engine)
     lifecycle = server.lifecycle
     task = asyncio.create_task(server.serve())
@@ -72,10 +80,13 @@ def main() -> int:
     parser.add_argument("--model", default=NULL_MODEL)
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--layout", choices=LAYOUTS, default="thread")
+    parser.add_argument("--prefill-s-per-token", type=float, default=0.0, help="null model: a prefill's sleep")
+    parser.add_argument("--no-progress", action="store_true", help="null model: no progress reports")
     args = parser.parse_args()
     config = build_config(args.model, args.set, args.layout)
     configure_server_logging(config)  # as `streamd serve` does (the benchmark asks for warnings only)
-    return run_on_uvloop(serve(args.model, config, args.layout))
+    build = functools.partial(build_engine, prefill_s_per_token=args.prefill_s_per_token, progress=not args.no_progress)
+    return run_on_uvloop(serve(args.model, config, args.layout, build))
 
 
 if __name__ == "__main__":

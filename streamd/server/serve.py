@@ -99,6 +99,7 @@ def uvicorn_config(config: Config, app: Starlette) -> uvicorn.Config:
         timeout_keep_alive=config.server.keep_alive_timeout_s,
         ws_max_size=config.server.max_frame_bytes,
         ws_per_message_deflate=False,  # token frames are tiny; deflate costs more CPU than it saves
+        ws_ping_interval=config.server.ws_ping_interval_s or None,  # None: uvicorn pings never
         log_config=None,
         access_log=False,
         timeout_graceful_shutdown=5,

@@ -37,6 +37,16 @@ async def test_bench_serve_over_websocket_and_sse(server: Server) -> None:
         assert "TTFT" in bench.format_table(result)
 
 
+async def test_bench_serve_sse_with_continuous_usage(server: Server) -> None:
+    """Every chunk carries a usage then: each text chunk still counts as an arrival, the total is the final
+    usage chunk's."""
+    args = bench_args(server, transport="sse", concurrency=3, continuous_usage=True)
+    timings, duration = await bench.run_load(args)
+    result = bench.report(timings, duration, args)
+    assert result["completed"] == 6 and result["output_tokens"] == 18, result["errors"]
+    assert all(1 <= len(t.token_times) <= 3 for t in timings), [len(t.token_times) for t in timings]
+
+
 async def test_bench_serve_poisson(server: Server) -> None:
     args = bench_args(server, transport="ws", rate=50.0, concurrency=None)
     timings, duration = await bench.run_load(args)

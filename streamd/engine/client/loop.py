@@ -3,9 +3,10 @@ server process or on the main thread of an engine process alike.
 
 `EngineLoop` owns its engine; nothing else touches it. Commands arrive on a thread-safe queue
 (`AddRequest`, `AbortRequest`, `PauseRequest`, `FinishChoice`, `CallEngine`, `StopEngine`); each
-iteration runs the queued commands, steps once if a request is unfinished, and hands everything the
-iteration produced (`StepBatch`: admissions, the step's deltas, a stats snapshot) to the `publish`
-callable it was built with, exactly once. Where the batch goes is the caller's: the thread client posts it
+iteration runs the queued commands, steps once if a request is unfinished, and hands what the iteration
+produced (`StepBatch`: admissions, the step's deltas, a stats snapshot) to the `publish` callable it was
+built with: what the commands produced before the step (so an admission is never held for a step), the
+step's after it; each thing exactly once. Where the batch goes is the caller's: the thread client posts it
 to its event loop, the engine process sends it down a socket. When no request can progress (none
 unfinished, or all paused) the loop blocks on the queue, until a command or the next request deadline, so
 an idle engine costs nothing.
@@ -148,10 +149,15 @@ class EngineLoop:
             self.publish(StepBatch(dead=f"engine thread crashed: {exc!r}"))
 
     def _iterate(self) -> bool:
-        """One iteration: commands, a step, one publish; False once the loop must end."""
+        """One iteration: commands, a step, its publish; False once the loop must end. What the commands
+        produced (admissions above all) is published before the step, not with it: a request's admission,
+        and so its response's head and first frame, never waits for a step (a long prefill, its own)."""
         engine, batch = self.engine, StepBatch()
         running = self._take_commands(batch, block=not engine.has_runnable_work())
         if running and engine.has_unfinished_requests():
+            if batch:
+                self.publish(batch)
+                batch = StepBatch()
             self._step(batch)
             if self._failures >= MAX_CONSECUTIVE_STEP_FAILURES:
                 batch.dead = "the engine failed repeatedly and stopped"

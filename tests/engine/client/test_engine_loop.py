@@ -1,5 +1,6 @@
 """`EngineLoop` alone, over a scripted engine and a plain list as its `publish` (no thread, no event loop,
-no socket): commands run in order before each step, every iteration publishes once, `StopEngine` steps the
+no socket): commands run in order before each step, their admissions are published before the step and its
+deltas after (one batch each), `StopEngine` steps the
 aborted requests to their final deltas, and repeated step failures fail the requests, then end the loop as
 dead."""
 
@@ -100,6 +101,18 @@ def test_commands_then_one_publish_per_iteration_and_stop_finishes_the_aborted()
     assert engine.closed  # after the last step: the prefix cache's tiers get the device's cached blocks
 
 
+def test_admissions_are_published_before_the_step_that_follows_them() -> None:
+    """A long step (a long prefill) must not hold a request's admission, and so its response's head."""
+    engine = _ScriptedEngine(tokens=2)
+    published: list[StepBatch] = []
+    loop = EngineLoop(engine, published.append)  # type: ignore[arg-type]
+    loop.put(AddRequest("a", "p", SamplingParams(max_tokens=2), None, 0.0))
+    loop._iterate()
+    assert [(b.accepted, [d.request_id for d in b.deltas]) for b in published] == [(["a"], []), ([], ["a"])]
+    loop._iterate()  # no command: the step's batch alone
+    assert len(published) == 3 and published[2].deltas[0].finished
+
+
 def test_repeated_step_failures_fail_the_requests_then_the_engine() -> None:
     engine = _ScriptedEngine(tokens=50, failures=MAX_CONSECUTIVE_STEP_FAILURES)
     params = SamplingParams(max_tokens=50)
@@ -109,8 +122,9 @@ def test_repeated_step_failures_fail_the_requests_then_the_engine() -> None:
     for add in adds:  # one request per failing step: each failure fails what is in flight
         loop.put(add)
         loop._iterate()
-    assert [[(d.request_id, "injected" in (d.error or "")) for d in b.deltas] for b in published] == [
+    steps = [b for b in published if b.deltas or b.dead]  # (each admission went out before its step)
+    assert [[(d.request_id, "injected" in (d.error or "")) for d in b.deltas] for b in steps] == [
         [(a.request_id, True)] for a in adds]
-    assert [b.dead for b in published] == [None] * (MAX_CONSECUTIVE_STEP_FAILURES - 1) + [
+    assert [b.dead for b in steps] == [None] * (MAX_CONSECUTIVE_STEP_FAILURES - 1) + [
         "the engine failed repeatedly and stopped"]
     assert loop.steps == 0

@@ -1,7 +1,8 @@
 """SSE keepalive behind a real nginx whose `proxy_read_timeout` is shorter than the request's prefill: the
 `: keepalive` comments (`server.sse_keepalive_s`) keep chat completions and the Responses API streaming to
 the end, through the official `openai` SDK; with keepalive off the proxy cuts the same stream (the control).
-The light form of issue 32's target (90 s prefill behind `proxy_read_timeout 30s`: `streamd bench chaos`)."""
+The light form of issue 32's target (90 s prefill behind `proxy_read_timeout 30s`: `streamd bench live --scenarios
+proxy`, results/live-proxy-2026-11-27-cpu.md)."""
 
 from __future__ import annotations
 
