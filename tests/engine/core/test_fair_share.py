@@ -85,6 +85,28 @@ def test_chatting_tenant_is_not_queued_behind_a_flood(scheduling):
     assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 8), 20)] for i in range(12))
 
 
+@pytest.mark.parametrize("scheduling", ["fair", "fcfs"])
+def test_a_chats_prompt_steps_cap_the_floods_prompt_chunks(scheduling):
+    """While the least served tenant's prompt runs and in the step after (its first token is read back after
+    that one), the other tenants' prompt chunks share `catch_up_chunk_tokens`; then they fill the budget again."""
+    eng = TenantEngine(scheduling, num_blocks=400, max_num_seqs=4, max_num_batched_tokens=64)
+    cap = eng.sched.catch_up_chunk_tokens
+    for i in range(4):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 200), 4, "flood")
+    eng.step()
+    eng.add_as("b0", _prompt("b0", 12), 4, "chat")
+    steps = [eng.step() for _ in range(3)]
+    flood = [sum(i.num_new_tokens for i in out.scheduled if i.group.sampling_params.tenant == "flood") for out in steps]
+    chat = [sum(i.num_new_tokens for i in out.scheduled if i.group.request_id == "b0") for out in steps]
+    if scheduling == "fair":
+        assert chat[0] == 12 and flood[:2] == [cap, cap] and flood[2] == 64 - 1
+    else:  # the flood's chunks come first: b0 waits for a seat
+        assert chat == [0, 0, 0] and flood == [64, 64, 64]
+    eng.run()
+    assert eng.finished["b0"] == [reference(_prompt("b0", 12), 4)]
+    assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 200), 4)] for i in range(4))
+
+
 def test_one_tenant_schedules_exactly_as_fcfs():
     runs = {}
     for scheduling in ("fair", "fcfs"):
