@@ -249,7 +249,7 @@ class Scheduler:
         shape.tokens = len(decodes) + num_drafts
         catch_up = self._catch_up(partial, seat_free) if self.fair.reorders else None
         for item in partial:
-            wanted = item.num_new_tokens if catch_up is None else catch_up.allow(item.group, item.num_new_tokens)
+            wanted = _allowed(catch_up, item.group, item.num_new_tokens)
             item.num_new_tokens = self._chunk(shape, item.seq, wanted, budget)
             if item.num_new_tokens <= 0:
                 if catch_up is None:  # the budget ran out: the rest get nothing either
@@ -274,7 +274,7 @@ class Scheduler:
         """The running sequences with a token to compute this step. A sequence that its last token ended is
         still in `running` until that token is read back, a step later (the overlapped loop), but its seat
         is already free: counting it would hold the waiting queue in arrival order at saturation."""
-        return sum(1 for g in self.running for s in g.seqs if s.status is _RUNNING and s.num_tokens > s.num_computed_tokens)
+        return sum(_has_work(seq) for group in self.running for seq in group.seqs)
 
     def _reorder(self, seat_free: bool) -> None:
         """Tiers, priorities and fair shares order the queues (`FairShare.key`): running and swapped most
@@ -568,7 +568,7 @@ class Scheduler:
                 cached += hits
                 seq.status = _RUNNING
                 wanted = group.prefill_end(seq) - seq.num_computed_tokens
-                chunk = self._chunk(out.shape, seq, wanted if catch_up is None else catch_up.allow(group, wanted), budget)
+                chunk = self._chunk(out.shape, seq, _allowed(catch_up, group, wanted), budget)
                 if chunk > 0:  # otherwise it continues as a running prompt next step
                     prefills.append(ScheduledSeq(seq, group, chunk))
                     budget -= chunk
@@ -901,6 +901,14 @@ class _CatchUp:
         allowed = min(wanted, self.left)
         self.left -= allowed
         return allowed
+
+
+def _has_work(seq: Sequence) -> bool:
+    return seq.status is _RUNNING and seq.num_computed_tokens < seq.num_tokens
+
+
+def _allowed(catch_up: _CatchUp | None, group: SequenceGroup, wanted: int) -> int:
+    return wanted if catch_up is None else catch_up.allow(group, wanted)
 
 
 def _order_class(group: SequenceGroup) -> tuple[int, int]:
