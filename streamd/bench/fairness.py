@@ -19,6 +19,7 @@ seconds. The targets (issue 30) are checked beside the numbers:
 from __future__ import annotations
 
 import argparse
+import bisect
 import statistics
 import time
 import zlib
@@ -49,6 +50,7 @@ class Timing:
     tier: str
     arrived: float
     first_token: float | None = None
+    queued: float = 0.0  # seconds from arrival to its first scheduling (the engine's `queue_time`)
 
     @property
     def ttft(self) -> float:
@@ -64,9 +66,20 @@ class Run:
     served: list[tuple[float, str, float]] = field(default_factory=list)  # (time, tenant, weighted tokens)
     tokens: int = 0
     seconds: float = 0.0
+    step_ends: list[float] = field(default_factory=list)  # when each engine step returned
+    # Tokens and seconds until the queue first ran empty with every request submitted: while every seat was
+    # wanted (the rest is the last requests' tail, which the policies fill differently: not their rate).
+    saturated_tokens: int = 0
+    saturated_s: float = 0.0
 
     def ttfts(self, tenant: str | None = None, tier: str | None = None) -> list[float]:
         return sorted(t.ttft for t in self.timings.values() if tenant in (None, t.tenant) and tier in (None, t.tier))
+
+    def steps_to_first_token(self, timing: Timing) -> int:
+        """The engine steps that ran while `timing`'s request waited for its first token, the one that
+        delivered it included (its time is taken before that step's end is)."""
+        ends = self.step_ends
+        return 1 + bisect.bisect_right(ends, timing.first_token or 0.0) - bisect.bisect_right(ends, timing.arrived)
 
 
 @dataclass(slots=True, frozen=True)
@@ -82,6 +95,7 @@ class Sizes:
     backlog: int  # each tenant's queued requests in the backlog run
     tier_requests: int
     window_s: float
+    rounds: int = 1  # flood and chat: solo, fair and fcfs run this many times, alternated, and pooled
 
 
 MEASURED_WINDOWS = 3  # the backlog run's windows after the first (which fills the seats)
@@ -97,6 +111,7 @@ FULL = {
         backlog=160,
         tier_requests=160,
         window_s=0.5,
+        rounds=3,
     ),
     "default": Sizes(
         seats=8,
@@ -182,6 +197,8 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], fair: bool, refill: Callab
         tick += 1
         if engine.has_unfinished_requests():
             step(engine, out)
+        if not out.saturated_s and not pending and not scheduler.waiting:
+            out.saturated_tokens, out.saturated_s = out.tokens, time.perf_counter() - start
     out.seconds = time.perf_counter() - start
     return out
 
@@ -200,6 +217,8 @@ def step(engine: LLMEngine, out: Run) -> None:
     for delta in engine.step():
         timing = out.timings[delta.request_id]
         tokens = sum(len(c.token_ids) for c in delta.outputs)
+        if delta.queue_time is not None:
+            timing.queued = delta.queue_time
         if tokens and timing.first_token is None:
             timing.first_token = time.perf_counter()
             prompt = PROMPT_WEIGHT * delta.num_prompt_tokens
@@ -208,6 +227,7 @@ def step(engine: LLMEngine, out: Run) -> None:
         weighted[timing.tenant] = weighted.get(timing.tenant, 0.0) + OUTPUT_WEIGHT * tokens
         out.tokens += tokens
     now = time.perf_counter()
+    out.step_ends.append(now)
     out.served.extend((now, tenant, weight) for tenant, weight in weighted.items())
 
 
@@ -217,19 +237,29 @@ def step(engine: LLMEngine, out: Run) -> None:
 def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
     chats = [Arrival(2 + i * sizes.chat_every, f"b{i}", "B", 24, 8) for i in range(sizes.chats)]
     flood = [Arrival(0, f"a{i}", "A", sizes.long_prompt, sizes.long_output) for i in range(sizes.flood)]
-    solo = drive(engine, chats, True, lambda _: [])
-    fair = drive(engine, flood + chats, True, lambda _: [])
-    fcfs = drive(engine, flood + chats, False, lambda _: [])
-    p99 = {name: percentile(r.ttfts("B"), 99) for name, r in (("solo", solo), ("fair", fair), ("fcfs", fcfs))}
-    throughput = {name: r.tokens / r.seconds for name, r in (("fair", fair), ("fcfs", fcfs))}
+    drive(engine, chats, True, no_refill)  # warm-up (a fresh engine's first steps): solo is not measured cold
+    runs: dict[str, list[Run]] = {"solo": [], "fair": [], "fcfs": []}
+    for _ in range(sizes.rounds):  # alternated: a drift in the shared machine's load falls on each alike
+        runs["solo"].append(drive(engine, chats, True, no_refill))
+        runs["fair"].append(drive(engine, flood + chats, True, no_refill))
+        runs["fcfs"].append(drive(engine, flood + chats, False, no_refill))
+    p99 = {name: percentile(pooled_ttfts(rs, "B"), 99) for name, rs in runs.items()}
+    loaded = {name: runs[name] for name in ("fair", "fcfs")}
+    throughput = {
+        name: sum(r.saturated_tokens for r in rs) / sum(r.saturated_s for r in rs) for name, rs in loaded.items()
+    }
+    makespan = {name: sum(r.tokens for r in rs) / sum(r.seconds for r in rs) for name, rs in loaded.items()}
     result: dict[str, Any] = {
         "chat_p99_ttft_s": p99,
-        "flood_p50_ttft_s": {name: percentile(r.ttfts("A"), 50) for name, r in (("fair", fair), ("fcfs", fcfs))},
+        "chat_ttft_parts": {name: ttft_parts(rs, "B") for name, rs in runs.items()},
+        "flood_p50_ttft_s": {name: percentile(pooled_ttfts(rs, "A"), 50) for name, rs in loaded.items()},
         "tokens_per_s": throughput,
+        "makespan_tokens_per_s": makespan,
         "fair_over_solo": p99["fair"] / p99["solo"],
         "fair_over_fcfs": p99["fair"] / p99["fcfs"],
         "throughput_fair_over_fcfs": throughput["fair"] / throughput["fcfs"],
-        "max_queue_s": max(max(r.ttfts()) for r in (fair, fcfs)),
+        "makespan_fair_over_fcfs": makespan["fair"] / makespan["fcfs"],
+        "max_queue_s": pooled_ttfts(runs["fair"] + runs["fcfs"])[-1],
     }
     result["targets"] = {
         "chat_p99_le_1.5x_solo": result["fair_over_solo"] <= 1.5,
@@ -237,6 +267,27 @@ def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
         "throughput_ge_0.95x_fcfs": result["throughput_fair_over_fcfs"] >= 0.95,
     }
     return result
+
+
+def no_refill(tick: int) -> list[Arrival]:
+    return []
+
+
+def pooled_ttfts(runs: list[Run], tenant: str | None = None) -> list[float]:
+    return sorted(ttft for run in runs for ttft in run.ttfts(tenant))
+
+
+def ttft_parts(runs: list[Run], tenant: str) -> dict[str, float]:
+    """Where `tenant`'s TTFT went over `runs`: p99 queue wait (arrival to first scheduling), the median and
+    largest number of steps to the first token, and the mean step duration over those waits (ms)."""
+    waits = [(run, t) for run in runs for t in run.timings.values() if t.tenant == tenant]
+    steps = sorted(run.steps_to_first_token(t) for run, t in waits)
+    return {
+        "queue_p99_s": percentile(sorted(t.queued for _, t in waits), 99),
+        "steps_p50": percentile([float(n) for n in steps], 50),
+        "steps_max": float(steps[-1]),
+        "step_ms": 1e3 * sum(t.ttft for _, t in waits) / sum(steps),
+    }
 
 
 def backlog(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
@@ -352,6 +403,7 @@ def markdown(report: dict[str, Any]) -> str:
                 ["measure", "value", "target", "met"],
                 [
                     ["chat p99 TTFT solo / fair / fcfs (s)", fmt(flood["chat_p99_ttft_s"]), "", ""],
+                    ["chat TTFT parts solo / fair / fcfs", fmt_parts(flood["chat_ttft_parts"]), "", ""],
                     [
                         "chat p99 fair / solo",
                         f"{flood['fair_over_solo']:.2f}",
@@ -365,10 +417,16 @@ def markdown(report: dict[str, Any]) -> str:
                         flood_met["chat_p99_le_0.2x_fcfs"],
                     ],
                     [
-                        "tokens/s fair / fcfs",
+                        "tokens/s fair / fcfs (while the queue is not empty)",
                         f"{flood['throughput_fair_over_fcfs']:.3f}",
                         ">= 0.95",
                         flood_met["throughput_ge_0.95x_fcfs"],
+                    ],
+                    [
+                        "tokens/s fair / fcfs (whole run, tail included)",
+                        f"{flood['makespan_fair_over_fcfs']:.3f}",
+                        "",
+                        "",
                     ],
                     [
                         f"backlog: A's share per {back['window_s']} s window ({back['windows']} windows)",
@@ -393,3 +451,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 def fmt(values: dict[str, float]) -> str:
     return " / ".join(f"{v:.3f}" for v in values.values())
+
+
+def fmt_parts(parts: dict[str, dict[str, float]]) -> str:
+    """Per run: p99 queue wait, steps to the first token (median, largest), mean step duration."""
+    return " / ".join(
+        f"queue {p['queue_p99_s']:.3f} s, {p['steps_p50']:.0f} ({p['steps_max']:.0f}) steps x {p['step_ms']:.1f} ms"
+        for p in parts.values()
+    )
