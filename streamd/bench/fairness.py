@@ -71,6 +71,7 @@ class Run:
     # wanted (the rest is the last requests' tail, which the policies fill differently: not their rate).
     saturated_tokens: int = 0
     saturated_s: float = 0.0
+    saturated_cpu_s: float = 0.0  # this process's CPU seconds in that time (other processes' slices left out)
 
     def ttfts(self, tenant: str | None = None, tier: str | None = None) -> list[float]:
         return sorted(t.ttft for t in self.timings.values() if tenant in (None, t.tenant) and tier in (None, t.tier))
@@ -187,7 +188,7 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], fair: bool, refill: Callab
     scheduler = engine.scheduler
     scheduler.fair = FairShare(fair, scheduler.config.tenant_weight_map())
     pending, out, tick = sorted(arrivals, key=lambda a: a.tick), Run(), 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     while True:
         pending.extend(refill(tick))
         if not pending and not engine.has_unfinished_requests():
@@ -199,6 +200,7 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], fair: bool, refill: Callab
             step(engine, out)
         if not out.saturated_s and not pending and not scheduler.waiting:
             out.saturated_tokens, out.saturated_s = out.tokens, time.perf_counter() - start
+            out.saturated_cpu_s = time.process_time() - cpu_start
     out.seconds = time.perf_counter() - start
     return out
 
@@ -245,9 +247,8 @@ def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
         runs["fcfs"].append(drive(engine, flood + chats, False, no_refill))
     p99 = {name: percentile(pooled_ttfts(rs, "B"), 99) for name, rs in runs.items()}
     loaded = {name: runs[name] for name in ("fair", "fcfs")}
-    throughput = {
-        name: sum(r.saturated_tokens for r in rs) / sum(r.saturated_s for r in rs) for name, rs in loaded.items()
-    }
+    throughput = {name: saturated_rate(rs) for name, rs in loaded.items()}
+    per_cpu_s = {name: saturated_rate(rs, cpu=True) for name, rs in loaded.items()}
     makespan = {name: sum(r.tokens for r in rs) / sum(r.seconds for r in rs) for name, rs in loaded.items()}
     result: dict[str, Any] = {
         "chat_p99_ttft_s": p99,
@@ -255,10 +256,12 @@ def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
         "flood_p50_ttft_s": {name: percentile(pooled_ttfts(rs, "A"), 50) for name, rs in loaded.items()},
         "tokens_per_s": throughput,
         "makespan_tokens_per_s": makespan,
+        "tokens_per_cpu_s": per_cpu_s,
         "fair_over_solo": p99["fair"] / p99["solo"],
         "fair_over_fcfs": p99["fair"] / p99["fcfs"],
         "throughput_fair_over_fcfs": throughput["fair"] / throughput["fcfs"],
         "makespan_fair_over_fcfs": makespan["fair"] / makespan["fcfs"],
+        "cpu_throughput_fair_over_fcfs": per_cpu_s["fair"] / per_cpu_s["fcfs"],
         "max_queue_s": pooled_ttfts(runs["fair"] + runs["fcfs"])[-1],
     }
     result["targets"] = {
@@ -271,6 +274,11 @@ def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
 
 def no_refill(tick: int) -> list[Arrival]:
     return []
+
+
+def saturated_rate(runs: list[Run], cpu: bool = False) -> float:
+    """Tokens per second (wall, or this process's CPU seconds) over `runs` while each had requests waiting."""
+    return sum(r.saturated_tokens for r in runs) / sum(r.saturated_cpu_s if cpu else r.saturated_s for r in runs)
 
 
 def pooled_ttfts(runs: list[Run], tenant: str | None = None) -> list[float]:
@@ -394,6 +402,7 @@ def markdown(report: dict[str, Any]) -> str:
     for model, result in report["models"].items():
         flood, back, tier = result["flood_and_chat"], result["backlog"], result["tiers"]
         flood_met = flood["targets"]
+        cpu_ratio = f"{flood['cpu_throughput_fair_over_fcfs']:.3f}"
         lines += [
             f"## model: {model}" + (" (null model: benchmark-only, no forward pass)" if model == "null" else ""),
             "",
@@ -428,6 +437,7 @@ def markdown(report: dict[str, Any]) -> str:
                         "",
                         "",
                     ],
+                    ["tokens per CPU second fair / fcfs (queue not empty)", cpu_ratio, "", ""],
                     [
                         f"backlog: A's share per {back['window_s']} s window ({back['windows']} windows)",
                         f"{back['share_A_min']:.3f} .. {back['share_A_max']:.3f}",

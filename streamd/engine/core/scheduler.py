@@ -20,7 +20,8 @@ by tier, priority, the tenant's fair-share counter and arrival (so "earliest" ab
 the latest-arrived victim the least deserving); a waiting group that does not fit then holds back only its own
 tenant and `flex` requests, not the others, until it has waited `STARVING_S` (then everything after it
 waits). When the least served tenant's prompt runs in a step (or its first token is read back after it),
-the other tenants' prompt chunks share `scheduler.catch_up_chunk_tokens` in that step (`_catch_up`), so a
+the other tenants' prompt chunks come after its admission and share `scheduler.catch_up_chunk_tokens` in
+that step (`_catch_up`), so a
 chat's first token beside a flood of long prompts waits for steps of a decode step's size. One tenant without
 tiers keeps the arrival order exactly.
 
@@ -248,18 +249,15 @@ class Scheduler:
         shape = out.shape
         shape.tokens = len(decodes) + num_drafts
         catch_up = self._catch_up(partial, seat_free) if self.fair.reorders else None
-        for item in partial:
-            wanted = _allowed(catch_up, item.group, item.num_new_tokens)
-            item.num_new_tokens = self._chunk(shape, item.seq, wanted, budget)
-            if item.num_new_tokens <= 0:
-                if catch_up is None:  # the budget ran out: the rest get nothing either
-                    break
-                continue
-            budget -= item.num_new_tokens
-            prefills.append(item)
+        later = []  # with a catch-up: the other tenants' running prompts, chunked after the admission
+        if catch_up is not None:
+            later = [item for item in partial if item.group.sampling_params.tenant != catch_up.tenant]
+            partial = [item for item in partial if item.group.sampling_params.tenant == catch_up.tenant]
+        budget = self._schedule_chunks(shape, partial, prefills, budget, catch_up)
         if not preempted and not self._holds_back_admission():
-            self._schedule_waiting(out, prefills, num_seqs, budget, catch_up)
+            budget = self._schedule_waiting(out, prefills, num_seqs, budget, catch_up)
             self.block_manager.end_step()
+        self._schedule_chunks(shape, later, prefills, budget, catch_up)
         out.num_prefill_tokens = sum(item.num_new_tokens for item in prefills)
         out.num_decode_tokens = len(decodes)
         out.num_draft_tokens = num_drafts
@@ -269,6 +267,28 @@ class Scheduler:
         out.scheduled = prefills
         out.tier_orders = self.block_manager.take_tier_orders()
         return out
+
+    def _schedule_chunks(
+        self,
+        shape: StepShape,
+        partial: list[ScheduledSeq],
+        prefills: list[ScheduledSeq],
+        budget: int,
+        catch_up: _CatchUp | None,
+    ) -> int:
+        """The running prompts' next chunks (into `prefills`) within `budget` and the catch-up's cap; returns
+        the budget left."""
+        for item in partial:
+            item.num_new_tokens = self._chunk(
+                shape, item.seq, _allowed(catch_up, item.group, item.num_new_tokens), budget
+            )
+            if item.num_new_tokens <= 0:
+                if catch_up is None:  # the budget ran out: the rest get nothing either
+                    break
+                continue
+            budget -= item.num_new_tokens
+            prefills.append(item)
+        return budget
 
     def _seats_taken(self) -> int:
         """The running sequences with a token to compute this step. A sequence that its last token ended is
@@ -529,7 +549,8 @@ class Scheduler:
 
     def _schedule_waiting(
         self, out: SchedulerOutput, prefills: list[ScheduledSeq], num_seqs: int, budget: int, catch_up: _CatchUp | None
-    ) -> None:
+    ) -> int:
+        """Admits waiting groups in queue order (the module docstring's step 4); returns the budget left."""
         bm, waiting, k = self.block_manager, self.waiting, 0
         skip = _Skipped() if self.fair.reorders else None  # else the first that does not fit stops admission
         while k < len(waiting) and budget > 0 and not self._step_full(out.shape):
@@ -581,6 +602,7 @@ class Scheduler:
                 self.recomputed_tokens += max(0, lost - cached)
             num_seqs += len(seqs)
             bisect.insort(self.running, group, key=self._rank)
+        return budget
 
     def _growth_blocks(self, group: SequenceGroup, needed: int) -> int:
         """Blocks a group of several sequences keeps free at admission beyond the `needed` ones it

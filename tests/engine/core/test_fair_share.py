@@ -107,6 +107,21 @@ def test_a_chats_prompt_steps_cap_the_floods_prompt_chunks(scheduling):
     assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 200), 4)] for i in range(4))
 
 
+def test_a_chats_prompt_is_admitted_before_the_floods_chunks_fill_the_latency_budget():
+    """With a latency budget a step that holds a prompt chunk admits nothing more once its predicted time is
+    reached: in a catch-up step the least served tenant's prompt is admitted before the others' chunks."""
+    eng = TenantEngine(num_blocks=400, max_num_seqs=4, max_step_ms=1.0)  # any chunk fills 1 ms (1 ms a token)
+    for i in range(2):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 200), 4, "flood")
+    eng.step()
+    eng.add_as("b0", _prompt("b0", 12), 4, "chat")
+    out = eng.step()
+    chunks = [(i.group.request_id, i.num_new_tokens) for i in out.scheduled if i.num_new_tokens > 1]
+    assert chunks == [("b0", eng.bs)], chunks  # (one block: the step's first chunk always gets one)
+    eng.run()
+    assert eng.finished["b0"] == [reference(_prompt("b0", 12), 4)]
+
+
 def test_one_tenant_schedules_exactly_as_fcfs():
     runs = {}
     for scheduling in ("fair", "fcfs"):
