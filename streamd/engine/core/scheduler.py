@@ -310,15 +310,19 @@ class Scheduler:
             self.waiting.extend(order)
 
     def _seat_for_unserved(self, out: SchedulerOutput) -> bool:
-        """Every seat (`max_num_seqs`) is taken and an active tenant has nothing running: the least deserving
-        group of the tenant running the most groups gives up its seat (recomputed, so admission goes on in
-        this step), and the unserved tenant's first waiting request goes to the front of the queue. Returns
+        """Every seat (`max_num_seqs`) is taken and an active tenant has nothing running, or the least served
+        one holds fewer than its equal share of the seats (a chat's next request behind a flood): the least
+        deserving group of the tenant running the most groups gives up its seat (recomputed, so admission goes
+        on in this step), and that tenant's first waiting request goes to the front of the queue. Returns
         whether it made a seat."""
         running = self.running
         if self.swapped:
             return False
         seats = Counter(g.sampling_params.tenant for g in running)
         unserved = self.fair.unserved(seats)
+        least = self.fair.least_served()
+        if least is not None and self.fair.queued_beyond(least, seats[least], self.max_num_seqs):
+            unserved.add(least)
         if not unserved or seats.most_common(1)[0][1] < 2:
             return False
         candidate = next((g for g in self.waiting if _may_take_seat(g, unserved, self.paused)), None)

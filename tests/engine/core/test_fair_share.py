@@ -122,6 +122,24 @@ def test_a_chats_prompt_is_admitted_before_the_floods_chunks_fill_the_latency_bu
     assert eng.finished["b0"] == [reference(_prompt("b0", 12), 4)]
 
 
+def test_a_chats_next_request_gets_a_seat_while_its_first_still_runs():
+    """The least served tenant below its equal share of the seats has a request waiting: the flood gives up a
+    seat at once, not when one of its requests ends."""
+    eng = TenantEngine(num_blocks=400, max_num_seqs=4)
+    for i in range(12):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 8), 30, "flood")
+    eng.step()
+    eng.add_as("b0", _prompt("b0", 4), 12, "chat")
+    eng.step()
+    eng.add_as("b1", _prompt("b1", 4), 12, "chat")
+    eng.step()
+    assert eng.admitted_at["b1"] - eng.arrived_at["b1"] <= 1 and "b0" not in eng.finished
+    assert eng.sched.fair.tenants["flood"].preemptions == 2
+    eng.run()
+    assert all(eng.finished[f"b{i}"] == [reference(_prompt(f"b{i}", 4), 12)] for i in range(2))
+    assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 8), 30)] for i in range(12))
+
+
 def test_one_tenant_schedules_exactly_as_fcfs():
     runs = {}
     for scheduling in ("fair", "fcfs"):
