@@ -311,10 +311,10 @@ class Scheduler:
 
     def _seat_for_unserved(self, out: SchedulerOutput) -> bool:
         """Every seat (`max_num_seqs`) is taken and an active tenant has nothing running, or the least served
-        one holds fewer than its equal share of the seats (a chat's next request behind a flood): the least
-        deserving group of the tenant running the most groups gives up its seat (recomputed, so admission goes
-        on in this step), and that tenant's first waiting request goes to the front of the queue. Returns
-        whether it made a seat."""
+        one holds fewer than its equal share of the seats (a chat's next request behind a flood): the group of
+        the tenant running the most groups with the fewest computed tokens (the cheapest to recompute; of those
+        the least deserving) gives up its seat (recomputed, so admission goes on in this step), and that
+        tenant's first waiting request goes to the front of the queue. Returns whether it made a seat."""
         running = self.running
         if self.swapped:
             return False
@@ -329,7 +329,8 @@ class Scheduler:
         if candidate is None:
             return False
         richest = seats.most_common(1)[0][0]
-        victim = max(i for i, g in enumerate(running) if g.sampling_params.tenant == richest)
+        mine = [i for i, g in enumerate(running) if g.sampling_params.tenant == richest]
+        victim = min(mine, key=lambda i: (_computed_tokens(running[i]), -i))  # the cheapest to recompute
         self._preempt(running.pop(victim), out, recompute=True)
         self.waiting.remove(candidate)
         self.waiting.appendleft(candidate)
@@ -927,6 +928,10 @@ class _CatchUp:
         allowed = min(wanted, self.left)
         self.left -= allowed
         return allowed
+
+
+def _computed_tokens(group: SequenceGroup) -> int:
+    return sum(seq.num_computed_tokens for seq in group.seqs)
 
 
 def _has_work(seq: Sequence) -> bool:
