@@ -140,6 +140,9 @@ class SchedulerConfig:
     # (arrival). Both order by service tier and priority first; with one tenant they schedule alike.
     scheduling: str = "fair"
     tenant_weights: list[str] = field(default_factory=list)  # "name=weight" (default weight 1)
+    # While the least served tenant's prompt runs (until its first token is read back), the other tenants'
+    # prompt chunks share at most this many tokens a step ("fair" only; core/scheduler.py `_catch_up`).
+    catch_up_chunk_tokens: int = 16
 
     def tenant_weight_map(self) -> dict[str, float]:
         """`tenant_weights` as name -> weight; a malformed entry raises naming it."""
@@ -160,6 +163,7 @@ class SchedulerConfig:
         _positive("scheduler.max_num_seqs", self.max_num_seqs)
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative("scheduler.max_step_ms", self.max_step_ms)
+        _non_negative("scheduler.catch_up_chunk_tokens", self.catch_up_chunk_tokens)
         _one_of("scheduler.preemption_mode", self.preemption_mode, ("auto", "swap", "recompute"))
 
 

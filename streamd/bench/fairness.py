@@ -19,6 +19,7 @@ seconds. The targets (issue 30) are checked beside the numbers:
 from __future__ import annotations
 
 import argparse
+import bisect
 import statistics
 import time
 import zlib
@@ -51,6 +52,7 @@ class Timing:
     tier: str
     arrived: float
     first_token: float | None = None
+    queued: float = 0.0  # seconds from arrival to its first scheduling (the engine's `queue_time`)
 
     @property
     def ttft(self) -> float:
@@ -66,9 +68,21 @@ class Run:
     served: list[tuple[float, str, float]] = field(default_factory=list)  # (time, tenant, weighted tokens)
     tokens: int = 0
     seconds: float = 0.0
+    step_ends: list[float] = field(default_factory=list)  # when each engine step returned
+    # Tokens and seconds until the queue first ran empty with every request submitted: while every seat was
+    # wanted (the rest is the last requests' tail, which the policies fill differently: not their rate).
+    saturated_tokens: int = 0
+    saturated_s: float = 0.0
+    saturated_cpu_s: float = 0.0  # this process's CPU seconds in that time (other processes' slices left out)
 
     def ttfts(self, tenant: str | None = None, tier: str | None = None) -> list[float]:
         return sorted(t.ttft for t in self.timings.values() if tenant in (None, t.tenant) and tier in (None, t.tier))
+
+    def steps_to_first_token(self, timing: Timing) -> int:
+        """The engine steps that ran while `timing`'s request waited for its first token, the one that
+        delivered it included (its time is taken before that step's end is)."""
+        ends = self.step_ends
+        return 1 + bisect.bisect_right(ends, timing.first_token or 0.0) - bisect.bisect_right(ends, timing.arrived)
 
 
 @dataclass(slots=True, frozen=True)
@@ -84,6 +98,7 @@ class Sizes:
     backlog: int  # each tenant's queued requests in the backlog run
     tier_requests: int
     window_s: float
+    rounds: int = 1  # flood and chat: solo, fair and fcfs run this many times, alternated, and pooled
 
 
 MEASURED_WINDOWS = 3  # the backlog run's windows after the first (which fills the seats)
@@ -99,6 +114,7 @@ FULL = {
         backlog=160,
         tier_requests=160,
         window_s=0.5,
+        rounds=3,
     ),
     "default": Sizes(
         seats=8,
@@ -176,7 +192,7 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], fair: bool, refill: Callab
     scheduler = engine.scheduler
     scheduler.fair = FairShare(fair, scheduler.config.tenant_weight_map())
     pending, out, tick = sorted(arrivals, key=lambda a: a.tick), Run(), 0
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     while True:
         pending.extend(refill(tick))
         if not pending and not engine.has_unfinished_requests():
@@ -186,6 +202,9 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], fair: bool, refill: Callab
         tick += 1
         if engine.has_unfinished_requests():
             step(engine, out)
+        if not out.saturated_s and not pending and not scheduler.waiting:
+            out.saturated_tokens, out.saturated_s = out.tokens, time.perf_counter() - start
+            out.saturated_cpu_s = time.process_time() - cpu_start
     out.seconds = time.perf_counter() - start
     return out
 
@@ -204,6 +223,8 @@ def step(engine: LLMEngine, out: Run) -> None:
     for delta in engine.step():
         timing = out.timings[delta.request_id]
         tokens = sum(len(c.token_ids) for c in delta.outputs)
+        if delta.queue_time is not None:
+            timing.queued = delta.queue_time
         if tokens and timing.first_token is None:
             timing.first_token = time.perf_counter()
             prompt = PROMPT_WEIGHT * delta.num_prompt_tokens
@@ -212,6 +233,7 @@ def step(engine: LLMEngine, out: Run) -> None:
         weighted[timing.tenant] = weighted.get(timing.tenant, 0.0) + OUTPUT_WEIGHT * tokens
         out.tokens += tokens
     now = time.perf_counter()
+    out.step_ends.append(now)
     out.served.extend((now, tenant, weight) for tenant, weight in weighted.items())
 
 
@@ -221,19 +243,30 @@ def step(engine: LLMEngine, out: Run) -> None:
 def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
     chats = [Arrival(2 + i * sizes.chat_every, f"b{i}", "B", 24, 8) for i in range(sizes.chats)]
     flood = [Arrival(0, f"a{i}", "A", sizes.long_prompt, sizes.long_output) for i in range(sizes.flood)]
-    solo = drive(engine, chats, True, lambda _: [])
-    fair = drive(engine, flood + chats, True, lambda _: [])
-    fcfs = drive(engine, flood + chats, False, lambda _: [])
-    p99 = {name: percentile(r.ttfts("B"), 99) for name, r in (("solo", solo), ("fair", fair), ("fcfs", fcfs))}
-    throughput = {name: r.tokens / r.seconds for name, r in (("fair", fair), ("fcfs", fcfs))}
+    drive(engine, chats, True, no_refill)  # warm-up (a fresh engine's first steps): solo is not measured cold
+    runs: dict[str, list[Run]] = {"solo": [], "fair": [], "fcfs": []}
+    for _ in range(sizes.rounds):  # alternated: a drift in the shared machine's load falls on each alike
+        runs["solo"].append(drive(engine, chats, True, no_refill))
+        runs["fair"].append(drive(engine, flood + chats, True, no_refill))
+        runs["fcfs"].append(drive(engine, flood + chats, False, no_refill))
+    p99 = {name: percentile(pooled_ttfts(rs, "B"), 99) for name, rs in runs.items()}
+    loaded = {name: runs[name] for name in ("fair", "fcfs")}
+    throughput = {name: saturated_rate(rs) for name, rs in loaded.items()}
+    per_cpu_s = {name: saturated_rate(rs, cpu=True) for name, rs in loaded.items()}
+    makespan = {name: sum(r.tokens for r in rs) / sum(r.seconds for r in rs) for name, rs in loaded.items()}
     result: dict[str, Any] = {
         "chat_p99_ttft_s": p99,
-        "flood_p50_ttft_s": {name: percentile(r.ttfts("A"), 50) for name, r in (("fair", fair), ("fcfs", fcfs))},
+        "chat_ttft_parts": {name: ttft_parts(rs, "B") for name, rs in runs.items()},
+        "flood_p50_ttft_s": {name: percentile(pooled_ttfts(rs, "A"), 50) for name, rs in loaded.items()},
         "tokens_per_s": throughput,
+        "makespan_tokens_per_s": makespan,
+        "tokens_per_cpu_s": per_cpu_s,
         "fair_over_solo": p99["fair"] / p99["solo"],
         "fair_over_fcfs": p99["fair"] / p99["fcfs"],
         "throughput_fair_over_fcfs": throughput["fair"] / throughput["fcfs"],
-        "max_queue_s": max(max(r.ttfts()) for r in (fair, fcfs)),
+        "makespan_fair_over_fcfs": makespan["fair"] / makespan["fcfs"],
+        "cpu_throughput_fair_over_fcfs": per_cpu_s["fair"] / per_cpu_s["fcfs"],
+        "max_queue_s": pooled_ttfts(runs["fair"] + runs["fcfs"])[-1],
     }
     result["targets"] = {
         "chat_p99_le_1.5x_solo": result["fair_over_solo"] <= 1.5,
@@ -241,6 +274,32 @@ def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
         "throughput_ge_0.95x_fcfs": result["throughput_fair_over_fcfs"] >= 0.95,
     }
     return result
+
+
+def no_refill(tick: int) -> list[Arrival]:
+    return []
+
+
+def saturated_rate(runs: list[Run], cpu: bool = False) -> float:
+    """Tokens per second (wall, or this process's CPU seconds) over `runs` while each had requests waiting."""
+    return sum(r.saturated_tokens for r in runs) / sum(r.saturated_cpu_s if cpu else r.saturated_s for r in runs)
+
+
+def pooled_ttfts(runs: list[Run], tenant: str | None = None) -> list[float]:
+    return sorted(ttft for run in runs for ttft in run.ttfts(tenant))
+
+
+def ttft_parts(runs: list[Run], tenant: str) -> dict[str, float]:
+    """Where `tenant`'s TTFT went over `runs`: p99 queue wait (arrival to first scheduling), the median and
+    largest number of steps to the first token, and the mean step duration over those waits (ms)."""
+    waits = [(run, t) for run in runs for t in run.timings.values() if t.tenant == tenant]
+    steps = sorted(run.steps_to_first_token(t) for run, t in waits)
+    return {
+        "queue_p99_s": percentile(sorted(t.queued for _, t in waits), 99),
+        "steps_p50": percentile([float(n) for n in steps], 50),
+        "steps_max": float(steps[-1]),
+        "step_ms": 1e3 * sum(t.ttft for _, t in waits) / sum(steps),
+    }
 
 
 def backlog(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
@@ -347,6 +406,7 @@ def markdown(report: dict[str, Any]) -> str:
     for model, result in report["models"].items():
         flood, back, tier = result["flood_and_chat"], result["backlog"], result["tiers"]
         flood_met = flood["targets"]
+        cpu_ratio = f"{flood['cpu_throughput_fair_over_fcfs']:.3f}"
         lines += [
             f"## model: {model}" + (" (null model: benchmark-only, no forward pass)" if model == "null" else ""),
             "",
@@ -356,6 +416,7 @@ def markdown(report: dict[str, Any]) -> str:
                 ["measure", "value", "target", "met"],
                 [
                     ["chat p99 TTFT solo / fair / fcfs (s)", fmt(flood["chat_p99_ttft_s"]), "", ""],
+                    ["chat TTFT parts solo / fair / fcfs", fmt_parts(flood["chat_ttft_parts"]), "", ""],
                     [
                         "chat p99 fair / solo",
                         f"{flood['fair_over_solo']:.2f}",
@@ -369,11 +430,18 @@ def markdown(report: dict[str, Any]) -> str:
                         flood_met["chat_p99_le_0.2x_fcfs"],
                     ],
                     [
-                        "tokens/s fair / fcfs",
+                        "tokens/s fair / fcfs (while the queue is not empty)",
                         f"{flood['throughput_fair_over_fcfs']:.3f}",
                         ">= 0.95",
                         flood_met["throughput_ge_0.95x_fcfs"],
                     ],
+                    [
+                        "tokens/s fair / fcfs (whole run, tail included)",
+                        f"{flood['makespan_fair_over_fcfs']:.3f}",
+                        "",
+                        "",
+                    ],
+                    ["tokens per CPU second fair / fcfs (queue not empty)", cpu_ratio, "", ""],
                     [
                         f"backlog: A's share per {back['window_s']} s window ({back['windows']} windows)",
                         f"{back['share_A_min']:.3f} .. {back['share_A_max']:.3f}",
@@ -397,3 +465,11 @@ def markdown(report: dict[str, Any]) -> str:
 
 def fmt(values: dict[str, float]) -> str:
     return " / ".join(f"{v:.3f}" for v in values.values())
+
+
+def fmt_parts(parts: dict[str, dict[str, float]]) -> str:
+    """Per run: p99 queue wait, steps to the first token (median, largest), mean step duration."""
+    return " / ".join(
+        f"queue {p['queue_p99_s']:.3f} s, {p['steps_p50']:.0f} ({p['steps_max']:.0f}) steps x {p['step_ms']:.1f} ms"
+        for p in parts.values()
+    )

@@ -28,10 +28,16 @@ def test_light_form_reports_every_measure(smol_llm, size: Sizes) -> None:
     flood, back, tier = result["flood_and_chat"], result["backlog"], result["tiers"]
     p99 = flood["chat_p99_ttft_s"]
     assert set(p99) == {"solo", "fair", "fcfs"} and all(v > 0 for v in p99.values())
+    for parts in flood["chat_ttft_parts"].values():  # a first token takes a step at least, queued or not
+        assert 1 <= parts["steps_p50"] <= parts["steps_max"] and parts["step_ms"] > 0 and parts["queue_p99_s"] >= 0
     assert flood["fair_over_solo"] == p99["fair"] / p99["solo"]
     assert flood["fair_over_fcfs"] == p99["fair"] / p99["fcfs"]
     rates = flood["tokens_per_s"]
     assert flood["throughput_fair_over_fcfs"] == rates["fair"] / rates["fcfs"] and rates["fcfs"] > 0
+    whole = flood["makespan_tokens_per_s"]
+    assert flood["makespan_fair_over_fcfs"] == whole["fair"] / whole["fcfs"] and whole["fcfs"] > 0
+    cpu = flood["tokens_per_cpu_s"]
+    assert flood["cpu_throughput_fair_over_fcfs"] == cpu["fair"] / cpu["fcfs"] and cpu["fcfs"] > 0
     assert flood["max_queue_s"] >= max(p99["fair"], p99["fcfs"], *flood["flood_p50_ttft_s"].values())
     assert flood["targets"] == {
         "chat_p99_le_1.5x_solo": flood["fair_over_solo"] <= 1.5,
@@ -46,7 +52,7 @@ def test_light_form_reports_every_measure(smol_llm, size: Sizes) -> None:
     report = {"date": "d", "device": "cpu", "git_commit": "c", "models": {"default": {"sizes": {}, **result}}}
     text = fairness.markdown(report)
     assert "chat p99 fair / fcfs" in text and "default / priority p50" in text
-    assert text.count("\n| ") == 1 + 8  # the header, then a row per measure
+    assert text.count("\n| ") == 1 + 11  # the header, then a row per measure
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
 
 

@@ -141,6 +141,19 @@ class FairShare:
         """The active tenants not in `served` (O(active tenants))."""
         return {name for name in self._active if name not in served}
 
+    def queued_beyond(self, name: str, seats: int, max_seats: int) -> bool:
+        """Whether tenant `name`, running `seats` groups, holds fewer than its equal share of `max_seats` and
+        has more groups queued than running (one waits)."""
+        return seats * len(self._active) < max_seats and self.tenants[name].active > seats
+
+    def least_served(self) -> str | None:
+        """The active tenant with the least counter when the fair share orders several, of those tied the one
+        with the fewest queued groups (a tenant that just became active is lifted to a tie); None otherwise.
+        O(active tenants)."""
+        if not self.fair or len(self._active) < 2:
+            return None
+        return min(self._active.items(), key=lambda item: (item[1].counter, item[1].active))[0]
+
     def preempted(self, group: SequenceGroup) -> None:
         self.tenants[group.sampling_params.tenant].preemptions += 1
 

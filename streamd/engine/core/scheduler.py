@@ -19,7 +19,11 @@ Many tenants, tiers or priorities (`FairShare`, engine/core/fairness.py): each s
 by tier, priority, the tenant's fair-share counter and arrival (so "earliest" above reads "most deserving" and
 the latest-arrived victim the least deserving); a waiting group that does not fit then holds back only its own
 tenant and `flex` requests, not the others, until it has waited `STARVING_S` (then everything after it
-waits). One tenant without tiers keeps the arrival order exactly.
+waits). When the least served tenant's prompt runs in a step (or its first token is read back after it),
+the other tenants' prompt chunks come after its admission and share `scheduler.catch_up_chunk_tokens` in
+that step (`_catch_up`), so a
+chat's first token beside a flood of long prompts waits for steps of a decode step's size. One tenant without
+tiers keeps the arrival order exactly.
 
 Paused groups (`set_paused`: the server pauses a request whose reader fell behind) are skipped by every
 queue; they keep their blocks, and are the first victims when memory runs short: a running group that
@@ -127,6 +131,8 @@ class Scheduler:
         self.recomputed_tokens = 0
         self._reordered = False  # the queues are in fair order, not arrival order
         self.fair = FairShare(scheduler_config.scheduling == "fair", scheduler_config.tenant_weight_map())
+        self.catch_up_chunk_tokens = scheduler_config.catch_up_chunk_tokens
+        self._first_token_due: set[str] = set()  # tenants whose prompt ended in the last step (`_catch_up`)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -224,9 +230,11 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """This iteration's plan (see the module docstring for the order)."""
         out = SchedulerOutput()
+        seat_free = False
         if self.fair.reorders:
-            self._reorder()
-            self._seat_for_unserved(out)
+            seat_free = self._seats_taken() < self.max_num_seqs
+            self._reorder(seat_free)
+            seat_free = seat_free or self._seat_for_unserved(out)
         elif self._reordered:
             self._restore_arrival_order()
         decodes: list[ScheduledSeq] = []
@@ -240,55 +248,122 @@ class Scheduler:
         budget -= num_drafts
         shape = out.shape
         shape.tokens = len(decodes) + num_drafts
-        for item in partial:
-            item.num_new_tokens = self._chunk(shape, item.seq, item.num_new_tokens, budget)
-            if item.num_new_tokens <= 0:
-                break
-            budget -= item.num_new_tokens
-            prefills.append(item)
+        catch_up = self._catch_up(partial, seat_free) if self.fair.reorders else None
+        later = []  # with a catch-up: the other tenants' running prompts, chunked after the admission
+        if catch_up is not None:
+            later = [item for item in partial if item.group.sampling_params.tenant != catch_up.tenant]
+            partial = [item for item in partial if item.group.sampling_params.tenant == catch_up.tenant]
+        budget = self._schedule_chunks(shape, partial, prefills, budget, catch_up)
         if not preempted and not self._holds_back_admission():
-            self._schedule_waiting(out, prefills, num_seqs, budget)
+            budget = self._schedule_waiting(out, prefills, num_seqs, budget, catch_up)
             self.block_manager.end_step()
+        self._schedule_chunks(shape, later, prefills, budget, catch_up)
         out.num_prefill_tokens = sum(item.num_new_tokens for item in prefills)
         out.num_decode_tokens = len(decodes)
         out.num_draft_tokens = num_drafts
         self.fair.charge(prefills, decodes)
+        self._first_token_due = _first_tokens(prefills) if self.fair.reorders else set()
         prefills.extend(decodes)
         out.scheduled = prefills
         out.tier_orders = self.block_manager.take_tier_orders()
         return out
 
-    def _reorder(self) -> None:
+    def _schedule_chunks(
+        self,
+        shape: StepShape,
+        partial: list[ScheduledSeq],
+        prefills: list[ScheduledSeq],
+        budget: int,
+        catch_up: _CatchUp | None,
+    ) -> int:
+        """The running prompts' next chunks (into `prefills`) within `budget` and the catch-up's cap; returns
+        the budget left."""
+        for item in partial:
+            item.num_new_tokens = self._chunk(
+                shape, item.seq, _allowed(catch_up, item.group, item.num_new_tokens), budget
+            )
+            if item.num_new_tokens <= 0:
+                if catch_up is None:  # the budget ran out: the rest get nothing either
+                    break
+                continue
+            budget -= item.num_new_tokens
+            prefills.append(item)
+        return budget
+
+    def _seats_taken(self) -> int:
+        """The running sequences with a token to compute this step. A sequence that its last token ended is
+        still in `running` until that token is read back, a step later (the overlapped loop), but its seat
+        is already free: counting it would hold the waiting queue in arrival order at saturation."""
+        return sum(_has_work(seq) for group in self.running for seq in group.seqs)
+
+    def _reorder(self, seat_free: bool) -> None:
         """Tiers, priorities and fair shares order the queues (`FairShare.key`): running and swapped most
-        deserving first (victims come off the end), waiting as `FairShare.waiting_order` says."""
+        deserving first (victims come off the end), waiting as `FairShare.waiting_order` says when a seat
+        is free (else none can be admitted)."""
         fair, rank = self.fair, self._arrival
         self._reordered = True
         self.running.sort(key=lambda g: fair.key(g, rank[g.request_id]))
         self.swapped.sort(key=lambda g: fair.key(g, rank[g.request_id]))
-        if len(self.waiting) > 1 and len(self.running) < self.max_num_seqs:  # else none can be admitted
+        if len(self.waiting) > 1 and seat_free:
             order = fair.waiting_order(sorted(self.waiting, key=self._rank), rank)
             self.waiting.clear()
             self.waiting.extend(order)
 
-    def _seat_for_unserved(self, out: SchedulerOutput) -> None:
-        """Every seat (`max_num_seqs`) is taken and an active tenant has nothing running: the least deserving
-        group of the tenant running the most groups gives up its seat (recomputed, so admission goes on in
-        this step), and the unserved tenant's first waiting request goes to the front of the queue."""
+    def _seat_for_unserved(self, out: SchedulerOutput) -> bool:
+        """Every seat (`max_num_seqs`) is taken and an active tenant has nothing running, or the least served
+        one holds fewer than its equal share of the seats (a chat's next request behind a flood): the group of
+        the tenant running the most groups with the fewest computed tokens (the cheapest to recompute; of those
+        the least deserving) gives up its seat (recomputed, so admission goes on in this step), and that
+        tenant's first waiting request goes to the front of the queue. Returns whether it made a seat."""
         running = self.running
-        if self.swapped or sum(len(g.seqs) for g in running) < self.max_num_seqs:
-            return
+        if self.swapped:
+            return False
         seats = Counter(g.sampling_params.tenant for g in running)
         unserved = self.fair.unserved(seats)
+        least = self.fair.least_served()
+        if least is not None and self.fair.queued_beyond(least, seats[least], self.max_num_seqs):
+            unserved.add(least)
         if not unserved or seats.most_common(1)[0][1] < 2:
-            return
+            return False
         candidate = next((g for g in self.waiting if _may_take_seat(g, unserved, self.paused)), None)
         if candidate is None:
-            return
+            return False
         richest = seats.most_common(1)[0][0]
-        victim = max(i for i, g in enumerate(running) if g.sampling_params.tenant == richest)
+        mine = [i for i, g in enumerate(running) if g.sampling_params.tenant == richest]
+        victim = min(mine, key=lambda i: (_computed_tokens(running[i]), -i))  # the cheapest to recompute
         self._preempt(running.pop(victim), out, recompute=True)
         self.waiting.remove(candidate)
         self.waiting.appendleft(candidate)
+        return True
+
+    def _catch_up(self, partial: list[ScheduledSeq], seat_free: bool) -> _CatchUp | None:
+        """The step's cap on the other tenants' prompt chunks when the least served tenant's prompt runs in it
+        (a chunk of it, or, with a seat free, its first waiting request seated first) or its first token,
+        sampled in the last step, is read back after it (outputs trail the device by a step): that tenant's
+        first token then waits for steps near a decode step's duration, not for ones full of the others'
+        prompts."""
+        least = self.fair.least_served()
+        if least is None:
+            return None
+        due = least in self._first_token_due or any(item.group.sampling_params.tenant == least for item in partial)
+        if not due and seat_free:
+            due = self._seat_first(least)
+        return _CatchUp(least, self.catch_up_chunk_tokens) if due else None
+
+    def _seat_first(self, tenant: str) -> bool:
+        """Moves `tenant`'s first waiting request to the head of the queue, past those of the head's tier and
+        priority only (it has the least counter: it passes only ties, e.g. a tenant just lifted to another's
+        counter); returns whether it is there. O(the head's tier and priority class)."""
+        waiting = self.waiting
+        head = _order_class(waiting[0]) if waiting else None
+        for k, group in enumerate(waiting):
+            if _order_class(group) != head:
+                return False
+            if _may_take_seat(group, {tenant}, self.paused):
+                del waiting[k]
+                waiting.appendleft(group)
+                return True
+        return False
 
     def _restore_arrival_order(self) -> None:
         """Back to arrival order once nothing reorders (one tenant left, no tiers): the queues' invariant."""
@@ -477,7 +552,10 @@ class Scheduler:
             bisect.insort(self.running, group, key=self._rank)
         return num_seqs, budget
 
-    def _schedule_waiting(self, out: SchedulerOutput, prefills: list[ScheduledSeq], num_seqs: int, budget: int) -> None:
+    def _schedule_waiting(
+        self, out: SchedulerOutput, prefills: list[ScheduledSeq], num_seqs: int, budget: int, catch_up: _CatchUp | None
+    ) -> int:
+        """Admits waiting groups in queue order (the module docstring's step 4); returns the budget left."""
         bm, waiting, k = self.block_manager, self.waiting, 0
         skip = _Skipped() if self.fair.reorders else None  # else the first that does not fit stops admission
         while k < len(waiting) and budget > 0 and not self._step_full(out.shape):
@@ -515,7 +593,8 @@ class Scheduler:
                 seq.num_computed_tokens = hits = bm.allocate(seq, reuse)
                 cached += hits
                 seq.status = _RUNNING
-                chunk = self._chunk(out.shape, seq, group.prefill_end(seq) - seq.num_computed_tokens, budget)
+                wanted = group.prefill_end(seq) - seq.num_computed_tokens
+                chunk = self._chunk(out.shape, seq, _allowed(catch_up, group, wanted), budget)
                 if chunk > 0:  # otherwise it continues as a running prompt next step
                     prefills.append(ScheduledSeq(seq, group, chunk))
                     budget -= chunk
@@ -528,6 +607,7 @@ class Scheduler:
                 self.recomputed_tokens += max(0, lost - cached)
             num_seqs += len(seqs)
             bisect.insort(self.running, group, key=self._rank)
+        return budget
 
     def _growth_blocks(self, group: SequenceGroup, needed: int) -> int:
         """Blocks a group of several sequences keeps free at admission beyond the `needed` ones it
@@ -831,6 +911,45 @@ class Scheduler:
             self.speculator.draft_tokens if self.speculator is not None else 0,
             self.speculator.accepted_tokens if self.speculator is not None else 0,
         )
+
+
+@dataclass(slots=True)
+class _CatchUp:
+    """One step's cap (`_catch_up`): the prompt chunks of tenants other than `tenant` share `left` tokens."""
+
+    tenant: str
+    left: int
+
+    def allow(self, group: SequenceGroup, wanted: int) -> int:
+        """The tokens `group`'s chunk may take of the `wanted` ones, counted off the cap (the step's budget
+        may cut the chunk further: the cap's leftover is then lost for this step, which only errs short)."""
+        if group.sampling_params.tenant == self.tenant:
+            return wanted
+        allowed = min(wanted, self.left)
+        self.left -= allowed
+        return allowed
+
+
+def _computed_tokens(group: SequenceGroup) -> int:
+    return sum(seq.num_computed_tokens for seq in group.seqs)
+
+
+def _has_work(seq: Sequence) -> bool:
+    return seq.status is _RUNNING and seq.num_computed_tokens < seq.num_tokens
+
+
+def _allowed(catch_up: _CatchUp | None, group: SequenceGroup, wanted: int) -> int:
+    return wanted if catch_up is None else catch_up.allow(group, wanted)
+
+
+def _order_class(group: SequenceGroup) -> tuple[int, int]:
+    """The part of the admission order that comes before the tenants' counters (`FairShare.key`)."""
+    return tier_of(group), group.sampling_params.priority
+
+
+def _first_tokens(prefills: list[ScheduledSeq]) -> set[str]:
+    """The tenants of the prompts that sample their first token in this step."""
+    return {item.group.sampling_params.tenant for item in prefills if item.samples and item.seq.num_output_tokens == 0}
 
 
 @dataclass(slots=True)

@@ -85,6 +85,61 @@ def test_chatting_tenant_is_not_queued_behind_a_flood(scheduling):
     assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 8), 20)] for i in range(12))
 
 
+@pytest.mark.parametrize("scheduling", ["fair", "fcfs"])
+def test_a_chats_prompt_steps_cap_the_floods_prompt_chunks(scheduling):
+    """While the least served tenant's prompt runs and in the step after (its first token is read back after
+    that one), the other tenants' prompt chunks share `catch_up_chunk_tokens`; then they fill the budget again."""
+    eng = TenantEngine(scheduling, num_blocks=400, max_num_seqs=4, max_num_batched_tokens=64)
+    cap = eng.sched.catch_up_chunk_tokens
+    for i in range(4):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 200), 4, "flood")
+    eng.step()
+    eng.add_as("b0", _prompt("b0", 12), 4, "chat")
+    steps = [eng.step() for _ in range(3)]
+    flood = [sum(i.num_new_tokens for i in out.scheduled if i.group.sampling_params.tenant == "flood") for out in steps]
+    chat = [sum(i.num_new_tokens for i in out.scheduled if i.group.request_id == "b0") for out in steps]
+    if scheduling == "fair":
+        assert chat[0] == 12 and flood[:2] == [cap, cap] and flood[2] == 64 - 1
+    else:  # the flood's chunks come first: b0 waits for a seat
+        assert chat == [0, 0, 0] and flood == [64, 64, 64]
+    eng.run()
+    assert eng.finished["b0"] == [reference(_prompt("b0", 12), 4)]
+    assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 200), 4)] for i in range(4))
+
+
+def test_a_chats_prompt_is_admitted_before_the_floods_chunks_fill_the_latency_budget():
+    """With a latency budget a step that holds a prompt chunk admits nothing more once its predicted time is
+    reached: in a catch-up step the least served tenant's prompt is admitted before the others' chunks."""
+    eng = TenantEngine(num_blocks=400, max_num_seqs=4, max_step_ms=1.0)  # any chunk fills 1 ms (1 ms a token)
+    for i in range(2):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 200), 4, "flood")
+    eng.step()
+    eng.add_as("b0", _prompt("b0", 12), 4, "chat")
+    out = eng.step()
+    chunks = [(i.group.request_id, i.num_new_tokens) for i in out.scheduled if i.num_new_tokens > 1]
+    assert chunks == [("b0", eng.bs)], chunks  # (one block: the step's first chunk always gets one)
+    eng.run()
+    assert eng.finished["b0"] == [reference(_prompt("b0", 12), 4)]
+
+
+def test_a_chats_next_request_gets_a_seat_while_its_first_still_runs():
+    """The least served tenant below its equal share of the seats has a request waiting: the flood gives up a
+    seat at once, not when one of its requests ends."""
+    eng = TenantEngine(num_blocks=400, max_num_seqs=4)
+    for i in range(12):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 8), 30, "flood")
+    eng.step()
+    eng.add_as("b0", _prompt("b0", 4), 12, "chat")
+    eng.step()
+    eng.add_as("b1", _prompt("b1", 4), 12, "chat")
+    eng.step()
+    assert eng.admitted_at["b1"] - eng.arrived_at["b1"] <= 1 and "b0" not in eng.finished
+    assert eng.sched.fair.tenants["flood"].preemptions == 2
+    eng.run()
+    assert all(eng.finished[f"b{i}"] == [reference(_prompt(f"b{i}", 4), 12)] for i in range(2))
+    assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 8), 30)] for i in range(12))
+
+
 def test_one_tenant_schedules_exactly_as_fcfs():
     runs = {}
     for scheduling in ("fair", "fcfs"):

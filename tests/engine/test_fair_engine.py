@@ -1,0 +1,48 @@
+"""The fair share and service tiers in the real engine's overlapped loop (outputs trail the device by a step):
+what the scheduler tests' serial fake engine cannot show."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from streamd.engine.core.fairness import FairShare
+from streamd.engine.llm_engine import LLMEngine
+from streamd.engine.sampling_params import SamplingParams
+
+
+@contextmanager
+def seats(engine: LLMEngine, count: int) -> Iterator[None]:
+    """`count` seats (`max_num_seqs`) and fresh fair-share counters, restored afterwards (a shared engine)."""
+    scheduler = engine.scheduler
+    before = scheduler.max_num_seqs, scheduler.fair
+    scheduler.max_num_seqs, scheduler.fair = count, FairShare(True, {})
+    try:
+        yield
+    finally:
+        scheduler.max_num_seqs, scheduler.fair = before
+
+
+def add(engine: LLMEngine, rid: str, max_tokens: int, tier: str = "default") -> None:
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, tenant="t", service_tier=tier)
+    engine.add_request(rid, None, params, prompt_token_ids=[100 + i for i in range(8)])
+
+
+def test_a_priority_request_takes_the_first_seat_that_frees(smol_llm) -> None:
+    """At saturation a request that ended by length keeps its place in `running` until its last token is read
+    back, a step after its seat freed: the waiting queue must be in tier order then, or the seat goes to the
+    oldest default request."""
+    engine = smol_llm.engine
+    admitted: list[str] = []
+    with seats(engine, 2):
+        add(engine, "d0", 3)
+        add(engine, "d1", 6)
+        engine.step()
+        for i in range(2, 5):
+            add(engine, f"d{i}", 3)
+        add(engine, "p0", 3, tier="priority")
+        while engine.has_unfinished_requests():
+            engine.step()
+            admitted += [g.request_id for g in engine.scheduler.running if g.request_id not in admitted]
+    assert admitted[0] == "d0" and admitted[2] == "p0", admitted  # the seat d0 freed
+    assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
