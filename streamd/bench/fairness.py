@@ -137,15 +137,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="null,default", help="comma-separated: null, default")
     parser.add_argument("--light", action="store_true", help="tiny sizes (the test's form)")
     parser.add_argument("--window-s", type=float, default=None, help="the backlog run's share window (seconds)")
+    parser.add_argument(
+        "--device", default="cpu", help="where the default model runs: cpu, cuda (the null model has no weights)"
+    )
     add_out_argument(parser)
     parser.add_argument("--no-write", action="store_true", help="print only")
 
 
 def run(args: argparse.Namespace) -> int:
-    report: dict[str, Any] = {**report_header("cpu"), "benchmark": "fairness", "models": {}}
+    report: dict[str, Any] = {**report_header(args.device), "benchmark": "fairness", "models": {}}
     for name in args.models.split(","):
         sizes = sizes_for(name, args.light, args.window_s)
-        engine = build_engine(name, sizes)
+        engine = build_engine(name, sizes, args.device)
         try:
             report["models"][name] = {"sizes": asdict(sizes), **measure(engine, sizes)}
         finally:
@@ -164,17 +167,22 @@ def sizes_for(model: str, light: bool, window_s: float | None) -> Sizes:
     return sizes if window_s is None else replace(sizes, window_s=window_s)
 
 
-def build_engine(model: str, sizes: Sizes) -> LLMEngine:
-    overrides = {
-        "model.device": "cpu",
-        "model.dtype": "float32",
+def engine_overrides(sizes: Sizes, device: str) -> dict[str, Any]:
+    """The engine's config for one model: `device` holds the weights (float32 on the CPU, the device's
+    default dtype elsewhere)."""
+    return {
+        "model.device": device,
+        "model.dtype": "float32" if device == "cpu" else "auto",
         "cache.enable_prefix_caching": False,
         "cache.num_kv_blocks": 4096,
         "cache.num_swap_blocks": 0,
         "scheduler.max_num_seqs": sizes.seats,
         "scheduler.max_num_batched_tokens": 1024,
     }
-    config = load_config(overrides=overrides, environ={})
+
+
+def build_engine(model: str, sizes: Sizes, device: str = "cpu") -> LLMEngine:
+    config = load_config(overrides=engine_overrides(sizes, device), environ={})
     if model == "null":
         from streamd.bench.null_model import null_engine
 

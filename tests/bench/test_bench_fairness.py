@@ -84,3 +84,17 @@ def test_drive_counts_every_token_by_tenant_and_weight(smol_llm) -> None:
         for tenant in ("A", "B")
     }
     assert [t for t, _, _ in run.served] == sorted(t for t, _, _ in run.served)
+
+
+def test_device_flag_puts_the_model_there() -> None:
+    """`--device cuda` (the GPU run) loads the model on that device in its default dtype; the CPU keeps float32."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    fairness.add_arguments(parser)
+    assert parser.parse_args([]).device == "cpu"
+    on_gpu = fairness.engine_overrides(TINY, parser.parse_args(["--device", "cuda"]).device)
+    assert (on_gpu["model.device"], on_gpu["model.dtype"]) == ("cuda", "auto")
+    on_cpu = fairness.engine_overrides(TINY, "cpu")
+    assert (on_cpu["model.device"], on_cpu["model.dtype"]) == ("cpu", "float32")
+    assert on_gpu["scheduler.max_num_seqs"] == TINY.seats
