@@ -8,19 +8,25 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from tests.helpers import sizes
+
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_fusion_benchmark_dry_run(tmp_path: Path) -> None:
+# Light: the unfused model and the Triton kernels; full (slow): their torch reference too.
+@pytest.mark.parametrize("modes", sizes(["off", "triton"], ["off", "reference", "triton"]))
+def test_fusion_benchmark_dry_run(tmp_path: Path, modes: list[str]) -> None:
     done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "fusion.py"), "--dry-run", "--modes",
-                           "off,reference,triton", "--out", str(tmp_path)],
+                           ",".join(modes), "--out", str(tmp_path)],
                           cwd=REPO, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     [report_file] = tmp_path.glob("fusion-dry-*-cpu.json")
     report = json.loads(report_file.read_text())
     assert report_file.with_suffix(".md").read_text().startswith("# Fused decoder layers, dry, cpu")
     macro = [r for r in report["rows"] if r["kind"] == "macro"]
-    assert [r["mode"] for r in macro] == ["off", "reference", "triton"]
+    assert [r["mode"] for r in macro] == modes
     for row in macro:
         assert row["graph"]["step_s"] > 0 and row["engine"]["running"] == report["setup"]["batch"]
         # float32, fixed seeds: the fused paths generate the unfused model's greedy tokens

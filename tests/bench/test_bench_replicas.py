@@ -41,7 +41,7 @@ def test_replicas_bench_loads_each_count_through_the_router(tmp_path: Path, coun
     assert Path(router_command(1, 2, [3], "round_robin")[0]).exists()
     command = [sys.executable, "-m", "streamd.cli.main", "bench", "replicas", "--replicas", counts, "--scale-load",
                "--concurrency", "2", "--requests-per-stream", "1", "--max-tokens", "4", "--prompt-words", "6",
-               "--clients", "2", "--first-port", str(_free_base()), "--out", str(tmp_path), "--",
+               "--clients", "1", "--first-port", str(_free_base()), "--out", str(tmp_path), "--",
                "--set", "cache.num_kv_blocks=256"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
