@@ -333,8 +333,12 @@ def _finish_all(calls: list[_Call]) -> None:
 
 
 async def _first_delta(call: _Call) -> RequestDelta:
-    """The request's first delta (it has been scheduled, or timed out waiting: then 503 `overloaded`)."""
+    """The request's first delta once it has been scheduled, or it timed out waiting: then 503 `overloaded`.
+    Progress reports while it waits (queue places) are merged into it: a queue limit must be able to answer
+    503, so the head waits for scheduling (at most `server.max_queue_time_s`)."""
     delta = await anext(call.stream)
+    while delta.queue_time is None and not delta.finished:
+        delta.merge(await anext(call.stream))
     call.account.absorb(delta)
     if call.account.overloaded:
         call.finish()
