@@ -52,11 +52,11 @@ lint: setup
 	$(PY) -m mypy
 
 # Each slow scenario (`@pytest.mark.slow`: the "full" size beside a "light" one, `tests.helpers.sizes`; no other
-# slow mark, tests/test_slow_marks.py) runs only in test-all. `TEST_WORKERS=2` runs `make test` on two
-# pytest-xdist workers (--dist loadfile: a file's tests share one worker); not the default yet: on 2 cores that
-# run took ~22 minutes with nine failures not yet diagnosed (contention or a test that assumes the main
-# process), against ~32 minutes one at a time.
-TEST_WORKERS ?= 1
+# slow mark, tests/test_slow_marks.py) runs only in test-all. `make test` runs on two pytest-xdist workers
+# (--dist loadfile: a file's tests share one worker): one at a time, the suite used one core of two (CPU time /
+# wall time 1.01) and took 36 minutes on a quiet 2-core box; on two workers 23 minutes with a second job beside
+# it. `TEST_WORKERS=1` runs it in one process.
+TEST_WORKERS ?= 2
 test: setup browser nginx
 	$(PY) -m pytest -q -m "not slow" $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
