@@ -417,8 +417,12 @@ class Scheduler:
         return tokens
 
     def _step_full(self, shape: StepShape) -> bool:
-        """Whether the step already holds a prompt chunk and its predicted time reached the latency budget."""
-        return self.max_step_s is not None and bool(shape.pairs) and self.step_cost.predict(shape) >= self.max_step_s
+        """Whether the step already holds a prompt chunk and not one more prompt token fits the latency budget.
+        Admission stops there: a request admitted with no chunk would hold its blocks and a seat while it
+        computes nothing, and leave the queue, where its place is reported."""
+        if self.max_step_s is None or not shape.pairs:
+            return False
+        return self.step_cost.max_chunk(shape, 0, self.max_step_s) <= 0
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine measured the step `out` planned: the step cost learns from it (only with a latency
@@ -561,6 +565,12 @@ class Scheduler:
         while k < len(waiting) and budget > 0 and not self._step_full(out.shape):
             group = waiting[k]
             if (self.paused and group.request_id in self.paused) or (skip is not None and skip.holds(group)):
+                k += 1
+                continue
+            if skip is not None and catch_up is not None and catch_up.spent_for(group):
+                skip.add(group)  # admitted now it would take no chunk (`_step_full` says why it must not)
+                if skip.holds_all(waiting):
+                    break
                 k += 1
                 continue
             seqs = group.seqs_with_status(SequenceStatus.WAITING)
@@ -919,6 +929,10 @@ class _CatchUp:
 
     tenant: str
     left: int
+
+    def spent_for(self, group: SequenceGroup) -> bool:
+        """Whether `group`'s chunk would get nothing of the cap."""
+        return self.left <= 0 and group.sampling_params.tenant != self.tenant
 
     def allow(self, group: SequenceGroup, wanted: int) -> int:
         """The tokens `group`'s chunk may take of the `wanted` ones, counted off the cap (the step's budget

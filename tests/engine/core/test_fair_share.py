@@ -107,6 +107,24 @@ def test_a_chats_prompt_steps_cap_the_floods_prompt_chunks(scheduling):
     assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 200), 4)] for i in range(4))
 
 
+def test_a_catch_up_step_admits_no_request_of_another_tenant_without_a_chunk():
+    """Once the catch-up cap is spent, the flood's waiting requests stay in the queue: admitted, they would
+    compute nothing in the step yet hold their blocks and seats, and no longer be reported as waiting."""
+    eng = TenantEngine(num_blocks=400, max_num_seqs=8, max_num_batched_tokens=64)
+    for i in range(10):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 200), 4, "flood")
+    eng.step()
+    eng.add_as("b0", _prompt("b0", 12), 4, "chat")
+    for _ in range(30):
+        waiting = {g.request_id for g in eng.sched.waiting}
+        out = eng.step()
+        admitted = waiting - {g.request_id for g in eng.sched.waiting}
+        assert admitted <= {i.group.request_id for i in out.scheduled if i.num_new_tokens > 0}, admitted
+    eng.run()
+    assert eng.finished["b0"] == [reference(_prompt("b0", 12), 4)]
+    assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 200), 4)] for i in range(10))
+
+
 def test_a_chats_prompt_is_admitted_before_the_floods_chunks_fill_the_latency_budget():
     """With a latency budget a step that holds a prompt chunk admits nothing more once its predicted time is
     reached: in a catch-up step the least served tenant's prompt is admitted before the others' chunks."""

@@ -113,3 +113,17 @@ def test_chunk_pairs_counts_causal_attention():
     assert chunk_pairs(1, 0) == 1  # a token attends to itself
     assert chunk_pairs(3, 0) == 6  # 1 + 2 + 3
     assert chunk_pairs(2, 10) == 23  # 11 + 12
+
+
+def test_a_prompt_the_step_has_no_room_for_stays_in_the_queue():
+    """The first prompt's chunk leaves less than a token's time of the budget (the prior: 1 ms a token):
+    the others wait in the queue, holding no blocks, rather than being admitted with no chunk this step."""
+    eng = FakeEngine(300, block_size=16, max_step_ms=500.5)
+    for name in "abc":
+        eng.add(name, [(i * 7 + ord(name)) % 50 for i in range(600)], max_tokens=2)
+    out = eng.step()
+    assert [(i.group.request_id, i.num_new_tokens) for i in out.scheduled] == [("a", 500)]
+    assert [g.request_id for g in eng.sched.waiting] == ["b", "c"]
+    assert eng.bm.num_free_blocks() == 300 - 600 // 16 - 1
+    eng.run()
+    assert sorted(eng.finished) == ["a", "b", "c"]
