@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import Iterator
 
 import httpx
@@ -20,6 +21,12 @@ MODEL = "SmolLM2-135M-Instruct"
 KEYS = {"alice": "key-alice-1", "bob": "key-bob-2"}
 SERVER = {"api_keys": list(KEYS.values()), "tenants": [f"{n}={k}" for n, k in KEYS.items()]}
 LONG = " ".join(f"Item {i} of the inventory is a lamp." for i in range(20))  # ~200 tokens
+
+
+def fresh(label: object) -> str:
+    """A ~200-token prompt that no earlier request computed: a repeated one would be a prefix-cache hit,
+    admitted at once with a token or two to compute, and never wait in the queue the test builds."""
+    return f"{label} {uuid.uuid4().hex}: {LONG}"
 
 
 def client(srv, name: str) -> AsyncOpenAI:
@@ -55,7 +62,7 @@ def scheduling(async_engine, fair: bool, isolation: str = "none") -> Iterator[No
 async def flood_and_chat(srv) -> tuple[list[float], float]:
     """alice floods (12 long prompts at once), then bob asks one short question: first-token times."""
     alice, bob = client(srv, "alice"), client(srv, "bob")
-    flood = [asyncio.create_task(first_token_at(alice, f"{i}: {LONG}", 4)) for i in range(12)]
+    flood = [asyncio.create_task(first_token_at(alice, fresh(i), 4)) for i in range(12)]
     await queued(srv, flood)  # the flood waits in the engine before bob arrives
     chat, _ = await first_token_at(bob, "Hi!", 4)
     return [t for t, _ in await asyncio.gather(*flood)], chat
@@ -90,10 +97,10 @@ async def test_priority_tier_is_admitted_before_queued_default_requests(async_en
     with scheduling(async_engine, True):
         async with running_server(async_engine, **SERVER) as srv:
             alice = client(srv, "alice")
-            waiting = [asyncio.create_task(first_token_at(alice, f"{i}: {LONG}", 4)) for i in range(12)]
+            waiting = [asyncio.create_task(first_token_at(alice, fresh(i), 4)) for i in range(12)]
             await queued(srv, waiting)
-            flex = asyncio.create_task(first_token_at(alice, f"flex: {LONG}", 4, service_tier="flex"))
-            urgent, tier = await first_token_at(alice, f"urgent: {LONG}", 4, service_tier="priority")
+            flex = asyncio.create_task(first_token_at(alice, fresh("flex"), 4, service_tier="flex"))
+            urgent, tier = await first_token_at(alice, fresh("urgent"), 4, service_tier="priority")
             defaults = [t for t, _ in await asyncio.gather(*waiting)]
             flex_first, flex_tier = await flex
     assert tier == "priority" and flex_tier == "flex"
