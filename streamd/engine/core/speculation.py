@@ -79,13 +79,18 @@ class Speculator:
         return 0 < num_decodes <= self.config.disable_by_batch_size
 
     def may_draft(self, seq: Sequence, group: SequenceGroup) -> bool:
-        """Whether `propose` may draft for `seq` next step: it wants to, and it is not pausing."""
+        """Whether `propose` may draft for `seq` next step: `_eligible`, and it is not pausing."""
         record = self._records.get(seq.seq_id)
-        return self.wants(group) and (record is None or record.paused_steps == 0)
+        return self._eligible(seq, group) and (record is None or record.paused_steps == 0)
+
+    def _eligible(self, seq: Sequence, group: SequenceGroup) -> bool:
+        """It wants drafts, has produced its `min_tokens`, and has room for one before its length limit."""
+        params = group.sampling_params
+        return self.wants(group) and seq.num_output_tokens >= params.min_tokens and self._room(seq, params) > 0
 
     def propose(self, seq: Sequence, group: SequenceGroup, limit: int) -> Draft | None:
         """`seq`'s drafts for this step (at most `limit` tokens), or None."""
-        if not self.wants(group) or seq.num_output_tokens < group.sampling_params.min_tokens:
+        if not self._eligible(seq, group):
             return None
         record = self._records.setdefault(seq.seq_id, DraftRecord())
         if record.paused_steps:

@@ -97,3 +97,15 @@ def test_the_overlap_stays_on_unless_a_running_sequence_may_draft() -> None:
         seq.status = SequenceStatus.RUNNING
     sched.running.append(twins)  # two groups, three sequences: past the cut-off
     assert not sched.may_speculate()
+
+
+def test_a_sequence_with_no_room_for_a_draft_keeps_the_overlap_on() -> None:
+    """`may_draft` asks what `propose` asks: a sequence one token short of `max_tokens` has no room for a
+    draft, so it must not turn the overlap off for a step that drafts nothing."""
+    spec = Speculator(SpeculativeConfig(prompt_lookup=True), 100)
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4), 100, speculator=spec)
+    group = _group([1, 2, 3, 1, 2], [3], max_tokens=2)
+    group.seqs[0].status = SequenceStatus.RUNNING
+    sched.running.append(group)
+    assert spec.propose(group.seqs[0], group, 8) is None
+    assert not sched.may_speculate()
