@@ -14,6 +14,8 @@ and how many tokens each; every memory decision goes through the BlockManager. O
 4. waiting groups are admitted in arrival order (watermark admission, prefix-cache hits), the first
    that does not fit stops admission; nothing is admitted while any group is swapped out or when this
    step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
+   Admission stops when the step has no token left for another chunk (the token budget, the latency
+   budget, a spent catch-up cap): a request admitted without a chunk would hold blocks and a seat idle.
 
 Many tenants, tiers or priorities (`FairShare`, engine/core/fairness.py): each step first orders the queues
 by tier, priority, the tenant's fair-share counter and arrival (so "earliest" above reads "most deserving" and

@@ -34,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -336,14 +336,33 @@ async def _first_delta(call: _Call) -> RequestDelta:
     """The request's first delta once it has been scheduled, or it timed out waiting: then 503 `overloaded`.
     Progress reports while it waits (queue places) are merged into it: a queue limit must be able to answer
     503, so the head waits for scheduling (at most `server.max_queue_time_s`)."""
-    delta = await anext(call.stream)
-    while delta.queue_time is None and not delta.finished:
-        delta.merge(await anext(call.stream))
+    delta = await _merged_until(call.stream, lambda d: d.queue_time is not None)
+    if delta is None:
+        raise ServiceError("internal_error", "the request's stream ended before it was scheduled")
     call.account.absorb(delta)
     if call.account.overloaded:
         call.finish()
         raise queue_timed_out()
     return delta
+
+
+async def _merged_until(
+    deltas: AsyncIterator[RequestDelta], ready: Callable[[RequestDelta], bool]
+) -> RequestDelta | None:
+    """The stream's first delta with the next ones merged in until `ready` holds of it or it finished (None:
+    the stream ended first). The progress reports before a request's first token (its queue places, its prompt
+    chunks done) carry none of what a head needs: its scheduling, its prompt logprobs."""
+    head = await anext(deltas, None)
+    while head is not None and not ready(head) and not head.finished:
+        later = await anext(deltas, None)
+        if later is None:
+            break
+        head.merge(later)
+    return head
+
+
+def _has_output(delta: RequestDelta) -> bool:
+    return delta.prompt_logprobs is not None or delta.num_new_tokens > 0
 
 
 async def _deltas(call: _Call, first: RequestDelta | None) -> AsyncIterator[RequestDelta]:
@@ -378,7 +397,7 @@ async def _sse(
     if call.echo or call.prompt_top is not None:  # (completions) the prompt first, with its logprobs if asked
         head = None
         if (call.echo and call.logprobs is not None) or call.prompt_top is not None:
-            head = await anext(deltas, None)  # the first delta carries the prompt logprobs
+            head = await _merged_until(deltas, _has_output)  # the first output carries the prompt logprobs
             _add_prompt(call, head.prompt_logprobs if head is not None else None)
         yield b"".join(
             _data(_prompt_chunk(call, i, head.prompt_logprobs if head is not None else None, extra)).encode()
