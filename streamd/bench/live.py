@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import copy
 import json
 import shutil
 import socket
@@ -46,6 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from streamd.bench.report import NULL_MODEL, BenchError, add_out_argument, markdown_table, report_header, save_report
+from streamd.bench.serve_baseline import DEFAULT_SETTINGS, served_run
 
 if TYPE_CHECKING:
     from streamd.bench.serve_baseline import ServerProcess
@@ -56,7 +56,6 @@ NULL_LABEL = (
     "null model (benchmark-only: no forward pass; proxy: a prefill step sleeps per token of its longest prompt, "
     "a run's ~300 tokens take --prefill-s): this measures the transport, not tokens"
 )
-SETTINGS = ('logging.level="warning"', "cache.num_kv_blocks=4096", "cache.num_swap_blocks=0")
 # The proxy's server: every run's prompt in one step, unchunked (the step's sleep is its longest prompt's).
 PROXY_SETTINGS = ("scheduler.max_num_batched_tokens=65536", "scheduler.max_step_ms=0")
 RUN_PROMPT_TOKENS = 300  # about a run's prompt (`_prompt`), chat template included
@@ -102,7 +101,7 @@ def null_server(settings: list[str], extra: list[str]) -> Iterator[ServerProcess
     """A null-model `streamd bench serve_target` process (the real server path, its CPU time readable)."""
     from streamd.bench.serve_baseline import ServerProcess
 
-    server = ServerProcess(NULL_MODEL, [*SETTINGS, *settings], "thread", extra)
+    server = ServerProcess(NULL_MODEL, [*DEFAULT_SETTINGS, *settings], "thread", extra)
     try:
         yield server
     finally:
@@ -266,47 +265,44 @@ def _gauge(metrics: str, name: str) -> float:
     return sum(float(line.split()[1]) for line in metrics.splitlines() if line.startswith(f"{name} "))
 
 
-async def _chat_run(front: str, model: str) -> ProxyRun:
+async def _sse_run(url: str, body: dict[str, Any], is_token: Callable[[str], bool]) -> tuple[ProxyRun, list[str]]:
+    """POSTs `body` and reads the SSE answer's lines, timing the first line `is_token` accepts; a status
+    other than 200 or a transport error is the run's error."""
     import httpx
 
-    content = _prompt(RUN_PROMPT_TOKENS - 30)
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "stream": True, "model": model}
-    run, began, lines = ProxyRun(), time.monotonic(), []
+    run, lines = ProxyRun(), []
     try:
         async with httpx.AsyncClient(timeout=None) as http:
             began = time.monotonic()
-            async with http.stream("POST", f"{front}/v1/chat/completions", json=body) as answer:
+            async with http.stream("POST", url, json=body) as answer:
                 if answer.status_code != 200:
                     run.error = f"HTTP {answer.status_code}: {(await answer.aread())[:120]!r}"
                 async for line in answer.aiter_lines():
-                    if '"content":"' in line and '"content":""' not in line and run.first_token_s is None:
+                    if run.first_token_s is None and is_token(line):
                         run.first_token_s = time.monotonic() - began
                     lines.append(line)
     except httpx.HTTPError as exc:
         run.error = f"{type(exc).__name__}: {exc}"
+    return run, lines
+
+
+def _is_content(line: str) -> bool:
+    return '"content":"' in line and '"content":""' not in line
+
+
+async def _chat_run(front: str, model: str) -> ProxyRun:
+    content = _prompt(RUN_PROMPT_TOKENS - 30)
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "stream": True, "model": model}
+    run, lines = await _sse_run(f"{front}/v1/chat/completions", body, _is_content)
     finished = any('"finish_reason":"' in line for line in lines)
     run.whole = run.error is None and finished and "data: [DONE]" in lines
     return run
 
 
 async def _responses_run(front: str, model: str) -> ProxyRun:
-    import httpx
-
     body = {"input": _prompt(RUN_PROMPT_TOKENS - 30), "max_output_tokens": 4, "stream": True, "model": model}
-    run, events = ProxyRun(), []
-    try:
-        async with httpx.AsyncClient(timeout=None) as http:
-            began = time.monotonic()
-            async with http.stream("POST", f"{front}/v1/responses", json=body) as answer:
-                if answer.status_code != 200:
-                    run.error = f"HTTP {answer.status_code}: {(await answer.aread())[:120]!r}"
-                async for line in answer.aiter_lines():
-                    if line.startswith("data: "):
-                        events.append(json.loads(line[6:]))
-                        if events[-1]["type"] == "response.output_text.delta" and run.first_token_s is None:
-                            run.first_token_s = time.monotonic() - began
-    except httpx.HTTPError as exc:
-        run.error = f"{type(exc).__name__}: {exc}"
+    run, lines = await _sse_run(f"{front}/v1/responses", body, lambda line: '"response.output_text.delta"' in line)
+    events = [json.loads(line[6:]) for line in lines if line.startswith("data: ")]
     in_order = [e.get("sequence_number") for e in events] == list(range(len(events)))
     ended = bool(events) and events[-1]["type"] in ("response.completed", "response.incomplete")
     run.whole = run.error is None and in_order and ended
@@ -490,9 +486,9 @@ async def overhead(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _overhead(args: argparse.Namespace) -> dict[str, Any]:
-    from streamd.bench.serve_baseline import DEFAULT_SETTINGS
-
-    base = [*DEFAULT_SETTINGS, f"scheduler.max_num_seqs={max(256, args.streams)}"]
+    """A quarter of the streams wait in the queue (seats for three quarters), so the "on" server reports queue
+    places and every chunk carries usage; its keepalive stays quiet while tokens flow, as it should."""
+    base = [f"scheduler.max_num_seqs={max(1, args.streams * 3 // 4)}"]
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         on = stack.enter_context(null_server([*base, "server.sse_keepalive_s=15"], []))
@@ -527,24 +523,20 @@ def _medians(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
 def _served(
     args: argparse.Namespace, server: ServerProcess, transport: str, on: bool, pair: int
 ) -> tuple[float, float]:
-    """One closed-loop run: output tok/s and the server process's CPU µs per output token."""
+    """One closed-loop run (`bench serve`'s): output tok/s and the server process's CPU µs per output token."""
     from streamd.bench import serve
-    from streamd.bench.load import report, run_load
     from streamd.server.serve import run_on_uvloop
 
     parser = argparse.ArgumentParser()
     serve.add_arguments(parser)
-    load_args = parser.parse_args(["--url", server.url, "--transport", transport])
-    load_args.concurrency, load_args.max_tokens, load_args.seed = args.streams, args.max_tokens, 1000 + pair
-    load_args.num_requests, load_args.continuous_usage = args.streams * args.requests_per_stream, on
-    cpu = server.cpu_seconds()["process"]
-    timings, duration = run_on_uvloop(run_load(copy.copy(load_args)))
-    cpu = server.cpu_seconds()["process"] - cpu
-    result = report(timings, duration, load_args)
+    load_args = parser.parse_args(["--max-tokens", str(args.max_tokens)])
+    load_args.continuous_usage = on
+    runs = args.streams * args.requests_per_stream
+    result, cpu, _ = run_on_uvloop(served_run(load_args, server, transport, args.streams, runs, 1000 + pair))
     if result["failed"]:
         raise BenchError(f"served run failed: {result['errors']}")
     tokens = max(1, result["output_tokens"])
-    return round(float(result["output_token_throughput"]), 1), round(cpu / tokens * 1e6, 1)
+    return round(float(result["output_token_throughput"]), 1), round(cpu["process"] / tokens * 1e6, 1)
 
 
 SCENARIO_RUNS: dict[str, Callable[[argparse.Namespace], Coroutine[Any, Any, dict[str, Any]]]] = {

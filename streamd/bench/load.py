@@ -185,7 +185,9 @@ class SSEClient:
     def __init__(self, base: str, api_key: str | None, model: str | None, continuous_usage: bool = False) -> None:
         """`continuous_usage`: ask for vLLM's `continuous_usage_stats` (every chunk carries the usage)."""
         parts = urlsplit(base)
-        self.stream_options = {"include_usage": True, "continuous_usage_stats": continuous_usage}
+        self.stream_options: dict[str, bool] = {"include_usage": True}  # the key only when asked: a peer may refuse it
+        if continuous_usage:
+            self.stream_options["continuous_usage_stats"] = True
         self.host, self.port = parts.hostname or "127.0.0.1", parts.port or 80
         self.auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         self.model = model

@@ -176,7 +176,7 @@ def offline_rate(engine: Any, prompts: list[str], max_tokens: int, concurrency: 
     return tokens / elapsed, cpu / tokens * 1e6
 
 
-async def _served(
+async def served_run(
     args: argparse.Namespace,
     server: ServerProcess,
     transport: str,
@@ -220,7 +220,7 @@ def main(args: argparse.Namespace) -> int:
                         prompts = synthetic_prompts(level * args.requests_per_stream, args.prompt_words, seed)
                         offline, offline_cpu = offline_rate(engine, prompts, args.max_tokens, level)
                         result, cpu, client_cpu = run_on_uvloop(
-                            _served(args, server, transport, level, len(prompts), seed)
+                            served_run(args, server, transport, level, len(prompts), seed)
                         )
                         raw.append(
                             _run_record(transport, server, level, None, offline, offline_cpu, result, cpu, client_cpu)
@@ -231,7 +231,7 @@ def main(args: argparse.Namespace) -> int:
                     for _layout, server in servers.items():
                         seed = args.seed + 1000 * next(pairs)
                         result, cpu, client_cpu = run_on_uvloop(
-                            _served(args, server, transport, None, args.rate_requests, seed, rate)
+                            served_run(args, server, transport, None, args.rate_requests, seed, rate)
                         )
                         raw.append(
                             _run_record(transport, server, None, rate, offline, offline_cpu, result, cpu, client_cpu)
