@@ -58,7 +58,7 @@ lint: setup
 # it. `TEST_WORKERS=1` runs it in one process.
 TEST_WORKERS ?= 2
 test: setup browser nginx
-	$(PY) -m pytest -q -m "not slow" $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
+	$(PY) -m pytest -q --durations=25 -m "not slow" $(if $(filter-out 1,$(TEST_WORKERS)),-n $(TEST_WORKERS) --dist loadfile)
 
 test-all: setup browser nginx
 	$(PY) -m pytest -q
