@@ -23,6 +23,7 @@ from openai import AsyncOpenAI
 
 from streamd.cli.cluster import nginx_binary, nginx_conf
 from streamd.engine.client.async_engine import AsyncEngine
+from streamd.server.tokenizing import INLINE_CHARS
 from tests.helpers import sizes
 from tests.server.util import Server, running_server
 
@@ -79,7 +80,7 @@ def nginx_in_front(upstream_port: int) -> Iterator[str]:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-@pytest_asyncio.fixture(loop_scope="session")
+@pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def proxied(async_engine: AsyncEngine) -> AsyncIterator[tuple[Server, str]]:
     async with running_server(async_engine, sse_keepalive_s=KEEPALIVE_S) as srv:
         await _warm(srv)
@@ -88,10 +89,9 @@ async def proxied(async_engine: AsyncEngine) -> AsyncIterator[tuple[Server, str]
 
 
 async def _warm(srv: Server) -> None:
-    """One long prompt straight to the server: the long-input tokenizer's worker starts (its first use takes
-    seconds on 2 cores, all before the response's head, which no keepalive can cover)."""
-    await _sdk(srv.http).chat.completions.create(
-        model=srv.services.model_name, messages=[{"role": "user", "content": long_prompt()}], max_tokens=1)
+    """The long-input tokenizer's worker starts (its first use takes seconds on 2 cores, all before the
+    response's head, which no keepalive can cover); started here without a request's prefill."""
+    await srv.services.generation.tokenizing.run(lambda tokenizer: tokenizer("warm"), INLINE_CHARS + 1)
 
 
 def _sdk(base: str) -> AsyncOpenAI:

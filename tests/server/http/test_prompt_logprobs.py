@@ -69,7 +69,7 @@ async def test_streamed_echo_carries_the_prompt_logprobs_in_its_first_chunk(serv
 async def test_a_long_streamed_prompt_still_carries_its_logprobs_first(server: Server) -> None:
     """A prompt read in several chunks (256 tokens a step here) reports its progress before the first token;
     those reports carry no logprobs, and the first chunk still has every prompt token's."""
-    prompt = " ".join(f"Line {i} holds a red brick." for i in range(80))  # ~640 tokens
+    prompt = " ".join(f"Line {i} holds a red brick." for i in range(36))  # ~290 tokens
     ids = list(server.services.engine.tokenizer(prompt).input_ids)
     body = {"prompt": prompt, "max_tokens": 2, "temperature": 0.0, "logprobs": 0, "echo": True, "stream": True,
             "prompt_logprobs": 0}
@@ -77,7 +77,7 @@ async def test_a_long_streamed_prompt_still_carries_its_logprobs_first(server: S
         answer = await http.post(f"{server.http}/v1/completions", json={"model": server.services.model_name, **body})
     first = json.loads(next(line[6:] for line in answer.text.splitlines() if line.startswith("data: {")))
     choice = first["choices"][0]
-    assert len(ids) > 2 * 256 and choice["text"] == prompt
+    assert len(ids) > 256 and choice["text"] == prompt
     assert len(choice["logprobs"]["tokens"]) == len(ids) and len(choice["prompt_logprobs"]) == len(ids)
 
 

@@ -15,8 +15,8 @@ from tests.server.util import Server, check_stream, gather_until_done, send, ws_
 
 
 def long_prompt() -> str:
-    """~1,200 tokens (five 256-token chunks), new from its first token (no prefix cache hit)."""
-    return f"{uuid.uuid4().hex}. " + " ".join(f"item {i} is blue." for i in range(150))
+    """~600 tokens (three 256-token chunks at most), new from its first token (no prefix cache hit)."""
+    return f"{uuid.uuid4().hex}. " + " ".join(f"item {i} is blue." for i in range(75))
 
 
 async def test_progress_frames_come_before_the_first_delta(server: Server) -> None:
