@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import statistics
 import time
 from pathlib import Path
 from typing import Any
 
+from streamd.bench.live import free_port
 from streamd.bench.offline import (
     SHAPES,
     drive,
@@ -69,7 +69,7 @@ def nccl_probe(world: int) -> dict[str, Any]:
     """All-reduce bus bandwidth (bytes/s, the largest size) and latency (s, the smallest) over `world` GPUs."""
     import torch.multiprocessing as mp
 
-    port = _free_port()
+    port = free_port()
     context = mp.get_context("spawn")
     results = context.SimpleQueue()
     procs = [context.Process(target=_probe_rank, args=(rank, world, port, results)) for rank in range(world)]
@@ -107,12 +107,6 @@ def _probe_rank(rank: int, world: int, port: int, results: Any) -> None:
     if rank == 0:
         results.put(times)
     dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---- runs -------------------------------------------------------------------------------------------

@@ -6,14 +6,9 @@ proxy`, results/live-proxy-2026-11-27-cpu.md)."""
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
-import tempfile
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -21,7 +16,8 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
 
-from streamd.cli.cluster import nginx_binary, nginx_conf
+from streamd.bench.live import nginx_in_front
+from streamd.cli.cluster import nginx_binary
 from streamd.engine.client.async_engine import AsyncEngine
 from streamd.server.tokenizing import INLINE_CHARS
 from tests.helpers import sizes
@@ -39,52 +35,11 @@ def long_prompt() -> str:
     return f"{uuid.uuid4().hex}. " + " ".join(f"item {i} is blue." for i in range(300))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-@contextmanager
-def nginx_in_front(upstream_port: int) -> Iterator[str]:
-    """nginx on a free port proxying everything to the server, SSE unbuffered, with a short read timeout."""
-    workdir = Path(tempfile.mkdtemp(prefix="streamd-keepalive-"))
-    port = _free_port()
-    (workdir / "nginx.conf").write_text(nginx_conf(workdir, f"""\
-    client_body_buffer_size 1m;  # the long prompt stays in memory (the worker may not write workdir)
-    server {{
-        listen 127.0.0.1:{port};
-        location / {{
-            proxy_pass http://127.0.0.1:{upstream_port};
-            proxy_http_version 1.1;
-            proxy_buffering off;
-            proxy_read_timeout {READ_TIMEOUT_MS}ms;
-        }}
-    }}
-"""))
-    process = subprocess.Popen([NGINX, "-c", str(workdir / "nginx.conf"), "-p", str(workdir)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline and process.poll() is None, "nginx did not start"
-                time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="session")
 async def proxied(async_engine: AsyncEngine) -> AsyncIterator[tuple[Server, str]]:
     async with running_server(async_engine, sse_keepalive_s=KEEPALIVE_S) as srv:
         await _warm(srv)
-        with nginx_in_front(srv.port) as front:
+        with nginx_in_front(srv.http, READ_TIMEOUT_MS / 1000) as front:
             yield srv, front
 
 
@@ -145,6 +100,6 @@ async def test_without_keepalive_the_proxy_cuts_the_stream(async_engine: AsyncEn
     """The control: the same stream with keepalive off dies at the proxy (so the tests above test something)."""
     async with running_server(async_engine, sse_keepalive_s=0) as srv:
         await _warm(srv)
-        with nginx_in_front(srv.port) as front:
+        with nginx_in_front(srv.http, READ_TIMEOUT_MS / 1000) as front:
             with pytest.raises(httpx.RemoteProtocolError):
                 await _raw_chat(front, srv.services.model_name)
