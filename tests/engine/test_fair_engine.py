@@ -13,14 +13,16 @@ from streamd.engine.sampling_params import SamplingParams
 
 @contextmanager
 def seats(engine: LLMEngine, count: int) -> Iterator[None]:
-    """`count` seats (`max_num_seqs`) and fresh fair-share counters, restored afterwards (a shared engine)."""
+    """`count` seats (`max_num_seqs`), fresh fair-share counters and no step latency budget (the shared
+    engine's step cost is fitted to whatever ran before: on a loaded box not one more prompt fits a step, and
+    admission would depend on that), restored afterwards."""
     scheduler = engine.scheduler
-    before = scheduler.max_num_seqs, scheduler.fair
-    scheduler.max_num_seqs, scheduler.fair = count, FairShare(True, {})
+    before = scheduler.max_num_seqs, scheduler.fair, scheduler.max_step_s
+    scheduler.max_num_seqs, scheduler.fair, scheduler.max_step_s = count, FairShare(True, {}), None
     try:
         yield
     finally:
-        scheduler.max_num_seqs, scheduler.fair = before
+        scheduler.max_num_seqs, scheduler.fair, scheduler.max_step_s = before
 
 
 def add(engine: LLMEngine, rid: str, max_tokens: int, tier: str = "default") -> None:

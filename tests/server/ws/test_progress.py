@@ -1,12 +1,15 @@
 """Progress before the first token (issue 32): the engine reports a waiting request's queue place and each
 prompt chunk it completed; `/v1/stream` sends them as `progress` frames and the Responses API as
 `response.queued` then `response.in_progress` (through the official `openai` SDK). Three long prompts sent at
-once on the session engine (256 tokens per step) make the first prefill in chunks while the others wait."""
+once on the session engine with one seat: the first prefills in chunks (256 tokens per step) while the others
+wait."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 from openai import AsyncOpenAI
@@ -19,8 +22,22 @@ def long_prompt() -> str:
     return f"{uuid.uuid4().hex}. " + " ".join(f"item {i} is blue." for i in range(75))
 
 
+@contextlib.asynccontextmanager
+async def one_seat(server: Server) -> AsyncIterator[None]:
+    """One seat (`max_num_seqs`): the second and third prompts wait for the first however fast the machine
+    is (with free seats, whether one waits depends on the step's measured cost, and on a loaded box a waiting
+    request's queue report can be merged into its first chunk's before the route reads it)."""
+    engine = server.services.engine
+    before = await engine.call(lambda e: e.scheduler.max_num_seqs)
+    await engine.call(lambda e: setattr(e.scheduler, "max_num_seqs", 1))
+    try:
+        yield
+    finally:
+        await engine.call(lambda e: setattr(e.scheduler, "max_num_seqs", before))
+
+
 async def test_progress_frames_come_before_the_first_delta(server: Server) -> None:
-    async with ws_connect(server) as ws:
+    async with one_seat(server), ws_connect(server) as ws:
         for name in "abc":
             await send(ws, type="generate", id=name, prompt=long_prompt(), params={"max_tokens": 2})
         results = await gather_until_done(ws, set("abc"))
@@ -56,7 +73,8 @@ async def test_responses_queued_then_in_progress(server: Server) -> None:
                                                max_output_tokens=2, temperature=0, stream=True)
         return [event async for event in stream]
 
-    runs = await asyncio.gather(*(run() for _ in range(3)))
+    async with one_seat(server):
+        runs = await asyncio.gather(*(run() for _ in range(3)))
     queued = 0
     for events in runs:
         kinds = [e.type for e in events]
