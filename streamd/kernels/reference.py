@@ -173,7 +173,7 @@ def paged_prefill_attention(
     starts = query_start_loc.tolist()
     tables = block_tables.to(device=query.device, dtype=torch.long)
     dtype = _compute_dtype(query.dtype, query.device)
-    extras = _Extras(sliding_window, softcap, sinks)
+    extras = LayerExtras(sliding_window, softcap, sinks)
     for i, seq_len in enumerate(seq_lens.tolist()):
         q_begin, q_end = starts[i], starts[i + 1]
         if q_end <= q_begin or seq_len <= 0:
@@ -187,12 +187,16 @@ def paged_prefill_attention(
 
 
 @dataclass(frozen=True, slots=True)
-class _Extras:
-    """transformers' per-layer attention extras (None: off)."""
+class LayerExtras:
+    """A layer's attention extras, transformers' (None: off; all None for a Llama layer, whose kernels compile
+    without them). The one record of them: `engine/worker/attention.py` builds it from transformers' keywords."""
 
-    sliding_window: int | None
-    softcap: float | None
-    sinks: torch.Tensor | None
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+
+NO_EXTRAS = LayerExtras()
 
 
 def _prefill_keys(
@@ -218,7 +222,7 @@ def _prefill_keys(
 
 
 def _prefill_one(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, first_key: int, scale: float, extras: _Extras
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, first_key: int, scale: float, extras: LayerExtras
 ) -> torch.Tensor:
     """Attention of q [1, H, q_len, D] (the last q_len positions) over k, v [1, Hkv, T, D] (positions
     first_key..seq_len-1). 4-D tensors: with 3-D ones CPU SDPA falls back to its generic math path (~6x slower)."""

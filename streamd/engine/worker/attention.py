@@ -21,6 +21,8 @@ from typing import Any, cast
 import torch
 from transformers import AttentionInterface
 
+from streamd.kernels.reference import NO_EXTRAS, LayerExtras
+
 ATTN_IMPLEMENTATION = "streamd"
 
 
@@ -35,21 +37,14 @@ class AttentionMetadata:
     ops: ModuleType  # streamd.kernels (Triton) or streamd.kernels.reference (plain torch)
 
 
-@dataclass(frozen=True, slots=True)
-class LayerExtras:
-    """A layer's attention extras (None: off; all None for a Llama layer, whose kernels compile without them)."""
+def layer_extras(kwargs: dict[str, Any]) -> LayerExtras:
+    """From the keywords transformers' attention modules pass (a 0 or None window is no window); the shared
+    `NO_EXTRAS` for a layer without any (every layer of a Llama-style model: nothing is built per call)."""
+    window, softcap, sinks = kwargs.get("sliding_window") or None, kwargs.get("softcap"), kwargs.get("s_aux")
+    if window is None and softcap is None and sinks is None:
+        return NO_EXTRAS
+    return LayerExtras(window, softcap, sinks)
 
-    sliding_window: int | None = None
-    softcap: float | None = None
-    sinks: torch.Tensor | None = None
-
-    @classmethod
-    def from_kwargs(cls, kwargs: dict[str, Any]) -> LayerExtras:
-        """From the keywords transformers' attention modules pass (a 0 or None window is no window)."""
-        return cls(kwargs.get("sliding_window") or None, kwargs.get("softcap"), kwargs.get("s_aux"))
-
-
-NO_EXTRAS = LayerExtras()
 
 _context: AttentionMetadata | None = None
 
@@ -83,7 +78,7 @@ def paged_attention_forward(
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     md.ops.store_kv(k, v, md.kv_cache, layer, md.slot_mapping)
-    out = paged_attend(md, q, layer, scale, k, v, LayerExtras.from_kwargs(kwargs))
+    out = paged_attend(md, q, layer, scale, k, v, layer_extras(kwargs))
     return out.unsqueeze(0), None  # transformers wants [batch, tokens, heads, dim]
 
 

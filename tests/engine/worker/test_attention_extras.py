@@ -19,7 +19,7 @@ import streamd.kernels.reference as ref
 from streamd.engine.worker.attention import (
     ATTN_IMPLEMENTATION,
     AttentionMetadata,
-    LayerExtras,
+    layer_extras,
     register_paged_attention,
     set_attention_metadata,
 )
@@ -90,7 +90,7 @@ def test_hook_equals_transformers_eager_on_windowed_layers(family: Callable[[], 
 
 def test_extras_from_transformers_keywords():
     sinks = torch.zeros(4)
-    extras = LayerExtras.from_kwargs({"sliding_window": 4096, "softcap": 50.0, "s_aux": sinks, "position_ids": None})
+    extras = layer_extras({"sliding_window": 4096, "softcap": 50.0, "s_aux": sinks, "position_ids": None})
     assert (extras.sliding_window, extras.softcap) == (4096, 50.0) and extras.sinks is sinks
-    assert LayerExtras.from_kwargs({"sliding_window": None, "softcap": None}) == LayerExtras()
-    assert LayerExtras.from_kwargs({}) == LayerExtras()
+    assert layer_extras({"sliding_window": None, "softcap": None}) is ref.NO_EXTRAS  # nothing built per call
+    assert layer_extras({"sliding_window": 0}) is ref.NO_EXTRAS and layer_extras({}) is ref.NO_EXTRAS
