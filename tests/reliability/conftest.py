@@ -26,6 +26,8 @@ async def _whole_after_test(request: pytest.FixtureRequest) -> AsyncIterator[Non
     servers = [request.getfixturevalue(n) for n in ("rserver", "tiny_server", "lserver") if n in names]
     for srv in servers:
         await settle(srv)
+    if "async_engine" in names:  # fresh stats: tests/engine steps the same engine offline (tests/server/conftest.py)
+        await request.getfixturevalue("async_engine").wait_idle()
     before = fd_count()
     yield
     for name in ("async_engine", "tiny_engine"):

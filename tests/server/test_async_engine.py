@@ -127,3 +127,19 @@ async def test_refused_request_raises_and_duplicate_ids(async_engine: AsyncEngin
     stream.cancel()
     deltas = await consume(stream)
     assert deltas[-1].outputs[-1].finish_reason == "abort"
+
+
+
+
+def test_offline_work_between_server_tests(smol_llm) -> None:
+    # What a tests/engine test does: it steps the session's engine offline, behind the AsyncEngine's loop
+    # (idle between tests), whose stats stay those of its last published batch.
+    outputs = smol_llm.generate(["Outside the loop"], SamplingParams(max_tokens=7, **GREEDY))
+    assert len(outputs[0].outputs[0].token_ids) == 7
+
+
+async def test_a_test_starts_with_the_engines_own_stats(async_engine: AsyncEngine, smol_llm) -> None:
+    # (runs after the one above: same file, same worker) the server tests' fixture waits idle before each test,
+    # which refreshes stats(); without it a metrics scrape or the stats feed counted an earlier test's offline
+    # tokens as the test's own (two CI failures: 16 and 248 tokens too many)
+    assert async_engine.stats().generated_tokens == smol_llm.engine.stats().generated_tokens
