@@ -1,27 +1,32 @@
 """The families chatbot operators run most beyond Llama and Qwen (issue 27): Mistral (with and without its
 sliding window), Gemma 2 (alternating windows, soft-capped scores and logits, head_dim above hidden / heads),
-Gemma 3 text (a rotary base per layer type, q/k norm), gpt-oss (mixture of experts, attention sinks, YaRN) and
-Phi-3 (a window on every layer, merged projections) give the greedy tokens of transformers' `generate`
-(float32, CPU, eager attention) on random-weight models of their real configurations saved as model
-directories: prompts and outputs longer than the window, prompts read in chunks, a prefix-cache hit, n = 2 and
-a recompute preemption, all in one run. What streamd cannot run is refused at load, naming the reason."""
+Gemma 3 (a rotary base per layer type, q/k norm; the text model, and the image-text one served as text),
+gpt-oss (mixture of experts, attention sinks, YaRN) and Phi-3 (a window on every layer, merged projections)
+give the greedy tokens of transformers' `generate` (float32, CPU, eager attention) on random-weight models of
+their real configurations saved as model directories: prompts and outputs longer than the window, prompts
+read in chunks, a prefix-cache hit, n = 2 and a recompute preemption, all in one run. What streamd cannot run
+is refused at load, naming the reason."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     AutoModelForCausalLM,
     DeepseekV3Config,
     Gemma2Config,
+    Gemma3Config,
     Gemma3TextConfig,
     GptOssConfig,
     MambaConfig,
     MistralConfig,
     Phi3Config,
     PretrainedConfig,
+    SiglipVisionConfig,
 )
 
 from streamd import LLM, SamplingParams
@@ -64,6 +69,12 @@ def family_config(family: str) -> PretrainedConfig:
         return Gemma3TextConfig(**{**_COMMON, "initializer_range": 0.02}, head_dim=32, query_pre_attn_scalar=32, sliding_window=WINDOW,
                                 layer_types=["sliding_attention", "sliding_attention", "full_attention"],
                                 rope_parameters=rope)
+    if family == "gemma3-vision":  # Gemma 3 4B-27B ship as image-text models: streamd serves their text
+        text = family_config("gemma3").to_dict()
+        vision = SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                    image_size=28, patch_size=14)
+        return Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4, boi_token_index=VOCAB - 3,
+                            eoi_token_index=VOCAB - 2, image_token_index=VOCAB - 1)
     if family == "gpt-oss":
         yarn = {"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
                 "original_max_position_embeddings": 64, "rope_theta": 150_000.0}
@@ -81,6 +92,7 @@ FAMILIES = [
     pytest.param("mistral-window", id="mistral-window", marks=_ATTENTION),
     pytest.param("gemma2", id="gemma2", marks=_ATTENTION),
     pytest.param("gemma3", id="gemma3", marks=_ATTENTION),
+    pytest.param("gemma3-vision", id="gemma3-vision", marks=_ATTENTION),
     pytest.param("gpt-oss", id="gpt-oss", marks=_ATTENTION),
     pytest.param("phi3", id="phi3", marks=_ATTENTION),
 ]
@@ -199,3 +211,39 @@ def test_tensor_parallelism_refuses_a_plan_that_splits_nothing() -> None:
     with pytest.raises(ValueError, match="splits none of its layers"):
         planned_splits(model, 2)
     assert len(planned_splits(AutoModelForCausalLM.from_config(family_config("mistral")), 2)) == 3 * 7
+
+
+# OCP MX: E2M1 values (the low nibble first), one E8M0 scale (bias 127) per 32 values
+_FP4 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+def _mxfp4(path: Path) -> dict[str, torch.Tensor]:
+    """Rewrites the saved gpt-oss checkpoint's experts as an MXFP4 one (random blocks and scales, as
+    gpt-oss ships them); returns each expert weight's value, dequantized here."""
+    tensors, dequantized = load_file(path / "model.safetensors"), {}
+    gen = torch.Generator().manual_seed(0)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, n_in, n_out = tensors.pop(name).shape  # [experts, in, out], stored as [experts, out, in / 32, 16]
+        blocks = torch.randint(0, 256, (experts, n_out, n_in // 32, 16), generator=gen, dtype=torch.uint8)
+        scales = torch.randint(120, 130, (experts, n_out, n_in // 32), generator=gen, dtype=torch.uint8)
+        tensors[f"{name}_blocks"], tensors[f"{name}_scales"] = blocks, scales
+        values = torch.stack([_FP4[(blocks & 0x0F).long()], _FP4[(blocks >> 4).long()]], -1).flatten(-2)
+        dequantized[name] = (values * 2.0 ** (scales.long() - 127)[..., None]).flatten(-2).transpose(1, 2)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (path / "config.json").write_text(json.dumps(config))
+    return dequantized
+
+
+def test_gpt_oss_mxfp4_checkpoint_loads_dequantized(tmp_path: Path, monkeypatch) -> None:
+    """gpt-oss ships its experts in MXFP4: streamd loads them dequantized to model.dtype (never through the
+    MXFP4 kernels transformers fetches from the Hub), every value as the format defines it."""
+    monkeypatch.setattr(families, "ATTENTION_FEATURES", frozenset({families.SLIDING_WINDOW, families.SINKS}))
+    want = _mxfp4(_saved("gpt-oss", tmp_path))
+    model = load_model(str(tmp_path / "gpt-oss"), torch.float32, torch.device("cpu")).model
+    assert not getattr(model, "is_quantized", False)
+    weights = dict(model.named_parameters())
+    for name, value in want.items():
+        assert weights[name].dtype == torch.float32 and torch.equal(weights[name], value), name
