@@ -77,7 +77,7 @@ def attention_needs(model: PreTrainedModel) -> AttentionNeeds:
     return AttentionNeeds(
         windows=tuple(_window(layer, config) for layer in layers),
         softcap=_softcap(layers, config),
-        sinks=any(isinstance(getattr(layer, "sinks", None), nn.Parameter) for layer in layers),
+        sinks=any(getattr(layer, "sinks", None) is not None for layer in layers),
     )
 
 
