@@ -14,6 +14,11 @@ Split-K: when ``num_seqs * num_kv_heads`` programs cannot fill the GPU, the cont
 accumulator, all in the exp2 domain) and a second kernel merges them. The split count is computed from
 shapes only (the block table's width gives the largest possible context), so the launch is the same
 for every batch of a given shape and can be captured in a CUDA graph.
+
+Extras (``attention_extras``): with a sliding window W a program streams only the last W positions of its
+context (partitions cut that span, so blocks wholly before the window are never loaded and the split
+count follows W, not the table's width); soft-capping rewrites each score tile; sinks join the
+denominator once, where the softmax is normalised: the unsplit kernel's epilogue or the reduction.
 """
 
 from __future__ import annotations
@@ -22,9 +27,9 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import cdiv, dot_upcast, dual_kernel, next_pow2, num_sms
+from streamd.kernels.attention_extras import LOG2E_C, capped, fold_sink, logit_extras
 from streamd.kernels.layout import check_cache
 
-_LOG2E = 1.4426950408889634
 # A finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN for rows that see no
 # key (seq_len 0, padding rows), whereas exp2(x - 1e30-ish) is cleanly 0 or 1.
 _NEG_BIG = tl.constexpr(-1.0e30)
@@ -42,6 +47,9 @@ def _decode_kernel(
     part_acc_ptr: tl.tensor,
     layer_off: tl.tensor,
     qk_scale: tl.tensor,
+    sinks_ptr: tl.tensor,
+    window: tl.tensor,
+    cap_log2: tl.tensor,
     partition_size: tl.tensor,
     num_splits: tl.tensor,
     s_q_seq: tl.tensor,
@@ -66,6 +74,9 @@ def _decode_kernel(
     SPLIT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,6 +103,8 @@ def _decode_kernel(
 
     seq_len = tl.load(sl_ptr + seq)
     start = split * partition_size
+    if WINDOW:  # partitions cut the window's span [seq_len - W, seq_len)
+        start += tl.maximum(seq_len - window, 0)
     end = tl.minimum(start + partition_size, seq_len)
 
     m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
@@ -124,6 +137,8 @@ def _decode_kernel(
             v = v.to(tl.float32)
 
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if SOFTCAP:
+            qk = capped(qk, cap_log2)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(qk, 1))
         alpha = tl.exp2(m_i - m_new)
@@ -139,6 +154,9 @@ def _decode_kernel(
         tl.store(part_l_ptr + row, l_i, mask=g_mask)
         tl.store(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=qd_mask)
     else:
+        if SINKS:
+            sink = tl.load(sinks_ptr + heads, mask=g_mask, other=0.0).to(tl.float32) * LOG2E_C
+            l_i, acc = fold_sink(m_i, l_i, acc, sink)
         denom = tl.where(l_i > 0.0, l_i, 1.0)  # seq_len 0 -> zeros, not NaN
         out = acc / denom[:, None]
         tl.store(
@@ -155,6 +173,8 @@ def _reduce_kernel(
     part_m_ptr: tl.tensor,
     part_l_ptr: tl.tensor,
     part_acc_ptr: tl.tensor,
+    sinks_ptr: tl.tensor,
+    window: tl.tensor,
     partition_size: tl.tensor,
     num_splits: tl.tensor,
     s_o_seq: tl.tensor,
@@ -164,6 +184,8 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SINKS: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0)
     head = tl.program_id(1)
@@ -171,16 +193,24 @@ def _reduce_kernel(
     offs_d = tl.arange(0, BLOCK_D)
 
     seq_len = tl.load(sl_ptr + seq)
+    span = seq_len
+    if WINDOW:
+        span = tl.minimum(seq_len, window)
     # Only partitions that hold at least one token wrote meaningful partials.
-    n_valid = tl.cdiv(seq_len, partition_size)
+    n_valid = tl.cdiv(span, partition_size)
     s_mask = offs_s < n_valid
     row = (seq * num_heads + head) * num_splits + offs_s
     m = tl.load(part_m_ptr + row, mask=s_mask, other=_NEG_BIG)
     l = tl.load(part_l_ptr + row, mask=s_mask, other=0.0)
     m_max = tl.max(m, 0)
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_C
+        m_max = tl.maximum(m_max, sink)
     w = tl.exp2(m - m_max)
     w = tl.where(s_mask, w, 0.0)
     denom = tl.sum(w * l, 0)
+    if SINKS:
+        denom += tl.exp2(sink - m_max)
     denom = tl.where(denom > 0.0, denom, 1.0)
     d_mask = offs_d < HEAD_DIM
     acc = tl.load(
@@ -237,6 +267,9 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -249,8 +282,9 @@ def paged_decode_attention(
     block_size, head_dim]; block_tables int32 [num_seqs, max_blocks]; seq_lens int32 [num_seqs]
     (context length including the new token, whose K/V is already stored). Returns
     [num_seqs, num_heads, head_dim] in the query's dtype (written into ``out`` when given). Sequences
-    with seq_len 0 get zeros. ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override the
-    heuristics (tests and benchmarks); no argument triggers a device-to-host sync.
+    with seq_len 0 get zeros. ``sliding_window``, ``softcap`` and ``sinks`` [num_heads] are transformers'
+    extras (module doc; None: off). ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override
+    the heuristics (tests and benchmarks); no argument triggers a device-to-host sync.
     """
     check_cache(kv_cache, layer)
     num_seqs, num_heads, head_dim = query.shape
@@ -260,6 +294,7 @@ def paged_decode_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
     group = num_heads // num_kv_heads
+    extras = logit_extras(query, scale, sliding_window, softcap, sinks)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0:
@@ -270,6 +305,8 @@ def paged_decode_attention(
     num_warps = num_warps or cfg_w
     num_stages = num_stages or cfg_s
     max_context = block_tables.shape[1] * page
+    if sliding_window is not None:
+        max_context = min(max_context, sliding_window)  # the longest span a program streams
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, block_n, query.device)
     # Partition length: a whole number of tiles; recompute the split count so none is empty by shape.
@@ -298,7 +335,10 @@ def paged_decode_attention(
         part_l,
         part_acc,
         layer * s_kv[1],
-        scale * _LOG2E,
+        extras.qk_scale,
+        extras.sinks,
+        extras.window,
+        extras.cap_log2,
         partition,
         num_splits,
         query.stride(0),
@@ -323,6 +363,7 @@ def paged_decode_attention(
         SPLIT=split,
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         UPCAST=dot_upcast(query.device, kv_cache.dtype),
+        **extras.flags(),
         num_warps=num_warps,
         num_stages=num_stages,
     )
@@ -335,6 +376,8 @@ def paged_decode_attention(
             part_m,
             part_l,
             part_acc,
+            extras.sinks,
+            extras.window,
             partition,
             num_splits,
             out.stride(0),
@@ -344,6 +387,8 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=max(2, next_pow2(num_splits)),
+            WINDOW=extras.has_window,
+            SINKS=extras.has_sinks,
             num_warps=4 if head_dim * num_splits <= 8192 else 8,
         )
     return out

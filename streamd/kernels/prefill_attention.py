@@ -13,6 +13,11 @@ search over that monotone tile start and exits its loops at once when it has no 
 
 Each program streams K/V in two phases: tiles wholly below the tile's first query position need no
 causal mask; only the last few tiles (at most ``BLOCK_M / BLOCK_N + 1``) pay for it.
+
+Extras (``attention_extras``): a sliding window W adds a masked phase before those two, for the window's
+lower edge (keys some rows of the tile no longer see), and starts the unmasked phase at the first tile
+every row still sees; keys wholly before the window are never loaded. Soft-capping rewrites each score
+tile; sinks join the denominator in the epilogue.
 """
 
 from __future__ import annotations
@@ -23,9 +28,9 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import dot_upcast, dual_kernel, next_pow2
+from streamd.kernels.attention_extras import LOG2E_C, capped, fold_sink, logit_extras
 from streamd.kernels.layout import check_cache
 
-_LOG2E = 1.4426950408889634
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max floor: rows with no visible key stay NaN-free
 
 
@@ -39,6 +44,9 @@ def _prefill_kernel(
     out_ptr: tl.tensor,
     layer_off: tl.tensor,
     qk_scale: tl.tensor,
+    sinks_ptr: tl.tensor,
+    window: tl.tensor,
+    cap_log2: tl.tensor,
     num_seqs: tl.tensor,
     num_tiles: tl.tensor,
     s_q_tok: tl.tensor,
@@ -62,6 +70,9 @@ def _prefill_kernel(
     SEARCH_STEPS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST: tl.constexpr,
+    WINDOW: tl.constexpr,
+    SOFTCAP: tl.constexpr,
+    SINKS: tl.constexpr,
 ) -> None:
     # Highest tile index first: with causal masking the last tiles of a sequence do the most work,
     # so starting them first shortens the tail of the launch.
@@ -109,6 +120,13 @@ def _prefill_kernel(
     # Keys < ctx + m_start + 1 are visible to every row of the tile; later ones need the causal mask.
     full_end = tl.where(active, (ctx + m_start + 1) // BLOCK_N * BLOCK_N, 0)
     causal_end = tl.where(active, tl.minimum(seq_len, ctx + m_start + BLOCK_M), 0)
+    inner_lo = full_end * 0
+    causal_lo = full_end
+    if WINDOW:
+        # The tile's first row sees keys from edge_lo; its last row only from ctx + m_start + BLOCK_M - W.
+        edge_lo = tl.maximum(ctx + m_start + 1 - window, 0)
+        inner_lo = tl.minimum(tl.cdiv(tl.maximum(ctx + m_start + BLOCK_M - window, 0), BLOCK_N) * BLOCK_N, full_end)
+        causal_lo = tl.maximum(full_end, edge_lo)
 
     m_i = tl.full([BLOCK_M], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -116,16 +134,21 @@ def _prefill_kernel(
     kv_base = kv_ptr + layer_off + kv_head * s_kv_head
     bt_base = bt_ptr + seq * s_bt_seq
 
-    for phase in tl.static_range(2):
+    # Phases: 0 the window's lower edge (masked; compiled only with a window), 1 keys every row of the tile
+    # sees (unmasked), 2 the causal diagonal (masked).
+    for phase in tl.static_range(0 if WINDOW else 1, 3):
         if phase == 0:
-            lo_n = full_end * 0
+            lo_n = edge_lo
+            hi_n = inner_lo
+        elif phase == 1:
+            lo_n = inner_lo
             hi_n = full_end
         else:
-            lo_n = full_end
+            lo_n = causal_lo
             hi_n = causal_end
         for n0 in range(lo_n, hi_n, BLOCK_N):
             k_pos = n0 + offs_n
-            if phase == 0:
+            if phase == 1:
                 # Every key of these tiles exists: no token mask, only the head-dim padding.
                 blk = tl.load(bt_base + k_pos // PAGE).to(tl.int64)
                 ptrs = kv_base + (blk * s_kv_blk + (k_pos % PAGE) * s_kv_tok)[:, None] + offs_d[None, :] * s_kv_dim
@@ -150,8 +173,14 @@ def _prefill_kernel(
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-            if phase == 1:
-                visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < hi_n)
+            if SOFTCAP:
+                qk = capped(qk, cap_log2)
+            if phase != 1:
+                visible = k_pos[None, :] < hi_n
+                if phase == 2:
+                    visible &= k_pos[None, :] <= q_pos[:, None]
+                if WINDOW:
+                    visible &= k_pos[None, :] > q_pos[:, None] - window
                 qk = tl.where(visible, qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, 1))
             alpha = tl.exp2(m_i - m_new)
@@ -160,6 +189,9 @@ def _prefill_kernel(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
+    if SINKS:
+        sink = tl.load(sinks_ptr + head).to(tl.float32) * LOG2E_C
+        l_i, acc = fold_sink(m_i, l_i, acc, sink)
     denom = tl.where(l_i > 0.0, l_i, 1.0)
     out = acc / denom[:, None]
     tl.store(
@@ -191,6 +223,9 @@ def paged_prefill_attention(
     *,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
@@ -206,6 +241,7 @@ def paged_prefill_attention(
     can be overridden (tests, benchmarks); nothing here reads device memory on the host. ``key`` and
     ``value`` (the step's stored K/V, which the reference attends over for sequences without earlier
     context) are accepted for the same signature and not read: every tile loads its K/V from the pool.
+    ``sliding_window``, ``softcap`` and ``sinks`` [num_heads] are transformers' extras (module doc; None: off).
     """
     check_cache(kv_cache, layer)
     num_tokens, num_heads, head_dim = query.shape
@@ -215,6 +251,7 @@ def paged_prefill_attention(
     if num_heads % num_kv_heads:
         raise ValueError(f"num_heads {num_heads} not a multiple of num_kv_heads {num_kv_heads}")
     num_seqs = seq_lens.shape[0]
+    extras = logit_extras(query, scale, sliding_window, softcap, sinks)
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     if num_seqs == 0 or num_tokens == 0:
@@ -237,7 +274,10 @@ def paged_prefill_attention(
         seq_lens,
         out,
         layer * s_kv[1],
-        scale * _LOG2E,
+        extras.qk_scale,
+        extras.sinks,
+        extras.window,
+        extras.cap_log2,
         num_seqs,
         num_tiles,
         query.stride(0),
@@ -263,6 +303,7 @@ def paged_prefill_attention(
         SEARCH_STEPS=max(9, math.ceil(math.log2(num_seqs + 1))),
         DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
         UPCAST=dot_upcast(query.device, kv_cache.dtype),
+        **extras.flags(),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -8,9 +8,18 @@ trims the block table to the longest context on CPU, the prefill reference loops
 ``store_kv`` drops ``-1`` slots with a boolean mask. The decoder-layer references (RMSNorm, SiLU-and-mul,
 rotary) are transformers' own arithmetic, op for op in the activations' dtype, so a model rewired onto
 them computes what the unfused model computes.
+
+Both attention references take transformers' per-layer extras as keywords (None: off): ``sliding_window``
+W (a query at position p sees the keys p - W < k <= p, as transformers' ``sliding_window_overlay``: W
+tokens, itself included), ``softcap`` c (Gemma 2: every logit becomes c * tanh(logit / c) before the mask)
+and ``sinks`` (gpt-oss: one learned logit per query head that joins the softmax's denominator only, the
+extra column transformers appends and then drops). With neither softcap nor sinks they stay on SDPA (the
+mask carries the window); with either, the scores are spelled out in float32.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -37,12 +46,16 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     *,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention by one batched gather of every sequence's blocks (see the Triton version).
 
     The G query heads of a KV head become G query rows of one SDPA "sequence" over that head's keys,
-    so GQA needs no repeated K/V.
+    so GQA needs no repeated K/V. With a window only the blocks that hold its last W positions are
+    gathered (column 0 of the gathered table is each sequence's block ``first // page``).
     """
     kv = _layer_view(kv_cache, layer)
     num_seqs, num_heads, head_dim = query.shape
@@ -54,32 +67,76 @@ def paged_decode_attention(
         # On CPU a sync is free: gather only as many blocks as the longest context needs.
         max_blocks = max(1, -(-int(seq_lens.max()) // page))
         tables = tables[:, :max_blocks]
+    dev = query.device
+    first = None  # with a window: each sequence's first visible position
+    base: torch.Tensor | int = 0  # position of gathered column 0, per sequence
+    if sliding_window is not None:
+        first = (seq_lens - sliding_window).clamp_min(0)
+        tables = _window_columns(tables, first // page, sliding_window, page)
+        base = (first // page * page)[:, None]
     n_blocks = tables.shape[1]
     context = n_blocks * page
     # Padded table entries may hold anything: point them at block 0 (read, then masked out).
-    used = torch.arange(n_blocks, device=query.device)[None, :] * page < seq_lens[:, None]
+    used = base + torch.arange(n_blocks, device=dev)[None, :] * page < seq_lens[:, None]
     tables = torch.where(used, tables, torch.zeros_like(tables))
 
     # Indexing [block, k|v, head] with [S,1,1,n_blocks] x [1,2,1,1] x [1,1,Hkv,1] gathers straight
     # into [S, 2, Hkv, n_blocks, page, D]: contiguous, so the reshape to [.., T, D] is free.
-    dev = query.device
     kv_idx = torch.arange(2, device=dev)[None, :, None, None]
     heads = torch.arange(num_kv_heads, device=dev)[None, None, :, None]
     gathered = kv[tables[:, None, None, :], kv_idx, heads].reshape(num_seqs, 2, num_kv_heads, context, head_dim)
-    valid = torch.arange(context, device=dev)[None, :] < seq_lens[:, None]  # [S, T]
+    pos = base + torch.arange(context, device=dev)[None, :]
+    valid = pos < seq_lens[:, None]  # [S, T]
+    if first is not None:
+        valid &= pos >= first[:, None]
     # Slots past seq_len hold stale data, possibly NaN bit patterns: a masked score of NaN stays NaN
     # and 0 * NaN is NaN, so zero them before the matmuls.
     dtype = _compute_dtype(query.dtype, dev)
     gathered = gathered.to(dtype).masked_fill(~valid[:, None, None, :, None], 0.0)
     k, v = gathered[:, 0], gathered[:, 1]
     q = query.to(dtype).reshape(num_seqs, num_kv_heads, group, head_dim)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=valid[:, None, None, :], scale=scale)
+    sink_rows = None if sinks is None else sinks.reshape(1, num_kv_heads, group, 1)
+    o = _attend(q, k, v, valid[:, None, None, :], scale, softcap, sink_rows)
     o = torch.where((seq_lens > 0)[:, None, None, None], o, 0.0)  # seq_len 0: zeros, not NaN
     result = o.reshape(num_seqs, num_heads, head_dim)
     if out is None:
         return result.to(query.dtype)
     out.copy_(result)
     return out
+
+
+def _window_columns(tables: torch.Tensor, first_block: torch.Tensor, window: int, page: int) -> torch.Tensor:
+    """Each row's table from column ``first_block``, as many columns as a window of ``window`` positions
+    can touch (out-of-range columns repeat the last one; their positions are masked)."""
+    width = min(tables.shape[1], -(-(window + page - 1) // page))
+    cols = first_block[:, None] + torch.arange(width, device=tables.device)[None, :]
+    return tables.gather(1, cols.clamp_max(tables.shape[1] - 1))
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+    sinks: torch.Tensor | None,
+) -> torch.Tensor:
+    """Softmax attention of q [B, Hkv, rows, D] over k, v [B, Hkv, T, D] where ``mask`` (broadcast to
+    [B, Hkv, rows, T]) allows; ``sinks`` broadcasts to [B, Hkv, rows, 1]. A row that sees nothing gives
+    NaN (no sinks) or zeros (sinks): callers zero or never read such rows."""
+    if softcap is None and sinks is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    scores = (q.float() @ k.float().transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:
+        sink_col = sinks.float().expand(*scores.shape[:-1], 1)
+        probs = torch.softmax(torch.cat([scores, sink_col], dim=-1), dim=-1)[..., :-1]
+    return (probs @ v.float()).to(q.dtype)
 
 
 def paged_prefill_attention(
@@ -93,53 +150,99 @@ def paged_prefill_attention(
     *,
     key: torch.Tensor | None = None,
     value: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last query_len tokens over its whole paged context.
 
     Query token j of sequence i sits at position seq_len_i - query_len_i + j and attends to positions
-    <= that. Rows of ``query`` outside every sequence's range are left as they are in ``out`` (zeros
-    when ``out`` is not given). ``key``, ``value`` [num_tokens, num_kv_heads, head_dim]: the step's K/V,
-    already stored in the pool at the queries' slots (both or neither); a sequence without earlier context
-    (a fresh prompt's single chunk) then attends over its slice of them instead of gathering them back.
+    <= that (and, with a window W, > that - W). Rows of ``query`` outside every sequence's range are
+    left as they are in ``out`` (zeros when ``out`` is not given). ``key``, ``value`` [num_tokens,
+    num_kv_heads, head_dim]: the step's K/V, already stored in the pool at the queries' slots (both or
+    neither); a sequence without earlier context (a fresh prompt's single chunk) then attends over its
+    slice of them instead of gathering them back. With a window, a sequence with earlier context gathers
+    only the blocks its first query can still see.
     """
     kv = _layer_view(kv_cache, layer)
-    _num_tokens, _num_heads, head_dim = query.shape
-    _, _, num_kv_heads, page, _ = kv.shape
     if (key is None) != (value is None):
         raise ValueError("paged_prefill_attention takes the step's key and value together, or neither")
     if out is None:
         out = torch.zeros_like(query)
     starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
     tables = block_tables.to(device=query.device, dtype=torch.long)
     dtype = _compute_dtype(query.dtype, query.device)
-    for i, seq_len in enumerate(lens):
+    extras = _Extras(sliding_window, softcap, sinks)
+    for i, seq_len in enumerate(seq_lens.tolist()):
         q_begin, q_end = starts[i], starts[i + 1]
-        q_len = q_end - q_begin
-        if q_len <= 0 or seq_len <= 0:
+        if q_end <= q_begin or seq_len <= 0:
             continue
-        ctx = seq_len - q_len
-        # 4-D [1, heads, tokens, D]: with 3-D tensors CPU SDPA falls back to its generic math path (~6x slower).
         q = query[q_begin:q_end].to(dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
-        if ctx == 0 and key is not None and value is not None:
-            k = key[q_begin:q_end].to(dtype).transpose(0, 1)[None]  # [1, Hkv, T, D]
-            v = value[q_begin:q_end].to(dtype).transpose(0, 1)[None]
-        else:
-            n_blocks = -(-seq_len // page)
-            kv_seq = kv[tables[i, :n_blocks]]  # [n_blocks, 2, Hkv, page, D]
-            kv_seq = kv_seq.permute(1, 2, 0, 3, 4).reshape(2, num_kv_heads, n_blocks * page, head_dim)
-            k = kv_seq[0, :, :seq_len].to(dtype)[None]  # [1, Hkv, T, D]
-            v = kv_seq[1, :, :seq_len].to(dtype)[None]
-        if ctx == 0:
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        else:
-            q_pos = torch.arange(ctx, seq_len, device=query.device)
-            k_pos = torch.arange(seq_len, device=query.device)
-            mask = k_pos[None, :] <= q_pos[:, None]
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+        step_kv = None if key is None or value is None else (key[q_begin:q_end], value[q_begin:q_end])
+        k, v, first_key = _prefill_keys(kv, tables[i], seq_len, q_end - q_begin, step_kv, sliding_window)
+        o = _prefill_one(q, k.to(dtype), v.to(dtype), seq_len, first_key, scale, extras)
         out[q_begin:q_end] = o[0].transpose(0, 1).to(out.dtype)
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Extras:
+    """transformers' per-layer attention extras (None: off)."""
+
+    sliding_window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+
+
+def _prefill_keys(
+    kv: torch.Tensor,
+    table: torch.Tensor,
+    seq_len: int,
+    q_len: int,
+    step_kv: tuple[torch.Tensor, torch.Tensor] | None,
+    window: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(k, v) [1, Hkv, T, D] of one sequence and the position of their first row: the step's own K/V for
+    a fresh prompt's single chunk, else the pool's blocks from the first one the first query can see."""
+    ctx = seq_len - q_len
+    if ctx == 0 and step_kv is not None:
+        return step_kv[0].transpose(0, 1)[None], step_kv[1].transpose(0, 1)[None], 0
+    page = kv.shape[3]
+    first_block = 0 if window is None else max(0, ctx + 1 - window) // page
+    n_blocks = -(-seq_len // page) - first_block
+    kv_seq = kv[table[first_block : first_block + n_blocks]]  # [n_blocks, 2, Hkv, page, D]
+    kv_seq = kv_seq.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2, Hkv, n_blocks * page, D]
+    first_key = first_block * page
+    return kv_seq[0, :, : seq_len - first_key][None], kv_seq[1, :, : seq_len - first_key][None], first_key
+
+
+def _prefill_one(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_len: int, first_key: int, scale: float, extras: _Extras
+) -> torch.Tensor:
+    """Attention of q [1, H, q_len, D] (the last q_len positions) over k, v [1, Hkv, T, D] (positions
+    first_key..seq_len-1). 4-D tensors: with 3-D ones CPU SDPA falls back to its generic math path (~6x slower)."""
+    q_len, window = q.shape[2], extras.sliding_window
+    if window is not None and window >= seq_len:
+        window = None  # wider than the context: plain causal
+    plain = extras.softcap is None and extras.sinks is None
+    if plain and window is None and first_key == 0 and q_len == seq_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)[:, None]
+    k_pos = torch.arange(first_key, seq_len, device=q.device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    if plain:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    num_heads, num_kv_heads, head_dim = q.shape[1], k.shape[1], q.shape[3]
+    group = num_heads // num_kv_heads
+    rows = q.reshape(1, num_kv_heads, group * q_len, head_dim)  # row g * q_len + t: head kv * G + g, token t
+    sinks = None
+    if extras.sinks is not None:
+        sinks = extras.sinks.reshape(1, num_kv_heads, group, 1, 1).expand(-1, -1, -1, q_len, -1).flatten(2, 3)
+    o = _attend(rows, k, v, mask.repeat(group, 1), scale, extras.softcap, sinks)
+    return o.reshape(1, num_heads, q_len, head_dim)
 
 
 def store_kv(

@@ -1,7 +1,9 @@
 """Builders and checks shared by the kernel tests (a uniquely named module: conftest is not importable).
 
 ``make_paged`` builds a pool in which everything a kernel must not read is NaN, ``naive_attention``
-is the spec in float64 one query row at a time, ``assert_close`` compares with dtype tolerances.
+is the spec in float64 one query row at a time, ``eager_attention`` the spec with transformers' extras
+(sliding window, soft-capping, sinks) as transformers' eager attention computes it, ``assert_close``
+compares with dtype tolerances.
 """
 
 from __future__ import annotations
@@ -86,6 +88,53 @@ def naive_attention(query: torch.Tensor, case: PagedCase, q_positions: list[list
                     s = (k[: pos + 1, head // group] @ query[row, head].double().cpu()) * scale
                     out[row, head] = torch.softmax(s, 0) @ v[: pos + 1, head // group]
             row += 1
+    return out
+
+
+def eager_attention(
+    query: torch.Tensor,
+    case: PagedCase,
+    q_positions: list[list[int]],
+    scale: float,
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Dense float64 attention per sequence, spelled as transformers' eager path spells it: K/V repeated per
+    query head, scores scaled then soft-capped, an additive mask built from positions (causal, and
+    ``kv > q - window`` as ``sliding_window_overlay``), the sinks appended as one more logit column, softmax,
+    the sink column dropped. Arguments as ``naive_attention``."""
+    kv = case.kv_cache[:, case.layer].double().cpu()
+    page = kv.shape[3]
+    h, hkv = query.shape[1], kv.shape[2]
+    out = torch.zeros(query.shape, dtype=torch.float64)
+    row = 0
+    for i, positions in enumerate(q_positions):
+        n, rows = int(case.seq_lens[i]), len(positions)
+        if n == 0:
+            row += rows
+            continue
+        idx = torch.arange(n)
+        blocks = case.block_tables[i].cpu().long()[idx // page]
+        k = kv[blocks, 0, :, idx % page].transpose(0, 1).repeat_interleave(h // hkv, 0)  # [H, n, D]
+        v = kv[blocks, 1, :, idx % page].transpose(0, 1).repeat_interleave(h // hkv, 0)
+        q = query[row : row + rows].double().cpu().transpose(0, 1)  # [H, rows, D]
+        scores = q @ k.transpose(1, 2) * scale
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        q_pos, k_pos = torch.tensor(positions)[:, None], idx[None, :]
+        allowed = k_pos <= q_pos
+        if window is not None:
+            allowed &= k_pos > q_pos - window
+        scores = scores + torch.zeros(allowed.shape, dtype=torch.float64).masked_fill(~allowed, float("-inf"))
+        if sinks is not None:
+            scores = torch.cat([scores, sinks.double().cpu()[:, None, None].expand(h, rows, 1)], dim=-1)
+        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:
+            probs = probs[..., :-1]
+        out[row : row + rows] = (probs @ v).transpose(0, 1)
+        row += rows
     return out
 
 

@@ -127,3 +127,84 @@ def test_decode_and_prefill_capture_in_cuda_graphs():
         expect = ref.paged_decode_attention(query, case.kv_cache, case.layer, tables, seq_lens, d**-0.5)
         assert_close(out, expect, torch.bfloat16, f"graph decode {lens}")
         assert_close(out_p, expect, torch.bfloat16, f"graph prefill {lens}")
+
+
+EXTRAS = [
+    # window, softcap, sinks: Mistral's window, Gemma 2's (window 4096 and cap 50 with a narrower window
+    # here), gpt-oss's window 128 with sinks, sinks alone
+    (4096, None, False),
+    (1000, 50.0, False),
+    (128, None, True),
+    (None, 30.0, True),
+]
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 5])
+@pytest.mark.parametrize("window,softcap,sinks_on", EXTRAS)
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(8, 4, 128), (8, 8, 64)])
+def test_decode_cuda_with_extras_matches_reference(num_kv_heads, group, head_dim, window, softcap, sinks_on,
+                                                   num_splits):
+    dtype, page = torch.bfloat16, 16
+    lens = [1, 127, 128, 129, 1000, 3000, 0, 5000] + torch.randint(1, 6000, (8,)).tolist()
+    case = make_paged(lens, page=page, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=DEV)
+    query = (3 * torch.randn(len(lens), num_kv_heads * group, head_dim, device=DEV)).to(dtype)
+    kw = {"sliding_window": window, "softcap": softcap,
+          "sinks": torch.randn(num_kv_heads * group, device=DEV).to(dtype) if sinks_on else None}
+    args = (query, case.kv_cache, case.layer, case.block_tables, case.seq_lens, head_dim**-0.5)
+    out = K.paged_decode_attention(*args, **kw, out=_poisoned(query), num_splits=num_splits)
+    torch.cuda.synchronize()
+    assert_close(out, ref.paged_decode_attention(*args, **kw), dtype, f"cuda decode {window} {softcap} {sinks_on}")
+    assert torch.all(out[6] == 0)
+
+
+@pytest.mark.parametrize("window,softcap,sinks_on", EXTRAS)
+@pytest.mark.parametrize("num_kv_heads,group,head_dim", [(8, 4, 128), (8, 8, 64)])
+def test_prefill_cuda_with_extras_matches_reference(num_kv_heads, group, head_dim, window, softcap, sinks_on):
+    dtype, page = torch.bfloat16, 16
+    lens = [1, 15, 17, 700, 1500, 300, 90, 5000, 4500]
+    q_lens = [1, 15, 17, 700, 200, 1, 90, 513, 4500]  # prompts, chunks over earlier context, single rows
+    case = make_paged(lens, page=page, num_kv_heads=num_kv_heads, head_dim=head_dim, dtype=dtype, device=DEV)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32, device=DEV)
+    query = (3 * torch.randn(int(qsl[-1]), num_kv_heads * group, head_dim, device=DEV)).to(dtype)
+    kw = {"sliding_window": window, "softcap": softcap,
+          "sinks": torch.randn(num_kv_heads * group, device=DEV).to(dtype) if sinks_on else None}
+    args = (query, case.kv_cache, case.layer, case.block_tables, qsl, case.seq_lens, head_dim**-0.5)
+    out = K.paged_prefill_attention(*args, **kw, out=_poisoned(query))
+    torch.cuda.synchronize()
+    assert_close(out, ref.paged_prefill_attention(*args, **kw), dtype, f"cuda prefill {window} {softcap} {sinks_on}")
+
+
+def test_extras_capture_in_cuda_graphs():
+    """A windowed, capped layer with sinks replays in a graph with other lengths (the window's start moves)."""
+    page, hkv, group, d = 16, 8, 8, 64
+    case = make_paged([3000] * 4, page=page, num_kv_heads=hkv, head_dim=d, dtype=torch.bfloat16, device=DEV)
+    case.kv_cache.nan_to_num_(0.0)
+    seq_lens = torch.tensor([5, 3000, 129, 1], dtype=torch.int32, device=DEV)
+    query = torch.randn(4, hkv * group, d, device=DEV, dtype=torch.bfloat16)
+    kw = {"sliding_window": 128, "softcap": 30.0, "sinks": torch.randn(hkv * group, device=DEV)}
+    out, out_p = torch.empty_like(query), torch.empty_like(query)
+    qsl = torch.arange(5, dtype=torch.int32, device=DEV)
+
+    def step() -> None:
+        K.paged_decode_attention(query, case.kv_cache, case.layer, case.block_tables, seq_lens, 0.125, **kw, out=out)
+        K.paged_prefill_attention(query, case.kv_cache, case.layer, case.block_tables, qsl, seq_lens, 0.125, **kw,
+                                  out=out_p)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for lens in ([5, 3000, 129, 1], [2999, 0, 128, 1500]):
+        seq_lens.copy_(torch.tensor(lens, dtype=torch.int32))
+        query.normal_()
+        out.fill_(float("nan"))
+        out_p.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        expect = ref.paged_decode_attention(query, case.kv_cache, case.layer, case.block_tables, seq_lens, 0.125, **kw)
+        assert_close(out, expect, torch.bfloat16, f"graph decode {lens}")
+        assert_close(out_p, expect, torch.bfloat16, f"graph prefill {lens}")

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from paged_testlib import assert_close, make_paged, naive_attention
+from paged_testlib import assert_close, eager_attention, make_paged, naive_attention
 
 from streamd.kernels import reference as ref
 
@@ -104,3 +104,90 @@ def test_prefill_reference_wants_the_steps_key_and_value_together():
     with pytest.raises(ValueError, match="key and value together"):
         ref.paged_prefill_attention(query, case.kv_cache, case.layer, case.block_tables, qsl, case.seq_lens, 0.1,
                                     key=torch.randn(4, 1, 16))
+
+
+# transformers' extras: a sliding window (W tokens, the query's own included), Gemma 2's logit soft-capping,
+# gpt-oss's sinks. Queries are scaled up so the logits are large enough for a cap of 2.5 to bite.
+EXTRAS = [
+    # window, softcap, sinks
+    (1, None, False),
+    (16, None, False),
+    (23, 2.5, False),
+    (None, 2.5, False),
+    (None, None, True),
+    (5, 2.5, True),
+    (1000, None, True),
+]
+
+
+def _sinks(heads: int, dtype: torch.dtype, on: bool) -> torch.Tensor | None:
+    return (2 * torch.randn(heads)).to(dtype) if on else None
+
+
+def _assert_extras_matter(out: torch.Tensor, plain: torch.Tensor, window: int | None, dtype: torch.dtype) -> None:
+    """The case is not vacuous: what the extras change is well beyond the tolerance (a window wider
+    than every context changes nothing by itself)."""
+    if window is None or window < 100:
+        assert (out.double() - plain).abs().max() > 0.1, "the extras changed nothing: the test proves nothing"
+
+
+@pytest.mark.parametrize("window,softcap,sinks_on", EXTRAS)
+@pytest.mark.parametrize("dtype,page,group", [(torch.float32, 8, 3), (torch.bfloat16, 16, 1)])
+def test_decode_reference_with_extras_matches_eager(dtype, page, group, window, softcap, sinks_on):
+    lens = [1, 4, page - 1, page, page + 1, 3 * page + 5, 0, 57]
+    case = make_paged(lens, page=page, num_kv_heads=2, head_dim=64, dtype=dtype, extra_cols=2)
+    need = [-(-n // page) for n in lens]
+    for i, n in enumerate(need):  # padded entries hold garbage: never dereferenced, windowed or not
+        case.block_tables[i, n:] = torch.tensor([-7, 10**6] * 8, dtype=torch.int32)[: case.block_tables.shape[1] - n]
+    query = (3 * torch.randn(len(lens), 2 * group, 64)).to(dtype)
+    sinks = _sinks(2 * group, dtype, sinks_on)
+    out = ref.paged_decode_attention(query, case.kv_cache, case.layer, case.block_tables, case.seq_lens, 0.125,
+                                     sliding_window=window, softcap=softcap, sinks=sinks)
+    positions = [[n - 1] for n in lens]
+    expect = eager_attention(query, case, positions, 0.125, window=window, softcap=softcap, sinks=sinks)
+    assert_close(out, expect, dtype, f"decode reference window={window} softcap={softcap} sinks={sinks_on}")
+    assert torch.all(out[6] == 0), "seq_len 0 must give zeros"
+    _assert_extras_matter(out, naive_attention(query, case, positions, 0.125), window, dtype)
+
+
+@pytest.mark.parametrize("step_kv", [False, True])
+@pytest.mark.parametrize("window,softcap,sinks_on", EXTRAS)
+def test_prefill_reference_with_extras_matches_eager(window, softcap, sinks_on, step_kv):
+    """Fresh prompts (with `step_kv`: over the step's own K/V), chunks over earlier context of every size
+    relative to the window, decode-like single rows."""
+    dtype, page, group = torch.float32, 8, 3
+    lens = [1, 9, 40, 70, 33, 9, 26]
+    q_lens = [1, 9, 40, 13, 1, 3, 26]
+    case = make_paged(lens, page=page, num_kv_heads=2, head_dim=64, dtype=dtype)
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    query = 3 * torch.randn(int(qsl[-1]), 2 * group, 64)
+    kv = case.kv_cache[:, case.layer]
+    slots = [(int(case.block_tables[i, p // page]), p % page) for i, (n, q) in enumerate(zip(lens, q_lens))
+             for p in range(n - q, n)]
+    step = {"key": torch.stack([kv[b, 0, :, o] for b, o in slots]),
+            "value": torch.stack([kv[b, 1, :, o] for b, o in slots])} if step_kv else {}
+    sinks = _sinks(2 * group, dtype, sinks_on)
+    out = ref.paged_prefill_attention(query, case.kv_cache, case.layer, case.block_tables, qsl, case.seq_lens, 0.125,
+                                      sliding_window=window, softcap=softcap, sinks=sinks, **step)
+    positions = [list(range(n - q, n)) for n, q in zip(lens, q_lens)]
+    expect = eager_attention(query, case, positions, 0.125, window=window, softcap=softcap, sinks=sinks)
+    assert_close(out, expect, dtype, f"prefill reference window={window} softcap={softcap} sinks={sinks_on}")
+    _assert_extras_matter(out, naive_attention(query, case, positions, 0.125), window, dtype)
+
+
+def test_prefill_reference_in_chunks_equals_one_pass_with_a_window():
+    """A prompt prefilled in three chunks (each over the pool the earlier ones filled) gives the rows the
+    whole prompt gives in one pass: the window's lower edge moves with each chunk."""
+    n, window = 45, 11
+    case = make_paged([n], page=8, num_kv_heads=1, head_dim=32, dtype=torch.float32)
+    query = 3 * torch.randn(n, 2, 32)
+    sinks = torch.randn(2)
+    one = ref.paged_prefill_attention(query, case.kv_cache, case.layer, case.block_tables,
+                                      torch.tensor([0, n], dtype=torch.int32), case.seq_lens, 0.2,
+                                      sliding_window=window, softcap=3.0, sinks=sinks)
+    for lo, hi in [(0, 13), (13, 30), (30, 45)]:
+        chunk = ref.paged_prefill_attention(query[lo:hi], case.kv_cache, case.layer, case.block_tables,
+                                            torch.tensor([0, hi - lo], dtype=torch.int32),
+                                            torch.tensor([hi], dtype=torch.int32), 0.2,
+                                            sliding_window=window, softcap=3.0, sinks=sinks)
+        torch.testing.assert_close(chunk, one[lo:hi], atol=1e-5, rtol=1e-5)

@@ -5,6 +5,11 @@ model's layers call the attention function without a way to pass it through). `p
 is registered with transformers' `AttentionInterface` under the name "streamd"; it stores the new K/V
 into the paged pool and attends over the block tables. No mask function is registered under that name,
 so transformers skips mask construction entirely (the causal structure lives in the kernels).
+
+The per-layer extras transformers passes with the call reach the kernels as `LayerExtras`: a layer's
+``sliding_window`` (Mistral, Gemma 2/3, gpt-oss, Qwen2's windowed layers; None on full-attention layers),
+Gemma 2's logit ``softcap`` and gpt-oss's sinks (``s_aux``, one logit per query head). Their semantics
+are the references' (`streamd.kernels.reference`), which are transformers' masks and eager softmax.
 """
 
 from __future__ import annotations
@@ -29,6 +34,22 @@ class AttentionMetadata:
     decode_only: bool  # every sequence has exactly one query token
     ops: ModuleType  # streamd.kernels (Triton) or streamd.kernels.reference (plain torch)
 
+
+@dataclass(frozen=True, slots=True)
+class LayerExtras:
+    """A layer's attention extras (None: off; all None for a Llama layer, whose kernels compile without them)."""
+
+    sliding_window: int | None = None
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @classmethod
+    def from_kwargs(cls, kwargs: dict[str, Any]) -> LayerExtras:
+        """From the keywords transformers' attention modules pass (a 0 or None window is no window)."""
+        return cls(kwargs.get("sliding_window") or None, kwargs.get("softcap"), kwargs.get("s_aux"))
+
+
+NO_EXTRAS = LayerExtras()
 
 _context: AttentionMetadata | None = None
 
@@ -56,15 +77,14 @@ def paged_attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """transformers calls this with [1, heads, tokens, head_dim] tensors of the flattened batch."""
     md = get_attention_metadata()
-    if kwargs.get("sliding_window") or kwargs.get("softcap"):
-        raise NotImplementedError("streamd attention does not support sliding windows or logit soft-capping yet")
     layer = cast(int, module.layer_idx)  # transformers' attention modules know their layer
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     md.ops.store_kv(k, v, md.kv_cache, layer, md.slot_mapping)
-    return paged_attend(md, q, layer, scale, k, v).unsqueeze(0), None  # transformers wants [batch, tokens, heads, dim]
+    out = paged_attend(md, q, layer, scale, k, v, LayerExtras.from_kwargs(kwargs))
+    return out.unsqueeze(0), None  # transformers wants [batch, tokens, heads, dim]
 
 
 def paged_attend(
@@ -74,16 +94,40 @@ def paged_attend(
     scale: float,
     key: torch.Tensor | None,
     value: torch.Tensor | None,
+    extras: LayerExtras = NO_EXTRAS,
 ) -> torch.Tensor:
     """Attention of query [tokens, heads, head_dim] over `layer` of the pool, into which this step's `key`
     and `value` [tokens, kv_heads, head_dim] are stored (None: the caller does not hold them, as the fused
     Triton rotary keeps the rotated key on chip). A prefill hands them on: the reference attends a sequence
     without earlier context (a fresh prompt's single chunk) over them, as transformers does, instead of
-    gathering them back out of the pool; the Triton kernel reads the pool either way."""
+    gathering them back out of the pool; the Triton kernel reads the pool either way. `extras` go to the
+    kernels as keywords."""
+    window, softcap, sinks = extras.sliding_window, extras.softcap, extras.sinks
     if md.decode_only:
-        return md.ops.paged_decode_attention(query, md.kv_cache, layer, md.block_tables, md.seq_lens, scale)
+        return md.ops.paged_decode_attention(
+            query,
+            md.kv_cache,
+            layer,
+            md.block_tables,
+            md.seq_lens,
+            scale,
+            sliding_window=window,
+            softcap=softcap,
+            sinks=sinks,
+        )
     return md.ops.paged_prefill_attention(
-        query, md.kv_cache, layer, md.block_tables, md.query_start_loc, md.seq_lens, scale, key=key, value=value
+        query,
+        md.kv_cache,
+        layer,
+        md.block_tables,
+        md.query_start_loc,
+        md.seq_lens,
+        scale,
+        key=key,
+        value=value,
+        sliding_window=window,
+        softcap=softcap,
+        sinks=sinks,
     )
 
 

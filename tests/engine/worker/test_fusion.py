@@ -110,6 +110,21 @@ def test_bad_mode_and_unsupported_models_are_named() -> None:
     assert fuse_layers(windowed, "auto", torch.device("cuda")) == "off"
 
 
+@pytest.mark.parametrize("attr, value, reason", [("attn_logit_softcapping", 30.0, "soft-capping"),
+                                                 ("sinks", torch.zeros(2), "sinks"),
+                                                 ("sliding_window", 16, "sliding")])
+def test_a_layer_with_attention_extras_is_not_fused(attr, value, reason) -> None:
+    """The fused layer hands the attention kernels no extras: a layer whose attention module has one (as
+    transformers' Gemma 2 / gpt-oss / windowed modules do) keeps transformers' layer, whatever its model type."""
+    model = AutoModelForCausalLM.from_config(Qwen2Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=64))
+    setattr(model.model.layers[1].self_attn, attr, value)
+    with pytest.raises(ValueError, match=reason):
+        fuse_layers(model, "reference", torch.device("cpu"))
+    assert fuse_layers(model, "auto", torch.device("cuda")) == "off"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("mode", ["triton", "compile"])
