@@ -85,17 +85,7 @@ def family_config(family: str) -> PretrainedConfig:
     raise ValueError(f"unknown family {family!r}")
 
 
-# Until streamd's attention computes sliding windows, soft caps and sinks (branch i27-attn), these are refused.
-_ATTENTION = pytest.mark.xfail(strict=True, raises=ValueError, reason="sliding windows: branch i27-attn")
-FAMILIES = [
-    pytest.param("mistral", id="mistral"),
-    pytest.param("mistral-window", id="mistral-window", marks=_ATTENTION),
-    pytest.param("gemma2", id="gemma2", marks=_ATTENTION),
-    pytest.param("gemma3", id="gemma3", marks=_ATTENTION),
-    pytest.param("gemma3-vision", id="gemma3-vision", marks=_ATTENTION),
-    pytest.param("gpt-oss", id="gpt-oss", marks=_ATTENTION),
-    pytest.param("phi3", id="phi3", marks=_ATTENTION),
-]
+FAMILIES = ["mistral", "mistral-window", "gemma2", "gemma3", "gemma3-vision", "gpt-oss", "phi3"]
 
 
 def _saved(family: str, tmp_path: Path) -> Path:

@@ -29,8 +29,9 @@ from transformers import PretrainedConfig, PreTrainedModel
 SLIDING_WINDOW = "sliding windows"
 SOFT_CAP = "attention logit soft-capping"
 SINKS = "attention sinks"
-# What streamd's paged attention computes beyond causal attention over the whole context.
-ATTENTION_FEATURES: frozenset[str] = frozenset()
+# What streamd's paged attention computes beyond causal attention over the whole context: each layer's
+# extras reach the kernels (`attention.LayerExtras`, `kernels/attention_extras.py`).
+ATTENTION_FEATURES: frozenset[str] = frozenset({SLIDING_WINDOW, SOFT_CAP, SINKS})
 # Layer types (`config.layer_types`) whose state is the KV cache alone.
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention"})
 

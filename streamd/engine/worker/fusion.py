@@ -127,24 +127,6 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     base = getattr(model, model.base_model_prefix, None)
     if not all(hasattr(base, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return f"{type(base).__name__} is not a Llama-style decoder"
-    return _attention_extras_reason(cast(DecoderModule, base))
-
-
-# Attention-module attributes transformers hands the attention function as extras (window, logit cap, sinks):
-# the fused layer passes none of them on, so a layer that has one is not fused.
-_EXTRAS = {
-    "sliding_window": "sliding-window layers are not fused",
-    "attn_logit_softcapping": "logit soft-capping is not fused",
-    "sinks": "attention sinks are not fused",
-}
-
-
-def _attention_extras_reason(base: DecoderModule) -> str | None:
-    for layer in base.layers:
-        attn = getattr(layer, "self_attn", None)
-        for attr, reason in _EXTRAS.items():
-            if getattr(attn, attr, None) is not None:
-                return reason
     return None
 
 
