@@ -69,9 +69,10 @@ def planned_splits(model: PreTrainedModel, world_size: int) -> list[tuple[nn.Lin
     plan = model.config.get_text_config().base_model_tp_plan
     if not plan:
         raise ValueError(f"transformers has no tensor-parallel plan for model type {model.config.model_type!r}")
-    planned = [(name, module, _style_of(plan, name)) for name, module in model.base_model.named_modules()]
+    decoder = model.get_decoder()  # the text model: an image-text wrapper's own names miss the text plan's
+    planned = [(name, module, _style_of(plan, name)) for name, module in decoder.named_modules()]
     splits = [(name, module, style) for name, module, style in planned if style and style not in _REPLICATED]
-    if not splits:  # gpt-oss plans its embedding only; a multimodal wrapper's names miss the text plan's
+    if not splits:  # gpt-oss plans its embedding only
         raise ValueError(
             f"transformers' tensor-parallel plan for model type {model.config.model_type!r} splits none of its "
             f"layers ({plan}): every rank would run the whole model"
