@@ -99,7 +99,7 @@ def load_model(
         source, label = _resolve_source(name, cache_path(cache_dir))
         log.info("model.load.start", model=label, source=str(source), dtype=str(dtype), device=str(device))
         local_only = not Path(source).exists()
-        extra = _load_options(checkpoint_config(source, local_only))
+        extra = _load_options(_checkpoint_config(source, local_only))
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only, **extra)
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
         loaded = LoadedModel(model, tokenizer, label)
@@ -121,7 +121,7 @@ def _random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.de
     return LoadedModel(model, None, f"random-{config.model_type}")
 
 
-def checkpoint_config(source: str, local_only: bool) -> dict[str, Any]:
+def _checkpoint_config(source: str, local_only: bool) -> dict[str, Any]:
     """The checkpoint's `config.json` as written; refuses an architecture transformers does not ship."""
     raw, _ = PretrainedConfig.get_config_dict(source, local_files_only=local_only)
     model_type = raw.get("model_type")
