@@ -113,14 +113,17 @@ def tiny_config(kind: str = "llama", *, vocab_size: int = 300, hidden_size: int 
                 num_hidden_layers: int = 2, num_attention_heads: int = 4, head_dim: int | None = None,
                 max_position_embeddings: int = 512, initializer_range: float = 0.1):
     """A random-weight model of a real architecture with 2 KV heads and untied embeddings: "llama" (GQA),
-    "qwen2" (QKV bias) or "qwen3" (per-head q/k norm). `head_dim` None: hidden_size / num_attention_heads.
-    The defaults are the 2-layer Llama (hidden 64, 4 query heads over 2 KV heads) of the engine unit tests."""
-    from transformers import LlamaConfig, Qwen2Config, Qwen3Config
+    "mistral" (a Llama without a window: v0.3, Nemo), "qwen2" (QKV bias) or "qwen3" (per-head q/k norm).
+    `head_dim` None: hidden_size / num_attention_heads. The defaults are the 2-layer Llama (hidden 64, 4 query
+    heads over 2 KV heads) of the engine unit tests."""
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
+    classes = {"llama": LlamaConfig, "mistral": MistralConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config}
     if kind not in classes:
         raise ValueError(f"tiny_config kind must be one of {', '.join(classes)}, got {kind!r}")
     extra = {} if head_dim is None else {"head_dim": head_dim}
+    if kind == "mistral":
+        extra["sliding_window"] = None
     return classes[kind](vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
                          num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
                          num_key_value_heads=2, max_position_embeddings=max_position_embeddings,
@@ -133,6 +136,31 @@ def tiny_arch_config(kind: str, hidden_size: int, intermediate_size: int, num_at
     return tiny_config(kind, vocab_size=320, hidden_size=hidden_size, intermediate_size=intermediate_size,
                        num_hidden_layers=3, num_attention_heads=num_attention_heads,
                        head_dim=qwen3_head_dim if kind == "qwen3" else None, initializer_range=0.08)
+
+
+def save_random_checkpoint(config, path, seed: int = 0):
+    """A random-weight model of `config` saved as a model directory (`save_pretrained`) with a word-level
+    tokenizer over its vocabulary ("w3 w17" -> ids 3, 17), so that it loads like any Hugging Face model;
+    1-D parameters (biases, norms, sinks) perturbed so that they matter, EOS off. Returns `path`."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():  # transformers initialises biases to 0 and norms to 1: make them matter
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn(param.shape, generator=gen) * 0.3)
+    model.generation_config.eos_token_id = None
+    model.save_pretrained(path)
+    vocab = config.get_text_config().vocab_size
+    tokenizer = Tokenizer(WordLevel({f"w{i}": i for i in range(vocab)}, unk_token="w0"))
+    tokenizer.pre_tokenizer = WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="w0").save_pretrained(path)
+    return path
 
 
 def tiny_llm(**overrides):

@@ -1,4 +1,4 @@
-"""Fused decoder layers for the Llama family (Llama, Qwen2, Qwen3; SmolLM2 is a Llama): `fuse_layers`.
+"""Fused decoder layers for the Llama family (Llama, Mistral, Qwen2, Qwen3; SmolLM2 is a Llama): `fuse_layers`.
 
 Called once after loading, it replaces the causal LM's base model by a `FusedDecoder` that keeps the
 embedding, the rotary tables and the final norm, and runs every layer as
@@ -35,12 +35,13 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from streamd.config import FUSE_MODES
 from streamd.engine.worker.attention import get_attention_metadata, paged_attend
+from streamd.engine.worker.families import attention_needs
 from streamd.kernels import reference
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
 
 # The parts of transformers' Llama-style modules that the fused layer reads (nn.Module's attribute access is
@@ -120,29 +121,12 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
         return f"model type {config.model_type!r} is not one of {', '.join(SUPPORTED_MODEL_TYPES)}"
     if getattr(config, "hidden_act", "silu") != "silu":
         return f"activation {config.hidden_act!r} is not silu"
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
-        return "sliding-window layers are not fused"
+    needs = attention_needs(model).features()  # Mistral 7B v0.1's window too, which no `layer_types` names
+    if needs:
+        return f"the fused layer attends without {', '.join(needs)}"
     base = getattr(model, model.base_model_prefix, None)
     if not all(hasattr(base, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return f"{type(base).__name__} is not a Llama-style decoder"
-    return _attention_extras_reason(cast(DecoderModule, base))
-
-
-# Attention-module attributes transformers hands the attention function as extras (window, logit cap, sinks):
-# the fused layer passes none of them on, so a layer that has one is not fused.
-_EXTRAS = {
-    "sliding_window": "sliding-window layers are not fused",
-    "attn_logit_softcapping": "logit soft-capping is not fused",
-    "sinks": "attention sinks are not fused",
-}
-
-
-def _attention_extras_reason(base: DecoderModule) -> str | None:
-    for layer in base.layers:
-        attn = getattr(layer, "self_attn", None)
-        for attr, reason in _EXTRAS.items():
-            if getattr(attn, attr, None) is not None:
-                return reason
     return None
 
 

@@ -1,6 +1,12 @@
 """Model loading: the default GGUF model, a local Hugging Face directory, a Hub id already in the local
 cache, or a config for random weights; always through transformers' own loaders, never the network.
 
+Before any weight is read, the checkpoint's `config.json` is checked: an architecture transformers does not ship
+(its code comes with the checkpoint, `trust_remote_code`: Phi-3-small) is refused, since streamd runs no
+remote code; an MXFP4 checkpoint (gpt-oss) is dequantized while loading, in `model.dtype`: transformers would
+otherwise fetch its MXFP4 kernels from the Hub at run time where the `kernels` package is installed. After
+loading, `families.check_runnable` refuses a model whose layers streamd cannot run, with the reason.
+
 A GGUF file is dequantized by transformers once; the converted weights and tokenizer are cached on disk
 (`model.cache_dir`, by default `$XDG_CACHE_HOME/streamd`, keyed by the file's content, so all checkouts on a
 machine share one copy) and the next start loads safetensors in a fraction of a second.
@@ -22,9 +28,17 @@ import torch
 import transformers
 import xxhash
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig, PreTrainedModel
+from transformers import (
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+)
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.utils.quantization_config import Mxfp4Config
 
 from streamd.config import cache_path
+from streamd.engine.worker.families import check_runnable
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -85,9 +99,11 @@ def load_model(
         source, label = _resolve_source(name, cache_path(cache_dir))
         log.info("model.load.start", model=label, source=str(source), dtype=str(dtype), device=str(device))
         local_only = not Path(source).exists()
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only)
+        extra = _load_options(_checkpoint_config(source, local_only))
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only, **extra)
         tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
         loaded = LoadedModel(model, tokenizer, label)
+    check_runnable(loaded.model)
     as_module(loaded.model).to(device).eval().requires_grad_(False)
     params = sum(p.numel() for p in loaded.model.parameters())
     log.info("model.load.done", model=loaded.name, params=params, seconds=round(time.perf_counter() - start, 2))
@@ -105,6 +121,29 @@ def _random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.de
     return LoadedModel(model, None, f"random-{config.model_type}")
 
 
+def _checkpoint_config(source: str, local_only: bool) -> dict[str, Any]:
+    """The checkpoint's `config.json` as written; refuses an architecture transformers does not ship."""
+    raw, _ = PretrainedConfig.get_config_dict(source, local_files_only=local_only)
+    model_type = raw.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        classes = ", ".join(raw.get("architectures") or ()) or "no architecture named"
+        raise ValueError(
+            f"model type {model_type!r} ({classes}) is not one that transformers {transformers.__version__} ships: "
+            "its code comes with the checkpoint (trust_remote_code), and streamd runs no remote code"
+        )
+    return raw
+
+
+def _load_options(raw: dict[str, Any]) -> dict[str, Any]:
+    """`from_pretrained` options a checkpoint needs: an MXFP4 one (gpt-oss) dequantized as it loads, never
+    through the MXFP4 kernels transformers would download from the Hub."""
+    quantization = raw.get("quantization_config") or {}
+    if quantization.get("quant_method") == "mxfp4":
+        log.info("model.load.dequantize", quantization="mxfp4", note="weights dequantized to model.dtype")
+        return {"quantization_config": Mxfp4Config(dequantize=True)}
+    return {}
+
+
 def _resolve_source(name: str | None, cache_dir: Path) -> tuple[str, str]:
     """Returns a path or Hub id that `from_pretrained` loads directly, and a display name."""
     if name is None:
@@ -119,7 +158,7 @@ def _resolve_source(name: str | None, cache_dir: Path) -> tuple[str, str]:
     if path.exists() or name.startswith((".", "/", "~")):
         raise ValueError(f"model {name!r} is neither a model directory nor a .gguf file")
     try:  # a Hub id must already be in the local cache: no code path may download
-        AutoConfig.from_pretrained(name, local_files_only=True)
+        PretrainedConfig.get_config_dict(name, local_files_only=True)
     except OSError as exc:
         raise ValueError(
             f"model {name!r} is not a local path and not in the local Hugging Face cache "

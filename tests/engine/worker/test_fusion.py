@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, Qwen2Config
+from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from streamd import LLM, SamplingParams
 from streamd.engine.worker.fusion import FusedDecoder, fuse_layers
@@ -40,8 +40,10 @@ def _modes() -> list:
     return modes
 
 
-@pytest.mark.parametrize("mode, shape", _modes())
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+# Mistral without a window is a Llama to the fused layer: the references alone (the kernels are the Llama's).
+@pytest.mark.parametrize("kind, mode, shape", [pytest.param(kind, *mode.values, id=f"{kind}-{mode.id}", marks=mode.marks)
+                                               for kind in ("llama", "qwen2", "qwen3") for mode in _modes()]
+                         + [pytest.param("mistral", "reference", (6, 12), id="mistral-reference")])
 def test_fused_layers_match_hf_generate(kind: str, mode: str, shape: tuple[int, int]) -> None:
     num_prompts, max_tokens = shape
     llm, reference, prompts = _engine_and_reference(kind, num_prompts)
@@ -99,6 +101,13 @@ def test_bad_mode_and_unsupported_models_are_named() -> None:
         vocab_size=64, use_sliding_window=True, sliding_window=16, max_window_layers=1))
     with pytest.raises(ValueError, match="sliding"):
         fuse_layers(sliding, "reference", torch.device("cpu"))
+    # Mistral 7B v0.1's window lives in its config alone (no layer_types)
+    windowed = AutoModelForCausalLM.from_config(MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+        vocab_size=64, sliding_window=16))
+    with pytest.raises(ValueError, match="without sliding windows"):
+        fuse_layers(windowed, "reference", torch.device("cpu"))
+    assert fuse_layers(windowed, "auto", torch.device("cuda")) == "off"
 
 
 @pytest.mark.parametrize("attr, value, reason", [("attn_logit_softcapping", 30.0, "soft-capping"),

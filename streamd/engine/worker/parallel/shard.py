@@ -55,28 +55,42 @@ def check_divisible(model: PreTrainedModel, world_size: int) -> None:
 
 def shard_model(model: PreTrainedModel, spec: ShardSpec) -> None:
     """Replaces each planned linear layer's weight (and bias) by this rank's slice; hooks row-parallel ones."""
-    check_divisible(model, spec.world_size)
+    for linear, style in planned_splits(model, spec.world_size):
+        if style == COLWISE:
+            _split_columns(linear, spec)
+        else:
+            _split_rows(linear, spec)
+
+
+def planned_splits(model: PreTrainedModel, world_size: int) -> list[tuple[nn.Linear, str]]:
+    """The linear layers transformers' plan splits, each with its style; raises ValueError where streamd
+    cannot follow the plan (rank 0 asks before it starts any worker)."""
+    check_divisible(model, world_size)
     plan = model.config.get_text_config().base_model_tp_plan
     if not plan:
         raise ValueError(f"transformers has no tensor-parallel plan for model type {model.config.model_type!r}")
-    base = model.base_model
-    for name, module in base.named_modules():
-        style = _style_of(plan, name)
-        if style is None or style in _REPLICATED:
-            continue
-        if not isinstance(module, nn.Linear):
-            raise ValueError(
-                f"tensor-parallel plan style {style!r} on {name} ({type(module).__name__}) "
-                "is not supported: only plain linear layers are split"
-            )
-        if style == COLWISE:
-            _split_columns(module, spec)
-        elif style == ROWWISE:
-            _split_rows(module, spec)
-        else:
-            raise ValueError(
-                f"tensor-parallel plan style {style!r} (on {name}) is not supported; supported: {COLWISE}, {ROWWISE}"
-            )
+    decoder = model.get_decoder()  # the text model: an image-text wrapper's own names miss the text plan's
+    planned = [(name, module, _style_of(plan, name)) for name, module in decoder.named_modules()]
+    splits = [(name, module, style) for name, module, style in planned if style and style not in _REPLICATED]
+    if not splits:  # gpt-oss plans its embedding only
+        raise ValueError(
+            f"transformers' tensor-parallel plan for model type {model.config.model_type!r} splits none of its "
+            f"layers ({plan}): every rank would run the whole model"
+        )
+    return [(_splittable(name, module, style), style) for name, module, style in splits]
+
+
+def _splittable(name: str, module: nn.Module, style: str) -> nn.Linear:
+    if not isinstance(module, nn.Linear):
+        raise ValueError(
+            f"tensor-parallel plan style {style!r} on {name} ({type(module).__name__}) "
+            "is not supported: only plain linear layers are split"
+        )
+    if style not in (COLWISE, ROWWISE):
+        raise ValueError(
+            f"tensor-parallel plan style {style!r} (on {name}) is not supported; supported: {COLWISE}, {ROWWISE}"
+        )
+    return module
 
 
 def _style_of(plan: dict[str, str], name: str) -> str | None:

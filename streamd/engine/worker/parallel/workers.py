@@ -40,7 +40,7 @@ from streamd.engine.worker.fusion import fuse_layers
 from streamd.engine.worker.model_loader import LoadedModel, as_module, load_model, resolve_device, resolve_dtype
 from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of
 from streamd.engine.worker.parallel.collectives import Collectives
-from streamd.engine.worker.parallel.shard import ShardSpec, check_divisible, shard_model
+from streamd.engine.worker.parallel.shard import ShardSpec, planned_splits, shard_model
 from streamd.engine.worker.parallel.step_message import Command, StepChannel, StepMessage, apply_order
 from streamd.logs import get_logger
 
@@ -119,7 +119,7 @@ def start_tensor_parallel(
     loaded = load_model(
         model_config or config.model.name, dtype, torch.device("cpu"), config.model.cache_dir, config.model.seed
     )
-    check_divisible(loaded.model, world)
+    planned_splits(loaded.model, world)  # refuses a model it cannot split before any worker starts
     store = dist.TCPStore(_HOST, 0, world, is_master=True, wait_for_workers=False, timeout=_timeout(config))
     context = mp.get_context("spawn")
     processes: list[BaseProcess] = []
