@@ -108,6 +108,9 @@ class CacheConfig:
     # The prefix cache's disk tier (engine/core/disk_tier.py): evicted blocks as files, indexed again at start.
     disk_cache_dir: str = ""  # "": off
     disk_cache_gib: float = 16.0  # the tier's bound, least recently used files evicted first
+    # At shutdown the cached blocks still on the device and in the host tier are written, most valuable first,
+    # for at most this long (docker-compose.yml's stop_grace_period leaves 15 s after the 30 s drain).
+    disk_persist_timeout_s: float = 10.0
     # The host-RAM tier (engine/core/host_tier.py): this many GiB added to the host swap pool for evicted prefix
     # blocks (swap preemption still takes any of them first). None: on CUDA 20% of the RAM available at start, at
     # most 32 GiB; on the CPU 0 (off: the device pool is host memory already).
@@ -125,6 +128,7 @@ class CacheConfig:
         if not 0 <= self.watermark < 1:
             raise ConfigError(f"cache.watermark must be in [0, 1), got {self.watermark}")
         _positive("cache.disk_cache_gib", self.disk_cache_gib)
+        _non_negative("cache.disk_persist_timeout_s", self.disk_persist_timeout_s)
         _non_negative("cache.host_cache_gib", self.host_cache_gib, allow_none=True)
 
 

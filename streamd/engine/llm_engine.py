@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from streamd.config import Config
-    from streamd.engine.core.kv_tiers import TierOrders
+    from streamd.engine.core.kv_tiers import CachedBlock, TierOrders
     from streamd.engine.core.scheduler_output import SchedulerOutput
     from streamd.engine.worker.model_loader import LoadedModel
     from streamd.engine.worker.parallel.workers import WorkerPool
@@ -250,11 +250,20 @@ class LLMEngine:
 
     def close(self) -> None:
         """At shutdown (after the last step): the device's and the host tier's cached prefixes go to the disk
-        tier, whose writes are then finished, so a restarted server finds them."""
+        tier, most valuable first, as many as its bound holds within `cache.disk_persist_timeout_s` (its
+        earlier writes finished within the same bound), so a restarted server finds them."""
         tier = self.block_manager.tier
-        if tier is not None:
-            self._spill(self.block_manager.spill_all())
-            tier.close()
+        if tier is None:
+            return
+        began, timeout_s = time.monotonic(), self.config.cache.disk_persist_timeout_s
+        tier.persist(self.block_manager.persist_order(), self._read_cached, timeout_s)
+        tier.close(max(0.0, timeout_s - (time.monotonic() - began)))
+
+    def _read_cached(self, blocks: list[CachedBlock]) -> list[bytes]:
+        """The bytes of cached blocks, wherever each is (the device pool or the host tier's), in order."""
+        host = iter(self.executor.read_host_blocks([b.block for b in blocks if b.on_host]))
+        device = iter(self.executor.read_blocks([b.block for b in blocks if not b.on_host]))
+        return [next(host if b.on_host else device) for b in blocks]
 
     def _forward(self, out: SchedulerOutput, prev: InFlight | None) -> SampleRows:
         """Queues the step's forward (its inputs take `prev`'s tokens on the device); beam rows leave for

@@ -1,7 +1,8 @@
 """The disk tier in a real engine (a small random-weight model on the CPU): a prefix evicted from the device
 by other traffic comes back from disk (cached tokens reported, greedy output identical to an engine without
-the tier), an engine restarted on the same directory finds it, a tampered or truncated file is skipped and
-the output stays the same, and no block leaks in either pool or tier after cancels and preemption."""
+the tier), an engine restarted on the same directory finds it (the device's and the host tier's cached
+blocks are written at close, most recently used first), a tampered or truncated file is skipped and the
+output stays the same, and no block leaks in either pool or tier after cancels and preemption."""
 
 from __future__ import annotations
 
@@ -9,6 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from streamd.engine.core import disk_tier
+from streamd.engine.core.kv_tiers import BlockKey
+from streamd.engine.core.prefix_cache import ROOT_HASH, hash_block
 from streamd.engine.sampling_params import SamplingParams
 from tests.helpers import fold_deltas, random_prompt, run_to_completion, tiny_llm
 
@@ -51,6 +55,60 @@ def test_evicted_prefix_returns_from_disk_and_after_a_restart(tmp_path: Path) ->
     (again,) = restarted.generate([PROMPT], GREEDY)
     assert (again.outputs[0].token_ids, again.num_cached_tokens) == (expected, FULL_BLOCKS_TOKENS)
     restarted.engine.close()
+
+
+def with_host_tier(directory: Path, **extra):
+    """`engine(directory)` with a host tier of 64 blocks above the disk tier."""
+    probe = tiny_llm(num_kv_blocks=4, num_swap_blocks=0)
+    gib = 64 * probe.engine.cache.layout.bytes_per_block / 2**30
+    return tiny_llm(num_kv_blocks=12, num_swap_blocks=0, **{"cache.host_cache_gib": gib,
+                                                           "cache.disk_cache_dir": str(directory), **extra})
+
+
+def first_block_key(prompt: list[int]) -> BlockKey:
+    return BlockKey(hash_block(ROOT_HASH, prompt[:BS]), ROOT_HASH, tuple(prompt[:BS]))
+
+
+def restarted_answer(directory: Path) -> tuple[list[int], int]:
+    """PROMPT's greedy tokens and cached tokens on a fresh engine over `directory`."""
+    restarted = engine(directory)
+    (out,) = restarted.generate([PROMPT], GREEDY)
+    restarted.engine.close()
+    return out.outputs[0].token_ids, out.num_cached_tokens
+
+
+@pytest.mark.parametrize("where", ["host", "device"])
+def test_a_restart_finds_the_prompt_cached_at_close_wherever_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Issue 31's H200 run, scaled down: at close the device and the host tier cached more blocks than the
+    disk tier's background writer holds in memory (there 256 MiB: ~700 of ~5,000 blocks; here none), and
+    the prompt had been sent before the other traffic (its blocks in the host tier) or after it (on the
+    device, as the system prompt was there). Close writes them itself, so a restart finds them."""
+    expected, _ = evict_then_ask(engine(None))
+    monkeypatch.setattr(disk_tier, "_MAX_PENDING_BYTES", 0)  # the writer takes no spill
+    tiered = with_host_tier(tmp_path)
+    for prompt in [PROMPT, *TRAFFIC] if where == "host" else [*TRAFFIC, PROMPT]:
+        tiered.generate([prompt], GREEDY)
+    bm, key = tiered.engine.block_manager, first_block_key(PROMPT)
+    assert bm.host_cache.contains(key) == (where == "host")
+    assert (key.block_hash in bm.findable_blocks()) == (where == "device")
+    tiered.engine.close()
+    assert restarted_answer(tmp_path) == (expected, FULL_BLOCKS_TOKENS)
+
+
+def test_close_keeps_the_most_recent_prefixes_the_disk_bound_holds(tmp_path: Path) -> None:
+    """The disk tier holds 8 blocks; at close the host tier caches older traffic (18 blocks) and the device
+    the prompt just answered: the prompt's blocks are kept, the oldest traffic is not."""
+    expected, _ = evict_then_ask(engine(None))
+    probe = tiny_llm(num_kv_blocks=4, num_swap_blocks=0)
+    file_gib = (probe.engine.cache.layout.bytes_per_block + 48 + 8 * BS) / 2**30
+    tiered = with_host_tier(tmp_path, **{"cache.disk_cache_gib": 8 * file_gib})
+    for prompt in [*TRAFFIC, PROMPT]:
+        tiered.generate([prompt], GREEDY)
+    tiered.engine.close()
+    assert len(list(tmp_path.glob("*/*.kv"))) == 8
+    assert restarted_answer(tmp_path) == (expected, FULL_BLOCKS_TOKENS)
 
 
 def tamper(file: Path) -> None:

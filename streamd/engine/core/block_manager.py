@@ -24,7 +24,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 
 from streamd.engine.core.host_tier import HostCache
-from streamd.engine.core.kv_tiers import BlockKey, KVTier, TierOrders
+from streamd.engine.core.kv_tiers import BlockKey, CachedBlock, KVTier, TierOrders
 from streamd.engine.core.prefix_cache import PrefixCache, SeqHashes
 from streamd.engine.core.sequence import Sequence
 from streamd.engine.stats import KVCacheStats
@@ -360,18 +360,19 @@ class BlockManager:
         if self.tier is not None and not self.tier.contains(block_key):  # (restored blocks are there already)
             self._orders().spills.append((block, block_key))
 
-    def spill_all(self) -> TierOrders | None:
-        """Orders every findable device block to the lower tier, least recently used first (at shutdown:
-        a restarted server finds what this one had cached)."""
-        if self.tier is not None:
-            held = [b for b in self._cache.registered().values() if self._ref[b] > 0]
-            for block in [*self._cached_free, *held]:
-                self._spill(block, to_host=False)
-            while self.host_cache is not None and (evicted := self.host_cache.evict()) is not None:
-                if not self.tier.contains(evicted[1]):
-                    self._orders().host_to_disk.append(evicted)
-                self._host_free.append(evicted[0])
-        return self.take_tier_orders()
+    def persist_order(self) -> list[CachedBlock]:
+        """Every cached block, each content once, most valuable first (at shutdown, for the disk tier): the
+        device's blocks in use, then its free cached ones, then the host tier's, each most recently used
+        first. A sequence's prefix comes before its later blocks (tables are freed tail first, and the device
+        evicts to the host tier in that order), so a cut anywhere down the list mostly keeps whole chains."""
+        if self.tier is None:
+            return []
+        held = [b for b in self._cache.registered().values() if self._ref[b] > 0]
+        device = [*held, *reversed(self._cached_free)]
+        cached = [CachedBlock(key, b) for b in device if (key := self._cache.key_of(b)) is not None]
+        host = self.host_cache
+        on_host = [CachedBlock(host.key_of(b), b, True) for b in reversed(host.cached_blocks())] if host else []
+        return _each_content_once(cached + on_host)
 
     def take_tier_orders(self) -> TierOrders | None:
         """This step's spills and restores (the scheduler hands them to the CacheEngine with the plan); None
@@ -573,6 +574,14 @@ class BlockManager:
             assert not self._cache.is_registered(block), f"unregistered free list holds findable block {block}"
         for block_hash, block in self._cache.registered().items():
             assert self._cache.is_registered(block), f"hash {block_hash} maps to unregistered block {block}"
+
+
+def _each_content_once(blocks: list[CachedBlock]) -> list[CachedBlock]:
+    """`blocks` without later copies of a content (a host hit copied back to the device stays cached there)."""
+    first: dict[int, CachedBlock] = {}
+    for block in blocks:
+        first.setdefault(block.key.block_hash, block)
+    return list(first.values())
 
 
 def _check_pool(name: str, refs: list[int], free: list[int], tables: list[list[int]]) -> None:

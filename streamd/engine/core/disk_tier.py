@@ -12,6 +12,13 @@ before its bytes reach the pool (the block is then recomputed: the output is unc
 Writes go through one background thread (the engine thread only hands the bytes over); until a block's
 file is written its bytes stay in memory and reads find them there. The total is bounded by
 `cache.disk_cache_gib`, least recently used evicted first. Plain Python, no torch.
+
+At a graceful shutdown (`persist`) the cached blocks still on the device or in the host tier come here most
+valuable first and are written on the closing thread, not handed to the writer (whose in-memory bound drops
+spills): the bound's room is given down that list, so what does not fit is the least valuable, and the
+writes stop at a time bound (`cache.disk_persist_timeout_s`), so a slow disk cannot hold a shutdown past
+an orchestrator's grace period. The kept blocks then rank most recently used, in the index and, through
+their files' modification times, in the next start's index.
 """
 
 from __future__ import annotations
@@ -23,12 +30,13 @@ import threading
 import time
 from array import array
 from collections import OrderedDict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import xxhash
 
-from streamd.engine.core.kv_tiers import BlockKey
+from streamd.engine.core.kv_tiers import BlockKey, CachedBlock, Persisted, ReadBlocks
 from streamd.engine.stats import TierStats
 from streamd.logs import get_logger
 
@@ -41,6 +49,8 @@ _MAX_PENDING_BYTES = 256 << 20  # bytes handed to the writer and not yet on disk
 _EMA = 0.2  # weight of a new read time in the measured read seconds per block
 _PROBES = 5  # start-up reads of a scratch block; the fastest is the estimate (contention only adds time)
 _RETRY_EVERY = 64  # while reading loses to recomputing, every 64th admission reads anyway, to measure again
+_PERSIST_BATCH = 64  # blocks read out of the pools at once at shutdown (their bytes are held until written)
+_RANK_STEP_NS = 1000  # at shutdown, kept files' modification times step down by this, most valuable newest
 
 
 def layout_digest(description: str) -> int:
@@ -79,6 +89,7 @@ class DiskTier:
         self._jobs: queue.Queue[tuple[str, int, Path] | None] = queue.Queue()
         self.hit_blocks = self.bytes_read = self.bytes_written = self.skipped_files = self.dropped_spills = 0
         self._refusals = 0  # admissions told not to read since the last read
+        self._closed = False
         self.read_s_per_block = self._probe_read()
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="streamd-disk-tier", daemon=True)
@@ -131,11 +142,7 @@ class DiskTier:
         if size > self.capacity_bytes or self._pending_bytes + len(payload) > _MAX_PENDING_BYTES:
             self.dropped_spills += 1
             return
-        self._forget(key.block_hash)  # a colliding hash with other content: the newer content wins
-        while self._used_bytes + size > self.capacity_bytes:
-            self._forget(next(iter(self._entries)))
-        self._entries[key.block_hash] = _Entry(key, size)
-        self._used_bytes += size
+        self._admit(key, size)
         with self._lock:
             self._pending[key.block_hash] = payload
             self._pending_bytes += len(payload)
@@ -155,10 +162,102 @@ class DiskTier:
         """Waits until every handed-over block is on disk (tests, shutdown)."""
         self._jobs.join()
 
-    def close(self) -> None:
-        self.flush()
+    def close(self, timeout_s: float | None = None) -> None:
+        """Finishes the handed-over writes and stops the writer; after `timeout_s` the writes left are
+        abandoned (a daemon thread: a file cut short is a `.tmp` the next start deletes). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         self._jobs.put(None)
-        self._writer.join()
+        self._writer.join(timeout_s)
+        if self._writer.is_alive():
+            log.warning("disk_tier.close_timed_out", unwritten_blocks=len(self._pending))
+
+    # ---- shutdown -------------------------------------------------------------------------------
+
+    def persist(
+        self,
+        blocks: list[CachedBlock],
+        read: ReadBlocks,
+        timeout_s: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> Persisted:
+        """Keeps `blocks` (most valuable first, each content once) on disk: the longest head of the list the
+        bound holds (evicting older files), blocks already here kept, the others read `_PERSIST_BATCH` at a
+        time and written on this thread until `timeout_s` has passed; then ranks the kept ones most recent,
+        in list order. Writes handed over before wait for the writer first, within the same time bound."""
+        began = clock()
+        if self._closed:
+            return Persisted(len(blocks), 0, 0, 0, len(blocks), 0.0)
+        deadline = began + timeout_s
+        self._flush_until(deadline, clock)
+        chosen = self._fitting(blocks)
+        here = [b.key for b in chosen if self.contains(b.key)]
+        for key in here:  # out of the eviction's way while the new ones are written
+            self._entries.move_to_end(key.block_hash)
+        new = [b for b in chosen if not self.contains(b.key)]
+        written = self._write_until(new, read, deadline, clock)
+        on_disk = [b.key for b in chosen if self.contains(b.key)]
+        self._rank(on_disk)
+        done = Persisted(
+            len(blocks), len(here), written, len(blocks) - len(chosen), len(chosen) - len(on_disk), clock() - began
+        )
+        log.info("disk_tier.persisted", **asdict(done))
+        return done
+
+    def _flush_until(self, deadline: float, clock: Callable[[], float]) -> None:
+        """`flush`, waiting no later than `deadline`."""
+        done = self._jobs.all_tasks_done
+        with done:
+            while self._jobs.unfinished_tasks and (left := deadline - clock()) > 0:
+                done.wait(left)
+
+    def _fitting(self, blocks: list[CachedBlock]) -> list[CachedBlock]:
+        """The longest head of `blocks` whose files the bound holds together."""
+        room = self.capacity_bytes
+        for i, block in enumerate(blocks):
+            room -= self._file_size(block.key)
+            if room < 0:
+                return blocks[:i]
+        return blocks
+
+    def _write_until(
+        self, blocks: list[CachedBlock], read: ReadBlocks, deadline: float, clock: Callable[[], float]
+    ) -> int:
+        """Reads and writes `blocks` in order, batch by batch, until `deadline`; how many were written."""
+        written = 0
+        for start in range(0, len(blocks), _PERSIST_BATCH):
+            if clock() >= deadline:
+                break
+            batch = blocks[start : start + _PERSIST_BATCH]
+            for block, payload in zip(batch, read(batch), strict=True):
+                if clock() >= deadline or not self._write_now(block.key, payload):
+                    return written
+                written += 1
+        return written
+
+    def _write_now(self, key: BlockKey, payload: bytes) -> bool:
+        """Indexes and writes one block on this thread; False (and forgotten) when the write failed."""
+        self._admit(key, self._file_size(key))
+        try:
+            self._write_file(self._path(key.block_hash), key, payload)
+        except OSError as exc:
+            log.warning("disk_tier.io_failed", op="persist", path=str(self._path(key.block_hash)), error=str(exc))
+            self._forget(key.block_hash)
+            return False
+        return True
+
+    def _rank(self, keys: list[BlockKey]) -> None:
+        """`keys` (most valuable first) become the most recently used, in that order, here and in the files'
+        modification times the next start indexes by."""
+        now = time.time_ns()
+        for i, key in enumerate(reversed(keys)):
+            self._entries.move_to_end(key.block_hash)
+            stamp = now - (len(keys) - 1 - i) * _RANK_STEP_NS
+            try:
+                os.utime(self._path(key.block_hash), ns=(stamp, stamp))
+            except OSError:
+                pass  # (not written yet: the writer's late write is stamped newer still)
 
     def check_invariants(self) -> None:
         """Raises AssertionError unless the index and the directory agree once the writes are done (the leak
@@ -174,6 +273,17 @@ class DiskTier:
 
     def _path(self, block_hash: int) -> Path:
         return self.directory / f"{block_hash:016x}.kv"
+
+    def _file_size(self, key: BlockKey) -> int:
+        return _HEADER.size + 8 * len(key.token_ids) + self.block_bytes
+
+    def _admit(self, key: BlockKey, size: int) -> None:
+        """Indexes `key` as most recently used, evicting the least recently used files beyond the bound."""
+        self._forget(key.block_hash)  # a colliding hash with other content: the newer content wins
+        while self._used_bytes + size > self.capacity_bytes:
+            self._forget(next(iter(self._entries)))
+        self._entries[key.block_hash] = _Entry(key, size)
+        self._used_bytes += size
 
     def _forget(self, block_hash: int) -> None:
         entry = self._entries.pop(block_hash, None)

@@ -72,8 +72,11 @@ class HostCache:
         return len(self._lru)
 
     def cached_blocks(self) -> list[int]:
-        """Every unpinned cached host block (free for swap preemption)."""
+        """Every unpinned cached host block (free for swap preemption), least recently used first."""
         return list(self._lru)
+
+    def key_of(self, block: int) -> BlockKey:
+        return self._keys[block]
 
     def stats(self) -> TierStats:
         moved = self.bytes_per_block

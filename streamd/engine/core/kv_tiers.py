@@ -8,10 +8,17 @@ under its `BlockKey`), and when admission's chain continues in the tier it order
 bytes into a freshly allocated device block, before the forward that reads them). The CacheEngine moves
 the bytes; the tier owns its index and storage (`disk_tier.DiskTier`). A tier is consulted only while
 reading beats recomputing (`KVTier.worth_reading`).
+
+At a graceful shutdown the tier takes what the device and the host tier still cache (`KVTier.persist`): the
+BlockManager lists those blocks most valuable first (`CachedBlock`s), the engine reads their bytes batch by
+batch, and the tier keeps as many as its bound holds within a time bound, so a restarted server finds the
+prefixes it will be asked for first (issue 31's H200 run lost the system prompt: every block was handed to
+the background writer least recently used first, and its in-memory bound dropped the most recent ones).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -46,6 +53,30 @@ class TierOrders:
         return cls([], [])
 
 
+@dataclass(slots=True, frozen=True)
+class CachedBlock:
+    """A block the prefix cache holds at shutdown: its content's key and where its bytes are."""
+
+    key: BlockKey
+    block: int  # a device block, or a host pool block when `on_host`
+    on_host: bool = False
+
+
+ReadBlocks = Callable[[list[CachedBlock]], list[bytes]]  # the bytes of each block, in order (the engine's reads)
+
+
+@dataclass(slots=True, frozen=True)
+class Persisted:
+    """What a shutdown's `KVTier.persist` did with the cached blocks it was offered."""
+
+    offered: int
+    kept: int  # on disk already (now ranked most recent)
+    written: int
+    beyond_bound: int  # the least valuable, which the tier's bound could not hold
+    cut_by_deadline: int  # within the bound, but the time bound ran out first
+    seconds: float
+
+
 class KVTier(Protocol):
     """A store of KV blocks by content (the disk tier; a host-RAM tier would be another)."""
 
@@ -63,4 +94,8 @@ class KVTier(Protocol):
 
     def stats(self) -> TierStats: ...
 
-    def close(self) -> None: ...
+    def persist(self, blocks: list[CachedBlock], read: ReadBlocks, timeout_s: float) -> Persisted:
+        """At shutdown: keeps `blocks` (most valuable first) as far as the bound and `timeout_s` allow."""
+        ...
+
+    def close(self, timeout_s: float | None = None) -> None: ...
