@@ -33,7 +33,8 @@ EXAMPLES: dict[str, str] = {
     "replicas": "streamd bench replicas --replicas 1,2 --concurrency 256 -- --set model.dtype=bfloat16",
     "fairness": "streamd bench fairness --models null,default   # ~5 minutes on 2 cores",
     "multiturn": "streamd bench multiturn --device cpu                # the disk tier vs device-only, minutes\n"
-    "  streamd bench multiturn --device cuda --conversations 128 --turns 8 --system-tokens 2048 --turn-tokens 300",
+    "  streamd bench multiturn --device cuda --shape llama3.2-3b --conversations 128 --turns 8 --system-tokens 2048 "
+    "--turn-tokens 300",
     "spec": "streamd bench spec --out /tmp/results      # speculative decoding on vs off, CPU default model",
     "live": "streamd bench live --scenarios proxy,first-frame,overhead   # issue 32's targets, null model, minutes",
 }

@@ -11,7 +11,11 @@ whether the greedy replies are identical; for the disk tier also the tier's work
 step; then restarts on the disk tier's directory.
 
 The defaults are sized to run in minutes on a 2-core CPU; the issue's full sizes (`--conversations 128
---turns 8 --system-tokens 2048 --turn-tokens 300`) are for the GPU.
+--turns 8 --system-tokens 2048 --turn-tokens 300`) are for the GPU. The model is the default one, or with
+`--shape` random weights of a named shape (`offline.SHAPES`, as `bench throughput --shapes` takes them; built
+on the device, seeded, so every restart has the same weights): a TTFT gain from the tiers needs a model whose
+prefill of a history costs more than a step (the 135M default prefills ~1k tokens inside one ~15 ms step on
+an H200; `llama3.2-3b` does not).
 
 What counts as recomputed: a prompt token is *recomputed* when its KV had been computed before (by any
 earlier request: the same prefix at the same position) and was computed again; the tokens no cache could
@@ -28,7 +32,9 @@ the median step (at most 0.2x). Each tier-working step's own stretch (its time o
 tier's work) is reported beside it.
 
 Restart: each round measures a new conversation's first turn (reusing the system prompt) on a warm engine,
-closes it (its cached blocks go to disk), opens a new one on the same directory and measures the same there.
+closes it (its cached blocks go to disk, most recently used first: reported as the blocks written and the
+seconds the close took), opens a new one on the same directory and measures the same there. Each engine is
+released before the next opens (`offline.free_cuda`), so a large shape's weights are held at most twice.
 Both measurements run one unrelated warm-up request first (random tokens, no system prompt), so the ratio
 compares the cache, not a new engine's first forward; that warm-up's TTFT on the restarted engine and the
 engine's start time are reported beside it. (One process: a restarted server also pays torch's start.)
@@ -47,6 +53,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from streamd.bench.offline import SHAPES, free_cuda
 from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import TierStats
@@ -70,6 +77,10 @@ class Sizes:
     seed: int = 0
     vocab: int = 20000  # token ids are drawn below this (and from 100 up: clear of special tokens)
     restarts: int = 3  # restart rounds (each: a warm measurement, a restart, a restarted measurement)
+
+    def longest_prompt(self) -> int:
+        """A conversation's last turn: the system prompt and every turn's text and reply."""
+        return self.system_tokens + self.turns * (self.turn_tokens + self.reply_tokens)
 
     def num_kv_blocks(self) -> int:
         """At most `device_share` of every conversation's final KV (the system prompt's blocks counted
@@ -270,7 +281,8 @@ class RestartRound:
     start_s: float  # opening the restarted engine (model load, the disk tier's probe and index)
     first_request_ttft_s: float  # the restarted engine's unrelated warm-up request (its first forward)
     tier_s: float  # the tier's work during the measured request
-    dropped_at_close: int  # spills the closing engine's disk tier dropped (its pending writes were full)
+    written_at_close: int  # blocks the closing engine wrote to disk (the rest were there already, or beyond)
+    close_s: float  # the closing engine's `close` (its writes at shutdown)
 
 
 def fresh_request(llm: LLM, sizes: Sizes, system: list[int], rng: random.Random) -> tuple[Run, Run]:
@@ -286,9 +298,11 @@ def restarts(make_llm: MakeLLM, llm: LLM, sizes: Sizes, system: list[int]) -> li
     rng, rounds = random.Random(sizes.seed + 2), []
     for _ in range(sizes.restarts):
         _, warm = fresh_request(llm, sizes, system, rng)
-        dropped = _dropped_spills(llm)
-        llm.engine.close()
-        dropped = _dropped_spills(llm) - dropped
+        began = time.perf_counter()
+        persisted = llm.engine.close()
+        close_s = time.perf_counter() - began
+        del llm
+        free_cuda()
         began = time.perf_counter()
         llm = make_llm({})
         start_s = time.perf_counter() - began
@@ -301,7 +315,8 @@ def restarts(make_llm: MakeLLM, llm: LLM, sizes: Sizes, system: list[int]) -> li
                 start_s,
                 first.ttft_s[0],
                 sum(restarted.tier_s),
-                dropped,
+                persisted.written if persisted else 0,
+                close_s,
             )
         )
     llm.engine.close()
@@ -312,11 +327,12 @@ def _dropped_spills(llm: LLM) -> int:
     return int(getattr(llm.engine.block_manager.tier, "dropped_spills", 0))
 
 
-def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path) -> dict[str, Any]:
+def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path, model: str = "default") -> dict[str, Any]:
     """Device-only caching, then the disk tier, then restarts on the disk tier's directory."""
     system = tokens(random.Random(sizes.seed), sizes.system_tokens, sizes)
     base = {"cache.num_kv_blocks": sizes.num_kv_blocks(), "cache.block_size": sizes.block_size}
     device_only = conversations(make_llm({**base, "cache.host_cache_gib": 0.0}), sizes, system)
+    free_cuda()
     # The tiers: the disk tier, and the host tier by its default (on with CUDA, off on the CPU).
     tiered_config = {**base, "cache.disk_cache_dir": str(disk_dir)}
     tiered_llm = make_llm(tiered_config)
@@ -324,7 +340,7 @@ def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path) -> dict[str, Any]:
     dropped = _dropped_spills(tiered_llm)
     disk_stats: TierStats = tiered_llm.engine.stats().kv.tiers[-1]
     rounds = restarts(lambda extra: make_llm({**tiered_config, **extra}), tiered_llm, sizes, system)
-    return report_of(sizes, device_only, tiered, rounds, disk_stats, dropped)
+    return {"model": model} | report_of(sizes, device_only, tiered, rounds, disk_stats, dropped)
 
 
 def report_of(
@@ -361,7 +377,8 @@ def markdown(report: dict[str, Any]) -> str:
     s = report["sizes"]
     return "\n".join(
         [
-            f"# streamd bench multiturn ({report['device']}, {report['date']}, commit {report['git_commit']})",
+            f"# streamd bench multiturn ({report['model']} model, {report['device']}, {report['date']}, "
+            f"commit {report['git_commit']})",
             "",
             f"{s['conversations']} conversations x {s['turns']} turns behind a {s['system_tokens']}-token system "
             f"prompt, +{s['turn_tokens']} tokens a turn, {s['reply_tokens']}-token greedy replies; "
@@ -434,7 +451,7 @@ def restart_table(report: dict[str, Any]) -> list[str]:
             "engine start",
             "first request (unrelated)",
             "tier work",
-            "spills dropped at close",
+            "written at close",
         ],
         (
             [
@@ -446,7 +463,7 @@ def restart_table(report: dict[str, Any]) -> list[str]:
                 f"{r['start_s']:.1f} s",
                 f"{r['first_request_ttft_s'] * 1e3:.0f} ms",
                 f"{r['tier_s'] * 1e3:.1f} ms",
-                r["dropped_at_close"],
+                f"{r['written_at_close']} in {r['close_s']:.1f} s",
             ]
             for i, r in enumerate(report["restart"]["rounds"])
         ),
@@ -463,6 +480,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device-share", type=float, default=d.device_share, help="of all KV the device holds")
     parser.add_argument("--restarts", type=int, default=d.restarts, help="restart rounds measured")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="random weights of this model shape instead of the default model (e.g. llama3.2-3b on a GPU)",
+    )
     parser.add_argument("--disk-dir", default=None, help="the disk tier's directory (default: a fresh temporary one)")
     add_out_argument(parser)
 
@@ -479,13 +502,18 @@ def run(args: argparse.Namespace) -> int:
     )
     dtype = "float32" if args.device == "cpu" else "auto"
 
+    from streamd.bench.offline import model_config
     from streamd.llm import LLM
 
+    model = None if args.shape is None else model_config(args.shape, max_len=max(4096, sizes.longest_prompt() + 64))
+
     def make_llm(overrides: dict[str, Any]) -> LLM:
-        return LLM(device=args.device, dtype=dtype, num_swap_blocks=0, **overrides)
+        return LLM(model, device=args.device, dtype=dtype, num_swap_blocks=0, **overrides)
 
     with tempfile.TemporaryDirectory(prefix="streamd-multiturn-") as scratch:
-        report = report_header(args.device) | measure(make_llm, sizes, Path(args.disk_dir or scratch))
+        directory = Path(args.disk_dir or scratch)
+        report = report_header(args.device) | measure(make_llm, sizes, directory, args.shape or "default")
+
     text = markdown(report)
     stem = save_report(report, args.out, "multiturn", text)
     print(text)

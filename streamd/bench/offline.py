@@ -32,6 +32,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         vocab_size=128256,
         tie_word_embeddings=False,
     ),
+    "llama3.2-3b": dict(
+        hidden_size=3072,
+        num_hidden_layers=28,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+        head_dim=128,
+        intermediate_size=8192,
+        vocab_size=128256,
+        tie_word_embeddings=True,
+    ),
     "llama3.2-1b": dict(
         hidden_size=2048,
         num_hidden_layers=16,
@@ -51,6 +61,16 @@ SHAPES: dict[str, dict[str, Any]] = {
         intermediate_size=1536,
         vocab_size=49152,
         tie_word_embeddings=True,
+    ),
+    "llama-tiny": dict(  # the CPU light forms of the benches that take a shape (seconds, not a measurement)
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=32000,
+        tie_word_embeddings=False,
     ),
 }
 
@@ -160,9 +180,14 @@ def drive(engine: Any, work: TokenWorkload, progress: Any) -> dict[str, float]:
 
 
 def free_cuda() -> None:
+    """Frees the engines nothing refers to any more, and the GPU memory they held. `heap.settle` froze each
+    engine out of the collector when it loaded, and an engine holds reference cycles: without the unfreeze a
+    bench that opens engine after engine keeps every one's weights and KV pool (the next `settle` freezes the
+    live ones again)."""
     import gc
 
     import torch
 
+    gc.unfreeze()
     gc.collect()
     torch.cuda.empty_cache()

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
     from streamd.config import Config
-    from streamd.engine.core.kv_tiers import CachedBlock, TierOrders
+    from streamd.engine.core.kv_tiers import CachedBlock, Persisted, TierOrders
     from streamd.engine.core.scheduler_output import SchedulerOutput
     from streamd.engine.worker.model_loader import LoadedModel
     from streamd.engine.worker.parallel.workers import WorkerPool
@@ -248,16 +248,18 @@ class LLMEngine:
         for (_, key), payload in zip(orders.host_to_disk + orders.spills, payloads, strict=True):
             tier.put(key, payload)
 
-    def close(self) -> None:
+    def close(self) -> Persisted | None:
         """At shutdown (after the last step): the device's and the host tier's cached prefixes go to the disk
         tier, most valuable first, as many as its bound holds within `cache.disk_persist_timeout_s` (its
-        earlier writes finished within the same bound), so a restarted server finds them."""
+        earlier writes finished within the same bound), so a restarted server finds them. What the tier did
+        (None without one)."""
         tier = self.block_manager.tier
         if tier is None:
-            return
+            return None
         began, timeout_s = time.monotonic(), self.config.cache.disk_persist_timeout_s
-        tier.persist(self.block_manager.persist_order(), self._read_cached, timeout_s)
+        done = tier.persist(self.block_manager.persist_order(), self._read_cached, timeout_s)
         tier.close(max(0.0, timeout_s - (time.monotonic() - began)))
+        return done
 
     def _read_cached(self, blocks: list[CachedBlock]) -> list[bytes]:
         """The bytes of cached blocks, wherever each is (the device pool or the host tier's), in order."""

@@ -5,10 +5,12 @@ every restart), never its speed."""
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 from typing import Any
 
-from streamd.bench.multiturn import Run, SeenPrefixes, Sizes, cacheable, markdown, measure, record
+from streamd.bench.multiturn import Run, SeenPrefixes, Sizes, add_arguments, cacheable, markdown, measure, record, run
 from streamd.bench.report import report_header
 from streamd.llm import LLM
 from tests.helpers import register_engine, tiny_config
@@ -49,6 +51,7 @@ def test_light_multiturn_report(tmp_path: Path) -> None:
         assert r["cached_tokens"] >= 40 and r["tier_s"] > 0  # read back from disk
         assert ratio == r["ttft_s"] / r["warm_ttft_s"] and r["first_request_ttft_s"] > 0
     assert restart["max_ttft_vs_warm"] == max(restart["ttft_vs_warm"])
+    assert sum(r["written_at_close"] for r in restart["rounds"]) > 0
     assert report["follow_up_ttft_speedup"] == plain["follow_up_ttft_p50_s"] / disk["follow_up_ttft_p50_s"]
     text = markdown(report)
     assert "follow-up TTFT" in text and "recomputed prompt tokens" in text and "| 2 |" in text
@@ -75,3 +78,18 @@ def test_seen_prefixes_count_what_was_computed_before() -> None:
     seen = SeenPrefixes()
     seen.add([5, 6, 7])
     assert seen.seen_length([5, 6, 8]) == 2 and seen.seen_length([6, 5]) == 0 and seen.seen_length([5, 6, 7, 1]) == 3
+
+
+def test_a_random_shape_from_the_command_line(tmp_path: Path) -> None:
+    """`--shape`: random weights of a named shape (the CPU's tiny one here; llama3.2-3b on a GPU), seeded, so
+    every engine the bench opens has the same weights (device-only and tiered replies are identical)."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    sizes = ["--conversations", "2", "--turns", "2", "--system-tokens", "40", "--turn-tokens", "10"]
+    args = parser.parse_args(["--shape", "llama-tiny", *sizes, "--reply-tokens", "3", "--restarts", "1",
+                              "--out", str(tmp_path)])
+    assert run(args) == 0
+    (written,) = tmp_path.glob("multiturn-*.json")
+    report = json.loads(written.read_text())
+    assert report["model"] == "llama-tiny" and report["greedy_outputs_identical"] is True
+    assert report["restart"]["system_prompt_restored"] is True  # 2 blocks of 16 tokens
