@@ -9,7 +9,12 @@ seconds. The targets (issue 30) are checked beside the numbers:
 
 - flood and chat: tenant A submits `flood` long requests at once, tenant B a short one every few ticks;
   B's p99 TTFT under fair <= 1.5x its solo run and <= 0.2x its TTFT under fcfs; throughput (all tokens over
-  the run's wall time) fair >= 0.95x fcfs.
+  the run's wall time) fair >= 0.95x fcfs. First `--warmup-rounds` untimed rounds of the three runs (a fresh
+  engine's first prefill shapes, Triton's compiles, on a GPU), then `--rounds` timed ones, pooled, in
+  alternating order (solo, fair, fcfs; then fcfs, fair, solo; ...), so neither warm-up nor a drift in the
+  machine's load falls on one policy. Per run the share of steps that carried a prompt chunk is reported:
+  on CUDA only decode-only steps replay a decode graph, the others run eagerly (several times slower for a
+  small model), which tells a policy's step mix from its order.
 - backlog: A (long requests) and B (short) both keep a queue; each tenant's share of the weighted tokens
   (prompt 1, output 2: what the fair share equalizes) in every `--window-s` window is 50 +- 5%.
 - tiers: one tenant saturates the engine, a quarter of its requests `service_tier: "priority"`; their p50
@@ -27,12 +32,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
-from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
+from streamd.bench.report import BenchError, add_out_argument, markdown_table, report_header, save_report
 from streamd.config import load_config
 from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, FairShare
 from streamd.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # (the CLI imports this module to build its parser: no torch there)
+    from streamd.engine.core.scheduler_output import SchedulerOutput
     from streamd.engine.llm_engine import LLMEngine
 
 
@@ -69,6 +75,7 @@ class Run:
     tokens: int = 0
     seconds: float = 0.0
     step_ends: list[float] = field(default_factory=list)  # when each engine step returned
+    prefill_steps: int = 0  # steps that scheduled a prompt chunk (on CUDA: eager, never a decode graph)
     # Tokens and seconds until the queue first ran empty with every request submitted: while every seat was
     # wanted (the rest is the last requests' tail, which the policies fill differently: not their rate).
     saturated_tokens: int = 0
@@ -98,7 +105,7 @@ class Sizes:
     backlog: int  # each tenant's queued requests in the backlog run
     tier_requests: int
     window_s: float
-    rounds: int = 1  # flood and chat: solo, fair and fcfs run this many times, alternated, and pooled
+    rounds: int = 1  # flood and chat: solo, fair and fcfs run this many times, in alternating order, pooled
 
 
 MEASURED_WINDOWS = 3  # the backlog run's windows after the first (which fills the seats)
@@ -138,6 +145,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--light", action="store_true", help="tiny sizes (the test's form)")
     parser.add_argument("--window-s", type=float, default=None, help="the backlog run's share window (seconds)")
     parser.add_argument(
+        "--rounds", type=int, default=None, help="flood and chat: timed rounds (order alternates; default per model)"
+    )
+    parser.add_argument(
+        "--warmup-rounds", type=int, default=1, help="flood and chat: untimed rounds of the same runs first"
+    )
+    parser.add_argument(
         "--device", default="cpu", help="where the default model runs: cpu, cuda (the null model has no weights)"
     )
     add_out_argument(parser)
@@ -146,11 +159,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     report: dict[str, Any] = {**report_header(args.device), "benchmark": "fairness", "models": {}}
-    for name in args.models.split(","):
-        sizes = sizes_for(name, args.light, args.window_s)
+    models = args.models.split(",")
+    all_sizes = {name: sizes_for(name, args.light, args.window_s, args.rounds) for name in models}
+    if "null" in models and args.device != "cpu":
+        raise BenchError(
+            "--models null runs on the CPU only: the null model has no weights and measures the scheduler alone "
+            "(run it with --device cpu, and the default model with --models default --device cuda)"
+        )
+    for name, sizes in all_sizes.items():
         engine = build_engine(name, sizes, args.device)
         try:
-            report["models"][name] = {"sizes": asdict(sizes), **measure(engine, sizes)}
+            result = measure(engine, sizes, args.warmup_rounds)
+            report["models"][name] = {"sizes": asdict(sizes), "warmup_rounds": args.warmup_rounds, **result}
         finally:
             engine.executor.shutdown()
     text = markdown(report)
@@ -160,10 +180,14 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def sizes_for(model: str, light: bool, window_s: float | None) -> Sizes:
+def sizes_for(model: str, light: bool, window_s: float | None, rounds: int | None = None) -> Sizes:
     if model not in FULL:
         raise ValueError(f"--models: unknown model {model!r} (null or default)")
     sizes = LIGHT if light else FULL[model]
+    if rounds is not None:
+        if rounds < 1:
+            raise BenchError(f"--rounds must be >= 1, got {rounds}")
+        sizes = replace(sizes, rounds=rounds)
     return sizes if window_s is None else replace(sizes, window_s=window_s)
 
 
@@ -199,7 +223,28 @@ def drive(engine: LLMEngine, arrivals: list[Arrival], fair: bool, refill: Callab
     """Runs `arrivals` (by tick; `refill(tick)` may add more) to the end under fair or fcfs order."""
     scheduler = engine.scheduler
     scheduler.fair = FairShare(fair, scheduler.config.tenant_weight_map())
-    pending, out, tick = sorted(arrivals, key=lambda a: a.tick), Run(), 0
+    pending, out = sorted(arrivals, key=lambda a: a.tick), Run()
+    scheduler.schedule = counting_prefills(scheduler.schedule, out)  # type: ignore[method-assign]
+    try:
+        return drive_ticks(engine, pending, refill, out)
+    finally:
+        del scheduler.schedule  # (the instance attribute: the class's method again)
+
+
+def counting_prefills(schedule: Callable[[], SchedulerOutput], out: Run) -> Callable[[], SchedulerOutput]:
+    """`schedule`, counting into `out` the steps that carry a prompt chunk."""
+
+    def counted() -> SchedulerOutput:
+        plan = schedule()
+        out.prefill_steps += plan.num_prefill_tokens > 0
+        return plan
+
+    return counted
+
+
+def drive_ticks(engine: LLMEngine, pending: list[Arrival], refill: Callable[[int], list[Arrival]], out: Run) -> Run:
+    """`drive`'s loop: a tick submits what arrived and runs one step while there is work."""
+    scheduler, tick = engine.scheduler, 0
     start, cpu_start = time.perf_counter(), time.process_time()
     while True:
         pending.extend(refill(tick))
@@ -248,15 +293,26 @@ def step(engine: LLMEngine, out: Run) -> None:
 # ---- workloads ----------------------------------------------------------------------------------------
 
 
-def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
+POLICY_ORDER = ("solo", "fair", "fcfs")
+
+
+def round_order(index: int) -> tuple[str, ...]:
+    """Round `index`'s run order: solo, fair, fcfs, then reversed, alternately (a linear drift in the
+    machine's speed, or a warm-up the untimed rounds missed, then falls on each alike)."""
+    return POLICY_ORDER if index % 2 == 0 else POLICY_ORDER[::-1]
+
+
+def flood_and_chat(engine: LLMEngine, sizes: Sizes, warmup_rounds: int = 1) -> dict[str, Any]:
     chats = [Arrival(2 + i * sizes.chat_every, f"b{i}", "B", 24, 8) for i in range(sizes.chats)]
     flood = [Arrival(0, f"a{i}", "A", sizes.long_prompt, sizes.long_output) for i in range(sizes.flood)]
-    drive(engine, chats, True, no_refill)  # warm-up (a fresh engine's first steps): solo is not measured cold
-    runs: dict[str, list[Run]] = {"solo": [], "fair": [], "fcfs": []}
-    for _ in range(sizes.rounds):  # alternated: a drift in the shared machine's load falls on each alike
-        runs["solo"].append(drive(engine, chats, True, no_refill))
-        runs["fair"].append(drive(engine, flood + chats, True, no_refill))
-        runs["fcfs"].append(drive(engine, flood + chats, False, no_refill))
+    work = {"solo": (chats, True), "fair": (flood + chats, True), "fcfs": (flood + chats, False)}
+    for _ in range(warmup_rounds):  # untimed: a fresh engine's first steps of each run's shapes
+        for name in POLICY_ORDER:
+            drive(engine, *work[name], no_refill)
+    runs: dict[str, list[Run]] = {name: [] for name in POLICY_ORDER}
+    for index in range(sizes.rounds):
+        for name in round_order(index):
+            runs[name].append(drive(engine, *work[name], no_refill))
     p99 = {name: percentile(pooled_ttfts(rs, "B"), 99) for name, rs in runs.items()}
     loaded = {name: runs[name] for name in ("fair", "fcfs")}
     throughput = {name: saturated_rate(rs) for name, rs in loaded.items()}
@@ -275,6 +331,9 @@ def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
         "makespan_fair_over_fcfs": makespan["fair"] / makespan["fcfs"],
         "cpu_throughput_fair_over_fcfs": per_cpu_s["fair"] / per_cpu_s["fcfs"],
         "max_queue_s": pooled_ttfts(runs["fair"] + runs["fcfs"])[-1],
+        "rounds": [list(round_order(i)) for i in range(sizes.rounds)],
+        "chat_p99_ttft_s_by_round": {name: [percentile(r.ttfts("B"), 99) for r in rs] for name, rs in runs.items()},
+        "prefill_step_share": {name: prefill_share(rs) for name, rs in runs.items()},
     }
     result["targets"] = {
         "chat_p99_le_1.5x_solo": result["fair_over_solo"] <= 1.5,
@@ -286,6 +345,11 @@ def flood_and_chat(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
 
 def no_refill(tick: int) -> list[Arrival]:
     return []
+
+
+def prefill_share(runs: list[Run]) -> float:
+    """The share of `runs`' steps that carried a prompt chunk."""
+    return sum(r.prefill_steps for r in runs) / max(1, sum(len(r.step_ends) for r in runs))
 
 
 def saturated_rate(runs: list[Run], cpu: bool = False) -> float:
@@ -387,10 +451,10 @@ def tiers(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
     return {"p50_ttft_s": p50, "default_over_priority": ratio, "targets": {"priority_p50_3x_lower": ratio >= 3}}
 
 
-def measure(engine: LLMEngine, sizes: Sizes) -> dict[str, Any]:
+def measure(engine: LLMEngine, sizes: Sizes, warmup_rounds: int = 1) -> dict[str, Any]:
     """Every workload on `engine` (idle; its scheduler's fair share is replaced per run)."""
     return {
-        "flood_and_chat": flood_and_chat(engine, sizes),
+        "flood_and_chat": flood_and_chat(engine, sizes, warmup_rounds),
         "backlog": backlog(engine, sizes),
         "tiers": tiers(engine, sizes),
     }
@@ -425,6 +489,13 @@ def markdown(report: dict[str, Any]) -> str:
                 [
                     ["chat p99 TTFT solo / fair / fcfs (s)", fmt(flood["chat_p99_ttft_s"]), "", ""],
                     ["chat TTFT parts solo / fair / fcfs", fmt_parts(flood["chat_ttft_parts"]), "", ""],
+                    [
+                        f"chat p99 per round, {rounds_note(flood['rounds'], result.get('warmup_rounds'))}",
+                        fmt_rounds(flood["chat_p99_ttft_s_by_round"]),
+                        "",
+                        "",
+                    ],
+                    ["steps with a prompt chunk solo / fair / fcfs", fmt(flood["prefill_step_share"]), "", ""],
                     [
                         "chat p99 fair / solo",
                         f"{flood['fair_over_solo']:.2f}",
@@ -473,6 +544,15 @@ def markdown(report: dict[str, Any]) -> str:
 
 def fmt(values: dict[str, float]) -> str:
     return " / ".join(f"{v:.3f}" for v in values.values())
+
+
+def rounds_note(rounds: list[list[str]], warmup_rounds: int | None) -> str:
+    warm = "" if warmup_rounds is None else f"after {warmup_rounds} untimed; "
+    return warm + "orders " + "; ".join(", ".join(order) for order in rounds)
+
+
+def fmt_rounds(by_round: dict[str, list[float]]) -> str:
+    return " / ".join(", ".join(f"{v:.3f}" for v in values) for values in by_round.values())
 
 
 def fmt_parts(parts: dict[str, dict[str, float]]) -> str:

@@ -3,12 +3,15 @@ and the report has every measure and target (speed is not asserted: the committe
 
 from __future__ import annotations
 
+import argparse
 import math
+from dataclasses import replace
 
 import pytest
 
 from streamd.bench import fairness
 from streamd.bench.fairness import Run, Sizes
+from streamd.bench.report import BenchError
 from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT
 from tests.helpers import sizes
 
@@ -22,7 +25,7 @@ def test_light_form_reports_every_measure(smol_llm, size: Sizes) -> None:
     engine = smol_llm.engine
     before = engine.scheduler.fair
     try:
-        result = fairness.measure(engine, size)
+        result = fairness.measure(engine, size, warmup_rounds=0)  # (the warm-up's order: tested below)
     finally:
         engine.scheduler.fair = before
     flood, back, tier = result["flood_and_chat"], result["backlog"], result["tiers"]
@@ -52,7 +55,8 @@ def test_light_form_reports_every_measure(smol_llm, size: Sizes) -> None:
     report = {"date": "d", "device": "cpu", "git_commit": "c", "models": {"default": {"sizes": {}, **result}}}
     text = fairness.markdown(report)
     assert "chat p99 fair / fcfs" in text and "default / priority p50" in text
-    assert text.count("\n| ") == 1 + 11  # the header, then a row per measure
+    assert text.count("\n| ") == 1 + 13  # the header, then a row per measure
+    assert flood["rounds"] == [["solo", "fair", "fcfs"]] and 0 < flood["prefill_step_share"]["fair"] <= 1
     assert not engine.has_unfinished_requests() and engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
 
 
@@ -98,3 +102,34 @@ def test_device_flag_puts_the_model_there() -> None:
     on_cpu = fairness.engine_overrides(TINY, "cpu")
     assert (on_cpu["model.device"], on_cpu["model.dtype"]) == ("cpu", "float32")
     assert on_gpu["scheduler.max_num_seqs"] == TINY.seats
+
+
+def test_untimed_rounds_first_then_timed_rounds_in_alternating_order(monkeypatch) -> None:
+    """`--warmup-rounds 1 --rounds 2`: solo, fair, fcfs untimed; then solo, fair, fcfs and fcfs, fair, solo,
+    each timed run pooled under its policy (the null model: only the order is asserted)."""
+    engine, calls = fairness.build_engine("null", TINY), []
+    real = fairness.drive
+
+    def recorded(engine, arrivals, fair, refill):
+        calls.append("solo" if all(a.tenant == "B" for a in arrivals) else "fair" if fair else "fcfs")
+        return real(engine, arrivals, fair, refill)
+
+    monkeypatch.setattr(fairness, "drive", recorded)
+    try:
+        result = fairness.flood_and_chat(engine, replace(TINY, rounds=2), warmup_rounds=1)
+    finally:
+        engine.executor.shutdown()
+    assert calls == ["solo", "fair", "fcfs", "solo", "fair", "fcfs", "fcfs", "fair", "solo"]
+    assert result["rounds"] == [["solo", "fair", "fcfs"], ["fcfs", "fair", "solo"]]
+    assert all(len(p99s) == 2 for p99s in result["chat_p99_ttft_s_by_round"].values())
+    assert "schedule" not in vars(engine.scheduler)  # the step counter is gone after each run
+
+
+def test_the_null_model_is_refused_off_the_cpu() -> None:
+    parser = argparse.ArgumentParser()
+    fairness.add_arguments(parser)
+    args = parser.parse_args(["--models", "null", "--device", "cuda", "--no-write"])
+    with pytest.raises(BenchError, match="null model has no weights"):
+        fairness.run(args)
+    with pytest.raises(BenchError, match="--rounds must be >= 1"):
+        fairness.sizes_for("default", False, None, rounds=0)
