@@ -129,7 +129,10 @@ async def test_drain_ends_while_clients_stopped_reading(async_engine: AsyncEngin
 
 # ---- D7: the Responses socket pauses a slow reader --------------------------------------------------
 async def test_responses_socket_pauses_a_slow_reader(async_engine: AsyncEngine) -> None:
-    async with live_server(async_engine, max_unsent_tokens=2, socket_send_buffer_bytes=4096) as server:
+    # No server pings: this client reads nothing until the pause, and on a loaded box that took over the
+    # ping interval plus its timeout (40 s), after which the server dropped it (one full-suite run)
+    async with live_server(async_engine, max_unsent_tokens=2, socket_send_buffer_bytes=4096,
+                           ws_ping_interval_s=0) as server:
         ws = await stalled(server, "/v1/responses")
         await ws.send(create(input=LONG["prompt"], max_output_tokens=120, top_logprobs=20, temperature=0))
 
