@@ -37,7 +37,10 @@ seconds the close took), opens a new one on the same directory and measures the 
 released before the next opens (`offline.free_cuda`), so a large shape's weights are held at most twice.
 Both measurements run one unrelated warm-up request first (random tokens, no system prompt), so the ratio
 compares the cache, not a new engine's first forward; that warm-up's TTFT on the restarted engine and the
-engine's start time are reported beside it. (One process: a restarted server also pays torch's start.)
+engine's start time are reported beside it, and so are the restarted disk tier's two estimates when the
+measured request came (it reads only while a block's read time beats its prefill time: where it does not,
+the system prompt is recomputed, and the report names those rounds). (One process: a restarted server also
+pays torch's start.)
 """
 
 from __future__ import annotations
@@ -283,21 +286,41 @@ class RestartRound:
     tier_s: float  # the tier's work during the measured request
     written_at_close: int  # blocks the closing engine wrote to disk (the rest were there already, or beyond)
     close_s: float  # the closing engine's `close` (its writes at shutdown)
+    read_s_per_block: float | None  # the restarted disk tier's estimates when the measured request came:
+    recompute_s_per_block: float | None  # it reads only while the first is below the second
+
+    def reading_lost(self) -> bool:
+        """Whether the disk tier's cost rule kept the measured request from reading (the prefix recomputed)."""
+        read, recompute = self.read_s_per_block, self.recompute_s_per_block
+        return read is not None and recompute is not None and read >= recompute
 
 
-def fresh_request(llm: LLM, sizes: Sizes, system: list[int], rng: random.Random) -> tuple[Run, Run]:
-    """An unrelated warm-up request, then a new conversation's first turn; (warm-up, measured) runs."""
-    warm_up, measured = Run(sizes.block_size), Run(sizes.block_size)
-    ask(llm, tokens(rng, sizes.turn_tokens, sizes), sizes, warm_up, 0)
-    ask(llm, system + tokens(rng, sizes.turn_tokens, sizes), sizes, measured, 0, TierClock.of(llm))
-    return warm_up, measured
+@dataclass(slots=True)
+class Fresh:
+    """`fresh_request`'s runs, and the disk tier's estimates when its measured request was admitted."""
+
+    warm_up: Run
+    measured: Run
+    read_s_per_block: float | None = None
+    recompute_s_per_block: float | None = None
+
+
+def fresh_request(llm: LLM, sizes: Sizes, system: list[int], rng: random.Random) -> Fresh:
+    """An unrelated warm-up request, then a new conversation's first turn."""
+    fresh = Fresh(Run(sizes.block_size), Run(sizes.block_size))
+    ask(llm, tokens(rng, sizes.turn_tokens, sizes), sizes, fresh.warm_up, 0)
+    tier = llm.engine.block_manager.tier
+    fresh.read_s_per_block = getattr(tier, "read_s_per_block", None)
+    fresh.recompute_s_per_block = getattr(tier, "recompute_s_per_block", None)
+    ask(llm, system + tokens(rng, sizes.turn_tokens, sizes), sizes, fresh.measured, 0, TierClock.of(llm))
+    return fresh
 
 
 def restarts(make_llm: MakeLLM, llm: LLM, sizes: Sizes, system: list[int]) -> list[RestartRound]:
     """`sizes.restarts` rounds: measure warm, close, reopen on the same directory, measure restarted."""
     rng, rounds = random.Random(sizes.seed + 2), []
     for _ in range(sizes.restarts):
-        _, warm = fresh_request(llm, sizes, system, rng)
+        warm = fresh_request(llm, sizes, system, rng).measured
         began = time.perf_counter()
         persisted = llm.engine.close()
         close_s = time.perf_counter() - began
@@ -306,17 +329,20 @@ def restarts(make_llm: MakeLLM, llm: LLM, sizes: Sizes, system: list[int]) -> li
         began = time.perf_counter()
         llm = make_llm({})
         start_s = time.perf_counter() - began
-        first, restarted = fresh_request(llm, sizes, system, rng)
+        fresh = fresh_request(llm, sizes, system, rng)
+        restarted = fresh.measured
         rounds.append(
             RestartRound(
                 warm.ttft_s[0],
                 restarted.ttft_s[0],
                 restarted.cached_tokens[0],
                 start_s,
-                first.ttft_s[0],
+                fresh.warm_up.ttft_s[0],
                 sum(restarted.tier_s),
                 persisted.written if persisted else 0,
                 close_s,
+                fresh.read_s_per_block,
+                fresh.recompute_s_per_block,
             )
         )
     llm.engine.close()
@@ -363,6 +389,7 @@ def report_of(
             "ttft_vs_warm": ratios,
             "max_ttft_vs_warm": max(ratios),
             "system_prompt_restored": all(r.cached_tokens >= full_system for r in rounds),
+            "rounds_reading_lost": [i + 1 for i, r in enumerate(rounds) if r.reading_lost()],
         },
         "max_tier_vs_median_step": disk_run["max_tier_s_in_a_step"] / disk_run["median_step_s"],
     }
@@ -432,12 +459,28 @@ def findings(report: dict[str, Any]) -> list[str]:
         f"- restart: TTFT vs warm {', '.join(f'{r:.2f}x' for r in restart['ttft_vs_warm'])} (max "
         f"{restart['max_ttft_vs_warm']:.2f}x); the system prompt's full blocks "
         f"({restart['system_prompt_full_block_tokens']} tokens) restored every time: "
-        f"{restart['system_prompt_restored']}",
+        f"{restart['system_prompt_restored']}{why_not_read(restart)}",
         f"- stalls: the most tier work in a step {disk['max_tier_s_in_a_step'] * 1e3:.1f} ms = "
         f"{report['max_tier_vs_median_step']:.3f}x the median step ({disk['median_step_s'] * 1e3:.1f} ms); "
         f"{disk['steps_with_tier_work']} of {disk['steps']} steps did tier work, the most stretched by "
         f"{disk['max_tier_step_stretch']:.3f}x; spills dropped: {disk['dropped_spills']}",
     ]
+
+
+def why_not_read(restart: dict[str, Any]) -> str:
+    """The rounds whose measured request the disk tier's cost rule kept from reading, with its estimates."""
+    lost = restart["rounds_reading_lost"]
+    if not lost:
+        return ""
+    costs = ", ".join(read_vs_recompute(restart["rounds"][i - 1]) for i in lost)
+    return f" (reading lost to recomputing in round {', '.join(map(str, lost))}: {costs} ms a block)"
+
+
+def read_vs_recompute(r: dict[str, Any]) -> str:
+    read, recompute = r["read_s_per_block"], r["recompute_s_per_block"]
+    if read is None or recompute is None:
+        return "-"
+    return f"{read * 1e3:.2f} vs {recompute * 1e3:.2f}"
 
 
 def restart_table(report: dict[str, Any]) -> list[str]:
@@ -451,6 +494,7 @@ def restart_table(report: dict[str, Any]) -> list[str]:
             "engine start",
             "first request (unrelated)",
             "tier work",
+            "disk read vs recompute (ms a block)",
             "written at close",
         ],
         (
@@ -463,6 +507,7 @@ def restart_table(report: dict[str, Any]) -> list[str]:
                 f"{r['start_s']:.1f} s",
                 f"{r['first_request_ttft_s'] * 1e3:.0f} ms",
                 f"{r['tier_s'] * 1e3:.1f} ms",
+                read_vs_recompute(r),
                 f"{r['written_at_close']} in {r['close_s']:.1f} s",
             ]
             for i, r in enumerate(report["restart"]["rounds"])

@@ -219,15 +219,17 @@ class Steppable(Protocol):
 
 def warm_up(engine: Steppable) -> None:
     """Runs a few throw-away requests of awkward lengths through the real step, so that Triton compiles
-    its kernel variants (it specializes on sizes divisible by 16) before the first user waits for it."""
+    its kernel variants (it specializes on sizes divisible by 16) before the first user waits for it. The
+    prefix cache's lower tiers stay out of it: its reads would set the disk tier's read estimate."""
     start = time.perf_counter()
     params = SamplingParams(max_tokens=3, ignore_eos=True, detokenize=False, temperature=0.0)
     lengths = [n for n in (1, 15, 16, 17, 40, 255, 256, 300, 1000) if n + 3 <= engine.max_model_len]
-    for wave in (lengths, lengths[-1:], lengths):  # batched, alone (chunked), then over cached prefixes
-        for i, n in enumerate(wave):
-            engine.add_request(f"__warmup_{i}", [(7 * j + n) % engine.vocab_size for j in range(n)], params)
-        while engine.has_unfinished_requests():
-            engine.step()
+    with engine.block_manager.tiers_off():  # (throw-away requests: no tier reads them or their blocks)
+        for wave in (lengths, lengths[-1:], lengths):  # batched, alone (chunked), then over cached prefixes
+            for i, n in enumerate(wave):
+                engine.add_request(f"__warmup_{i}", [(7 * j + n) % engine.vocab_size for j in range(n)], params)
+            while engine.has_unfinished_requests():
+                engine.step()
     # The throw-away requests are not traffic: the prefix-cache counters start from zero.
     engine.block_manager.prefix_cache_queried_tokens = engine.block_manager.prefix_cache_hit_tokens = 0
     engine.block_manager.device_hit_blocks = 0

@@ -47,14 +47,23 @@ def test_light_multiturn_report(tmp_path: Path) -> None:
     restart = report["restart"]
     assert len(restart["rounds"]) == SIZES.restarts == len(restart["ttft_vs_warm"])
     assert restart["system_prompt_full_block_tokens"] == 40 and restart["system_prompt_restored"] is True
+    assert restart["rounds_reading_lost"] == []
     for r, ratio in zip(restart["rounds"], restart["ttft_vs_warm"], strict=True):
         assert r["cached_tokens"] >= 40 and r["tier_s"] > 0  # read back from disk
+        assert 0 < r["read_s_per_block"] < r["recompute_s_per_block"]  # (why it read)
         assert ratio == r["ttft_s"] / r["warm_ttft_s"] and r["first_request_ttft_s"] > 0
     assert restart["max_ttft_vs_warm"] == max(restart["ttft_vs_warm"])
     assert sum(r["written_at_close"] for r in restart["rounds"]) > 0
     assert report["follow_up_ttft_speedup"] == plain["follow_up_ttft_p50_s"] / disk["follow_up_ttft_p50_s"]
     text = markdown(report)
     assert "follow-up TTFT" in text and "recomputed prompt tokens" in text and "| 2 |" in text
+    assert "lost to recomputing" not in text
+    # A round whose restarted tier found reading slower than recomputing (the H200's): the report says so.
+    restart["rounds"][1] |= {"cached_tokens": 0, "read_s_per_block": 9e-4, "recompute_s_per_block": 7e-4}
+    restart |= {"rounds_reading_lost": [2], "system_prompt_restored": False}
+    assert "restored every time: False (reading lost to recomputing in round 2: 0.90 vs 0.70 ms a block)" in (
+        markdown(report)
+    )
 
 
 def test_seen_prefixes_count_what_was_computed_before() -> None:

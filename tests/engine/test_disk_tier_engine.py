@@ -6,6 +6,7 @@ output stays the same, and no block leaks in either pool or tier after cancels a
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,39 @@ def test_close_keeps_the_most_recent_prefixes_the_disk_bound_holds(tmp_path: Pat
     tiered.engine.close()
     assert len(list(tmp_path.glob("*/*.kv"))) == 8
     assert restarted_answer(tmp_path) == (expected, FULL_BLOCKS_TOKENS)
+
+
+def roomy_tiered(directory: Path):
+    """An engine with a host tier above the disk tier and room for the warm-up's requests (up to 300 tokens)."""
+    probe = tiny_llm(num_kv_blocks=4, num_swap_blocks=0)
+    gib = 64 * probe.engine.cache.layout.bytes_per_block / 2**30
+    return tiny_llm(num_kv_blocks=48, num_swap_blocks=0, **{"cache.host_cache_gib": gib,
+                                                           "cache.disk_cache_dir": str(directory)})
+
+
+def test_a_restarted_engines_warm_up_leaves_the_tiers_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 31's second H200 run: the system prompt was on disk, yet no restarted engine reused any of it.
+    Its warm-up (`LLMEngine.from_config` runs it on CUDA only) read the previous engine's warm-up blocks back
+    from disk, those reads took longer than the start-up probe's, and their measured time shut the tier
+    (reading lost to recomputing) before the first real request. Here every read after the start measures
+    1 s: the warm-up must read nothing, so the tier decides on its probe and the prompt is restored."""
+    expected, _ = evict_then_ask(engine(None))
+    first = roomy_tiered(tmp_path)
+    first.engine.warm_up()
+    first.generate([PROMPT], GREEDY)
+    first.engine.close()
+    restarted = roomy_tiered(tmp_path)
+    tier = restarted.engine.block_manager.tier
+    warm_up_block = [(7 * j + 300) % 300 for j in range(BS)]  # (builder.warm_up's longest prompt here)
+    assert tier.contains(BlockKey(hash_block(ROOT_HASH, warm_up_block), ROOT_HASH, tuple(warm_up_block)))
+    slow_reads = itertools.count(0.0, 1.0)
+    monkeypatch.setattr(disk_tier, "_timer", lambda: next(slow_reads))
+    restarted.engine.warm_up()
+    assert tier.hit_blocks == 0 and tier.worth_reading()
+    (out,) = restarted.generate([PROMPT], GREEDY)
+    assert (out.outputs[0].token_ids, out.num_cached_tokens) == (expected, FULL_BLOCKS_TOKENS)
+    assert tier.hit_blocks == 5 and not tier.worth_reading()  # (those reads measured 1 s each)
+    restarted.engine.close()
 
 
 def tamper(file: Path) -> None:

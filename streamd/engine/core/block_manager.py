@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 from streamd.engine.core.host_tier import HostCache
 from streamd.engine.core.kv_tiers import BlockKey, CachedBlock, KVTier, TierOrders
@@ -359,6 +360,20 @@ class BlockManager:
                 return
         if self.tier is not None and not self.tier.contains(block_key):  # (restored blocks are there already)
             self._orders().spills.append((block, block_key))
+
+    @contextmanager
+    def tiers_off(self) -> Iterator[None]:
+        """Within it the lower tiers are neither read nor written: for throw-away work (the engine's warm-up),
+        which is not traffic. (A restarted CUDA engine's warm-up read the previous engine's warm-up blocks back
+        from disk, and those reads set the disk tier's read estimate that decides whether the first real
+        request reads at all: on the H200 they shut the tier before it.) Entered between steps, with no tier
+        order outstanding."""
+        tier, host = self.tier, self.host_cache
+        self.tier = self.host_cache = None
+        try:
+            yield
+        finally:
+            self.tier, self.host_cache = tier, host
 
     def persist_order(self) -> list[CachedBlock]:
         """Every cached block, each content once, most valuable first (at shutdown, for the disk tier): the

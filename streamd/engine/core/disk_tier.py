@@ -9,6 +9,9 @@ that is truncated, foreign (another layout's digest) or unreadable is skipped wi
 loaded. The payload's checksum is verified on every read, so a tampered file is caught and dropped
 before its bytes reach the pool (the block is then recomputed: the output is unchanged).
 
+Whether to read at all is measured (`worth_reading`): a start-up probe reads a chain of scratch blocks the
+way a restore does, then every read is weighed in; the tier is read while that beats recomputing a block.
+
 Writes go through one background thread (the engine thread only hands the bytes over); until a block's
 file is written its bytes stay in memory and reads find them there. The total is bounded by
 `cache.disk_cache_gib`, least recently used evicted first. Plain Python, no torch.
@@ -47,10 +50,13 @@ _HEADER = struct.Struct("<8sQQQQII")  # magic, layout digest, block hash, parent
 _U64 = (1 << 64) - 1
 _MAX_PENDING_BYTES = 256 << 20  # bytes handed to the writer and not yet on disk; beyond it a spill is dropped
 _EMA = 0.2  # weight of a new read time in the measured read seconds per block
-_PROBES = 5  # start-up reads of a scratch block; the fastest is the estimate (contention only adds time)
+_PROBE_CHAIN = 8  # scratch blocks a start-up probe reads in a row, holding their payloads (as a restore does)
+_PROBE_TOKENS = 16  # token ids in a scratch block's header
+_PROBES = 3  # start-up chains read; the fastest one's time per block is the estimate (contention only adds time)
 _RETRY_EVERY = 64  # while reading loses to recomputing, every 64th admission reads anyway, to measure again
 _PERSIST_BATCH = 64  # blocks read out of the pools at once at shutdown (their bytes are held until written)
 _RANK_STEP_NS = 1000  # at shutdown, kept files' modification times step down by this, most valuable newest
+_timer = time.perf_counter  # what reads are timed by (a test makes them slow)
 
 
 def layout_digest(description: str) -> int:
@@ -91,6 +97,7 @@ class DiskTier:
         self._refusals = 0  # admissions told not to read since the last read
         self._closed = False
         self.read_s_per_block = self._probe_read()
+        self._reading = self._reading_pays()  # what `worth_reading` last found (its changes are logged)
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="streamd-disk-tier", daemon=True)
         self._writer.start()
@@ -102,6 +109,7 @@ class DiskTier:
             capacity_gib=round(capacity_bytes / 2**30, 3),
             read_ms_per_block=round(self.read_s_per_block * 1e3, 3),
             recompute_ms_per_block=None if recompute_s_per_block is None else round(recompute_s_per_block * 1e3, 3),
+            reading=self._reading,
             skipped_files=self.skipped_files,
         )
 
@@ -114,11 +122,23 @@ class DiskTier:
     def worth_reading(self) -> bool:
         """Whether reading a block beats recomputing it, as last measured. A refusal is not final: reads are
         measured only when they happen, so every `_RETRY_EVERY`-th refused admission reads anyway, and a slow
-        spell (a contended disk or CPU) cannot keep the tier shut after it passed."""
-        if self.recompute_s_per_block is None or self.read_s_per_block < self.recompute_s_per_block:
+        spell (a contended disk or CPU) cannot keep the tier shut after it passed. A change of the answer is
+        logged (`disk_tier.reading_on` / `reading_off`, with both estimates): why a prefix was recomputed."""
+        pays = self._reading_pays()
+        if pays != self._reading:
+            self._reading = pays
+            log.info(
+                "disk_tier.reading_on" if pays else "disk_tier.reading_off",
+                read_ms_per_block=round(self.read_s_per_block * 1e3, 3),
+                recompute_ms_per_block=round((self.recompute_s_per_block or 0.0) * 1e3, 3),
+            )
+        if pays:
             return True
         self._refusals = (self._refusals + 1) % _RETRY_EVERY
         return self._refusals == 0
+
+    def _reading_pays(self) -> bool:
+        return self.recompute_s_per_block is None or self.read_s_per_block < self.recompute_s_per_block
 
     def fetch(self, key: BlockKey) -> bytes | None:
         if not self.contains(key):
@@ -240,7 +260,7 @@ class DiskTier:
         """Indexes and writes one block on this thread; False (and forgotten) when the write failed."""
         self._admit(key, self._file_size(key))
         try:
-            self._write_file(self._path(key.block_hash), key, payload)
+            self.bytes_written += self._write_file(self._path(key.block_hash), key, payload)
         except OSError as exc:
             log.warning("disk_tier.io_failed", op="persist", path=str(self._path(key.block_hash)), error=str(exc))
             self._forget(key.block_hash)
@@ -344,9 +364,18 @@ class DiskTier:
     # ---- the bytes ------------------------------------------------------------------------------
 
     def _read(self, key: BlockKey) -> bytes | None:
-        """The block's payload from its file, checked against the header and its checksum."""
-        path = self._path(key.block_hash)
-        began = time.perf_counter()
+        """The block's payload from its file, checked; its time weighed into the read estimate."""
+        began = _timer()
+        payload = self._checked_payload(self._path(key.block_hash), key)
+        if payload is None:
+            return None
+        self.read_s_per_block += _EMA * (_timer() - began - self.read_s_per_block)
+        self.bytes_read += self._file_size(key)
+        return payload
+
+    def _checked_payload(self, path: Path, key: BlockKey) -> bytes | None:
+        """The payload of `path`, if it is `key`'s block whole and unaltered (header and checksum); else None,
+        the file skipped with a log line."""
         try:
             data = path.read_bytes()
         except OSError as exc:
@@ -365,9 +394,6 @@ class DiskTier:
         if xxhash.xxh64_intdigest(payload) != checksum:
             self._skip(path, "payload checksum mismatch (tampered or corrupt)")
             return None
-        elapsed = time.perf_counter() - began
-        self.read_s_per_block += _EMA * (elapsed - self.read_s_per_block)
-        self.bytes_read += len(data)
         return payload
 
     def _write_loop(self) -> None:
@@ -392,13 +418,14 @@ class DiskTier:
         entry = self._entries.get(block_hash)
         if payload is None or entry is None:
             return  # evicted before it was written
-        self._write_file(path, entry.key, payload)
+        self.bytes_written += self._write_file(path, entry.key, payload)
         with self._lock:
             if self._pending.get(block_hash) is payload:
                 del self._pending[block_hash]
                 self._pending_bytes -= len(payload)
 
-    def _write_file(self, path: Path, key: BlockKey, payload: bytes) -> None:
+    def _write_file(self, path: Path, key: BlockKey, payload: bytes) -> int:
+        """Writes the block's file (atomically: a `.tmp` renamed); the bytes written."""
         header = _HEADER.pack(
             MAGIC,
             self.digest,
@@ -414,18 +441,28 @@ class DiskTier:
             f.write(array("q", key.token_ids).tobytes())
             f.write(payload)
         os.replace(tmp, path)
-        self.bytes_written += len(header) + 8 * len(key.token_ids) + len(payload)
+        return len(header) + 8 * len(key.token_ids) + len(payload)
 
     def _probe_read(self) -> float:
-        """Seconds to read and check one block's file here (a scratch file of that size, read back): the
-        fastest of a few reads, since another process's burst only ever adds time, and one burst at start
-        must not decide that reading loses."""
-        probe = self.directory / "read-probe.tmp"
-        probe.write_bytes(os.urandom(self.block_bytes))
+        """Seconds to read and check one block here as a restore does: a chain of `_PROBE_CHAIN` scratch
+        blocks in this tier's format, read through the same checks, each payload held until the chain is
+        read (a restore holds its chain until the step writes it into the pool, so every payload is fresh
+        memory). The fastest of `_PROBES` chains, per block: another process's burst only ever adds time.
+        Re-reading one file and dropping its bytes, as this probe did before, said 0.6 ms for a 3B model's
+        block (1.75 MiB) on the 2-core box, where fetching a chain of them took 4-6 ms a block (this probe:
+        3-5 ms); on the H200 it said 0.3-0.4 ms, and the first reads measured after it (a restarted engine's
+        warm-up) came out above the 0.69 ms recompute estimate and shut the tier."""
+        keys = [BlockKey(i, 0, tuple(range(_PROBE_TOKENS))) for i in range(_PROBE_CHAIN)]
+        paths = [self.directory / f"read-probe-{i}.tmp" for i in range(_PROBE_CHAIN)]
+        scratch = os.urandom(self.block_bytes)
+        for path, key in zip(paths, keys, strict=True):
+            self._write_file(path, key, scratch)
         fastest = float("inf")
         for _ in range(_PROBES):
-            began = time.perf_counter()
-            xxhash.xxh64_intdigest(probe.read_bytes())
-            fastest = min(fastest, time.perf_counter() - began)
-        probe.unlink(missing_ok=True)
+            began = _timer()
+            held = [self._checked_payload(path, key) for path, key in zip(paths, keys, strict=True)]
+            fastest = min(fastest, (_timer() - began) / len(held))
+            del held
+        for path in paths:
+            path.unlink(missing_ok=True)
         return fastest

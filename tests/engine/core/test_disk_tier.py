@@ -150,12 +150,15 @@ def test_a_slow_spell_does_not_shut_the_tier_for_good(tmp_path: Path) -> None:
     disk.put(k, payload(1))
     disk.flush()
     disk.read_s_per_block = 10.0  # as after a read during a stall
-    answers = [disk.worth_reading() for _ in range(128)]
-    assert answers.count(True) == 2 and answers[63] and answers[127]
-    for _ in range(12):  # the reads the gate lets through are measured (~ms) and weighed in
-        assert disk.fetch(k) == payload(1)
-    assert disk.read_s_per_block < 1.0
-    assert all(disk.worth_reading() for _ in range(10))
+    with capture_logs() as logs:
+        answers = [disk.worth_reading() for _ in range(128)]
+        assert answers.count(True) == 2 and answers[63] and answers[127]
+        for _ in range(12):  # the reads the gate lets through are measured (~ms) and weighed in
+            assert disk.fetch(k) == payload(1)
+        assert disk.read_s_per_block < 1.0
+        assert all(disk.worth_reading() for _ in range(10))
+    changes = [(e["event"], e["recompute_ms_per_block"]) for e in logs if e["event"].startswith("disk_tier.reading")]
+    assert changes == [("disk_tier.reading_off", 1000.0), ("disk_tier.reading_on", 1000.0)]  # (each change once)
     disk.close()
 
 
