@@ -66,8 +66,9 @@ class Int8Weight:
         return self.scales.dtype
 
 
-def pack_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-              dtype: torch.dtype) -> Int4Weight:
+def pack_int4(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> Int4Weight:
     """Packs codes [out, in] (0..15) with per-group scales and zeros [out, in / group_size]."""
     if group_size not in INT4_GROUP_SIZES:
         raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")

@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from streamd.engine.worker.gguf_weights import Decoded, Int4Codes, Q8Codes, decode, read, read_index
 from streamd.engine.worker.quantized import QuantizedEmbedding, linear_from_codes
+from streamd.heap import trim_c_heap
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values mapped here (Mistral files say llama)
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -70,6 +71,7 @@ def load_low_bit(path: Path, config: PretrainedConfig, dtype: torch.dtype, compu
         bias = biases.pop(name[: -len("weight")] + "bias", None)
         bias_tensor = None if bias is None else _float(decode(read(path, bias), bias, 0)).to(dtype)
         _install(model, name, decoded, bias_tensor, dtype, compute)
+        trim_c_heap()  # each tensor's transients (bytes, codes, int32 packing copies) back to the OS
     if "lm_head.weight" not in tensors:
         _tie_head(model, compute)
     _check_materialized(model, path)
@@ -81,16 +83,16 @@ def _install(
 ) -> None:
     module_name, _, _ = name.rpartition(".")
     module = model.get_submodule(module_name)
-    low_bit = isinstance(decoded, (Int4Codes, Q8Codes))
-    if low_bit and isinstance(module, nn.Linear):
+    if isinstance(decoded, (Int4Codes, Q8Codes)) and isinstance(module, nn.Linear):
         _replace(model, module_name, linear_from_codes(decoded, bias, compute))
-    elif low_bit and isinstance(module, nn.Embedding):
+        return
+    if isinstance(decoded, (Int4Codes, Q8Codes)) and isinstance(module, nn.Embedding):
         _replace(model, module_name, QuantizedEmbedding(decoded, dtype))
-    else:
-        weight = decoded.dequantize() if low_bit else _float(decoded)
-        module.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
-        if bias is not None:
-            module.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        return
+    weight = decoded if isinstance(decoded, torch.Tensor) else decoded.dequantize()  # a norm, or another module
+    module.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    if bias is not None:
+        module.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
 
 
 def _float(decoded: Decoded) -> torch.Tensor:

@@ -7,7 +7,7 @@ llama.cpp's block formats are affine in their codes, so several map exactly onto
 |---|---|---|---|
 | Q4_0 | 32 | w = d * (q - 8) | `Int4Codes`: scale d, zero 0 |
 | Q4_1 | 32 | w = d * q + m | `Int4Codes`: scale d, zero m + 8d |
-| Q4_K | 256 = 8 x 32 | w = d * sc_j * q - dmin * m_j (6-bit sc, m) | `Int4Codes`: scale d*sc_j, zero 8*d*sc_j - dmin*m_j |
+| Q4_K | 256 = 8 x 32 | w = d * sc_j * q - dmin * m_j (6-bit) | `Int4Codes`: scale d*sc_j, zero 8d*sc_j - dmin*m_j |
 | Q8_0 | 32 | w = d * q, q int8 | `Q8Codes` (two int4 halves at matmul time: q = 16*hi + lo, exact) |
 | F32 / F16 / BF16 | - | floats | a float tensor in its own dtype |
 | anything else (Q5_*, Q6_K, Q2_K, Q3_K, IQ*) | | | dequantized by gguf-py at load to the model's dtype |
@@ -21,7 +21,7 @@ bytes plus one tensor's codes at most.
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
@@ -216,4 +216,9 @@ def _k_scale_mins(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return scales, mins
 
 
-_DECODERS = {GGML.Q4_0: _q4_0, GGML.Q4_1: _q4_1, GGML.Q4_K: _q4_k, GGML.Q8_0: _q8_0}
+_DECODERS: dict[GGML, Callable[[np.ndarray], Int4Codes | Q8Codes]] = {
+    GGML.Q4_0: _q4_0,
+    GGML.Q4_1: _q4_1,
+    GGML.Q4_K: _q4_k,
+    GGML.Q8_0: _q8_0,
+}
