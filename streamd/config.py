@@ -67,6 +67,7 @@ OTHER_VARIABLES = frozenset(
 )
 
 FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/worker/fusion.py)
+QUANTIZATIONS = ("auto", "none", "int8", "int4")  # model.quantization (streamd/engine/worker/model_loader.py)
 
 
 @dataclass(slots=True)
@@ -80,6 +81,9 @@ class ModelConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     num_threads: int = 0  # torch's CPU threads; 0: the cores this process may use (affinity mask), less one
     fuse_layers: str = "auto"  # off | auto | triton | compile | reference (see streamd/engine/worker/fusion.py)
+    # auto: a GGUF keeps its 4/8-bit blocks on a bf16-capable CPU; int8 | int4: quantize a float model (CPU);
+    # none: float weights (streamd/engine/worker/model_loader.py)
+    quantization: str = "auto"
     chat_template: str | None = None  # a Jinja file or the template itself; None: the tokenizer's own
 
     def validate(self) -> None:
@@ -90,6 +94,7 @@ class ModelConfig:
             raise ConfigError(f"model.device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         _positive("model.max_model_len", self.max_model_len, allow_none=True)
         _one_of("model.fuse_layers", self.fuse_layers, FUSE_MODES)
+        _one_of("model.quantization", self.quantization, QUANTIZATIONS)
 
 
 @dataclass(slots=True)

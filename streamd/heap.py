@@ -6,10 +6,15 @@ net allocations: an engine step allocates and frees a few thousand short-lived o
 tensors' wrappers), so at 700 a collection ran every step or two and promoted live step data into older
 generations; at 10,000 a steady stream of steps triggers none (benchmarks/NOTES.md), while memory held
 by reference cycles still stays bounded.
+
+It also hands the C heap's free memory back to the OS (`malloc_trim`, glibc only): loading a low-bit model
+frees several times the model's size in transient buffers, which glibc otherwise keeps as resident memory.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 
 YOUNG_THRESHOLD = 10_000
@@ -17,6 +22,17 @@ YOUNG_THRESHOLD = 10_000
 
 def settle() -> None:
     """Freezes what exists now out of future collections and raises the young generation's threshold."""
+    gc.collect()
     gc.freeze()
     _, middle, old = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, middle, old)
+    trim_c_heap()
+
+
+def trim_c_heap() -> None:
+    """Returns the C heap's free pages to the OS where the C library is glibc (a no-op elsewhere)."""
+    name = ctypes.util.find_library("c")
+    try:
+        ctypes.CDLL(name).malloc_trim(0)
+    except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to trim
+        pass

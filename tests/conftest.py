@@ -33,11 +33,12 @@ def smol_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def smol_llm():
-    """The default model on CPU in float32 with a pool large enough for every test that shares it."""
+    """The default model on CPU in float32 with a pool large enough for every test that shares it; its weights
+    dequantized (`model.quantization = "none"`), as `hf_smol`'s are: the engine's reference is transformers."""
     from streamd import LLM
 
     llm = LLM(device="cpu", dtype="float32", num_kv_blocks=512, max_num_batched_tokens=256,
-              num_swap_blocks=0)
+              num_swap_blocks=0, quantization="none")
     register_engine(llm.engine)
     return llm
 

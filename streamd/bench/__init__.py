@@ -21,6 +21,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "multiturn": ("streamd.bench.multiturn", "run"),
     "spec": ("streamd.bench.spec", "run"),
     "live": ("streamd.bench.live", "run"),
+    "peer": ("streamd.bench.peer", "run"),
 }
 EXAMPLES: dict[str, str] = {
     "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
@@ -37,6 +38,8 @@ EXAMPLES: dict[str, str] = {
     "--turn-tokens 300",
     "spec": "streamd bench spec --out /tmp/results      # speculative decoding on vs off, CPU default model",
     "live": "streamd bench live --scenarios proxy,first-frame,overhead   # issue 32's targets, null model, minutes",
+    "peer": "llama-server -m MODEL.gguf --port 8080 --parallel 32 -c 32768 &\n"
+    "  streamd bench peer --url http://127.0.0.1:8080 --concurrency 1,8,32 --rounds 3",
 }
 
 

@@ -29,6 +29,7 @@ from streamd.config import Config, ConfigError, key_types, load_config, parse_va
 FLAG_NAMES: dict[str, tuple[str, ...]] = {
     "model.name": ("--model",),
     "model.num_threads": ("--num-threads", "--threads"),
+    "model.quantization": ("--quantization", "-q"),
     "cache.num_kv_blocks": ("--num-gpu-blocks-override", "--num-kv-blocks"),
     "cache.swap_space_gib": ("--swap-space", "--swap-space-gib"),
     "parallel.tensor_parallel_size": ("--tensor-parallel-size", "-tp", "--tp"),
@@ -43,6 +44,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
 # vLLM's spellings of values, per key.
 _VALUE_SPELLINGS: dict[str, dict[str, str]] = {
     "model.dtype": {"half": "float16", "float": "float32"},
+    "model.quantization": {"gguf": "auto"},
     "logging.level": {"critical": "error", "trace": "debug"},
 }
 
@@ -50,7 +52,6 @@ _VALUE_SPELLINGS: dict[str, dict[str, str]] = {
 REFUSED: dict[tuple[str, ...], str] = {
     ("--pipeline-parallel-size", "-pp"): "a model is split over GPUs by tensor parallelism only (-tp N)",
     ("--data-parallel-size", "-dp"): "run replicas behind a router instead: `streamd cluster --replicas N`",
-    ("--quantization", "-q"): "weights load unquantized (a GGUF file is dequantized once)",
     ("--kv-cache-dtype",): "the KV cache is kept in the model's dtype (--dtype)",
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters are not supported",
     ("--speculative-config", "--speculative-model"): "speculative decoding is set by the [speculative] keys "

@@ -79,10 +79,14 @@ def load(
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     if config.parallel.tensor_parallel_size > 1:
+        if config.model.quantization in ("int8", "int4"):
+            raise ValueError("model.quantization int8/int4 is for one CPU process, not tensor parallelism")
         loaded, workers = start_tensor_parallel(config, model_config, device, dtype)
         return loaded, device, workers
     model = model_config or config.model.name
-    return load_model(model, dtype, device, config.model.cache_dir, config.model.seed), device, None
+    model_cfg = config.model
+    loaded = load_model(model, dtype, device, model_cfg.cache_dir, model_cfg.seed, model_cfg.quantization)
+    return loaded, device, None
 
 
 def build(config: Config, loaded: LoadedModel, device: torch.device, workers: WorkerPool | None) -> EngineParts:

@@ -70,7 +70,7 @@ def test_two_different_models_are_refused() -> None:
         parse("serve /a --model /b")
 
 
-@pytest.mark.parametrize("flag", ["--quantization awq", "-q awq", "--kv-cache-dtype fp8", "-pp 2",
+@pytest.mark.parametrize("flag", ["--kv-cache-dtype fp8", "-pp 2",
                                   "--enable-lora", "--tokenizer other/tok"])
 def test_an_unsupported_vllm_flag_is_refused_by_name(flag: str) -> None:
     name = flag.split(maxsplit=1)[0]
@@ -88,7 +88,7 @@ def test_help_groups_the_flags_by_section() -> None:
     text = result.stdout
     server = text[text.index("[server] settings"):text.index("[logging] settings")]
     assert "--api-key" in server and "--served-model-name" in server and "--max-model-len" not in server
-    assert "--quantization" not in text  # refused flags are not offered
+    assert "--kv-cache-dtype" not in text  # refused flags are not offered
 
 
 def test_generate_shares_the_engine_flags() -> None:
@@ -96,7 +96,17 @@ def test_generate_shares_the_engine_flags() -> None:
     config = load_settings(args)
     assert (config.model.max_model_len, config.cache.block_size, config.model.num_threads) == (512, 32, 2)
     assert not hasattr(args, "server.port")
-    assert_one_line_error(streamd("generate", "--quantization", "awq", "hi"), "--quantization")
+    assert_one_line_error(streamd("generate", "--kv-cache-dtype", "fp8", "hi"), "--kv-cache-dtype")
+
+
+@pytest.mark.parametrize("flags, value", [(["--quantization", "int4"], "int4"), (["-q", "int8"], "int8"),
+                                          (["--quantization", "gguf"], "auto"), ([], "auto")])
+def test_quantization_takes_vllms_flag_and_its_gguf_spelling(flags: list[str], value: str) -> None:
+    assert load_settings(build_parser().parse_args(["generate", *flags, "hi"])).model.quantization == value
+
+
+def test_a_quantization_method_streamd_lacks_is_named_with_the_ones_it_has() -> None:
+    assert_one_line_error(streamd("generate", "--quantization", "awq", "hi"), "model.quantization", "int4")
 
 
 @pytest.mark.parametrize("variable, needle", [

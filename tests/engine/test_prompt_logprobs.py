@@ -70,7 +70,8 @@ def test_a_prompt_behind_another_in_its_step_gets_its_own_rows(smol_llm: LLM, hf
 
 
 def test_small_chunks_agree_with_one_chunk(smol_llm: LLM) -> None:
-    small = LLM(device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, num_swap_blocks=0)
+    small = LLM(device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=16, num_swap_blocks=0,
+                quantization="none")
     ids = prompt_of(smol_llm, 50, seed=5)
     params = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=4)
     chunked = small.generate([ids], params)[0].prompt_logprobs

@@ -21,6 +21,7 @@ from typing import Any, cast
 import torch
 from transformers import AttentionInterface
 
+from streamd.kernels import cpu_attention, reference
 from streamd.kernels.reference import NO_EXTRAS, LayerExtras
 
 ATTN_IMPLEMENTATION = "streamd"
@@ -35,6 +36,14 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     decode_only: bool  # every sequence has exactly one query token
     ops: ModuleType  # streamd.kernels (Triton) or streamd.kernels.reference (plain torch)
+    # On the CPU, what every layer of this step shares, planned at its first layer (`cpu_attention`)
+    store_plan: cpu_attention.StorePlan | None = None
+    decode_plan: cpu_attention.DecodePlan | None = None
+
+    @property
+    def planned_on_cpu(self) -> bool:
+        """The CPU's planned path: a CPU pool with the plain-torch ops (the Triton interpreter tests its own)."""
+        return self.kv_cache.device.type == "cpu" and self.ops is reference
 
 
 def layer_extras(kwargs: dict[str, Any]) -> LayerExtras:
@@ -77,7 +86,7 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    md.ops.store_kv(k, v, md.kv_cache, layer, md.slot_mapping)
+    _store_kv(md, k, v, layer)
     out = paged_attend(md, q, layer, scale, k, v, layer_extras(kwargs))
     return out.unsqueeze(0), None  # transformers wants [batch, tokens, heads, dim]
 
@@ -98,6 +107,8 @@ def paged_attend(
     gathering them back out of the pool; the Triton kernel reads the pool either way. `extras` go to the
     kernels as keywords."""
     window, softcap, sinks = extras.sliding_window, extras.softcap, extras.sinks
+    if md.decode_only and extras is NO_EXTRAS and md.planned_on_cpu:
+        return cpu_attention.decode_attention(query, md.kv_cache, layer, _decode_plan(md), scale)
     if md.decode_only:
         return md.ops.paged_decode_attention(
             query,
@@ -124,6 +135,21 @@ def paged_attend(
         softcap=softcap,
         sinks=sinks,
     )
+
+
+def _store_kv(md: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
+    if not md.planned_on_cpu:
+        md.ops.store_kv(key, value, md.kv_cache, layer, md.slot_mapping)
+        return
+    if md.store_plan is None:
+        md.store_plan = cpu_attention.plan_store(md.slot_mapping, md.kv_cache.shape[4])
+    cpu_attention.store_kv(key, value, md.kv_cache, layer, md.store_plan)
+
+
+def _decode_plan(md: AttentionMetadata) -> cpu_attention.DecodePlan:
+    if md.decode_plan is None:
+        md.decode_plan = cpu_attention.plan_decode(md.block_tables, md.seq_lens, md.kv_cache.shape[4])
+    return md.decode_plan
 
 
 def register_paged_attention() -> None:

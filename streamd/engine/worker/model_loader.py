@@ -1,15 +1,13 @@
 """Model loading: the default GGUF model, a local Hugging Face directory, a Hub id already in the local
-cache, or a config for random weights; always through transformers' own loaders, never the network.
+cache, or a config for random weights; never the network.
 
-Before any weight is read, the checkpoint's `config.json` is checked: an architecture transformers does not ship
-(its code comes with the checkpoint, `trust_remote_code`: Phi-3-small) is refused, since streamd runs no
-remote code; an MXFP4 checkpoint (gpt-oss) is dequantized while loading, in `model.dtype`: transformers would
-otherwise fetch its MXFP4 kernels from the Hub at run time where the `kernels` package is installed. After
-loading, `families.check_runnable` refuses a model whose layers streamd cannot run, with the reason.
-
-A GGUF file is dequantized by transformers once; the converted weights and tokenizer are cached on disk
-(`model.cache_dir`, by default `$XDG_CACHE_HOME/streamd`, keyed by the file's content, so all checkouts on a
-machine share one copy) and the next start loads safetensors in a fraction of a second.
+On a CPU with native bfloat16 a GGUF file of a Llama-style architecture keeps its 4-bit and 8-bit blocks as
+stored (`gguf_model`, `model.quantization = "auto"`): a decode step reads ~90 MB of the default model instead
+of 540 MB of float32. Its config and tokenizer come from a small cached conversion. Elsewhere (a GPU, another
+architecture, `model.quantization = "none"`) transformers dequantizes it once; the converted weights and
+tokenizer are cached on disk (`model.cache_dir`, by default `$XDG_CACHE_HOME/streamd`, keyed by the file's
+content, so all checkouts on a machine share one copy) and the next start loads safetensors in a fraction of
+a second. `model.quantization = "int8" | "int4"` quantizes a float model's Linear layers at load (CPU).
 """
 
 from __future__ import annotations
@@ -20,6 +18,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -29,6 +29,7 @@ import transformers
 import xxhash
 from torch import nn
 from transformers import (
+    AutoConfig,
     AutoModelForCausalLM,
     AutoTokenizer,
     PretrainedConfig,
@@ -39,6 +40,8 @@ from transformers.utils.quantization_config import Mxfp4Config
 
 from streamd.config import cache_path
 from streamd.engine.worker.families import check_runnable
+from streamd.engine.worker.gguf_model import ARCHITECTURES, architecture, load_low_bit
+from streamd.engine.worker.quantized import QuantizedEmbedding, QuantizedLinear, cpu_runs_bf16, quantize_linears
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -90,24 +93,111 @@ def load_model(
     device: torch.device,
     cache_dir: str | None = None,
     seed: int = 0,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Loads weights and tokenizer from one source, onto `device` in `dtype`, in eval mode."""
+    """Loads weights and tokenizer from one source, onto `device` in `dtype`, in eval mode; `quantization`
+    (`model.quantization`) says whether a GGUF file stays low-bit or a float model is quantized (CPU)."""
     start = time.perf_counter()
+    low_bit = low_bit_plan(name, quantization, device)
     if isinstance(name, PretrainedConfig):
         loaded = _random_model(name, dtype, device, seed)
+    elif low_bit.gguf is not None:
+        loaded = _low_bit_gguf(low_bit.gguf, dtype, low_bit.compute, cache_path(cache_dir))
     else:
-        source, label = _resolve_source(name, cache_path(cache_dir))
-        log.info("model.load.start", model=label, source=str(source), dtype=str(dtype), device=str(device))
-        local_only = not Path(source).exists()
-        extra = _load_options(_checkpoint_config(source, local_only))
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only, **extra)
-        tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
-        loaded = LoadedModel(model, tokenizer, label)
+        loaded = _pretrained(name, dtype, cache_path(cache_dir))
     check_runnable(loaded.model)
+    if low_bit.quantize is not None:
+        count = quantize_linears(loaded.model, low_bit.quantize, low_bit.compute)
+        log.info("model.quantized", mode=low_bit.quantize, linears=count, compute=str(low_bit.compute))
     as_module(loaded.model).to(device).eval().requires_grad_(False)
-    params = sum(p.numel() for p in loaded.model.parameters())
-    log.info("model.load.done", model=loaded.name, params=params, seconds=round(time.perf_counter() - start, 2))
+    log.info(
+        "model.load.done",
+        model=loaded.name,
+        weight_bytes=weight_bytes(loaded.model),
+        low_bit=low_bit.describe(),
+        seconds=round(time.perf_counter() - start, 2),
+    )
     return loaded
+
+
+def _pretrained(name: str | None, dtype: torch.dtype, cache_dir: Path) -> LoadedModel:
+    source, label = _resolve_source(name, cache_dir)
+    log.info("model.load.start", model=label, source=str(source), dtype=str(dtype))
+    local_only = not Path(source).exists()
+    extra = _load_options(_checkpoint_config(source, local_only))
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only, **extra)
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+    return LoadedModel(model, tokenizer, label)
+
+
+@dataclass(frozen=True, slots=True)
+class LowBitPlan:
+    """How a load keeps or makes low-bit weights: a GGUF read natively, or a float model quantized."""
+
+    gguf: Path | None = None  # a GGUF file whose 4/8-bit tensors stay low-bit
+    quantize: str | None = None  # "int8" | "int4": quantize a float model's Linear layers
+    compute: torch.dtype = torch.bfloat16  # the low-bit matmuls' dtype
+
+    def describe(self) -> str:
+        if self.gguf is not None:
+            return f"gguf blocks as stored, matmuls in {self.compute}"
+        return f"{self.quantize}, matmuls in {self.compute}" if self.quantize else "none"
+
+
+def low_bit_plan(name: str | PretrainedConfig | None, quantization: str, device: torch.device) -> LowBitPlan:
+    """`model.quantization` for this model on this device. auto: a GGUF of a mapped architecture stays
+    low-bit on a CPU with native bfloat16 (elsewhere torch's low-bit kernels are slower than float32, so it is
+    dequantized as before); a float model stays float. int8/int4: quantize (CPU only); none: float."""
+    if quantization == "none":
+        return LowBitPlan()
+    if device.type != "cpu":
+        if quantization == "auto":
+            return LowBitPlan()
+        raise ValueError(f"model.quantization = {quantization!r} runs on the CPU only (model.device is {device})")
+    gguf = _gguf_file(name)
+    if quantization == "auto":
+        native = gguf is not None and cpu_runs_bf16() and architecture(gguf) in ARCHITECTURES
+        return LowBitPlan(gguf=gguf if native else None)
+    if gguf is not None:
+        raise ValueError(
+            f"model.quantization = {quantization!r} quantizes a float model; {gguf.name} is a GGUF file "
+            "(auto keeps its blocks as stored)"
+        )
+    return LowBitPlan(quantize=quantization, compute=torch.bfloat16 if cpu_runs_bf16() else torch.float32)
+
+
+def _gguf_file(name: str | PretrainedConfig | None) -> Path | None:
+    if isinstance(name, PretrainedConfig):
+        return None
+    if name is None:
+        return default_gguf_path()
+    path = Path(name).expanduser()
+    return path if path.is_file() and path.suffix == ".gguf" else None
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's weights as held (low-bit modules count their packed parts)."""
+    held = sum(p.nbytes for p in model.parameters())
+    return held + sum(m.nbytes for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding)))
+
+
+def _low_bit_gguf(gguf: Path, dtype: torch.dtype, compute: torch.dtype, cache_dir: Path) -> LoadedModel:
+    """A GGUF's blocks as stored (`gguf_model`); its config and tokenizer from a small cached conversion."""
+    meta = _gguf_meta(gguf, cache_dir)
+    label = DEFAULT_MODEL_NAME if gguf == default_gguf_path() else gguf.stem
+    log.info("model.load.start", model=label, source=str(gguf), dtype=str(dtype), low_bit=str(compute))
+    model = load_low_bit(gguf, AutoConfig.from_pretrained(meta), dtype, compute)
+    return LoadedModel(model, AutoTokenizer.from_pretrained(meta), label)
+
+
+def _gguf_meta(gguf: Path, cache_dir: Path) -> Path:
+    """The GGUF's config and tokenizer as transformers reads them, saved once (seconds: the vocabulary)."""
+    target = cache_dir / "gguf-meta" / f"{gguf.stem}-{gguf_content_key(gguf)}"
+    if not (target / "config.json").is_file():
+        with _staged(target) as staging:
+            AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+            AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(staging)
+    return target
 
 
 def _random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.device, seed: int) -> LoadedModel:
@@ -194,22 +284,30 @@ def _converted_gguf(gguf: Path, cache_dir: Path) -> Path:
         target=str(target),
         note="first load only; later loads use the converted copy",
     )
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
-    try:
+    with _staged(target) as staging:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         _drop_quantization(model)
         model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        try:  # atomic: a concurrent converter may have won; either copy is fine
+    return target
+
+
+@contextmanager
+def _staged(target: Path) -> Iterator[Path]:
+    """A staging directory beside `target`, renamed to it at the end (atomic: a concurrent writer may have
+    won, and either copy is fine); removed whatever happens."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        yield staging
+        try:
             os.rename(staging, target)
         except OSError:
             if not (target / "config.json").is_file():
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
-    return target
 
 
 def as_module(model: PreTrainedModel) -> nn.Module:

@@ -65,7 +65,7 @@ def test_fused_layers_match_hf_generate(kind: str, mode: str, shape: tuple[int, 
 def test_default_model_fused_matches_hf_generate(hf_smol) -> None:
     """The real SmolLM2-135M (GGUF, tied embeddings) rewired through the config key, against transformers."""
     llm = LLM(device="cpu", dtype="float32", num_kv_blocks=64, max_num_batched_tokens=64, num_swap_blocks=0,
-              fuse_layers="reference")
+              fuse_layers="reference", quantization="none")
     register_engine(llm.engine)
     assert isinstance(llm.engine.runner.model.model, FusedDecoder)
     chats = ["What is the capital of France?", "List three prime numbers."]

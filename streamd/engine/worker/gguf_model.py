@@ -1,0 +1,132 @@
+"""A transformers model built straight from a GGUF file, its 4-bit and 8-bit tensors kept low-bit (CPU).
+
+transformers' own GGUF loader dequantizes every tensor to float32 (540 MB for the default 98 MB file), and
+a decode step then reads all of it per token. Here the model is made on the meta device from the file's
+config, every Linear whose tensor is Q4_0 / Q4_1 / Q4_K / Q8_0 becomes a `QuantizedLinear` over its codes
+(exact: `gguf_weights`), the token embedding a `QuantizedEmbedding` (and the head, when tied to it, a
+`QuantizedLinear` of the same codes), and the remaining tensors (norms, biases, other formats) are set in
+the model's dtype. Nothing float32 of the size of the weights exists at any point.
+
+Only llama.cpp's Llama-style naming is mapped (`ARCHITECTURES`: Llama, Mistral, Qwen2, Qwen3); another
+architecture loads through transformers' dequantizing path (`model_loader`), as before.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import numpy as np
+import torch
+from accelerate import init_empty_weights
+from torch import nn
+from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
+
+from streamd.engine.worker.gguf_weights import Decoded, Int4Codes, Q8Codes, decode, read, read_index
+from streamd.engine.worker.quantized import QuantizedEmbedding, linear_from_codes
+from streamd.heap import trim_c_heap
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values mapped here (Mistral files say llama)
+_GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_LAYER = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+_BLOCK = re.compile(r"blk\.(\d+)\.(\w+)\.(weight|bias)$")
+
+
+def architecture(path: Path) -> str:
+    return str(read_index(path)[0].get("general.architecture", ""))
+
+
+def hf_name(gguf_name: str) -> str:
+    """transformers' parameter name for a llama.cpp tensor name (KeyError for one this map does not know)."""
+    if match := _BLOCK.match(gguf_name):
+        layer, part, kind = match.groups()
+        return f"model.layers.{layer}.{_LAYER[part]}.{kind}"
+    stem, _, kind = gguf_name.rpartition(".")
+    return f"{_GLOBAL[stem]}.{kind}"
+
+
+def load_low_bit(path: Path, config: PretrainedConfig, dtype: torch.dtype, compute: torch.dtype) -> PreTrainedModel:
+    """The model of `config` in `dtype` with the file's tensors (see the module docstring), on the CPU; its
+    low-bit matmuls run in `compute` (bfloat16 where the CPU has it: `quantized.cpu_runs_bf16`)."""
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    fields, infos = read_index(path)
+    arch = str(fields.get("general.architecture", ""))
+    tensors = {hf_name(t.name): t for t in infos}
+    biases = {name: tensors.pop(name) for name in list(tensors) if name.endswith(".bias")}
+    for name, info in tensors.items():
+        decoded = _row_order(arch, name, config, decode(read(path, info), info, 0))
+        bias = biases.pop(name[: -len("weight")] + "bias", None)
+        bias_tensor = None if bias is None else _float(decode(read(path, bias), bias, 0)).to(dtype)
+        _install(model, name, decoded, bias_tensor, dtype, compute)
+        trim_c_heap()  # each tensor's transients (bytes, codes, int32 packing copies) back to the OS
+    if "lm_head.weight" not in tensors:
+        _tie_head(model, compute)
+    _check_materialized(model, path)
+    return model
+
+
+def _install(
+    model: nn.Module, name: str, decoded: Decoded, bias: torch.Tensor | None, dtype: torch.dtype, compute: torch.dtype
+) -> None:
+    module_name, _, _ = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if isinstance(decoded, (Int4Codes, Q8Codes)) and isinstance(module, nn.Linear):
+        _replace(model, module_name, linear_from_codes(decoded, bias, compute))
+        return
+    if isinstance(decoded, (Int4Codes, Q8Codes)) and isinstance(module, nn.Embedding):
+        _replace(model, module_name, QuantizedEmbedding(decoded, dtype))
+        return
+    weight = decoded if isinstance(decoded, torch.Tensor) else decoded.dequantize()  # a norm, or another module
+    module.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    if bias is not None:
+        module.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+
+
+def _float(decoded: Decoded) -> torch.Tensor:
+    if not isinstance(decoded, torch.Tensor):
+        raise ValueError("a bias or norm stored in a block format")
+    return decoded
+
+
+def _replace(model: nn.Module, module_name: str, module: nn.Module) -> None:
+    parent, _, attr = module_name.rpartition(".")
+    setattr(model.get_submodule(parent), attr, module)
+
+
+def _tie_head(model: PreTrainedModel, compute: torch.dtype) -> None:
+    """A file without `output.weight` ties the head to the token embedding (SmolLM2's does)."""
+    embedding = model.get_submodule("model.embed_tokens")
+    if isinstance(embedding, QuantizedEmbedding):
+        _replace(model, "lm_head", linear_from_codes(embedding.table, None, compute))
+    else:
+        model.get_submodule("lm_head").weight = embedding.weight
+
+
+def _row_order(arch: str, name: str, config: PretrainedConfig, decoded: Decoded) -> Decoded:
+    """llama.cpp's converter interleaves the rows of Llama's Q and K projections for its rotary layout
+    (`permute` in convert_hf_to_gguf.py); transformers' rotate-half layout wants them back."""
+    if arch != "llama" or not re.search(r"\.self_attn\.[qk]_proj\.weight$", name):
+        return decoded
+    heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
+    rows = decoded.codes.shape[0] if isinstance(decoded, (Int4Codes, Q8Codes)) else decoded.shape[0]
+    index = torch.from_numpy(np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows))
+    return decoded.rows(index) if isinstance(decoded, (Int4Codes, Q8Codes)) else decoded[index]
+
+
+def _check_materialized(model: nn.Module, path: Path) -> None:
+    missing = [name for name, p in model.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise ValueError(f"{path.name} has no tensor for {', '.join(missing[:5])} (of {len(missing)} missing)")

@@ -1,0 +1,131 @@
+"""Low-bit modules that stand in for transformers' Linear and Embedding: the rest of the model is unchanged.
+
+`QuantizedLinear` runs `streamd.kernels.lowbit`'s packed kernels (a sum of parts: one int4 weight, or the two
+int4 halves of a Q8_0 weight, or one int8 weight); `QuantizedEmbedding` dequantizes only the rows it looks up.
+`quantize_linears` quantizes a float model's Linear layers at load (`model.quantization = "int8" | "int4"`).
+
+These run on the CPU, with activations in bfloat16: torch's packed kernels take their fast path (AVX-512 VNNI /
+AMX) only there; with float32 activations they fall back to a scalar loop 10-20x slower than a float32 GEMM
+(benchmarks/NOTES.md, "CPU low-bit kernels"). `cpu_runs_bf16` says whether this CPU computes bfloat16 natively.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from streamd.engine.worker.gguf_weights import GROUP, Int4Codes, Q8Codes
+from streamd.kernels import lowbit
+
+Part = lowbit.Int4Weight | lowbit.Int8Weight
+
+
+class QuantizedLinear(nn.Module):
+    """y = x @ (sum of the parts' weights).T + bias."""
+
+    def __init__(self, parts: Sequence[Part], bias: torch.Tensor | None, in_features: int, out_features: int) -> None:
+        super().__init__()
+        self.parts = tuple(parts)
+        self.in_features, self.out_features = in_features, out_features
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.to(self.parts[0].compute_dtype)
+        out = _apply(rows, self.parts[0])
+        for part in self.parts[1:]:
+            out = out + _apply(rows, part)
+        out = out.to(x.dtype)
+        return out if self.bias is None else out + self.bias
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def extra_repr(self) -> str:
+        kinds = "+".join(type(p).__name__ for p in self.parts)
+        return f"in_features={self.in_features}, out_features={self.out_features}, parts={kinds}"
+
+
+def _apply(x: torch.Tensor, part: Part) -> torch.Tensor:
+    if isinstance(part, lowbit.Int4Weight):
+        return lowbit.int4_linear(x, part)
+    return lowbit.int8_linear(x, part)
+
+
+class QuantizedEmbedding(nn.Module):
+    """Rows of a 4-bit or Q8_0 table, dequantized as they are looked up (in `dtype`)."""
+
+    def __init__(self, table: Int4Codes | Q8Codes, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.table, self.dtype = table, dtype
+        self.num_embeddings, self.embedding_dim = table.codes.shape
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in vars_of(self.table))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        flat = input_ids.reshape(-1)
+        rows = self.table.rows(flat).dequantize().to(self.dtype)
+        return rows.reshape(*input_ids.shape, self.embedding_dim)
+
+
+def vars_of(table: Int4Codes | Q8Codes) -> list[torch.Tensor]:
+    return [getattr(table, name) for name in table.__slots__]
+
+
+def linear_from_codes(codes: Int4Codes | Q8Codes, bias: torch.Tensor | None, compute: torch.dtype) -> QuantizedLinear:
+    """A Linear of GGUF codes, exactly: an Int4Codes packs as it is, a Q8Codes as its two int4 halves. The
+    kernels run in `compute` (the input is cast to it, the output back); the bias is added in the input's dtype."""
+    halves = codes.int4_halves() if isinstance(codes, Q8Codes) else iter((codes,))
+    parts = [lowbit.pack_int4(h.codes, h.scales, h.zeros, GROUP, compute) for h in halves]  # one half held at a time
+    out_features, in_features = codes.codes.shape
+    return QuantizedLinear(parts, bias, in_features, out_features)
+
+
+def quantize_linears(model: nn.Module, mode: str, compute: torch.dtype) -> int:
+    """Replaces every nn.Linear of a float model by its int8 (per row) or int4 (per 32 inputs) quantization;
+    returns how many. Round to nearest; int4 is asymmetric (min..max of each group over the 16 codes)."""
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, linear in linears:
+        parent, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(parent), attr, _quantized(linear, mode, compute))
+    return len(linears)
+
+
+def _quantized(linear: nn.Linear, mode: str, compute: torch.dtype) -> QuantizedLinear:
+    weight = linear.weight.detach()
+    bias = None if linear.bias is None else linear.bias.detach()
+    part: Part = lowbit.quantize_int8(weight, compute) if mode == "int8" else _int4(weight, compute)
+    return QuantizedLinear([part], bias, linear.in_features, linear.out_features)
+
+
+def _int4(weight: torch.Tensor, dtype: torch.dtype) -> lowbit.Int4Weight:
+    codes = quantize_int4(weight)
+    return lowbit.pack_int4(codes.codes, codes.scales, codes.zeros, GROUP, dtype)
+
+
+def quantize_int4(weight: torch.Tensor) -> Int4Codes:
+    """Asymmetric 4-bit per 32 inputs: scale = (max - min) / 15, codes round((w - min) / scale), so w is
+    (q - 8) * scale + (min + 8 * scale). The input width is padded with zeros to a multiple of 32."""
+    out_features, in_features = weight.shape
+    padded = nn.functional.pad(weight.float(), (0, -in_features % GROUP)).reshape(out_features, -1, GROUP)
+    low, high = padded.amin(dim=-1), padded.amax(dim=-1)
+    scales = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
+    codes = torch.round((padded - low[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
+    return Int4Codes(codes.reshape(out_features, -1)[:, :in_features], scales, low + 8 * scales)
+
+
+def cpu_runs_bf16() -> bool:
+    """Whether this CPU has native bfloat16 arithmetic (AVX-512 BF16 or AMX), from /proc/cpuinfo's flags."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False

@@ -1,0 +1,141 @@
+"""Low-bit weights and their matmuls on the CPU: torch's packed int4 and int8 kernels, with plain-torch references.
+
+A decode step on the CPU reads every weight once per token, so its speed is the bytes it reads: a 4-bit weight
+is an eighth of float32's. torch's CPU build carries weight-only kernels that read the packed codes and
+dequantize inside the GEMM (`_weight_int4pack_mm_for_cpu`: group-wise scales and zero points, AVX-512 VNNI
+where the CPU has it; `_weight_int8pack_mm`: one scale per output channel). Measured against torchao's wrappers
+of the same kernels and against float32/bfloat16 GEMMs on this repository's CPUs: benchmarks/NOTES.md.
+
+Two layouts, each a record with its dequantization spelled out (what the references compute):
+
+- `Int4Weight`: codes q in 0..15 in groups of `group_size` (32, 64, 128 or 256) along the input dimension,
+  w = (q - 8) * scale + zero per (row, group). GGUF's Q4_0 (zero 0) and Q4_1 (w = d*q + m, so zero = m + 8d)
+  map onto it exactly, as does any asymmetric 4-bit quantization. torch's packing wants a row count divisible
+  by 16: other rows are padded with zeros and sliced off; an input width not divisible by the group is padded
+  with zero activations (which add nothing whatever the padded codes are).
+- `Int8Weight`: codes q in -128..127 and one scale per row, w = q * scale (symmetric per-channel int8).
+
+GGUF's Q8_0 (w = d * q, one d per 32 inputs) has no kernel of its own here: it runs as two int4 weights
+(q = 16*hi + lo, `gguf_weights.Q8Codes.int4_halves`), exact, and faster than looping torch's int8 kernel over
+the 32-wide blocks (benchmarks/NOTES.md).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+INT4_GROUP_SIZES = (32, 64, 128, 256)
+_INT4_ROW_MULTIPLE = 16  # torch's CPU int4 packing wants the output rows in a multiple of 16
+_PACK_ROWS = 1024  # rows packed at a time (torch's layout is row-block-local: packing 1024-row chunks is the same)
+_INT8_COL_MULTIPLE = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Int4Weight:
+    """A packed 4-bit weight [out_features, in_features] (see the module docstring for the layout)."""
+
+    packed: torch.Tensor  # uint8, torch's CPU int4 layout of the (row-padded) codes
+    scales_and_zeros: torch.Tensor  # [groups, padded rows, 2] in the activations' dtype: (scale, zero)
+    group_size: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.nbytes
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales_and_zeros.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Weight:
+    codes: torch.Tensor  # int8 [out, in]
+    scales: torch.Tensor  # [out] in the activations' dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.scales.dtype
+
+
+def pack_int4(
+    codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int, dtype: torch.dtype
+) -> Int4Weight:
+    """Packs codes [out, in] (0..15) with per-group scales and zeros [out, in / group_size]."""
+    if group_size not in INT4_GROUP_SIZES:
+        raise ValueError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {group_size}")
+    out_features, in_features = codes.shape
+    groups = -(-in_features // group_size)
+    if scales.shape != (out_features, groups) or zeros.shape != scales.shape:
+        raise ValueError(f"int4 scales/zeros must be [{out_features}, {groups}], got {tuple(scales.shape)}")
+    pad_rows = -out_features % _INT4_ROW_MULTIPLE
+    chunks = [_pack_rows(chunk, groups * group_size - in_features) for chunk in _row_chunks(codes, pad_rows)]
+    packed = chunks[0] if len(chunks) == 1 else torch.cat(chunks)
+    pairs = torch.stack([F.pad(scales, (0, 0, 0, pad_rows)), F.pad(zeros, (0, 0, 0, pad_rows))], dim=-1)
+    return Int4Weight(packed, pairs.transpose(0, 1).contiguous().to(dtype), group_size, out_features, in_features)
+
+
+def _row_chunks(codes: torch.Tensor, pad_rows: int) -> list[torch.Tensor]:
+    """Codes in chunks of `_PACK_ROWS` rows (the last one padded to a multiple of 16 with code 8): packing a
+    chunk at a time keeps the int32 copy that torch's packing wants to a chunk, not the whole weight."""
+    chunks = list(codes.split(_PACK_ROWS))
+    if pad_rows:
+        chunks[-1] = F.pad(chunks[-1], (0, 0, 0, pad_rows), value=8)
+    return chunks
+
+
+def _pack_rows(codes: torch.Tensor, pad_cols: int) -> torch.Tensor:
+    wide = codes.to(torch.int32)
+    if pad_cols:
+        wide = F.pad(wide, (0, pad_cols), value=8)
+    return torch.ops.aten._convert_weight_to_int4pack_for_cpu(wide.contiguous(), 1)
+
+
+def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """x [..., in] @ w.T through torch's CPU int4 kernel (x in float32 or bfloat16)."""
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    padded_in = weight.scales_and_zeros.shape[0] * weight.group_size
+    if padded_in != weight.in_features:
+        rows = F.pad(rows, (0, padded_in - weight.in_features))
+    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        rows.contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros
+    )
+    return out[:, : weight.out_features].reshape(*lead, weight.out_features)
+
+
+def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
+    """Symmetric per-row int8 of a float weight [out, in] (round to nearest; a zero row keeps scale 1). The
+    input width is padded with zero codes to a multiple of 32 (torch's bfloat16 kernel crashes on others)."""
+    absmax = weight.float().abs().amax(dim=1)
+    scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
+    codes = torch.round(weight.float() / scales[:, None]).clamp_(-128, 127).to(torch.int8)
+    return Int8Weight(F.pad(codes, (0, -codes.shape[1] % _INT8_COL_MULTIPLE)), scales.to(dtype))
+
+
+def int8_linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
+    lead = x.shape[:-1]
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[1] != weight.codes.shape[1]:
+        rows = F.pad(rows, (0, weight.codes.shape[1] - rows.shape[1]))
+    out = torch.ops.aten._weight_int8pack_mm(rows.contiguous(), weight.codes, weight.scales)
+    return out.reshape(*lead, weight.codes.shape[0])
+
+
+# ---- plain-torch references (float32 arithmetic on the dequantized weight) ----------------------------------
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int) -> torch.Tensor:
+    """w = (q - 8) * scale + zero, per (row, group), in float32 [out, in]."""
+    expand = torch.arange(codes.shape[1], device=codes.device) // group_size
+    return (codes.float() - 8) * scales.float()[:, expand] + zeros.float()[:, expand]
+
+
+def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), weight.float())

@@ -1,0 +1,58 @@
+"""torch's packed low-bit CPU kernels (through `streamd.kernels.lowbit`) against their float references, on
+awkward shapes: rows not a multiple of 16 (padded), inputs not a multiple of the group (padded), one row to
+many, more than one packing chunk (1,024 rows).
+
+Tolerance: the kernels take bfloat16 activations and scales, so the reference is computed in float32 from the
+same bfloat16-rounded inputs and scales; what remains is accumulation order and the bfloat16 output's rounding
+(2^-8 relative), bounded here by 1% of the output's largest magnitude."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamd.kernels import lowbit
+
+BF16 = torch.bfloat16
+
+
+def close(out: torch.Tensor, ref: torch.Tensor) -> None:
+    assert out.shape == ref.shape
+    torch.testing.assert_close(out.float(), ref, atol=1e-2 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("rows,cols,group", [(7, 32, 32), (100, 96, 32), (33, 40, 32), (1040, 130, 64), (16, 256, 256)])
+@pytest.mark.parametrize("batch", [1, 3, 17])
+def test_int4_matches_its_reference(rows: int, cols: int, group: int, batch: int) -> None:
+    gen = torch.Generator().manual_seed(rows * cols + batch)
+    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    groups = -(-cols // group)
+    scales = torch.rand(rows, groups, generator=gen) * 0.05 + 1e-3
+    zeros = torch.randn(rows, groups, generator=gen) * 0.05
+    x = torch.randn(batch, cols, generator=gen).to(BF16)
+    weight = lowbit.pack_int4(codes, scales, zeros, group, BF16)
+    ref_w = lowbit.dequantize_int4(codes, scales.to(BF16).float(), zeros.to(BF16).float(), group)
+    close(lowbit.int4_linear(x, weight), lowbit.linear_reference(x, ref_w))
+
+
+def test_int4_keeps_leading_dimensions() -> None:
+    codes = torch.randint(0, 16, (48, 64), dtype=torch.uint8)
+    weight = lowbit.pack_int4(codes, torch.full((48, 2), 0.01), torch.zeros(48, 2), 32, BF16)
+    assert lowbit.int4_linear(torch.randn(2, 5, 64).to(BF16), weight).shape == (2, 5, 48)
+
+
+def test_int4_refuses_a_group_size_torch_has_no_kernel_for() -> None:
+    with pytest.raises(ValueError, match="group size must be one of"):
+        lowbit.pack_int4(torch.zeros(16, 48, dtype=torch.uint8), torch.ones(16, 3), torch.zeros(16, 3), 16, BF16)
+
+
+@pytest.mark.parametrize("rows,cols,batch", [(7, 33, 1), (100, 576, 5), (64, 40, 17)])
+def test_int8_matches_its_reference(rows: int, cols: int, batch: int) -> None:
+    weight = torch.randn(rows, cols) * 0.1
+    q = lowbit.quantize_int8(weight, BF16)
+    x = torch.randn(batch, cols).to(BF16)
+    ref_w = q.codes[:, :cols].float() * q.scales.float()[:, None]
+    close(lowbit.int8_linear(x, q), lowbit.linear_reference(x, ref_w))
+    # round to nearest per row: within half a step of the float weight, plus the bfloat16 scale's rounding
+    step = q.scales.float()[:, None]
+    assert ((ref_w - weight).abs() <= step * 0.5 + step * 127 * 2**-8).all()
