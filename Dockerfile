@@ -81,7 +81,8 @@ USER streamd
 WORKDIR /home/streamd
 
 # Convert the default GGUF now, through the same code path a server start takes (a 4-token generation,
-# which also proves the image works): the container then loads safetensors and needs no network.
+# which also proves the image works): its config and tokenizer (the weights stay 4-bit on a CPU with
+# bfloat16; elsewhere they are dequantized to safetensors too), so the container needs no network.
 RUN STREAMD_CACHE__NUM_KV_BLOCKS=64 STREAMD_CACHE__NUM_SWAP_BLOCKS=0 \
     streamd generate --device cpu --max-tokens 4 "The capital of France is"
 
