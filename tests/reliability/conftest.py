@@ -43,11 +43,14 @@ async def _whole_after_test(request: pytest.FixtureRequest) -> AsyncIterator[Non
 @pytest_asyncio.fixture(scope="session", loop_scope="session")
 async def tiny_engine() -> AsyncIterator[AsyncEngine]:
     """The default model with a KV pool of 16 blocks (256 tokens) and a small swap pool: a few streams
-    preempt each other (swap or recompute, whichever the engine estimates cheaper)."""
+    preempt each other (swap or recompute, whichever the engine estimates cheaper). Float weights, as the shared
+    engine's: the tests compare greedy tokens across preemption, which bfloat16 low-bit matmuls (a recomputed
+    prefill rounds otherwise than the decode steps it replaces) do not keep bit for bit."""
     from streamd import LLM
     from tests.helpers import register_engine
 
-    llm = LLM(device="cpu", dtype="float32", num_kv_blocks=16, num_swap_blocks=8, max_num_batched_tokens=64)
+    llm = LLM(device="cpu", dtype="float32", num_kv_blocks=16, num_swap_blocks=8, max_num_batched_tokens=64,
+              quantization="none")
     register_engine(llm.engine)
     engine = AsyncEngine(llm.engine)
     engine.start()
