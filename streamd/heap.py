@@ -15,7 +15,10 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import gc
+from collections.abc import Callable
+from typing import cast
 
 YOUNG_THRESHOLD = 10_000
 
@@ -31,8 +34,14 @@ def settle() -> None:
 
 def trim_c_heap() -> None:
     """Returns the C heap's free pages to the OS where the C library is glibc (a no-op elsewhere)."""
-    name = ctypes.util.find_library("c")
+    if (trim := _malloc_trim()) is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's `malloc_trim`, looked up once (`find_library` runs a subprocess); None for another C library."""
     try:
-        ctypes.CDLL(name).malloc_trim(0)
+        return cast(Callable[[int], int], ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim)
     except (OSError, AttributeError, TypeError):  # not glibc (macOS, musl): nothing to trim
-        pass
+        return None

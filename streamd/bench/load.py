@@ -367,7 +367,7 @@ async def run_load(args: argparse.Namespace) -> tuple[list[Timing], float]:
     async with client:
         start = time.perf_counter()
         if concurrency:
-            timings = await _closed_loop(client, prompts, args.max_tokens, concurrency)
+            timings = await closed_loop(client, prompts, args.max_tokens, concurrency)
         else:
             timings = await _poisson(client, prompts, args.max_tokens, args.rate, random.Random(args.seed))
         return timings, time.perf_counter() - start
@@ -378,7 +378,7 @@ def _concurrency(args: argparse.Namespace) -> int | None:
     return args.concurrency or (None if args.rate else 8)
 
 
-async def _closed_loop(client: Any, prompts: list[str], max_tokens: int, concurrency: int) -> list[Timing]:
+async def closed_loop(client: Any, prompts: list[str], max_tokens: int, concurrency: int) -> list[Timing]:
     queue = list(reversed(prompts))
     timings: list[Timing] = []
 
@@ -417,9 +417,14 @@ def percentiles(values: list[float]) -> dict[str, float | None]:
     return {"p50": at(0.50), "p90": at(0.90), "p99": at(0.99), "mean": sum(ordered) / len(ordered)}
 
 
+def first_token_times(timings: list[Timing]) -> list[float]:
+    """Seconds from each completed request's send to its first token."""
+    return [t.token_times[0] - t.sent for t in timings if t.error is None and t.token_times]
+
+
 def report(timings: list[Timing], duration: float, args: argparse.Namespace) -> dict[str, Any]:
     ok = [t for t in timings if t.error is None]
-    ttft = [t.token_times[0] - t.sent for t in ok if t.token_times]
+    ttft = first_token_times(ok)
     itl = [b - a for t in ok for a, b in zip(t.token_times, t.token_times[1:])]
     e2e = [t.end - t.sent for t in ok]
     tokens = sum(t.tokens for t in ok)

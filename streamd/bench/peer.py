@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import statistics
 import sys
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from streamd.bench.load import SSEClient, Timing, _closed_loop, percentiles, synthetic_prompts
+from streamd.bench.load import SSEClient, Timing, closed_loop, first_token_times, percentiles, synthetic_prompts
 from streamd.bench.report import BenchError, add_out_argument, markdown_table, report_header, save_report
 
 
@@ -63,53 +65,45 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all(r.failed == 0 for r in runs) else 1
 
 
-class _streamd:
+@contextlib.contextmanager
+def _streamd(args: argparse.Namespace) -> Iterator[str]:
     """streamd's server for the run: the one at --streamd-url, or a `serve_target` started on the default model."""
+    if args.streamd_url:
+        yield str(args.streamd_url).rstrip("/")
+        return
+    from streamd.bench.serve_baseline import ServerProcess
+    from streamd.engine.worker.model_loader import default_gguf_path
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.server: Any = None
-
-    def __enter__(self) -> str:
-        if self.args.streamd_url:
-            return str(self.args.streamd_url).rstrip("/")
-        from streamd.bench.serve_baseline import ServerProcess
-        from streamd.engine.worker.model_loader import default_gguf_path
-
-        self.server = ServerProcess(str(default_gguf_path()), list(self.args.set))
-        return str(self.server.url)
-
-    def __exit__(self, *exc: object) -> None:
-        if self.server is not None:
-            self.server.stop()
+    server = ServerProcess(str(default_gguf_path()), list(args.set))
+    try:
+        yield server.url
+    finally:
+        server.stop()
 
 
 async def _all_runs(urls: dict[str, str], levels: list[int], args: argparse.Namespace) -> list[Run]:
-    clients = {name: SSEClient(url, None, None) for name, url in urls.items()}
-    for client in clients.values():
-        await client.__aenter__()
-        await client.generate("Warm up.", 4)  # first-request costs (kernel set-up, caches) stay out of the runs
-    runs = []
-    for r in range(args.rounds):
-        for i, level in enumerate(levels):
-            order = ["peer", "streamd"] if (r + i) % 2 == 0 else ["streamd", "peer"]
-            prompts = synthetic_prompts(level * args.requests_per_stream, args.prompt_words, args.seed + r)
-            for name in order:
-                runs.append(await _one(name, clients[name], prompts, level, r, args.max_tokens))
-    for client in clients.values():
-        await client.__aexit__()
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {name: await stack.enter_async_context(SSEClient(url, None, None)) for name, url in urls.items()}
+        for client in clients.values():
+            await client.generate("Warm up.", 4)  # first-request costs (kernel set-up, caches) stay out of the runs
+        runs = []
+        for r in range(args.rounds):
+            for i, level in enumerate(levels):
+                order = ["peer", "streamd"] if (r + i) % 2 == 0 else ["streamd", "peer"]
+                prompts = synthetic_prompts(level * args.requests_per_stream, args.prompt_words, args.seed + r)
+                for name in order:
+                    runs.append(await _one(name, clients[name], prompts, level, r, args.max_tokens))
     return runs
 
 
 async def _one(name: str, client: SSEClient, prompts: list[str], level: int, round_: int, max_tokens: int) -> Run:
     loop = asyncio.get_running_loop()
     start = loop.time()
-    timings: list[Timing] = await _closed_loop(client, prompts, max_tokens, level)
+    timings: list[Timing] = await closed_loop(client, prompts, max_tokens, level)
     duration = loop.time() - start
     ok = [t for t in timings if t.error is None]
-    ttft = percentiles([t.token_times[0] - t.sent for t in ok if t.token_times])["p50"]
-    tokens = sum(t.tokens for t in ok)
-    run = Run(name, level, round_, tokens / duration, ttft, len(ok), len(timings) - len(ok))
+    ttft = percentiles(first_token_times(ok))["p50"]
+    run = Run(name, level, round_, sum(t.tokens for t in ok) / duration, ttft, len(ok), len(timings) - len(ok))
     print(f"round {round_} concurrency {level} {name}: {run.output_tok_s:.1f} tok/s, TTFT p50 {ttft}", flush=True)
     return run
 

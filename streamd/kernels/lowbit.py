@@ -3,8 +3,8 @@
 A decode step on the CPU reads every weight once per token, so its speed is the bytes it reads: a 4-bit weight
 is an eighth of float32's. torch's CPU build carries weight-only kernels that read the packed codes and
 dequantize inside the GEMM (`_weight_int4pack_mm_for_cpu`: group-wise scales and zero points, AVX-512 VNNI
-where the CPU has it; `_weight_int8pack_mm`: one scale per output channel). Measured against torchao's wrappers
-of the same kernels and against float32/bfloat16 GEMMs on this repository's CPUs: benchmarks/NOTES.md.
+where the CPU has it; `_weight_int8pack_mm`: one scale per output channel); torchao's CPU path wraps these same
+kernels. Measured against float32 and bfloat16 GEMMs on this repository's CPU: benchmarks/NOTES.md.
 
 Two layouts, each a record with its dequantization spelled out (what the references compute):
 
@@ -45,7 +45,7 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scales_and_zeros.nbytes
+        return self.packed.nbytes + self.scales_and_zeros.nbytes
 
     @property
     def compute_dtype(self) -> torch.dtype:

@@ -42,10 +42,21 @@ def apply_num_threads(configured: int) -> int:
 
 def cpu_model_name() -> str:
     """The CPU's model name from /proc/cpuinfo ("" where there is none, as on macOS)."""
+    return _cpuinfo("model name")
+
+
+def cpu_runs_bf16() -> bool:
+    """Whether this CPU has native bfloat16 arithmetic (AVX-512 BF16 or AMX), from /proc/cpuinfo's flags: torch's
+    low-bit kernels are fast only with bfloat16 activations there (`quantized.py`)."""
+    return bool(set(_cpuinfo("flags").split()) & {"avx512_bf16", "amx_bf16"})
+
+
+def _cpuinfo(key: str) -> str:
+    """The first value of `key` in /proc/cpuinfo ("" where there is none)."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
-                if line.startswith("model name"):
+                if line.startswith(key):
                     return line.partition(":")[2].strip()
     except OSError:
         pass

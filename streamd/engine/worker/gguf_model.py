@@ -22,7 +22,7 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from streamd.engine.worker.gguf_weights import Decoded, Int4Codes, Q8Codes, decode, read, read_index
+from streamd.engine.worker.gguf_weights import BLOCK_FORMATS, Decoded, decode, read, read_index
 from streamd.engine.worker.quantized import QuantizedEmbedding, linear_from_codes
 from streamd.heap import trim_c_heap
 
@@ -67,9 +67,9 @@ def load_low_bit(path: Path, config: PretrainedConfig, dtype: torch.dtype, compu
     tensors = {hf_name(t.name): t for t in infos}
     biases = {name: tensors.pop(name) for name in list(tensors) if name.endswith(".bias")}
     for name, info in tensors.items():
-        decoded = _row_order(arch, name, config, decode(read(path, info), info, 0))
+        decoded = _row_order(arch, name, config, decode(read(path, info), info))
         bias = biases.pop(name[: -len("weight")] + "bias", None)
-        bias_tensor = None if bias is None else _float(decode(read(path, bias), bias, 0)).to(dtype)
+        bias_tensor = None if bias is None else _dense(decode(read(path, bias), bias)).to(dtype)
         _install(model, name, decoded, bias_tensor, dtype, compute)
         trim_c_heap()  # each tensor's transients (bytes, codes, int32 packing copies) back to the OS
     if "lm_head.weight" not in tensors:
@@ -83,22 +83,19 @@ def _install(
 ) -> None:
     module_name, _, _ = name.rpartition(".")
     module = model.get_submodule(module_name)
-    if isinstance(decoded, (Int4Codes, Q8Codes)) and isinstance(module, nn.Linear):
+    if isinstance(decoded, BLOCK_FORMATS) and isinstance(module, nn.Linear):
         _replace(model, module_name, linear_from_codes(decoded, bias, compute))
         return
-    if isinstance(decoded, (Int4Codes, Q8Codes)) and isinstance(module, nn.Embedding):
+    if isinstance(decoded, BLOCK_FORMATS) and isinstance(module, nn.Embedding):
         _replace(model, module_name, QuantizedEmbedding(decoded, dtype))
         return
-    weight = decoded if isinstance(decoded, torch.Tensor) else decoded.dequantize()  # a norm, or another module
-    module.weight = nn.Parameter(weight.to(dtype), requires_grad=False)
+    module.weight = nn.Parameter(_dense(decoded).to(dtype), requires_grad=False)  # a norm, or another module
     if bias is not None:
         module.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
 
 
-def _float(decoded: Decoded) -> torch.Tensor:
-    if not isinstance(decoded, torch.Tensor):
-        raise ValueError("a bias or norm stored in a block format")
-    return decoded
+def _dense(decoded: Decoded) -> torch.Tensor:
+    return decoded if isinstance(decoded, torch.Tensor) else decoded.dequantize()
 
 
 def _replace(model: nn.Module, module_name: str, module: nn.Module) -> None:
@@ -121,9 +118,9 @@ def _row_order(arch: str, name: str, config: PretrainedConfig, decoded: Decoded)
     if arch != "llama" or not re.search(r"\.self_attn\.[qk]_proj\.weight$", name):
         return decoded
     heads = config.num_attention_heads if ".q_proj." in name else config.num_key_value_heads
-    rows = decoded.codes.shape[0] if isinstance(decoded, (Int4Codes, Q8Codes)) else decoded.shape[0]
+    rows = decoded.shape[0] if isinstance(decoded, torch.Tensor) else decoded.codes.shape[0]
     index = torch.from_numpy(np.arange(rows).reshape(heads, rows // heads // 2, 2).swapaxes(1, 2).reshape(rows))
-    return decoded.rows(index) if isinstance(decoded, (Int4Codes, Q8Codes)) else decoded[index]
+    return decoded[index] if isinstance(decoded, torch.Tensor) else decoded.rows(index)
 
 
 def _check_materialized(model: nn.Module, path: Path) -> None:

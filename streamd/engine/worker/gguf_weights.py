@@ -31,6 +31,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, quants
 from gguf import GGMLQuantizationType as GGML
 
+from streamd.kernels import lowbit
+
 GROUP = 32  # every block format here has 32 inputs per scale
 
 
@@ -46,8 +48,11 @@ class Int4Codes:
         return Int4Codes(self.codes[index], self.scales[index], self.zeros[index])
 
     def dequantize(self) -> torch.Tensor:
-        expand = torch.arange(self.codes.shape[1]) // GROUP
-        return (self.codes.float() - 8) * self.scales[:, expand] + self.zeros[:, expand]
+        return lowbit.dequantize_int4(self.codes, self.scales, self.zeros, GROUP)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes + self.zeros.nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +68,10 @@ class Q8Codes:
     def dequantize(self) -> torch.Tensor:
         return self.codes.float() * self.scales[:, torch.arange(self.codes.shape[1]) // GROUP]
 
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
     def int4_halves(self) -> Iterator[Int4Codes]:
         """q = 16*hi + lo (hi = q >> 4 in -8..7, lo = q & 15): w = (hi+8 - 8) * 16d + (lo - 8) * d + 8d. One
         at a time, in int8 arithmetic (>> is arithmetic on int8): a vocabulary-sized table is copied once."""
@@ -71,6 +80,7 @@ class Q8Codes:
 
 
 Decoded = Int4Codes | Q8Codes | torch.Tensor
+BLOCK_FORMATS = (Int4Codes, Q8Codes)  # what `decode` keeps low-bit
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,11 +103,8 @@ def read(path: Path, info: TensorInfo) -> np.ndarray:
     return np.fromfile(path, dtype=np.uint8, count=info.nbytes, offset=info.offset)
 
 
-def decode(data: np.ndarray, info: TensorInfo, start: int | None = None) -> Decoded:
-    """One tensor as stored (see the module docstring), from `data`: its own bytes (`read`), or a buffer
-    holding it at `start` (default: its offset in the file)."""
-    begin = info.offset if start is None else start
-    raw = data[begin : begin + info.nbytes]
+def decode(raw: np.ndarray, info: TensorInfo) -> Decoded:
+    """One tensor as stored (see the module docstring), from its bytes (`read`)."""
     rows = int(np.prod(info.shape[:-1]))
     if info.kind in _DECODERS:
         return _DECODERS[info.kind](raw.reshape(rows, -1))
@@ -140,11 +147,12 @@ def _field(fh: BinaryIO) -> tuple[str, object]:
 def _value(fh: BinaryIO, kind: int) -> object:
     if kind == _STRING:
         return _string(fh)
-    if kind == _ARRAY:
+    if kind == _ARRAY:  # skipped: strings and nested arrays item by item, scalars in one seek
         item, count = struct.unpack("<IQ", fh.read(12))
-        for _ in range(count) if item in (_STRING, _ARRAY) else ():
-            _value(fh, item)
-        if item not in (_STRING, _ARRAY):
+        if item in (_STRING, _ARRAY):
+            for _ in range(count):
+                _value(fh, item)
+        else:
             fh.seek(struct.calcsize("<" + _SCALARS[item]) * count, 1)
         return None
     fmt = "<" + _SCALARS[kind]

@@ -1,6 +1,12 @@
 """Model loading: the default GGUF model, a local Hugging Face directory, a Hub id already in the local
 cache, or a config for random weights; never the network.
 
+Before any weight is read, the checkpoint's `config.json` is checked: an architecture transformers does not ship
+(its code comes with the checkpoint, `trust_remote_code`: Phi-3-small) is refused, since streamd runs no
+remote code; an MXFP4 checkpoint (gpt-oss) is dequantized while loading, in `model.dtype`: transformers would
+otherwise fetch its MXFP4 kernels from the Hub at run time where the `kernels` package is installed. After
+loading, `families.check_runnable` refuses a model whose layers streamd cannot run, with the reason.
+
 On a CPU with native bfloat16 a GGUF file of a Llama-style architecture keeps its 4-bit and 8-bit blocks as
 stored (`gguf_model`, `model.quantization = "auto"`): a decode step reads ~90 MB of the default model instead
 of 540 MB of float32. Its config and tokenizer come from a small cached conversion. Elsewhere (a GPU, another
@@ -39,9 +45,10 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils.quantization_config import Mxfp4Config
 
 from streamd.config import cache_path
+from streamd.engine.worker.cpu_threads import cpu_runs_bf16
 from streamd.engine.worker.families import check_runnable
 from streamd.engine.worker.gguf_model import ARCHITECTURES, architecture, load_low_bit
-from streamd.engine.worker.quantized import QuantizedEmbedding, QuantizedLinear, cpu_runs_bf16, quantize_linears
+from streamd.engine.worker.quantized import QuantizedEmbedding, QuantizedLinear, quantize_linears
 from streamd.logs import get_logger
 
 log = get_logger(__name__)

@@ -6,7 +6,8 @@ int4 halves of a Q8_0 weight, or one int8 weight); `QuantizedEmbedding` dequanti
 
 These run on the CPU, with activations in bfloat16: torch's packed kernels take their fast path (AVX-512 VNNI /
 AMX) only there; with float32 activations they fall back to a scalar loop 10-20x slower than a float32 GEMM
-(benchmarks/NOTES.md, "CPU low-bit kernels"). `cpu_runs_bf16` says whether this CPU computes bfloat16 natively.
+(benchmarks/NOTES.md, "Issue 25, part 1"). `cpu_threads.cpu_runs_bf16` says whether this CPU has native
+bfloat16.
 """
 
 from __future__ import annotations
@@ -64,16 +65,12 @@ class QuantizedEmbedding(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in vars_of(self.table))
+        return self.table.nbytes
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
         rows = self.table.rows(flat).dequantize().to(self.dtype)
         return rows.reshape(*input_ids.shape, self.embedding_dim)
-
-
-def vars_of(table: Int4Codes | Q8Codes) -> list[torch.Tensor]:
-    return [getattr(table, name) for name in table.__slots__]
 
 
 def linear_from_codes(codes: Int4Codes | Q8Codes, bias: torch.Tensor | None, compute: torch.dtype) -> QuantizedLinear:
@@ -98,13 +95,9 @@ def quantize_linears(model: nn.Module, mode: str, compute: torch.dtype) -> int:
 def _quantized(linear: nn.Linear, mode: str, compute: torch.dtype) -> QuantizedLinear:
     weight = linear.weight.detach()
     bias = None if linear.bias is None else linear.bias.detach()
-    part: Part = lowbit.quantize_int8(weight, compute) if mode == "int8" else _int4(weight, compute)
-    return QuantizedLinear([part], bias, linear.in_features, linear.out_features)
-
-
-def _int4(weight: torch.Tensor, dtype: torch.dtype) -> lowbit.Int4Weight:
-    codes = quantize_int4(weight)
-    return lowbit.pack_int4(codes.codes, codes.scales, codes.zeros, GROUP, dtype)
+    if mode == "int4":
+        return linear_from_codes(quantize_int4(weight), bias, compute)
+    return QuantizedLinear([lowbit.quantize_int8(weight, compute)], bias, linear.in_features, linear.out_features)
 
 
 def quantize_int4(weight: torch.Tensor) -> Int4Codes:
@@ -116,16 +109,3 @@ def quantize_int4(weight: torch.Tensor) -> Int4Codes:
     scales = torch.where(high > low, (high - low) / 15, torch.ones_like(low))
     codes = torch.round((padded - low[..., None]) / scales[..., None]).clamp_(0, 15).to(torch.uint8)
     return Int4Codes(codes.reshape(out_features, -1)[:, :in_features], scales, low + 8 * scales)
-
-
-def cpu_runs_bf16() -> bool:
-    """Whether this CPU has native bfloat16 arithmetic (AVX-512 BF16 or AMX), from /proc/cpuinfo's flags."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            for line in fh:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"avx512_bf16", "amx_bf16"})
-    except OSError:
-        pass
-    return False
