@@ -138,6 +138,12 @@ def eager_attention(
     return out
 
 
+def sink_logits(heads: int) -> torch.Tensor:
+    """gpt-oss-style sink logits, one per head, spread from -2 to 3 (jittered): the largest is on the scale of
+    the test logits, so a test that says the sinks changed its output is true whatever the seed."""
+    return torch.linspace(-2.0, 3.0, heads) + 0.3 * torch.randn(heads)
+
+
 def assert_close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str = "") -> None:
     out64, ref64 = out.double().cpu(), ref.double().cpu()
     assert not torch.isnan(out64).any(), f"{what}: NaN in output (unwritten or poisoned read)"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_testlib import PagedCase, assert_close, interpreter_runs_dynamic_loops, make_paged
+from paged_testlib import PagedCase, assert_close, interpreter_runs_dynamic_loops, make_paged, sink_logits
 
 import streamd.kernels as K
 from streamd.kernels import reference as ref
@@ -35,7 +35,7 @@ def _poison_before_window(case: PagedCase, first_keys: list[int]) -> int:
 
 
 def _sinks(heads: int, on: bool) -> torch.Tensor | None:
-    return 2 * torch.randn(heads) if on else None
+    return sink_logits(heads) if on else None
 
 
 DECODE_CASES = [

@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from paged_testlib import assert_close, eager_attention, make_paged, naive_attention
+from paged_testlib import assert_close, eager_attention, make_paged, naive_attention, sink_logits
 
 from streamd.kernels import reference as ref
 
@@ -121,7 +121,7 @@ EXTRAS = [
 
 
 def _sinks(heads: int, dtype: torch.dtype, on: bool) -> torch.Tensor | None:
-    return (2 * torch.randn(heads)).to(dtype) if on else None
+    return sink_logits(heads).to(dtype) if on else None
 
 
 def _assert_extras_matter(out: torch.Tensor, plain: torch.Tensor, window: int | None, dtype: torch.dtype) -> None:
