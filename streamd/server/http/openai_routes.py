@@ -404,7 +404,7 @@ async def _sse(
             for i in range(account.num_choices)
         )
         deltas = _after(head, deltas)
-    texts = TextEvents(call, extra, whole=continuous)
+    texts = TextEvents(call, extra, continuous=continuous)
     plain = call.logprobs is None and call.think_inside is None and call.tool_format is None  # the fast path
     async for delta in deltas:
         if continuous:
@@ -520,29 +520,40 @@ def _usage(calls: list[_Call]) -> dict[str, Any]:
 
 class TextEvents:
     """A call's text chunks (without logprobs) as bytes: per choice, the chunk is encoded once around a
-    placeholder text and split there, so each delta costs one orjson call on its text instead of building
-    and encoding the whole chunk (the same bytes: the placeholder's JSON is replaced by the text's JSON)."""
+    placeholder text (and, with continuous usage, a placeholder usage) and split there, so each delta costs
+    an orjson call on its text (and one on the usage) instead of building and encoding the whole chunk (the
+    same bytes: each placeholder's JSON is replaced by the value's JSON)."""
 
     HOLE = "\x00streamd-text\x00"
+    USAGE_HOLE = "\x00streamd-usage\x00"
 
-    def __init__(self, call: _Call, extra: dict[str, Any], whole: bool = False) -> None:
-        """`whole`: every chunk built whole (its `extra` changes from chunk to chunk: continuous usage)."""
+    def __init__(self, call: _Call, extra: dict[str, Any], continuous: bool = False) -> None:
+        """`continuous`: `extra["usage"]` changes from delta to delta (vLLM's continuous usage): it has its own hole."""
         self.call = call
         self.extra = extra
-        self.whole = whole
-        self.parts: dict[int, tuple[bytes, bytes]] = {}
+        self.continuous = continuous
+        self.parts: dict[int, list[bytes]] = {}
 
     def event(self, index: int, text: str) -> bytes:
-        if self.whole:
-            return self._whole(index, text)
         parts = self.parts.get(index)
         if parts is None:
-            before, _, after = self._whole(index, self.HOLE).partition(orjson.dumps(self.HOLE))
-            parts = self.parts[index] = (before, after)
+            parts = self.parts[index] = self._template(index)
         try:
+            if self.continuous:
+                return parts[0] + orjson.dumps(text) + parts[1] + orjson.dumps(self.extra["usage"]) + parts[2]
             return parts[0] + orjson.dumps(text) + parts[1]
         except TypeError:  # text orjson refuses (a lone surrogate): the generic encoder decides
             return self._whole(index, text)
+
+    def _template(self, index: int) -> list[bytes]:
+        """The choice's chunk split at its placeholders: [before the text, after it (up to the usage), ...]."""
+        extra = {**self.extra, "usage": self.USAGE_HOLE} if self.continuous else self.extra
+        whole = _data(_chunk(self.call, index, _piece(self.call, self.HOLE), None, extra)).encode()
+        before, _, after = whole.partition(orjson.dumps(self.HOLE))
+        if not self.continuous:
+            return [before, after]
+        middle, _, end = after.partition(orjson.dumps(self.USAGE_HOLE))
+        return [before, middle, end]
 
     def content(self, index: int, text: str) -> list[bytes]:
         """A choice's new content as its chunk (none for no text); with logprobs, the whole chunk carries

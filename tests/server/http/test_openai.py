@@ -133,16 +133,23 @@ async def test_non_streaming_disconnect_aborts_too(server: Server, async_engine)
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])
-@pytest.mark.parametrize("include_usage", [False, True])
-def test_text_events_are_the_chunks_encoded_whole(kind: str, include_usage: bool) -> None:
-    """The pre-split SSE chunk gives, for any text, the bytes of the chunk built and encoded whole."""
+@pytest.mark.parametrize("usage", ["none", "final", "continuous"])
+def test_text_events_are_the_chunks_encoded_whole(kind: str, usage: str) -> None:
+    """The pre-split SSE chunk gives, for any text (and, with continuous usage, any usage as of the delta),
+    the bytes of the chunk built and encoded whole."""
     from streamd.server.http.openai_routes import TextEvents, _Call, _chunk, _data, _piece
 
     prepared = SimpleNamespace(service_tier="default")
     call = _Call(kind, "cmpl-x\"y", "model \u00e9", 1700000000, prepared, None, None)  # type: ignore[arg-type]
-    extra = {"usage": None} if include_usage else {}
-    events = TextEvents(call, extra)
+    extra: dict = {} if usage == "none" else {"usage": None}
+    events = TextEvents(call, extra, continuous=usage == "continuous")
+    usages = [{"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n} for n in range(1, 4)]
+    usages.append({**usages[-1], "prompt_tokens_details": {"cached_tokens": 4},
+                   "completion_tokens_details": {"accepted_prediction_tokens": 2, "rejected_prediction_tokens": 1}})
+    texts = ["Hello", " world", "\"quoted\" \\ back", "line\nbreak\ttab", "\u00fc\u65e5\U0001f600", "\x00",
+             TextEvents.HOLE, TextEvents.USAGE_HOLE, "{}", "\ud800"]
     for index in (0, 3):
-        for text in ["Hello", " world", "\"quoted\" \\ back", "line\nbreak\ttab", "\u00fc\u65e5\U0001f600", "\x00",
-                     TextEvents.HOLE, "{}", "\ud800"]:
+        for step, text in enumerate(texts):
+            if usage == "continuous":
+                extra["usage"] = usages[step % len(usages)]
             assert events.event(index, text) == _data(_chunk(call, index, _piece(call, text), None, extra)).encode()
