@@ -302,7 +302,12 @@ class LLMEngine:
         if step.verified is not None:
             verified = step.verified.result()
             self.scheduler.update_from_drafts(
-                step.verified.items, verified.token_ids, verified.logprobs, verified.accepted, outcome
+                step.verified.items,
+                verified.token_ids,
+                verified.logprobs,
+                verified.accepted,
+                outcome,
+                self.grammars.acceptor(),
             )
         if self._prompt_logprobs:
             self._attach_prompt_logprobs(outcome.updates)

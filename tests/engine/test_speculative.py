@@ -9,10 +9,13 @@ each test (conftest's leak check)."""
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 
 import pytest
 
 from streamd import LLM, SamplingParams
+from streamd.engine.sampling_params import StructuredOutputs
 from tests.helpers import random_prompt, run_to_completion, sizes, tiny_llm
 
 
@@ -284,3 +287,64 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_at_its_token(smol_
     assert (out.text, out.token_ids, out.finish_reason, out.stop_reason) == (
         expected.text, expected.token_ids, "stop", stop)
     assert len(out.token_ids) < len(off.token_ids)
+
+
+# ---- structured outputs: drafts checked against the grammar ------------------------------------------
+
+CARD = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 12}, "days": {"type": "integer"}},
+    "required": ["city", "days"],
+    "additionalProperties": False,
+}
+CARD_PROMPT = "Give a JSON object with a city name and a number of days for a trip to Paris."
+
+
+def _constrained(engine, spec: StructuredOutputs, prediction: str | None = None, **changes):
+    prompt = engine.apply_chat_template([{"role": "user", "content": CARD_PROMPT}])
+    fields = {"temperature": 0, "max_tokens": 40, "structured_outputs": spec, "prediction": prediction, **changes}
+    params = SamplingParams(**fields)
+    return run_to_completion(engine, [prompt], params)[0].outputs[0]
+
+
+def test_a_structured_output_speculates_and_keeps_its_greedy_tokens(smol_llm: LLM) -> None:
+    """Its own output as the prediction is drafted and kept; a prediction broken in places (characters no
+    JSON allows there) is refused where broken; both give the tokens decoding alone gives."""
+    engine, spec = smol_llm.engine, StructuredOutputs(json=CARD)
+    off = _constrained(engine, spec)
+    json.loads(off.text)
+    before = engine.stats().scheduler.spec_accepted_tokens
+    same = _constrained(engine, spec, prediction=off.text)
+    assert (same.token_ids, same.finish_reason) == (off.token_ids, off.finish_reason)
+    assert engine.stats().scheduler.spec_accepted_tokens - before >= len(off.token_ids) // 2
+    broken = off.text.replace('"', "<").replace(":", "=")
+    assert _constrained(engine, spec, prediction=broken).token_ids == off.token_ids
+
+
+def test_drafts_the_grammar_refuses_are_never_kept(smol_llm: LLM) -> None:
+    """The model's unconstrained reply as the prediction of a request whose grammar allows the reply's
+    start and then only digits: the model agrees with the later drafts, the grammar does not, and the
+    verify rows' masks refuse them (without the masks a kept draft would leave the grammar: a dead end,
+    and the request would fail)."""
+    engine = smol_llm.engine
+    free = _constrained(engine, None)  # type: ignore[arg-type]
+    start = smol_llm.tokenizer.decode(free.token_ids[:12])  # past the first step's 8 drafts and own token
+    spec = StructuredOutputs(regex="".join("\\" + c if c in "\\^$.|?*+()[]{}/" else c for c in start) + "[0-9]{3}")
+    off = _constrained(engine, spec)
+    before = engine.stats().scheduler
+    out = _constrained(engine, spec, prediction=free.text)
+    after = engine.stats().scheduler
+    assert after.spec_accepted_tokens > before.spec_accepted_tokens  # the reply's start was drafted and kept
+    assert after.spec_draft_tokens - before.spec_draft_tokens > after.spec_accepted_tokens - before.spec_accepted_tokens
+    assert (out.token_ids, out.finish_reason) == (off.token_ids, off.finish_reason)
+    assert re.fullmatch(spec.regex, out.text)
+
+
+def test_sampled_structured_outputs_with_drafts_stay_in_the_grammar(smol_llm: LLM) -> None:
+    engine = smol_llm.engine
+    spec = StructuredOutputs(regex=r"[A-Z][a-z]{2,8}, [0-9]{1,2} days")
+    before = engine.stats().scheduler.spec_draft_tokens
+    for _ in range(4):  # (a prediction the grammar allows: its drafts are verified by the rejection rule)
+        out = _constrained(engine, spec, prediction="Paris, 12 days", temperature=0.9)
+        assert re.fullmatch(spec.regex, out.text), out.text
+    assert engine.stats().scheduler.spec_draft_tokens > before

@@ -771,6 +771,7 @@ class Scheduler:
         logprobs: list[list[dict[int, float]]] | None,
         accepted: list[int],
         outcome: StepOutcome,
+        accept: TokenFilter | None = None,
     ) -> None:
         """A speculative step's verified tokens, into `outcome`: item i kept `accepted[i]` of its draft tokens
         and `token_ids[i]` (those plus the model's own next one). Each token is appended and stop-checked in
@@ -785,13 +786,14 @@ class Scheduler:
             self.speculator.record(seq, len(item.draft.token_ids), accepted[i])
             update = _update_of(outcome, group)
             rows = logprobs[i] if logprobs is not None and group.sampling_params.logprobs is not None else None
-            kept, reason, stop_token_id = self._append_run(seq, group.sampling_params, token_ids[i])
+            run = _allowed_run(seq, token_ids[i], accept)
+            kept, reason, stop_token_id = self._append_run(seq, group.sampling_params, run)
+            if reason is None and len(run) < len(token_ids[i]):  # the grammar allowed no token after `run`
+                reason, update.error = "abort", _dead_end_error(seq)
             outcome.num_tokens += kept
             self.fair.charge_output(group.sampling_params.tenant, kept - 1)  # (the step charged its own token)
             update.seqs.append(
-                SeqUpdate(
-                    seq.sample_index, token_ids[i][:kept], None if rows is None else rows[:kept], reason, stop_token_id
-                )
+                SeqUpdate(seq.sample_index, run[:kept], None if rows is None else rows[:kept], reason, stop_token_id)
             )
             if item.draft.from_prediction:
                 update.prediction_tokens += len(item.draft.token_ids)
@@ -821,10 +823,7 @@ class Scheduler:
         left): it ends, without the token sampled from nothing, and the request says why."""
         seq.drop_last_token()
         seq.status = _ABORTED
-        update.error = (
-            f"structured output reached a dead end after {seq.num_output_tokens} tokens: the grammar "
-            "allows no token here (check min_tokens, stop settings and the schema)"
-        )
+        update.error = _dead_end_error(seq)
         return SeqUpdate(seq.sample_index, [], finish_reason="abort")
 
     def append_placeholders(self, sampling: list[ScheduledSeq]) -> None:
@@ -998,6 +997,24 @@ def _may_take_seat(group: SequenceGroup, unserved: set[str], paused: set[str]) -
     """A waiting group of a tenant with nothing running, neither paused nor `flex` (spare capacity only)."""
     params = group.sampling_params
     return params.tenant in unserved and group.request_id not in paused and params.service_tier != "flex"
+
+
+def _dead_end_error(seq: Sequence) -> str:
+    return (
+        f"structured output reached a dead end after {seq.num_output_tokens} tokens: the grammar "
+        "allows no token here (check min_tokens, stop settings and the schema)"
+    )
+
+
+def _allowed_run(seq: Sequence, run: list[int], accept: TokenFilter | None) -> list[int]:
+    """A verified run up to the first token `seq`'s grammar refuses (it advances the grammar over the rest;
+    the verify step's masks make a refusal a dead end: a row that allowed no token)."""
+    if accept is None:
+        return run
+    for count, token in enumerate(run):
+        if not accept(seq, token):
+            return run[:count]
+    return run
 
 
 def _update_of(outcome: StepOutcome, group: SequenceGroup) -> RequestUpdate:

@@ -14,9 +14,11 @@ they must be cheap to propose and likely to be right. Two proposers, no model:
 
 A sequence whose recent acceptance rate falls below `min_acceptance` stops drafting for a while (longer
 after each relapse); a step with more decoding sequences than `disable_by_batch_size` does not speculate at all (the
-wider forward stops paying). Requests whose sampling reads per-position state (penalties, seeds, grammars,
+wider forward stops paying). Requests whose sampling reads per-position state (penalties, seeds,
 beam search, a thinking budget, pending `min_tokens`) never speculate: their output stays exactly as
-without speculation. Plain Python: the scheduler owns one `Speculator`.
+without speculation. A structured output does speculate: each verify row is masked by its grammar's state
+after the drafts before it (`GrammarMatchers.draft_bitmask`). Plain Python: the scheduler owns one
+`Speculator`.
 """
 
 from __future__ import annotations
@@ -57,7 +59,6 @@ def can_speculate(params: SamplingParams) -> bool:
         params.use_beam_search
         or params.uses_penalties
         or params.seed is not None
-        or params.structured_outputs is not None
         or params.thinking_token_budget is not None
     )
 

@@ -18,7 +18,8 @@ costs the engine one check a step.
 `GrammarMatchers` (made by `Grammars`) keeps a matcher per constrained sequence:
 `constrained_rows(seqs)` finds a batch's constrained rows (once a step) and `bitmask(seqs, rows)` fills
 their allowed-token bitmask in one call (xgrammar's batch matcher, threads inside, into one reused host
-buffer), `accept(seq, token)` advances a matcher with each token the sequence keeps, `fork(parent, child)`
+buffer); `draft_bitmask(items)` fills a speculative step's verify rows (each matcher walks its drafts and is
+rolled back), `accept(seq, token)` advances a matcher with each token the sequence keeps, `fork(parent, child)`
 gives a forked sample (or beam) its own copy of the parent's matcher state. Preemption (swap or recompute)
 keeps a sequence's tokens, so its matcher stays valid. Unconstrained batches cost one empty-dict check per
 step.
@@ -170,6 +171,31 @@ class GrammarMatchers:
             mask = mask.to(device, non_blocking=True)
         return TokenBitmask(mask, rows, self.compiler.vocab_size)
 
+    def draft_bitmask(self, items: list[ScheduledSeq], device: torch.device) -> TokenBitmask | None:
+        """The bitmask of a speculative step's verify rows (k + 1 per item with drafts, item after item), or
+        None when no item is constrained: row j of a constrained item allows what its grammar allows after
+        its first j drafts. Each matcher walks the drafts and is rolled back: only the tokens the step keeps
+        advance it (`accept`, after verification)."""
+        rows: list[int] = []
+        walks: list[tuple[xgr.GrammarMatcher, list[int], int]] = []
+        total = 0
+        for item in items:
+            assert item.draft is not None
+            matcher = self._matchers.get(item.seq.seq_id)
+            count = len(item.draft.token_ids) + 1
+            if matcher is not None and not item.seq.status.finished:
+                walks.append((matcher, item.draft.token_ids, total))
+                rows += range(total, total + count)
+            total += count
+        if not walks:
+            return None
+        mask = self._new_mask(total, device)
+        for matcher, drafts, first in walks:
+            _walk_drafts(matcher, drafts, mask, first)
+        if device.type != "cpu":
+            mask = mask.to(device, non_blocking=True)
+        return TokenBitmask(mask, rows, self.compiler.vocab_size)
+
     def _host_rows(self, n: int, device: torch.device) -> torch.Tensor:
         """The first n rows of the reused host bitmask (grown, by doubling, when a batch needs more)."""
         if self._host is None or self._host.shape[0] < n:
@@ -303,12 +329,31 @@ class Grammars:
     def constrained_rows(self, seqs: list[Sequence]) -> list[int]:
         return self.matchers.constrained_rows(seqs) if self.matchers is not None else []
 
+    def draft_bitmask(self, items: list[ScheduledSeq], device: torch.device) -> TokenBitmask | None:
+        return self.matchers.draft_bitmask(items, device) if self.matchers else None
+
     def bitmask(
         self, seqs: list[Sequence], rows: list[int], device: torch.device, *, own_buffer: bool = False
     ) -> TokenBitmask | None:
         if self.matchers is None or not rows:
             return None
         return self.matchers.bitmask(seqs, rows, device, own_buffer=own_buffer)
+
+
+def _walk_drafts(matcher: xgr.GrammarMatcher, drafts: list[int], mask: torch.Tensor, first: int) -> None:
+    """Fills rows first .. first + len(drafts) of `mask`: each after the drafts before it. From a draft the
+    grammar refuses (or one that ends it) on, the rows repeat the last mask: that draft cannot be kept, so
+    the rows after it are never read. The matcher ends where it began."""
+    walked = 0
+    for j in range(len(drafts) + 1):
+        if j == walked and not matcher.is_terminated():
+            matcher.fill_next_token_bitmask(mask, first + j)
+            if j < len(drafts) and matcher.accept_token(drafts[j]):
+                walked += 1
+        else:
+            mask[first + j] = mask[first + j - 1]
+    if walked:
+        matcher.rollback(walked)
 
 
 def _escape_regex(text: str) -> str:

@@ -116,7 +116,9 @@ def launch(step: SampleRows, sampler: Sampler, grammars: Grammars, constrained: 
     )
     rows = {item.seq.seq_id: i for i, item in enumerate(sampling)}
     drafted = step.drafted
-    verified = verify(sampler, drafted.logits, drafted.items) if drafted is not None else None
+    verified = None
+    if drafted is not None:
+        verified = verify(sampler, drafted.logits, drafted.items, grammars.draft_bitmask(drafted.items, logits.device))
     return InFlight(step.out, sampling, pending, rows, step.forks, step.beams, verified)
 
 

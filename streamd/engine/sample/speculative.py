@@ -10,7 +10,7 @@ token). Draft j + 1 is checked against row j, in order, and the first refusal en
   prediction propose one token, q = 1 on it): keep draft d with probability p(d), else draw from p with d
   removed (the residual max(p - q, 0), renormalized). Each kept or drawn token is therefore distributed
   exactly as p, the distribution sampling alone would use (temperature, top-k/top-p, min-p, logit_bias
-  applied as usual).
+  and a structured output's grammar mask applied as usual).
 
 When every draft is kept, the last row gives one more token. All rows are decided on the device at once;
 the host receives, per row, whether its draft was kept, the row's own token, and (when asked) logprobs of
@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from streamd.engine.core.scheduler_output import ScheduledSeq
+from streamd.engine.sample.grammar import TokenBitmask
 from streamd.engine.sample.sampler import Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.worker.host_to_device import to_device
@@ -62,8 +63,11 @@ class PendingVerify:
         return Verified(tokens, accepted, logprobs if want else None)
 
 
-def verify(sampler: Sampler, logits: torch.Tensor, items: list[ScheduledSeq]) -> PendingVerify:
-    """Queues the verification of `items`' drafts; `logits` holds their rows, item after item."""
+def verify(
+    sampler: Sampler, logits: torch.Tensor, items: list[ScheduledSeq], bitmask: TokenBitmask | None = None
+) -> PendingVerify:
+    """Queues the verification of `items`' drafts; `logits` holds their rows, item after item; `bitmask`
+    gates the rows of constrained items (`GrammarMatchers.draft_bitmask`), as sampling gates theirs."""
     dev = logits.device
     if logits.shape[1] > sampler.vocab_size:
         logits = logits[:, : sampler.vocab_size]
@@ -76,6 +80,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[ScheduledSeq]) ->
         drafts += [*item.draft.token_ids, -1]  # the last row has no draft to check
     draft = to_device(drafts, torch.int64, dev)
     x = sampler.penalize(logits, seqs, params)  # (context-free parts only: logit_bias)
+    if bitmask is not None:  # (logprobs stay the raw distribution's, as in sampling)
+        x = bitmask.apply(x.clone() if x is logits else x.contiguous())
     own = x.argmax(dim=-1)
     kept = own == draft
     if not all(p.greedy for p in params):
