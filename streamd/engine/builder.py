@@ -108,7 +108,7 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         cache.num_swap_blocks,
         cache_cfg.watermark,
         cache_cfg.enable_prefix_caching,
-        _disk_tier(config, loaded.name, cache.layout, costs),
+        _disk_tier(config, loaded, cache.layout, costs),
         _host_cache(cache.layout, host_blocks, costs),
     )
     eos = _eos_token_ids(loaded)
@@ -133,25 +133,35 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     )
 
 
-def _disk_tier(config: Config, model_name: str, layout: KVLayout, costs: PreemptionCostModel | None) -> DiskTier | None:
+def _disk_tier(
+    config: Config, loaded: LoadedModel, layout: KVLayout, costs: PreemptionCostModel | None
+) -> DiskTier | None:
     """The prefix cache's disk tier, when `cache.disk_cache_dir` names one; its files are this layout's only."""
     cache_cfg = config.cache
     if not cache_cfg.disk_cache_dir or not cache_cfg.enable_prefix_caching:
         return None
-    tp = config.parallel.tensor_parallel_size
-    if tp > 1:
+    if config.parallel.tensor_parallel_size > 1:
         raise ConfigError("cache.disk_cache_dir is not supported with tensor parallelism yet (one shard per rank)")
-    description = (
-        f"model={model_name}|dtype={layout.dtype}|block={layout.block_size}|layers={layout.num_layers}"
-        f"|kv_heads={layout.num_kv_heads}|head_dim={layout.head_dim}|layout=block-major|tp={tp}|kv_dtype={layout.dtype}"
-    )
     recompute_s = None if costs is None else costs.recompute_cost_s(layout.block_size)
     return DiskTier(
         Path(cache_cfg.disk_cache_dir).expanduser(),
         int(cache_cfg.disk_cache_gib * 2**30),
-        description,
+        kv_description(config, loaded, layout),
         layout.bytes_per_block,
         recompute_s,
+    )
+
+
+def kv_description(config: Config, loaded: LoadedModel, layout: KVLayout) -> str:
+    """Everything a KV block's bytes depend on (the disk tier's directory is its digest): the weights
+    themselves (`LoadedModel.weights`: path or Hub commit, size and time, the low-bit plan; the display name
+    alone let two models in folders of one name read each other's KV), `model.quantization`, the KV dtype,
+    block size, layout and tensor-parallel degree."""
+    return (
+        f"model={loaded.name}|weights={loaded.weights}|quantization={config.model.quantization}"
+        f"|dtype={layout.dtype}|block={layout.block_size}|layers={layout.num_layers}"
+        f"|kv_heads={layout.num_kv_heads}|head_dim={layout.head_dim}|layout=block-major"
+        f"|tp={config.parallel.tensor_parallel_size}"
     )
 
 

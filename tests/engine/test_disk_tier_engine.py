@@ -253,3 +253,18 @@ def test_no_block_leaks_in_either_tier_after_cancels_and_preemption(tmp_path: Pa
     engine.block_manager.tier.check_invariants()
     engine.close()
     engine.block_manager.tier.check_invariants()
+
+
+def test_the_files_are_keyed_by_the_weights_and_quantization_not_the_models_name(tmp_path: Path) -> None:
+    """Through the real builder: engines whose models share a name ("random-llama") but not their weights
+    (another seed) or their quantization write to different directories; the same model finds its own."""
+    def digest(**extra) -> int:
+        llm = tiny_llm(num_kv_blocks=12, num_swap_blocks=0, **{"cache.disk_cache_dir": str(tmp_path), **extra})
+        assert llm.engine.model_name == "random-llama"
+        llm.engine.close()
+        return llm.engine.block_manager.tier.digest
+
+    base = digest()
+    assert digest() == base
+    assert digest(seed=6) != base
+    assert digest(**{"model.quantization": "int8"}) != base

@@ -2,8 +2,9 @@
 
 Each block is one file `<dir>/<layout digest>/<block hash>.kv`: a fixed header (magic, layout digest,
 block hash, parent hash, payload checksum, token count, payload size), the block's token ids, then its
-bytes. The layout digest covers everything the bytes depend on (model, dtype, block size, KV layout,
-tensor-parallel degree, KV dtype), so a server with another model or layout never reads them. At start
+bytes. The layout digest covers everything the bytes depend on (the weights' identity, not only the model's
+name; quantization, KV dtype, block size, KV layout, tensor-parallel degree: `builder.kv_description`), so a
+server with another model or layout never reads them. At start
 the directory is indexed again from the headers (most recently used last, by modification time); a file
 that is truncated, foreign (another layout's digest) or unreadable is skipped with a log line, never
 loaded. The payload's checksum is verified on every read, so a tampered file is caught and dropped
