@@ -16,6 +16,8 @@ and how many tokens each; every memory decision goes through the BlockManager. O
    step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
    Admission stops when the step has no token left for another chunk (the token budget, the latency
    budget, a spent catch-up cap): a request admitted without a chunk would hold blocks and a seat idle.
+   A group whose prefix continues on disk waits (like one that does not fit) while the disk tier reads it
+   ahead, when the step has other work: its reads never stretch a step others run in (`reading_ahead`).
 
 Many tenants, tiers or priorities (`FairShare`, engine/core/fairness.py): each step first orders the queues
 by tier, priority, the tenant's fair-share counter and arrival (so "earliest" above reads "most deserving" and
@@ -588,6 +590,14 @@ class Scheduler:
             blocked = (id(group), bm.num_free_blocks(), bool(self.running))
             reserve = (bm.watermark_blocks if self.running else 0) + self._growth_blocks(group, needed)
             reuse = group.sampling_params.prompt_logprobs is None  # prompt logprobs: every position computed
+            if reuse and out.shape.tokens and bm.reading_ahead(seqs):  # its prefix is read from disk a step ahead
+                if skip is None:
+                    break
+                skip.add(group)
+                if skip.holds_all(waiting):
+                    break
+                k += 1
+                continue
             if blocked == self._blocked or not bm.can_allocate(seqs, reserve, reuse):
                 if self._preempt_paused(out):  # memory held by a stalled reader goes first
                     continue
