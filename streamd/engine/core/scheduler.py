@@ -590,19 +590,19 @@ class Scheduler:
             blocked = (id(group), bm.num_free_blocks(), bool(self.running))
             reserve = (bm.watermark_blocks if self.running else 0) + self._growth_blocks(group, needed)
             reuse = group.sampling_params.prompt_logprobs is None  # prompt logprobs: every position computed
-            if reuse and out.shape.tokens and bm.reading_ahead(seqs):  # its prefix is read from disk a step ahead
-                if skip is None:
+            if blocked == self._blocked or not bm.can_allocate(seqs, reserve, reuse):
+                if self._preempt_paused(out):  # memory held by a stalled reader goes first
+                    continue
+                self._blocked = blocked
+                if skip is None or starving(group, time.monotonic()):
                     break
                 skip.add(group)
                 if skip.holds_all(waiting):
                     break
                 k += 1
                 continue
-            if blocked == self._blocked or not bm.can_allocate(seqs, reserve, reuse):
-                if self._preempt_paused(out):  # memory held by a stalled reader goes first
-                    continue
-                self._blocked = blocked
-                if skip is None or starving(group, time.monotonic()):
+            if reuse and out.shape.tokens and bm.reading_ahead(seqs):  # its prefix is read from disk a step ahead
+                if skip is None:
                     break
                 skip.add(group)
                 if skip.holds_all(waiting):
