@@ -24,7 +24,9 @@ the reader only hands results over (`_Staged`), bounded in bytes.
 
 Writes go through one background thread (the engine thread only hands the bytes over); until a block's
 file is written its bytes stay in memory and reads find them there. The total is bounded by
-`cache.disk_cache_gib`, least recently used evicted first. Plain Python, no torch.
+`cache.disk_cache_gib`, least recently used evicted first; the files other layouts (another model, dtype,
+block size) left in the same directory count toward it and go first, oldest first (`_others`), so a model
+switch cannot leave the old model's files beyond the bound for good. Plain Python, no torch.
 
 At a graceful shutdown (`persist`) the cached blocks still on the device or in the host tier come here most
 valuable first and are written on the closing thread, not handed to the writer (whose in-memory bound drops
@@ -42,7 +44,7 @@ import struct
 import threading
 import time
 from array import array
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -111,6 +113,8 @@ class DiskTier:
         self.recompute_s_per_block = recompute_s_per_block
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # block hash -> entry, least recent first
         self._used_bytes = 0
+        self._others: deque[tuple[Path, int]] = deque()  # other layouts' files (path, bytes), oldest first
+        self._others_bytes = 0
         self._pending: dict[int, bytes] = {}  # block hash -> bytes not yet written
         self._pending_bytes = 0
         self._lock = threading.Lock()  # guards _pending, _staged and _in_flight against the two threads
@@ -127,6 +131,7 @@ class DiskTier:
         self._scan()
         self._writer = threading.Thread(target=self._write_loop, name="streamd-disk-tier", daemon=True)
         self._writer.start()
+        self._scan_others()
         self._reader = threading.Thread(target=self._read_loop, name="streamd-disk-reader", daemon=True)
         self._reader.start()
         log.info(
@@ -352,10 +357,39 @@ class DiskTier:
     def _admit(self, key: BlockKey, size: int) -> None:
         """Indexes `key` as most recently used, evicting the least recently used files beyond the bound."""
         self._forget(key.block_hash)  # a colliding hash with other content: the newer content wins
-        while self._used_bytes + size > self.capacity_bytes:
-            self._forget(next(iter(self._entries)))
+        self._make_room(size)
         self._entries[key.block_hash] = _Entry(key, size)
         self._used_bytes += size
+
+    def _make_room(self, size: int) -> None:
+        """Evicts until `size` more bytes fit the bound: other layouts' files first, oldest first, then this
+        layout's least recently used."""
+        while self._others and self._used_bytes + self._others_bytes + size > self.capacity_bytes:
+            path, other_size = self._others.popleft()
+            self._others_bytes -= other_size
+            self._jobs.put(("unlink", 0, path))
+        while self._entries and self._used_bytes + size > self.capacity_bytes:
+            self._forget(next(iter(self._entries)))
+
+    def _scan_others(self) -> None:
+        """Lists the files of other layouts under the same directory (oldest first, counted toward the bound)
+        and evicts those beyond it now, with a log line. (Their directories stay: another server may use one.)"""
+        others = []
+        for folder in self.directory.parent.iterdir():
+            if folder == self.directory or not folder.is_dir():
+                continue
+            others.extend((p.stat().st_mtime, p, p.stat().st_size) for p in folder.glob("*.kv"))
+        others.sort()
+        self._others.extend((path, size) for _, path, size in others)
+        self._others_bytes = sum(size for _, _, size in others)
+        self._make_room(0)
+        if others:
+            log.info(
+                "disk_tier.other_layouts",
+                files=len(others),
+                evicted=len(others) - len(self._others),
+                kept_gib=round(self._others_bytes / 2**30, 3),
+            )
 
     def _forget(self, block_hash: int) -> None:
         entry = self._entries.pop(block_hash, None)
@@ -494,6 +528,9 @@ class DiskTier:
         self._jobs.task_done()
 
     def _do(self, op: str, block_hash: int, path: Path) -> None:
+        if op == "unlink":  # another layout's file
+            path.unlink(missing_ok=True)
+            return
         if op == "delete":
             # A block evicted and put back before this job ran is indexed again: its file is the new one's
             # (an earlier write job may already have written the new bytes), so it stays.
