@@ -176,10 +176,11 @@ def _host_cache(layout: KVLayout, host_blocks: int, costs: PreemptionCostModel |
 
 
 def _host_cache_blocks(cache: CacheConfig, layout: KVLayout, device: torch.device) -> int:
-    """`cache.host_cache_gib` in blocks; unset: on CUDA 20% of the RAM available now (at most 32 GiB), else 0."""
+    """`cache.host_cache_gib` in blocks; unset: on CUDA 20% of the RAM available now (at most 32 GiB; in a
+    container, of what its cgroup's memory limit leaves), else 0."""
     gib = cache.host_cache_gib
     if gib is None:
-        available = _ram_bytes("SC_AVPHYS_PAGES")
+        available = min(_ram_bytes("SC_AVPHYS_PAGES"), _cgroup_room())
         gib = min(_HOST_CACHE_MAX_GIB, _HOST_CACHE_RAM_SHARE * available / 2**30) if device.type == "cuda" else 0.0
     return int(gib * 2**30) // layout.bytes_per_block
 
@@ -297,6 +298,16 @@ def _ram_bytes(pages: str) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes the cgroup (v2) memory limit still leaves this container (its limit less its usage); unbounded
+    where there is no limit or no cgroup v2: the host's free RAM would overstate a container's."""
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        return int(limit) - int((root / "memory.current").read_text()) if limit != "max" else 1 << 62
+    except (OSError, ValueError):
+        return 1 << 62
 
 
 def _eos_token_ids(loaded: LoadedModel) -> set[int]:

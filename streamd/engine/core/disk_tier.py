@@ -374,7 +374,7 @@ class DiskTier:
     def _scan_others(self) -> None:
         """Lists the files of other layouts under the same directory (oldest first, counted toward the bound)
         and evicts those beyond it now, with a log line. (Their directories stay: another server may use one.)"""
-        others = []
+        others: list[tuple[float, Path, int]] = []
         for folder in self.directory.parent.iterdir():
             if folder == self.directory or not folder.is_dir():
                 continue
