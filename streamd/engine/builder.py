@@ -108,7 +108,7 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         cache.num_swap_blocks,
         cache_cfg.watermark,
         cache_cfg.enable_prefix_caching,
-        _disk_tier(config, loaded.name, cache.layout, costs),
+        _disk_tier(config, loaded, cache.layout, costs),
         _host_cache(cache.layout, host_blocks, costs),
     )
     eos = _eos_token_ids(loaded)
@@ -133,25 +133,35 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     )
 
 
-def _disk_tier(config: Config, model_name: str, layout: KVLayout, costs: PreemptionCostModel | None) -> DiskTier | None:
+def _disk_tier(
+    config: Config, loaded: LoadedModel, layout: KVLayout, costs: PreemptionCostModel | None
+) -> DiskTier | None:
     """The prefix cache's disk tier, when `cache.disk_cache_dir` names one; its files are this layout's only."""
     cache_cfg = config.cache
     if not cache_cfg.disk_cache_dir or not cache_cfg.enable_prefix_caching:
         return None
-    tp = config.parallel.tensor_parallel_size
-    if tp > 1:
+    if config.parallel.tensor_parallel_size > 1:
         raise ConfigError("cache.disk_cache_dir is not supported with tensor parallelism yet (one shard per rank)")
-    description = (
-        f"model={model_name}|dtype={layout.dtype}|block={layout.block_size}|layers={layout.num_layers}"
-        f"|kv_heads={layout.num_kv_heads}|head_dim={layout.head_dim}|layout=block-major|tp={tp}|kv_dtype={layout.dtype}"
-    )
     recompute_s = None if costs is None else costs.recompute_cost_s(layout.block_size)
     return DiskTier(
         Path(cache_cfg.disk_cache_dir).expanduser(),
         int(cache_cfg.disk_cache_gib * 2**30),
-        description,
+        kv_description(config, loaded, layout),
         layout.bytes_per_block,
         recompute_s,
+    )
+
+
+def kv_description(config: Config, loaded: LoadedModel, layout: KVLayout) -> str:
+    """Everything a KV block's bytes depend on (the disk tier's directory is its digest): the weights
+    themselves (`LoadedModel.weights`: path or Hub commit, size and time, the low-bit plan; the display name
+    alone let two models in folders of one name read each other's KV), `model.quantization`, the KV dtype,
+    block size, layout and tensor-parallel degree."""
+    return (
+        f"model={loaded.name}|weights={loaded.weights}|quantization={config.model.quantization}"
+        f"|dtype={layout.dtype}|block={layout.block_size}|layers={layout.num_layers}"
+        f"|kv_heads={layout.num_kv_heads}|head_dim={layout.head_dim}|layout=block-major"
+        f"|tp={config.parallel.tensor_parallel_size}"
     )
 
 
@@ -166,10 +176,11 @@ def _host_cache(layout: KVLayout, host_blocks: int, costs: PreemptionCostModel |
 
 
 def _host_cache_blocks(cache: CacheConfig, layout: KVLayout, device: torch.device) -> int:
-    """`cache.host_cache_gib` in blocks; unset: on CUDA 20% of the RAM available now (at most 32 GiB), else 0."""
+    """`cache.host_cache_gib` in blocks; unset: on CUDA 20% of the RAM available now (at most 32 GiB; in a
+    container, of what its cgroup's memory limit leaves), else 0."""
     gib = cache.host_cache_gib
     if gib is None:
-        available = _ram_bytes("SC_AVPHYS_PAGES")
+        available = min(_ram_bytes("SC_AVPHYS_PAGES"), _cgroup_room())
         gib = min(_HOST_CACHE_MAX_GIB, _HOST_CACHE_RAM_SHARE * available / 2**30) if device.type == "cuda" else 0.0
     return int(gib * 2**30) // layout.bytes_per_block
 
@@ -287,6 +298,16 @@ def _ram_bytes(pages: str) -> int:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf(pages)
     except (ValueError, OSError, AttributeError):
         return 0
+
+
+def _cgroup_room(root: Path = Path("/sys/fs/cgroup")) -> int:
+    """Bytes the cgroup (v2) memory limit still leaves this container (its limit less its usage); unbounded
+    where there is no limit or no cgroup v2: the host's free RAM would overstate a container's."""
+    try:
+        limit = (root / "memory.max").read_text().strip()
+        return int(limit) - int((root / "memory.current").read_text()) if limit != "max" else 1 << 62
+    except (OSError, ValueError):
+        return 1 << 62
 
 
 def _eos_token_ids(loaded: LoadedModel) -> set[int]:

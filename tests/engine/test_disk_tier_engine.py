@@ -7,6 +7,7 @@ output stays the same, and no block leaks in either pool or tier after cancels a
 from __future__ import annotations
 
 import itertools
+import threading
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,73 @@ def test_no_block_leaks_in_either_tier_after_cancels_and_preemption(tmp_path: Pa
     engine.block_manager.tier.check_invariants()
     engine.close()
     engine.block_manager.tier.check_invariants()
+
+
+def test_the_files_are_keyed_by_the_weights_and_quantization_not_the_models_name(tmp_path: Path) -> None:
+    """Through the real builder: engines whose models share a name ("random-llama") but not their weights
+    (another seed) or their quantization write to different directories; the same model finds its own."""
+    def digest(**extra) -> int:
+        llm = tiny_llm(num_kv_blocks=12, num_swap_blocks=0, **{"cache.disk_cache_dir": str(tmp_path), **extra})
+        assert llm.engine.model_name == "random-llama"
+        llm.engine.close()
+        return llm.engine.block_manager.tier.digest
+
+    base = digest()
+    assert digest() == base
+    assert digest(seed=6) != base
+    assert digest(**{"model.quantization": "int8"}) != base
+
+
+class GatedDisk:
+    """A slow disk as a test double: the reader thread's reads wait for `gate`; reads on the engine's thread
+    (inside a step) are counted."""
+
+    def __init__(self, tier, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.gate, self.in_step_reads = threading.Event(), 0
+        verified = tier._verified
+
+        def slow(path, key):
+            if threading.current_thread() is threading.main_thread():
+                self.in_step_reads += 1
+            else:
+                self.gate.wait()
+            return verified(path, key)
+
+        monkeypatch.setattr(tier, "_verified", slow)
+
+
+def test_a_prefix_on_a_slow_disk_is_read_ahead_not_inside_a_step_others_run_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 31's stall target: restores never stretch a step. While another request decodes, the request
+    whose prefix is on disk waits for the disk tier's reader (blocked here until released) instead of reading
+    its chain inside the step; once read, it is admitted with every full block cached, from memory (no read
+    in any step), and both outputs equal an engine's without the tier."""
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
+    other = random_prompt(40, 5)
+    plain = engine(None).engine
+    expected = [o.outputs[0].token_ids for o in run_to_completion(plain, [other, PROMPT], params)]
+    tiered = engine(tmp_path)
+    tiered.generate([PROMPT], GREEDY)
+    for prompt in TRAFFIC:  # evicts PROMPT's blocks to disk
+        tiered.generate([prompt], GREEDY)
+    eng, tier = tiered.engine, tiered.engine.block_manager.tier
+    tier.flush()
+    disk = GatedDisk(tier, monkeypatch)
+    folded: dict = {}
+    eng.add_request("other", other, params)
+    fold_deltas(eng.step(), folded)
+    eng.add_request("prompt", PROMPT, params)
+    for _ in range(3):  # the reader is stuck: "prompt" waits, "other" decodes, no step reads a file
+        fold_deltas(eng.step(), folded)
+        assert [g.request_id for g in eng.scheduler.waiting] == ["prompt"]
+    assert disk.in_step_reads == 0 and tier.hit_blocks == 0
+    disk.gate.set()
+    tier.wait_read_ahead()
+    while eng.has_unfinished_requests():
+        fold_deltas(eng.step(), folded)
+    outputs = {rid: b.build() for rid, b in folded.items()}
+    assert [outputs[r].outputs[0].token_ids for r in ("other", "prompt")] == expected
+    assert outputs["prompt"].num_cached_tokens == FULL_BLOCKS_TOKENS
+    assert disk.in_step_reads == 0 and tier.hit_blocks == 5
+    eng.close()

@@ -19,6 +19,7 @@ in them, and the moves leave as one step's `TierOrders` (`take_tier_orders`) for
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
@@ -308,19 +309,44 @@ class BlockManager:
                 block_hash, (seq.block_table[index], state.parent(index), seq.token_ids[index * bs : (index + 1) * bs])
             )
 
+    def reading_ahead(self, seqs: Iterable[Sequence]) -> bool:
+        """Whether admitting `seqs` now would read disk blocks of their prefix chains that the disk tier's
+        reader is reading ahead (handed to it here if not yet): the scheduler then lets them wait a step
+        rather than read inside a step that other sequences run in."""
+        if self.tier is None:
+            return False
+        busy = False
+        for seq in seqs:
+            first = len(self._prefix_hits(seq))
+            keys = [key for key in self._tier_chain(seq, first) if not self._on_host(key)]
+            busy |= bool(keys) and self.tier.read_ahead(keys)
+        return busy
+
+    def _on_host(self, key: BlockKey) -> bool:
+        return self.host_cache is not None and self.host_cache.contains(key)
+
+    def _tier_chain(self, seq: Sequence, first: int) -> Iterator[BlockKey]:
+        """The keys of `seq`'s full blocks from `first` on (its last token excluded), in order."""
+        state, bs = self._seq_hashes.get(seq.seq_id), self.block_size
+        if state is None:
+            return
+        for index in range(first, (seq.num_tokens - 1) // bs):
+            tokens = seq.token_ids[index * bs : (index + 1) * bs]
+            key = BlockKey(state.block_hash(seq.token_ids, index), state.parent(index), tuple(tokens))
+            if not (self._on_host(key) or (self.tier is not None and self.tier.contains(key))):
+                return
+            yield key
+
     def _find_in_tiers(self, seq: Sequence, first: int, fresh: int) -> list[int | bytes]:
         """Continues `seq`'s prefix chain in the lower tiers from block `first`, block by block: a host
-        block (pinned for this step) or the disk tier's verified bytes; stops at the first miss. Each tier
-        only while reading from it beats recomputing."""
-        state, bs = self._seq_hashes.get(seq.seq_id), self.block_size
+        block (pinned for this step) or the disk tier's verified bytes (read ahead, or read now); stops at
+        the first miss. Each tier only while reading from it beats recomputing."""
         host = self.host_cache if self.host_cache is not None and self.host_cache.worth_reading() else None
         disk = self.tier if self.tier is not None and self.tier.worth_reading() else None
         found: list[int | bytes] = []
-        if state is None or (host is None and disk is None):
+        if host is None and disk is None:
             return found
-        for index in range(first, min(first + fresh, (seq.num_tokens - 1) // bs)):
-            tokens = seq.token_ids[index * bs : (index + 1) * bs]
-            key = BlockKey(state.block_hash(seq.token_ids, index), state.parent(index), tuple(tokens))
+        for key in itertools.islice(self._tier_chain(seq, first), fresh):
             if host is not None and (cached := host.lookup(key)) is not None:
                 host.pin(cached)
                 self._host_pinned.append(cached)

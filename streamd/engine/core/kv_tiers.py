@@ -88,6 +88,10 @@ class KVTier(Protocol):
 
     def put(self, key: BlockKey, payload: bytes) -> None: ...
 
+    def read_ahead(self, keys: list[BlockKey]) -> bool:
+        """Starts reading `keys` (a chain) into memory in the background; True while any is still being read."""
+        ...
+
     def worth_reading(self) -> bool:
         """Whether restoring a block from here beats recomputing it (measured)."""
         ...

@@ -16,6 +16,8 @@ and how many tokens each; every memory decision goes through the BlockManager. O
    step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
    Admission stops when the step has no token left for another chunk (the token budget, the latency
    budget, a spent catch-up cap): a request admitted without a chunk would hold blocks and a seat idle.
+   A group whose prefix continues on disk waits (like one that does not fit) while the disk tier reads it
+   ahead, when the step has other work: its reads never stretch a step others run in (`reading_ahead`).
 
 Many tenants, tiers or priorities (`FairShare`, engine/core/fairness.py): each step first orders the queues
 by tier, priority, the tenant's fair-share counter and arrival (so "earliest" above reads "most deserving" and
@@ -593,6 +595,14 @@ class Scheduler:
                     continue
                 self._blocked = blocked
                 if skip is None or starving(group, time.monotonic()):
+                    break
+                skip.add(group)
+                if skip.holds_all(waiting):
+                    break
+                k += 1
+                continue
+            if reuse and out.shape.tokens and bm.reading_ahead(seqs):  # its prefix is read from disk a step ahead
+                if skip is None:
                     break
                 skip.add(group)
                 if skip.holds_all(waiting):

@@ -49,6 +49,7 @@ from streamd.engine.worker.cpu_threads import cpu_runs_bf16
 from streamd.engine.worker.families import check_runnable
 from streamd.engine.worker.gguf_model import ARCHITECTURES, architecture, load_low_bit
 from streamd.engine.worker.quantized import QuantizedEmbedding, QuantizedLinear, quantize_linears
+from streamd.engine.worker.weights_identity import random_identity, weights_identity
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -62,7 +63,8 @@ DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 class LoadedModel:
     model: PreTrainedModel
     tokenizer: Any | None  # None for random-weight models built from a bare config
-    name: str
+    name: str  # the display label (a folder's or file's name): not unique
+    weights: str  # what identifies the weights loaded (`weights_identity.py`), with their low-bit plan
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -113,6 +115,7 @@ def load_model(
     else:
         loaded = _pretrained(name, dtype, cache_path(cache_dir))
     check_runnable(loaded.model)
+    loaded.weights = f"{loaded.weights}|low_bit={low_bit.describe()}"
     if low_bit.quantize is not None:
         count = quantize_linears(loaded.model, low_bit.quantize, low_bit.compute)
         log.info("model.quantized", mode=low_bit.quantize, linears=count, compute=str(low_bit.compute))
@@ -134,7 +137,7 @@ def _pretrained(name: str | None, dtype: torch.dtype, cache_dir: Path) -> Loaded
     extra = _load_options(_checkpoint_config(source, local_only))
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only, **extra)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
-    return LoadedModel(model, tokenizer, label)
+    return LoadedModel(model, tokenizer, label, weights_identity(source))
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +197,7 @@ def _low_bit_gguf(gguf: Path, dtype: torch.dtype, compute: torch.dtype, cache_di
     label = DEFAULT_MODEL_NAME if gguf == default_gguf_path() else gguf.stem
     log.info("model.load.start", model=label, source=str(gguf), dtype=str(dtype), low_bit=str(compute))
     model = load_low_bit(gguf, AutoConfig.from_pretrained(meta), dtype, compute)
-    return LoadedModel(model, AutoTokenizer.from_pretrained(meta), label)
+    return LoadedModel(model, AutoTokenizer.from_pretrained(meta), label, weights_identity(gguf))
 
 
 def _gguf_meta(gguf: Path, cache_dir: Path) -> Path:
@@ -215,7 +218,7 @@ def _random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.de
     # Initialised on the target device: a billion random parameters take seconds on a GPU, half a minute on CPU.
     with device:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
-    return LoadedModel(model, None, f"random-{config.model_type}")
+    return LoadedModel(model, None, f"random-{config.model_type}", random_identity(config, seed))
 
 
 def _checkpoint_config(source: str, local_only: bool) -> dict[str, Any]:

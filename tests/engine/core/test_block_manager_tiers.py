@@ -37,6 +37,9 @@ class MemoryDisk:
     def put(self, key: BlockKey, payload: bytes) -> None:
         self.blocks[key] = payload
 
+    def read_ahead(self, keys: list[BlockKey]) -> bool:
+        return False  # (in memory: nothing to read ahead)
+
     def worth_reading(self) -> bool:
         return True
 

@@ -301,3 +301,31 @@ def test_swap_preemption_takes_cached_host_blocks_first_and_they_go_to_disk(tmp_
     bm.take_tier_orders()
     bm.check_invariants([])
     disk.close()
+
+
+def test_other_layouts_files_count_toward_the_bound_and_go_first(tmp_path: Path) -> None:
+    """Another model's files in the same directory: beyond the bound at start, the oldest go at once (with a
+    log line); the rest go before any of this layout's own blocks as it fills up."""
+    old = tier(tmp_path, layout="the previous model")
+    old_keys = [key([i] * BS) for i in range(4)]
+    for i, k in enumerate(old_keys):
+        old.put(k, payload(i))
+        old.flush()
+        os.utime(file_of(old, k), ns=(i * 10**9, i * 10**9))  # oldest first
+    old.close()
+    with capture_logs() as logs:
+        disk = tier(tmp_path, blocks=3)
+    assert [(e["files"], e["evicted"]) for e in logs if e["event"] == "disk_tier.other_layouts"] == [(4, 1)]
+    disk.flush()
+    assert [file_of(old, k).exists() for k in old_keys] == [False, True, True, True]
+    own = [key([9, i, i, i]) for i in range(3)]
+    for i, k in enumerate(own[:2]):
+        disk.put(k, payload(i))
+    disk.flush()
+    assert [file_of(old, k).exists() for k in old_keys] == [False, False, False, True]
+    disk.put(own[2], payload(2))
+    disk.flush()
+    assert not any(file_of(old, k).exists() for k in old_keys)
+    assert all(disk.contains(k) and file_of(disk, k).exists() for k in own)
+    disk.check_invariants()
+    disk.close()
