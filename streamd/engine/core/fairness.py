@@ -9,7 +9,9 @@ that becomes active (a request while it had none queued) is lifted to the least 
 so idle time banks no credit.
 
 Order (`key`, ascending: first admitted, last preempted): the service tier (`priority` < `default` < `flex`),
-then the request's `priority` (vLLM's: lower first), then the tenant's counter, then arrival. Waiting
+then the request's `priority` (vLLM's: lower first), then the tenant's counter, then arrival; ahead of all that,
+a waiting request that has `aged` (waited past a fraction of its queue timeout, so it is near the deadline by
+which it must be scheduled), oldest first (the scheduler's `_aged_first`). Waiting
 groups are ordered with the expected cost of a tenant's earlier waiting groups already charged (prompt and
 `max_tokens`: `waiting_order`), so one step's admissions interleave tenants as the counter would one by one
 (an estimate for the order only: the counters charge the tokens actually computed). With one
@@ -31,19 +33,29 @@ OUTPUT_WEIGHT = 2.0  # the paper's w_q: an output token costs a step of its own
 MAX_TENANTS = 1024  # tenants remembered; past it the idle ones least served are forgotten (keys off: `user`)
 STATS_TENANTS = 16  # tenants reported one by one in the stats (most served first); the rest as OTHER
 OTHER = "other"
-# A waiting request passed over (it did not fit) for longer than this, or half its queue timeout, stops the
-# admission of those after it in the order, so memory freed is kept for it: nobody starves behind others.
+# A waiting request passed over (it did not fit) for longer than this, or the aging fraction of its queue timeout,
+# stops the admission of those after it in the order, so memory freed is kept for it: nobody starves behind others.
 STARVING_S = 10.0
 TIERS = {"priority": 0, "auto": 1, "default": 1, "flex": 2}
 FLEX = TIERS["flex"]
 DEFAULT_TIER = TIERS["default"]
 
 
-def starving(group: SequenceGroup, now: float) -> bool:
-    """Whether `group` has waited so long that admission must stop behind it (`STARVING_S`)."""
+def starving(group: SequenceGroup, now: float, aging: float) -> bool:
+    """Whether `group` has waited so long that admission must stop behind it (`STARVING_S`, or the `aging`
+    fraction of its queue timeout if sooner)."""
     timeout = group.sampling_params.queue_timeout_s
-    limit = STARVING_S if timeout is None else min(STARVING_S, timeout / 2)
+    limit = STARVING_S if timeout is None else min(STARVING_S, timeout * aging)
     return now - group.arrival_time > limit
+
+
+def aged(group: SequenceGroup, now: float, aging: float) -> bool:
+    """Whether `group`, never scheduled yet, has waited past the `aging` fraction of its queue timeout
+    (`scheduler.queue_aging` of `server.max_queue_time_s`): it then goes ahead of every tier and fair share,
+    oldest first, so a seat that frees before its deadline is its. Without a queue timeout nothing ages (the
+    tiers hold: `flex` may wait indefinitely behind a sustained `priority` load)."""
+    timeout = group.sampling_params.queue_timeout_s
+    return timeout is not None and group.first_scheduled_time is None and now - group.arrival_time >= timeout * aging
 
 
 def tier_of(group: SequenceGroup) -> int:
