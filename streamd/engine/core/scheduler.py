@@ -105,7 +105,9 @@ class Scheduler:
         eos_token_ids: Iterable[int] = (),
         speculator: Speculator | None = None,
         clock: Callable[[], float] = time.monotonic,
+        named_tenants: Iterable[str] = (),
     ) -> None:
+        """`named_tenants`: those the stats always report one by one (`FairShare.named`)."""
         self.config = scheduler_config
         self.clock = clock  # monotonic seconds, as a group's `arrival_time` (tests simulate time)
         self.speculator = speculator  # draft tokens for decodes (speculative decoding); None: never
@@ -135,7 +137,8 @@ class Scheduler:
         self.preemptions_recompute = 0
         self.recomputed_tokens = 0
         self._reordered = False  # the queues are in fair order, not arrival order
-        self.fair = FairShare(scheduler_config.scheduling == "fair", scheduler_config.tenant_weight_map())
+        weights = scheduler_config.tenant_weight_map()
+        self.fair = FairShare(scheduler_config.scheduling == "fair", weights, frozenset(named_tenants))
         self.catch_up_chunk_tokens = scheduler_config.catch_up_chunk_tokens
         self.queue_aging = scheduler_config.queue_aging
         self._aged = 0  # the waiting groups at the head of the queue that have aged (`_reorder`)

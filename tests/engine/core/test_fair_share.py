@@ -399,6 +399,42 @@ def test_stats_show_the_most_served_tenants_and_sum_the_rest_as_other():
     assert eng.sched.fair.stats()[0].name == "t0"
 
 
+def test_a_named_tenants_counts_and_the_others_sum_only_grow(monkeypatch):
+    """The server labels tenants by their configured names (`FairShare.named`) and sums the rest as "other":
+    a named tenant is always reported one by one (never summed into OTHER when less served than the top 16,
+    never forgotten), and forgotten tenants' tallies stay in OTHER, so /metrics' per-label counters only grow."""
+    monkeypatch.setattr("streamd.engine.core.fairness.MAX_TENANTS", STATS_TENANTS + 4)  # forget idle ones early
+    eng = TenantEngine(num_blocks=400, max_num_seqs=4)
+    eng.sched.fair.named = frozenset({"alice", "default"})
+    eng.add_as("a0", _prompt("a0", 4), 2, "alice")
+    eng.run()
+    last: dict[str, tuple[int, int, int]] = {}
+    for i in range(2 * STATS_TENANTS + 10):  # more tenants than reported, each served more than alice
+        eng.add_as(f"r{i}", _prompt(f"r{i}", 8 + i), 4 + i % 3, f"t{i}")
+        for _ in range(3):
+            eng.step()
+            last = _labels_grow(eng.sched.fair.stats(), last)
+    eng.run()
+    last = _labels_grow(eng.sched.fair.stats(), last)
+    alice = eng.sched.fair.tenants["alice"]
+    assert last["alice"] == (alice.prompt_tokens, alice.output_tokens, alice.preemptions)
+    assert len(eng.sched.fair.tenants) <= STATS_TENANTS + 4 and eng.sched.fair._forgotten.output_tokens > 0
+    assert sum(t[1] for t in last.values()) == sum(len(out[0]) for out in eng.finished.values())
+
+
+def _labels_grow(rows, last: dict[str, tuple[int, int, int]]) -> dict[str, tuple[int, int, int]]:
+    """`rows` summed per label as the server sums them (named tenants by name, the rest "other"); each label's
+    tallies are at least those of `last`."""
+    labels: dict[str, tuple[int, int, int]] = {}
+    for row in rows:
+        label = row.name if row.name in ("alice", "default") else "other"
+        p, o, n = labels.get(label, (0, 0, 0))
+        labels[label] = (p + row.prompt_tokens, o + row.output_tokens, n + row.preemptions)
+    for label, before in last.items():
+        assert all(a >= b for a, b in zip(labels[label], before)), (label, labels[label], before)
+    return labels
+
+
 def _check_stats(fair) -> None:
     """`fair.stats()`: the STATS_TENANTS - 1 most served tenants as they are, then OTHER summing the rest."""
     rows = fair.stats()
