@@ -152,6 +152,9 @@ class SchedulerConfig:
     # While the least served tenant's prompt runs (until its first token is read back), the other tenants'
     # prompt chunks share at most this many tokens a step ("fair" only; core/scheduler.py `_catch_up`).
     catch_up_chunk_tokens: int = 16
+    # A request still unscheduled after this fraction of its queue timeout (`server.max_queue_time_s`) goes
+    # ahead of every tier and fair share, oldest first, so it gets the next seat before its deadline (fairness.py).
+    queue_aging: float = 0.5
 
     def tenant_weight_map(self) -> dict[str, float]:
         """`tenant_weights` as name -> weight; a malformed entry raises naming it."""
@@ -173,6 +176,8 @@ class SchedulerConfig:
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative("scheduler.max_step_ms", self.max_step_ms)
         _non_negative("scheduler.catch_up_chunk_tokens", self.catch_up_chunk_tokens)
+        if not 0 < self.queue_aging <= 1:
+            raise ConfigError(f"scheduler.queue_aging must be in (0, 1], got {self.queue_aging}")
         _one_of("scheduler.preemption_mode", self.preemption_mode, ("auto", "swap", "recompute"))
 
 

@@ -22,7 +22,7 @@ from streamd.engine.outputs import (
     RequestOutputBuilder,
 )
 from streamd.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs, is_int
-from streamd.engine.stats import EngineStats, KVCacheStats, TenantStats
+from streamd.engine.stats import DEFAULT_TENANT, EngineStats, KVCacheStats, TenantStats
 
 if TYPE_CHECKING:
     from streamd.engine.client.async_engine import AsyncEngine
@@ -61,6 +61,7 @@ _LAZY = {
 
 __all__ = [
     "DEFAULT_OPTIONS",
+    "DEFAULT_TENANT",
     "MAX_LOGPROBS",
     "Admission",
     "AsyncEngine",

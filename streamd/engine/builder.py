@@ -29,6 +29,7 @@ from streamd.engine.sample.grammar import Grammars
 from streamd.engine.sample.grammar_budget import GrammarBudget
 from streamd.engine.sample.sampler import Sampler
 from streamd.engine.sampling_params import SamplingParams
+from streamd.engine.stats import DEFAULT_TENANT
 from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
 from streamd.engine.worker.cpu_threads import apply_num_threads
 from streamd.engine.worker.cuda_graphs import capture_sizes
@@ -113,7 +114,8 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     )
     eos = _eos_token_ids(loaded)
     speculator = Speculator(config.speculative, max_model_len)
-    scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos, speculator)
+    named = {*config.server.tenant_map().values(), DEFAULT_TENANT}  # the server's metrics labels (server/tenants.py)
+    scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos, speculator, named_tenants=named)
     return EngineParts(
         loaded.name,
         loaded.tokenizer,

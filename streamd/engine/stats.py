@@ -46,6 +46,9 @@ class KVCacheStats:
         return self.swap_blocks_total - self.swap_blocks_free
 
 
+DEFAULT_TENANT = "default"  # the server's tenant of a request that names nobody (no key, no user)
+
+
 @dataclass(slots=True, frozen=True)
 class TenantStats:
     """One tenant's share (engine/core/fairness.py); `name` is the request's `tenant`, never a raw key."""
@@ -66,7 +69,8 @@ class SchedulerStats:
     preemptions_recompute: int  # cumulative
     recomputed_tokens: int  # cumulative tokens prefilled again after recompute preemption
     num_paused: int = 0  # requests not scheduled because their reader fell behind (they keep their blocks)
-    tenants: list[TenantStats] = field(default_factory=list)  # most served first; past 16 the rest as "other"
+    # The named tenants (`FairShare.named`), then the others most served first, past 16 the rest as "other"
+    tenants: list[TenantStats] = field(default_factory=list)
     spec_draft_tokens: int = 0  # cumulative draft tokens verified (speculative decoding)
     spec_accepted_tokens: int = 0  # cumulative draft tokens accepted
 

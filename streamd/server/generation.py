@@ -55,6 +55,9 @@ WIRE_ALIASES = frozenset({"response_format", *GUIDED_ALIASES})
 WIRE_PARAMS = frozenset(f.name for f in dataclasses.fields(SamplingParams)) - ENGINE_ONLY_PARAMS | WIRE_ALIASES
 # Who goes first (engine/core/fairness.py) and which prefix cache a request shares: accepted on every route.
 SCHEDULING_FIELDS = ("service_tier", "priority", "cache_salt")
+# Who the end user is (`wire_user`: the tenant where keys are off), beside them on every route: the OpenAI
+# routes' bodies, `/v1/stream`'s `params`.
+USER_FIELDS = ("safety_identifier", "user")
 MAX_N = 16  # parallel samples or beams per request (each is a sequence of the batch)
 _ROLES = frozenset({"system", "user", "assistant", "developer", "tool"})
 
@@ -279,7 +282,7 @@ class Generation:
 def wire_user(body: dict[str, Any]) -> str | None:
     """OpenAI's `user` (or its successor `safety_identifier`): who the end user is, the tenant where keys are
     off (server/tenants.py). Refused unless a string of at most 256 characters."""
-    for name in ("safety_identifier", "user"):
+    for name in USER_FIELDS:
         value = body.get(name)
         if value is None:
             continue
@@ -287,6 +290,12 @@ def wire_user(body: dict[str, Any]) -> str | None:
             raise ServiceError("invalid_request", f"{name} must be a string of 1 to 256 characters", name)
         return value
     return None
+
+
+def split_user(params: dict[str, Any]) -> tuple[dict[str, Any], str | None]:
+    """`params` without USER_FIELDS, and their `wire_user` (for `prepare`, where they are not sampling params)."""
+    user = wire_user(params)
+    return {k: v for k, v in params.items() if k not in USER_FIELDS}, user
 
 
 @contextlib.contextmanager

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from streamd.config import ServerConfig
+from streamd.engine import DEFAULT_TENANT
 
 if TYPE_CHECKING:
     from streamd.engine import TenantStats
 
-DEFAULT_TENANT = "default"  # every request when nobody is named (tenant_from "none", or no key and no user)
-OTHER_LABEL = "other"
+OTHER_LABEL = "other"  # the metrics label of every tenant without a configured name (DEFAULT_TENANT has its own)
 
 
 @dataclass(slots=True, frozen=True)

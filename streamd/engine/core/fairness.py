@@ -9,7 +9,9 @@ that becomes active (a request while it had none queued) is lifted to the least 
 so idle time banks no credit.
 
 Order (`key`, ascending: first admitted, last preempted): the service tier (`priority` < `default` < `flex`),
-then the request's `priority` (vLLM's: lower first), then the tenant's counter, then arrival. Waiting
+then the request's `priority` (vLLM's: lower first), then the tenant's counter, then arrival; ahead of all that,
+a waiting request that has `aged` (waited past a fraction of its queue timeout, so it is near the deadline by
+which it must be scheduled), oldest first (the scheduler's `_aged_first`). Waiting
 groups are ordered with the expected cost of a tenant's earlier waiting groups already charged (prompt and
 `max_tokens`: `waiting_order`), so one step's admissions interleave tenants as the counter would one by one
 (an estimate for the order only: the counters charge the tokens actually computed). With one
@@ -28,22 +30,32 @@ from streamd.engine.stats import TenantStats
 
 PROMPT_WEIGHT = 1.0  # the paper's w_p
 OUTPUT_WEIGHT = 2.0  # the paper's w_q: an output token costs a step of its own
-MAX_TENANTS = 1024  # tenants remembered; past it the idle ones least served are forgotten (keys off: `user`)
-STATS_TENANTS = 16  # tenants reported one by one in the stats (most served first); the rest as OTHER
+MAX_TENANTS = 1024  # tenants remembered; past it the idle unnamed ones least served are forgotten (keys off: `user`)
+STATS_TENANTS = 16  # unnamed tenants reported one by one in the stats (most served first); the rest as OTHER
 OTHER = "other"
-# A waiting request passed over (it did not fit) for longer than this, or half its queue timeout, stops the
-# admission of those after it in the order, so memory freed is kept for it: nobody starves behind others.
+# A waiting request passed over (it did not fit) for longer than this, or the aging fraction of its queue timeout,
+# stops the admission of those after it in the order, so memory freed is kept for it: nobody starves behind others.
 STARVING_S = 10.0
 TIERS = {"priority": 0, "auto": 1, "default": 1, "flex": 2}
 FLEX = TIERS["flex"]
 DEFAULT_TIER = TIERS["default"]
 
 
-def starving(group: SequenceGroup, now: float) -> bool:
-    """Whether `group` has waited so long that admission must stop behind it (`STARVING_S`)."""
+def starving(group: SequenceGroup, now: float, aging: float) -> bool:
+    """Whether `group` has waited so long that admission must stop behind it (`STARVING_S`, or the `aging`
+    fraction of its queue timeout if sooner)."""
     timeout = group.sampling_params.queue_timeout_s
-    limit = STARVING_S if timeout is None else min(STARVING_S, timeout / 2)
+    limit = STARVING_S if timeout is None else min(STARVING_S, timeout * aging)
     return now - group.arrival_time > limit
+
+
+def aged(group: SequenceGroup, now: float, aging: float) -> bool:
+    """Whether `group`, never scheduled yet, has waited past the `aging` fraction of its queue timeout
+    (`scheduler.queue_aging` of `server.max_queue_time_s`): it then goes ahead of every tier and fair share,
+    oldest first, so a seat that frees before its deadline is its. Without a queue timeout nothing ages (the
+    tiers hold: `flex` may wait indefinitely behind a sustained `priority` load)."""
+    timeout = group.sampling_params.queue_timeout_s
+    return timeout is not None and group.first_scheduled_time is None and now - group.arrival_time >= timeout * aging
 
 
 def tier_of(group: SequenceGroup) -> int:
@@ -71,11 +83,15 @@ class FairShare:
 
     fair: bool = True
     weights: Mapping[str, float] = field(default_factory=dict)
+    # Tenants always reported one by one and never forgotten (the server's metrics labels: `server.tenants` names
+    # and DEFAULT_TENANT), so their counts never move into OTHER: a label's counters only grow.
+    named: frozenset[str] = frozenset()
     tenants: dict[str, Tenant] = field(default_factory=dict)
     _active: dict[str, Tenant] = field(default_factory=dict)  # the tenants with `active` groups (an index)
     _tiered: int = 0  # active groups outside the default tier or with a priority
     _expected: dict[str, float] = field(default_factory=dict)  # request id -> `_expected_cost` over its weight
     _idle_stats: tuple[list[TenantStats], TenantStats | None] | None = None  # `_idle_rows`'s cache; None: stale
+    _forgotten: Tenant = field(default_factory=Tenant)  # the forgotten tenants' tallies, kept in OTHER
 
     def arrive(self, group: SequenceGroup) -> None:
         """A group entered the queues: its tenant, newly active, is lifted to the least active counter."""
@@ -103,11 +119,16 @@ class FairShare:
             self._forget_idle()
 
     def _forget_idle(self) -> None:
-        """Drops the idle tenants least served (a returning one starts at the least active counter, as
-        it would have been lifted to) down to half of MAX_TENANTS."""
-        idle = sorted((t.counter, name) for name, t in self.tenants.items() if not t.active)
+        """Drops the idle unnamed tenants least served (a returning one starts at the least active counter, as
+        it would have been lifted to) down to half of MAX_TENANTS; their tallies stay in OTHER."""
+        idle = sorted((t.counter, name) for name, t in self.tenants.items() if not t.active and name not in self.named)
+        gone = self._forgotten
         for _, name in idle[: len(self.tenants) - MAX_TENANTS // 2]:
-            del self.tenants[name]
+            tenant = self.tenants.pop(name)
+            gone.prompt_tokens += tenant.prompt_tokens
+            gone.output_tokens += tenant.output_tokens
+            gone.preemptions += tenant.preemptions
+            gone.counter = max(gone.counter, tenant.counter)
         self._idle_stats = None
 
     def charge(self, prefills: list[ScheduledSeq], decodes: list[ScheduledSeq]) -> None:
@@ -187,19 +208,24 @@ class FairShare:
         return tenant
 
     def stats(self) -> list[TenantStats]:
-        """The STATS_TENANTS most served tenants, the rest summed as OTHER (a bounded snapshot per step). Only
+        """The `named` tenants seen, then the STATS_TENANTS most served others, the rest (and the forgotten)
+        summed as OTHER (a bounded snapshot per step; each named row and the unnamed rows' sum only grow). Only
         the active tenants' counts change, so the idle ones are ranked once per change of the idle set."""
+        named = [_row((name, self.tenants[name])) for name in self.named if name in self.tenants]
         idle, idle_rest = self._idle_rows()
-        rows = sorted([*map(_row, self._active.items()), *idle], key=_most_served)
-        if idle_rest is None and len(rows) <= STATS_TENANTS:
-            return rows
-        rest = rows[STATS_TENANTS - 1 :] + ([idle_rest] if idle_rest is not None else [])
-        return [*rows[: STATS_TENANTS - 1], _summed(rest)]
+        active = (item for item in self._active.items() if item[0] not in self.named)
+        rows = sorted([*map(_row, active), *idle], key=_most_served)
+        forgotten = [_row((OTHER, self._forgotten))] if self._forgotten != Tenant() else []
+        if idle_rest is None and len(rows) <= STATS_TENANTS and not forgotten:
+            return [*named, *rows]
+        rest = rows[STATS_TENANTS - 1 :] + ([idle_rest] if idle_rest is not None else []) + forgotten
+        return [*named, *rows[: STATS_TENANTS - 1], _summed(rest)]
 
     def _idle_rows(self) -> tuple[list[TenantStats], TenantStats | None]:
-        """The idle tenants' STATS_TENANTS most served rows and the rest summed (None: none), cached."""
+        """The idle unnamed tenants' STATS_TENANTS most served rows and the rest summed (None: none), cached."""
         if self._idle_stats is None:
-            idle = sorted((_row(item) for item in self.tenants.items() if not item[1].active), key=_most_served)
+            items = (item for item in self.tenants.items() if not item[1].active and item[0] not in self.named)
+            idle = sorted(map(_row, items), key=_most_served)
             rest = idle[STATS_TENANTS:]
             self._idle_stats = idle[:STATS_TENANTS], _summed(rest) if rest else None
         return self._idle_stats

@@ -23,11 +23,12 @@ Many tenants, tiers or priorities (`FairShare`, engine/core/fairness.py): each s
 by tier, priority, the tenant's fair-share counter and arrival (so "earliest" above reads "most deserving" and
 the latest-arrived victim the least deserving); a waiting group that does not fit then holds back only its own
 tenant and `flex` requests, not the others, until it has waited `STARVING_S` (then everything after it
-waits). When the least served tenant's prompt runs in a step (or its first token is read back after it),
-the other tenants' prompt chunks come after its admission and share `scheduler.catch_up_chunk_tokens` in
-that step (`_catch_up`), so a
-chat's first token beside a flood of long prompts waits for steps of a decode step's size. One tenant without
-tiers keeps the arrival order exactly.
+waits). A request near its queue deadline (`scheduler.queue_aging` of its queue timeout) goes ahead of every
+tier and fair share, oldest first (`_aged_first`), so no load of higher tiers holds it past its deadline.
+When the least served tenant's prompt runs in a step (or its first token is read back after it), the other
+tenants' prompt chunks come after its admission and share `scheduler.catch_up_chunk_tokens` in that step
+(`_catch_up`), so a chat's first token beside a flood of long prompts waits for steps of a decode step's size.
+One tenant without tiers keeps the arrival order exactly.
 
 Paused groups (`set_paused`: the server pauses a request whose reader fell behind) are skipped by every
 queue; they keep their blocks, and are the first victims when memory runs short: a running group that
@@ -64,7 +65,7 @@ from dataclasses import dataclass, field
 from streamd.config import SchedulerConfig
 from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
-from streamd.engine.core.fairness import FLEX, FairShare, starving, tier_of
+from streamd.engine.core.fairness import FLEX, FairShare, aged, starving, tier_of
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.core.speculation import Speculator
@@ -105,8 +106,12 @@ class Scheduler:
         cost_model: PreemptionCostModel | None = None,
         eos_token_ids: Iterable[int] = (),
         speculator: Speculator | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        named_tenants: Iterable[str] = (),
     ) -> None:
+        """`named_tenants`: those the stats always report one by one (`FairShare.named`)."""
         self.config = scheduler_config
+        self.clock = clock  # monotonic seconds, as a group's `arrival_time` (tests simulate time)
         self.speculator = speculator  # draft tokens for decodes (speculative decoding); None: never
         self.block_manager = block_manager
         self.max_model_len = max_model_len
@@ -134,8 +139,11 @@ class Scheduler:
         self.preemptions_recompute = 0
         self.recomputed_tokens = 0
         self._reordered = False  # the queues are in fair order, not arrival order
-        self.fair = FairShare(scheduler_config.scheduling == "fair", scheduler_config.tenant_weight_map())
+        weights = scheduler_config.tenant_weight_map()
+        self.fair = FairShare(scheduler_config.scheduling == "fair", weights, frozenset(named_tenants))
         self.catch_up_chunk_tokens = scheduler_config.catch_up_chunk_tokens
+        self.queue_aging = scheduler_config.queue_aging
+        self._aged = 0  # the waiting groups at the head of the queue that have aged (`_reorder`)
         self._first_token_due: set[str] = set()  # tenants whose prompt ended in the last step (`_catch_up`)
 
     # ---- requests -------------------------------------------------------------------------------
@@ -308,10 +316,21 @@ class Scheduler:
         self._reordered = True
         self.running.sort(key=lambda g: fair.key(g, rank[g.request_id]))
         self.swapped.sort(key=lambda g: fair.key(g, rank[g.request_id]))
+        self._aged = 0
         if len(self.waiting) > 1 and seat_free:
-            order = fair.waiting_order(sorted(self.waiting, key=self._rank), rank)
+            order = self._aged_first(fair.waiting_order(sorted(self.waiting, key=self._rank), rank))
             self.waiting.clear()
             self.waiting.extend(order)
+
+    def _aged_first(self, order: list[SequenceGroup]) -> list[SequenceGroup]:
+        """`order` with the groups that have `aged` (near their queue deadline) moved ahead, oldest first."""
+        now, aging = self.clock(), self.queue_aging
+        old = [group for group in order if aged(group, now, aging)]
+        if not old:
+            return order
+        self._aged = len(old)
+        old.sort(key=self._rank)
+        return [*old, *(group for group in order if not aged(group, now, aging))]
 
     def _seat_for_unserved(self, out: SchedulerOutput) -> bool:
         """Every seat (`max_num_seqs`) is taken and an active tenant has nothing running, or the least served
@@ -357,9 +376,12 @@ class Scheduler:
     def _seat_first(self, tenant: str) -> bool:
         """Moves `tenant`'s first waiting request to the head of the queue, past those of the head's tier and
         priority only (it has the least counter: it passes only ties, e.g. a tenant just lifted to another's
-        counter); returns whether it is there. O(the head's tier and priority class)."""
+        counter); returns whether it is there. Never past a group that has aged. O(the head's tier and priority
+        class)."""
         waiting = self.waiting
         head = _order_class(waiting[0]) if waiting else None
+        if self._aged:
+            return _may_take_seat(waiting[0], {tenant}, self.paused)
         for k, group in enumerate(waiting):
             if _order_class(group) != head:
                 return False
@@ -594,7 +616,7 @@ class Scheduler:
                 if self._preempt_paused(out):  # memory held by a stalled reader goes first
                     continue
                 self._blocked = blocked
-                if skip is None or starving(group, time.monotonic()):
+                if skip is None or starving(group, self.clock(), self.queue_aging):
                     break
                 skip.add(group)
                 if skip.holds_all(waiting):
@@ -624,7 +646,7 @@ class Scheduler:
             lost = self._lost_tokens.pop(group.request_id, None)
             if lost is None:  # its first admission (a recompute preemption leaves its lost tokens)
                 group.num_cached_tokens = cached
-                group.first_scheduled_time = time.monotonic()
+                group.first_scheduled_time = self.clock()
             else:
                 self.recomputed_tokens += max(0, lost - cached)
             num_seqs += len(seqs)

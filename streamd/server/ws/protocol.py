@@ -4,9 +4,9 @@ Client: `{"type":"generate","id":ID,"prompt":TEXT|"messages":[...],"params":{...
 OpenAI function `tools` and `tool_choice`: the reply's calls then come as `tool_calls` on its delta frames),
 `{"type":"cancel","id":ID}`, `{"type":"resume","id":ID,"resume_token":T,"after_seq":K}`,
 `{"type":"ack","id":ID,"resume_token":T}` (its `done` arrived: nothing to keep for a resume). Server: `start`
-(with a `resume_token` when resumable), `delta` (seq from 0 per id), `done` (finish_reason, usage;
-`drained: true` when the server's drain cut it) and `error` (id or null). Two framings of the same
-frames, chosen by subprotocol:
+(the `service_tier` served; with a `resume_token` when resumable), `delta` (seq from 0 per id), `done`
+(finish_reason, usage; `drained: true` when the server's drain cut it) and `error` (id or null). Two framings
+of the same frames, chosen by subprotocol:
 
 - `streamd.v1` (also the default when none is offered): one frame per WebSocket message;
 - `streamd.v2`: each message is a JSON array of frames: everything a connection has to send when the
@@ -136,8 +136,11 @@ def check_id(value: Any, name: str, param: str | None) -> str:
     return value
 
 
-def start_frame(request_id: str, prompt_tokens: int, resume_token: str | None = None) -> Frame:
-    frame: Frame = {"type": "start", "id": request_id, "prompt_tokens": prompt_tokens}
+def start_frame(
+    request_id: str, prompt_tokens: int, resume_token: str | None = None, service_tier: str = "default"
+) -> Frame:
+    """The request was admitted: its prompt's length and the tier it is served in (OpenAI's `service_tier`)."""
+    frame: Frame = {"type": "start", "id": request_id, "prompt_tokens": prompt_tokens, "service_tier": service_tier}
     if resume_token is not None:
         frame["resume_token"] = resume_token
     return frame

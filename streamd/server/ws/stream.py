@@ -28,7 +28,7 @@ from streamd.engine import Backpressure, PendingDelta, RequestDelta
 from streamd.logs import get_logger
 from streamd.server.accounting import RequestAccount
 from streamd.server.errors import ServiceError, queue_timed_out
-from streamd.server.generation import Prepared
+from streamd.server.generation import Prepared, split_user
 from streamd.server.services import Services
 from streamd.server.structured_api import plan_tools, with_enforced_call
 from streamd.server.tool_parsers import ToolCallParser
@@ -125,7 +125,11 @@ class WsRequest:
             return []
         frames = []
         if not self.start_sent:
-            frames.append(protocol.start_frame(self.client_id, len(prepared.prompt_token_ids), self.resume_token))
+            frames.append(
+                protocol.start_frame(
+                    self.client_id, len(prepared.prompt_token_ids), self.resume_token, prepared.service_tier
+                )
+            )
             self.start_sent = True
         frames.extend(self.replay)
         self.replay = []
@@ -388,7 +392,7 @@ class Connection(SocketConnection):
     async def _prepare(self, request: WsRequest, frame: protocol.Generate) -> Prepared:
         """Tokenizes (off the loop when long) and checks a generate frame; raises ServiceError. Tools go
         through the OpenAI routes' `plan_tools`: the request's `tool_format` says how its calls are read."""
-        gen, params = self.services.generation, frame.params
+        gen, (params, user) = self.services.generation, split_user(frame.params)
         if frame.messages is not None:
             plan = plan_tools(frame.tools, frame.tool_choice, self.services.tool_format)
             if plan is not None and plan.structured is not None:
@@ -399,8 +403,9 @@ class Connection(SocketConnection):
         else:
             ids = await gen.prompt_ids(frame.prompt)
             prompt, param = (frame.prompt if isinstance(frame.prompt, str) else None), "prompt"
+        default_max_tokens = self.services.config.default_max_tokens
         return gen.prepare(
-            ids, params, default_max_tokens=self.services.config.default_max_tokens, prompt=prompt, prompt_param=param
+            ids, params, default_max_tokens=default_max_tokens, prompt=prompt, prompt_param=param, user=user
         )
 
     def _resume(self, frame: protocol.Resume) -> None:

@@ -60,7 +60,8 @@ async def test_attached_trims_detached_aborts_and_claims_check_everything() -> N
 def test_resume_frames_on_the_wire() -> None:
     frame = protocol.parse_frame('{"type":"resume","id":"a","resume_token":"t.m","after_seq":4}')
     assert frame == protocol.Resume("a", "t.m", 4)
-    assert protocol.start_frame("a", 3, "t.m") == {"type": "start", "id": "a", "prompt_tokens": 3, "resume_token": "t.m"}
+    assert protocol.start_frame("a", 3, "t.m") == {"type": "start", "id": "a", "prompt_tokens": 3, "service_tier": "default",
+                                                "resume_token": "t.m"}
     assert "resume_token" not in protocol.start_frame("a", 3)
     assert protocol.done_frame("a", "cancelled", {}, ["cancelled"], drained=True)["drained"] is True
     assert "drained" not in protocol.done_frame("a", "stop", {}, ["stop"])
