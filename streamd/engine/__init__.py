@@ -22,7 +22,7 @@ from streamd.engine.outputs import (
     RequestOutputBuilder,
 )
 from streamd.engine.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutputs, is_int
-from streamd.engine.stats import DEFAULT_TENANT, EngineStats, KVCacheStats, TenantStats
+from streamd.engine.stats import DEFAULT_TENANT, EngineStats, KVCacheStats, TenantStats, add_tallies
 
 if TYPE_CHECKING:
     from streamd.engine.client.async_engine import AsyncEngine
@@ -92,6 +92,7 @@ __all__ = [
     "StructuredOutputs",
     "TemplateOptions",
     "TenantStats",
+    "add_tallies",
     "byte_table",
     "chat_template_ids",
     "grammar_size",

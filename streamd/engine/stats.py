@@ -58,6 +58,19 @@ class TenantStats:
     output_tokens: int  # cumulative output tokens decoded
     preemptions: int  # cumulative
     virtual_tokens: float  # its fair-share counter (weighted tokens over its weight)
+    admissions: int = 0  # cumulative requests scheduled for the first time
+    queue_seconds: float = 0.0  # their summed waits from arrival to first scheduling
+
+
+# The additive tallies of a tenant (`TenantStats`, the fair share's `Tenant`, the server's per-label totals):
+# summed field by field wherever tenants are merged (forgotten tenants, the "other" row, a label's tenants).
+TENANT_TALLIES = ("prompt_tokens", "output_tokens", "preemptions", "admissions", "queue_seconds")
+
+
+def add_tallies(into: object, source: object) -> None:
+    """Adds `source`'s TENANT_TALLIES to `into`'s (mutable records with those fields)."""
+    for name in TENANT_TALLIES:
+        setattr(into, name, getattr(into, name) + getattr(source, name))
 
 
 @dataclass(slots=True, frozen=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from streamd.config import ServerConfig
-from streamd.engine import DEFAULT_TENANT
+from streamd.engine import DEFAULT_TENANT, add_tallies
 
 if TYPE_CHECKING:
     from streamd.engine import TenantStats
@@ -68,6 +68,8 @@ class TenantTotals:
     prompt_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0
+    admissions: int = 0
+    queue_seconds: float = 0.0
 
 
 def tenant_totals(tenants: list[TenantStats], label: Callable[[str], str]) -> list[TenantTotals]:
@@ -79,7 +81,5 @@ def tenant_totals(tenants: list[TenantStats], label: Callable[[str], str]) -> li
         row = totals.get(name)
         if row is None:
             row = totals[name] = TenantTotals(name)
-        row.prompt_tokens += tenant.prompt_tokens
-        row.output_tokens += tenant.output_tokens
-        row.preemptions += tenant.preemptions
+        add_tallies(row, tenant)
     return sorted(totals.values(), key=lambda row: -(row.prompt_tokens + row.output_tokens))

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 from streamd.engine.core.scheduler_output import ScheduledSeq
 from streamd.engine.core.sequence import SequenceGroup
-from streamd.engine.stats import TenantStats
+from streamd.engine.stats import TENANT_TALLIES, TenantStats, add_tallies
 
 PROMPT_WEIGHT = 1.0  # the paper's w_p
 OUTPUT_WEIGHT = 2.0  # the paper's w_q: an output token costs a step of its own
@@ -72,6 +72,8 @@ class Tenant:
     prompt_tokens: int = 0
     output_tokens: int = 0
     preemptions: int = 0
+    admissions: int = 0
+    queue_seconds: float = 0.0
 
 
 @dataclass(slots=True)
@@ -125,9 +127,7 @@ class FairShare:
         gone = self._forgotten
         for _, name in idle[: len(self.tenants) - MAX_TENANTS // 2]:
             tenant = self.tenants.pop(name)
-            gone.prompt_tokens += tenant.prompt_tokens
-            gone.output_tokens += tenant.output_tokens
-            gone.preemptions += tenant.preemptions
+            add_tallies(gone, tenant)
             gone.counter = max(gone.counter, tenant.counter)
         self._idle_stats = None
 
@@ -177,6 +177,12 @@ class FairShare:
 
     def preempted(self, group: SequenceGroup) -> None:
         self.tenants[group.sampling_params.tenant].preemptions += 1
+
+    def admitted(self, group: SequenceGroup, waited_s: float) -> None:
+        """`group` was scheduled for the first time, `waited_s` after it arrived."""
+        tenant = self.tenants[group.sampling_params.tenant]
+        tenant.admissions += 1
+        tenant.queue_seconds += waited_s
 
     @property
     def reorders(self) -> bool:
@@ -233,7 +239,7 @@ class FairShare:
 
 def _row(item: tuple[str, Tenant]) -> TenantStats:
     name, t = item
-    return TenantStats(name, t.prompt_tokens, t.output_tokens, t.preemptions, t.counter)
+    return TenantStats(name, virtual_tokens=t.counter, **{key: getattr(t, key) for key in TENANT_TALLIES})
 
 
 def _most_served(row: TenantStats) -> float:
@@ -242,13 +248,8 @@ def _most_served(row: TenantStats) -> float:
 
 def _summed(rows: list[TenantStats]) -> TenantStats:
     """`rows` as one OTHER row: their tallies summed, the highest counter."""
-    return TenantStats(
-        OTHER,
-        sum(r.prompt_tokens for r in rows),
-        sum(r.output_tokens for r in rows),
-        sum(r.preemptions for r in rows),
-        max(r.virtual_tokens for r in rows),
-    )
+    tallies = {key: sum(getattr(r, key) for r in rows) for key in TENANT_TALLIES}
+    return TenantStats(OTHER, virtual_tokens=max(r.virtual_tokens for r in rows), **tallies)
 
 
 def _tiered(group: SequenceGroup) -> int:

@@ -647,6 +647,7 @@ class Scheduler:
             if lost is None:  # its first admission (a recompute preemption leaves its lost tokens)
                 group.num_cached_tokens = cached
                 group.first_scheduled_time = self.clock()
+                self.fair.admitted(group, group.first_scheduled_time - group.arrival_time)
             else:
                 self.recomputed_tokens += max(0, lost - cached)
             num_seqs += len(seqs)

@@ -76,7 +76,8 @@
       const name = document.createElement("span");
       const served = document.createElement("b");
       name.textContent = t.tenant;
-      served.textContent = `${t.prompt_tokens + t.output_tokens} tok` + (t.preemptions ? `, ${t.preemptions} preempted` : "");
+      const queued = t.admissions ? `, queued ${(1000 * t.queue_seconds / t.admissions).toFixed(0)} ms avg` : "";
+      served.textContent = `${t.prompt_tokens + t.output_tokens} tok` + queued + (t.preemptions ? `, ${t.preemptions} preempted` : "");
       row.append(name, served);
       return row;
     });

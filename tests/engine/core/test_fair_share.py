@@ -343,6 +343,20 @@ def test_a_request_near_its_queue_deadline_goes_ahead_of_a_sustained_priority_lo
     assert all(eng.finished[r] == [reference(_prompt(r, 4), 4)] for r in ("d", "f"))
 
 
+def test_each_tenant_s_queue_time_is_the_sum_of_its_requests_waits():
+    """The engine view's per-tenant queue time: each request's wait from arrival to its first scheduling,
+    summed per tenant, and the admissions counted (a preempted request's re-admission is not a second one)."""
+    eng = TenantEngine(num_blocks=400, max_num_seqs=1)
+    groups = [eng.add_as(f"r{i}", _prompt(f"r{i}", 4), 3, "a" if i % 2 else "b") for i in range(4)]
+    eng.run()
+    stats = {row.name: row for row in eng.sched.fair.stats()}
+    for tenant in ("a", "b"):
+        mine = [g for g in groups if g.sampling_params.tenant == tenant]
+        waits = sum(g.first_scheduled_time - g.arrival_time for g in mine)
+        assert (stats[tenant].admissions, stats[tenant].queue_seconds) == (len(mine), waits)
+    assert sum(row.queue_seconds for row in stats.values()) > 0  # one seat: the later ones waited
+
+
 @pytest.mark.parametrize("seed", range(8))
 def test_no_request_waits_past_its_queue_timeout_below_capacity(seed):
     """Random tenants, weights, tiers, priorities, arrivals and lengths, with a queue timeout of Q steps and

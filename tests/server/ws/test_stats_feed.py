@@ -21,8 +21,9 @@ def test_frame_from_engine_stats() -> None:
                                        bytes_written=300)])
     sched = SchedulerStats(num_running=3, num_waiting=2, num_swapped=1, preemptions_swap=1, preemptions_recompute=0,
                            recomputed_tokens=0, num_paused=4, spec_draft_tokens=80, spec_accepted_tokens=60,
-                           tenants=[TenantStats("alice", 10, 5, 1, 20.0), TenantStats("key-1f2e", 7, 3, 0, 13.0),
-                                    TenantStats("user-9a8b", 100, 50, 2, 200.0)])
+                           tenants=[TenantStats("alice", 10, 5, 1, 20.0, 2, 0.5),
+                                    TenantStats("key-1f2e", 7, 3, 0, 13.0, 1, 0.25),
+                                    TenantStats("user-9a8b", 100, 50, 2, 200.0, 3, 1.5)])
     named = {"alice"}.__contains__
     frame = stats_frame(EngineStats(kv, sched, num_requests=6, generated_tokens=1234), tokens_per_s=12.345,
                         tenant_label=lambda name: name if named(name) else "other")
@@ -37,8 +38,10 @@ def test_frame_from_engine_stats() -> None:
         "generated_tokens": 1234,
         "tokens_per_s": 12.35,
         "tenants": [  # unnamed tenants (digests) summed as "other", most served first
-            {"tenant": "other", "prompt_tokens": 107, "output_tokens": 53, "preemptions": 2},
-            {"tenant": "alice", "prompt_tokens": 10, "output_tokens": 5, "preemptions": 1},
+            {"tenant": "other", "prompt_tokens": 107, "output_tokens": 53, "preemptions": 2, "admissions": 4,
+             "queue_seconds": 1.75},
+            {"tenant": "alice", "prompt_tokens": 10, "output_tokens": 5, "preemptions": 1, "admissions": 2,
+             "queue_seconds": 0.5},
         ],
     }
     assert sum(frame["kv"][part] for part in ("used", "cached", "free")) == kv.blocks_total
