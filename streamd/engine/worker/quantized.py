@@ -27,11 +27,11 @@ from streamd.kernels import lowbit
 
 Part = lowbit.Int4Weight | lowbit.Int8Weight
 
-# Rows from which one dequantization and a dense bfloat16 matmul beat torch's packed kernel, per weight up to
-# DENSE_MAX_WEIGHTS elements (benchmarks/NOTES.md, "Issue 25, many rows": the crossover was 32-64 rows for the
-# default model's layers, one or two threads, on the 2-core box). A vocabulary head (49,152 x 576) costs more to
-# dequantize than a step's rows cost the kernel, so it stays packed.
-DENSE_ROWS = 48
+# Rows from which one dequantization and a dense bfloat16 matmul beat torch's packed kernel, for weights up to
+# DENSE_MAX_WEIGHTS elements (benchmarks/NOTES.md, "Issue 25, many rows": on the shared 2-core box, one thread,
+# the dense path lost at 64 rows by 0-20% and won at 128 by 1.0-1.7x on the default model's layers). A vocabulary
+# head (49,152 x 576) costs 0.5 s to dequantize, more than the kernel takes for 128 rows, so it stays packed.
+DENSE_ROWS = 96
 DENSE_MAX_WEIGHTS = 1 << 22
 
 
