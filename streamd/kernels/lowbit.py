@@ -18,10 +18,18 @@ Two layouts, each a record with its dequantization spelled out (what the referen
 GGUF's Q8_0 (w = d * q, one d per 32 inputs) has no kernel of its own here: it runs as two int4 weights
 (q = 16*hi + lo, `gguf_weights.Q8Codes.int4_halves`), exact, and faster than looping torch's int8 kernel over
 the 32-wide blocks (benchmarks/NOTES.md).
+
+Both kernels cost the same per row at any row count (they dequantize the weight again for every 4 rows), so a
+step with many rows (a prompt chunk, a k+1-token verify, many streams) runs faster as one dequantization and a
+dense GEMM: `dequantize_t` unpacks torch's packed layout back to the weight (float32, as the kernels compute
+it; nothing else is held), `dense_linear` multiplies by it in the activations' dtype. Where the crossover is:
+benchmarks/NOTES.md ("Issue 25, many rows").
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -110,6 +118,64 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
         rows.contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros
     )
     return out[:, : weight.out_features].reshape(*lead, weight.out_features)
+
+
+def dequantize_t(weight: Int4Weight | Int8Weight) -> torch.Tensor:
+    """The weight transposed, [padded in, padded out] float32, from its packed form: w = (q - 8) * scale + zero
+    as q * scale + (zero - 8 * scale) (the scales as stored, in the activations' dtype), or q * scale (int8)."""
+    if isinstance(weight, Int8Weight):
+        return (weight.codes.float() * weight.scales.float()[:, None]).t()
+    block = packed_row_block()
+    if block is None:
+        raise RuntimeError("torch's int4 packing has a layout this module does not unpack")
+    groups, rows, _ = weight.scales_and_zeros.shape
+    width = groups * weight.group_size
+    codes = _codes_t(weight.packed.reshape(-1), width, rows, block)
+    scales, zeros = weight.scales_and_zeros.float().unsqueeze(1).unbind(-1)  # [groups, 1, rows] each
+    grouped = codes.view(groups, weight.group_size, rows)
+    torch.addcmul(zeros - 8 * scales, grouped, scales.contiguous(), out=grouped)  # contiguous: the vector path
+    return codes
+
+
+def dense_linear(x: torch.Tensor, parts: Sequence[Int4Weight | Int8Weight], shape: tuple[int, int]) -> torch.Tensor:
+    """x [..., in] @ (sum of the parts' weights [out, in] = `shape`).T through one dequantization (summed in
+    float32, rounded once to x's dtype) and one dense matmul in x's dtype."""
+    weight = dequantize_t(parts[0])
+    for part in parts[1:]:
+        weight += dequantize_t(part)
+    out_features, in_features = shape
+    return x @ weight[:in_features, :out_features].to(x.dtype)
+
+
+def _codes_t(packed: torch.Tensor, width: int, rows: int, block: int) -> torch.Tensor:
+    """torch's CPU int4 packing undone, transposed: float32 codes [width, rows]. Rows come in blocks of `block`
+    (64 on AVX-512 builds, 32 on AVX2), each stored as [width, block / 2] bytes: low nibble row j, high nibble row
+    j + block / 2; a last block of fewer rows stores rows 2j (low) and 2j + 1 (high)."""
+    out = torch.empty(width, rows)
+    full, half = rows // block * block, block // 2
+    if full:
+        blocks = packed[: full * width // 2].view(full // block, width, half)
+        into = out[:, :full].unflatten(1, (full // block, 2, half))
+        into[:, :, 0].copy_((blocks & 15).transpose(0, 1))  # the nibbles first, on contiguous bytes: faster
+        into[:, :, 1].copy_((blocks >> 4).transpose(0, 1))
+    if rows > full:
+        tail = packed[full * width // 2 :].view(width, (rows - full) // 2)
+        pairs = out[:, full:].unflatten(1, (-1, 2))
+        pairs[..., 0].copy_(tail & 15)
+        pairs[..., 1].copy_(tail >> 4)
+    return out
+
+
+@functools.cache
+def packed_row_block() -> int | None:
+    """The row block of torch's int4 packing on this build (64: AVX-512, 32: AVX2), found by packing a probe
+    (a full block and a 16-row tail) and unpacking it; None for a layout `_codes_t` does not know."""
+    codes = torch.randint(0, 16, (80, 64), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    packed = _pack_rows(codes, 0).reshape(-1)
+    for block in (64, 32):
+        if torch.equal(_codes_t(packed, 64, 80, block).t(), codes.float()):
+            return block
+    return None
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:

@@ -56,3 +56,42 @@ def test_int8_matches_its_reference(rows: int, cols: int, batch: int) -> None:
     # round to nearest per row: within half a step of the float weight, plus the bfloat16 scale's rounding
     step = q.scales.float()[:, None]
     assert ((ref_w - weight).abs() <= step * 0.5 + step * 127 * 2**-8).all()
+
+
+@pytest.mark.parametrize("rows,cols,group", [(7, 32, 32), (100, 96, 32), (33, 40, 32), (1040, 130, 64), (80, 64, 32)])
+def test_dequantize_t_undoes_torchs_packing(rows: int, cols: int, group: int) -> None:
+    """Full 64-row blocks, a 16/32/48-row tail, padded inputs, more than one packing chunk: every code back in
+    its place, scaled as the kernel scales it (float32 from the bfloat16 scales)."""
+    gen = torch.Generator().manual_seed(rows + cols)
+    codes = torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8)
+    groups = -(-cols // group)
+    scales, zeros = torch.rand(rows, groups, generator=gen) + 0.01, torch.randn(rows, groups, generator=gen)
+    weight = lowbit.pack_int4(codes, scales, zeros, group, BF16)
+    ref = lowbit.dequantize_int4(codes, scales.to(BF16).float(), zeros.to(BF16).float(), group)
+    torch.testing.assert_close(lowbit.dequantize_t(weight)[:cols, :rows], ref.t(), rtol=0, atol=1e-6)
+
+
+def test_this_build_packs_in_a_layout_we_unpack() -> None:
+    assert lowbit.packed_row_block() in (64, 32)
+
+
+@pytest.mark.parametrize("rows,cols,batch", [(7, 33, 47), (100, 576, 48), (1040, 130, 49), (192, 64, 130)])
+def test_dense_linear_matches_the_packed_kernels(rows: int, cols: int, batch: int) -> None:
+    """The many-rows path (one dequantization, one bfloat16 matmul) against the float reference, for an int4
+    weight, a Q8_0-style sum of two int4 halves, and an int8 weight."""
+    gen = torch.Generator().manual_seed(rows * batch)
+    x = torch.randn(batch, cols, generator=gen).to(BF16)
+    groups = -(-cols // 32)
+    halves = [torch.randint(0, 16, (rows, cols), generator=gen, dtype=torch.uint8) for _ in range(2)]
+    scales = [torch.rand(rows, groups, generator=gen) * 0.05 + 1e-3 for _ in range(2)]
+    zeros = [torch.randn(rows, groups, generator=gen) * 0.05 for _ in range(2)]
+    parts = [lowbit.pack_int4(c, s, z, 32, BF16) for c, s, z in zip(halves, scales, zeros, strict=True)]
+    refs = [
+        lowbit.dequantize_int4(c, s.to(BF16).float(), z.to(BF16).float(), 32)
+        for c, s, z in zip(halves, scales, zeros, strict=True)
+    ]
+    close(lowbit.dense_linear(x, parts[:1], (rows, cols)), lowbit.linear_reference(x, refs[0]))
+    close(lowbit.dense_linear(x, parts, (rows, cols)), lowbit.linear_reference(x, refs[0] + refs[1]))
+    int8 = lowbit.quantize_int8(torch.randn(rows, cols, generator=gen), BF16)
+    ref8 = int8.codes[:, :cols].float() * int8.scales.float()[:, None]
+    close(lowbit.dense_linear(x, [int8], (rows, cols)), lowbit.linear_reference(x, ref8))

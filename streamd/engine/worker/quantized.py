@@ -8,6 +8,11 @@ These run on the CPU, with activations in bfloat16: torch's packed kernels take 
 AMX) only there; with float32 activations they fall back to a scalar loop 10-20x slower than a float32 GEMM
 (benchmarks/NOTES.md, "Issue 25, part 1"). `cpu_threads.cpu_runs_bf16` says whether this CPU has native
 bfloat16.
+
+A call with `DENSE_ROWS` rows or more (a prompt chunk, a speculative verify, many streams) dequantizes the weight
+once into a transient float32 buffer, rounds it to the activations' dtype and runs one dense matmul: torch's
+packed kernels cost the same per row at any row count. Both paths multiply bfloat16 activations in float32 and
+round the output to bfloat16; the dense one also rounds the weight to bfloat16 first (2^-9 relative).
 """
 
 from __future__ import annotations
@@ -22,6 +27,13 @@ from streamd.kernels import lowbit
 
 Part = lowbit.Int4Weight | lowbit.Int8Weight
 
+# Rows from which one dequantization and a dense bfloat16 matmul beat torch's packed kernel, for weights up to
+# DENSE_MAX_WEIGHTS elements (benchmarks/NOTES.md, "Issue 25, many rows": on the shared 2-core box, one thread,
+# the dense path lost at 64 rows by 0-20% and won at 128 by 1.0-1.7x on the default model's layers). A vocabulary
+# head (49,152 x 576) costs 0.5 s to dequantize, more than the kernel takes for 128 rows, so it stays packed.
+DENSE_ROWS = 96
+DENSE_MAX_WEIGHTS = 1 << 22
+
 
 class QuantizedLinear(nn.Module):
     """y = x @ (sum of the parts' weights).T + bias."""
@@ -31,12 +43,15 @@ class QuantizedLinear(nn.Module):
         self.parts = tuple(parts)
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        small = in_features * out_features <= DENSE_MAX_WEIGHTS
+        self.dense_rows = DENSE_ROWS if small and lowbit.packed_row_block() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.to(self.parts[0].compute_dtype)
-        out = _apply(rows, self.parts[0])
-        for part in self.parts[1:]:
-            out = out + _apply(rows, part)
+        if self.dense_rows is not None and rows.numel() >= self.dense_rows * self.in_features:
+            out = lowbit.dense_linear(rows, self.parts, (self.out_features, self.in_features))
+        else:
+            out = _packed(rows, self.parts)
         out = out.to(x.dtype)
         return out if self.bias is None else out + self.bias
 
@@ -47,6 +62,13 @@ class QuantizedLinear(nn.Module):
     def extra_repr(self) -> str:
         kinds = "+".join(type(p).__name__ for p in self.parts)
         return f"in_features={self.in_features}, out_features={self.out_features}, parts={kinds}"
+
+
+def _packed(rows: torch.Tensor, parts: tuple[Part, ...]) -> torch.Tensor:
+    out = _apply(rows, parts[0])
+    for part in parts[1:]:
+        out = out + _apply(rows, part)
+    return out
 
 
 def _apply(x: torch.Tensor, part: Part) -> torch.Tensor:

@@ -181,3 +181,40 @@ def test_the_bfloat16_low_bit_model_keeps_the_float_models_perplexity(hf_smol) -
         return torch.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:])).item()
 
     assert perplexity(model) == pytest.approx(perplexity(hf_smol), rel=0.01)
+
+
+@pytest.mark.parametrize("kind", [GGML.Q4_1, GGML.Q8_0])
+def test_a_quantized_linear_takes_the_dense_path_from_dense_rows_on(kind: GGML, monkeypatch) -> None:
+    """Rows just below and from `DENSE_ROWS` on (3-D input, odd output width) against the float reference; the
+    dense path is the one taken from there on (a wrong multi-row path fails the comparison)."""
+    rows, cols = 77, 96
+    codes = gguf_weights.decode(random_blocks(kind, rows, cols, seed=7), TensorInfo("w", kind, (rows, cols), 0))
+    assert isinstance(codes, Int4Codes | Q8Codes)
+    linear = quantized.linear_from_codes(codes, torch.randn(rows), torch.bfloat16)
+
+    def bf16(t: torch.Tensor) -> torch.Tensor:
+        return t.to(torch.bfloat16).float()  # the kernels read the scales (and zeros) in bfloat16
+
+    rounded = (
+        Int4Codes(codes.codes, bf16(codes.scales), bf16(codes.zeros))
+        if isinstance(codes, Int4Codes)
+        else Q8Codes(codes.codes, bf16(codes.scales))
+    )
+    reference = rounded.dequantize()
+    taken = []
+    dense = lowbit.dense_linear
+    monkeypatch.setattr(lowbit, "dense_linear", lambda *args: taken.append(1) or dense(*args))
+    for n in (quantized.DENSE_ROWS - 1, quantized.DENSE_ROWS, quantized.DENSE_ROWS + 5):
+        x = torch.randn(1, n, cols)
+        with torch.no_grad():
+            out = linear(x)
+        ref = x.to(torch.bfloat16).float() @ reference.t() + linear.bias
+        torch.testing.assert_close(out, ref, atol=2e-2 * ref.abs().max().item(), rtol=0)
+    assert len(taken) == 2
+
+
+def test_a_vocabulary_sized_head_stays_packed() -> None:
+    codes = Int4Codes(torch.zeros(1 << 14, 512, dtype=torch.uint8), torch.ones(1 << 14, 16), torch.zeros(1 << 14, 16))
+    assert quantized.linear_from_codes(codes, None, torch.bfloat16).dense_rows is None
+    small = quantized.linear_from_codes(codes.rows(torch.arange(64)), None, torch.bfloat16)
+    assert small.dense_rows == quantized.DENSE_ROWS
