@@ -40,6 +40,7 @@ from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of, profil
 from streamd.engine.worker.parallel.executor import TensorParallelExecutor
 from streamd.engine.worker.parallel.workers import WorkerPool, start_tensor_parallel
 from streamd.engine.worker.preemption_costs import cost_model
+from streamd.engine.worker.quantized import dense_from_rows
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -115,7 +116,16 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     eos = _eos_token_ids(loaded)
     speculator = Speculator(config.speculative, max_model_len)
     named = {*config.server.tenant_map().values(), DEFAULT_TENANT}  # the server's metrics labels (server/tenants.py)
-    scheduler = Scheduler(config.scheduler, block_manager, max_model_len, costs, eos, speculator, named_tenants=named)
+    scheduler = Scheduler(
+        config.scheduler,
+        block_manager,
+        max_model_len,
+        costs,
+        eos,
+        speculator,
+        named_tenants=named,
+        lone_chunk_tokens=dense_from_rows(loaded.model) or 0,
+    )
     return EngineParts(
         loaded.name,
         loaded.tokenizer,

@@ -10,7 +10,8 @@ and how many tokens each; every memory decision goes through the BlockManager. O
 3. running groups in the middle of a prompt get chunks of the token budget left after the decodes.
    With a latency budget (`scheduler.max_step_ms`) a chunk is also cut to what keeps the step's predicted
    time under it (`StepCost`, fitted to the engine's measured steps: `observe_step`); the first chunk of a
-   step gets at least one block, so a prompt always progresses.
+   step gets at least one block, so a prompt always progresses (in a step with nothing else, at least the
+   rows from which the model's step costs less per row: `lone_chunk_tokens`).
 4. waiting groups are admitted in arrival order (watermark admission, prefix-cache hits), the first
    that does not fit stops admission; nothing is admitted while any group is swapped out or when this
    step preempted. A prompt longer than the remaining budget gets a partial chunk (chunked prefill).
@@ -108,8 +109,11 @@ class Scheduler:
         speculator: Speculator | None = None,
         clock: Callable[[], float] = time.monotonic,
         named_tenants: Iterable[str] = (),
+        lone_chunk_tokens: int = 0,
     ) -> None:
-        """`named_tenants`: those the stats always report one by one (`FairShare.named`)."""
+        """`named_tenants`: those the stats always report one by one (`FairShare.named`). `lone_chunk_tokens`:
+        the least prompt chunk of a step with no other work, whatever the latency budget (the model's rows
+        from which a step costs less per row: a low-bit CPU model's dense path, `dense_from_rows`)."""
         self.config = scheduler_config
         self.clock = clock  # monotonic seconds, as a group's `arrival_time` (tests simulate time)
         self.speculator = speculator  # draft tokens for decodes (speculative decoding); None: never
@@ -122,6 +126,7 @@ class Scheduler:
         # decode always fits in one step and no decode is ever starved.
         self.max_num_seqs = min(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
         self.max_step_s = scheduler_config.max_step_ms / 1e3 or None  # None: no latency budget
+        self.lone_chunk_tokens = max(block_manager.block_size, lone_chunk_tokens)
         rate = cost_model.prefill_tokens_per_s if cost_model is not None else 0.0
         self.step_cost = StepCost(1 / rate if rate > 0 else DEFAULT_SECONDS_PER_TOKEN)
         self.admission = Admission(max_model_len, block_manager, self.max_num_seqs)
@@ -437,10 +442,15 @@ class Scheduler:
         context = seq.num_computed_tokens
         if self.max_step_s is not None and tokens > 0:
             fits = self.step_cost.max_chunk(shape, context, self.max_step_s)
-            tokens = min(tokens, fits if shape.pairs else max(fits, self.block_manager.block_size))
+            tokens = min(tokens, fits if shape.pairs else max(fits, self._least_chunk(shape)))
         if tokens > 0:
             shape.add_chunk(tokens, context)
         return tokens
+
+    def _least_chunk(self, shape: StepShape) -> int:
+        """A step's first chunk: one block beside decodes (their inter-token latency is what the budget keeps),
+        `lone_chunk_tokens` when nothing else runs (a waiting request's admission is all it delays)."""
+        return self.lone_chunk_tokens if shape.tokens == 0 else self.block_manager.block_size
 
     def _step_full(self, shape: StepShape) -> bool:
         """Whether the step already holds a prompt chunk and not one more prompt token fits the latency budget.

@@ -35,6 +35,13 @@ DENSE_ROWS = 96
 DENSE_MAX_WEIGHTS = 1 << 22
 
 
+def dense_from_rows(model: nn.Module) -> int | None:
+    """The rows from which `model`'s low-bit layers take the dense path (None: none does): a step with
+    fewer rows pays the packed kernel's per-row cost on every row."""
+    rows = {m.dense_rows for m in model.modules() if isinstance(m, QuantizedLinear) and m.dense_rows is not None}
+    return max(rows) if rows else None
+
+
 class QuantizedLinear(nn.Module):
     """y = x @ (sum of the parts' weights).T + bias."""
 

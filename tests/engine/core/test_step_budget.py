@@ -56,8 +56,10 @@ def test_costs_never_come_out_negative_and_the_prior_stands_until_measured():
     assert cost.max_chunk(StepShape(), 0, 0.05) == 0  # the base alone fills the budget
 
 
-def run_long_prompt_beside_a_stream(device, prompt_len: int = 2000, budget_ms: float = BUDGET_S * 1e3) -> FakeEngine:
+def run_long_prompt_beside_a_stream(device, prompt_len: int = 2000, budget_ms: float = BUDGET_S * 1e3,
+                                    lone_chunk_tokens: int = 16) -> FakeEngine:
     eng = FakeEngine(300, block_size=16, max_step_ms=budget_ms, device=device)
+    eng.sched.lone_chunk_tokens = lone_chunk_tokens
     eng.add("stream", [1, 2, 3, 4], max_tokens=400)
     eng.step()
     prompt = [(i * 7) % 50 for i in range(prompt_len)]
@@ -91,6 +93,26 @@ def test_every_step_still_runs_a_block_of_the_prompt_when_decodes_alone_pass_the
     slow = quadratic_device(base=2 * BUDGET_S)  # every step costs more than the budget
     eng = run_long_prompt_beside_a_stream(slow, prompt_len=200)
     assert eng.long_steps <= -(-200 // 16) + 2  # a block a step (the last chunk samples, one more decodes)
+
+
+def test_a_lone_prompt_gets_the_models_least_chunk_and_one_beside_a_stream_gets_a_block():
+    """`lone_chunk_tokens` (a low-bit CPU model's dense-path rows): a prompt with nothing else in its steps
+    takes chunks of at least that many tokens on a device where every step passes the budget; the same
+    prompt beside a decoding stream still gets a block a step (the stream's latency is what the budget keeps)."""
+    slow = quadratic_device(base=2 * BUDGET_S)
+    alone = FakeEngine(300, block_size=16, max_step_ms=BUDGET_S * 1e3, device=slow)
+    alone.sched.lone_chunk_tokens = 96
+    prompt = [(i * 7) % 50 for i in range(1200)]
+    alone.add("long", prompt, max_tokens=2)
+    chunks = []
+    while "long" not in alone.finished:
+        chunks += [i.num_new_tokens for i in alone.step().scheduled if i.group.request_id == "long"]
+    assert alone.finished["long"] == [reference(prompt, 2)]
+    # The first chunk runs on the prior (1 ms a token); once a step is measured, each later chunk is the least.
+    middle = chunks[1:-2]  # (the last chunk is what remains, then the prompt's one decode)
+    assert sum(chunks[:-1]) == 1200 and len(middle) > 3 and set(middle) == {96}, chunks
+    beside = run_long_prompt_beside_a_stream(slow, prompt_len=200, lone_chunk_tokens=96)
+    assert beside.long_steps >= -(-200 // 16)  # a block a step: the lone chunk did not apply
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
