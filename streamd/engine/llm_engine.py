@@ -225,7 +225,10 @@ class LLMEngine:
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """The step's cache orders before its forward: the prefix cache's evicted blocks are read (to disk)
-        or copied out (to the host tier) before anything writes the pools, restores come in with swap-ins."""
+        or copied out (to the host tier) before anything writes the pools, restores come in with swap-ins.
+        Host restores ordered ahead go last, on the swap stream without the forward waiting for them (no
+        sequence of this step reads their blocks); the next step waits for them first."""
+        self.executor.join_swaps()
         tiers = out.tier_orders
         if tiers is None:  # (most steps, and all without a tier)
             self.executor.swap_out(out.blocks_to_swap_out)
@@ -236,6 +239,8 @@ class LLMEngine:
             self.executor.swap_in(out.blocks_to_swap_in + tiers.host_restores)
             self.executor.write_blocks(tiers.restores)
         self.executor.copy(out.blocks_to_copy)
+        if tiers is not None and tiers.host_restores_ahead:
+            self.executor.swap_in_ahead(tiers.host_restores_ahead)
 
     def _spill(self, orders: TierOrders | None) -> None:
         """Hands the bytes of the blocks this step evicts from the prefix cache to its lower tier, before

@@ -324,3 +324,112 @@ def test_a_prefix_on_a_slow_disk_is_read_ahead_not_inside_a_step_others_run_in(
     assert outputs["prompt"].num_cached_tokens == FULL_BLOCKS_TOKENS
     assert disk.in_step_reads == 0 and tier.hit_blocks == 5
     eng.close()
+
+
+class StepSpy:
+    """Records, step by step, the host restores the engine issues ahead and the requests each forward computes."""
+
+    def __init__(self, eng, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.ahead: list[list[tuple[int, int]]] = []
+        self.computed: list[set[str]] = []
+        executor = eng.executor
+        swap_in_ahead, execute = executor.swap_in_ahead, executor.execute
+
+        def ahead(pairs):
+            self.ahead[-1] += pairs
+            swap_in_ahead(pairs)
+
+        def forward(out, *args):
+            self.computed[-1] |= {item.group.request_id for item in out.scheduled}
+            return execute(out, *args)
+
+        monkeypatch.setattr(executor, "swap_in_ahead", ahead)
+        monkeypatch.setattr(executor, "execute", forward)
+
+    def step(self, eng, folded: dict) -> None:
+        self.ahead.append([])
+        self.computed.append(set())
+        fold_deltas(eng.step(), folded)
+
+
+def host_tiered_with_prompt_evicted():
+    """An engine with a host tier of 64 blocks (on the CPU, as swap is tested) whose device evicted PROMPT's
+    cached blocks to it."""
+    probe = tiny_llm(num_kv_blocks=4, num_swap_blocks=0)
+    gib = 64 * probe.engine.cache.layout.bytes_per_block / 2**30
+    llm = tiny_llm(num_kv_blocks=12, num_swap_blocks=0, **{"cache.host_cache_gib": gib})
+    llm.generate([PROMPT], GREEDY)
+    for prompt in TRAFFIC:
+        llm.generate([prompt], GREEDY)
+    return llm.engine
+
+
+AHEAD_PARAMS = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, detokenize=False)
+OTHER = random_prompt(40, 5)
+
+
+def start_restoring_beside_other(eng, spy: StepSpy, folded: dict) -> None:
+    """"other" runs; then "prompt", whose prefix is in the host tier, is admitted beside it."""
+    eng.add_request("other", OTHER, AHEAD_PARAMS)
+    spy.step(eng, folded)
+    eng.add_request("prompt", PROMPT, AHEAD_PARAMS)
+    spy.step(eng, folded)
+
+
+def test_a_host_hit_beside_other_work_is_swapped_in_a_step_before_it_computes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Issue 31: matched host blocks are swapped in before the step that needs them, overlapped with the step
+    before. The step that admits "prompt" beside a decoding request issues its 5 host blocks' swap-in ahead
+    and computes only "other"; the next step computes "prompt" with every full block cached. Both outputs
+    equal an engine's without tiers, and no block is left held. A request alone in its step swaps in and
+    computes at once (nothing to overlap with)."""
+    expected = [o.outputs[0].token_ids for o in run_to_completion(engine(None).engine, [OTHER, PROMPT], AHEAD_PARAMS)]
+    eng = host_tiered_with_prompt_evicted()
+    spy, folded = StepSpy(eng, monkeypatch), {}
+    start_restoring_beside_other(eng, spy, folded)
+    assert len(spy.ahead[-1]) == 5 and spy.computed[-1] == {"other"}
+    assert [g.request_id for g in eng.scheduler.running] == ["other", "prompt"]
+    spy.step(eng, folded)
+    assert spy.ahead[-1] == [] and "prompt" in spy.computed[-1]
+    while eng.has_unfinished_requests():
+        spy.step(eng, folded)
+    outputs = {rid: b.build() for rid, b in folded.items()}
+    assert [outputs[r].outputs[0].token_ids for r in ("other", "prompt")] == expected
+    assert outputs["prompt"].num_cached_tokens == FULL_BLOCKS_TOKENS
+    assert eng.stats().kv.tiers[0].hit_blocks == 5
+    assert eng.stats().pool_whole
+    eng.block_manager.check_invariants([])
+
+    alone = host_tiered_with_prompt_evicted()
+    spy, folded = StepSpy(alone, monkeypatch), {}
+    alone.add_request("prompt", PROMPT, AHEAD_PARAMS)
+    spy.step(alone, folded)
+    assert spy.ahead == [[]] and spy.computed == [{"prompt"}]
+    while alone.has_unfinished_requests():
+        spy.step(alone, folded)
+    assert folded["prompt"].build().outputs[0].token_ids == expected[1]
+    assert alone.stats().kv.tiers[0].hit_blocks == 5
+
+
+def test_a_request_aborted_while_its_host_blocks_arrive_frees_every_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Cancelled between the step that issued its swap-in ahead and the one it would compute in: its blocks
+    (the restored prefix stays cached, as a computed one would) all go back; "other" is unaffected."""
+    expected = run_to_completion(engine(None).engine, [OTHER], AHEAD_PARAMS)[0].outputs[0].token_ids
+    eng = host_tiered_with_prompt_evicted()
+    spy, folded = StepSpy(eng, monkeypatch), {}
+    start_restoring_beside_other(eng, spy, folded)
+    assert len(spy.ahead[-1]) == 5 and spy.computed[-1] == {"other"}
+    eng.abort("prompt")
+    live = [seq for group in eng.scheduler.running for seq in group.seqs]
+    assert [s.seq_id for s in live] == [eng.scheduler.running[0].seqs[0].seq_id]
+    eng.block_manager.check_invariants(live)
+    assert eng.block_manager.num_free_blocks() == eng.block_manager.num_blocks - len(live[0].block_table)
+    while eng.has_unfinished_requests():
+        spy.step(eng, folded)
+    assert all("prompt" not in computed for computed in spy.computed)
+    outputs = {rid: b.build() for rid, b in folded.items()}
+    assert outputs["prompt"].outputs[0].finish_reason == "abort"
+    assert outputs["other"].outputs[0].token_ids == expected
+    assert eng.stats().pool_whole
+    eng.block_manager.check_invariants([])

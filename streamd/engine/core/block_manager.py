@@ -15,6 +15,9 @@ A sequence's table always covers the token slots it is about to write: the whole
 Below the device's prefix cache sit optional lower tiers (`host_tier.py` in the swap pool's free blocks,
 then `disk_tier.py`): a findable block the device LRU reuses is spilled down, admission's chain continues
 in them, and the moves leave as one step's `TierOrders` (`take_tier_orders`) for the CacheEngine.
+A host hit admitted beside other work is restored *ahead* (`allocate(..., ahead=True)`): its copy overlaps
+this step's forward, so no sequence holding one of its blocks may compute in this step (`restoring_ahead`,
+which the scheduler asks); the next step's forward waits for the copy.
 """
 
 from __future__ import annotations
@@ -86,6 +89,9 @@ class BlockManager:
         # step (not reusable before its copies ran: a swap-in may still read them).
         self._host_pinned: list[int] = []
         self._host_freed: list[int] = []
+        # Device blocks a host restore ordered ahead fills while this step's forward runs (until its orders
+        # are taken): whoever holds one computes from the next step on.
+        self._arriving: set[int] = set()
 
     # ---- capacity -------------------------------------------------------------------------------
 
@@ -126,12 +132,13 @@ class BlockManager:
         reserve = self.watermark_blocks if reserve is None else reserve
         return self.num_free_blocks() - self.blocks_to_allocate(seqs, reuse_prefix) >= reserve
 
-    def allocate(self, seq: Sequence, reuse_prefix: bool = True) -> int:
+    def allocate(self, seq: Sequence, reuse_prefix: bool = True, ahead: bool = False) -> int:
         """Gives `seq` blocks for all its tokens, reusing cached prefix blocks. Returns the cached token
         count, which never includes the last token: the caller (the scheduler) makes it the sequence's
         `num_computed_tokens`. `reuse_prefix` False (a request with prompt logprobs, which needs the logits
         of every prompt position): no hits, every token is computed; its blocks are still registered for
-        later requests to find."""
+        later requests to find. `ahead` (the step has other work): host hits are copied in beside the step's
+        forward (`TierOrders.host_restores_ahead`), and `restoring_ahead(seq)` says so."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
         hits = self._prefix_hits(seq, reuse_prefix)
@@ -149,8 +156,10 @@ class BlockManager:
             state.num_committed = num_hits
             self.device_hit_blocks += num_hits
             if found:
-                self._order_restores(seq, num_hits, found)
-                num_hits += len(found)  # restored blocks are findable at once: the restore precedes every forward
+                self._order_restores(seq, num_hits, found, ahead)
+                # Restored blocks are findable at once: the restore precedes every forward that reads them (one
+                # ahead holds back, through `restoring_ahead`, whoever shares them in this step).
+                num_hits += len(found)
                 self._cache.commit(state, seq.token_ids, seq.block_table, num_hits)
             self.prefix_cache_queried_tokens += seq.num_tokens
             self.prefix_cache_hit_tokens += num_hits * self.block_size
@@ -358,14 +367,25 @@ class BlockManager:
             found.append(payload)
         return found
 
-    def _order_restores(self, seq: Sequence, first: int, found: list[int | bytes]) -> None:
-        """Orders what `_find_in_tiers` found copied into the sequence's fresh blocks from `first` on."""
+    def _order_restores(self, seq: Sequence, first: int, found: list[int | bytes], ahead: bool) -> None:
+        """Orders what `_find_in_tiers` found copied into the sequence's fresh blocks from `first` on; host
+        blocks `ahead` (overlapping the step's forward) when asked."""
         orders = self._orders()
+        from_host = orders.host_restores_ahead if ahead else orders.host_restores
         for block, source in zip(seq.block_table[first:], found, strict=False):
             if isinstance(source, bytes):
                 orders.restores.append((block, source))
-            else:
-                orders.host_restores.append((source, block))
+                continue
+            from_host.append((source, block))
+            if ahead:
+                self._arriving.add(block)
+
+    def restoring_ahead(self, seq: Sequence) -> bool:
+        """Whether `seq` holds a block that a host restore ordered ahead in this step fills (its own restore,
+        or a prefix hit on another's): it must not compute before the next step, whose forward waits for the
+        copy."""
+        arriving = self._arriving
+        return bool(arriving) and not arriving.isdisjoint(seq.block_table)
 
     def _spill(self, block: int, to_host: bool = True) -> None:
         """A findable device block is about to be reused: its content goes to the host tier if there is
@@ -419,6 +439,7 @@ class BlockManager:
         """This step's spills and restores (the scheduler hands them to the CacheEngine with the plan); None
         when it ordered none (most steps, and every step without a tier: nothing is made or carried)."""
         orders, self._tier_orders = self._tier_orders, None
+        self._arriving.clear()
         if self.host_cache is not None:
             for block in self._host_pinned:
                 self.host_cache.unpin(block)
@@ -609,6 +630,7 @@ class BlockManager:
         assert not self._in_step, "blocks shared within a step outlived the step's planning"
         cached_host = self.host_cache.cached_blocks() if self.host_cache is not None else []
         assert not self._host_pinned, "host hits pinned past their step's orders"
+        assert not self._arriving, "blocks restored ahead still marked arriving past their step's orders"
         host_free = self._host_free + self._host_freed + cached_host
         _check_pool("host", self._host_ref, host_free, list(self._host_tables.values()))
         for block in self._free:

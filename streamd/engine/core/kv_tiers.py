@@ -38,7 +38,8 @@ class BlockKey:
 @dataclass(slots=True)
 class TierOrders:
     """One step's moves between the device pool and the lower tier. Spills are read before anything in the
-    step writes the device pool (their blocks are reused in it); restores are written before the forward."""
+    step writes the device pool (their blocks are reused in it); restores are written before the forward (host
+    restores ordered ahead: before the next step's)."""
 
     spills: list[tuple[int, BlockKey]]  # (device block, its content's key) to the disk tier
     restores: list[tuple[int, bytes]]  # (device block, the disk tier's bytes for it)
@@ -46,6 +47,9 @@ class TierOrders:
     # evicted from it on to the disk tier (read before any copy of the step writes the host pool).
     host_spills: list[tuple[int, int]] = field(default_factory=list)  # (device block, host block)
     host_restores: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
+    # Host hits of a request admitted beside other work: copied in while the step's forward runs (no sequence
+    # of this step reads them); the next step's forward waits for them.
+    host_restores_ahead: list[tuple[int, int]] = field(default_factory=list)  # (host block, device block)
     host_to_disk: list[tuple[int, BlockKey]] = field(default_factory=list)  # (host block, its key)
 
     @classmethod

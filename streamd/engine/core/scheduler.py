@@ -19,6 +19,9 @@ and how many tokens each; every memory decision goes through the BlockManager. O
    budget, a spent catch-up cap): a request admitted without a chunk would hold blocks and a seat idle.
    A group whose prefix continues on disk waits (like one that does not fit) while the disk tier reads it
    ahead, when the step has other work: its reads never stretch a step others run in (`reading_ahead`).
+   A group whose prefix continues in the host tier is admitted beside other work with its blocks allocated
+   and its host hits copied in ahead, overlapping this step's forward, but computes only from the next step
+   (`BlockManager.restoring_ahead`; likewise a group sharing those blocks as prefix hits in this step).
 
 Many tenants, tiers or priorities (`FairShare`, engine/core/fairness.py): each step first orders the queues
 by tier, priority, the tenant's fair-share counter and arrival (so "earliest" above reads "most deserving" and
@@ -644,9 +647,11 @@ class Scheduler:
             del waiting[k]
             cached = 0
             for seq in seqs:
-                seq.num_computed_tokens = hits = bm.allocate(seq, reuse)
+                seq.num_computed_tokens = hits = bm.allocate(seq, reuse, ahead=bool(out.shape.tokens))
                 cached += hits
                 seq.status = _RUNNING
+                if bm.restoring_ahead(seq):  # its blocks arrive during this step's forward: it computes next step
+                    continue
                 wanted = group.prefill_end(seq) - seq.num_computed_tokens
                 chunk = self._chunk(out.shape, seq, _allowed(catch_up, group, wanted), budget)
                 if chunk > 0:  # otherwise it continues as a running prompt next step

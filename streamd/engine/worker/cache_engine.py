@@ -8,7 +8,10 @@ stream waits for them before the next forward. `plan_swap` picks how a swap cros
 asynchronous copy per run adjacent on both sides when the runs are long, otherwise (on CUDA: a
 sequence's blocks scattered over the device pool by decoding beside others, so every run is one block
 and per-copy overhead would dominate) a gather into a bounded contiguous device staging buffer and one
-copy per host run. On a CPU-only machine the "device" pool and the swap pool are two separate host
+copy per host run. A host-tier restore ordered ahead (`swap_in_ahead`) is the exception to "the compute
+stream waits": it fills blocks no sequence of the step reads, so it overlaps the step's forward, and an
+event recorded after it is what the next step waits on (`join_swaps`, before anything else of that step).
+On a CPU-only machine the "device" pool and the swap pool are two separate host
 tensors and the same code runs (direct copies unless `direct_run_bytes` is raised, as the tests do).
 """
 
@@ -70,6 +73,7 @@ class CacheEngine:
             (num_swap_blocks, *layout.block_shape()), dtype=layout.dtype, device="cpu", pin_memory=pin
         )
         self._swap_stream = torch.cuda.Stream(device) if pin else None
+        self._ahead_done: torch.cuda.Event | None = None  # after the last swap-in ahead not yet waited for
         # Tunables of `plan_swap` (the swap benchmark sets direct_run_bytes = 0 to measure direct copies).
         # Without CUDA every copy is a plain memcpy with nothing to amortize, and staging would only add a
         # pass over the bytes: direct always (tests raise direct_run_bytes to run the staged path here).
@@ -102,6 +106,19 @@ class CacheEngine:
         """(host block, device block) pairs."""
         self._swap([(d, h) for h, d in pairs], to_host=False)
 
+    def swap_in_ahead(self, pairs: list[tuple[int, int]]) -> None:
+        """(host block, device block) pairs into blocks no sequence of this step reads: on the swap stream,
+        after the compute work queued so far (the previous forward may still write blocks freed since), with
+        no wait of the compute stream, so the copy overlaps this step's forward; `join_swaps` waits for it."""
+        self._swap([(d, h) for h, d in pairs], to_host=False, join=False)
+
+    def join_swaps(self) -> None:
+        """The compute stream waits for the swap-ins issued ahead (call before a step's first order and its
+        forward: they may read or reuse those blocks). Without CUDA every copy is done already."""
+        if self._ahead_done is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ahead_done)
+            self._ahead_done = None
+
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         """Copy-on-write orders, (src, dst) device blocks, all layers in one operation."""
         if not pairs:
@@ -114,6 +131,7 @@ class CacheEngine:
         """The bytes of each device block (one gather, one copy to the host): a prefix-cache spill."""
         if not blocks:
             return []
+        self.join_swaps()  # (a block restored ahead, freed since: at close, after the last step)
         index = torch.tensor(blocks, dtype=torch.int64).to(self.device)
         rows = self.kv_cache.index_select(0, index).cpu().view(torch.uint8).reshape(len(blocks), -1)
         return [row.numpy().tobytes() for row in rows]
@@ -138,8 +156,9 @@ class CacheEngine:
         index = torch.tensor(blocks, dtype=torch.int64).to(self.device)
         self.kv_cache.index_copy_(0, index, rows.to(self.device))
 
-    def _swap(self, pairs: list[tuple[int, int]], to_host: bool) -> None:
-        """(device block, host block) pairs, copied in the direction `to_host` says."""
+    def _swap(self, pairs: list[tuple[int, int]], to_host: bool, join: bool = True) -> None:
+        """(device block, host block) pairs, copied in the direction `to_host` says; `join` False: the compute
+        stream does not wait (an event marks the copies' end for `join_swaps`)."""
         if not pairs:
             return
         plan = plan_swap(pairs, self.layout.bytes_per_block, self.staging_bytes, self.direct_run_bytes)
@@ -153,8 +172,13 @@ class CacheEngine:
                 self._copy_runs(plan.runs, to_host)
             else:
                 self._copy_staged(plan.chunks, to_host)
-        if stream is not None:
+        if stream is None:
+            return
+        if join:
             torch.cuda.current_stream(self.device).wait_stream(stream)
+        else:
+            self._ahead_done = torch.cuda.Event()
+            self._ahead_done.record(stream)
 
     def _copy_runs(self, runs: list[tuple[int, int, int]], to_host: bool) -> None:
         """One asynchronous copy per (device start, host start, length) run."""

@@ -2,7 +2,8 @@
 
 `LocalExecutor` runs everything in the engine process (tensor parallel size 1).
 `streamd.engine.worker.parallel.executor.TensorParallelExecutor` runs the same calls on every tensor-parallel rank.
-Either way the engine calls the cache orders (`swap_out`, `swap_in`, `copy`) then `execute`, and reads
+Either way the engine calls the cache orders (`join_swaps`, `swap_out`, `swap_in`, `copy`, `swap_in_ahead`)
+then `execute`, and reads
 `failed` (an executor that lost a worker can never run a step again).
 """
 
@@ -26,6 +27,10 @@ class Executor(Protocol):
     def swap_out(self, pairs: list[tuple[int, int]]) -> None: ...
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    def swap_in_ahead(self, pairs: list[tuple[int, int]]) -> None: ...
+
+    def join_swaps(self) -> None: ...
 
     def copy(self, pairs: list[tuple[int, int]]) -> None: ...
 
@@ -58,6 +63,12 @@ class LocalExecutor:
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self.cache.swap_in(pairs)
+
+    def swap_in_ahead(self, pairs: list[tuple[int, int]]) -> None:
+        self.cache.swap_in_ahead(pairs)
+
+    def join_swaps(self) -> None:
+        self.cache.join_swaps()
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self.cache.copy(pairs)

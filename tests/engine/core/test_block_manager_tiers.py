@@ -2,7 +2,8 @@
 swap pool and a disk tier (in memory here). After every call that may order tier moves, the orders run in
 the engine's order (reads for the disk first, then the copies into the host pool, then restores), before
 the call's own copies; every sequence must still read exactly its own prefixes, through evictions to host
-memory, on to disk, and back."""
+memory, on to disk, and back. Every other admission restores its host hits ahead (as beside other work in
+the engine), carried out before the next call as the engine's next step waits for them."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ class TieredManager:
 
     def __init__(self, bm: BlockManager, kv: ShadowKV, disk: MemoryDisk) -> None:
         self._bm, self._kv, self._disk = bm, kv, disk
+        self._admissions = 0
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._bm, name)
@@ -64,6 +66,9 @@ class TieredManager:
             return attr
 
         def planned(*args: Any, **kwargs: Any) -> Any:
+            if name == "allocate":
+                self._admissions += 1
+                kwargs.setdefault("ahead", self._admissions % 2 == 0)
             result = attr(*args, **kwargs)
             self.carry_out()
             return result
@@ -79,7 +84,7 @@ class TieredManager:
         for block, key in orders.spills:
             disk.put(key, pickle.dumps(kv.device.get(block)))
         kv.copy(orders.host_spills, kv.device, kv.host)
-        kv.copy(orders.host_restores, kv.host, kv.device)
+        kv.copy(orders.host_restores + orders.host_restores_ahead, kv.host, kv.device)
         for block, payload in orders.restores:
             kv.device[block] = pickle.loads(payload)
 
@@ -121,3 +126,32 @@ def test_the_machine_reaches_both_tiers() -> None:
     assert host.hit_blocks >= 1 and on_disk.hit_blocks >= 1
     bm.free(again)
     bm.check_invariants([])
+
+
+def test_a_sequence_sharing_blocks_restored_ahead_waits_for_them_too() -> None:
+    """Two requests with one prefix in the host tier, admitted in one step beside other work: the first's
+    host hits are restored ahead into its blocks, the second shares those blocks as prefix hits, and both
+    hold blocks still arriving (neither may compute in this step); from the next step neither does, and
+    freeing both leaves every block free."""
+    bm = BlockManager(4, BS, num_swap_blocks=4, watermark=0.0, host_cache=HostCache(1))
+    kv, prompt = ShadowKV(), list(range(100, 100 + 2 * BS + 1))
+    first = Sequence(prompt)
+    allocate(bm, first)  # type: ignore[arg-type]
+    compute(bm, kv, first)  # type: ignore[arg-type]
+    bm.free(first)
+    evicting = Sequence(list(range(500, 500 + 4 * BS)))
+    allocate(bm, evicting)  # type: ignore[arg-type]
+    assert len(bm.take_tier_orders().host_spills) == 2  # type: ignore[union-attr]
+    bm.free(evicting)
+    a, b = Sequence(prompt), Sequence(prompt)
+    assert bm.allocate(a, ahead=True) == bm.allocate(b, ahead=True) == 2 * BS
+    assert bm.restoring_ahead(a) and bm.restoring_ahead(b) and b.block_table[:2] == a.block_table[:2]
+    orders = bm.take_tier_orders()
+    assert orders is not None and not orders.host_restores
+    assert sorted(d for _, d in orders.host_restores_ahead) == sorted(a.block_table[:2])
+    assert not bm.restoring_ahead(a) and not bm.restoring_ahead(b)
+    bm.check_invariants([a, b])
+    bm.free(a)
+    bm.free(b)
+    bm.check_invariants([])
+    assert bm.num_free_blocks() == 4

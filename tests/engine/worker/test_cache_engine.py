@@ -256,6 +256,46 @@ def test_cuda_round_trip_staged_and_direct(host_order: str) -> None:
         assert torch.equal(cache.kv_cache[index], before[index])
 
 
+def test_swap_in_ahead_copies_and_join_is_a_no_op_on_the_cpu() -> None:
+    cache = _engine()
+    pairs = [(3, 10), (4, 11), (9, 40)]  # (host, device)
+    cache.swap_in_ahead(pairs)
+    cache.join_swaps()
+    for h, d in pairs:
+        assert torch.equal(cache.kv_cache[d], cache.swap_cache[h])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_swap_in_ahead_overlaps_until_joined() -> None:
+    """A host restore issued ahead runs after the compute work queued before it (a block the previous forward
+    still writes), the compute stream does not wait for it (held up here by a long sleep queued on the swap
+    stream: work queued on the compute stream after it completes first), and once joined the compute stream
+    reads the restored blocks."""
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    cache = CacheEngine(layout, 64, 32, torch.device("cuda"), reference_ops)
+    cache.swap_cache.normal_()
+    pairs = [(h, 2 * h + 1) for h in range(8)]  # (host, device): scattered device blocks, staged
+    index = torch.tensor([d for _, d in pairs], device="cuda")
+    cache.swap_in_ahead(pairs)  # warm-up: a first staged swap's allocations (seen on an H200) synchronize
+    cache.join_swaps()
+    torch.cuda.synchronize()
+    compute = torch.cuda.current_stream()
+    torch.cuda._sleep(50_000_000)  # the previous step's forward, still running ...
+    cache.kv_cache[index] = 5.0  # ... writes blocks freed since: the restore must land after it
+    with torch.cuda.stream(cache._swap_stream):
+        torch.cuda._sleep(2_000_000_000)  # hold the swap stream (about a second)
+    cache.swap_in_ahead(pairs)
+    forward_done = torch.cuda.Event()
+    forward_done.record(compute)  # this step's forward, queued after the restore
+    forward_done.synchronize()
+    assert cache._ahead_done is not None and not cache._ahead_done.query()  # the forward did not wait
+    cache.join_swaps()
+    restored = cache.kv_cache[index].clone()  # the next step's forward reads them
+    torch.cuda.synchronize()
+    assert torch.equal(restored, cache.swap_cache[[h for h, _ in pairs]].to("cuda"))
+
+
 # ---- benchmarks/swap.py, pure parts ---------------------------------------------------------------------
 
 def _bench():

@@ -65,6 +65,13 @@ class TensorParallelExecutor:
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self._order(OrderKind.SWAP_IN, pairs)
 
+    def swap_in_ahead(self, pairs: list[tuple[int, int]]) -> None:
+        """A plain swap-in on every rank (the step message carries no ahead order yet): correct, not overlapped."""
+        self._order(OrderKind.SWAP_IN, pairs)
+
+    def join_swaps(self) -> None:
+        pass  # (nothing is swapped in ahead here)
+
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self._order(OrderKind.COPY, pairs)
 
