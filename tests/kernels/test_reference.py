@@ -3,11 +3,10 @@ and explicit per-token loops. No Triton here; these run in well under a second e
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 from paged_testlib import assert_close, eager_attention, make_paged, naive_attention, sink_logits
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from streamd.kernels import reference as ref
 
@@ -84,18 +83,32 @@ def test_copy_blocks_reference_matches_loop():
     assert torch.equal(kv, expect)
 
 
-def test_decode_reference_is_fast_enough_on_cpu():
-    """~100 sequences of ~500 tokens (SmolLM2-135M attention shapes), one layer, on CPU."""
-    lens = torch.randint(400, 600, (100,)).tolist()
+class _OpCount(TorchDispatchMode):
+    """Counts the aten ops run inside it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _decode_ops(num_seqs: int) -> int:
+    lens = torch.randint(400, 600, (num_seqs,)).tolist()
     case = make_paged(lens, page=16, num_kv_heads=3, head_dim=64, dtype=torch.float32, num_layers=1, layer=0)
-    case.kv_cache.nan_to_num_(0.0)  # timing only
-    query = torch.randn(100, 9, 64)
-    args = (query, case.kv_cache, 0, case.block_tables, case.seq_lens, 0.125)
-    ref.paged_decode_attention(*args)
-    start = time.perf_counter()
-    ref.paged_decode_attention(*args)
-    elapsed = time.perf_counter() - start
-    assert elapsed < 1.0, f"decode reference took {elapsed:.3f} s per layer"
+    query = torch.randn(num_seqs, 9, 64)
+    with _OpCount() as count:
+        ref.paged_decode_attention(query, case.kv_cache, 0, case.block_tables, case.seq_lens, 0.125)
+    return count.ops
+
+
+def test_decode_reference_is_batched_on_cpu():
+    """The CPU serves decode through the reference: one batch of ops for any number of sequences (a loop
+    over sequences would make a 100-sequence step, SmolLM2-135M's attention shapes, ~100x the ops of one).
+    Counted, not timed: a timing bound fails on a loaded machine."""
+    assert _decode_ops(100) == _decode_ops(3)
 
 
 def test_prefill_reference_wants_the_steps_key_and_value_together():
