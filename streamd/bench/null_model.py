@@ -62,6 +62,12 @@ class NullExecutor:
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
         self.executor.swap_in(pairs)
 
+    def swap_in_ahead(self, pairs: list[tuple[int, int]]) -> None:
+        self.executor.swap_in_ahead(pairs)
+
+    def join_swaps(self) -> None:
+        self.executor.join_swaps()
+
     def copy(self, pairs: list[tuple[int, int]]) -> None:
         self.executor.copy(pairs)
 
