@@ -58,19 +58,27 @@ class SSEResponse(StreamingResponse):
 
 class Keepalive:
     """Wraps a response's `send`: once the head is out, a timer task writes `KEEPALIVE` whenever nothing was
-    written for `interval_s`; one lock orders its writes with the body's."""
+    written for `interval_s`. No lock on the body's path (a lock cost ~3 us a chunk, ~15% of the null model's
+    SSE serving): the timer writes only while no body write is in progress, and a body write that comes while
+    the timer's comment is being written waits for it."""
 
     def __init__(self, send: Send, interval_s: float) -> None:
         self._send, self._interval_s = send, interval_s
-        self._lock = asyncio.Lock()
         self._last = time.monotonic()
         self._timer: asyncio.Task[None] | None = None
         self._done = False
+        self._body_writing = False
+        self._comment: asyncio.Future[None] | None = None  # the timer's write in progress
 
     async def send(self, message: Message) -> None:
-        async with self._lock:
+        while self._comment is not None:
+            await self._comment
+        self._body_writing = True
+        try:
             await self._send(message)
-            self._last = time.monotonic()
+        finally:
+            self._body_writing = False
+        self._last = time.monotonic()
         self._done = message["type"] == "http.response.body" and not message.get("more_body", False)
         if self._timer is None and not self._done:
             self._timer = asyncio.ensure_future(self._keep())
@@ -81,18 +89,25 @@ class Keepalive:
             self._timer.cancel()
 
     async def _keep(self) -> None:
-        """Sleeps until `interval_s` after the last write, then writes unless something did meanwhile. It takes
-        the lock before it looks: a body write stalled on a slow reader is waited for, not polled."""
+        """Sleeps until `interval_s` after the last write, then writes unless something did meanwhile; while a
+        body write is stalled (a slow reader) it looks again an interval later, it does not poll."""
         try:
             while not self._done:
-                await asyncio.sleep(max(0.0, self._last + self._interval_s - time.monotonic()))
-                async with self._lock:
-                    if self._done or time.monotonic() - self._last < self._interval_s:
-                        continue
-                    await self._send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
-                    self._last = time.monotonic()
+                wait = self._interval_s if self._body_writing else self._last + self._interval_s - time.monotonic()
+                await asyncio.sleep(max(0.0, wait))
+                if not (self._done or self._body_writing or time.monotonic() - self._last < self._interval_s):
+                    await self._write_comment()
         except OSError:  # the client is gone: the body's next write (or the disconnect watch) ends the response
             return
+
+    async def _write_comment(self) -> None:
+        self._comment = asyncio.get_running_loop().create_future()
+        try:
+            await self._send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
+            self._last = time.monotonic()
+        finally:
+            self._comment.set_result(None)
+            self._comment = None
 
 
 async def json_body(request: Request) -> dict[str, Any]:

@@ -68,3 +68,30 @@ async def test_a_stalled_write_is_waited_for_not_polled(monkeypatch: pytest.Monk
     keeper.stop()
     assert polled < 10, f"the keepalive timer read the clock {polled} times while one write was stalled"
     assert KEEPALIVE not in sent[sent.index(b"stalled") :], sent
+
+
+async def test_a_body_write_waits_for_a_comment_being_written() -> None:
+    """The timer's comment is stalled (a slow reader) when the body writes: the body's bytes go after the
+    comment's, never inside it (no lock on the body's path: it waits on the comment's write)."""
+    release = asyncio.Event()
+    started: list[bytes] = []
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        body = message.get("body", b"head")
+        started.append(body)
+        if body == KEEPALIVE:
+            await release.wait()
+        sent.append(body)
+
+    keeper = Keepalive(send, INTERVAL_S)
+    await keeper.send({"type": "http.response.start", "status": 200, "headers": []})
+    while KEEPALIVE not in started:
+        await asyncio.sleep(INTERVAL_S)
+    writer = asyncio.ensure_future(keeper.send(_body(b"data: y\n\n", more=False)))
+    await asyncio.sleep(INTERVAL_S * 3)
+    assert started[-1] == KEEPALIVE, started  # the body has not started writing
+    release.set()
+    await writer
+    keeper.stop()
+    assert sent == [b"head", KEEPALIVE, b"data: y\n\n"], sent
