@@ -23,6 +23,17 @@ def _kv_leak_check() -> Iterator[None]:
         assert_pool_whole(engine)
 
 
+@pytest.fixture(autouse=True)
+def _free_cuda_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A CUDA test's engines go with it: each froze itself out of the collector when it loaded (`heap.settle`)
+    and holds reference cycles, so without this the next test's auto-sized KV pool found no GPU memory left."""
+    yield
+    if request.node.get_closest_marker("cuda") is not None:
+        from streamd.bench.offline import free_cuda
+
+        free_cuda()
+
+
 @pytest.fixture(scope="session")
 def smol_dir() -> Path:
     """The default model converted to a safetensors directory (converted once, then cached on disk)."""
