@@ -5,6 +5,7 @@ model whose KV heads do not split is refused."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 from collections.abc import Iterator
 from pathlib import Path
@@ -77,6 +78,12 @@ def tp_llm() -> Iterator[list[LLM]]:
         llm.engine.executor.shutdown()
 
 
+def _counts(stats):
+    """The stats without the tenants' measured queue waits (wall-clock, not the schedule)."""
+    tenants = [dataclasses.replace(t, queue_seconds=0.0) for t in stats.scheduler.tenants]
+    return dataclasses.replace(stats, scheduler=dataclasses.replace(stats.scheduler, tenants=tenants))
+
+
 @pytest.mark.parametrize("kind,mode,fuse", [("llama", "swap", "reference"), ("qwen2", "recompute", "off"),
                                             ("qwen3", "swap", "reference")])
 def test_tp2_matches_tp1_and_hf_generate(kind: str, mode: str, fuse: str, tmp_path: Path,
@@ -101,7 +108,7 @@ def test_tp2_matches_tp1_and_hf_generate(kind: str, mode: str, fuse: str, tmp_pa
     assert getattr(stats.scheduler, key) > 0, stats
     if mode == "swap":
         assert stats.kv.swapped_out_blocks > 0 and stats.kv.swapped_in_blocks > 0, stats
-    assert stats == single.engine.stats()  # the same schedule, step for step
+    assert _counts(stats) == _counts(single.engine.stats())  # the same schedule, step for step
     assert llm.engine.executor.workers.dead() == []
 
 
