@@ -137,6 +137,10 @@ class SamplingParams:
     # Whose fair share this request draws on: a name from the server's config or a digest of the key or
     # `user` (never a raw key). Set by the server; not a wire parameter.
     tenant: str = ""
+    # Whether the engine reports its place in the queue while it waits (engine/core/progress.py): the server
+    # turns it off on routes that send nothing of it (chat and completions; each report is a delta through the
+    # output path). Not a wire parameter.
+    queue_reports: bool = True
     # Mixed into the root of the prefix cache's hash chain (vLLM's `cache_salt`): only requests with the
     # same salt share cached blocks.
     cache_salt: str | None = None

@@ -47,7 +47,12 @@ from streamd.server.tokenizing import Tokenizing
 # model's `</think>`, set with a `thinking_token_budget`).
 # (`prompt_logprobs` is read by the completions route only, the one route that returns it.)
 # `tenant` (set from the API key or user: server/tenants.py).
-ENGINE_ONLY_PARAMS = frozenset({"detokenize", "queue_timeout_s", "thinking_end_token_ids", "prompt_logprobs", "tenant"})
+ENGINE_ONLY_PARAMS = frozenset(
+    {"detokenize", "queue_timeout_s", "thinking_end_token_ids", "prompt_logprobs", "tenant", "queue_reports"}
+)
+# The routes that send a waiting request's queue place (`/v1/stream`'s `progress`, the Responses API's
+# `response.queued`); on the others the engine does not report it.
+QUEUE_REPORT_ROUTES = frozenset({"ws", "responses"})
 # Wire names that are no SamplingParams field but become one (OpenAI's `response_format` and vLLM's older
 # `guided_*`: structured_outputs).
 WIRE_ALIASES = frozenset({"response_format", *GUIDED_ALIASES})
@@ -241,6 +246,7 @@ class Generation:
         engine, request_id = self.engine, new_request_id()
         tenant = self.tenants.of(api_key, prepared.user)
         prepared.params.tenant = tenant.name
+        prepared.params.queue_reports = route in QUEUE_REPORT_ROUTES
         stream = None
         if sink is None:
             backpressure = Backpressure(request_id, self.config.max_unsent_tokens, engine.set_paused)

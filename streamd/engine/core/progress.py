@@ -5,7 +5,8 @@ A long prefill (or a long queue) gives a client nothing for seconds; a chat UI t
 reloads, wasting the compute. The engine therefore reports, as `RequestUpdate`s without tokens carrying a
 `Progress`: a waiting request's place in the queue (on its first step in the queue, then whenever it
 changes, checked every `QUEUE_INTERVAL_S`, and again after `HEARTBEAT_S` unchanged, so a client hears from
-its request at least every second), and a prompt chunk that completed without finishing the prompt
+its request at least every second; not for a request whose `queue_reports` is off: its route sends nothing of
+it), and a prompt chunk that completed without finishing the prompt
 (the chunk that finishes it samples the first token, which says more). The server decides what to send and
 how often (`/v1/stream`'s `progress` frame, the Responses API's `response.queued`). Plain Python, read-only
 over the scheduler's queues: it writes no scheduling state.
@@ -65,7 +66,8 @@ class ProgressReports:
         for place, group in enumerate(waiting, start=1):
             last = self._places.get(group.request_id)
             if last is None or last[0] != place or now - last[1] >= HEARTBEAT_S:
-                updates.append(_update(group, Progress(place, 0, 0)))
+                if group.sampling_params.queue_reports:
+                    updates.append(_update(group, Progress(place, 0, 0)))
                 last = (place, now)
             places[group.request_id] = last
         self._places = places
@@ -78,7 +80,8 @@ class ProgressReports:
                 break
             place = len(waiting) - offset
             self._places[group.request_id] = (place, now)
-            updates.append(_update(group, Progress(place, 0, 0)))
+            if group.sampling_params.queue_reports:
+                updates.append(_update(group, Progress(place, 0, 0)))
         return updates[::-1]
 
 

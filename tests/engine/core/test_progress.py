@@ -79,3 +79,17 @@ def test_only_a_chunk_that_leaves_its_prompt_unfinished_is_reported(clock: Clock
     assert updates == [RequestUpdate("p", [], 8, None, progress=Progress(None, 16, 8))]
     done.num_prefill_tokens = 0  # a step without prompt chunks walks nothing
     assert ProgressReports().step(done, deque()) == []
+
+
+def test_a_request_without_queue_reports_is_never_told_its_place_but_keeps_its_chunks(clock: Clock) -> None:
+    """`queue_reports` off (chat and completions send nothing of it): no place on arrival, on a change or a
+    heartbeat, while the others around it are told theirs as before."""
+    quiet = group("q")
+    quiet.sampling_params.queue_reports = False
+    reports, waiting = ProgressReports(), deque([group("a"), quiet, group("b")])
+    assert places(reports.step(None, waiting)) == [("a", 1), ("b", 3)]
+    waiting.popleft()
+    clock.now += QUEUE_INTERVAL_S
+    assert places(reports.step(None, waiting)) == [("b", 2)]
+    clock.now += HEARTBEAT_S
+    assert places(reports.step(None, waiting)) == [("b", 2)]
