@@ -629,18 +629,12 @@ class Scheduler:
                 if self._preempt_paused(out):  # memory held by a stalled reader goes first
                     continue
                 self._blocked = blocked
-                if skip is None or starving(group, self.clock(), self.queue_aging):
-                    break
-                skip.add(group)
-                if skip.holds_all(waiting):
+                if skip is None or starving(group, self.clock(), self.queue_aging) or _held_back(skip, group, waiting):
                     break
                 k += 1
                 continue
             if reuse and out.shape.tokens and bm.reading_ahead(seqs):  # its prefix is read from disk a step ahead
-                if skip is None:
-                    break
-                skip.add(group)
-                if skip.holds_all(waiting):
+                if skip is None or _held_back(skip, group, waiting):
                     break
                 k += 1
                 continue
@@ -1045,6 +1039,13 @@ def _may_take_seat(group: SequenceGroup, unserved: set[str], paused: set[str]) -
     """A waiting group of a tenant with nothing running, neither paused nor `flex` (spare capacity only)."""
     params = group.sampling_params
     return params.tenant in unserved and group.request_id not in paused and params.service_tier != "flex"
+
+
+def _held_back(skip: _Skipped, group: SequenceGroup, waiting: deque[SequenceGroup]) -> bool:
+    """`group` waits this step and holds back its own tenant (and flex) behind it; True when that leaves
+    nothing else to admit (admission stops)."""
+    skip.add(group)
+    return skip.holds_all(waiting)
 
 
 def _dead_end_error(seq: Sequence) -> str:
