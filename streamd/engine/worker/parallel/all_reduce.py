@@ -159,8 +159,8 @@ def _allocate(plan: AllReducePlan, ctx: RankContext) -> torch.Tensor:
 
     store = dist.PrefixStore("symm_mem", ctx.store)
     _SymmetricMemory.set_group_info(plan.group_name, ctx.rank, ctx.world, store)
-    numel = plan.max_numel
-    return _SymmetricMemory.empty_strided_p2p((numel,), (1,), ctx.dtype, ctx.device, plan.group_name)
+    device = ctx.device if ctx.device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    return _SymmetricMemory.empty_strided_p2p((plan.max_numel,), (1,), ctx.dtype, device, plan.group_name)
 
 
 def _rendezvous(

@@ -91,6 +91,7 @@ class WorkerPool:
     processes: list[BaseProcess]
     groups: Groups
     device: torch.device
+    all_reduce: str = "nccl"  # the layers' all-reduce the ranks agreed on: "symm_mem", "nccl" or "gloo"
 
     def dead(self) -> list[int]:
         """Ranks whose process has exited."""
@@ -145,8 +146,8 @@ def start_tensor_parallel(
         process.start()
         processes.append(process)
     groups = _connect(store, 0, world, config, device)
-    pool = WorkerPool(processes, groups, device)
     all_reduce = _layer_all_reduce(plan, store, 0, world, groups, device, dtype)
+    pool = WorkerPool(processes, groups, device, all_reduce.name)
     shard_model(loaded.model, ShardSpec(0, world, all_reduce))
     as_module(loaded.model).to(device)
     log.info("tensor_parallel.started", world_size=world, worker_pids=[p.pid for p in processes])
