@@ -171,8 +171,9 @@ def _rendezvous(
 
     _SymmetricMemory.rendezvous(buffer, plan.group_name)
     symm = SymmMemAllReduce(plan.group_name, buffer, ctx.world, fallback)
-    for numel in (_ALIGN_BYTES, plan.max_numel):  # the smallest one-shot, the largest sum it serves
-        _trial_sum(symm, numel - numel % _ALIGN_BYTES, ctx.rank, ctx.world)
+    largest = plan.max_numel - plan.max_numel % 16  # (16 elements: whole 16-byte vectors in either dtype)
+    for numel in (16, largest):  # a one-shot sum, and the largest it serves (two-shot past 512 KiB)
+        _trial_sum(symm, numel, ctx.rank, ctx.world)
     return symm
 
 
