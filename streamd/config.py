@@ -68,6 +68,7 @@ OTHER_VARIABLES = frozenset(
 
 FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/worker/fusion.py)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # model.quantization (streamd/engine/worker/model_loader.py)
+ALL_REDUCE_MODES = ("auto", "nccl", "symm_mem")  # parallel.all_reduce (streamd/engine/worker/parallel/all_reduce.py)
 
 
 @dataclass(slots=True)
@@ -218,10 +219,14 @@ class ParallelConfig:
     tensor_parallel_size: int = 1  # N ranks, each holding 1/N of the heads, KV heads and MLP columns
     collective_timeout_s: float = 60.0  # a collective not done by then fails the step (a lost worker)
     cuda_graphs: bool = True  # every rank captures its decode graphs (all-reduces inside); False: eager decode
+    # The layers' all-reduces: "nccl" (the group's backend: NCCL on CUDA, gloo on the CPU), "symm_mem" (torch's
+    # symmetric memory on CUDA; refused elsewhere), "auto": symm_mem where it starts, else the group's backend
+    all_reduce: str = "auto"
 
     def validate(self) -> None:
         _positive("parallel.tensor_parallel_size", self.tensor_parallel_size)
         _positive("parallel.collective_timeout_s", self.collective_timeout_s)
+        _one_of("parallel.all_reduce", self.all_reduce, ALL_REDUCE_MODES)
 
 
 @dataclass(slots=True)

@@ -8,7 +8,8 @@ time: no prefix-cache hits). Beside them:
 
 - an NCCL probe: all-reduces of a few sizes over the GPUs, reported as bus bandwidth
   (busbw = 2 (n - 1) / n * bytes / time, nccl-tests' definition) and the smallest size's latency;
-- the N-GPU roofline (`offline.roofline_tok_s`), which charges the all-reduces at the probe's numbers.
+- the N-GPU roofline (`offline.roofline_tok_s`), which charges the all-reduces at the probe's numbers
+  (NCCL's, also for a run whose layers sum through symmetric memory: `--all-reduce auto,nccl` measures both).
 """
 
 from __future__ import annotations
@@ -112,15 +113,20 @@ def _probe_rank(rank: int, world: int, port: int, results: Any) -> None:
 # ---- runs -------------------------------------------------------------------------------------------
 
 
-def run_tp(path: Path, tp: int, work: TokenWorkload, num_kv_blocks: int, progress: Any) -> dict[str, Any]:
-    """Throughput of the workload, then the 4k-prompt TTFT, on one engine of `tp` ranks."""
+def run_tp(
+    path: Path, tp: int, work: TokenWorkload, num_kv_blocks: int, progress: Any, all_reduce: str = "auto"
+) -> dict[str, Any]:
+    """Throughput of the workload, then the 4k-prompt TTFT, on one engine of `tp` ranks (`all_reduce`:
+    `parallel.all_reduce`; the result names the kind the ranks chose)."""
     from streamd import LLM
 
-    llm = LLM(str(path), dtype="bfloat16", tensor_parallel_size=tp, num_kv_blocks=num_kv_blocks)
+    llm = LLM(str(path), dtype="bfloat16", tensor_parallel_size=tp, num_kv_blocks=num_kv_blocks, all_reduce=all_reduce)
     engine = llm.engine
-    result = drive(engine, work, progress)
+    result: dict[str, Any] = dict(drive(engine, work, progress))
     result["ttft_4k_s"] = ttft_s(engine, engine.vocab_size)
     result["tp"] = tp
+    workers = getattr(engine.executor, "workers", None)
+    result["all_reduce"] = workers.all_reduce if workers is not None else "-"
     engine.executor.shutdown()
     del llm, engine
     free_cuda()
@@ -146,7 +152,16 @@ def ttft_s(engine: Any, vocab: int, length: int = TTFT_PROMPT, repeats: int = TT
     return statistics.median(times[1:])
 
 
-def tp_main(shape: str, sizes: list[int], num_requests: int, num_kv_blocks: int, out: str | None) -> dict[str, Any]:
+def tp_main(
+    shape: str,
+    sizes: list[int],
+    num_requests: int,
+    num_kv_blocks: int,
+    out: str | None,
+    all_reduce_modes: tuple[str, ...] = ("auto",),
+) -> dict[str, Any]:
+    """Each size once; a size > 1 once per `all_reduce_modes` (`parallel.all_reduce`), the first one's numbers
+    reported as `tp{N}_...`, the others' as `tp{N}_{mode}_...`."""
     import torch
     from tqdm import tqdm
 
@@ -170,13 +185,15 @@ def tp_main(shape: str, sizes: list[int], num_requests: int, num_kv_blocks: int,
         "nccl_all_reduce_s": probe.get("nccl_times_s", {}),
         "runs": [],
     }
-    for tp in sizes:
-        with tqdm(total=len(work.prompts), desc=f"{shape} tp={tp}", unit="req") as bar:
-            run = run_tp(path, tp, work, num_kv_blocks, bar)
+    for tp, mode in _runs(sizes, all_reduce_modes):
+        with tqdm(total=len(work.prompts), desc=f"{shape} tp={tp} {mode}", unit="req") as bar:
+            run = run_tp(path, tp, work, num_kv_blocks, bar, mode)
         run["roofline_tok_s"] = roofline_tok_s(config, work, ceilings, tp)
         report["runs"].append(run)
-        report[f"tp{tp}_tok_s"] = run["tok_s"]
-        report[f"tp{tp}_ttft_4k_s"] = run["ttft_4k_s"]
+        label = f"tp{tp}" if tp == 1 or mode == all_reduce_modes[0] else f"tp{tp}_{mode}"
+        report[f"{label}_tok_s"] = run["tok_s"]
+        report[f"{label}_ttft_4k_s"] = run["ttft_4k_s"]
+        report[f"{label}_all_reduce"] = run["all_reduce"]
         report[f"roofline_tp{tp}_tok_s"] = run["roofline_tok_s"]
     top = max(sizes)
     report["roofline_tok_s"] = report[f"roofline_tp{top}_tok_s"]
@@ -188,6 +205,11 @@ def tp_main(shape: str, sizes: list[int], num_requests: int, num_kv_blocks: int,
     return report
 
 
+def _runs(sizes: list[int], all_reduce_modes: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(size, parallel.all_reduce) of each run: one size 1 run (no all-reduce), each mode for the others."""
+    return [(size, mode) for size in sizes for mode in (all_reduce_modes if size > 1 else ("auto",))]
+
+
 def summary_markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# Tensor-parallel throughput, {report['device']}, {report['date']} (commit {report['git_commit']})",
@@ -196,10 +218,11 @@ def summary_markdown(report: dict[str, Any]) -> str:
         f"NCCL bus bandwidth {report['nccl_bus_gb_s']:.0f} GB/s.",
         "",
         *markdown_table(
-            ["TP", "tok/s", "roofline tok/s", "of roofline", "4k-prompt TTFT s"],
+            ["TP", "all-reduce", "tok/s", "roofline tok/s", "of roofline", "4k-prompt TTFT s"],
             (
                 [
                     run["tp"],
+                    run.get("all_reduce", "-"),
                     f"{run['tok_s']:.0f}",
                     f"{run['roofline_tok_s']:.0f}",
                     f"{100 * run['tok_s'] / run['roofline_tok_s']:.0f}%",

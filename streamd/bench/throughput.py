@@ -120,6 +120,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-kv-blocks", type=int, default=20000, help="CUDA with --tp: the KV pool of each rank, in blocks"
     )
+    parser.add_argument(
+        "--all-reduce",
+        default="auto",
+        metavar="MODE[,MODE...]",
+        help="CUDA with --tp: parallel.all_reduce for the sizes > 1 (auto, nccl, symm_mem); several, "
+        "comma-separated, measure each (e.g. auto,nccl)",
+    )
     parser.add_argument("--num-requests", type=int, default=None, help="default: 256 on CUDA, 32 on CPU")
     parser.add_argument("--peers", default="hf_cb,hf_static", help="CUDA: comma-separated: hf_cb, hf_static (or none)")
     parser.add_argument(
@@ -163,7 +170,9 @@ def main(args: argparse.Namespace) -> int:
         raise BenchError("--device cuda needs a CUDA device (use --device cpu)")
     if args.tp:
         sizes = [int(n) for n in args.tp.split(",")]
-        report = tp_main(args.shapes.split(",")[0], sizes, args.num_requests or 256, args.num_kv_blocks, args.out)
+        modes = tuple(args.all_reduce.split(","))
+        shape = args.shapes.split(",")[0]
+        report = tp_main(shape, sizes, args.num_requests or 256, args.num_kv_blocks, args.out, modes)
         print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2))
         return 0
     return _cuda_main(args)

@@ -20,6 +20,7 @@ from streamd.config import ConfigError, load_config
 from streamd.engine.worker.fusion import FusedDecoder
 from streamd.engine.worker.model_runner import ModelInput
 from streamd.engine.worker.parallel import executor as executor_module
+from streamd.engine.worker.parallel.all_reduce import GroupAllReduce, plan_all_reduce
 from streamd.engine.worker.parallel.collectives import Collectives
 from streamd.engine.worker.parallel.step_message import (
     CacheOrder,
@@ -30,7 +31,7 @@ from streamd.engine.worker.parallel.step_message import (
     decode_header,
     encode,
 )
-from streamd.engine.worker.parallel.workers import Groups, WorkerArgs, _load_shard
+from streamd.engine.worker.parallel.workers import WorkerArgs, _load_shard
 from tests.engine.worker.tp_models import VOCAB, save_random_model
 from tests.helpers import fold_deltas, hf_greedy, register_engine
 
@@ -151,9 +152,9 @@ def test_a_worker_fuses_its_shard_as_rank_0_does(tmp_path: Path) -> None:
     config = load_config(None, {"model.name": str(path), "device": "cpu", "dtype": "float32",
                                 "fuse_layers": "reference"})
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
-    groups = Groups(collectives=group, control=group)
+    plan = plan_all_reduce("auto", torch.device("cpu"), 4, 64)
     # rank 1 of 2 (cutting needs no collective; the all-reduce group only runs in a forward)
-    runner = _load_shard(WorkerArgs(1, 2, 0, config, None), groups, torch.device("cpu"))
+    runner = _load_shard(WorkerArgs(1, 2, 0, config, None, plan), GroupAllReduce(group, "gloo"), torch.device("cpu"))
     assert isinstance(runner.model.model, FusedDecoder)
     assert runner.model.model.layers[0].qkv_proj.weight.shape[0] == (4 + 2 * 1) * 16  # its 4 q heads, 1 k, 1 v
 

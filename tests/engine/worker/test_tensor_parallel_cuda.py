@@ -1,6 +1,8 @@
-"""Tensor parallelism on two GPUs (NCCL): greedy tokens of a random float32 model of Llama-3.2-1B's shape
-equal one GPU's, with every rank's decode graphs captured (the all-reduces inside) and replayed, and equal
-again with `parallel.cuda_graphs` off (eager decode on every rank). Run by benchmarks/tp_device.sh."""
+"""Tensor parallelism on two GPUs: greedy tokens of a random float32 model of Llama-3.2-1B's shape equal one
+GPU's, with every rank's decode graphs captured (the all-reduces inside) and replayed, and equal again with
+`parallel.cuda_graphs` off (eager decode on every rank); the layers' all-reduces through symmetric memory
+(`parallel.all_reduce = "symm_mem"`: fails rather than falling back) and through NCCL. Run by
+benchmarks/tp_device.sh and benchmarks/multi_gpu_device.sh symm."""
 
 from __future__ import annotations
 
@@ -55,8 +57,9 @@ def _greedy(path: Path, **overrides: object) -> tuple[list[list[int]], int]:
 def test_tp2_greedy_equals_tp1_with_graphs_and_eager(checkpoint: Path) -> None:
     want, one_gpu_replays = _greedy(checkpoint)
     assert one_gpu_replays > 0
-    got, replays = _greedy(checkpoint, tensor_parallel_size=2)
-    assert replays > 0, "rank 0 never replayed a decode graph: capture under tensor parallelism failed"
-    assert got == want
-    eager, eager_replays = _greedy(checkpoint, tensor_parallel_size=2, cuda_graphs=False)
+    for all_reduce in ("symm_mem", "nccl"):
+        got, replays = _greedy(checkpoint, tensor_parallel_size=2, all_reduce=all_reduce)
+        assert replays > 0, f"{all_reduce}: rank 0 never replayed a decode graph: capture under TP failed"
+        assert got == want, all_reduce
+    eager, eager_replays = _greedy(checkpoint, tensor_parallel_size=2, cuda_graphs=False, all_reduce="symm_mem")
     assert eager_replays == 0 and eager == want

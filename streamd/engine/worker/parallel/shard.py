@@ -6,7 +6,8 @@ done here on plain tensors rather than through transformers' DTensor path (`from
 that path loads only through `from_pretrained` (no random-weight models), wraps every weight in a DTensor
 whose per-op dispatch slows every forward on the CPU (benchmarks/NOTES.md), and forces every rank to run the
 replicated `lm_head` and gather its output, while here only rank 0 computes logits. A row-parallel layer sums
-its partial outputs with one `all_reduce` (a forward hook); its bias is added by rank 0 alone.
+its partial outputs with one all-reduce (a forward hook calling the rank's `LayerAllReduce`: the group's
+backend or symmetric memory, `all_reduce.py`); its bias is added by rank 0 alone.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 from torch import nn
 from transformers import PreTrainedModel
 
-from streamd.engine.worker.parallel.collectives import Collectives
+from streamd.engine.worker.parallel.all_reduce import LayerAllReduce
 
 COLWISE = "colwise"
 ROWWISE = "rowwise"
@@ -33,7 +34,7 @@ _REPLICATED = frozenset({"replicated_with_grad_allreduce", "embedding_rowwise"})
 class ShardSpec:
     rank: int
     world_size: int
-    group: Collectives  # the group of the row-parallel all-reduces
+    all_reduce: LayerAllReduce  # sums the row-parallel layers' partial outputs over the ranks
 
 
 def check_divisible(model: PreTrainedModel, world_size: int) -> None:
@@ -114,13 +115,8 @@ def _split_rows(linear: nn.Linear, spec: ShardSpec) -> None:
     linear.in_features = linear.weight.shape[1]
     if linear.bias is not None and spec.rank != 0:
         linear.register_parameter("bias", None)  # added once, by rank 0, before the sum (`bias = None`)
-    group = spec.group
-    linear.register_forward_hook(lambda _module, _args, output: _all_reduce(output, group))
-
-
-def _all_reduce(output: torch.Tensor, group: Collectives) -> torch.Tensor:
-    group.allreduce(output).wait()  # raises when a rank is gone or the group's timeout passes
-    return output
+    all_reduce = spec.all_reduce
+    linear.register_forward_hook(lambda _module, _args, output: all_reduce(output))
 
 
 def _slice(tensor: torch.Tensor, dim: int, spec: ShardSpec) -> torch.Tensor:

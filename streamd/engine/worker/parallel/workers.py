@@ -5,7 +5,9 @@ free localhost port and spawns ranks 1..N-1 (`torch.multiprocessing`, spawn cont
 Every rank joins two process groups over that store: `collectives` (NCCL on CUDA: the layers' all-reduces
 and the step's batch) fails a collective after `parallel.collective_timeout_s`; `control` (always gloo,
 host memory: the step's header and cache orders, and the ranks' agreement on graph capture) waits without
-such a limit, because an idle engine sends nothing for as long as no request comes. A worker fuses its
+such a limit, because an idle engine sends nothing for as long as no request comes. Right after joining,
+the ranks choose the layers' all-reduce together (`all_reduce.py`: torch's symmetric memory over a prefix of
+the same store where it starts on every rank, else `collectives`; `parallel.all_reduce`). A worker fuses its
 layers as rank 0 does, and captures its decode graphs when rank 0 says CAPTURE, so every rank runs the
 same kernels at the same pace. A worker that dies closes
 its sockets, so the next collective fails at once; one that hangs fails the all-reduces by the timeout.
@@ -39,6 +41,13 @@ from streamd.engine.worker.cache_engine import CacheEngine
 from streamd.engine.worker.fusion import fuse_layers
 from streamd.engine.worker.model_loader import LoadedModel, as_module, load_model, resolve_device, resolve_dtype
 from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of
+from streamd.engine.worker.parallel.all_reduce import (
+    AllReducePlan,
+    LayerAllReduce,
+    RankContext,
+    build_all_reduce,
+    plan_all_reduce,
+)
 from streamd.engine.worker.parallel.collectives import Collectives
 from streamd.engine.worker.parallel.shard import ShardSpec, planned_splits, shard_model
 from streamd.engine.worker.parallel.step_message import Command, StepChannel, StepMessage, apply_order
@@ -82,6 +91,7 @@ class WorkerPool:
     processes: list[BaseProcess]
     groups: Groups
     device: torch.device
+    all_reduce: str = "nccl"  # the layers' all-reduce the ranks agreed on: "symm_mem", "nccl" or "gloo"
 
     def dead(self) -> list[int]:
         """Ranks whose process has exited."""
@@ -104,6 +114,7 @@ class WorkerArgs:
     port: int
     config: Config
     model_config: PretrainedConfig | None
+    all_reduce: AllReducePlan
 
 
 def start_tensor_parallel(
@@ -120,6 +131,8 @@ def start_tensor_parallel(
         model_config or config.model.name, dtype, torch.device("cpu"), config.model.cache_dir, config.model.seed
     )
     planned_splits(loaded.model, world)  # refuses a model it cannot split before any worker starts
+    hidden_size = loaded.model.config.get_text_config().hidden_size
+    plan = plan_all_reduce(config.parallel.all_reduce, device, config.scheduler.max_num_seqs, hidden_size)
     store = dist.TCPStore(_HOST, 0, world, is_master=True, wait_for_workers=False, timeout=_timeout(config))
     context = mp.get_context("spawn")
     processes: list[BaseProcess] = []
@@ -128,13 +141,14 @@ def start_tensor_parallel(
             target=worker_main,
             name=f"streamd-tp-{rank}",
             daemon=True,
-            args=(WorkerArgs(rank, world, store.port, config, model_config),),
+            args=(WorkerArgs(rank, world, store.port, config, model_config, plan),),
         )
         process.start()
         processes.append(process)
     groups = _connect(store, 0, world, config, device)
-    pool = WorkerPool(processes, groups, device)
-    shard_model(loaded.model, ShardSpec(0, world, groups.collectives))
+    all_reduce = _layer_all_reduce(plan, store, 0, world, groups, device, dtype)
+    pool = WorkerPool(processes, groups, device, all_reduce.name)
+    shard_model(loaded.model, ShardSpec(0, world, all_reduce))
     as_module(loaded.model).to(device)
     log.info("tensor_parallel.started", world_size=world, worker_pids=[p.pid for p in processes])
     return loaded, pool
@@ -150,7 +164,9 @@ def worker_main(args: WorkerArgs) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // args.world_size))
     store = dist.TCPStore(_HOST, args.port, args.world_size, is_master=False, timeout=_timeout(config))
     groups = _connect(store, args.rank, args.world_size, config, device)
-    runner = _load_shard(args, groups, device)
+    dtype = resolve_dtype(config.model.dtype, device)
+    all_reduce = _layer_all_reduce(args.all_reduce, store, args.rank, args.world_size, groups, device, dtype)
+    runner = _load_shard(args, all_reduce, device)
     Worker(args, groups, runner).serve()
 
 
@@ -161,14 +177,29 @@ def _arm_hang_dump() -> None:
         faulthandler.dump_traceback_later(float(seconds), repeat=True)
 
 
-def _load_shard(args: WorkerArgs, groups: Groups, device: torch.device) -> ModelRunner:
+def _layer_all_reduce(
+    plan: AllReducePlan,
+    store: dist.Store,
+    rank: int,
+    world: int,
+    groups: Groups,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> LayerAllReduce:
+    """The layers' all-reduce, chosen by every rank together right after `_connect` (`all_reduce.py`)."""
+    control = groups.control
+    context = RankContext(rank, world, device, dtype, store, lambda ok: all_agree(control, ok, world))
+    return build_all_reduce(plan, groups.collectives, context)
+
+
+def _load_shard(args: WorkerArgs, all_reduce: LayerAllReduce, device: torch.device) -> ModelRunner:
     """This rank's shard on its device, its layers fused as rank 0's (`builder._kv_cache`)."""
     config = args.config
     dtype = resolve_dtype(config.model.dtype, device)
     loaded = load_model(
         args.model_config or config.model.name, dtype, torch.device("cpu"), config.model.cache_dir, config.model.seed
     )
-    shard_model(loaded.model, ShardSpec(args.rank, args.world_size, groups.collectives))
+    shard_model(loaded.model, ShardSpec(args.rank, args.world_size, all_reduce))
     as_module(loaded.model).to(device)
     runner = ModelRunner(loaded.model, device, config.cache.block_size)
     fuse_layers(loaded.model, config.model.fuse_layers, device)
