@@ -29,7 +29,7 @@ from __future__ import annotations
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
@@ -136,7 +136,7 @@ def _start_symm_mem(
     plan: AllReducePlan, fallback: GroupAllReduce, ctx: RankContext
 ) -> tuple[SymmMemAllReduce | None, str]:
     """Allocates, rendezvouses and tries the buffer; (None, why) unless every rank succeeded at each stage."""
-    buffer, error = _attempt(lambda: _allocate(plan, ctx))
+    buffer, error = _attempt(lambda: _allocate(plan, fallback.group, ctx))
     if not ctx.agree(buffer is not None):
         return None, error or "another rank could not allocate its symmetric-memory buffer"
     symm, error = _attempt(lambda: _rendezvous(plan, buffer, fallback, ctx))
@@ -153,14 +153,28 @@ def _attempt(make: Callable[[], Any]) -> tuple[Any, str]:
         return None, f"{type(exc).__name__}: {exc}"
 
 
-def _allocate(plan: AllReducePlan, ctx: RankContext) -> torch.Tensor:
+def _allocate(plan: AllReducePlan, group: Collectives, ctx: RankContext) -> torch.Tensor:
     """Registers the engine's group with symmetric memory and allocates this rank's buffer (no collective)."""
     from torch._C._distributed_c10d import _SymmetricMemory
 
     store = dist.PrefixStore("symm_mem", ctx.store)
     _SymmetricMemory.set_group_info(plan.group_name, ctx.rank, ctx.world, store)
+    _register_process_group(plan.group_name, group, ctx, dist.PrefixStore("symm_mem_group", ctx.store))
     device = ctx.device if ctx.device.index is not None else torch.device("cuda", torch.cuda.current_device())
     return _SymmetricMemory.empty_strided_p2p((plan.max_numel,), (1,), ctx.dtype, device, plan.group_name)
+
+
+def _register_process_group(name: str, group: Collectives, ctx: RankContext, store: dist.Store) -> None:
+    """Registers a ProcessGroup over the engine's NCCL backend under `name` in c10d's registry as well: torch
+    2.11's rendezvous (the device's) resolves the name there, not in symmetric memory's own group info ("Could
+    not resolve the process group registered under the name ...", measured 2026-11-27)."""
+    from torch._C._distributed_c10d import _register_process_group as register
+
+    wrapper = dist.ProcessGroup(store, ctx.rank, ctx.world)
+    nccl = dist.ProcessGroup.BackendType.NCCL
+    wrapper._register_backend(torch.device("cuda"), nccl, cast(Any, group))
+    wrapper._set_default_backend(nccl)
+    register(cast(Any, name), wrapper)  # (typed as c10d's GroupName, a str)
 
 
 def _rendezvous(
