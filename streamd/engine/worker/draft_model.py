@@ -110,7 +110,7 @@ class DraftModel:
         """Feeds `new_ids` into `kv`'s cache, then `limit` greedy tokens one at a time (all but the last fed);
         one transfer to the host at the end."""
         ids = torch.tensor([new_ids], dtype=torch.long, device=self.device)
-        drafted = []
+        drafted: list[torch.Tensor] = []
         for step in range(limit):
             if step:
                 ids = drafted[-1]
