@@ -40,11 +40,11 @@ log = get_logger(__name__)
 
 @dataclass(slots=True)
 class DraftKV:
-    """One sequence's draft cache: the KV of exactly `token_ids`, and how many of them were the sequence's own
+    """One sequence's draft cache: the KV of exactly `cached_ids`, and how many of them were the sequence's own
     when it was last asked (the rest were drafts, which the target may have refused)."""
 
     cache: DynamicCache
-    token_ids: list[int]
+    cached_ids: list[int]
     confirmed: int = 0
 
 
@@ -84,8 +84,8 @@ class DraftModel:
         if limit <= 0:
             return []
         kv = self._cache_of(seq_id, token_ids)
-        drafts = self._continue(kv, token_ids[len(kv.token_ids) :], limit)
-        kv.token_ids = token_ids + drafts[:-1]  # (the last draft was never fed)
+        drafts = self._continue(kv, token_ids[len(kv.cached_ids) :], limit)
+        kv.cached_ids = token_ids + drafts[:-1]  # (the last draft was never fed)
         kv.confirmed = len(token_ids)
         valid = next((i for i, t in enumerate(drafts) if t >= self.target_vocab_size), len(drafts))
         return drafts[:valid]
@@ -100,10 +100,10 @@ class DraftModel:
         self._caches[seq_id] = kv
         while len(self._caches) > self.max_sequences:
             self._caches.popitem(last=False)
-        keep = min(_common_prefix(kv.token_ids, token_ids, kv.confirmed), len(token_ids) - 1)
-        if keep < len(kv.token_ids):
-            kv.cache.crop(keep - len(kv.token_ids))  # (a negative count: the tokens to remove)
-            del kv.token_ids[keep:]
+        keep = min(_common_prefix(kv.cached_ids, token_ids, kv.confirmed), len(token_ids) - 1)
+        if keep < len(kv.cached_ids):
+            kv.cache.crop(keep - len(kv.cached_ids))  # (a negative count: the tokens to remove)
+            del kv.cached_ids[keep:]
         return kv
 
     def _continue(self, kv: DraftKV, new_ids: list[int], limit: int) -> list[int]:
