@@ -1,7 +1,8 @@
 """A draft model proposes the drafts (`speculative.draft_model`, engine/worker/draft_model.py): the tokens are
 transformers' greedy `generate` of the target whatever the draft (the target itself: nearly every draft kept;
 another random model: few kept), sampled requests end right, requests that read their history never draft,
-and no draft cache outlives its sequence (finished, preempted, aborted). A draft with another tokenizer is
+no draft cache outlives its sequence (finished, preempted, aborted), and a cache rolled back to the kept
+tokens proposes the draft's own greedy tokens. A draft with another tokenizer is
 refused at load, naming the key. Random-weight tiny Llamas saved as model directories, CPU float32."""
 
 from __future__ import annotations
@@ -181,6 +182,23 @@ def test_a_draft_cache_rolled_back_proposes_as_a_fresh_one(target) -> None:
     for seq_id in (1, 3, 4):
         warm.forget(seq_id)
     assert warm.cached_sequences == []
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral-window", "gemma2"])
+def test_proposals_are_the_draft_s_own_greedy_tokens_across_rollbacks(family: str) -> None:
+    """Whatever the sequence did to the last drafts (kept, refused, a longer run), the next proposal is what
+    transformers' `generate` of the draft gives (sliding windows and soft caps included)."""
+    from tests.engine.test_model_families import family_config
+
+    config = tiny_config() if family == "llama" else family_config(family)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    draft = DraftModel(model, config.vocab_size, 256, 1)
+    tokens = random_prompt(72, 30)
+    for sequence in (tokens, tokens + [5, 6], tokens[:25] + [9], tokens + [5, 6, 7, 8, 9, 10, 11]):
+        assert draft.propose(1, sequence, 6) == hf_greedy(model, sequence, 6)
+    draft.forget(1)
 
 
 def test_a_draft_never_proposes_past_its_context_or_the_target_s_vocabulary(target) -> None:
