@@ -219,3 +219,30 @@ def test_draft_model_is_validated() -> None:
     SpeculativeConfig(draft_model="").validate()
     with pytest.raises(ConfigError, match=r"speculative\.draft_model"):
         dataclasses.replace(SpeculativeConfig(), draft_model=" ./draft").validate()
+
+
+def test_the_default_model_drafting_for_itself_keeps_chat_and_structured_tokens(smol_llm: LLM, hf_smol) -> None:
+    """A real model and a structured output, whose verify rows its grammar masks: the tokens of speculation
+    off; the chat's drafts nearly all kept (the structured one's fewer: the draft does not know the grammar).
+    The draft is transformers' copy of the engine's weights, put in the shared engine's speculator a while."""
+    from streamd.engine.sampling_params import StructuredOutputs
+
+    engine = smol_llm.engine
+    speculator = engine.scheduler.speculator
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}
+    cases = [("Write a short poem about the sea.", None), ("Give a JSON object naming a city in France.", schema)]
+    draft = DraftModel(hf_smol, engine.vocab_size, engine.max_model_len, 8)
+    for question, spec in cases:
+        prompt = engine.apply_chat_template([{"role": "user", "content": question}])
+        params = SamplingParams(temperature=0, max_tokens=16, structured_outputs=spec and StructuredOutputs(json=spec))
+        off = run_to_completion(engine, [prompt], params)[0].outputs[0]
+        before = _counts(smol_llm)
+        speculator.draft_source = draft
+        try:
+            on = run_to_completion(engine, [prompt], params)[0].outputs[0]
+        finally:
+            speculator.draft_source = None
+        assert (on.token_ids, on.finish_reason) == (off.token_ids, off.finish_reason)
+        drafted, accepted = (now - then for now, then in zip(_counts(smol_llm), before))
+        assert drafted > 0 and accepted >= (0.9 * drafted if spec is None else 1)
+        assert draft.cached_sequences == []
