@@ -193,9 +193,13 @@ class SchedulerConfig:
 class SpeculativeConfig:
     """Speculative decoding (engine/core/speculation.py): draft tokens proposed per sequence, verified in
     one forward. A request's `prediction` (OpenAI's Predicted Outputs) always drafts; prompt lookup drafts
-    from the prompt and the output so far when `prompt_lookup` is on."""
+    from the prompt and the output so far when `prompt_lookup` is on; a draft model (`draft_model`, a smaller
+    model with the target's tokenizer) drafts where neither does."""
 
     prompt_lookup: bool = False  # draft from n-grams of the prompt and output (no model)
+    # A smaller model with the same tokenizer, named as model.name is (a local directory, a .gguf file or a
+    # cached Hub id), run greedily on the target's device and dtype (engine/worker/draft_model.py); "": none
+    draft_model: str = ""
     num_speculative_tokens: int = 8  # draft tokens per sequence and step at most
     prompt_lookup_max: int = 4  # longest n-gram of the output's tail looked up
     prompt_lookup_min: int = 2  # shortest one (a prediction is also searched with 1)
@@ -212,6 +216,11 @@ class SpeculativeConfig:
             )
         if not 0 <= self.min_acceptance <= 1:
             raise ConfigError(f"speculative.min_acceptance must be in [0, 1], got {self.min_acceptance}")
+        if self.draft_model != self.draft_model.strip():
+            raise ConfigError(
+                f"speculative.draft_model {self.draft_model!r} has leading or trailing spaces: name a model "
+                'directory, a .gguf file or a cached Hub id ("" for none)'
+            )
 
 
 @dataclass(slots=True)

@@ -27,10 +27,13 @@ def register_engine(engine):
 
 
 def assert_pool_whole(engine) -> None:
-    """No request in flight, every KV block (and swap block) free again."""
+    """No request in flight, every KV block (and swap block) free again, no draft model's cache kept."""
     stats = engine.stats()
     assert not engine.has_unfinished_requests(), "requests still in flight after the test"
     assert stats.pool_whole, f"KV blocks leaked: {stats}"
+    speculator = engine.scheduler.speculator
+    draft = speculator.draft_source if speculator is not None else None
+    assert draft is None or not draft.cached_sequences, f"draft caches leaked: {draft.cached_sequences}"
 
 
 @torch.inference_mode()

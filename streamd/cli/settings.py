@@ -5,8 +5,9 @@ A key's flag is its name with dashes (`cache.max_num_batched_tokens` -> `--max-n
 keys carry vLLM's names, so a `vllm serve` command line works as it is. Where vLLM spells a key otherwise,
 `FLAG_NAMES` gives its spellings (`-tp`, `--api-key`, `--swap-space`, `--uvicorn-log-level`). vLLM flags that
 streamd does not support are refused by name with the reason (`REFUSED`); the few that change nothing here
-are accepted with a note (`NO_EFFECT`), so a deployment's command line keeps working. `--help` groups the
-flags by config section.
+are accepted with a note (`NO_EFFECT`), so a deployment's command line keeps working. vLLM's
+`--speculative-config` JSON (and its older `--speculative-model`) is read into the `[speculative]` keys it
+names (`_SpeculativeConfig`). `--help` groups the flags by config section.
 
 `streamd serve` and `streamd chat` load the configuration the same way (defaults < `--config` file <
 `STREAMD_<SECTION>__<KEY>` < `--set` < flags), so `streamd chat` finds the server `streamd serve` started
@@ -16,6 +17,7 @@ with the same settings.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import types
 import typing
@@ -54,8 +56,6 @@ REFUSED: dict[tuple[str, ...], str] = {
     ("--data-parallel-size", "-dp"): "run replicas behind a router instead: `streamd cluster --replicas N`",
     ("--kv-cache-dtype",): "the KV cache is kept in the model's dtype (--dtype)",
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters are not supported",
-    ("--speculative-config", "--speculative-model"): "speculative decoding is set by the [speculative] keys "
-    "(--prompt-lookup, --num-speculative-tokens; a request's `prediction` always drafts); no draft models yet",
     ("--tokenizer", "--tokenizer-mode"): "the tokenizer is always the model's own (--model)",
     ("--revision", "--tokenizer-revision", "--download-dir"): "streamd never downloads: a Hub id must already "
     "be in the local Hugging Face cache (HF_HOME)",
@@ -85,6 +85,17 @@ NO_EFFECT: dict[str, str] = {
 }
 
 _TAKES_VALUE = frozenset({"--tool-call-parser", "--reasoning-parser"})
+
+# vLLM's --speculative-config keys -> streamd's [speculative] keys ("method" is read apart).
+_SPECULATIVE_KEYS = {
+    "model": "draft_model",
+    "num_speculative_tokens": "num_speculative_tokens",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "disable_by_batch_size": "disable_by_batch_size",
+}
+# vLLM's speculative methods streamd has -> the [speculative] keys each sets.
+_SPECULATIVE_METHODS: dict[str, dict[str, Any]] = {"ngram": {"prompt_lookup": True}, "draft_model": {}}
 
 
 def add_config_arguments(parser: argparse.ArgumentParser) -> None:
@@ -173,7 +184,49 @@ class _VllmFlag(argparse.Action):
         print(f"{parser.prog}: note: {option} has no effect: {self.why}", file=sys.stderr)
 
 
+class _SpeculativeConfig(argparse.Action):
+    """vLLM's `--speculative-config '{"model": "...", "num_speculative_tokens": 5}'` (method `draft_model`, the
+    default with a model, or `ngram`: prompt lookup) and `--speculative-model NAME`: the `[speculative]` keys
+    they name; a method or key streamd lacks stops the command naming it (hidden from --help: the keys' own
+    flags are the documented ones)."""
+
+    def __call__(
+        self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any, option: str | None = None
+    ) -> None:
+        settings = {"draft_model": values} if option == "--speculative-model" else self._read(option, values)
+        for key, value in settings.items():
+            setattr(namespace, f"speculative.{key}", value)
+
+    def _read(self, option: str | None, raw: str) -> dict[str, Any]:
+        try:
+            given = json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise argparse.ArgumentError(self, f"{option} takes a JSON object: {exc}") from exc
+        if not isinstance(given, dict):
+            raise argparse.ArgumentError(self, f"{option} takes a JSON object, got {raw!r}")
+        method = given.pop("method", "draft_model" if "model" in given else None)
+        if method not in _SPECULATIVE_METHODS:
+            raise argparse.ArgumentError(
+                self, f"{option}: method {method!r} is not supported by streamd (ngram: prompt lookup; draft_model)"
+            )
+        unknown = sorted(set(given) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise argparse.ArgumentError(
+                self,
+                f"{option}: {', '.join(unknown)} not supported by streamd (it reads method, "
+                f"{', '.join(_SPECULATIVE_KEYS)})",
+            )
+        return {**_SPECULATIVE_METHODS[method], **{_SPECULATIVE_KEYS[k]: v for k, v in given.items()}}
+
+
 def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--speculative-config",
+        "--speculative-model",
+        action=_SpeculativeConfig,
+        dest=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )
     for names, why in REFUSED.items():
         parser.add_argument(*names, nargs="?", action=_VllmFlag, dest=argparse.SUPPRESS, why=why, refused=True)
     for name, why in NO_EFFECT.items():

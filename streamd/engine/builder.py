@@ -33,6 +33,7 @@ from streamd.engine.stats import DEFAULT_TENANT
 from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
 from streamd.engine.worker.cpu_threads import apply_num_threads
 from streamd.engine.worker.cuda_graphs import capture_sizes
+from streamd.engine.worker.draft_model import load_draft_model
 from streamd.engine.worker.executor import Executor, LocalExecutor
 from streamd.engine.worker.fusion import fuse_layers
 from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
@@ -97,7 +98,9 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     if config.model.chat_template is not None and loaded.tokenizer is not None:
         loaded.tokenizer.chat_template = read_chat_template(config.model.chat_template)
     vocab = loaded.model.config.get_text_config().vocab_size
-    runner, cache = _kv_cache(config, loaded, device, max_model_len, vocab)
+    draft = load_draft_model(config, loaded, device, max_model_len) if config.speculative.draft_model else None
+    draft_bytes = draft.max_cache_bytes() if draft is not None else 0  # (its weights are in the profile's peak)
+    runner, cache = _kv_cache(config, loaded, device, max_model_len, vocab, draft_bytes)
     executor = _executor(config, runner, cache, workers, max_model_len)
     cache_cfg = config.cache
     host_blocks = cache.num_swap_blocks - _num_swap_blocks(cache_cfg, cache.layout)  # the host tier's share
@@ -114,7 +117,7 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         _host_cache(cache.layout, host_blocks, costs),
     )
     eos = _eos_token_ids(loaded)
-    speculator = Speculator(config.speculative, max_model_len)
+    speculator = Speculator(config.speculative, max_model_len, draft)
     named = {*config.server.tenant_map().values(), DEFAULT_TENANT}  # the server's metrics labels (server/tenants.py)
     scheduler = Scheduler(
         config.scheduler,
@@ -215,15 +218,18 @@ def _executor(
 
 
 def _kv_cache(
-    config: Config, loaded: LoadedModel, device: torch.device, max_model_len: int, vocab: int
+    config: Config, loaded: LoadedModel, device: torch.device, max_model_len: int, vocab: int, reserve_bytes: int
 ) -> tuple[ModelRunner, CacheEngine]:
-    """The model runner (layers fused as configured) bound to a KV pool sized for this device."""
+    """The model runner (layers fused as configured) bound to a KV pool sized for this device, leaving
+    `reserve_bytes` (the draft model's caches) beside it."""
     cache_cfg = config.cache
     dtype = next(loaded.model.parameters()).dtype
     runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
     fuse_layers(loaded.model, config.model.fuse_layers, device)
     layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype, config.parallel.tensor_parallel_size)
-    num_blocks = cache_cfg.num_kv_blocks or _auto_num_blocks(config, runner, layout, device, max_model_len, vocab)
+    num_blocks = cache_cfg.num_kv_blocks or _auto_num_blocks(
+        config, runner, layout, device, max_model_len, vocab, reserve_bytes
+    )
     host_blocks = _num_swap_blocks(cache_cfg, layout) + _host_cache_blocks(cache_cfg, layout, device)
     cache = CacheEngine(layout, num_blocks, host_blocks, device, runner.ops)
     runner.bind_kv_cache(cache.kv_cache)
@@ -264,7 +270,13 @@ def warm_up(engine: Steppable) -> None:
 
 
 def _auto_num_blocks(
-    config: Config, runner: ModelRunner, layout: KVLayout, device: torch.device, max_model_len: int, vocab: int
+    config: Config,
+    runner: ModelRunner,
+    layout: KVLayout,
+    device: torch.device,
+    max_model_len: int,
+    vocab: int,
+    reserve_bytes: int,
 ) -> int:
     if device.type == "cuda":
         return profile_num_blocks(
@@ -273,7 +285,7 @@ def _auto_num_blocks(
             config.scheduler.max_num_batched_tokens,
             max_model_len,
             config.cache.gpu_memory_utilization,
-            _graph_reserve_bytes(config, layout, vocab),
+            _graph_reserve_bytes(config, layout, vocab) + reserve_bytes,
         )
     return max(1, int(config.cache.cpu_kv_cache_gib * 2**30) // layout.bytes_per_block)
 

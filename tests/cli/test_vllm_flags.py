@@ -117,3 +117,23 @@ def test_a_quantization_method_streamd_lacks_is_named_with_the_ones_it_has() -> 
 def test_a_misspelled_setting_in_the_environment_stops_the_start(variable: str, needle: str) -> None:
     result = streamd("serve", "--set", "model.name=/no/such/model", env={variable: "secret"})
     assert_one_line_error(result, variable, needle)
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (["--draft-model", "/d"], ("/d", False, 8)),
+    (["--speculative-model", "/d"], ("/d", False, 8)),
+    (["--speculative-config", '{"model": "/d", "num_speculative_tokens": 5}'], ("/d", False, 5)),
+    (["--speculative-config", '{"method": "draft_model", "model": "/d"}'], ("/d", False, 8)),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3}'], ("", True, 3)),
+])
+def test_a_draft_model_is_named_by_its_flag_or_vllms_speculative_config(flags: list[str], expected: tuple) -> None:
+    args = build_parser().parse_args(["serve", "/m", *flags])
+    spec = load_settings(args, {"model.name": positional_model(args)}).speculative
+    assert (spec.draft_model, spec.prompt_lookup, spec.num_speculative_tokens) == expected
+
+
+@pytest.mark.parametrize("value, needle", [('{"method": "eagle", "model": "/d"}', "'eagle'"),
+                                           ('{"model": "/d", "draft_tensor_parallel_size": 1}', "draft_tensor_parallel_size"),
+                                           ("/d", "JSON")])
+def test_a_speculative_config_streamd_cannot_run_is_refused_by_name(value: str, needle: str) -> None:
+    assert_one_line_error(streamd("serve", "/no/such/model", "--speculative-config", value), "--speculative-config", needle)

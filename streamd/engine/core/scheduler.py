@@ -755,6 +755,8 @@ class Scheduler:
         bm = self.block_manager
         seqs = [s for s in group.seqs if s.status < FINISHED]
         self.fair.preempted(group)
+        if self.speculator is not None:
+            self.speculator.preempted(group)  # (a draft model's cache of it goes with its KV)
         if not recompute and self._use_swap(seqs):
             out.blocks_to_swap_out.extend(bm.swap_out(seqs))
             for seq in seqs:

@@ -3,14 +3,23 @@
 Speculative decoding runs k draft tokens after a sequence's last token through the model in one forward
 (a k+1-token query over its cached blocks) and keeps the longest prefix the model agrees with plus one
 token of its own (`engine/sample/speculative.py` decides the agreement). Drafts cost a wider forward, so
-they must be cheap to propose and likely to be right. Two proposers, no model:
+they must be cheap to propose and likely to be right. Three proposers, asked in this order (the first
+that proposes anything drafts the step):
 
 - the request's `prediction` (OpenAI's Predicted Outputs: the text the client expects, e.g. the file
   being edited): before any output its first tokens, then what follows the output's tail where that tail
   occurs in the prediction (searched from where the last match left off, so an edit realigns);
 - prompt lookup (`speculative.prompt_lookup`): what followed an earlier occurrence of the output's last n
   tokens (n from `prompt_lookup_max` down to `prompt_lookup_min`) in the prompt and output so far: the first
-  one at or after where the last match ended (a copy follows its source forward), else the latest.
+  one at or after where the last match ended (a copy follows its source forward), else the latest;
+- a draft model (`speculative.draft_model`), through the `DraftSource` interface (the torch side,
+  `engine/worker/draft_model.py`, is injected by the builder): a smaller model's greedy continuation.
+
+Why this order: the client's prediction is what it says the output is, and costs nothing; a lookup match
+costs nothing either and, where the text copies itself, is as likely right as a model; the draft model
+costs k forwards of its own, so it drafts only where neither of the free proposers has anything. (A draft
+source keeps state per sequence, its cache; it catches up on the tokens the other proposers drafted the
+next time it is asked.)
 
 A sequence whose recent acceptance rate falls below `min_acceptance` stops drafting for a while (longer
 after each relapse); a step with more decoding sequences than `disable_by_batch_size` does not speculate at all (the
@@ -24,6 +33,7 @@ after the drafts before it (`GrammarMatchers.draft_bitmask`). Plain Python: the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 from streamd.config import SpeculativeConfig
 from streamd.engine.core.sequence import PLACEHOLDER, Sequence, SequenceGroup
@@ -53,6 +63,15 @@ class DraftRecord:
     lookup_cursor: int = 0  # where the last prompt-lookup match ended (a copy follows its source forward)
 
 
+class DraftSource(Protocol):
+    """A proposer that keeps state per sequence (a draft model's cache): up to `limit` tokens likely to follow
+    `token_ids` (the sequence's whole prompt and output); `forget` drops what it keeps for the sequence."""
+
+    def propose(self, seq_id: int, token_ids: list[int], limit: int) -> list[int]: ...
+
+    def forget(self, seq_id: int) -> None: ...
+
+
 def can_speculate(params: SamplingParams) -> bool:
     """Whether drafts can be verified without changing what the request samples (context-free sampling)."""
     return not (
@@ -64,17 +83,20 @@ def can_speculate(params: SamplingParams) -> bool:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int, draft_source: DraftSource | None = None) -> None:
+        """`draft_source`: the draft model (`speculative.draft_model`), asked where no free proposer drafts."""
         self.config = config
         self.max_model_len = max_model_len
+        self.draft_source = draft_source
         self._records: dict[int, DraftRecord] = {}  # seq_id -> its history
         self.draft_tokens = 0  # cumulative draft tokens verified
         self.accepted_tokens = 0  # cumulative draft tokens accepted
 
     def wants(self, group: SequenceGroup) -> bool:
-        """Whether `group` may draft at all (a prediction, or prompt lookup on, and context-free sampling)."""
-        params = group.sampling_params
-        return (self.config.prompt_lookup or bool(group.prediction_token_ids)) and can_speculate(params)
+        """Whether `group` may draft at all (a prediction, prompt lookup on or a draft model, and context-free
+        sampling)."""
+        proposes = self.config.prompt_lookup or self.draft_source is not None or bool(group.prediction_token_ids)
+        return proposes and can_speculate(group.sampling_params)
 
     def step_allowed(self, num_decodes: int) -> bool:
         return 0 < num_decodes <= self.config.disable_by_batch_size
@@ -100,7 +122,11 @@ class Speculator:
         k = min(limit, self.config.num_speculative_tokens, self._room(seq, group.sampling_params))
         if k <= 0 or seq.token_ids[-1] == PLACEHOLDER:
             return None
-        return self._from_prediction(seq, group, record, k) or self._from_lookup(seq, record, k)
+        return (
+            self._from_prediction(seq, group, record, k)
+            or self._from_lookup(seq, record, k)
+            or self._from_draft_source(seq, k)
+        )
 
     def _room(self, seq: Sequence, params: SamplingParams) -> int:
         """Drafts that can still become output: the token after them is the step's own (max_tokens, context)."""
@@ -135,6 +161,12 @@ class Speculator:
         record.lookup_cursor = start
         return Draft(tokens[start : start + k])
 
+    def _from_draft_source(self, seq: Sequence, k: int) -> Draft | None:
+        if self.draft_source is None:
+            return None
+        tokens = self.draft_source.propose(seq.seq_id, seq.token_ids, k)
+        return Draft(tokens) if tokens else None
+
     def record(self, seq: Sequence, drafted: int, accepted: int) -> None:
         """A verified draft of `seq`: `accepted` of its `drafted` tokens were kept."""
         self.draft_tokens += drafted
@@ -147,8 +179,17 @@ class Speculator:
             record.rate = self.config.min_acceptance  # one more bad step after the pause stops it again
 
     def forget(self, group: SequenceGroup) -> None:
+        """`group` ended (finished, aborted, rejected): its records and its draft source's state go."""
         for seq in group.seqs:
             self._records.pop(seq.seq_id, None)
+        self.preempted(group)
+
+    def preempted(self, group: SequenceGroup) -> None:
+        """`group` gave up its KV (swapped or to be recomputed): the draft source's state of it goes too (it
+        is built again from the sequence's tokens if the group drafts after it resumes)."""
+        if self.draft_source is not None:
+            for seq in group.seqs:
+                self.draft_source.forget(seq.seq_id)
 
 
 def find_continuation(

@@ -6,11 +6,11 @@ token). Draft j + 1 is checked against row j, in order, and the first refusal en
 
 - greedy rows keep a draft when it is the row's argmax, and otherwise take the argmax: exactly the tokens
   decoding one at a time would give;
-- sampled rows use the standard rejection rule for a draft proposed with certainty (prompt lookup and a
-  prediction propose one token, q = 1 on it): keep draft d with probability p(d), else draw from p with d
-  removed (the residual max(p - q, 0), renormalized). Each kept or drawn token is therefore distributed
-  exactly as p, the distribution sampling alone would use (temperature, top-k/top-p, min-p, logit_bias
-  and a structured output's grammar mask applied as usual).
+- sampled rows use the standard rejection rule for a draft proposed with certainty (prompt lookup, a
+  prediction and the greedy draft model propose one token, q = 1 on it): keep draft d with probability
+  p(d), else draw from p with d removed (the residual max(p - q, 0), renormalized). Each kept or drawn token
+  is therefore distributed exactly as p, the distribution sampling alone would use (temperature,
+  top-k/top-p, min-p, logit_bias and a structured output's grammar mask applied as usual).
 
 When every draft is kept, the last row gives one more token. All rows are decided on the device at once;
 the host receives, per row, whether its draft was kept, the row's own token, and (when asked) logprobs of

@@ -109,3 +109,46 @@ def test_a_sequence_with_no_room_for_a_draft_keeps_the_overlap_on() -> None:
     sched.running.append(group)
     assert spec.propose(group.seqs[0], group, 8) is None
     assert not sched.may_speculate()
+
+
+class _Source:
+    """A `DraftSource` that records what it was asked and proposes `tokens`."""
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens, self.asked, self.forgotten = tokens, [], []
+
+    def propose(self, seq_id: int, token_ids: list[int], limit: int) -> list[int]:
+        self.asked.append((seq_id, list(token_ids), limit))
+        return self.tokens[:limit]
+
+    def forget(self, seq_id: int) -> None:
+        self.forgotten.append(seq_id)
+
+
+def test_a_draft_source_drafts_only_where_the_prediction_and_lookup_have_nothing() -> None:
+    source = _Source([70, 71, 72, 73])
+    spec = Speculator(SpeculativeConfig(prompt_lookup=True, num_speculative_tokens=3), 100, source)
+    predicted = _group([1, 2], [], [10, 11, 12], max_tokens=50)
+    assert spec.propose(predicted.seqs[0], predicted, 8).token_ids == [10, 11, 12]
+    repeating = _group([1, 2, 3, 1, 2], [3], max_tokens=50)
+    assert spec.propose(repeating.seqs[0], repeating, 8).token_ids == [1, 2, 3]
+    assert source.asked == []
+    fresh = _group([4, 5, 6], [7], max_tokens=3)  # room for one draft: 1 output + 1 draft + the model's own
+    seq = fresh.seqs[0]
+    draft = spec.propose(seq, fresh, 8)
+    assert (draft.token_ids, draft.from_prediction) == ([70], False)
+    assert source.asked == [(seq.seq_id, [4, 5, 6, 7], 1)]
+
+
+def test_a_draft_source_alone_makes_a_request_want_drafts_and_forgets_it_when_it_ends() -> None:
+    source = _Source([70])
+    spec = Speculator(SpeculativeConfig(), 100, source)
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4), 100, speculator=spec)
+    group = _group([4, 5, 6], [7], max_tokens=50)
+    group.seqs.append(group.seqs[0].fork())
+    assert spec.wants(group) and not Speculator(SpeculativeConfig(), 100).wants(group)
+    spec.preempted(group)
+    assert source.forgotten == [s.seq_id for s in group.seqs]
+    sched.add_seq_group(group)
+    sched.abort_seq_group("r")
+    assert source.forgotten == 2 * [s.seq_id for s in group.seqs]
