@@ -153,11 +153,6 @@ class SchedulerConfig:
     # While the least served tenant's prompt runs (until its first token is read back), the other tenants'
     # prompt chunks share at most this many tokens a step ("fair" only; core/scheduler.py `_catch_up`).
     catch_up_chunk_tokens: int = 16
-    # In those steps the other tenants' decodes run only as many as keep the step's predicted time (the step
-    # cost model) within this multiple of the least served tenant's work alone; the rest wait, at most
-    # `CATCH_UP_HOLD_STEPS` steps in a row. Where a decode row costs little (a GPU) they all run; on a CPU each
-    # row costs as much as a prompt token. 0: they all run.
-    catch_up_stretch: float = 1.25
     # A request still unscheduled after this fraction of its queue timeout (`server.max_queue_time_s`) goes
     # ahead of every tier and fair share, oldest first, so it gets the next seat before its deadline (fairness.py).
     queue_aging: float = 0.5
@@ -182,8 +177,6 @@ class SchedulerConfig:
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative("scheduler.max_step_ms", self.max_step_ms)
         _non_negative("scheduler.catch_up_chunk_tokens", self.catch_up_chunk_tokens)
-        if self.catch_up_stretch != 0 and not 1 <= self.catch_up_stretch < float("inf"):
-            raise ConfigError(f"scheduler.catch_up_stretch must be 0 (off) or at least 1, got {self.catch_up_stretch}")
         if not 0 < self.queue_aging <= 1:
             raise ConfigError(f"scheduler.queue_aging must be in (0, 1], got {self.queue_aging}")
         _one_of("scheduler.preemption_mode", self.preemption_mode, ("auto", "swap", "recompute"))

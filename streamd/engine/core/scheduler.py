@@ -31,10 +31,7 @@ waits). A request near its queue deadline (`scheduler.queue_aging` of its queue 
 tier and fair share, oldest first (`_aged_first`), so no load of higher tiers holds it past its deadline.
 When the least served tenant's prompt runs in a step (or its first token is read back after it), the other
 tenants' prompt chunks come after its admission and share `scheduler.catch_up_chunk_tokens` in that step
-(`_catch_up`), so a chat's first token beside a flood of long prompts waits for steps of a decode step's size;
-in those steps the others' decodes run only as many as keep the step's predicted time within
-`scheduler.catch_up_stretch` of the chat's own work (where rows cost, as on a CPU, a flood's decodes would
-otherwise double the chat's steps), for at most `CATCH_UP_HOLD_STEPS` steps in a row.
+(`_catch_up`), so a chat's first token beside a flood of long prompts waits for steps of a decode step's size.
 One tenant without tiers keeps the arrival order exactly.
 
 Paused groups (`set_paused`: the server pauses a request whose reader fell behind) are skipped by every
@@ -76,7 +73,7 @@ from streamd.engine.core.fairness import FLEX, FairShare, aged, starving, tier_o
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.core.speculation import Speculator
-from streamd.engine.core.step_cost import TOKEN_UNIT, StepCost, StepShape
+from streamd.engine.core.step_cost import StepCost, StepShape
 from streamd.engine.core.stop_checker import StopChecker
 from streamd.engine.outputs import FinishReason, RequestUpdate, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
@@ -86,7 +83,6 @@ _RUNNING = SequenceStatus.RUNNING
 _ABORTED = SequenceStatus.FINISHED_ABORTED
 TokenFilter = Callable[[Sequence, int], bool]  # False: the sequence's grammar does not allow the token
 DEFAULT_SECONDS_PER_TOKEN = 1e-3  # the step cost's prior when no prefill rate was measured
-CATCH_UP_HOLD_STEPS = 4  # steps in a row a catch-up may hold other tenants' decodes back (`_decode_allowance`)
 
 
 @dataclass(slots=True)
@@ -157,8 +153,6 @@ class Scheduler:
         self.queue_aging = scheduler_config.queue_aging
         self._aged = 0  # the waiting groups at the head of the queue that have aged (`_reorder`)
         self._first_token_due: set[str] = set()  # tenants whose prompt ended in the last step (`_catch_up`)
-        self._held_steps = 0  # steps in a row whose catch-up held other tenants' decodes back
-        self._caught_up: str | None = None  # the tenant the last step caught up (its first token is read back next)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -265,8 +259,7 @@ class Scheduler:
             self._restore_arrival_order()
         decodes: list[ScheduledSeq] = []
         partial: list[ScheduledSeq] = []  # prompt chunks, sized once the decodes have their tokens
-        catch_up = self._catch_up(seat_free) if self.fair.reorders else None
-        num_seqs, preempted = self._schedule_running(out, decodes, partial, catch_up)
+        num_seqs, preempted = self._schedule_running(out, decodes, partial)
         budget = self.max_num_batched_tokens - len(decodes)
         if not preempted:
             num_seqs, budget = self._schedule_swapped(out, decodes, partial, num_seqs, budget)
@@ -275,6 +268,7 @@ class Scheduler:
         budget -= num_drafts
         shape = out.shape
         shape.tokens = len(decodes) + num_drafts
+        catch_up = self._catch_up(partial, seat_free) if self.fair.reorders else None
         later = []  # with a catch-up: the other tenants' running prompts, chunked after the admission
         if catch_up is not None:
             later = [item for item in partial if item.group.sampling_params.tenant != catch_up.tenant]
@@ -289,8 +283,6 @@ class Scheduler:
         out.num_draft_tokens = num_drafts
         self.fair.charge(prefills, decodes)
         self._first_token_due = _first_tokens(prefills) if self.fair.reorders else set()
-        self._held_steps = self._held_steps + 1 if catch_up is not None and catch_up.held else 0
-        self._caught_up = catch_up.tenant if catch_up is not None else None
         prefills.extend(decodes)
         out.scheduled = prefills
         out.tier_orders = self.block_manager.take_tier_orders()
@@ -375,60 +367,19 @@ class Scheduler:
         self.waiting.appendleft(candidate)
         return True
 
-    def _catch_up(self, seat_free: bool) -> _CatchUp | None:
-        """The step's cap on the other tenants' prompt chunks and decodes when the least served tenant's prompt
-        runs in it (a chunk of it, or, with a seat free, its first waiting request seated first) or its first
-        token, sampled in the last step, is read back after it (outputs trail the device by a step; then the
-        tenant the last step caught up, whom its prompt's charge may have made no longer the least served):
-        that tenant's first token then waits for steps near its own work's duration, not for ones full of
-        the others' prompts and decodes."""
+    def _catch_up(self, partial: list[ScheduledSeq], seat_free: bool) -> _CatchUp | None:
+        """The step's cap on the other tenants' prompt chunks when the least served tenant's prompt runs in it
+        (a chunk of it, or, with a seat free, its first waiting request seated first) or its first token,
+        sampled in the last step, is read back after it (outputs trail the device by a step): that tenant's
+        first token then waits for steps near a decode step's duration, not for ones full of the others'
+        prompts."""
         least = self.fair.least_served()
         if least is None:
             return None
-        tenant = self._caught_up if self._caught_up in self._first_token_due else least  # (charged, no longer least)
-        due = tenant in self._first_token_due or self._prompt_running(tenant)
+        due = least in self._first_token_due or any(item.group.sampling_params.tenant == least for item in partial)
         if not due and seat_free:
-            due = self._seat_first(tenant)
-        if not due:
-            return None
-        spared = self._first_token_due | {tenant}  # whose decodes run (a first token read back is one to protect too)
-        return _CatchUp(tenant, self.catch_up_chunk_tokens, self._decode_allowance(tenant), frozenset(spared))
-
-    def _prompt_running(self, tenant: str) -> bool:
-        """Whether a running (not paused) group of `tenant` has prompt tokens left to compute."""
-        paused = self.paused
-        mine = (g for g in self.running if g.sampling_params.tenant == tenant and g.request_id not in paused)
-        return any(any(map(_prompt_left, group.seqs)) for group in mine)
-
-    def _decode_allowance(self, tenant: str) -> int | None:
-        """How many of the other tenants' decodes a catch-up step runs: as many as keep its predicted time
-        within `catch_up_stretch` x that of `tenant`'s work alone (the step cost's base and per-token
-        coefficients; attention pairs left out, which only errs short). None: all of them (the setting is
-        off, a token costs nothing, or they already waited `CATCH_UP_HOLD_STEPS` steps in a row)."""
-        stretch = self.config.catch_up_stretch
-        if not stretch or self._held_steps >= CATCH_UP_HOLD_STEPS:
-            return None
-        base, per_unit, _ = self.step_cost.coefficients
-        per_token = per_unit / TOKEN_UNIT
-        if per_token <= 0:
-            return None
-        return int((stretch - 1) * (base + per_token * self._work_tokens(tenant)) / per_token)
-
-    def _work_tokens(self, tenant: str) -> int:
-        """The tokens `tenant` may run this step: its running sequences' (prompt chunks within the step's token
-        budget, decodes one each) and the prompt of the queue's head when it is `tenant`'s."""
-        cap = self.max_num_batched_tokens
-        tokens = sum(
-            min(seq.num_tokens - seq.num_computed_tokens, cap)
-            for group in self.running
-            if group.sampling_params.tenant == tenant
-            for seq in group.seqs
-            if seq.status is _RUNNING
-        )
-        head = self.waiting[0] if self.waiting else None
-        if head is not None and head.sampling_params.tenant == tenant:
-            tokens += min(head.seqs[0].num_tokens, cap)
-        return max(tokens, 1)
+            due = self._seat_first(least)
+        return _CatchUp(least, self.catch_up_chunk_tokens) if due else None
 
     def _seat_first(self, tenant: str) -> bool:
         """Moves `tenant`'s first waiting request to the head of the queue, past those of the head's tier and
@@ -519,11 +470,7 @@ class Scheduler:
             self.step_cost.observe(out.shape, seconds)
 
     def _schedule_running(
-        self,
-        out: SchedulerOutput,
-        decodes: list[ScheduledSeq],
-        partial: list[ScheduledSeq],
-        catch_up: _CatchUp | None,
+        self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq]
     ) -> tuple[int, bool]:
         bm, running, paused = self.block_manager, self.running, self.paused
         budget = self.max_num_batched_tokens
@@ -534,7 +481,7 @@ class Scheduler:
                 i += 1
                 continue
             if len(group.seqs) > 1:
-                count, group_preempted, i = self._schedule_group(group, i, out, decodes, partial, budget, catch_up)
+                count, group_preempted, i = self._schedule_group(group, i, out, decodes, partial, budget)
                 preempted |= group_preempted
                 if count >= 0:
                     num_seqs += count
@@ -549,8 +496,6 @@ class Scheduler:
             num_seqs += 1
             if left > 1:
                 partial.append(ScheduledSeq(seq, group, left))
-            elif _held(catch_up, group, 1):
-                pass  # another tenant's decode waits while the least served tenant catches up
             elif budget:  # budget only runs out when forks outgrew it
                 copies = bm.try_append_slots(seq)
                 while copies is None:
@@ -580,13 +525,12 @@ class Scheduler:
         decodes: list[ScheduledSeq],
         partial: list[ScheduledSeq],
         budget: int,
-        catch_up: _CatchUp | None,
     ) -> tuple[int, bool, int]:
         """A group of several sequences at running[i], all or nothing. Returns (its live sequences, or
         -1 when it preempted itself; whether anything was preempted; its index now)."""
         bm, running = self.block_manager, self.running
         writers, prompts = _running_parts(group)
-        if not _decode_now(group, writers, prompts, budget) or _held(catch_up, group, len(writers)):
+        if not _decode_now(group, writers, prompts, budget):
             writers = []
         need = bm.blocks_to_append_all(writers) if writers else 0
         preempted = False
@@ -1026,25 +970,10 @@ class Scheduler:
 
 @dataclass(slots=True)
 class _CatchUp:
-    """One step's cap (`_catch_up`): the prompt chunks of tenants other than `tenant` share `left` tokens,
-    and at most `decodes` of the decodes of tenants not `spared` run (None: all); `held` counts those that wait."""
+    """One step's cap (`_catch_up`): the prompt chunks of tenants other than `tenant` share `left` tokens."""
 
     tenant: str
     left: int
-    decodes: int | None = None
-    spared: frozenset[str] = frozenset()  # tenants whose decodes all run: `tenant`, those whose first token is due
-    held: int = 0
-
-    def hold(self, group: SequenceGroup, rows: int) -> bool:
-        """Whether `group`'s `rows` decodes wait this step (another tenant's, past the allowance); when they
-        run, they are counted off it."""
-        if self.decodes is None or group.sampling_params.tenant in self.spared:
-            return False
-        if rows > self.decodes:
-            self.held += rows
-            return True
-        self.decodes -= rows
-        return False
 
     def spent_for(self, group: SequenceGroup) -> bool:
         """Whether `group`'s chunk would get nothing of the cap."""
@@ -1062,14 +991,6 @@ class _CatchUp:
 
 def _computed_tokens(group: SequenceGroup) -> int:
     return sum(seq.num_computed_tokens for seq in group.seqs)
-
-
-def _held(catch_up: _CatchUp | None, group: SequenceGroup, rows: int) -> bool:
-    return rows > 0 and catch_up is not None and catch_up.hold(group, rows)
-
-
-def _prompt_left(seq: Sequence) -> bool:
-    return seq.status is _RUNNING and seq.num_tokens - seq.num_computed_tokens > 1
 
 
 def _has_work(seq: Sequence) -> bool:
