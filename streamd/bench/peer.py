@@ -146,7 +146,7 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# streamd bench peer ({report['date']}, commit {report['git_commit']}, {report['device']})",
         "",
-        f"Peer: {report['peer_url']}. Command: `streamd bench {' '.join(report['argv'])}`. Medians over rounds "
+        f"Peer: {report['peer_url']}. Command: `streamd {' '.join(report['argv'])}`. Medians over rounds "
         "(order alternating); output tokens/s over each run's wall time; TTFT p50 of its requests.",
         "",
         *markdown_table(*_table(report["levels"])),
