@@ -153,6 +153,10 @@ class SchedulerConfig:
     # While the least served tenant's prompt runs (until its first token is read back), the other tenants'
     # prompt chunks share at most this many tokens a step ("fair" only; core/scheduler.py `_catch_up`).
     catch_up_chunk_tokens: int = 16
+    # In those steps, when the tenant caught up is interactive (no more requests than its equal share of the
+    # seats: a chat, not a backlog), the other tenants' decodes "hold" (wait, at most 4 steps in a row) or
+    # "run"; "auto": hold on the CPU, where each sequence in a step costs it ~9 ms, run on GPUs.
+    catch_up_decodes: str = "auto"
     # A request still unscheduled after this fraction of its queue timeout (`server.max_queue_time_s`) goes
     # ahead of every tier and fair share, oldest first, so it gets the next seat before its deadline (fairness.py).
     queue_aging: float = 0.5
@@ -177,6 +181,7 @@ class SchedulerConfig:
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative("scheduler.max_step_ms", self.max_step_ms)
         _non_negative("scheduler.catch_up_chunk_tokens", self.catch_up_chunk_tokens)
+        _one_of("scheduler.catch_up_decodes", self.catch_up_decodes, ("auto", "hold", "run"))
         if not 0 < self.queue_aging <= 1:
             raise ConfigError(f"scheduler.queue_aging must be in (0, 1], got {self.queue_aging}")
         _one_of("scheduler.preemption_mode", self.preemption_mode, ("auto", "swap", "recompute"))

@@ -128,6 +128,7 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         speculator,
         named_tenants=named,
         lone_chunk_tokens=dense_from_rows(loaded.model) or 0,
+        sequences_cost=device.type == "cpu",  # (each sequence ~9 ms a step there: benchmarks/NOTES.md, issue 30)
     )
     return EngineParts(
         loaded.name,

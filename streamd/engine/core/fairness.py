@@ -167,6 +167,11 @@ class FairShare:
         has more groups queued than running (one waits)."""
         return seats * len(self._active) < max_seats and self.tenants[name].active > seats
 
+    def interactive(self, name: str, max_seats: int) -> bool:
+        """Whether tenant `name` has no more groups queued and running than its equal share of `max_seats` (a
+        chat, not a backlog)."""
+        return self.tenants[name].active * len(self._active) <= max_seats
+
     def least_served(self) -> str | None:
         """The active tenant with the least counter when the fair share orders several, of those tied the one
         with the fewest queued groups (a tenant that just became active is lifted to a tie); None otherwise.

@@ -31,7 +31,10 @@ waits). A request near its queue deadline (`scheduler.queue_aging` of its queue 
 tier and fair share, oldest first (`_aged_first`), so no load of higher tiers holds it past its deadline.
 When the least served tenant's prompt runs in a step (or its first token is read back after it), the other
 tenants' prompt chunks come after its admission and share `scheduler.catch_up_chunk_tokens` in that step
-(`_catch_up`), so a chat's first token beside a flood of long prompts waits for steps of a decode step's size.
+(`_catch_up`), so a chat's first token beside a flood of long prompts waits for steps of a decode step's size;
+where a step's sequences cost it (the CPU: `scheduler.catch_up_decodes`) and the tenant caught up is
+interactive, the others' decodes wait in those steps too, at most `CATCH_UP_HOLD_STEPS` in a row (a flood's
+decodes doubled a chat's two steps on the CPU; benchmarks/NOTES.md, issue 30).
 One tenant without tiers keeps the arrival order exactly.
 
 Paused groups (`set_paused`: the server pauses a request whose reader fell behind) are skipped by every
@@ -83,6 +86,7 @@ _RUNNING = SequenceStatus.RUNNING
 _ABORTED = SequenceStatus.FINISHED_ABORTED
 TokenFilter = Callable[[Sequence, int], bool]  # False: the sequence's grammar does not allow the token
 DEFAULT_SECONDS_PER_TOKEN = 1e-3  # the step cost's prior when no prefill rate was measured
+CATCH_UP_HOLD_STEPS = 4  # steps in a row a catch-up may hold other tenants' decodes back (`_holds_decodes`)
 
 
 @dataclass(slots=True)
@@ -113,10 +117,12 @@ class Scheduler:
         clock: Callable[[], float] = time.monotonic,
         named_tenants: Iterable[str] = (),
         lone_chunk_tokens: int = 0,
+        sequences_cost: bool = False,
     ) -> None:
         """`named_tenants`: those the stats always report one by one (`FairShare.named`). `lone_chunk_tokens`:
         the least prompt chunk of a step with no other work, whatever the latency budget (the model's rows
-        from which a step costs less per row: a low-bit CPU model's dense path, `dense_from_rows`)."""
+        from which a step costs less per row: a low-bit CPU model's dense path, `dense_from_rows`).
+        `sequences_cost`: each sequence in a step costs it markedly (the CPU): "auto" catch-ups hold decodes."""
         self.config = scheduler_config
         self.clock = clock  # monotonic seconds, as a group's `arrival_time` (tests simulate time)
         self.speculator = speculator  # draft tokens for decodes (speculative decoding); None: never
@@ -150,9 +156,13 @@ class Scheduler:
         weights = scheduler_config.tenant_weight_map()
         self.fair = FairShare(scheduler_config.scheduling == "fair", weights, frozenset(named_tenants))
         self.catch_up_chunk_tokens = scheduler_config.catch_up_chunk_tokens
+        policy = scheduler_config.catch_up_decodes
+        self.hold_decodes = policy == "hold" or (policy == "auto" and sequences_cost)
         self.queue_aging = scheduler_config.queue_aging
         self._aged = 0  # the waiting groups at the head of the queue that have aged (`_reorder`)
         self._first_token_due: set[str] = set()  # tenants whose prompt ended in the last step (`_catch_up`)
+        self._held_steps = 0  # steps in a row whose catch-up held other tenants' decodes back
+        self._caught_up: str | None = None  # the tenant the last step caught up (its first token is read back next)
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -259,7 +269,8 @@ class Scheduler:
             self._restore_arrival_order()
         decodes: list[ScheduledSeq] = []
         partial: list[ScheduledSeq] = []  # prompt chunks, sized once the decodes have their tokens
-        num_seqs, preempted = self._schedule_running(out, decodes, partial)
+        catch_up = self._catch_up(seat_free) if self.fair.reorders else None
+        num_seqs, preempted = self._schedule_running(out, decodes, partial, catch_up)
         budget = self.max_num_batched_tokens - len(decodes)
         if not preempted:
             num_seqs, budget = self._schedule_swapped(out, decodes, partial, num_seqs, budget)
@@ -268,7 +279,6 @@ class Scheduler:
         budget -= num_drafts
         shape = out.shape
         shape.tokens = len(decodes) + num_drafts
-        catch_up = self._catch_up(partial, seat_free) if self.fair.reorders else None
         later = []  # with a catch-up: the other tenants' running prompts, chunked after the admission
         if catch_up is not None:
             later = [item for item in partial if item.group.sampling_params.tenant != catch_up.tenant]
@@ -283,6 +293,8 @@ class Scheduler:
         out.num_draft_tokens = num_drafts
         self.fair.charge(prefills, decodes)
         self._first_token_due = _first_tokens(prefills) if self.fair.reorders else set()
+        self._held_steps = self._held_steps + 1 if catch_up is not None and catch_up.held else 0
+        self._caught_up = catch_up.tenant if catch_up is not None else None
         prefills.extend(decodes)
         out.scheduled = prefills
         out.tier_orders = self.block_manager.take_tier_orders()
@@ -367,19 +379,38 @@ class Scheduler:
         self.waiting.appendleft(candidate)
         return True
 
-    def _catch_up(self, partial: list[ScheduledSeq], seat_free: bool) -> _CatchUp | None:
-        """The step's cap on the other tenants' prompt chunks when the least served tenant's prompt runs in it
-        (a chunk of it, or, with a seat free, its first waiting request seated first) or its first token,
-        sampled in the last step, is read back after it (outputs trail the device by a step): that tenant's
-        first token then waits for steps near a decode step's duration, not for ones full of the others'
-        prompts."""
+    def _catch_up(self, seat_free: bool) -> _CatchUp | None:
+        """The step's cap on the other tenants' prompt chunks and decodes when the least served tenant's prompt
+        runs in it (a chunk of it, or, with a seat free, its first waiting request seated first) or its first
+        token, sampled in the last step, is read back after it (outputs trail the device by a step; then the
+        tenant the last step caught up, whom its prompt's charge may have made no longer the least served):
+        that tenant's first token then waits for steps near its own work's duration, not for ones full of
+        the others' prompts and decodes."""
         least = self.fair.least_served()
         if least is None:
             return None
-        due = least in self._first_token_due or any(item.group.sampling_params.tenant == least for item in partial)
+        tenant = self._caught_up if self._caught_up in self._first_token_due else least  # (charged, no longer least)
+        due = tenant in self._first_token_due or self._prompt_running(tenant)
         if not due and seat_free:
-            due = self._seat_first(least)
-        return _CatchUp(least, self.catch_up_chunk_tokens) if due else None
+            due = self._seat_first(tenant)
+        if not due:
+            return None
+        spared = self._first_token_due | {tenant}  # whose decodes run (a first token read back is one to protect too)
+        return _CatchUp(tenant, self.catch_up_chunk_tokens, self._holds_decodes(tenant), frozenset(spared))
+
+    def _prompt_running(self, tenant: str) -> bool:
+        """Whether a running (not paused) group of `tenant` has prompt tokens left to compute."""
+        paused = self.paused
+        mine = (g for g in self.running if g.sampling_params.tenant == tenant and g.request_id not in paused)
+        return any(any(map(_prompt_left, group.seqs)) for group in mine)
+
+    def _holds_decodes(self, tenant: str) -> bool:
+        """Whether a catch-up step for `tenant` holds the other tenants' decodes back: where they cost (the CPU,
+        `scheduler.catch_up_decodes`), for an interactive tenant (`FairShare.interactive`: a backlogged one
+        catches up all the time, and holding would starve the others), at most `CATCH_UP_HOLD_STEPS` in a row."""
+        if not self.hold_decodes or self._held_steps >= CATCH_UP_HOLD_STEPS:
+            return False
+        return self.fair.interactive(tenant, self.max_num_seqs)
 
     def _seat_first(self, tenant: str) -> bool:
         """Moves `tenant`'s first waiting request to the head of the queue, past those of the head's tier and
@@ -470,7 +501,11 @@ class Scheduler:
             self.step_cost.observe(out.shape, seconds)
 
     def _schedule_running(
-        self, out: SchedulerOutput, decodes: list[ScheduledSeq], partial: list[ScheduledSeq]
+        self,
+        out: SchedulerOutput,
+        decodes: list[ScheduledSeq],
+        partial: list[ScheduledSeq],
+        catch_up: _CatchUp | None,
     ) -> tuple[int, bool]:
         bm, running, paused = self.block_manager, self.running, self.paused
         budget = self.max_num_batched_tokens
@@ -481,7 +516,7 @@ class Scheduler:
                 i += 1
                 continue
             if len(group.seqs) > 1:
-                count, group_preempted, i = self._schedule_group(group, i, out, decodes, partial, budget)
+                count, group_preempted, i = self._schedule_group(group, i, out, decodes, partial, budget, catch_up)
                 preempted |= group_preempted
                 if count >= 0:
                     num_seqs += count
@@ -496,6 +531,8 @@ class Scheduler:
             num_seqs += 1
             if left > 1:
                 partial.append(ScheduledSeq(seq, group, left))
+            elif _held(catch_up, group, 1):
+                pass  # another tenant's decode waits while the least served tenant catches up
             elif budget:  # budget only runs out when forks outgrew it
                 copies = bm.try_append_slots(seq)
                 while copies is None:
@@ -525,12 +562,13 @@ class Scheduler:
         decodes: list[ScheduledSeq],
         partial: list[ScheduledSeq],
         budget: int,
+        catch_up: _CatchUp | None,
     ) -> tuple[int, bool, int]:
         """A group of several sequences at running[i], all or nothing. Returns (its live sequences, or
         -1 when it preempted itself; whether anything was preempted; its index now)."""
         bm, running = self.block_manager, self.running
         writers, prompts = _running_parts(group)
-        if not _decode_now(group, writers, prompts, budget):
+        if not _decode_now(group, writers, prompts, budget) or _held(catch_up, group, len(writers)):
             writers = []
         need = bm.blocks_to_append_all(writers) if writers else 0
         preempted = False
@@ -970,10 +1008,21 @@ class Scheduler:
 
 @dataclass(slots=True)
 class _CatchUp:
-    """One step's cap (`_catch_up`): the prompt chunks of tenants other than `tenant` share `left` tokens."""
+    """One step's cap (`_catch_up`): the prompt chunks of tenants other than `tenant` share `left` tokens,
+    and with `hold_decodes` the decodes of tenants not `spared` wait; `held` counts them."""
 
     tenant: str
     left: int
+    hold_decodes: bool = False
+    spared: frozenset[str] = frozenset()  # tenants whose decodes run: `tenant`, those whose first token is due
+    held: int = 0
+
+    def holds(self, group: SequenceGroup, rows: int) -> bool:
+        """Whether `group`'s `rows` decodes wait this step (counted in `held`)."""
+        if not self.hold_decodes or group.sampling_params.tenant in self.spared:
+            return False
+        self.held += rows
+        return True
 
     def spent_for(self, group: SequenceGroup) -> bool:
         """Whether `group`'s chunk would get nothing of the cap."""
@@ -991,6 +1040,14 @@ class _CatchUp:
 
 def _computed_tokens(group: SequenceGroup) -> int:
     return sum(seq.num_computed_tokens for seq in group.seqs)
+
+
+def _held(catch_up: _CatchUp | None, group: SequenceGroup, rows: int) -> bool:
+    return rows > 0 and catch_up is not None and catch_up.holds(group, rows)
+
+
+def _prompt_left(seq: Sequence) -> bool:
+    return seq.status is _RUNNING and seq.num_tokens - seq.num_computed_tokens > 1
 
 
 def _has_work(seq: Sequence) -> bool:

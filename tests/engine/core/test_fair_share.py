@@ -12,7 +12,7 @@ import pytest
 from streamd.config import SchedulerConfig
 from streamd.engine.core.fairness import OTHER, OUTPUT_WEIGHT, PROMPT_WEIGHT, STARVING_S, STATS_TENANTS
 from streamd.engine.core.prefix_cache import ROOT_HASH, prefix_root
-from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.scheduler import CATCH_UP_HOLD_STEPS, Scheduler
 from streamd.engine.core.sequence import Sequence, SequenceGroup
 from streamd.engine.sampling_params import SamplingParams
 from tests.engine.core.test_scheduler import CHEAP_SWAP, FakeEngine, reference
@@ -22,10 +22,12 @@ class TenantEngine(FakeEngine):
     """FakeEngine whose requests name a tenant, a tier and a priority; records admission order. Its clock is
     simulated: `now` is the number of steps run (one second each)."""
 
-    def __init__(self, scheduling: str = "fair", weights: tuple[str, ...] = (), **kwargs) -> None:
+    def __init__(self, scheduling: str = "fair", weights: tuple[str, ...] = (), catch_up_decodes: str = "auto",
+                 **kwargs) -> None:
         super().__init__(**kwargs)
         config = self.sched.config
         config.scheduling, config.tenant_weights = scheduling, list(weights)
+        config.catch_up_decodes = catch_up_decodes
         self.now = 0.0
         self.sched = Scheduler(config, self.bm, 4096, kwargs.get("cost_model"), clock=lambda: self.now)
         self.admitted: list[str] = []
@@ -109,6 +111,69 @@ def test_a_chats_prompt_steps_cap_the_floods_prompt_chunks(scheduling):
     eng.run()
     assert eng.finished["b0"] == [reference(_prompt("b0", 12), 4)]
     assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 200), 4)] for i in range(4))
+
+
+def _flood_decodes(out) -> int:
+    return sum(1 for i in out.scheduled if i.group.sampling_params.tenant == "flood" and i.num_new_tokens == 1)
+
+
+@pytest.mark.parametrize(("policy", "want"), [("hold", [0, 0, 12]), ("run", [12, 12, 12]), ("auto", [12, 12, 12])])
+def test_an_interactive_tenants_catch_up_steps_hold_the_floods_decodes(policy, want):
+    """`catch_up_decodes = "hold"`: the chat's prompt step and the step its first token is read back after run
+    none of the flood's decodes; then they all run again. "auto" holds only where a step's sequences cost it
+    (the builder says so on the CPU; this scheduler was not told)."""
+    eng = TenantEngine(num_blocks=400, max_num_seqs=16, catch_up_decodes=policy)
+    for i in range(12):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 8), 40, "flood")
+    eng.step()
+    eng.step()  # the flood decodes
+    eng.add_as("b0", _prompt("b0", 12), 4, "chat")
+    assert [_flood_decodes(eng.step()) for _ in range(3)] == want
+    eng.run()
+    assert eng.finished["b0"] == [reference(_prompt("b0", 12), 4)]
+    assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 8), 40)] for i in range(12))
+
+
+@pytest.mark.parametrize(("queued", "held"), [(1, True), (12, False)])
+def test_only_an_interactive_tenants_catch_up_holds_decodes(queued, held):
+    """A tenant with no more requests than its equal share of the seats (1 of 8 / 2) is a chat: its catch-up
+    holds the others' decodes. One with 12 is a backlog: it catches up whenever one of its many prompts starts,
+    so holding then would starve the others (the default model's backlog shares fell to 0.31-0.34)."""
+    eng = TenantEngine(catch_up_decodes="hold", num_blocks=800, max_num_seqs=8)
+    for i in range(20):  # 8 seated and decoding, 12 waiting: more queued than the newcomer, so it is least served
+        eng.add_as(f"b{i}", _prompt(f"b{i}", 8), 40, "busy")
+    eng.step()
+    eng.step()
+    for i in range(queued):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 12), 4, "new")
+    out = eng.step()
+    assert any(i.group.sampling_params.tenant == "new" for i in out.scheduled), "the newcomer was not seated"
+    busy = sum(1 for i in out.scheduled if i.group.sampling_params.tenant == "busy" and i.num_new_tokens == 1)
+    assert (busy == 0) == held, busy
+    eng.run()
+    assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 12), 4)] for i in range(queued))
+
+
+def test_the_floods_decodes_wait_at_most_catch_up_hold_steps_in_a_row():
+    """A chat prompt chunked over many steps catches up in each while its tenant stays the least served (a
+    weight of 100 keeps it so), but the flood's decodes wait at most `CATCH_UP_HOLD_STEPS` steps in a row:
+    then a step runs them all."""
+    eng = TenantEngine(weights=("chat=100",), catch_up_decodes="hold", num_blocks=400, max_num_seqs=16,
+                       max_num_batched_tokens=24)
+    for i in range(8):
+        eng.add_as(f"a{i}", _prompt(f"a{i}", 2), 60, "flood")
+    eng.step()
+    eng.step()
+    eng.add_as("b0", _prompt("b0", 200), 4, "chat")  # 200 tokens in chunks of at most 24
+    counts = [_flood_decodes(eng.step()) for _ in range(12)]
+    runs, run = [], 0
+    for count in counts:
+        run = run + 1 if count < 8 else 0
+        runs.append(run)
+    assert max(runs) == CATCH_UP_HOLD_STEPS and min(counts) == 0, counts
+    eng.run()
+    assert eng.finished["b0"] == [reference(_prompt("b0", 200), 4)]
+    assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 2), 60)] for i in range(8))
 
 
 def test_a_catch_up_step_admits_no_request_of_another_tenant_without_a_chunk():
@@ -197,9 +262,12 @@ def test_a_tenant_that_arrives_late_is_lifted_to_the_least_active_counter():
     assert eng.counter("c") == eng.counter("a")  # no credit banked for the time it was away
 
 
+@pytest.mark.parametrize("policy", ["hold", "run"])
 @pytest.mark.parametrize(("weights", "share_a", "window"), [((), 0.5, 30), (("a=3",), 0.75, 60)])
-def test_backlogged_tenants_get_their_weighted_share_in_every_window(weights, share_a, window):
-    eng = TenantEngine(weights=weights, num_blocks=1200, max_num_seqs=16, max_num_batched_tokens=64)
+def test_backlogged_tenants_get_their_weighted_share_in_every_window(weights, share_a, window, policy):
+    """(With `catch_up_decodes = "hold"` too: a backlogged tenant is not interactive, so no decode waits.)"""
+    eng = TenantEngine(weights=weights, catch_up_decodes=policy, num_blocks=1200, max_num_seqs=16,
+                       max_num_batched_tokens=64)
     for i in range(200):  # both always have work waiting; a's requests are twice as long
         eng.add_as(f"a{i}", _prompt(f"a{i}", 16), 16, "a")
         eng.add_as(f"b{i}", _prompt(f"b{i}", 8), 8, "b")
