@@ -102,7 +102,7 @@ def test_another_draft_is_mostly_refused_and_changes_no_token(target, other_draf
 
 def test_sampled_and_parallel_requests_draft_and_end_right(target) -> None:
     llm = _llm(target, target)
-    params = SamplingParams(n=2, temperature=0.8, top_k=20, max_tokens=30, ignore_eos=True, detokenize=False)
+    params = SamplingParams(n=2, temperature=0.3, top_k=20, max_tokens=30, ignore_eos=True, detokenize=False)
     out = run_to_completion(llm.engine, [random_prompt(30, 11)], params)[0]
     assert [len(c.token_ids) for c in out.outputs] == [30, 30]
     drafted, accepted = _counts(llm)

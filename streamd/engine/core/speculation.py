@@ -32,6 +32,7 @@ after the drafts before it (`GrammarMatchers.draft_bitmask`). Plain Python: the 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -119,7 +120,7 @@ class Speculator:
         if record.paused_steps:
             record.paused_steps -= 1
             return None
-        k = min(limit, self.config.num_speculative_tokens, self._room(seq, group.sampling_params))
+        k = min(limit, self._draft_length(record), self._room(seq, group.sampling_params))
         if k <= 0 or seq.token_ids[-1] == PLACEHOLDER:
             return None
         return (
@@ -127,6 +128,16 @@ class Speculator:
             or self._from_lookup(seq, record, k)
             or self._from_draft_source(seq, k)
         )
+
+    def _draft_length(self, record: DraftRecord) -> int:
+        """Drafts worth verifying at the sequence's recent acceptance rate r: about twice the run it keeps on
+        average (r / (1 - r)), at least one, at most `num_speculative_tokens`. Each draft widens the verify
+        forward by a row, which on the CPU's packed kernels costs about what a decode's row does (a k = 8
+        verify ~2x a decode step: benchmarks/NOTES.md, issue 29), so drafts that are likely refused cost."""
+        most = self.config.num_speculative_tokens
+        if record.rate >= 1.0:
+            return most
+        return max(1, min(most, math.ceil(2 * record.rate / (1 - record.rate))))
 
     def _room(self, seq: Sequence, params: SamplingParams) -> int:
         """Drafts that can still become output: the token after them is the step's own (max_tokens, context)."""

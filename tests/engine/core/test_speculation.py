@@ -51,6 +51,22 @@ def test_drafts_stop_short_of_max_tokens_and_the_budget() -> None:
     assert spec.propose(last.seqs[0], last, 8) is None
 
 
+def test_a_sequence_drafts_fewer_tokens_while_its_drafts_are_refused_and_more_as_they_are_kept() -> None:
+    """The draft length follows the recent acceptance rate r (about 2 r / (1 - r), 1 .. k): a refused draft
+    shrinks the next, kept ones grow it back to `num_speculative_tokens`."""
+    spec = Speculator(SpeculativeConfig(num_speculative_tokens=8, min_acceptance=0.0), max_model_len=200)
+    group = _group([1], [10], list(range(10, 100)), max_tokens=150)
+    seq = group.seqs[0]
+    lengths = []
+    for accepted_share in (0.0,) * 5 + (1.0,) * 5:
+        drafted = len(spec.propose(seq, group, 8).token_ids)
+        lengths.append(drafted)
+        spec.record(seq, drafted, round(drafted * accepted_share))
+    assert lengths[0] == 8  # no history: the most
+    assert lengths[:5] == sorted(lengths[:5], reverse=True) and lengths[1] < 8 and lengths[4] == 1  # refused
+    assert lengths[5:] == sorted(lengths[5:]) and lengths[-1] > 2  # kept: growing again
+
+
 def test_failing_drafts_pause_a_sequence_longer_after_each_relapse() -> None:
     spec = Speculator(SpeculativeConfig(prompt_lookup=True, min_acceptance=0.5), max_model_len=100)
     group = _group([1, 2, 3, 1, 2], [3], max_tokens=50)
