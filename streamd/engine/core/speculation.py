@@ -21,8 +21,8 @@ costs k forwards of its own, so it drafts only where neither of the free propose
 source keeps state per sequence, its cache; it catches up on the tokens the other proposers drafted the
 next time it is asked.)
 
-A sequence whose recent acceptance rate falls below `min_acceptance` stops drafting for a while (longer
-after each relapse); a step with more decoding sequences than `disable_by_batch_size` does not speculate at all (the
+A sequence drafts fewer tokens while its recent acceptance rate is low (`_draft_length`), and one whose rate
+falls below `min_acceptance` stops drafting for a while (longer after each relapse); a step with more decoding sequences than `disable_by_batch_size` does not speculate at all (the
 wider forward stops paying). Requests whose sampling reads per-position state (penalties, seeds,
 beam search, a thinking budget, pending `min_tokens`) never speculate: their output stays exactly as
 without speculation. A structured output does speculate: each verify row is masked by its grammar's state
