@@ -22,12 +22,12 @@ source keeps state per sequence, its cache; it catches up on the tokens the othe
 next time it is asked.)
 
 A sequence drafts fewer tokens while its recent acceptance rate is low (`_draft_length`), and one whose rate
-falls below `min_acceptance` stops drafting for a while (longer after each relapse); a step with more decoding sequences than `disable_by_batch_size` does not speculate at all (the
-wider forward stops paying). Requests whose sampling reads per-position state (penalties, seeds,
-beam search, a thinking budget, pending `min_tokens`) never speculate: their output stays exactly as
-without speculation. A structured output does speculate: each verify row is masked by its grammar's state
-after the drafts before it (`GrammarMatchers.draft_bitmask`). Plain Python: the scheduler owns one
-`Speculator`.
+falls below `min_acceptance` stops drafting for a while (longer after each relapse); a step with more decoding
+sequences than `disable_by_batch_size` does not speculate at all (the wider forward stops paying). Requests
+whose sampling reads per-position state (penalties, seeds, beam search, a thinking budget, pending
+`min_tokens`) never speculate: their output stays exactly as without speculation. A structured output does
+speculate: each verify row is masked by its grammar's state after the drafts before it
+(`GrammarMatchers.draft_bitmask`). Plain Python: the scheduler owns one `Speculator`.
 """
 
 from __future__ import annotations
