@@ -67,6 +67,7 @@ OTHER_VARIABLES = frozenset(
 )
 
 FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/worker/fusion.py)
+CATCH_UP_DECODES = ("auto", "hold", "run")  # scheduler.catch_up_decodes (streamd/engine/core/scheduler.py)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # model.quantization (streamd/engine/worker/model_loader.py)
 ALL_REDUCE_MODES = ("auto", "nccl", "symm_mem")  # parallel.all_reduce (streamd/engine/worker/parallel/all_reduce.py)
 
@@ -181,7 +182,7 @@ class SchedulerConfig:
         _positive("scheduler.max_num_batched_tokens", self.max_num_batched_tokens)
         _non_negative("scheduler.max_step_ms", self.max_step_ms)
         _non_negative("scheduler.catch_up_chunk_tokens", self.catch_up_chunk_tokens)
-        _one_of("scheduler.catch_up_decodes", self.catch_up_decodes, ("auto", "hold", "run"))
+        _one_of("scheduler.catch_up_decodes", self.catch_up_decodes, CATCH_UP_DECODES)
         if not 0 < self.queue_aging <= 1:
             raise ConfigError(f"scheduler.queue_aging must be in (0, 1], got {self.queue_aging}")
         _one_of("scheduler.preemption_mode", self.preemption_mode, ("auto", "swap", "recompute"))

@@ -164,6 +164,22 @@ def _watch_preemptions(engine, draft: DraftModel) -> list[int]:
     return preempted
 
 
+def test_the_kv_pool_reserves_what_full_draft_caches_hold(target) -> None:
+    """`max_cache_bytes` (left beside the KV pool on CUDA) covers `max_sequences` caches filled to the draft's
+    context: a full one holds `max_len` - 1 tokens (the last draft is never fed), the bound `max_len`."""
+    model = _draft(_llm(target, target)).model
+    draft = DraftModel(model, VOCAB, 24, 2)
+    for seq_id in (1, 2):
+        draft.propose(seq_id, random_prompt(80 + seq_id, 20), 8)  # 20 + 4 drafts = the context of 24 tokens
+    held = sum(
+        t.numel() * t.element_size()
+        for kv in draft._caches.values()
+        for layer in kv.cache.layers
+        for t in (layer.keys, layer.values)
+    )
+    assert held == draft.max_cache_bytes() * 23 // 24 > 0
+
+
 def test_a_draft_cache_rolled_back_proposes_as_a_fresh_one(target) -> None:
     """After refused drafts the cache is cropped to the kept tokens: the next proposal is what a draft with
     no cache proposes for the same tokens; the least recently used cache goes past the bound."""

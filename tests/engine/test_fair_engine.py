@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from streamd.engine.core.fairness import FairShare
 from streamd.engine.llm_engine import LLMEngine
 from streamd.engine.sampling_params import SamplingParams
+from tests.helpers import tiny_llm
 
 
 @contextmanager
@@ -48,3 +49,10 @@ def test_a_priority_request_takes_the_first_seat_that_frees(smol_llm) -> None:
             admitted += [g.request_id for g in engine.scheduler.running if g.request_id not in admitted]
     assert admitted[0] == "d0" and admitted[2] == "p0", admitted  # the seat d0 freed
     assert engine.block_manager.num_free_blocks() == engine.block_manager.num_blocks
+
+
+def test_on_the_cpu_auto_catch_ups_hold_decodes_and_run_keeps_them() -> None:
+    """The builder tells the scheduler that a step's sequences cost it on the CPU, so "auto" holds the other
+    tenants' decodes in an interactive tenant's catch-up steps there (core/scheduler.py); "run" never does."""
+    assert tiny_llm().engine.scheduler.hold_decodes
+    assert not tiny_llm(catch_up_decodes="run").engine.scheduler.hold_decodes

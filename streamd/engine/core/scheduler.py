@@ -269,7 +269,9 @@ class Scheduler:
             self._restore_arrival_order()
         decodes: list[ScheduledSeq] = []
         partial: list[ScheduledSeq] = []  # prompt chunks, sized once the decodes have their tokens
-        catch_up = self._catch_up(seat_free) if self.fair.reorders else None
+        # A catch-up that may hold decodes is decided before they are scheduled (scanning the running groups
+        # for the tenant's prompt); one that only caps prompt chunks after, from the chunks found (no scan).
+        catch_up = self._catch_up(seat_free, None) if self.fair.reorders and self.hold_decodes else None
         num_seqs, preempted = self._schedule_running(out, decodes, partial, catch_up)
         budget = self.max_num_batched_tokens - len(decodes)
         if not preempted:
@@ -279,6 +281,8 @@ class Scheduler:
         budget -= num_drafts
         shape = out.shape
         shape.tokens = len(decodes) + num_drafts
+        if self.fair.reorders and not self.hold_decodes:
+            catch_up = self._catch_up(seat_free, partial)
         later = []  # with a catch-up: the other tenants' running prompts, chunked after the admission
         if catch_up is not None:
             later = [item for item in partial if item.group.sampling_params.tenant != catch_up.tenant]
@@ -379,18 +383,19 @@ class Scheduler:
         self.waiting.appendleft(candidate)
         return True
 
-    def _catch_up(self, seat_free: bool) -> _CatchUp | None:
+    def _catch_up(self, seat_free: bool, partial: list[ScheduledSeq] | None) -> _CatchUp | None:
         """The step's cap on the other tenants' prompt chunks and decodes when the least served tenant's prompt
         runs in it (a chunk of it, or, with a seat free, its first waiting request seated first) or its first
         token, sampled in the last step, is read back after it (outputs trail the device by a step; then the
         tenant the last step caught up, whom its prompt's charge may have made no longer the least served):
         that tenant's first token then waits for steps near its own work's duration, not for ones full of
-        the others' prompts and decodes."""
+        the others' prompts and decodes. `partial`: the step's running prompt chunks, once known (None: the
+        running groups are scanned)."""
         least = self.fair.least_served()
         if least is None:
             return None
         tenant = self._caught_up if self._caught_up in self._first_token_due else least  # (charged, no longer least)
-        due = tenant in self._first_token_due or self._prompt_running(tenant)
+        due = tenant in self._first_token_due or self._prompt_running(tenant, partial)
         if not due and seat_free:
             due = self._seat_first(tenant)
         if not due:
@@ -398,8 +403,11 @@ class Scheduler:
         spared = self._first_token_due | {tenant}  # whose decodes run (a first token read back is one to protect too)
         return _CatchUp(tenant, self.catch_up_chunk_tokens, self._holds_decodes(tenant), frozenset(spared))
 
-    def _prompt_running(self, tenant: str) -> bool:
-        """Whether a running (not paused) group of `tenant` has prompt tokens left to compute."""
+    def _prompt_running(self, tenant: str, partial: list[ScheduledSeq] | None) -> bool:
+        """Whether a running (not paused) group of `tenant` has prompt tokens left to compute (one of the
+        step's chunks `partial`, when they are known)."""
+        if partial is not None:
+            return any(item.group.sampling_params.tenant == tenant for item in partial)
         paused = self.paused
         mine = (g for g in self.running if g.sampling_params.tenant == tenant and g.request_id not in paused)
         return any(any(map(_prompt_left, group.seqs)) for group in mine)

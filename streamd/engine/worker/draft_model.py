@@ -33,6 +33,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from streamd.config import Config, ConfigError
 from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_dtype
+from streamd.engine.worker.model_runner import kv_layout_of
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -69,13 +70,10 @@ class DraftModel:
         return list(self._caches)
 
     def max_cache_bytes(self) -> int:
-        """The most its caches hold: `max_sequences` of `max_len` tokens (the KV pool is sized around it)."""
-        text = self.model.config.get_text_config()
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        element = next(self.model.parameters()).element_size()
-        per_token = 2 * text.num_hidden_layers * kv_heads * head_dim * element
-        return self.max_sequences * self.max_len * per_token
+        """The most its caches hold: `max_sequences` of `max_len` tokens (the KV pool is sized around it), each
+        sequence's cache laid out as one block of the paged pool's layout would be."""
+        dtype = next(self.model.parameters()).dtype
+        return self.max_sequences * kv_layout_of(self.model, self.max_len, dtype).bytes_per_block
 
     @torch.inference_mode()
     def propose(self, seq_id: int, token_ids: list[int], limit: int) -> list[int]:

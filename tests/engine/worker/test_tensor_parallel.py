@@ -154,7 +154,8 @@ def test_a_worker_fuses_its_shard_as_rank_0_does(tmp_path: Path) -> None:
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1, datetime.timedelta(seconds=30))
     plan = plan_all_reduce("auto", torch.device("cpu"), 4, 64)
     # rank 1 of 2 (cutting needs no collective; the all-reduce group only runs in a forward)
-    runner = _load_shard(WorkerArgs(1, 2, 0, config, None, plan), GroupAllReduce(group, "gloo"), torch.device("cpu"))
+    args = WorkerArgs(1, 2, 0, config, None, plan)
+    runner = _load_shard(args, GroupAllReduce(group, "gloo"), torch.device("cpu"), torch.float32)
     assert isinstance(runner.model.model, FusedDecoder)
     assert runner.model.model.layers[0].qkv_proj.weight.shape[0] == (4 + 2 * 1) * 16  # its 4 q heads, 1 k, 1 v
 

@@ -166,7 +166,7 @@ def worker_main(args: WorkerArgs) -> None:
     groups = _connect(store, args.rank, args.world_size, config, device)
     dtype = resolve_dtype(config.model.dtype, device)
     all_reduce = _layer_all_reduce(args.all_reduce, store, args.rank, args.world_size, groups, device, dtype)
-    runner = _load_shard(args, all_reduce, device)
+    runner = _load_shard(args, all_reduce, device, dtype)
     Worker(args, groups, runner).serve()
 
 
@@ -192,10 +192,9 @@ def _layer_all_reduce(
     return build_all_reduce(plan, groups.collectives, context)
 
 
-def _load_shard(args: WorkerArgs, all_reduce: LayerAllReduce, device: torch.device) -> ModelRunner:
-    """This rank's shard on its device, its layers fused as rank 0's (`builder._kv_cache`)."""
+def _load_shard(args: WorkerArgs, all_reduce: LayerAllReduce, device: torch.device, dtype: torch.dtype) -> ModelRunner:
+    """This rank's shard on its device in `dtype`, its layers fused as rank 0's (`builder._kv_cache`)."""
     config = args.config
-    dtype = resolve_dtype(config.model.dtype, device)
     loaded = load_model(
         args.model_config or config.model.name, dtype, torch.device("cpu"), config.model.cache_dir, config.model.seed
     )
