@@ -37,6 +37,10 @@ def test_light_multiturn_report(tmp_path: Path) -> None:
         assert r["prefilled_prompt_tokens"] == r["never_computed_tokens"] + r["recomputed_prompt_tokens"]
         assert r["recomputed_prompt_tokens"] == r["recomputed_in_partial_blocks"] + r["missed_cacheable_tokens"]
     assert report["greedy_outputs_identical"] is True
+    assert report["greedy_outputs_identical_to_unevicted"] is True
+    unevicted = report["unevicted_device"]
+    assert unevicted["missed_cacheable_tokens"] == 0 and unevicted["requests"] == plain["requests"]
+    assert unevicted["prefilled_prompt_tokens"] == disk["prefilled_prompt_tokens"]  # the tier missed nothing
     assert disk["missed_cacheable_tokens"] == 0 < plain["missed_cacheable_tokens"]
     assert disk["dropped_spills"] == 0
     assert disk["recomputed_prompt_tokens"] < plain["recomputed_prompt_tokens"]
