@@ -12,7 +12,6 @@ route family can change alone.
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -48,40 +47,64 @@ class SSEResponse(StreamingResponse):
     async def stream_response(self, send: Send) -> None:
         keeper = Keepalive(send, self._keepalive_s) if self._keepalive_s > 0 else None
         try:
-            await super().stream_response(keeper.send if keeper is not None else send)
+            if keeper is None:
+                await super().stream_response(send)
+            else:
+                await self._stream_kept(send, keeper)
         finally:
             if keeper is not None:
                 keeper.stop()
             await self.body_iterator.aclose()  # type: ignore[attr-defined]
             self._on_close()
 
+    async def _stream_kept(self, send: Send, keeper: Keepalive) -> None:
+        """StreamingResponse's loop with the keepalive's bookkeeping inline (no wrapper coroutine per chunk:
+        at 256 streams the server's CPU is the limit, and a wrapped `send` cost ~0.5 us a chunk, ~1% of it)."""
+        await keeper.send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        async for chunk in self.body_iterator:
+            body = chunk if isinstance(chunk, bytes | memoryview) else chunk.encode(self.charset)
+            if keeper.comment is not None:  # (rare: the timer's comment is being written, to a slow reader)
+                await keeper.comment_written()
+            keeper.body_writing = True
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            keeper.body_writing = False
+            keeper.writes += 1
+        await keeper.send({"type": "http.response.body", "body": b"", "more_body": False})
+
 
 class Keepalive:
-    """Wraps a response's `send`: once the head is out, a timer task writes `KEEPALIVE` whenever nothing was
-    written for `interval_s`. No lock on the body's path (a lock cost ~3 us a chunk, ~15% of the null model's
-    SSE serving): the timer writes only while no body write is in progress, and a body write that comes while
-    the timer's comment is being written waits for it."""
+    """A response's keepalive: once the head is out, a timer task writes `KEEPALIVE` into silence. The body's
+    path only counts its writes (`writes`, `body_writing`: no lock, no clock; a lock cost ~3 us a chunk, ~15% of
+    the null model's SSE serving). The timer wakes every half interval and writes when no write happened since
+    its last wake and none is under way, so the first comment comes 1/2-1 interval into a silence and the next
+    ones an interval apart; a write stalled on a slow reader is looked at again a half interval later, never
+    polled. A body write that comes while the timer's comment is being written waits for it. `send` is the
+    same bookkeeping around any message (the head, the last body, or a whole response written through it)."""
 
     def __init__(self, send: Send, interval_s: float) -> None:
         self._send, self._interval_s = send, interval_s
-        self._last = time.monotonic()
+        self.writes = 0  # writes so far (body chunks and comments)
+        self.body_writing = False
+        self.comment: asyncio.Future[None] | None = None  # the timer's write in progress
+        self.wakes = 0  # the timer's wake-ups (how often it looks)
         self._timer: asyncio.Task[None] | None = None
         self._done = False
-        self._body_writing = False
-        self._comment: asyncio.Future[None] | None = None  # the timer's write in progress
 
     async def send(self, message: Message) -> None:
-        while self._comment is not None:
-            await self._comment
-        self._body_writing = True
+        await self.comment_written()
+        self.body_writing = True
         try:
             await self._send(message)
         finally:
-            self._body_writing = False
-        self._last = time.monotonic()
+            self.body_writing = False
+        self.writes += 1
         self._done = message["type"] == "http.response.body" and not message.get("more_body", False)
         if self._timer is None and not self._done:
             self._timer = asyncio.ensure_future(self._keep())
+
+    async def comment_written(self) -> None:
+        while self.comment is not None:
+            await self.comment
 
     def stop(self) -> None:
         self._done = True
@@ -89,25 +112,27 @@ class Keepalive:
             self._timer.cancel()
 
     async def _keep(self) -> None:
-        """Sleeps until `interval_s` after the last write, then writes unless something did meanwhile; while a
-        body write is stalled (a slow reader) it looks again an interval later, it does not poll."""
+        seen = -1  # (the first wake only notes the count)
         try:
             while not self._done:
-                wait = self._interval_s if self._body_writing else self._last + self._interval_s - time.monotonic()
-                await asyncio.sleep(max(0.0, wait))
-                if not (self._done or self._body_writing or time.monotonic() - self._last < self._interval_s):
-                    await self._write_comment()
+                await asyncio.sleep(self._interval_s / 2)
+                self.wakes += 1
+                if self._done or self.body_writing or self.writes != seen:
+                    seen = self.writes
+                    continue
+                await self._write_comment()
+                seen = -1  # (the next wake only notes the count: comments an interval apart in silence)
         except OSError:  # the client is gone: the body's next write (or the disconnect watch) ends the response
             return
 
     async def _write_comment(self) -> None:
-        self._comment = asyncio.get_running_loop().create_future()
+        self.comment = asyncio.get_running_loop().create_future()
         try:
             await self._send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
-            self._last = time.monotonic()
+            self.writes += 1
         finally:
-            self._comment.set_result(None)
-            self._comment = None
+            self.comment.set_result(None)
+            self.comment = None
 
 
 async def json_body(request: Request) -> dict[str, Any]:

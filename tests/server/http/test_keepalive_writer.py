@@ -4,13 +4,8 @@ only into silence, stops with the body, and waits for a write stalled on a slow 
 from __future__ import annotations
 
 import asyncio
-import time
-from types import SimpleNamespace
 from typing import Any
 
-import pytest
-
-from streamd.server.http import common
 from streamd.server.http.common import KEEPALIVE, Keepalive
 
 INTERVAL_S = 0.02
@@ -37,17 +32,9 @@ async def test_silence_gets_keepalives_and_the_end_stops_them() -> None:
     assert 2 <= count == sent.count(KEEPALIVE), sent  # some in the silence, none after the last write
 
 
-async def test_a_stalled_write_is_waited_for_not_polled(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_stalled_write_is_waited_for_not_polled() -> None:
     """A body write blocked (a slow reader: the server's send awaits its drain) for many intervals: the timer
-    wakes a few times, not once per event-loop turn, and writes nothing while the write is under way."""
-    calls = 0
-
-    def monotonic() -> float:
-        nonlocal calls
-        calls += 1
-        return time.monotonic()
-
-    monkeypatch.setattr(common, "time", SimpleNamespace(monotonic=monotonic))
+    wakes twice an interval, not once per event-loop turn, and writes nothing while the write is under way."""
     unblock = asyncio.Event()
     sent: list[bytes] = []
 
@@ -60,14 +47,37 @@ async def test_a_stalled_write_is_waited_for_not_polled(monkeypatch: pytest.Monk
     await keeper.send({"type": "http.response.start", "status": 200, "headers": []})
     writer = asyncio.ensure_future(keeper.send(_body(b"stalled")))
     await asyncio.sleep(INTERVAL_S * 2)
-    before = calls
+    before = keeper.wakes
     await asyncio.sleep(INTERVAL_S * 15)  # the write stays stalled all along
-    polled = calls - before
+    polled = keeper.wakes - before
     unblock.set()
     await writer
     keeper.stop()
-    assert polled < 10, f"the keepalive timer read the clock {polled} times while one write was stalled"
+    assert 0 < polled <= 32, f"the keepalive timer woke {polled} times in 15 intervals of one stalled write"
     assert KEEPALIVE not in sent[sent.index(b"stalled") :], sent
+
+
+async def test_a_comment_comes_within_one_interval_of_silence_and_none_while_chunks_flow() -> None:
+    """Chunks every fifth of an interval for three intervals: no comment between them; then silence: the
+    first comment within one interval (plus the loop's slack), never before half of one."""
+    sent: list[tuple[float, bytes]] = []
+    loop = asyncio.get_running_loop()
+
+    async def send(message: Any) -> None:
+        sent.append((loop.time(), message.get("body", b"head")))
+
+    keeper = Keepalive(send, INTERVAL_S * 5)
+    await keeper.send({"type": "http.response.start", "status": 200, "headers": []})
+    for _ in range(15):
+        await keeper.send(_body(b"data: z\n\n"))
+        await asyncio.sleep(INTERVAL_S)
+    while sent[-1][1] != KEEPALIVE:
+        await asyncio.sleep(INTERVAL_S)
+    keeper.stop()
+    last_data = max(t for t, body in sent if body.startswith(b"data"))
+    comments = [t for t, body in sent if body == KEEPALIVE]
+    assert len(comments) == 1 and comments[0] > last_data, sent  # none while the chunks flowed
+    assert INTERVAL_S * 5 / 2 <= comments[0] - last_data < INTERVAL_S * 5 * 2, sent
 
 
 async def test_a_body_write_waits_for_a_comment_being_written() -> None:
