@@ -79,6 +79,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     overhead.add_argument("--pairs", type=int, default=3)
     overhead.add_argument("--max-tokens", type=int, default=64)
     overhead.add_argument("--requests-per-stream", type=int, default=2)
+    overhead.add_argument(
+        "--model", default=NULL_MODEL, help="a real model for both servers (default: the null model, the worst case)"
+    )
+    overhead.add_argument("--layout", choices=("thread", "process", "split"), default="thread")
+    overhead.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="both servers' settings")
     add_out_argument(parser)
 
 
@@ -86,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     scenarios = args.scenarios.split(",")
     if unknown := set(scenarios) - set(SCENARIOS):
         raise BenchError(f"unknown scenarios {sorted(unknown)}; known: {', '.join(SCENARIOS)}")
-    report: dict[str, Any] = {**report_header("cpu"), "model": NULL_MODEL, "label": NULL_LABEL, "argv": sys.argv[1:]}
+    report: dict[str, Any] = {**report_header(_device(args)), **_model(args), "argv": sys.argv[1:]}
     for name in scenarios:
         report[name] = asyncio.run(SCENARIO_RUNS[name](args))
         print(json.dumps({name: report[name]}, indent=1, default=str), flush=True)
@@ -95,13 +100,33 @@ def run(args: argparse.Namespace) -> int:
     return 0 if all_met(report) else 1
 
 
+def _model(args: argparse.Namespace) -> dict[str, str]:
+    """The report's model and label: only the overhead scenario takes a real model."""
+    model = getattr(args, "model", NULL_MODEL)
+    if model == NULL_MODEL or "overhead" not in args.scenarios.split(","):
+        return {"model": NULL_MODEL, "label": NULL_LABEL}
+    return {"model": model, "label": f"{model} (real forward passes; overhead only), layout {args.layout}"}
+
+
+def _device(args: argparse.Namespace) -> str:
+    """Where a real model's servers run (the null model's always on the CPU)."""
+    if _model(args)["model"] == NULL_MODEL:
+        return "cpu"
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 # ---- servers and the proxy -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def null_server(settings: list[str], extra: list[str]) -> Iterator[ServerProcess]:
-    """A null-model `streamd bench serve_target` process (the real server path, its CPU time readable)."""
+def null_server(
+    settings: list[str], extra: list[str], model: str = NULL_MODEL, layout: str = "thread"
+) -> Iterator[ServerProcess]:
+    """A `streamd bench serve_target` process (the real server path, its CPU time readable): the null model
+    unless `model` names another."""
     from streamd.bench.serve_baseline import ServerProcess
 
-    server = ServerProcess(NULL_MODEL, [*DEFAULT_SETTINGS, *settings], "thread", extra)
+    server = ServerProcess(model, [*DEFAULT_SETTINGS, *settings], layout, extra)
     try:
         yield server
     finally:
@@ -488,12 +513,12 @@ async def overhead(args: argparse.Namespace) -> dict[str, Any]:
 def _overhead(args: argparse.Namespace) -> dict[str, Any]:
     """A quarter of the streams wait in the queue (seats for three quarters), so the "on" server reports queue
     places and every chunk carries usage; its keepalive stays quiet while tokens flow, as it should."""
-    base = [f"scheduler.max_num_seqs={max(1, args.streams * 3 // 4)}"]
+    base = [*args.set, f"scheduler.max_num_seqs={max(1, args.streams * 3 // 4)}"]
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        on = stack.enter_context(null_server([*base, "server.sse_keepalive_s=15"], []))
+        on = stack.enter_context(null_server([*base, "server.sse_keepalive_s=15"], [], args.model, args.layout))
         off_settings = [*base, "server.sse_keepalive_s=0", "server.ws_ping_interval_s=0"]
-        off = stack.enter_context(null_server(off_settings, ["--no-progress"]))
+        off = stack.enter_context(null_server(off_settings, ["--no-progress"], args.model, args.layout))
         for pair in range(args.pairs):
             for transport in ("sse", "ws"):
                 order = (("on", on), ("off", off)) if pair % 2 == 0 else (("off", off), ("on", on))

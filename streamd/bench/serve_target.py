@@ -6,8 +6,8 @@ It prints `LISTENING <port> <engine thread id> <engine process id>` once ready, 
 it and read its threads' CPU time from the OS; SIGTERM drains and exits as `streamd serve` does. Layouts:
 `thread` (the engine on a thread of the server process, as `streamd serve`), `process` (the engine in a
 child process, `ProcessEngine`) and `split` (the same, with the output processor
-in the server process). `--prefill-s-per-token` and `--no-progress` are the null model's switches for
-`streamd bench live` (null_model.py).
+in the server process). `--prefill-s-per-token` is the null model's switch for `streamd bench live`
+(null_model.py); `--no-progress` (any model) makes its "off" server, which reports nothing before a first token.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import sys
 import time
 from collections.abc import Callable
 
-from streamd.bench.null_model import null_engine
+from streamd.bench.null_model import NoProgress, null_engine
 from streamd.bench.report import NULL_MODEL
 from streamd.config import Config, load_config, parse_value
 from streamd.engine.client.engine_process import ProcessEngine
@@ -45,10 +45,14 @@ def build_config(model: str, settings: list[str], layout: str | None = None) -> 
 
 
 def build_engine(model: str, config: Config, prefill_s_per_token: float = 0.0, progress: bool = True) -> LLMEngine:
-    """The null model (with its switches) or the named model's real engine."""
+    """The null model (with its switches) or the named model's real engine (`progress` off: it reports
+    nothing before a first token, as `bench live`'s "off" server)."""
     if model == NULL_MODEL:
         return null_engine(config, prefill_s_per_token, progress)
-    return LLMEngine.from_config(config)
+    engine = LLMEngine.from_config(config)
+    if not progress:
+        engine._progress = NoProgress()  # type: ignore[assignment]
+    return engine
 
 
 async def serve(
@@ -81,7 +85,7 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--layout", choices=LAYOUTS, default="thread")
     parser.add_argument("--prefill-s-per-token", type=float, default=0.0, help="null model: a prefill's sleep")
-    parser.add_argument("--no-progress", action="store_true", help="null model: no progress reports")
+    parser.add_argument("--no-progress", action="store_true", help="no progress reports before a first token")
     args = parser.parse_args()
     config = build_config(args.model, args.set, args.layout)
     configure_server_logging(config)  # as `streamd serve` does (the benchmark asks for warnings only)
