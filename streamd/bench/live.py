@@ -83,6 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--model", default=NULL_MODEL, help="a real model for both servers (default: the null model, the worst case)"
     )
     overhead.add_argument("--layout", choices=("thread", "process", "split"), default="thread")
+    overhead.add_argument("--overhead-transports", default="sse,ws", help="of: sse, ws")
     overhead.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="both servers' settings")
     add_out_argument(parser)
 
@@ -512,17 +513,20 @@ async def overhead(args: argparse.Namespace) -> dict[str, Any]:
 
 def _overhead(args: argparse.Namespace) -> dict[str, Any]:
     """A quarter of the streams wait in the queue (seats for three quarters), so the "on" server reports queue
-    places and every chunk carries usage; its keepalive stays quiet while tokens flow, as it should."""
-    base = [*args.set, f"scheduler.max_num_seqs={max(1, args.streams * 3 // 4)}"]
+    places and every chunk carries usage; its keepalive stays quiet while tokens flow, as it should. Each pair
+    starts its own two servers (in alternating order): two processes of one configuration differ by up to ~20%
+    in CPU per token for as long as they live (an A/A run on the CPU: benchmarks/NOTES.md), so servers kept for
+    every pair would carry their own bias into every ratio."""
+    transports = args.overhead_transports.split(",")
+    if unknown := set(transports) - {"sse", "ws"}:
+        raise BenchError(f"--overhead-transports: unknown {sorted(unknown)}; known: sse, ws")
     rows: list[dict[str, Any]] = []
-    with contextlib.ExitStack() as stack:
-        on = stack.enter_context(null_server([*base, "server.sse_keepalive_s=15"], [], args.model, args.layout))
-        off_settings = [*base, "server.sse_keepalive_s=0", "server.ws_ping_interval_s=0"]
-        off = stack.enter_context(null_server(off_settings, ["--no-progress"], args.model, args.layout))
-        for pair in range(args.pairs):
-            for transport in ("sse", "ws"):
-                order = (("on", on), ("off", off)) if pair % 2 == 0 else (("off", off), ("on", on))
-                runs = {side: _served(args, server, transport, side == "on", pair) for side, server in order}
+    for pair in range(args.pairs):
+        with contextlib.ExitStack() as stack:
+            servers = _overhead_servers(args, stack, first="on" if pair % 2 == 0 else "off")
+            for transport in transports:
+                order = ("on", "off") if pair % 2 == 0 else ("off", "on")
+                runs = {side: _served(args, servers[side], transport, side == "on", pair) for side in order}
                 rows.append(_overhead_row(pair, transport, runs))
                 print(rows[-1], flush=True)
     return {
@@ -534,6 +538,18 @@ def _overhead(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def _overhead_servers(args: argparse.Namespace, stack: contextlib.ExitStack, first: str) -> dict[str, ServerProcess]:
+    """The "on" server (progress reports, SSE keepalive) and the "off" one (neither, no WebSocket pings), the
+    `first` started first."""
+    base = [*args.set, f"scheduler.max_num_seqs={max(1, args.streams * 3 // 4)}"]
+    configs = {
+        "on": ([*base, "server.sse_keepalive_s=15"], []),
+        "off": ([*base, "server.sse_keepalive_s=0", "server.ws_ping_interval_s=0"], ["--no-progress"]),
+    }
+    sides = [first, *(side for side in configs if side != first)]
+    return {side: stack.enter_context(null_server(*configs[side], args.model, args.layout)) for side in sides}
+
+
 def _overhead_row(pair: int, transport: str, runs: dict[str, tuple[float, float]]) -> dict[str, Any]:
     """tok/s on/off (`ratio`) and the server's CPU µs per token off/on (`cpu_ratio`: below 1, "on" costs more)."""
     (on, on_us), (off, off_us) = runs["on"], runs["off"]
@@ -542,7 +558,8 @@ def _overhead_row(pair: int, transport: str, runs: dict[str, tuple[float, float]
 
 
 def _medians(rows: list[dict[str, Any]], key: str) -> dict[str, float]:
-    return {t: statistics.median(r[key] for r in rows if r["transport"] == t) for t in ("sse", "ws")}
+    transports = dict.fromkeys(r["transport"] for r in rows)
+    return {t: statistics.median(r[key] for r in rows if r["transport"] == t) for t in transports}
 
 
 def _served(
