@@ -142,3 +142,25 @@ def test_symm_mem_path_by_size_and_dtype(fused: bool) -> None:
         symm(output)
     assert fallback.taken == [(rows + 1, hidden), (8, hidden), (3,), (8, hidden)]
     assert (symm.one_shot_calls, symm.two_shot_calls) == (1, 1)
+
+
+def test_the_registered_group_outlives_its_maker_and_resolves_by_name() -> None:
+    """torch 2.11's symmetric-memory rendezvous looks its group up by name in c10d's registry, which holds groups
+    weakly: the wrapper over the engine's backend must stay alive after registering (the second two-GPU run found
+    it "already destroyed"). gloo stands in for NCCL."""
+    import gc
+    import uuid
+
+    from torch._C._distributed_c10d import _resolve_process_group
+
+    from streamd.engine.worker.parallel import all_reduce
+
+    name = f"test-{uuid.uuid4().hex}"
+    context = RankContext(0, 1, CPU, torch.float32, dist.HashStore(), lambda ok: ok)
+    all_reduce._register_process_group(name, _gloo(), context, dist.HashStore(), device="cpu")  # type: ignore[arg-type]
+    gc.collect()
+    group = _resolve_process_group(name)  # type: ignore[arg-type]
+    assert group.rank() == 0 and group.size() == 1
+    summed = torch.ones(4)
+    group.allreduce(summed).wait()  # the wrapper reaches the backend it was built over
+    assert summed.tolist() == [1.0] * 4

@@ -48,6 +48,10 @@ ONE_SHOT_MAX_BYTES = 512 * 1024  # the probe: one-shot wins at 128 KiB, two-shot
 _SYMM_DTYPES = (torch.float32, torch.bfloat16)  # what torch's symmetric-memory reduction kernels take
 _ALIGN_BYTES = 16  # whole 16-byte vectors: the kernels' widest access, and every hidden size in use
 
+# The ProcessGroups registered for symmetric memory's rendezvous, by name: c10d's registry does not keep them
+# alive. One per engine (a uuid name), a few hundred bytes, held for the process's life like the registry's entry.
+_REGISTERED: dict[str, dist.ProcessGroup] = {}
+
 Agree = Callable[[bool], bool]  # every rank's vote on this rank's outcome (`workers.all_agree`)
 
 
@@ -166,17 +170,22 @@ def _allocate(plan: AllReducePlan, group: Collectives, ctx: RankContext) -> torc
     return _SymmetricMemory.empty_strided_p2p((plan.max_numel,), (1,), ctx.dtype, device, plan.group_name)
 
 
-def _register_process_group(name: str, group: Collectives, ctx: RankContext, store: dist.Store) -> None:
-    """Registers a ProcessGroup over the engine's NCCL backend under `name` in c10d's registry as well: torch
-    2.11's rendezvous (the device's) resolves the name there, not in symmetric memory's own group info ("Could
-    not resolve the process group registered under the name ...", measured 2026-11-27)."""
+def _register_process_group(
+    name: str, group: Collectives, ctx: RankContext, store: dist.Store, device: str = "cuda"
+) -> None:
+    """Registers a ProcessGroup over the engine's backend (NCCL; gloo in the CPU test) under `name` in c10d's
+    registry as well: torch 2.11's rendezvous (the device's) resolves the name there, not in symmetric memory's
+    own group info ("Could not resolve the process group registered under the name ...", measured 2026-11-27).
+    The registry holds its groups weakly, so the wrapper is kept in `_REGISTERED` ("has already been
+    destroyed", the second GPU run)."""
     from torch._C._distributed_c10d import _register_process_group as register
 
     wrapper = dist.ProcessGroup(store, ctx.rank, ctx.world)
-    nccl = dist.ProcessGroup.BackendType.NCCL
-    wrapper._register_backend(torch.device("cuda"), nccl, cast(Any, group))
-    wrapper._set_default_backend(nccl)
+    kind = dist.ProcessGroup.BackendType.NCCL if device == "cuda" else dist.ProcessGroup.BackendType.GLOO
+    wrapper._register_backend(torch.device(device), kind, cast(Any, group))
+    wrapper._set_default_backend(kind)
     register(cast(Any, name), wrapper)  # (typed as c10d's GroupName, a str)
+    _REGISTERED[name] = wrapper
 
 
 def _rendezvous(
