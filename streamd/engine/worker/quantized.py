@@ -34,6 +34,14 @@ Part = lowbit.Int4Weight | lowbit.Int8Weight
 DENSE_ROWS = 96
 DENSE_MAX_WEIGHTS = 1 << 22
 
+# How low-bit layers multiply (`model.low_bit_matmul`, resolved by `model_loader.low_bit_plan`): weight-only
+# (the packed kernels, bfloat16 activations) or int8 weights x int8 activations (`W8A8Linear`).
+WEIGHT_ONLY, W8A8 = "weight_only", "w8a8"
+REQUANTIZE_ROWS = 4096  # rows of GGUF codes requantized to int8 at a time
+# Rows from which `W8A8Linear` takes the int8 x int8 path (benchmarks/NOTES.md, "Issue 25, W8A8": one thread, the
+# default model's layers; below, torch's weight-only int8 kernel with bfloat16 activations costs less).
+INT_MM_ROWS = 8
+
 
 def dense_from_rows(model: nn.Module) -> int | None:
     """The rows from which `model`'s low-bit layers take the dense path (None: none does): a step with
@@ -102,30 +110,126 @@ class QuantizedEmbedding(nn.Module):
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
 
-def linear_from_codes(codes: Int4Codes | Q8Codes, bias: torch.Tensor | None, compute: torch.dtype) -> QuantizedLinear:
-    """A Linear of GGUF codes, exactly: an Int4Codes packs as it is, a Q8Codes as its two int4 halves. The
-    kernels run in `compute` (the input is cast to it, the output back); the bias is added in the input's dtype."""
+class SharedInput:
+    """The int8 rows of one input that `readers` sibling layers read in turn (q/k/v, gate/up: transformers'
+    Llama-style attention and MLP pass them the one tensor, unchanged): quantized by the first reader, reused by
+    the others, then dropped. The input is recognised by identity (held meanwhile, so its id is not reused); a
+    caller that changed it in place between siblings would get the old rows, which those models never do."""
+
+    def __init__(self, readers: int) -> None:
+        self.readers = readers
+        self._input: torch.Tensor | None = None
+        self._rows: lowbit.Int8Rows | None = None
+        self._left = 0
+
+    def rows(self, x: torch.Tensor) -> lowbit.Int8Rows:
+        if self._rows is None or x is not self._input:
+            self._rows, self._input, self._left = lowbit.quantize_rows(x.reshape(-1, x.shape[-1])), x, self.readers
+        rows = self._rows
+        self._left -= 1
+        if self._left == 0:
+            self._rows = self._input = None
+        return rows
+
+
+class W8A8Linear(nn.Module):
+    """y = x @ w.T + bias, w held int8 per output channel. From `INT_MM_ROWS` rows on, x as two int8 halves per
+    row and int8 x int8 sums (`lowbit.w8a8_linear`), which cost little more for 128 rows than for 8, where the
+    packed kernels cost per row; below, torch's weight-only int8 kernel on the same codes with bfloat16
+    activations (`lowbit.int8_linear`: a call's fixed costs are half of the int8 path's there). The output is in
+    the input's dtype."""
+
+    def __init__(self, weight: lowbit.W8A8Weight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight8 = weight
+        self.out_features, self.in_features = weight.codes.shape
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.inputs = SharedInput(1)  # `share_inputs` gives siblings one
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        few = self.weight8.few_rows
+        if few is not None and x.numel() < INT_MM_ROWS * self.in_features:
+            out = lowbit.int8_linear(x.to(few.compute_dtype), few).to(x.dtype)
+        else:
+            out = lowbit.w8a8_linear(self.inputs.rows(x), self.weight8, x.dtype)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out.add_(self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight8.nbytes
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
+
+
+LowBitLinear = QuantizedLinear | W8A8Linear
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers fed one input (Llama-style)
+
+
+def share_inputs(model: nn.Module) -> int:
+    """Gives each group of `SIBLINGS` that are all `W8A8Linear` one `SharedInput`; returns how many groups."""
+    groups = 0
+    for module in model.modules():
+        for names in SIBLINGS:
+            layers = [layer for name in names if isinstance(layer := getattr(module, name, None), W8A8Linear)]
+            if len(layers) == len(names):
+                shared = SharedInput(len(layers))
+                for layer in layers:
+                    layer.inputs = shared
+                groups += 1
+    return groups
+
+
+def w8a8_from_codes(codes: Int4Codes | Q8Codes, compute: torch.dtype) -> lowbit.W8A8Weight:
+    """GGUF codes requantized to int8 per output channel (`lowbit.per_row_int8` of their dequantized values),
+    `REQUANTIZE_ROWS` rows at a time: a chunk's float32 is all the float ever held (the head: 9 of 113 MB)."""
+    out_features, in_features = codes.codes.shape
+    int8, scales = torch.empty(out_features, in_features, dtype=torch.int8), torch.empty(out_features)
+    for start in range(0, out_features, REQUANTIZE_ROWS):
+        chunk = slice(start, start + REQUANTIZE_ROWS)
+        int8[chunk], scales[chunk] = lowbit.per_row_int8(codes.rows(chunk).dequantize())
+    return lowbit.w8a8_weight(int8, scales, _few_rows(compute))
+
+
+def _few_rows(compute: torch.dtype) -> torch.dtype | None:
+    """The dtype of calls with few rows (torch's weight-only int8 kernel is fast in bfloat16 only)."""
+    return compute if compute == torch.bfloat16 else None
+
+
+def linear_from_codes(
+    codes: Int4Codes | Q8Codes, bias: torch.Tensor | None, compute: torch.dtype, matmul: str = WEIGHT_ONLY
+) -> LowBitLinear:
+    """A Linear of GGUF codes. `WEIGHT_ONLY`: exactly, an Int4Codes packed as it is, a Q8Codes as its two int4
+    halves, the kernels in `compute` (the input is cast to it, the output back; the bias added in the input's
+    dtype). `W8A8`: requantized to int8 per output channel (`w8a8_from_codes`), int8 activations."""
+    if matmul == W8A8:
+        return W8A8Linear(w8a8_from_codes(codes, compute), bias)
     halves = codes.int4_halves() if isinstance(codes, Q8Codes) else iter((codes,))
     parts = [lowbit.pack_int4(h.codes, h.scales, h.zeros, GROUP, compute) for h in halves]  # one half held at a time
     out_features, in_features = codes.codes.shape
     return QuantizedLinear(parts, bias, in_features, out_features)
 
 
-def quantize_linears(model: nn.Module, mode: str, compute: torch.dtype) -> int:
+def quantize_linears(model: nn.Module, mode: str, compute: torch.dtype, matmul: str = WEIGHT_ONLY) -> int:
     """Replaces every nn.Linear of a float model by its int8 (per row) or int4 (per 32 inputs) quantization;
-    returns how many. Round to nearest; int4 is asymmetric (min..max of each group over the 16 codes)."""
+    returns how many. Round to nearest; int4 is asymmetric (min..max of each group over the 16 codes). int8
+    runs with int8 activations under `W8A8`, with activations in `compute` otherwise; int4 always the latter."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in linears:
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, _quantized(linear, mode, compute))
+        setattr(model.get_submodule(parent), attr, _quantized(linear, mode, compute, matmul))
+    share_inputs(model)
     return len(linears)
 
 
-def _quantized(linear: nn.Linear, mode: str, compute: torch.dtype) -> QuantizedLinear:
+def _quantized(linear: nn.Linear, mode: str, compute: torch.dtype, matmul: str) -> LowBitLinear:
     weight = linear.weight.detach()
     bias = None if linear.bias is None else linear.bias.detach()
     if mode == "int4":
         return linear_from_codes(quantize_int4(weight), bias, compute)
+    if matmul == W8A8:
+        return W8A8Linear(lowbit.w8a8_weight(*lowbit.per_row_int8(weight), _few_rows(compute)), bias)
     return QuantizedLinear([lowbit.quantize_int8(weight, compute)], bias, linear.in_features, linear.out_features)
 
 
