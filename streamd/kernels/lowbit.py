@@ -82,12 +82,10 @@ class W8A8Weight:
 
     codes: torch.Tensor  # int8 [out, in]; the kernel reads its transposed view (measured faster than a held [in, out])
     scales: torch.Tensor  # float32 [out]
-    few_rows: Int8Weight | None  # the same codes for `int8_linear` (bfloat16 scales), for calls of few rows
 
     @property
     def nbytes(self) -> int:
-        extra = 0 if self.few_rows is None else self.few_rows.scales.nbytes
-        return self.codes.nbytes + self.scales.nbytes + extra
+        return self.codes.nbytes + self.scales.nbytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -206,7 +204,13 @@ def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
     """Symmetric per-row int8 of a float weight [out, in] (`per_row_int8`). The input width is padded with zero
     codes to a multiple of 32 (torch's bfloat16 kernel crashes on others)."""
     codes, scales = per_row_int8(weight)
-    return Int8Weight(F.pad(codes, (0, -codes.shape[1] % _INT8_COL_MULTIPLE)), scales.to(dtype))
+    return Int8Weight(pad_int8_columns(codes), scales.to(dtype))
+
+
+def pad_int8_columns(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [out, in] with zero columns up to a multiple of 32 (the codes themselves where none is needed)."""
+    pad = -codes.shape[1] % _INT8_COL_MULTIPLE
+    return F.pad(codes, (0, pad)) if pad else codes
 
 
 def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -216,14 +220,6 @@ def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
     codes = torch.round(weight.float() / scales[:, None]).clamp_(-128, 127).to(torch.int8)
     return codes, scales
-
-
-def w8a8_weight(codes: torch.Tensor, scales: torch.Tensor, few_rows: torch.dtype | None) -> W8A8Weight:
-    """int8 codes [out, in] and float32 scales [out] (`per_row_int8`) for `w8a8_linear`; with `few_rows` (bfloat16,
-    where torch's weight-only int8 kernel is fast) and an input width it takes (a multiple of 32), also the same
-    codes for `int8_linear`, whose activations stay in that dtype."""
-    usable = few_rows is not None and codes.shape[1] % _INT8_COL_MULTIPLE == 0
-    return W8A8Weight(codes, scales, Int8Weight(codes, scales.to(few_rows)) if usable else None)
 
 
 def quantize_rows(x: torch.Tensor) -> Int8Rows:

@@ -115,7 +115,7 @@ def test_w8a8_matches_its_reference(rows: int, cols: int, batch: int) -> None:
     float32 scaling (a few roundings of 2^-24): 1e-6 of each output's magnitude bound sum(|x| |w|)."""
     gen = torch.Generator().manual_seed(rows * cols + batch)
     codes, scales = lowbit.per_row_int8(torch.randn(rows, cols, generator=gen) * 0.1)
-    weight = lowbit.w8a8_weight(codes, scales, None)
+    weight = lowbit.W8A8Weight(codes, scales)
     x = awkward_rows(batch, cols, gen)
     out = lowbit.w8a8_linear(lowbit.quantize_rows(x), weight, torch.float32)
     ref = lowbit.w8a8_reference(x, codes, scales)
@@ -147,12 +147,3 @@ def test_per_row_int8_is_within_half_a_step(rows: int, cols: int) -> None:
     step = scales[:, None]
     assert ((codes.float() * step - weight).abs() <= step * (0.5 + 2**-16)).all()  # + w / step's float32 rounding
     assert scales[3] == 1 and not codes[3].any()
-
-
-def test_a_w8a8_weight_carries_the_weight_only_kernel_only_where_it_runs() -> None:
-    codes, scales = lowbit.per_row_int8(torch.randn(48, 64))
-    few = lowbit.w8a8_weight(codes, scales, BF16).few_rows
-    assert few is not None and few.codes is codes and few.scales.dtype == BF16
-    assert lowbit.w8a8_weight(codes, scales, None).few_rows is None
-    odd_codes, odd_scales = lowbit.per_row_int8(torch.randn(48, 70))
-    assert lowbit.w8a8_weight(odd_codes, odd_scales, BF16).few_rows is None  # torch's kernel crashes there
