@@ -1,4 +1,5 @@
-"""Low-bit weights and their matmuls on the CPU: torch's packed int4 and int8 kernels, with plain-torch references.
+"""Low-bit weights and their matmuls on the CPU: torch's packed int4 and int8 kernels and its int8 x int8 matmul,
+with plain-torch references.
 
 A decode step on the CPU reads every weight once per token, so its speed is the bytes it reads: a 4-bit weight
 is an eighth of float32's. torch's CPU build carries weight-only kernels that read the packed codes and
@@ -24,6 +25,16 @@ step with many rows (a prompt chunk, a k+1-token verify, many streams) runs fast
 dense GEMM: `dequantize_t` unpacks torch's packed layout back to the weight (float32, as the kernels compute
 it; nothing else is held), `dense_linear` multiplies by it in the activations' dtype. Where the crossover is:
 benchmarks/NOTES.md ("Issue 25, many rows").
+
+W8A8 (`W8A8Weight`, `w8a8_linear`): llama.cpp's way of going wide, int8 activations times int8 weights summed in
+int32 (`torch._int_mm`, VNNI on this CPU), whose cost grows far more slowly with the rows than the weight-only
+kernels' (576 -> 1536 at 32 rows: 0.41 against 0.71 ms, at 128: 1.4 against 2.1 ms dense; benchmarks/NOTES.md,
+"Issue 25, W8A8"). The weight: codes q in -128..127, one float32 scale per output channel, w = q * scale
+(`per_row_int8`: round to nearest, so within half a step). The activations: each row as two int8 halves
+(`quantize_rows`: x = scale * (hi + lo / 254), scale = max|x| / 127), one `_int_mm` over both halves stacked.
+One half alone (plain per-row int8) cost the default model 7% perplexity: a row's outliers (10-20x its RMS)
+set a step that rounds its other values coarsely; the low half takes the error to about 15 bits of the row's
+largest value, at twice the int8 work. `w8a8_reference` spells the two out in float64.
 """
 
 from __future__ import annotations
