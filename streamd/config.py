@@ -69,6 +69,7 @@ OTHER_VARIABLES = frozenset(
 FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/worker/fusion.py)
 CATCH_UP_DECODES = ("auto", "hold", "run")  # scheduler.catch_up_decodes (streamd/engine/core/scheduler.py)
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # model.quantization (streamd/engine/worker/model_loader.py)
+LOW_BIT_MATMULS = ("auto", "w8a8", "weight_only")  # model.low_bit_matmul (streamd/engine/worker/quantized.py)
 ALL_REDUCE_MODES = ("auto", "nccl", "symm_mem")  # parallel.all_reduce (streamd/engine/worker/parallel/all_reduce.py)
 
 
@@ -86,6 +87,9 @@ class ModelConfig:
     # auto: a GGUF keeps its 4/8-bit blocks on a bf16-capable CPU; int8 | int4: quantize a float model (CPU);
     # none: float weights (streamd/engine/worker/model_loader.py)
     quantization: str = "auto"
+    # how low-bit layers multiply (CPU): w8a8: int8 weights per output channel x int8 activations per row;
+    # weight_only: torch's packed int4/int8 kernels, bfloat16 activations; auto: w8a8 where the CPU has VNNI
+    low_bit_matmul: str = "auto"
     chat_template: str | None = None  # a Jinja file or the template itself; None: the tokenizer's own
 
     def validate(self) -> None:
@@ -97,6 +101,7 @@ class ModelConfig:
         _positive("model.max_model_len", self.max_model_len, allow_none=True)
         _one_of("model.fuse_layers", self.fuse_layers, FUSE_MODES)
         _one_of("model.quantization", self.quantization, QUANTIZATIONS)
+        _one_of("model.low_bit_matmul", self.low_bit_matmul, LOW_BIT_MATMULS)
 
 
 @dataclass(slots=True)

@@ -48,6 +48,7 @@ def test_precedence_defaults_file_env_overrides(tmp_path: Path) -> None:
     ({"environ": {"STREAMD_SCHEDULER__MAX_NUM_SEQS": "0"}}, "scheduler.max_num_seqs"),
     ({"environ": {"STREAMD_BOGUS__X": "1"}}, "bogus"),
     ({"overrides": {"scheduler.catch_up_decodes": "wait"}}, "scheduler.catch_up_decodes"),
+    ({"overrides": {"low_bit_matmul": "int4"}}, "model.low_bit_matmul"),
 ])
 def test_bad_keys_and_values_name_the_key(kwargs: dict, needle: str) -> None:
     kwargs.setdefault("environ", {})

@@ -88,7 +88,9 @@ def load(
         return loaded, device, workers
     model = model_config or config.model.name
     model_cfg = config.model
-    loaded = load_model(model, dtype, device, model_cfg.cache_dir, model_cfg.seed, model_cfg.quantization)
+    loaded = load_model(
+        model, dtype, device, model_cfg.cache_dir, model_cfg.seed, model_cfg.quantization, model_cfg.low_bit_matmul
+    )
     return loaded, device, None
 
 

@@ -1,4 +1,5 @@
-"""Low-bit weights and their matmuls on the CPU: torch's packed int4 and int8 kernels, with plain-torch references.
+"""Low-bit weights and their matmuls on the CPU: torch's packed int4 and int8 kernels and its int8 x int8 matmul,
+with plain-torch references.
 
 A decode step on the CPU reads every weight once per token, so its speed is the bytes it reads: a 4-bit weight
 is an eighth of float32's. torch's CPU build carries weight-only kernels that read the packed codes and
@@ -24,6 +25,16 @@ step with many rows (a prompt chunk, a k+1-token verify, many streams) runs fast
 dense GEMM: `dequantize_t` unpacks torch's packed layout back to the weight (float32, as the kernels compute
 it; nothing else is held), `dense_linear` multiplies by it in the activations' dtype. Where the crossover is:
 benchmarks/NOTES.md ("Issue 25, many rows").
+
+W8A8 (`W8A8Weight`, `w8a8_linear`): llama.cpp's way of going wide, int8 activations times int8 weights summed in
+int32 (`torch._int_mm`, VNNI on this CPU), whose cost grows far more slowly with the rows than the weight-only
+kernels' (576 -> 1536 at 32 rows: 0.41 against 0.71 ms, at 128: 1.4 against 2.1 ms dense; benchmarks/NOTES.md,
+"Issue 25, W8A8"). The weight: codes q in -128..127, one float32 scale per output channel, w = q * scale
+(`per_row_int8`: round to nearest, so within half a step). The activations: each row as two int8 halves
+(`quantize_rows`: x = scale * (hi + lo / 254), scale = max|x| / 127), one `_int_mm` over both halves stacked.
+One half alone (plain per-row int8) cost the default model 7% perplexity: a row's outliers (10-20x its RMS)
+set a step that rounds its other values coarsely; the low half takes the error to about 15 bits of the row's
+largest value, at twice the int8 work. `w8a8_reference` spells the two out in float64.
 """
 
 from __future__ import annotations
@@ -39,6 +50,8 @@ INT4_GROUP_SIZES = (32, 64, 128, 256)
 _INT4_ROW_MULTIPLE = 16  # torch's CPU int4 packing wants the output rows in a multiple of 16
 _PACK_ROWS = 1024  # rows packed at a time (torch's layout is row-block-local: packing 1024-row chunks is the same)
 _INT8_COL_MULTIPLE = 32
+_TINY = torch.finfo(torch.float32).tiny  # a zero row's scale: its codes stay 0
+_LOW = 254.0  # an activation's low int8 half counts 1/254 of its high half's unit
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +85,26 @@ class Int8Weight:
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.scales.dtype
+
+
+@dataclass(frozen=True, slots=True)
+class W8A8Weight:
+    """Symmetric per-output-channel int8 for int8 activations (`w8a8_linear`): w = codes * scales."""
+
+    codes: torch.Tensor  # int8 [out, in]; the kernel reads its transposed view (measured faster than a held [in, out])
+    scales: torch.Tensor  # float32 [out]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+
+@dataclass(frozen=True, slots=True)
+class Int8Rows:
+    """Activation rows as two int8 halves for `w8a8_linear`: x = scales * (codes[:rows] + codes[rows:] / 254)."""
+
+    codes: torch.Tensor  # int8 [2 * rows, in]: the high halves, then the low ones
+    scales: torch.Tensor  # float32 [rows, 1]
 
 
 def pack_int4(
@@ -179,12 +212,50 @@ def packed_row_block() -> int | None:
 
 
 def quantize_int8(weight: torch.Tensor, dtype: torch.dtype) -> Int8Weight:
-    """Symmetric per-row int8 of a float weight [out, in] (round to nearest; a zero row keeps scale 1). The
-    input width is padded with zero codes to a multiple of 32 (torch's bfloat16 kernel crashes on others)."""
+    """Symmetric per-row int8 of a float weight [out, in] (`per_row_int8`). The input width is padded with zero
+    codes to a multiple of 32 (torch's bfloat16 kernel crashes on others)."""
+    codes, scales = per_row_int8(weight)
+    return Int8Weight(pad_int8_columns(codes), scales.to(dtype))
+
+
+def pad_int8_columns(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [out, in] with zero columns up to a multiple of 32 (the codes themselves where none is needed)."""
+    pad = -codes.shape[1] % _INT8_COL_MULTIPLE
+    return F.pad(codes, (0, pad)) if pad else codes
+
+
+def per_row_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 codes [out, in] and float32 scales [out] with w ~ codes * scale: scale = max|w| / 127 per row (a zero
+    row keeps scale 1), round to nearest, so |w - codes * scale| <= scale / 2."""
     absmax = weight.float().abs().amax(dim=1)
     scales = torch.where(absmax > 0, absmax / 127.0, torch.ones_like(absmax))
     codes = torch.round(weight.float() / scales[:, None]).clamp_(-128, 127).to(torch.int8)
-    return Int8Weight(F.pad(codes, (0, -codes.shape[1] % _INT8_COL_MULTIPLE)), scales.to(dtype))
+    return codes, scales
+
+
+def quantize_rows(x: torch.Tensor) -> Int8Rows:
+    """Activation rows [rows, in] as two int8 halves: scale = max|x| / 127 per row, hi = round(x / scale), lo =
+    round((x / scale - hi) * 254) (in -127..127, as |x / scale - hi| <= 1/2), so x is within scale / 508 of
+    scale * (hi + lo / 254): about 15 bits of the row's largest value. One half alone lets an outlier's scale
+    swamp the row's other values (the default model's perplexity +7%: benchmarks/NOTES.md, "Issue 25, W8A8")."""
+    rows = x if x.dtype == torch.float32 else x.float()
+    count = rows.shape[0]
+    scales = rows.abs().amax(dim=1, keepdim=True).div_(127.0).clamp_min_(_TINY)
+    scaled = torch.div(rows, scales)
+    high = scaled.round()
+    codes = torch.empty(2 * count, rows.shape[1], dtype=torch.int8)
+    codes[:count].copy_(high)
+    codes[count:].copy_(scaled.sub_(high).mul_(_LOW).round_())
+    return Int8Rows(codes, scales)
+
+
+def w8a8_linear(rows: Int8Rows, weight: W8A8Weight, dtype: torch.dtype) -> torch.Tensor:
+    """rows @ w.T: both halves' int8 x int8 products summed in int32 by one `torch._int_mm` (VNNI where the CPU
+    has it), joined and scaled by the row's and the channel's scales in float32; returned in `dtype`."""
+    count = rows.scales.shape[0]
+    sums = torch._int_mm(rows.codes, weight.codes.t())
+    out = sums[count:].mul(1 / _LOW).add_(sums[:count]).mul_(rows.scales).mul_(weight.scales)
+    return out if dtype == torch.float32 else out.to(dtype)
 
 
 def int8_linear(x: torch.Tensor, weight: Int8Weight) -> torch.Tensor:
@@ -205,3 +276,16 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tens
 
 def linear_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), weight.float())
+
+
+def w8a8_reference(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """`quantize_rows` then `w8a8_linear` spelled out: each row of x [rows, in] rounded to scale * (hi + lo / 254)
+    with scale = max|x| / 127 (the rounding decided in float32, as `quantize_rows` decides it), then multiplied
+    in float64 (exact sums) by the weight codes [out, in] * scales [out]."""
+    rows = x.float()
+    step = rows.abs().amax(dim=1, keepdim=True) / 127
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    high = torch.round(rows / step)
+    low = torch.round((rows / step - high) * 254)
+    rounded = (high.double() + low.double() / 254) * step.double()
+    return F.linear(rounded, codes.double() * scales.double()[:, None])

@@ -95,3 +95,55 @@ def test_dense_linear_matches_the_packed_kernels(rows: int, cols: int, batch: in
     int8 = lowbit.quantize_int8(torch.randn(rows, cols, generator=gen), BF16)
     ref8 = int8.codes[:, :cols].float() * int8.scales.float()[:, None]
     close(lowbit.dense_linear(x, [int8], (rows, cols)), lowbit.linear_reference(x, ref8))
+
+
+def awkward_rows(batch: int, cols: int, gen: torch.Generator) -> torch.Tensor:
+    """Random rows, the first with one huge outlier and the last all zeros (when there are two or more)."""
+    x = torch.randn(batch, cols, generator=gen)
+    if batch:
+        x[0, cols // 2] = 1e4
+    if batch > 1:
+        x[-1] = 0
+    return x
+
+
+@pytest.mark.parametrize("rows,cols", [(13, 70), (100, 33), (48, 576), (1040, 130)])
+@pytest.mark.parametrize("batch", [0, 1, 3, 17, 130])
+def test_w8a8_matches_its_reference(rows: int, cols: int, batch: int) -> None:
+    """The int8 x int8 path (activations as two int8 halves, `torch._int_mm`, float32 scaling) against its float64
+    reference. Tolerance: the int32 sums are exact and the rounding is decided alike, so what remains is the
+    float32 scaling (a few roundings of 2^-24): 1e-6 of each output's magnitude bound sum(|x| |w|)."""
+    gen = torch.Generator().manual_seed(rows * cols + batch)
+    codes, scales = lowbit.per_row_int8(torch.randn(rows, cols, generator=gen) * 0.1)
+    weight = lowbit.W8A8Weight(codes, scales)
+    x = awkward_rows(batch, cols, gen)
+    out = lowbit.w8a8_linear(lowbit.quantize_rows(x), weight, torch.float32)
+    ref = lowbit.w8a8_reference(x, codes, scales)
+    bound = x.double().abs() @ (codes.double() * scales.double()[:, None]).abs().t()
+    assert out.shape == (batch, rows) and out.dtype == torch.float32
+    assert ((out.double() - ref).abs() <= 1e-6 * bound).all()
+
+
+@pytest.mark.parametrize("batch,cols", [(1, 70), (3, 33), (17, 576), (130, 130)])
+def test_activation_halves_keep_a_row_within_scale_over_508(batch: int, cols: int) -> None:
+    """x = scale * (hi + lo / 254) to within scale / 508 even in a row whose outlier sets the scale (one int8 half
+    alone: within scale / 2, which rounds the rest of that row to 0); a zero row stays zero."""
+    x = awkward_rows(batch, cols, torch.Generator().manual_seed(batch))
+    rows = lowbit.quantize_rows(x)
+    high, low = rows.codes[:batch].double(), rows.codes[batch:].double()
+    back = (high + low / 254) * rows.scales.double()
+    # plus x / scale's float32 rounding (up to 127 * 2^-24 of a step)
+    assert ((back - x.double()).abs() <= rows.scales.double() * (1 / 508 + 2**-16)).all()
+    assert rows.codes.abs().max() <= 127
+    if batch > 1:
+        assert torch.equal(back[-1], torch.zeros(cols, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("rows,cols", [(13, 70), (100, 576)])
+def test_per_row_int8_is_within_half_a_step(rows: int, cols: int) -> None:
+    weight = torch.randn(rows, cols) * 0.1
+    weight[3] = 0
+    codes, scales = lowbit.per_row_int8(weight)
+    step = scales[:, None]
+    assert ((codes.float() * step - weight).abs() <= step * (0.5 + 2**-16)).all()  # + w / step's float32 rounding
+    assert scales[3] == 1 and not codes[3].any()

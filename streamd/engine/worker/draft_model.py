@@ -136,7 +136,8 @@ def load_draft_model(config: Config, target: LoadedModel, device: torch.device, 
     loader and its conventions); refused when its tokenizer is not the target's."""
     spec, model_cfg = config.speculative, config.model
     dtype = resolve_dtype(model_cfg.dtype, device)
-    draft = load_model(spec.draft_model, dtype, device, model_cfg.cache_dir, model_cfg.seed, model_cfg.quantization)
+    low_bit = (model_cfg.quantization, model_cfg.low_bit_matmul)
+    draft = load_model(spec.draft_model, dtype, device, model_cfg.cache_dir, model_cfg.seed, *low_bit)
     target_vocab = target.model.config.get_text_config().vocab_size
     check_compatible(spec.draft_model, draft, target_vocab, target.tokenizer)
     context = getattr(draft.model.config.get_text_config(), "max_position_embeddings", None) or max_model_len

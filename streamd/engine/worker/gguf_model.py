@@ -5,7 +5,9 @@ a decode step then reads all of it per token. Here the model is made on the meta
 config, every Linear whose tensor is Q4_0 / Q4_1 / Q4_K / Q8_0 becomes a `QuantizedLinear` over its codes
 (exact: `gguf_weights`), the token embedding a `QuantizedEmbedding` (and the head, when tied to it, a
 `QuantizedLinear` of the same codes), and the remaining tensors (norms, biases, other formats) are set in
-the model's dtype. Nothing float32 of the size of the weights exists at any point.
+the model's dtype. Nothing float32 of the size of the weights exists at any point. With `model.low_bit_matmul`
+resolved to w8a8 the Linears are `W8A8Linear`s instead: the codes requantized to int8 per output channel, a
+few thousand rows at a time, and q/k/v and gate/up quantize their shared input once (`quantized.share_inputs`).
 
 Only llama.cpp's Llama-style naming is mapped (`ARCHITECTURES`: Llama, Mistral, Qwen2, Qwen3); another
 architecture loads through transformers' dequantizing path (`model_loader`), as before.
@@ -14,6 +16,7 @@ architecture loads through transformers' dequantizing path (`model_loader`), as 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +26,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from streamd.engine.worker.gguf_weights import BLOCK_FORMATS, Decoded, decode, read, read_index
-from streamd.engine.worker.quantized import QuantizedEmbedding, linear_from_codes
+from streamd.engine.worker.quantized import WEIGHT_ONLY, QuantizedEmbedding, linear_from_codes, share_inputs
 from streamd.heap import trim_c_heap
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values mapped here (Mistral files say llama)
@@ -57,9 +60,12 @@ def hf_name(gguf_name: str) -> str:
     return f"{_GLOBAL[stem]}.{kind}"
 
 
-def load_low_bit(path: Path, config: PretrainedConfig, dtype: torch.dtype, compute: torch.dtype) -> PreTrainedModel:
+def load_low_bit(
+    path: Path, config: PretrainedConfig, dtype: torch.dtype, compute: torch.dtype, matmul: str = WEIGHT_ONLY
+) -> PreTrainedModel:
     """The model of `config` in `dtype` with the file's tensors (see the module docstring), on the CPU; its
-    low-bit matmuls run in `compute` (bfloat16 where the CPU has it: `quantized.cpu_runs_bf16`)."""
+    low-bit matmuls run as `matmul` says (`quantized.WEIGHT_ONLY`: in `compute`, bfloat16 where the CPU has it,
+    `cpu_threads.cpu_runs_bf16`; `quantized.W8A8`: requantized to int8 with int8 activations)."""
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     fields, infos = read_index(path)
@@ -70,28 +76,34 @@ def load_low_bit(path: Path, config: PretrainedConfig, dtype: torch.dtype, compu
         decoded = _row_order(arch, name, config, decode(read(path, info), info))
         bias = biases.pop(name[: -len("weight")] + "bias", None)
         bias_tensor = None if bias is None else _dense(decode(read(path, bias), bias)).to(dtype)
-        _install(model, name, decoded, bias_tensor, dtype, compute)
+        _install(model, name, decoded, bias_tensor, _Numerics(dtype, compute, matmul))
         trim_c_heap()  # each tensor's transients (bytes, codes, int32 packing copies) back to the OS
     if "lm_head.weight" not in tensors:
-        _tie_head(model, compute)
+        _tie_head(model, compute, matmul)
     _check_materialized(model, path)
+    share_inputs(model)
     return model
 
 
-def _install(
-    model: nn.Module, name: str, decoded: Decoded, bias: torch.Tensor | None, dtype: torch.dtype, compute: torch.dtype
-) -> None:
+@dataclass(frozen=True, slots=True)
+class _Numerics:
+    dtype: torch.dtype  # the model's
+    compute: torch.dtype  # the weight-only kernels'
+    matmul: str  # quantized.WEIGHT_ONLY | quantized.W8A8
+
+
+def _install(model: nn.Module, name: str, decoded: Decoded, bias: torch.Tensor | None, how: _Numerics) -> None:
     module_name, _, _ = name.rpartition(".")
     module = model.get_submodule(module_name)
     if isinstance(decoded, BLOCK_FORMATS) and isinstance(module, nn.Linear):
-        _replace(model, module_name, linear_from_codes(decoded, bias, compute))
+        _replace(model, module_name, linear_from_codes(decoded, bias, how.compute, how.matmul))
         return
     if isinstance(decoded, BLOCK_FORMATS) and isinstance(module, nn.Embedding):
-        _replace(model, module_name, QuantizedEmbedding(decoded, dtype))
+        _replace(model, module_name, QuantizedEmbedding(decoded, how.dtype))
         return
-    module.weight = nn.Parameter(_dense(decoded).to(dtype), requires_grad=False)  # a norm, or another module
+    module.weight = nn.Parameter(_dense(decoded).to(how.dtype), requires_grad=False)  # a norm, or another module
     if bias is not None:
-        module.bias = nn.Parameter(bias.to(dtype), requires_grad=False)
+        module.bias = nn.Parameter(bias.to(how.dtype), requires_grad=False)
 
 
 def _dense(decoded: Decoded) -> torch.Tensor:
@@ -103,11 +115,11 @@ def _replace(model: nn.Module, module_name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent), attr, module)
 
 
-def _tie_head(model: PreTrainedModel, compute: torch.dtype) -> None:
+def _tie_head(model: PreTrainedModel, compute: torch.dtype, matmul: str) -> None:
     """A file without `output.weight` ties the head to the token embedding (SmolLM2's does)."""
     embedding = model.get_submodule("model.embed_tokens")
     if isinstance(embedding, QuantizedEmbedding):
-        _replace(model, "lm_head", linear_from_codes(embedding.table, None, compute))
+        _replace(model, "lm_head", linear_from_codes(embedding.table, None, compute, matmul))
     else:
         model.get_submodule("lm_head").weight = embedding.weight
 

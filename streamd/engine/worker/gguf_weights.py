@@ -44,7 +44,7 @@ class Int4Codes:
     scales: torch.Tensor
     zeros: torch.Tensor
 
-    def rows(self, index: torch.Tensor) -> Int4Codes:
+    def rows(self, index: torch.Tensor | slice) -> Int4Codes:
         return Int4Codes(self.codes[index], self.scales[index], self.zeros[index])
 
     def dequantize(self) -> torch.Tensor:
@@ -62,7 +62,7 @@ class Q8Codes:
     codes: torch.Tensor
     scales: torch.Tensor
 
-    def rows(self, index: torch.Tensor) -> Q8Codes:
+    def rows(self, index: torch.Tensor | slice) -> Q8Codes:
         return Q8Codes(self.codes[index], self.scales[index])
 
     def dequantize(self) -> torch.Tensor:

@@ -45,10 +45,17 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils.quantization_config import Mxfp4Config
 
 from streamd.config import cache_path
-from streamd.engine.worker.cpu_threads import cpu_runs_bf16
+from streamd.engine.worker.cpu_threads import cpu_has_int8_dot, cpu_runs_bf16
 from streamd.engine.worker.families import check_runnable
 from streamd.engine.worker.gguf_model import ARCHITECTURES, architecture, load_low_bit
-from streamd.engine.worker.quantized import QuantizedEmbedding, QuantizedLinear, quantize_linears
+from streamd.engine.worker.quantized import (
+    W8A8,
+    WEIGHT_ONLY,
+    QuantizedEmbedding,
+    QuantizedLinear,
+    W8A8Linear,
+    quantize_linears,
+)
 from streamd.engine.worker.weights_identity import random_identity, weights_identity
 from streamd.logs import get_logger
 
@@ -103,22 +110,24 @@ def load_model(
     cache_dir: str | None = None,
     seed: int = 0,
     quantization: str = "none",
+    low_bit_matmul: str = "auto",
 ) -> LoadedModel:
     """Loads weights and tokenizer from one source, onto `device` in `dtype`, in eval mode; `quantization`
-    (`model.quantization`) says whether a GGUF file stays low-bit or a float model is quantized (CPU)."""
+    (`model.quantization`) says whether a GGUF file stays low-bit or a float model is quantized (CPU), and
+    `low_bit_matmul` (`model.low_bit_matmul`) how those low-bit layers multiply."""
     start = time.perf_counter()
-    low_bit = low_bit_plan(name, quantization, device)
+    low_bit = low_bit_plan(name, quantization, device, low_bit_matmul)
     if isinstance(name, PretrainedConfig):
         loaded = _random_model(name, dtype, device, seed)
     elif low_bit.gguf is not None:
-        loaded = _low_bit_gguf(low_bit.gguf, dtype, low_bit.compute, cache_path(cache_dir))
+        loaded = _low_bit_gguf(low_bit, dtype, cache_path(cache_dir))
     else:
         loaded = _pretrained(name, dtype, cache_path(cache_dir))
     check_runnable(loaded.model)
     loaded.weights = f"{loaded.weights}|low_bit={low_bit.describe()}"
     if low_bit.quantize is not None:
-        count = quantize_linears(loaded.model, low_bit.quantize, low_bit.compute)
-        log.info("model.quantized", mode=low_bit.quantize, linears=count, compute=str(low_bit.compute))
+        count = quantize_linears(loaded.model, low_bit.quantize, low_bit.compute, low_bit.matmul)
+        log.info("model.quantized", mode=low_bit.quantize, linears=count, plan=low_bit.describe())
     as_module(loaded.model).to(device).eval().requires_grad_(False)
     log.info(
         "model.load.done",
@@ -146,18 +155,40 @@ class LowBitPlan:
 
     gguf: Path | None = None  # a GGUF file whose 4/8-bit tensors stay low-bit
     quantize: str | None = None  # "int8" | "int4": quantize a float model's Linear layers
-    compute: torch.dtype = torch.bfloat16  # the low-bit matmuls' dtype
+    compute: torch.dtype = torch.bfloat16  # the weight-only matmuls' dtype
+    matmul: str = WEIGHT_ONLY  # quantized.WEIGHT_ONLY | quantized.W8A8 (int4 quantization: weight-only always)
 
     def describe(self) -> str:
-        if self.gguf is not None:
-            return f"gguf blocks as stored, matmuls in {self.compute}"
-        return f"{self.quantize}, matmuls in {self.compute}" if self.quantize else "none"
+        what = "gguf blocks" if self.gguf is not None else self.quantize
+        if what is None:
+            return "none"
+        if self.w8a8:
+            return f"{what} as int8 per channel, int8 activations"
+        return f"{what} as stored, matmuls in {self.compute}" if self.gguf else f"{what}, matmuls in {self.compute}"
+
+    @property
+    def w8a8(self) -> bool:
+        return self.matmul == W8A8 and self.quantize != "int4"
 
 
-def low_bit_plan(name: str | PretrainedConfig | None, quantization: str, device: torch.device) -> LowBitPlan:
+def resolve_matmul(matmul: str) -> str:
+    """`model.low_bit_matmul`: auto is w8a8 where the CPU has int8 dot products (VNNI: benchmarks/NOTES.md,
+    "Issue 25, W8A8"), weight-only elsewhere."""
+    if matmul == "auto":
+        return W8A8 if cpu_has_int8_dot() else WEIGHT_ONLY
+    if matmul not in (W8A8, WEIGHT_ONLY):
+        raise ValueError(f"model.low_bit_matmul must be auto, {W8A8} or {WEIGHT_ONLY}, got {matmul!r}")
+    return matmul
+
+
+def low_bit_plan(
+    name: str | PretrainedConfig | None, quantization: str, device: torch.device, matmul: str = "auto"
+) -> LowBitPlan:
     """`model.quantization` for this model on this device. auto: a GGUF of a mapped architecture stays
     low-bit on a CPU with native bfloat16 (elsewhere torch's low-bit kernels are slower than float32, so it is
-    dequantized as before); a float model stays float. int8/int4: quantize (CPU only); none: float."""
+    dequantized as before); a float model stays float. int8/int4: quantize (CPU only); none: float. The low-bit
+    layers multiply as `matmul` (`model.low_bit_matmul`) resolves (`resolve_matmul`)."""
+    matmul = resolve_matmul(matmul)
     if quantization == "none":
         return LowBitPlan()
     if device.type != "cpu":
@@ -167,13 +198,14 @@ def low_bit_plan(name: str | PretrainedConfig | None, quantization: str, device:
     gguf = _gguf_file(name)
     if quantization == "auto":
         native = gguf is not None and cpu_runs_bf16() and architecture(gguf) in ARCHITECTURES
-        return LowBitPlan(gguf=gguf if native else None)
+        return LowBitPlan(gguf=gguf, matmul=matmul) if native else LowBitPlan()
     if gguf is not None:
         raise ValueError(
             f"model.quantization = {quantization!r} quantizes a float model; {gguf.name} is a GGUF file "
             "(auto keeps its blocks as stored)"
         )
-    return LowBitPlan(quantize=quantization, compute=torch.bfloat16 if cpu_runs_bf16() else torch.float32)
+    compute = torch.bfloat16 if cpu_runs_bf16() else torch.float32
+    return LowBitPlan(quantize=quantization, compute=compute, matmul=matmul)
 
 
 def _gguf_file(name: str | PretrainedConfig | None) -> Path | None:
@@ -188,15 +220,18 @@ def _gguf_file(name: str | PretrainedConfig | None) -> Path | None:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as held (low-bit modules count their packed parts)."""
     held = sum(p.nbytes for p in model.parameters())
-    return held + sum(m.nbytes for m in model.modules() if isinstance(m, (QuantizedLinear, QuantizedEmbedding)))
+    low_bit = (QuantizedLinear, W8A8Linear, QuantizedEmbedding)
+    return held + sum(m.nbytes for m in model.modules() if isinstance(m, low_bit))
 
 
-def _low_bit_gguf(gguf: Path, dtype: torch.dtype, compute: torch.dtype, cache_dir: Path) -> LoadedModel:
+def _low_bit_gguf(plan: LowBitPlan, dtype: torch.dtype, cache_dir: Path) -> LoadedModel:
     """A GGUF's blocks as stored (`gguf_model`); its config and tokenizer from a small cached conversion."""
+    assert plan.gguf is not None
+    gguf = plan.gguf
     meta = _gguf_meta(gguf, cache_dir)
     label = DEFAULT_MODEL_NAME if gguf == default_gguf_path() else gguf.stem
-    log.info("model.load.start", model=label, source=str(gguf), dtype=str(dtype), low_bit=str(compute))
-    model = load_low_bit(gguf, AutoConfig.from_pretrained(meta), dtype, compute)
+    log.info("model.load.start", model=label, source=str(gguf), dtype=str(dtype), low_bit=plan.describe())
+    model = load_low_bit(gguf, AutoConfig.from_pretrained(meta), dtype, plan.compute, plan.matmul)
     return LoadedModel(model, AutoTokenizer.from_pretrained(meta), label, weights_identity(gguf))
 
 

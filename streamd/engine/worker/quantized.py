@@ -13,6 +13,14 @@ A call with `DENSE_ROWS` rows or more (a prompt chunk, a speculative verify, man
 once into a transient float32 buffer, rounds it to the activations' dtype and runs one dense matmul: torch's
 packed kernels cost the same per row at any row count. Both paths multiply bfloat16 activations in float32 and
 round the output to bfloat16; the dense one also rounds the weight to bfloat16 first (2^-9 relative).
+
+`W8A8Linear` (`model.low_bit_matmul = "w8a8"`, auto on a CPU with VNNI) holds the weight also as int8 per output
+channel and, from `INT_MM_ROWS` rows on, multiplies int8 activations by it (`lowbit.w8a8_linear`, torch's
+`_int_mm`): its cost grows far more slowly with the rows than the packed kernels', so many streams and prompt
+chunks gain (1.4x a decode step at 32 streams), with no dense fallback. Below, where a call is bound by reading
+the weight, it keeps the weight-only layer that reads the fewest bytes (4-bit codes packed; a Q8_0 weight's int8
+codes through torch's weight-only int8 kernel). The memory is the price: both forms held (benchmarks/NOTES.md,
+"Issue 25, W8A8"). q/k/v and gate/up read one input each: `share_inputs` has it quantized once.
 """
 
 from __future__ import annotations
@@ -33,6 +41,15 @@ Part = lowbit.Int4Weight | lowbit.Int8Weight
 # head (49,152 x 576) costs 0.5 s to dequantize, more than the kernel takes for 128 rows, so it stays packed.
 DENSE_ROWS = 96
 DENSE_MAX_WEIGHTS = 1 << 22
+
+# How low-bit layers multiply (`model.low_bit_matmul`, resolved by `model_loader.low_bit_plan`): weight-only
+# (the packed kernels, bfloat16 activations) or int8 weights x int8 activations (`W8A8Linear`).
+WEIGHT_ONLY, W8A8 = "weight_only", "w8a8"
+REQUANTIZE_ROWS = 1024  # rows of GGUF codes requantized to int8 at a time
+# Rows from which `W8A8Linear` takes the int8 x int8 path (benchmarks/NOTES.md, "Issue 25, W8A8": decode steps of
+# the default model, one thread, every layer on one path or the other: even at 8 rows, 9% faster at 12, 20% at 16;
+# slower below, where reading twice the weight bytes of 4-bit codes costs more than the packed kernels' work).
+INT_MM_ROWS = 10
 
 
 def dense_from_rows(model: nn.Module) -> int | None:
@@ -102,31 +119,142 @@ class QuantizedEmbedding(nn.Module):
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
 
-def linear_from_codes(codes: Int4Codes | Q8Codes, bias: torch.Tensor | None, compute: torch.dtype) -> QuantizedLinear:
-    """A Linear of GGUF codes, exactly: an Int4Codes packs as it is, a Q8Codes as its two int4 halves. The
-    kernels run in `compute` (the input is cast to it, the output back); the bias is added in the input's dtype."""
+class SharedInput:
+    """The int8 rows of one input that `readers` sibling layers read in turn (q/k/v, gate/up: transformers'
+    Llama-style attention and MLP pass them the one tensor, unchanged): quantized by the first reader, reused by
+    the others, then dropped. The input is recognised by identity (held meanwhile, so its id is not reused); a
+    caller that changed it in place between siblings would get the old rows, which those models never do."""
+
+    def __init__(self, readers: int) -> None:
+        self.readers = readers
+        self._input: torch.Tensor | None = None
+        self._rows: lowbit.Int8Rows | None = None
+        self._left = 0
+
+    def rows(self, x: torch.Tensor) -> lowbit.Int8Rows:
+        if self._rows is None or x is not self._input:
+            self._rows, self._input, self._left = lowbit.quantize_rows(x.reshape(-1, x.shape[-1])), x, self.readers
+        rows = self._rows
+        self._left -= 1
+        if self._left == 0:
+            self._rows = self._input = None
+        return rows
+
+
+class W8A8Linear(nn.Module):
+    """y = x @ w.T + bias, w held int8 per output channel. From `INT_MM_ROWS` rows on, x as two int8 halves per
+    row and int8 x int8 sums (`lowbit.w8a8_linear`), whose cost grows far more slowly with the rows than the
+    packed kernels'; below, `few_rows` (the weight-only layer of the same weight: the packed kernels read half
+    the bytes of int8 where a call is bound by reading the weight). The output is in the input's dtype."""
+
+    def __init__(self, weight: lowbit.W8A8Weight, bias: torch.Tensor | None, few_rows: QuantizedLinear | None) -> None:
+        super().__init__()
+        self.weight8 = weight
+        self.out_features, self.in_features = weight.codes.shape
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.inputs = SharedInput(1)  # `share_inputs` gives siblings one
+        self.few_rows = few_rows  # without its own bias, never called with many rows
+        if few_rows is not None:
+            few_rows.dense_rows = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.few_rows is not None and x.numel() < INT_MM_ROWS * self.in_features:
+            out = self.few_rows(x)
+        else:
+            out = lowbit.w8a8_linear(self.inputs.rows(x), self.weight8, x.dtype)
+            out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out.add_(self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight8.nbytes  # `few_rows` counts its own
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"
+
+
+LowBitLinear = QuantizedLinear | W8A8Linear
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # layers fed one input (Llama-style)
+
+
+def share_inputs(model: nn.Module) -> int:
+    """Gives each group of `SIBLINGS` that are all `W8A8Linear` one `SharedInput`; returns how many groups."""
+    groups = 0
+    for module in model.modules():
+        for names in SIBLINGS:
+            layers = [layer for name in names if isinstance(layer := getattr(module, name, None), W8A8Linear)]
+            if len(layers) == len(names):
+                shared = SharedInput(len(layers))
+                for layer in layers:
+                    layer.inputs = shared
+                groups += 1
+    return groups
+
+
+def w8a8_from_codes(codes: Int4Codes | Q8Codes) -> lowbit.W8A8Weight:
+    """GGUF codes requantized to int8 per output channel (`lowbit.per_row_int8` of their dequantized values),
+    `REQUANTIZE_ROWS` rows at a time: a chunk's float32 is all the float ever held (the head: 2.4 of 113 MB)."""
+    out_features, in_features = codes.codes.shape
+    int8, scales = torch.empty(out_features, in_features, dtype=torch.int8), torch.empty(out_features)
+    for start in range(0, out_features, REQUANTIZE_ROWS):
+        chunk = slice(start, start + REQUANTIZE_ROWS)
+        int8[chunk], scales[chunk] = lowbit.per_row_int8(codes.rows(chunk).dequantize())
+    return lowbit.W8A8Weight(int8, scales)
+
+
+def linear_from_codes(
+    codes: Int4Codes | Q8Codes, bias: torch.Tensor | None, compute: torch.dtype, matmul: str = WEIGHT_ONLY
+) -> LowBitLinear:
+    """A Linear of GGUF codes. `WEIGHT_ONLY`: exactly, an Int4Codes packed as it is, a Q8Codes as its two int4
+    halves, the kernels in `compute` (the input is cast to it, the output back; the bias added in the input's
+    dtype). `W8A8`: requantized to int8 per output channel (`w8a8_from_codes`), int8 activations; for calls of
+    few rows the weight-only layer that reads the fewest bytes: an Int4Codes packed, a Q8Codes' int8 codes."""
+    if matmul != W8A8:
+        return packed_from_codes(codes, bias, compute)
+    weight = w8a8_from_codes(codes)
+    if isinstance(codes, Q8Codes):  # two int4 halves read as many bytes as int8: the int8 codes serve both
+        return W8A8Linear(weight, bias, _int8_few_rows(weight.codes, weight.scales, compute))
+    return W8A8Linear(weight, bias, packed_from_codes(codes, None, compute))
+
+
+def packed_from_codes(codes: Int4Codes | Q8Codes, bias: torch.Tensor | None, compute: torch.dtype) -> QuantizedLinear:
     halves = codes.int4_halves() if isinstance(codes, Q8Codes) else iter((codes,))
     parts = [lowbit.pack_int4(h.codes, h.scales, h.zeros, GROUP, compute) for h in halves]  # one half held at a time
     out_features, in_features = codes.codes.shape
     return QuantizedLinear(parts, bias, in_features, out_features)
 
 
-def quantize_linears(model: nn.Module, mode: str, compute: torch.dtype) -> int:
+def quantize_linears(model: nn.Module, mode: str, compute: torch.dtype, matmul: str = WEIGHT_ONLY) -> int:
     """Replaces every nn.Linear of a float model by its int8 (per row) or int4 (per 32 inputs) quantization;
-    returns how many. Round to nearest; int4 is asymmetric (min..max of each group over the 16 codes)."""
+    returns how many. Round to nearest; int4 is asymmetric (min..max of each group over the 16 codes). int8
+    runs with int8 activations under `W8A8`, with activations in `compute` otherwise; int4 always the latter."""
     linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, linear in linears:
         parent, _, attr = name.rpartition(".")
-        setattr(model.get_submodule(parent), attr, _quantized(linear, mode, compute))
+        setattr(model.get_submodule(parent), attr, _quantized(linear, mode, compute, matmul))
+    share_inputs(model)
     return len(linears)
 
 
-def _quantized(linear: nn.Linear, mode: str, compute: torch.dtype) -> QuantizedLinear:
+def _quantized(linear: nn.Linear, mode: str, compute: torch.dtype, matmul: str) -> LowBitLinear:
     weight = linear.weight.detach()
     bias = None if linear.bias is None else linear.bias.detach()
     if mode == "int4":
         return linear_from_codes(quantize_int4(weight), bias, compute)
-    return QuantizedLinear([lowbit.quantize_int8(weight, compute)], bias, linear.in_features, linear.out_features)
+    if matmul != W8A8:
+        return QuantizedLinear([lowbit.quantize_int8(weight, compute)], bias, linear.in_features, linear.out_features)
+    codes, scales = lowbit.per_row_int8(weight)
+    return W8A8Linear(lowbit.W8A8Weight(codes, scales), bias, _int8_few_rows(codes, scales, compute))
+
+
+def _int8_few_rows(codes: torch.Tensor, scales: torch.Tensor, compute: torch.dtype) -> QuantizedLinear | None:
+    """torch's weight-only int8 kernel on the same codes (shared where the width needs no padding), for calls of
+    few rows; None where it would crawl (float32 activations: a scalar loop)."""
+    if compute != torch.bfloat16:
+        return None
+    out_features, in_features = codes.shape
+    part = lowbit.Int8Weight(lowbit.pad_int8_columns(codes), scales.to(compute))
+    return QuantizedLinear([part], None, in_features, out_features)
 
 
 def quantize_int4(weight: torch.Tensor) -> Int4Codes:
