@@ -12,7 +12,8 @@ registry that `_SymmetricMemory.set_group_info(name, rank, world, store)` fills 
 over its own TCP store (several engines per process), so each engine registers a name of its own (a uuid: the
 registry never forgets a name) over a prefix of that store. torch 2.11 (the device's) resolves the name in
 c10d's registry of ProcessGroups instead, so the name is also registered there, for a ProcessGroup wrapping
-the engine's NCCL backend (`_register_process_group`; the first GPU run, before it, fell back to NCCL).
+the engine's NCCL backend (`_register_process_group`), which this module keeps alive (`_REGISTERED`: that
+registry holds groups weakly). On two H200s (torch 2.11) it runs: TP=2 1.51x TP=1, NCCL's 1.42x.
 
 Capture-safe by construction: one buffer per rank (`scheduler.max_num_seqs` x hidden size), allocated and
 rendezvoused once at start and tried once (a host check of one small and one large sum); a call copies the
