@@ -88,7 +88,8 @@ class ModelConfig:
     # none: float weights (streamd/engine/worker/model_loader.py)
     quantization: str = "auto"
     # how low-bit layers multiply (CPU): w8a8: int8 weights per output channel x int8 activations per row;
-    # weight_only: torch's packed int4/int8 kernels, bfloat16 activations; auto: w8a8 where the CPU has VNNI
+    # weight_only: torch's packed int4/int8 kernels, bfloat16 activations; auto: weight_only (w8a8 is asked
+    # for: its logits depend on a step's rows)
     low_bit_matmul: str = "auto"
     chat_template: str | None = None  # a Jinja file or the template itself; None: the tokenizer's own
 

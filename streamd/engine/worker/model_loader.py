@@ -45,7 +45,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 from transformers.utils.quantization_config import Mxfp4Config
 
 from streamd.config import cache_path
-from streamd.engine.worker.cpu_threads import cpu_has_int8_dot, cpu_runs_bf16
+from streamd.engine.worker.cpu_threads import cpu_runs_bf16
 from streamd.engine.worker.families import check_runnable
 from streamd.engine.worker.gguf_model import ARCHITECTURES, architecture, load_low_bit
 from streamd.engine.worker.quantized import (
@@ -172,10 +172,13 @@ class LowBitPlan:
 
 
 def resolve_matmul(matmul: str) -> str:
-    """`model.low_bit_matmul`: auto is w8a8 where the CPU has int8 dot products (VNNI: benchmarks/NOTES.md,
-    "Issue 25, W8A8"), weight-only elsewhere."""
+    """`model.low_bit_matmul`: auto is weight-only, the weights exactly as stored at every row count. w8a8 is
+    asked for, not chosen: its int8 weights are a requantization used from `INT_MM_ROWS` rows on, beside the
+    stored 4-bit codes below, so a token's logits depend on how many rows its step had (a prefix-cache hit, a
+    busier server) and greedy output with them (benchmarks/NOTES.md, "Issue 25, W8A8": 1.26x served at 32
+    streams on a CPU with VNNI)."""
     if matmul == "auto":
-        return W8A8 if cpu_has_int8_dot() else WEIGHT_ONLY
+        return WEIGHT_ONLY
     if matmul not in (W8A8, WEIGHT_ONLY):
         raise ValueError(f"model.low_bit_matmul must be auto, {W8A8} or {WEIGHT_ONLY}, got {matmul!r}")
     return matmul

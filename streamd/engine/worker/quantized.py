@@ -14,12 +14,12 @@ once into a transient float32 buffer, rounds it to the activations' dtype and ru
 packed kernels cost the same per row at any row count. Both paths multiply bfloat16 activations in float32 and
 round the output to bfloat16; the dense one also rounds the weight to bfloat16 first (2^-9 relative).
 
-`W8A8Linear` (`model.low_bit_matmul = "w8a8"`, auto on a CPU with VNNI) holds the weight also as int8 per output
-channel and, from `INT_MM_ROWS` rows on, multiplies int8 activations by it (`lowbit.w8a8_linear`, torch's
-`_int_mm`): its cost grows far more slowly with the rows than the packed kernels', so many streams and prompt
-chunks gain (1.4x a decode step at 32 streams), with no dense fallback. Below, where a call is bound by reading
-the weight, it keeps the weight-only layer that reads the fewest bytes (4-bit codes packed; a Q8_0 weight's int8
-codes through torch's weight-only int8 kernel). The memory is the price: both forms held (benchmarks/NOTES.md,
+`W8A8Linear` (`model.low_bit_matmul = "w8a8"`, asked for: see `model_loader.resolve_matmul`) holds the weight also
+as int8 per output channel and, from `INT_MM_ROWS` rows on, multiplies int8 activations by it (`lowbit.w8a8_linear`,
+torch's `_int_mm`): its cost grows far more slowly with the rows than the packed kernels', so many streams and
+prompt chunks gain (1.4x a decode step at 32 streams), with no dense fallback. Below, where a call is bound by
+reading the weight, it keeps the weight-only layer that reads the fewest bytes (4-bit codes packed; a Q8_0 weight's
+int8 codes through torch's weight-only int8 kernel). The memory is the price: both forms held (benchmarks/NOTES.md,
 "Issue 25, W8A8"). q/k/v and gate/up read one input each: `share_inputs` has it quantized once.
 """
 

@@ -345,17 +345,15 @@ def greedy(model, prompt_ids: torch.Tensor, tokens: int) -> list[int]:
 
 
 def test_the_plan_picks_the_matmul(monkeypatch) -> None:
+    """auto keeps the weights as stored (weight-only) even where the CPU has VNNI: w8a8 is asked for."""
     cpu, gguf = torch.device("cpu"), str(model_loader.default_gguf_path())
     monkeypatch.setattr(model_loader, "cpu_runs_bf16", lambda: True)
-    monkeypatch.setattr(model_loader, "cpu_has_int8_dot", lambda: True)
-    plan = model_loader.low_bit_plan(gguf, "auto", cpu)
+    plan = model_loader.low_bit_plan(gguf, "auto", cpu, "w8a8")
     assert plan.matmul == quantized.W8A8 and "int8 activations" in plan.describe()
-    weight_only = model_loader.low_bit_plan(gguf, "auto", cpu, "weight_only")
+    weight_only = model_loader.low_bit_plan(gguf, "auto", cpu)
     assert weight_only.matmul == quantized.WEIGHT_ONLY and weight_only.describe() != plan.describe()
-    assert model_loader.low_bit_plan(tiny_llama(), "int8", cpu).w8a8
-    assert not model_loader.low_bit_plan(tiny_llama(), "int4", cpu).w8a8  # 4-bit codes stay 4-bit
-    monkeypatch.setattr(model_loader, "cpu_has_int8_dot", lambda: False)  # no VNNI: the packed kernels
-    assert model_loader.low_bit_plan(gguf, "auto", cpu).matmul == quantized.WEIGHT_ONLY
-    assert model_loader.low_bit_plan(gguf, "auto", cpu, "w8a8").matmul == quantized.W8A8
+    assert model_loader.low_bit_plan(tiny_llama(), "int8", cpu, "w8a8").w8a8
+    assert not model_loader.low_bit_plan(tiny_llama(), "int8", cpu).w8a8
+    assert not model_loader.low_bit_plan(tiny_llama(), "int4", cpu, "w8a8").w8a8  # 4-bit codes stay 4-bit
     with pytest.raises(ValueError, match="model.low_bit_matmul must be"):
         model_loader.low_bit_plan(gguf, "auto", cpu, "int2")
