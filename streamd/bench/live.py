@@ -120,7 +120,7 @@ def _device(args: argparse.Namespace) -> str:
 
 # ---- servers and the proxy -------------------------------------------------------------------------------
 @contextlib.contextmanager
-def null_server(
+def bench_server(
     settings: list[str], extra: list[str], model: str = NULL_MODEL, layout: str = "thread"
 ) -> Iterator[ServerProcess]:
     """A `streamd bench serve_target` process (the real server path, its CPU time readable): the null model
@@ -226,7 +226,7 @@ def _proxy_rows(
     settings = [f"server.sse_keepalive_s={keepalive_s}", f"server.ws_ping_interval_s={ws_ping_s}", *PROXY_SETTINGS]
     rate = args.prefill_s / RUN_PROMPT_TOKENS
     with contextlib.ExitStack() as stack:
-        url = stack.enter_context(null_server(settings, ["--prefill-s-per-token", str(rate)])).url
+        url = stack.enter_context(bench_server(settings, ["--prefill-s-per-token", str(rate)])).url
         front = stack.enter_context(nginx_in_front(url, args.read_timeout_s))
         gate_tokens = round(args.gather_s / rate)
         return asyncio.run(_proxy_all(url, front, transports, args.runs, (keepalive_s, ws_ping_s), gate_tokens))
@@ -377,7 +377,7 @@ class Probe:
 async def first_frame(args: argparse.Namespace) -> dict[str, Any]:
     """Probes per transport queued behind a saturated server (module docstring)."""
     settings = [f"scheduler.max_num_seqs={args.max_num_seqs}"]
-    with null_server(settings, []) as server:
+    with bench_server(settings, []) as server:
         url = server.url
         load = _saturate(url, args.max_num_seqs * 3 // 2)
         try:
@@ -514,8 +514,8 @@ async def overhead(args: argparse.Namespace) -> dict[str, Any]:
 def _overhead(args: argparse.Namespace) -> dict[str, Any]:
     """A quarter of the streams wait in the queue (seats for three quarters), so the "on" server reports queue
     places and every chunk carries usage; its keepalive stays quiet while tokens flow, as it should. Each pair
-    starts its own two servers (in alternating order): two processes of one configuration differ by up to ~20%
-    in CPU per token for as long as they live (an A/A run on the CPU: benchmarks/NOTES.md), so servers kept for
+    starts its own two servers (in alternating order): two processes of one configuration differed by up to a third
+    in CPU per token for as long as they lived (an A/A run on the CPU: benchmarks/NOTES.md), so servers kept for
     every pair would carry their own bias into every ratio."""
     transports = args.overhead_transports.split(",")
     if unknown := set(transports) - {"sse", "ws"}:
@@ -547,7 +547,7 @@ def _overhead_servers(args: argparse.Namespace, stack: contextlib.ExitStack, fir
         "off": ([*base, "server.sse_keepalive_s=0", "server.ws_ping_interval_s=0"], ["--no-progress"]),
     }
     sides = [first, *(side for side in configs if side != first)]
-    return {side: stack.enter_context(null_server(*configs[side], args.model, args.layout)) for side in sides}
+    return {side: stack.enter_context(bench_server(*configs[side], args.model, args.layout)) for side in sides}
 
 
 def _overhead_row(pair: int, transport: str, runs: dict[str, tuple[float, float]]) -> dict[str, Any]:
