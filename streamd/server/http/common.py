@@ -103,8 +103,8 @@ class Keepalive:
             self._timer = asyncio.ensure_future(self._keep())
 
     async def comment_written(self) -> None:
-        while self.comment is not None:
-            await self.comment
+        while self.comment is not None:  # (shielded: a cancelled writer must not cancel the timer's future)
+            await asyncio.shield(self.comment)
 
     def stop(self) -> None:
         self._done = True
@@ -131,8 +131,8 @@ class Keepalive:
             await self._send({"type": "http.response.body", "body": KEEPALIVE, "more_body": True})
             self.writes += 1
         finally:
-            self.comment.set_result(None)
-            self.comment = None
+            written, self.comment = self.comment, None
+            written.set_result(None)
 
 
 async def json_body(request: Request) -> dict[str, Any]:

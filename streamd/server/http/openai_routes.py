@@ -423,7 +423,7 @@ async def _sse(
             yield b"".join(events)
     tail: list[bytes] = []
     if continuous:
-        extra["usage"] = account.usage()
+        extra["usage"], texts.usage_json = account.usage(), account.usage_json()
     if account.error:
         tail.append(_data(ServiceError("internal_error", account.error).openai_body()).encode())
     else:
@@ -549,6 +549,8 @@ class TextEvents:
                 return parts[0] + orjson.dumps(text) + parts[1] + self.usage_json + parts[2]
             return parts[0] + orjson.dumps(text) + parts[1]
         except TypeError:  # text orjson refuses (a lone surrogate): the generic encoder decides
+            if self.continuous:  # (the plain path leaves the dict's usage to this delta's bytes)
+                self.extra["usage"] = orjson.loads(self.usage_json)
             return self._whole(index, text)
 
     def _template(self, index: int) -> list[bytes]:

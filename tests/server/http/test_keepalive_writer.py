@@ -107,3 +107,32 @@ async def test_a_body_write_waits_for_a_comment_being_written() -> None:
     await writer
     keeper.stop()
     assert sent == [b"head", KEEPALIVE, b"data: y\n\n"], sent
+
+
+async def test_a_writer_cancelled_while_waiting_for_a_comment_leaves_the_timer_running() -> None:
+    """The disconnect watch (or a drain) cancels a body write that waits for the timer's comment: the comment's
+    future is shielded, so the timer finishes its write and keeps running (unshielded, the cancelled future made
+    its `set_result` raise and the timer task died)."""
+    release = asyncio.Event()
+    sent: list[bytes] = []
+
+    async def send(message: Any) -> None:
+        body = message.get("body", b"head")
+        if body == KEEPALIVE and KEEPALIVE not in sent:
+            await release.wait()
+        sent.append(body)
+
+    keeper = Keepalive(send, INTERVAL_S)
+    await keeper.send({"type": "http.response.start", "status": 200, "headers": []})
+    while keeper.comment is None:
+        await asyncio.sleep(INTERVAL_S / 2)
+    writer = asyncio.ensure_future(keeper.send(_body(b"data: w\n\n")))
+    await asyncio.sleep(INTERVAL_S)
+    writer.cancel()
+    await asyncio.gather(writer, return_exceptions=True)
+    release.set()
+    while sent.count(KEEPALIVE) < 2:  # the timer lives on: its next comment comes
+        assert keeper._timer is not None and not keeper._timer.done(), keeper._timer
+        await asyncio.sleep(INTERVAL_S / 2)
+    keeper.stop()
+    assert keeper.comment is None and b"data: w\n\n" not in sent, sent

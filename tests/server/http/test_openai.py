@@ -151,10 +151,11 @@ def test_text_events_are_the_chunks_encoded_whole(kind: str, usage: str) -> None
              TextEvents.HOLE, TextEvents.USAGE_HOLE, "{}", "\ud800"]
     for index in (0, 3):
         for step, text in enumerate(texts):
-            if usage == "continuous":
-                extra["usage"] = usages[step % len(usages)]
-                events.usage_json = orjson.dumps(extra["usage"])
-            assert events.event(index, text) == _data(_chunk(call, index, _piece(call, text), None, extra)).encode()
+            want = extra
+            if usage == "continuous":  # (as `_sse`'s plain path: only the bytes are set per delta)
+                want = {"usage": usages[step % len(usages)]}
+                events.usage_json = orjson.dumps(want["usage"])
+            assert events.event(index, text) == _data(_chunk(call, index, _piece(call, text), None, want)).encode()
 
 
 @pytest.mark.parametrize("cached, predicted", [(0, False), (4, False), (0, True), (4, True)])

@@ -50,7 +50,8 @@ _SYMM_DTYPES = (torch.float32, torch.bfloat16)  # what torch's symmetric-memory 
 _ALIGN_BYTES = 16  # whole 16-byte vectors: the kernels' widest access, and every hidden size in use
 
 # The ProcessGroups registered for symmetric memory's rendezvous, by name: c10d's registry does not keep them
-# alive. One per engine (a uuid name), a few hundred bytes, held for the process's life like the registry's entry.
+# alive. One per engine (a uuid name), held for the process's life like the registry's entry, and with it the
+# engine's NCCL backend and store: a process that opens many tensor-parallel engines keeps each one's.
 _REGISTERED: dict[str, dist.ProcessGroup] = {}
 
 Agree = Callable[[bool], bool]  # every rank's vote on this rank's outcome (`workers.all_agree`)
