@@ -157,10 +157,14 @@ def test_the_registered_group_outlives_its_maker_and_resolves_by_name() -> None:
 
     name = f"test-{uuid.uuid4().hex}"
     context = RankContext(0, 1, CPU, torch.float32, dist.HashStore(), lambda ok: ok)
-    all_reduce._register_process_group(name, _gloo(), context, dist.HashStore(), device="cpu")  # type: ignore[arg-type]
+    backend = _gloo()
+    all_reduce._register_process_group(name, backend, context, dist.HashStore(), device="cpu")  # type: ignore[arg-type]
     gc.collect()
     group = _resolve_process_group(name)  # type: ignore[arg-type]
     assert group.rank() == 0 and group.size() == 1
     summed = torch.ones(4)
     group.allreduce(summed).wait()  # the wrapper reaches the backend it was built over
     assert summed.tolist() == [1.0] * 4
+    del group
+    all_reduce.forget(backend)  # (what closing the rank's group does)
+    assert name not in all_reduce._REGISTERED

@@ -49,10 +49,16 @@ ONE_SHOT_MAX_BYTES = 512 * 1024  # the probe: one-shot wins at 128 KiB, two-shot
 _SYMM_DTYPES = (torch.float32, torch.bfloat16)  # what torch's symmetric-memory reduction kernels take
 _ALIGN_BYTES = 16  # whole 16-byte vectors: the kernels' widest access, and every hidden size in use
 
-# The ProcessGroups registered for symmetric memory's rendezvous, by name: c10d's registry does not keep them
-# alive. One per engine (a uuid name), held for the process's life like the registry's entry, and with it the
-# engine's NCCL backend and store: a process that opens many tensor-parallel engines keeps each one's.
-_REGISTERED: dict[str, dist.ProcessGroup] = {}
+# The ProcessGroups registered for symmetric memory's rendezvous, by name, with the group each wraps: c10d's
+# registry does not keep them alive. One per engine (a uuid name), until its group closes (`forget`).
+_REGISTERED: dict[str, tuple[dist.ProcessGroup, Collectives]] = {}
+
+
+def forget(group: Collectives) -> None:
+    """Lets go of the wrappers over `group` (its rank closes it), and with them its backend and store."""
+    for name in [name for name, (_, wrapped) in _REGISTERED.items() if wrapped is group]:
+        del _REGISTERED[name]
+
 
 Agree = Callable[[bool], bool]  # every rank's vote on this rank's outcome (`workers.all_agree`)
 
@@ -187,7 +193,7 @@ def _register_process_group(
     wrapper._register_backend(torch.device(device), kind, cast(Any, group))
     wrapper._set_default_backend(kind)
     register(cast(Any, name), wrapper)  # (typed as c10d's GroupName, a str)
-    _REGISTERED[name] = wrapper
+    _REGISTERED[name] = (wrapper, group)
 
 
 def _rendezvous(

@@ -46,6 +46,7 @@ from streamd.engine.worker.parallel.all_reduce import (
     LayerAllReduce,
     RankContext,
     build_all_reduce,
+    forget,
     plan_all_reduce,
 )
 from streamd.engine.worker.parallel.collectives import Collectives
@@ -71,6 +72,7 @@ def close_group(group: Collectives, name: str, graceful: bool = True) -> None:
     layers' group goes only after the rank's decode graphs (module docstring). Failures are logged: this
     runs at shutdown."""
     backend = cast(dist.ProcessGroup, group)
+    forget(group)  # (symmetric memory's wrapper over it, if any)
     try:
         backend.shutdown() if graceful else backend.abort()
     except RuntimeError as exc:
