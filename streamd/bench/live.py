@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model(args: argparse.Namespace) -> dict[str, str]:
     """The report's model and label: only the overhead scenario takes a real model."""
-    model = getattr(args, "model", NULL_MODEL)
+    model = args.model
     if model == NULL_MODEL or "overhead" not in args.scenarios.split(","):
         return {"model": NULL_MODEL, "label": NULL_LABEL}
     return {"model": model, "label": f"{model} (real forward passes; overhead only), layout {args.layout}"}

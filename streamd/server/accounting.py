@@ -21,8 +21,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import orjson
-
 from streamd.engine import RequestDelta
 from streamd.logs import get_logger
 from streamd.server.lifecycle import Lifecycle
@@ -186,18 +184,6 @@ class RequestAccount:
                 "rejected_prediction_tokens": self.prediction_tokens - self.accepted_prediction_tokens,
             }
         return body
-
-    def usage_json(self) -> bytes:
-        """`usage()` as JSON, the same bytes as orjson's; formatted directly in the common case (no cached
-        tokens, no prediction), since continuous usage writes it into every streamed chunk."""
-        if self.num_cached_tokens or self.predicted:
-            return orjson.dumps(self.usage())
-        prompt, completion = self.num_prompt_tokens, self.num_completion_tokens
-        return b'{"prompt_tokens":%d,"completion_tokens":%d,"total_tokens":%d}' % (
-            prompt,
-            completion,
-            prompt + completion,
-        )
 
     # ---- closing -----------------------------------------------------------------------------------
     def close(self) -> None:

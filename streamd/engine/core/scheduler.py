@@ -539,7 +539,7 @@ class Scheduler:
             num_seqs += 1
             if left > 1:
                 partial.append(ScheduledSeq(seq, group, left))
-            elif _held(catch_up, group, 1):
+            elif catch_up is not None and catch_up.holds(group, 1):  # (inline: this runs per decode, every step)
                 pass  # another tenant's decode waits while the least served tenant catches up
             elif budget:  # budget only runs out when forks outgrew it
                 copies = bm.try_append_slots(seq)
@@ -576,7 +576,9 @@ class Scheduler:
         -1 when it preempted itself; whether anything was preempted; its index now)."""
         bm, running = self.block_manager, self.running
         writers, prompts = _running_parts(group)
-        if not _decode_now(group, writers, prompts, budget) or _held(catch_up, group, len(writers)):
+        if not _decode_now(group, writers, prompts, budget) or (
+            writers and catch_up is not None and catch_up.holds(group, len(writers))
+        ):
             writers = []
         need = bm.blocks_to_append_all(writers) if writers else 0
         preempted = False
@@ -1048,10 +1050,6 @@ class _CatchUp:
 
 def _computed_tokens(group: SequenceGroup) -> int:
     return sum(seq.num_computed_tokens for seq in group.seqs)
-
-
-def _held(catch_up: _CatchUp | None, group: SequenceGroup, rows: int) -> bool:
-    return rows > 0 and catch_up is not None and catch_up.holds(group, rows)
 
 
 def _prompt_left(seq: Sequence) -> bool:

@@ -51,12 +51,6 @@ def cpu_runs_bf16() -> bool:
     return bool(set(_cpuinfo("flags").split()) & {"avx512_bf16", "amx_bf16"})
 
 
-def cpu_has_int8_dot() -> bool:
-    """Whether this CPU multiplies int8 vectors natively (AVX-512 VNNI, AVX-VNNI or AMX), from /proc/cpuinfo's
-    flags: where it does, int8 x int8 matmuls (`torch._int_mm`) beat the packed weight-only kernels (`quantized.py`)."""
-    return bool(set(_cpuinfo("flags").split()) & {"avx512_vnni", "avx_vnni", "amx_int8"})
-
-
 def _cpuinfo(key: str) -> str:
     """The first value of `key` in /proc/cpuinfo ("" where there is none)."""
     try:

@@ -167,7 +167,10 @@ class W8A8Linear(nn.Module):
 
     @property
     def nbytes(self) -> int:
-        return self.weight8.nbytes  # `few_rows` counts its own
+        """The int8 weight, less the codes `few_rows` shares (a Q8_0 weight's, unpadded), which it counts."""
+        parts = self.few_rows.parts if self.few_rows is not None else ()
+        shared = any(isinstance(p, lowbit.Int8Weight) and p.codes is self.weight8.codes for p in parts)
+        return self.weight8.nbytes - (self.weight8.codes.nbytes if shared else 0)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, w8a8"

@@ -407,10 +407,8 @@ async def _sse(
     texts = TextEvents(call, extra, continuous=continuous)
     plain = call.logprobs is None and call.think_inside is None and call.tool_format is None  # the fast path
     async for delta in deltas:
-        if continuous:  # (the plain path's chunks take the usage as bytes, the others' as the dict)
-            texts.usage_json = account.usage_json()
-            if not plain:
-                extra["usage"] = account.usage()
+        if continuous:
+            extra["usage"] = account.usage()
         events = []
         for choice in delta.outputs:
             if call.logprobs is not None:
@@ -422,8 +420,6 @@ async def _sse(
         if events:
             yield b"".join(events)
     tail: list[bytes] = []
-    if continuous:
-        extra["usage"], texts.usage_json = account.usage(), account.usage_json()
     if account.error:
         tail.append(_data(ServiceError("internal_error", account.error).openai_body()).encode())
     else:
@@ -532,12 +528,10 @@ class TextEvents:
     USAGE_HOLE = "\x00streamd-usage\x00"
 
     def __init__(self, call: _Call, extra: dict[str, Any], continuous: bool = False) -> None:
-        """`continuous`: the usage changes from delta to delta (vLLM's continuous usage): it has its own hole,
-        filled with `usage_json` (which the caller sets for each delta)."""
+        """`continuous`: `extra["usage"]` changes from delta to delta (vLLM's continuous usage): it has its own hole."""
         self.call = call
         self.extra = extra
         self.continuous = continuous
-        self.usage_json = b"null"  # with continuous usage: the usage as of this delta, JSON (`usage_json`)
         self.parts: dict[int, list[bytes]] = {}
 
     def event(self, index: int, text: str) -> bytes:
@@ -546,11 +540,9 @@ class TextEvents:
             parts = self.parts[index] = self._template(index)
         try:
             if self.continuous:
-                return parts[0] + orjson.dumps(text) + parts[1] + self.usage_json + parts[2]
+                return parts[0] + orjson.dumps(text) + parts[1] + orjson.dumps(self.extra["usage"]) + parts[2]
             return parts[0] + orjson.dumps(text) + parts[1]
         except TypeError:  # text orjson refuses (a lone surrogate): the generic encoder decides
-            if self.continuous:  # (the plain path leaves the dict's usage to this delta's bytes)
-                self.extra["usage"] = orjson.loads(self.usage_json)
             return self._whole(index, text)
 
     def _template(self, index: int) -> list[bytes]:

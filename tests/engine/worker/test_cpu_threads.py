@@ -7,7 +7,6 @@ import os
 import pytest
 import torch
 
-from streamd.engine.worker import cpu_threads
 from streamd.engine.worker.cpu_threads import apply_num_threads, usable_cores
 
 
@@ -42,11 +41,3 @@ def test_engine_applies_the_setting(restore_threads) -> None:
     torch.set_num_threads(2)
     LLM(config, device="cpu", num_threads=1, num_kv_blocks=4, num_swap_blocks=0)
     assert torch.get_num_threads() == 1
-
-
-@pytest.mark.parametrize(
-    "flags, int8_dot", [("fpu avx2 avx512f avx512_vnni", True), ("avx2 avx_vnni", True), ("avx2 fma avx512f", False)]
-)
-def test_int8_dot_products_are_read_from_the_cpu_flags(flags: str, int8_dot: bool, monkeypatch) -> None:
-    monkeypatch.setattr(cpu_threads, "_cpuinfo", lambda key: flags if key == "flags" else "")
-    assert cpu_threads.cpu_has_int8_dot() is int8_dot

@@ -357,3 +357,17 @@ def test_the_plan_picks_the_matmul(monkeypatch) -> None:
     assert not model_loader.low_bit_plan(tiny_llama(), "int4", cpu, "w8a8").w8a8  # 4-bit codes stay 4-bit
     with pytest.raises(ValueError, match="model.low_bit_matmul must be"):
         model_loader.low_bit_plan(gguf, "auto", cpu, "int2")
+
+
+@pytest.mark.parametrize("kind", [GGML.Q8_0, GGML.Q4_1])
+def test_a_w8a8_layer_counts_each_held_byte_once(kind: GGML) -> None:
+    """`weight_bytes` (the load's log line): a Q8_0 weight's int8 codes serve both paths (its width is whole
+    32-blocks: no padding) and are counted once; a Q4_1 weight's few-rows form is its own packed codes."""
+    layer = w8a8_layer(77, 96, seed=3, kind=kind)
+    tensors = [layer.weight8.codes, layer.weight8.scales, layer.bias]
+    assert layer.few_rows is not None
+    for part in layer.few_rows.parts:
+        tensors += [part.packed, part.scales_and_zeros] if isinstance(part, lowbit.Int4Weight) else [
+            part.codes, part.scales]
+    unique = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    assert model_loader.weight_bytes(layer) == sum(unique.values())

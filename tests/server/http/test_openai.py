@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import httpx
 import openai
-import orjson
 import pytest
 from openai import AsyncOpenAI
 
@@ -151,22 +150,6 @@ def test_text_events_are_the_chunks_encoded_whole(kind: str, usage: str) -> None
              TextEvents.HOLE, TextEvents.USAGE_HOLE, "{}", "\ud800"]
     for index in (0, 3):
         for step, text in enumerate(texts):
-            want = extra
-            if usage == "continuous":  # (as `_sse`'s plain path: only the bytes are set per delta)
-                want = {"usage": usages[step % len(usages)]}
-                events.usage_json = orjson.dumps(want["usage"])
-            assert events.event(index, text) == _data(_chunk(call, index, _piece(call, text), None, want)).encode()
-
-
-@pytest.mark.parametrize("cached, predicted", [(0, False), (4, False), (0, True), (4, True)])
-def test_usage_json_is_the_usage_encoded(cached: int, predicted: bool) -> None:
-    """The continuous-usage bytes are orjson's encoding of `usage()`, details included, as tokens come."""
-    from streamd.server.accounting import RequestAccount
-
-    lifecycle = SimpleNamespace(add=lambda account: None)
-    account = RequestAccount("r", "chat", 7, None, lifecycle, lambda: None, num_choices=2)  # type: ignore[arg-type]
-    account.num_cached_tokens, account.predicted = cached, predicted
-    account.prediction_tokens, account.accepted_prediction_tokens = 5, 3
-    for step in range(4):
-        account.completion_tokens[step % 2] = step * 11
-        assert account.usage_json() == orjson.dumps(account.usage()), account.usage()
+            if usage == "continuous":
+                extra["usage"] = usages[step % len(usages)]
+            assert events.event(index, text) == _data(_chunk(call, index, _piece(call, text), None, extra)).encode()
