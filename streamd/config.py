@@ -71,6 +71,7 @@ CATCH_UP_DECODES = ("auto", "hold", "run")  # scheduler.catch_up_decodes (stream
 QUANTIZATIONS = ("auto", "none", "int8", "int4")  # model.quantization (streamd/engine/worker/model_loader.py)
 LOW_BIT_MATMULS = ("auto", "w8a8", "weight_only")  # model.low_bit_matmul (streamd/engine/worker/quantized.py)
 ALL_REDUCE_MODES = ("auto", "nccl", "symm_mem")  # parallel.all_reduce (streamd/engine/worker/parallel/all_reduce.py)
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # cache.kv_cache_dtype (streamd/engine/worker/cache_engine.py)
 
 
 @dataclass(slots=True)
@@ -128,9 +129,13 @@ class CacheConfig:
     # blocks (swap preemption still takes any of them first). None: on CUDA 20% of the RAM available at start, at
     # most 32 GiB; on the CPU 0 (off: the device pool is host memory already).
     host_cache_gib: float | None = None
+    # The KV blocks' dtype: auto: the model's; int8 | fp8 (e4m3): 8-bit codes with a float32 scale per token and
+    # KV head, stored in the same block (about half the bytes of bfloat16: twice the blocks in the same memory).
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         _one_of("cache.prefix_isolation", self.prefix_isolation, ("none", "tenant"))
+        _one_of("cache.kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _one_of("cache.block_size", self.block_size, (8, 16, 32, 64, 128))
         _positive("cache.num_kv_blocks", self.num_kv_blocks, allow_none=True)
         if not 0 < self.gpu_memory_utilization <= 1:

@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "spec": ("streamd.bench.spec", "run"),
     "live": ("streamd.bench.live", "run"),
     "peer": ("streamd.bench.peer", "run"),
+    "quality": ("streamd.bench.quality", "run"),
 }
 EXAMPLES: dict[str, str] = {
     "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
@@ -38,6 +39,7 @@ EXAMPLES: dict[str, str] = {
     "--turn-tokens 300",
     "spec": "streamd bench spec --out /tmp/results      # speculative decoding on vs off, CPU default model",
     "live": "streamd bench live --scenarios proxy,first-frame,overhead   # issue 32's targets, null model, minutes",
+    "quality": "streamd bench quality --kv-cache-dtype int8 --num-prompts 100 --max-tokens 64   # minutes on 2 cores",
     "peer": "llama-server -m MODEL.gguf --port 8080 --parallel 32 -c 32768 &\n"
     "  streamd bench peer --url http://127.0.0.1:8080 --concurrency 1,8,32 --rounds 3",
 }

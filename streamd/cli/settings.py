@@ -47,6 +47,7 @@ FLAG_NAMES: dict[str, tuple[str, ...]] = {
 _VALUE_SPELLINGS: dict[str, dict[str, str]] = {
     "model.dtype": {"half": "float16", "float": "float32"},
     "model.quantization": {"gguf": "auto"},
+    "cache.kv_cache_dtype": {"fp8_e4m3": "fp8"},
     "logging.level": {"critical": "error", "trace": "debug"},
 }
 
@@ -54,7 +55,6 @@ _VALUE_SPELLINGS: dict[str, dict[str, str]] = {
 REFUSED: dict[tuple[str, ...], str] = {
     ("--pipeline-parallel-size", "-pp"): "a model is split over GPUs by tensor parallelism only (-tp N)",
     ("--data-parallel-size", "-dp"): "run replicas behind a router instead: `streamd cluster --replicas N`",
-    ("--kv-cache-dtype",): "the KV cache is kept in the model's dtype (--dtype)",
     ("--enable-lora", "--lora-modules", "--max-loras", "--max-lora-rank"): "LoRA adapters are not supported",
     ("--tokenizer", "--tokenizer-mode"): "the tokenizer is always the model's own (--model)",
     ("--revision", "--tokenizer-revision", "--download-dir"): "streamd never downloads: a Hub id must already "

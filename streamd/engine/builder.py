@@ -30,7 +30,7 @@ from streamd.engine.sample.grammar_budget import GrammarBudget
 from streamd.engine.sample.sampler import Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import DEFAULT_TENANT
-from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
+from streamd.engine.worker.cache_engine import CacheEngine, KVLayout, kv_dtype
 from streamd.engine.worker.cpu_threads import apply_num_threads
 from streamd.engine.worker.cuda_graphs import capture_sizes
 from streamd.engine.worker.draft_model import load_draft_model
@@ -229,13 +229,14 @@ def _kv_cache(
     dtype = next(loaded.model.parameters()).dtype
     runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
     fuse_layers(loaded.model, config.model.fuse_layers, device)
-    layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype, config.parallel.tensor_parallel_size)
+    pool_dtype = kv_dtype(cache_cfg.kv_cache_dtype, dtype)
+    layout = kv_layout_of(loaded.model, cache_cfg.block_size, pool_dtype, config.parallel.tensor_parallel_size)
     num_blocks = cache_cfg.num_kv_blocks or _auto_num_blocks(
         config, runner, layout, device, max_model_len, vocab, reserve_bytes
     )
     host_blocks = _num_swap_blocks(cache_cfg, layout) + _host_cache_blocks(cache_cfg, layout, device)
     cache = CacheEngine(layout, num_blocks, host_blocks, device, runner.ops)
-    runner.bind_kv_cache(cache.kv_cache)
+    runner.bind_kv_cache(cache.pool)
     return runner, cache
 
 
@@ -288,17 +289,18 @@ def _auto_num_blocks(
             config.scheduler.max_num_batched_tokens,
             max_model_len,
             config.cache.gpu_memory_utilization,
-            _graph_reserve_bytes(config, layout, vocab) + reserve_bytes,
+            _graph_reserve_bytes(config, runner, vocab) + reserve_bytes,
         )
     return max(1, int(config.cache.cpu_kv_cache_gib * 2**30) // layout.bytes_per_block)
 
 
-def _graph_reserve_bytes(config: Config, layout: KVLayout, vocab: int) -> int:
+def _graph_reserve_bytes(config: Config, runner: ModelRunner, vocab: int) -> int:
     """GPU memory the decode graphs will hold once captured (captured after the pool is allocated):
-    one logits buffer per captured size plus the largest graph's activations and the swap staging."""
+    one logits buffer per captured size (in the model's dtype) plus the largest graph's activations and the swap
+    staging."""
     if config.model.enforce_eager:
         return _GRAPH_SLACK_BYTES
-    elem = torch.empty((), dtype=layout.dtype).element_size()
+    elem = next(runner.model.parameters()).element_size()
     return sum(capture_sizes(config.scheduler.max_num_seqs)) * vocab * elem + _GRAPH_SLACK_BYTES
 
 

@@ -3,7 +3,8 @@
 Owns ``copy_blocks``, which executes the copy-on-write orders of the block manager: block dst[i]
 becomes a copy of block src[i]. The grid is (pair, chunk of the block): a block of the block-major
 pool is one contiguous region when the pool is contiguous past its first dimension (the usual case,
-copied as a flat range); otherwise each element's offset is rebuilt from the pool's strides.
+copied as a flat range; the engine passes its pool's blocks as rows of words, [num_blocks, words], so an
+8-bit pool's scales move with their codes); otherwise each element's offset is rebuilt from the pool's strides.
 Destinations must be distinct and must not be sources in the same call (copy-on-write guarantees it:
 destinations are freshly allocated).
 """
@@ -67,9 +68,12 @@ def _copy_blocks_kernel(
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
-    """In place: kv_cache[dst[i]] = kv_cache[src[i]] for all i, in one launch (src, dst int64 [n])."""
+    """In place: kv_cache[dst[i]] = kv_cache[src[i]] for all i, in one launch (src, dst int64 [n]); kv_cache is
+    the 6-D pool or its blocks as rows [num_blocks, elements]."""
+    if kv_cache.dim() == 2 and kv_cache.stride(1) == 1:
+        kv_cache = kv_cache.view(kv_cache.shape[0], 1, 1, 1, 1, kv_cache.shape[1])
     if kv_cache.dim() != 6:
-        raise ValueError(f"kv_cache must be 6-D, got {tuple(kv_cache.shape)}")
+        raise ValueError(f"kv_cache must be 6-D or [num_blocks, elements], got {tuple(kv_cache.shape)}")
     if src.shape != dst.shape or src.dim() != 1:
         raise ValueError(f"src {tuple(src.shape)} and dst {tuple(dst.shape)} must be equal 1-D shapes")
     n = src.shape[0]

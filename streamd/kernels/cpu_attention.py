@@ -10,7 +10,8 @@ offset once).
 Padded positions (a shorter sequence in a batch) gather the sequence's own first slot, which always holds a
 written key, so the masked-out scores multiply finite values: no NaN from stale slots, and no `masked_fill`.
 Same arithmetic as `reference.paged_decode_attention` for layers without extras (no window, soft cap or
-sinks; those take the reference); tests compare the two.
+sinks; those take the reference); tests compare the two. An 8-bit pool (`kv_scales` given) is quantized on store
+and its gathered rows dequantized to the query's dtype (`layout.quantize_rows`, the kernels' reference).
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from streamd.kernels.layout import dequantize_rows, quantize_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,25 +60,48 @@ def plan_store(slot_mapping: torch.Tensor, page: int) -> StorePlan:
     return StorePlan(keep, slots // page, slots % page)
 
 
-def store_kv(key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan: StorePlan) -> None:
-    """Writes token t's key/value [tokens, kv_heads, head_dim] where the plan's slot t says."""
+def store_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    plan: StorePlan,
+    kv_scales: torch.Tensor | None = None,
+) -> None:
+    """Writes token t's key/value [tokens, kv_heads, head_dim] where the plan's slot t says (8-bit codes and
+    their scales with `kv_scales`)."""
     kv = kv_cache[:, layer]
     if plan.keep is not None:
         key, value = key[plan.keep], value[plan.keep]
-    kv[plan.blocks, 0, :, plan.offsets] = key.to(kv_cache.dtype)
-    kv[plan.blocks, 1, :, plan.offsets] = value.to(kv_cache.dtype)
+    for i, x in enumerate((key, value)):
+        if kv_scales is None:
+            kv[plan.blocks, i, :, plan.offsets] = x.to(kv_cache.dtype)
+            continue
+        codes, scales = quantize_rows(x, kv_cache.dtype)
+        kv[plan.blocks, i, :, plan.offsets] = codes
+        kv_scales[:, layer][plan.blocks, i, :, plan.offsets] = scales
 
 
 def decode_attention(
-    query: torch.Tensor, kv_cache: torch.Tensor, layer: int, plan: DecodePlan, scale: float
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    plan: DecodePlan,
+    scale: float,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """query [S, heads, head_dim] over each sequence's context in `layer`: [S, heads, head_dim]."""
     num_seqs, num_heads, head_dim = query.shape
     kv = kv_cache[:, layer]
     num_kv_heads = kv.shape[2]
     # [S, T] indices into (block, offset) pick [S, T, kv_heads, head_dim]; SDPA wants heads before T.
-    k = kv[plan.blocks, 0, :, plan.offsets].transpose(1, 2)
-    v = kv[plan.blocks, 1, :, plan.offsets].transpose(1, 2)
+    k = kv[plan.blocks, 0, :, plan.offsets]
+    v = kv[plan.blocks, 1, :, plan.offsets]
+    if kv_scales is not None:
+        scales = kv_scales[:, layer]
+        k = dequantize_rows(k, scales[plan.blocks, 0, :, plan.offsets], query.dtype)
+        v = dequantize_rows(v, scales[plan.blocks, 1, :, plan.offsets], query.dtype)
+    k, v = k.transpose(1, 2), v.transpose(1, 2)
     q = query.reshape(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim).to(k.dtype)
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=plan.mask, scale=scale)
     return out.reshape(num_seqs, num_heads, head_dim).to(query.dtype)

@@ -19,6 +19,9 @@ Extras (``attention_extras``): with a sliding window W a program streams only th
 context (partitions cut that span, so blocks wholly before the window are never loaded and the split
 count follows W, not the table's width); soft-capping rewrites each score tile; sinks join the
 denominator once, where the softmax is normalised: the unsplit kernel's epilogue or the reduction.
+
+An 8-bit pool (`kv_quant`): the codes convert exactly to the query's dtype for the dots, each token's key scale
+multiplies its score column and its value scale its probability column (tile loads of 1 byte per element).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import triton.language as tl
 
 from streamd.kernels._triton_utils import cdiv, dot_upcast, dual_kernel, next_pow2, num_sms
 from streamd.kernels.attention_extras import LOG2E_C, capped, fold_sink, logit_extras
+from streamd.kernels.kv_quant import scale_args
 from streamd.kernels.layout import check_cache
 
 # A finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN for rows that see no
@@ -65,6 +69,12 @@ def _decode_kernel(
     s_o_head: tl.tensor,
     s_o_dim: tl.tensor,
     num_heads: tl.tensor,
+    sc_ptr: tl.tensor,
+    sc_layer_off: tl.tensor,
+    s_sc_blk: tl.tensor,
+    s_sc_kv: tl.tensor,
+    s_sc_head: tl.tensor,
+    s_sc_tok: tl.tensor,
     GROUP: tl.constexpr,
     BLOCK_G: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -77,6 +87,9 @@ def _decode_kernel(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    KV_QMAX: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -92,7 +105,9 @@ def _decode_kernel(
     else:
         qd_mask = g_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
 
-    kv_dtype = kv_ptr.dtype.element_ty
+    kv_dtype = kv_ptr.dtype.element_ty  # the dots' operand dtype
+    if KV_QUANT:
+        kv_dtype = q_ptr.dtype.element_ty
     q = tl.load(
         q_ptr + seq * s_q_seq + heads[:, None] * s_q_head + offs_d[None, :] * s_q_dim,
         mask=qd_mask,
@@ -112,6 +127,7 @@ def _decode_kernel(
     acc = tl.zeros([BLOCK_G, BLOCK_D], tl.float32)
 
     kv_base = kv_ptr + layer_off + kv_head * s_kv_head
+    sc_base = sc_ptr + sc_layer_off + kv_head * s_sc_head
     bt_base = bt_ptr + seq * s_bt_seq
     # Block-table entries are fetched one tile ahead, so the K/V addresses of a tile do not wait on a
     # load issued in the same iteration and the pipeliner can keep several K/V tiles in flight.
@@ -132,11 +148,24 @@ def _decode_kernel(
             kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
         k = tl.load(ptrs, mask=kv_mask, other=0.0)
         v = tl.load(ptrs + s_kv_kv, mask=kv_mask, other=0.0)
+        if KV_QUANT:
+            sc = sc_base + blk * s_sc_blk + (pos % PAGE) * s_sc_tok
+            k_scale = tl.load(sc, mask=n_mask, other=0.0)
+            v_scale = tl.load(sc + s_sc_kv, mask=n_mask, other=0.0)
+            # (The interpreter's integer -> bfloat16 conversion is wrong: it converts straight to UPCAST's float32.)
+            if UPCAST:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            else:
+                k = k.to(kv_dtype)
+                v = v.to(kv_dtype)
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
 
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if KV_QUANT:
+            qk = qk * k_scale[None, :]
         if SOFTCAP:
             qk = capped(qk, cap_log2)
         qk = tl.where(n_mask[None, :], qk, float("-inf"))
@@ -144,6 +173,8 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KV_QUANT:
+            p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
 
@@ -271,6 +302,7 @@ def paged_decode_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -283,10 +315,12 @@ def paged_decode_attention(
     (context length including the new token, whose K/V is already stored). Returns
     [num_seqs, num_heads, head_dim] in the query's dtype (written into ``out`` when given). Sequences
     with seq_len 0 get zeros. ``sliding_window``, ``softcap`` and ``sinks`` [num_heads] are transformers'
-    extras (module doc; None: off). ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override
+    extras (module doc; None: off); an 8-bit pool takes its ``kv_scales`` (`layout.check_scales`).
+    ``num_splits`` / ``block_n`` / ``num_warps`` / ``num_stages`` override
     the heuristics (tests and benchmarks); no argument triggers a device-to-host sync.
     """
     check_cache(kv_cache, layer)
+    scales = scale_args(kv_cache, kv_scales, layer)
     num_seqs, num_heads, head_dim = query.shape
     _, _, _, num_kv_heads, page, kv_head_dim = kv_cache.shape
     if kv_head_dim != head_dim:
@@ -323,6 +357,7 @@ def paged_decode_attention(
 
     block_d = max(16, next_pow2(head_dim))
     s_kv = kv_cache.stride()
+    dot_dtype = query.dtype if scales.quant else kv_cache.dtype
     _decode_kernel.launch(
         query.device,
         (num_seqs, num_kv_heads, num_splits),
@@ -354,6 +389,9 @@ def paged_decode_attention(
         out.stride(1),
         out.stride(2),
         num_heads,
+        scales.scales,
+        scales.layer_off,
+        *scales.strides,
         GROUP=group,
         BLOCK_G=max(16, next_pow2(group)),
         HEAD_DIM=head_dim,
@@ -361,9 +399,10 @@ def paged_decode_attention(
         PAGE=page,
         BLOCK_N=block_n,
         SPLIT=split,
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        UPCAST=dot_upcast(query.device, kv_cache.dtype),
+        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
+        UPCAST=dot_upcast(query.device, dot_dtype),
         **extras.flags(),
+        **scales.flags(),
         num_warps=num_warps,
         num_stages=num_stages,
     )

@@ -3,7 +3,8 @@
 Owns ``store_kv``: one program per (token, group of KV heads) reads that token's key and value rows
 (any strides, so slices of a fused QKV projection need no copy) and writes them at the token's slot,
 ``slot = block * block_size + offset``, in one layer of the block-major pool. Slot -1 (padding, or a
-token whose K/V must not be written) is skipped. The cast to the cache's dtype happens in the store.
+token whose K/V must not be written) is skipped. The cast to the cache's dtype happens in the store; an 8-bit
+pool gets each (token, head) row's codes and its scale (`kv_quant`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import cdiv, dual_kernel, next_pow2
+from streamd.kernels.kv_quant import quantize_rows, scale_args
 from streamd.kernels.layout import check_cache
 
 # Elements one program moves per tensor: enough to keep loads wide, small enough for registers.
@@ -37,10 +39,19 @@ def _store_kv_kernel(
     s_kv_head: tl.tensor,
     s_kv_tok: tl.tensor,
     s_kv_dim: tl.tensor,
+    sc_ptr: tl.tensor,
+    sc_layer_off: tl.tensor,
+    s_sc_blk: tl.tensor,
+    s_sc_kv: tl.tensor,
+    s_sc_head: tl.tensor,
+    s_sc_tok: tl.tensor,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PAGE: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    KV_QMAX: tl.constexpr,
 ) -> None:
     tok = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -55,12 +66,23 @@ def _store_kv_kernel(
     mask = (valid & (offs_h < num_kv_heads))[:, None] & (offs_d[None, :] < HEAD_DIM)
 
     tok64 = tok.to(tl.int64)
-    key = tl.load(k_ptr + tok64 * s_k_tok + offs_h[:, None] * s_k_head + offs_d[None, :] * s_k_dim, mask=mask)
-    val = tl.load(v_ptr + tok64 * s_v_tok + offs_h[:, None] * s_v_head + offs_d[None, :] * s_v_dim, mask=mask)
+    key = tl.load(
+        k_ptr + tok64 * s_k_tok + offs_h[:, None] * s_k_head + offs_d[None, :] * s_k_dim, mask=mask, other=0.0
+    )
+    val = tl.load(
+        v_ptr + tok64 * s_v_tok + offs_h[:, None] * s_v_head + offs_d[None, :] * s_v_dim, mask=mask, other=0.0
+    )
     dst = (
         kv_ptr + layer_off + blk * s_kv_blk + off * s_kv_tok + offs_h[:, None] * s_kv_head + offs_d[None, :] * s_kv_dim
     )
     cache_dtype = kv_ptr.dtype.element_ty
+    if KV_QUANT:
+        key, k_scale = quantize_rows(key, KV_QMAX, KV_INT8)
+        val, v_scale = quantize_rows(val, KV_QMAX, KV_INT8)
+        sc_dst = sc_ptr + sc_layer_off + (slot // PAGE) * s_sc_blk + (slot % PAGE) * s_sc_tok + offs_h * s_sc_head
+        row_mask = valid & (offs_h < num_kv_heads)  # one scale per (token, head) row
+        tl.store(sc_dst, k_scale, mask=row_mask)
+        tl.store(sc_dst + s_sc_kv, v_scale, mask=row_mask)
     tl.store(dst, key.to(cache_dtype), mask=mask)
     tl.store(dst + s_kv_kv, val.to(cache_dtype), mask=mask)
 
@@ -71,13 +93,16 @@ def store_kv(
     kv_cache: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
     """In place: kv_cache[slot // block_size, layer, 0|1, :, slot % block_size] = key|value per token.
 
     key, value [num_tokens, num_kv_heads, head_dim] (any strides); slot_mapping int64 [num_tokens],
-    -1 entries skipped. Two tokens mapping to one slot is undefined (the engine never does it).
+    -1 entries skipped. Two tokens mapping to one slot is undefined (the engine never does it). An 8-bit pool
+    takes its `kv_scales` (`layout.check_scales`).
     """
     check_cache(kv_cache, layer)
+    scales = scale_args(kv_cache, kv_scales, layer)
     num_tokens, num_kv_heads, head_dim = key.shape
     if value.shape != key.shape:
         raise ValueError(f"key {tuple(key.shape)} and value {tuple(value.shape)} differ")
@@ -108,10 +133,14 @@ def store_kv(
         s_kv[3],
         s_kv[4],
         s_kv[5],
+        scales.scales,
+        scales.layer_off,
+        *scales.strides,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=block_h,
         PAGE=kv_cache.shape[4],
+        **scales.flags(),
         num_warps=4,
     )
 

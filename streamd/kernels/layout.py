@@ -48,3 +48,48 @@ def check_rotary_args(
     for name, weight in (("q_norm", q_norm), ("k_norm", k_norm)):
         if weight is not None and weight.shape != (head_dim,):
             raise ValueError(f"{name} must be [{head_dim}] (one weight per head_dim), got {tuple(weight.shape)}")
+
+
+# 8-bit KV (`cache.kv_cache_dtype`): each (token, KV head) row of head_dim values is stored as 8-bit codes and
+# one float32 scale, absmax / QMAX, so the row's largest value maps to the format's largest finite code.
+# The scales live beside the codes in the same block (`engine/worker/cache_engine.py`), as
+# kv_scales[num_blocks, num_layers, 2, num_kv_heads, block_size].
+KV_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+KV_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+# The smallest scale stored: a row of zeros gets this (its codes are zeros) instead of a division by zero.
+KV_MIN_SCALE = 1e-12
+
+
+def kv_quantized(kv_cache: torch.Tensor) -> bool:
+    """Whether the pool holds 8-bit codes (then its scales come with it)."""
+    return kv_cache.dtype in KV_QUANT_DTYPES
+
+
+def check_scales(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None) -> None:
+    """An 8-bit pool comes with its scales [num_blocks, num_layers, 2, num_kv_heads, block_size] and a float
+    pool without; host metadata only."""
+    if not kv_quantized(kv_cache):
+        if kv_scales is not None:
+            raise ValueError(f"kv_scales given for a {kv_cache.dtype} pool (only 8-bit pools have scales)")
+        return
+    if kv_scales is None or kv_scales.shape != kv_cache.shape[:5] or kv_scales.dtype != torch.float32:
+        got = None if kv_scales is None else (tuple(kv_scales.shape), kv_scales.dtype)
+        want = tuple(kv_cache.shape[:5])
+        raise ValueError(f"a {kv_cache.dtype} pool needs float32 kv_scales of shape {want}, got {got}")
+
+
+def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [..., head_dim] -> (codes [..., head_dim] in `dtype`, scales [...] float32): the reference of the
+    kernels' store. int8 rounds half away from zero (as the kernels' truncating conversion of x +- 0.5 does);
+    float8 rounds to nearest even (the hardware's conversion)."""
+    xf = x.float()
+    scale = (xf.abs().amax(-1) / KV_QMAX[dtype]).clamp_min(KV_MIN_SCALE)
+    y = xf / scale[..., None]
+    if dtype == torch.int8:
+        y = torch.where(y >= 0, y + 0.5, y - 0.5).trunc().clamp(-127, 127)
+    return y.to(dtype), scale
+
+
+def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """codes [..., head_dim] x scales [...] -> values in `dtype` (computed in float32, then rounded)."""
+    return (codes.float() * scales[..., None]).to(dtype)

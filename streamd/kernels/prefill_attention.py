@@ -17,7 +17,8 @@ causal mask; only the last few tiles (at most ``BLOCK_M / BLOCK_N + 1``) pay for
 Extras (``attention_extras``): a sliding window W adds a masked phase before those two, for the window's
 lower edge (keys some rows of the tile no longer see), and starts the unmasked phase at the first tile
 every row still sees; keys wholly before the window are never loaded. Soft-capping rewrites each score
-tile; sinks join the denominator in the epilogue.
+tile; sinks join the denominator in the epilogue. An 8-bit pool: as in the decode kernel (`kv_quant`), scales
+multiply score and probability columns.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import triton.language as tl
 
 from streamd.kernels._triton_utils import dot_upcast, dual_kernel, next_pow2
 from streamd.kernels.attention_extras import LOG2E_C, capped, fold_sink, logit_extras
+from streamd.kernels.kv_quant import scale_args
 from streamd.kernels.layout import check_cache
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # finite running-max floor: rows with no visible key stay NaN-free
@@ -61,6 +63,12 @@ def _prefill_kernel(
     s_o_tok: tl.tensor,
     s_o_head: tl.tensor,
     s_o_dim: tl.tensor,
+    sc_ptr: tl.tensor,
+    sc_layer_off: tl.tensor,
+    s_sc_blk: tl.tensor,
+    s_sc_kv: tl.tensor,
+    s_sc_head: tl.tensor,
+    s_sc_tok: tl.tensor,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -73,6 +81,9 @@ def _prefill_kernel(
     WINDOW: tl.constexpr,
     SOFTCAP: tl.constexpr,
     SINKS: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    KV_QMAX: tl.constexpr,
 ) -> None:
     # Highest tile index first: with causal masking the last tiles of a sequence do the most work,
     # so starting them first shortens the tail of the launch.
@@ -107,7 +118,9 @@ def _prefill_kernel(
         qd_mask = m_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
     rows = (q_begin + offs_m).to(tl.int64)
 
-    kv_dtype = kv_ptr.dtype.element_ty
+    kv_dtype = kv_ptr.dtype.element_ty  # the dots' operand dtype
+    if KV_QUANT:
+        kv_dtype = q_ptr.dtype.element_ty
     q = tl.load(
         q_ptr + rows[:, None] * s_q_tok + head * s_q_head + offs_d[None, :] * s_q_dim,
         mask=qd_mask,
@@ -132,6 +145,7 @@ def _prefill_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     kv_base = kv_ptr + layer_off + kv_head * s_kv_head
+    sc_base = sc_ptr + sc_layer_off + kv_head * s_sc_head
     bt_base = bt_ptr + seq * s_bt_seq
 
     # Phases: 0 the window's lower edge (masked; compiled only with a window), 1 keys every row of the tile
@@ -169,10 +183,29 @@ def _prefill_kernel(
                     kv_mask = n_mask[:, None] & (offs_d[None, :] < HEAD_DIM)
                 k = tl.load(ptrs, mask=kv_mask, other=0.0)
                 v = tl.load(ptrs + s_kv_kv, mask=kv_mask, other=0.0)
+            if KV_QUANT:
+                # Past the phase's end (phases 0, 2) a slot may hold any bits: its scales read as 0, so a NaN
+                # there never meets the zero probability that would multiply it.
+                sc = sc_base + blk * s_sc_blk + (k_pos % PAGE) * s_sc_tok
+                if phase == 1:
+                    k_scale = tl.load(sc)
+                    v_scale = tl.load(sc + s_sc_kv)
+                else:
+                    k_scale = tl.load(sc, mask=k_pos < hi_n, other=0.0)
+                    v_scale = tl.load(sc + s_sc_kv, mask=k_pos < hi_n, other=0.0)
+                # (The interpreter's integer -> bfloat16 conversion is wrong: it converts straight to UPCAST's float32.)
+                if UPCAST:
+                    k = k.to(tl.float32)
+                    v = v.to(tl.float32)
+                else:
+                    k = k.to(kv_dtype)
+                    v = v.to(kv_dtype)
             if UPCAST:
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+            if KV_QUANT:
+                qk = qk * k_scale[None, :]
             if SOFTCAP:
                 qk = capped(qk, cap_log2)
             if phase != 1:
@@ -186,6 +219,8 @@ def _prefill_kernel(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
+            if KV_QUANT:
+                p = p * v_scale[None, :]
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
@@ -227,6 +262,7 @@ def paged_prefill_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -242,8 +278,10 @@ def paged_prefill_attention(
     ``value`` (the step's stored K/V, which the reference attends over for sequences without earlier
     context) are accepted for the same signature and not read: every tile loads its K/V from the pool.
     ``sliding_window``, ``softcap`` and ``sinks`` [num_heads] are transformers' extras (module doc; None: off).
+    An 8-bit pool takes its ``kv_scales`` (`layout.check_scales`).
     """
     check_cache(kv_cache, layer)
+    scales = scale_args(kv_cache, kv_scales, layer)
     num_tokens, num_heads, head_dim = query.shape
     _, _, _, num_kv_heads, page, kv_head_dim = kv_cache.shape
     if kv_head_dim != head_dim:
@@ -264,6 +302,7 @@ def paged_prefill_attention(
     num_stages = num_stages or cfg[3]
     num_tiles = num_tokens // block_m + num_seqs
     s_kv = kv_cache.stride()
+    dot_dtype = query.dtype if scales.quant else kv_cache.dtype
     _prefill_kernel.launch(
         query.device,
         (num_tiles, num_heads),
@@ -292,6 +331,9 @@ def paged_prefill_attention(
         out.stride(0),
         out.stride(1),
         out.stride(2),
+        scales.scales,
+        scales.layer_off,
+        *scales.strides,
         GROUP=num_heads // num_kv_heads,
         HEAD_DIM=head_dim,
         BLOCK_D=max(16, next_pow2(head_dim)),
@@ -301,9 +343,10 @@ def paged_prefill_attention(
         # Extra steps of the search are no-ops once it has converged; a floor of 9 (511 sequences) keeps one
         # compiled variant for every batch the default max_num_seqs allows.
         SEARCH_STEPS=max(9, math.ceil(math.log2(num_seqs + 1))),
-        DOT_PRECISION="ieee" if kv_cache.dtype == torch.float32 else "tf32",
-        UPCAST=dot_upcast(query.device, kv_cache.dtype),
+        DOT_PRECISION="ieee" if dot_dtype == torch.float32 else "tf32",
+        UPCAST=dot_upcast(query.device, dot_dtype),
         **extras.flags(),
+        **scales.flags(),
         num_warps=num_warps,
         num_stages=num_stages,
     )

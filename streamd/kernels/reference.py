@@ -15,6 +15,10 @@ tokens, itself included), ``softcap`` c (Gemma 2: every logit becomes c * tanh(l
 and ``sinks`` (gpt-oss: one learned logit per query head that joins the softmax's denominator only, the
 extra column transformers appends and then drops). With neither softcap nor sinks they stay on SDPA (the
 mask carries the window); with either, the scores are spelled out in float32.
+
+An 8-bit pool (`layout.KV_QUANT_DTYPES`) comes with ``kv_scales``: the stores quantize each (token, KV head)
+row (`layout.quantize_rows`) and the attentions dequantize what they gather, to the query's dtype, so every
+key and value attended over is the one the pool holds (a fresh prompt's own K/V make the same round trip).
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from streamd.kernels.layout import check_cache, check_rotary_args
+from streamd.kernels.layout import check_cache, check_rotary_args, check_scales, dequantize_rows, quantize_rows
 
 
-def _layer_view(kv_cache: torch.Tensor, layer: int) -> torch.Tensor:
+def _layer_view(kv_cache: torch.Tensor, layer: int, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
     """[num_blocks, 2, num_kv_heads, block_size, head_dim] view of one layer (no copy)."""
     check_cache(kv_cache, layer)
+    check_scales(kv_cache, kv_scales)
     return kv_cache[:, layer]
 
 
@@ -50,6 +55,7 @@ def paged_decode_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Decode attention by one batched gather of every sequence's blocks (see the Triton version).
 
@@ -57,7 +63,7 @@ def paged_decode_attention(
     so GQA needs no repeated K/V. With a window only the blocks that hold its last W positions are
     gathered (column 0 of the gathered table is each sequence's block ``first // page``).
     """
-    kv = _layer_view(kv_cache, layer)
+    kv = _layer_view(kv_cache, layer, kv_scales)
     num_seqs, num_heads, head_dim = query.shape
     _, _, num_kv_heads, page, _ = kv.shape
     group = num_heads // num_kv_heads
@@ -85,6 +91,11 @@ def paged_decode_attention(
     kv_idx = torch.arange(2, device=dev)[None, :, None, None]
     heads = torch.arange(num_kv_heads, device=dev)[None, None, :, None]
     gathered = kv[tables[:, None, None, :], kv_idx, heads].reshape(num_seqs, 2, num_kv_heads, context, head_dim)
+    if kv_scales is not None:
+        scales = kv_scales[:, layer][tables[:, None, None, :], kv_idx, heads].reshape(
+            num_seqs, 2, num_kv_heads, context
+        )
+        gathered = dequantize_rows(gathered, scales, query.dtype)
     pos = base + torch.arange(context, device=dev)[None, :]
     valid = pos < seq_lens[:, None]  # [S, T]
     if first is not None:
@@ -154,6 +165,7 @@ def paged_prefill_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's last query_len tokens over its whole paged context.
 
@@ -165,7 +177,8 @@ def paged_prefill_attention(
     slice of them instead of gathering them back. With a window, a sequence with earlier context gathers
     only the blocks its first query can still see.
     """
-    kv = _layer_view(kv_cache, layer)
+    kv = _layer_view(kv_cache, layer, kv_scales)
+    layer_scales = None if kv_scales is None else kv_scales[:, layer]
     if (key is None) != (value is None):
         raise ValueError("paged_prefill_attention takes the step's key and value together, or neither")
     if out is None:
@@ -180,7 +193,9 @@ def paged_prefill_attention(
             continue
         q = query[q_begin:q_end].to(dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
         step_kv = None if key is None or value is None else (key[q_begin:q_end], value[q_begin:q_end])
-        k, v, first_key = _prefill_keys(kv, tables[i], seq_len, q_end - q_begin, step_kv, sliding_window)
+        if step_kv is not None and layer_scales is not None:
+            step_kv = (_as_stored(step_kv[0], kv.dtype), _as_stored(step_kv[1], kv.dtype))
+        k, v, first_key = _prefill_keys(kv, tables[i], seq_len, q_end - q_begin, step_kv, sliding_window, layer_scales)
         o = _prefill_one(q, k.to(dtype), v.to(dtype), seq_len, first_key, scale, extras)
         out[q_begin:q_end] = o[0].transpose(0, 1).to(out.dtype)
     return out
@@ -199,6 +214,11 @@ class LayerExtras:
 NO_EXTRAS = LayerExtras()
 
 
+def _as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """K or V [tokens, kv_heads, head_dim] as an 8-bit pool of `dtype` gives them back."""
+    return dequantize_rows(*quantize_rows(x, dtype), x.dtype)
+
+
 def _prefill_keys(
     kv: torch.Tensor,
     table: torch.Tensor,
@@ -206,9 +226,11 @@ def _prefill_keys(
     q_len: int,
     step_kv: tuple[torch.Tensor, torch.Tensor] | None,
     window: int | None,
+    scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(k, v) [1, Hkv, T, D] of one sequence and the position of their first row: the step's own K/V for
-    a fresh prompt's single chunk, else the pool's blocks from the first one the first query can see."""
+    a fresh prompt's single chunk, else the pool's blocks from the first one the first query can see
+    (dequantized by the layer's `scales` [num_blocks, 2, Hkv, page] of an 8-bit pool, to float32)."""
     ctx = seq_len - q_len
     if ctx == 0 and step_kv is not None:
         return step_kv[0].transpose(0, 1)[None], step_kv[1].transpose(0, 1)[None], 0
@@ -216,6 +238,8 @@ def _prefill_keys(
     first_block = 0 if window is None else max(0, ctx + 1 - window) // page
     n_blocks = -(-seq_len // page) - first_block
     kv_seq = kv[table[first_block : first_block + n_blocks]]  # [n_blocks, 2, Hkv, page, D]
+    if scales is not None:
+        kv_seq = dequantize_rows(kv_seq, scales[table[first_block : first_block + n_blocks]], torch.float32)
     kv_seq = kv_seq.permute(1, 2, 0, 3, 4).flatten(2, 3)  # [2, Hkv, n_blocks * page, D]
     first_key = first_block * page
     return kv_seq[0, :, : seq_len - first_key][None], kv_seq[1, :, : seq_len - first_key][None], first_key
@@ -255,9 +279,11 @@ def store_kv(
     kv_cache: torch.Tensor,
     layer: int,
     slot_mapping: torch.Tensor,
+    kv_scales: torch.Tensor | None = None,
 ) -> None:
-    """Write token t's key/value at slot_mapping[t] (= block * block_size + offset); -1 is skipped."""
-    kv = _layer_view(kv_cache, layer)
+    """Write token t's key/value at slot_mapping[t] (= block * block_size + offset); -1 is skipped. An 8-bit
+    pool gets each row's codes and, in `kv_scales`, its scale."""
+    kv = _layer_view(kv_cache, layer, kv_scales)
     page = kv.shape[3]
     slots = slot_mapping.to(device=kv_cache.device, dtype=torch.long)
     keep = slots >= 0
@@ -265,8 +291,13 @@ def store_kv(
     blk = slots // page
     off = slots % page
     # Advanced indices split by a slice: the indexed result is [n, num_kv_heads, head_dim].
-    kv[blk, 0, :, off] = key[keep].to(kv_cache.dtype)
-    kv[blk, 1, :, off] = value[keep].to(kv_cache.dtype)
+    for i, x in enumerate((key[keep], value[keep])):
+        if kv_scales is None:
+            kv[blk, i, :, off] = x.to(kv_cache.dtype)
+            continue
+        codes, scales = quantize_rows(x, kv_cache.dtype)
+        kv[blk, i, :, off] = codes
+        kv_scales[:, layer][blk, i, :, off] = scales
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -332,11 +363,12 @@ def rotary_store_kv(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`rotary`, then `store_kv` of the rotated key and the value; returns the rotated query."""
     check_rotary_args(query, key, value, cos, sin, kv_cache, layer, q_norm, k_norm)
     query, key = rotary(query, key, cos, sin, q_norm, k_norm, eps)
-    store_kv(key, value, kv_cache, layer, slot_mapping)
+    store_kv(key, value, kv_cache, layer, slot_mapping, kv_scales)
     return query.contiguous()
 
 

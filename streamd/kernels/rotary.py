@@ -3,8 +3,9 @@
 Owns ``rotary_store_kv``: one program per token rotates that token's query heads (written to a new
 tensor the attention kernels read) and its key heads, and stores the rotated key and the value at the
 token's slot in one layer of the block-major pool (``slot = block * block_size + offset``; -1 skips
-the store, as in ``store_kv``). Optional per-head RMSNorm of query and key before the rotation (Qwen3's
-``q_norm``/``k_norm``) happens in the same pass. The rotation is transformers' ``rotate_half`` form:
+the store, as in ``store_kv``; an 8-bit pool gets each row's codes and scale, `kv_quant`). Optional
+per-head RMSNorm of query and key before the rotation (Qwen3's ``q_norm``/``k_norm``) happens in the same
+pass. The rotation is transformers' ``rotate_half`` form:
 ``out = x * cos + cat(-x2, x1) * sin`` with ``x1, x2`` the two halves of the head, and ``cos``, ``sin``
 the model's own per-token tables ``[num_tokens, head_dim]`` (so every rope scaling transformers
 implements works unchanged).
@@ -16,6 +17,7 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import dual_kernel, jit_helper, next_pow2
+from streamd.kernels.kv_quant import quantize_halves, scale_args
 from streamd.kernels.layout import check_rotary_args
 
 
@@ -76,12 +78,21 @@ def _rotary_store_kv_kernel(
     s_kv_kv: tl.tensor,
     s_kv_head: tl.tensor,
     s_kv_tok: tl.tensor,
+    sc_ptr: tl.tensor,
+    sc_layer_off: tl.tensor,
+    s_sc_blk: tl.tensor,
+    s_sc_kv: tl.tensor,
+    s_sc_head: tl.tensor,
+    s_sc_tok: tl.tensor,
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     BLOCK_HQ: tl.constexpr,
     BLOCK_HK: tl.constexpr,
     PAGE: tl.constexpr,
     QK_NORM: tl.constexpr,
+    KV_QUANT: tl.constexpr,
+    KV_INT8: tl.constexpr,
+    KV_QMAX: tl.constexpr,
 ) -> None:
     tok = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_HALF)
@@ -152,6 +163,13 @@ def _rotary_store_kv_kernel(
         + offs_hk[:, None] * s_kv_head
         + offs_d[None, :]
     )
+    if KV_QUANT:
+        k1, k2, k_scale = quantize_halves(k1, k2, KV_QMAX, KV_INT8)
+        v1, v2, v_scale = quantize_halves(v1, v2, KV_QMAX, KV_INT8)
+        sc_dst = sc_ptr + sc_layer_off + (slot // PAGE) * s_sc_blk + (slot % PAGE) * s_sc_tok + offs_hk * s_sc_head
+        row_mask = valid & (offs_hk < num_kv_heads)
+        tl.store(sc_dst, k_scale, mask=row_mask)
+        tl.store(sc_dst + s_sc_kv, v_scale, mask=row_mask)
     tl.store(dst, k1.to(cache_dtype), mask=mask_kv)
     tl.store(dst + HALF, k2.to(cache_dtype), mask=mask_kv)
     tl.store(dst + s_kv_kv, v1.to(cache_dtype), mask=mask_kv)
@@ -170,6 +188,7 @@ def rotary_store_kv(
     q_norm: torch.Tensor | None = None,
     k_norm: torch.Tensor | None = None,
     eps: float = 1e-6,
+    kv_scales: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Returns the rotated query [num_tokens, num_heads, head_dim] (contiguous, query's dtype); stores the
     rotated key and the value of token t at slot_mapping[t] of `layer` (-1: not stored).
@@ -179,6 +198,7 @@ def rotary_store_kv(
     [head_dim], both or neither, applied before the rotation.
     """
     check_rotary_args(query, key, value, cos, sin, kv_cache, layer, q_norm, k_norm)
+    scales = scale_args(kv_cache, kv_scales, layer)
     num_tokens, num_heads, head_dim = query.shape
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=query.dtype, device=query.device)
     if num_tokens == 0:
@@ -220,12 +240,16 @@ def rotary_store_kv(
         s_kv[2],
         s_kv[3],
         s_kv[4],
+        scales.scales,
+        scales.layer_off,
+        *scales.strides,
         HALF=half,
         BLOCK_HALF=next_pow2(half),
         BLOCK_HQ=next_pow2(num_heads),
         BLOCK_HK=next_pow2(key.shape[1]),
         PAGE=kv_cache.shape[4],
         QK_NORM=qk_norm,
+        **scales.flags(),
         num_warps=4,
     )
     return out

@@ -70,7 +70,7 @@ def test_two_different_models_are_refused() -> None:
         parse("serve /a --model /b")
 
 
-@pytest.mark.parametrize("flag", ["--kv-cache-dtype fp8", "-pp 2",
+@pytest.mark.parametrize("flag", ["--pipeline-parallel-size 2", "-pp 2",
                                   "--enable-lora", "--tokenizer other/tok"])
 def test_an_unsupported_vllm_flag_is_refused_by_name(flag: str) -> None:
     name = flag.split(maxsplit=1)[0]
@@ -88,7 +88,9 @@ def test_help_groups_the_flags_by_section() -> None:
     text = result.stdout
     server = text[text.index("[server] settings"):text.index("[logging] settings")]
     assert "--api-key" in server and "--served-model-name" in server and "--max-model-len" not in server
-    assert "--kv-cache-dtype" not in text  # refused flags are not offered
+    assert "--enable-lora" not in text  # refused flags are not offered
+    cache = text[text.index("[cache] settings"):text.index("[scheduler] settings")]
+    assert "--kv-cache-dtype" in cache
 
 
 def test_generate_shares_the_engine_flags() -> None:
@@ -96,7 +98,17 @@ def test_generate_shares_the_engine_flags() -> None:
     config = load_settings(args)
     assert (config.model.max_model_len, config.cache.block_size, config.model.num_threads) == (512, 32, 2)
     assert not hasattr(args, "server.port")
-    assert_one_line_error(streamd("generate", "--kv-cache-dtype", "fp8", "hi"), "--kv-cache-dtype")
+    assert_one_line_error(streamd("generate", "--enable-lora", "hi"), "--enable-lora")
+
+
+@pytest.mark.parametrize("flags, value", [(["--kv-cache-dtype", "fp8_e4m3"], "fp8"), (["--kv-cache-dtype", "int8"], "int8"),
+                                          ([], "auto")])
+def test_kv_cache_dtype_takes_vllms_flag_and_its_fp8_spelling(flags: list[str], value: str) -> None:
+    assert load_settings(build_parser().parse_args(["generate", *flags, "hi"])).cache.kv_cache_dtype == value
+
+
+def test_a_kv_cache_dtype_streamd_lacks_is_refused_naming_the_key() -> None:
+    assert_one_line_error(streamd("generate", "--kv-cache-dtype", "fp8_e5m2", "hi"), "cache.kv_cache_dtype")
 
 
 @pytest.mark.parametrize("flags, value", [(["--quantization", "int4"], "int4"), (["-q", "int8"], "int8"),

@@ -36,6 +36,8 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
     decode_only: bool  # every sequence has exactly one query token
     ops: ModuleType  # streamd.kernels (Triton) or streamd.kernels.reference (plain torch)
+    # An 8-bit pool's scales, float32 [num_blocks, num_layers, 2, num_kv_heads, block_size]; None: a float pool
+    kv_scales: torch.Tensor | None = None
     # On the CPU, what every layer of this step shares, planned at its first layer (`cpu_attention`)
     store_plan: cpu_attention.StorePlan | None = None
     decode_plan: cpu_attention.DecodePlan | None = None
@@ -108,7 +110,7 @@ def paged_attend(
     kernels as keywords."""
     window, softcap, sinks = extras.sliding_window, extras.softcap, extras.sinks
     if md.decode_only and extras is NO_EXTRAS and md.planned_on_cpu:
-        return cpu_attention.decode_attention(query, md.kv_cache, layer, _decode_plan(md), scale)
+        return cpu_attention.decode_attention(query, md.kv_cache, layer, _decode_plan(md), scale, md.kv_scales)
     if md.decode_only:
         return md.ops.paged_decode_attention(
             query,
@@ -120,6 +122,7 @@ def paged_attend(
             sliding_window=window,
             softcap=softcap,
             sinks=sinks,
+            kv_scales=md.kv_scales,
         )
     return md.ops.paged_prefill_attention(
         query,
@@ -134,16 +137,17 @@ def paged_attend(
         sliding_window=window,
         softcap=softcap,
         sinks=sinks,
+        kv_scales=md.kv_scales,
     )
 
 
 def _store_kv(md: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
     if not md.planned_on_cpu:
-        md.ops.store_kv(key, value, md.kv_cache, layer, md.slot_mapping)
+        md.ops.store_kv(key, value, md.kv_cache, layer, md.slot_mapping, kv_scales=md.kv_scales)
         return
     if md.store_plan is None:
         md.store_plan = cpu_attention.plan_store(md.slot_mapping, md.kv_cache.shape[4])
-    cpu_attention.store_kv(key, value, md.kv_cache, layer, md.store_plan)
+    cpu_attention.store_kv(key, value, md.kv_cache, layer, md.store_plan, md.kv_scales)
 
 
 def _decode_plan(md: AttentionMetadata) -> cpu_attention.DecodePlan:

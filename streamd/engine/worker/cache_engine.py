@@ -3,7 +3,10 @@ and copy orders.
 
 Both pools use the block-major layout of ARCHITECTURE.md,
 `[num_blocks, num_layers, 2, num_kv_heads, block_size, head_dim]`, so a block is one contiguous region and
-moving k blocks that are adjacent on both sides is one copy. Swaps run on a side stream (CUDA); the compute
+moving k blocks that are adjacent on both sides is one copy. An 8-bit pool (`cache.kv_cache_dtype` int8 or
+fp8) keeps each (token, KV head) row's float32 scale in the same block, after the codes (`KVPool`): swap,
+copy-on-write and the prefix cache's tiers move a block's bytes as they always did, scales included, and
+never look inside. Swaps run on a side stream (CUDA); the compute
 stream waits for them before the next forward. `plan_swap` picks how a swap crosses the host link: one
 asynchronous copy per run adjacent on both sides when the runs are long, otherwise (on CUDA: a
 sequence's blocks scattered over the device pool by decoding beside others, so every run is one block
@@ -24,6 +27,7 @@ from types import ModuleType
 
 import torch
 
+from streamd.kernels.layout import KV_QUANT_DTYPES
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -35,6 +39,11 @@ STAGING_BYTES = 64 << 20
 # ~160 us, so the few microseconds each copy costs to issue and start are lost in the noise, while
 # staging would add a device-side gather of the same bytes.
 DIRECT_RUN_BYTES = 8 << 20
+
+
+def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """`cache.kv_cache_dtype` as the pool's dtype: auto is the model's."""
+    return {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(kv_cache_dtype, model_dtype)
 
 
 @dataclass(slots=True, frozen=True)
@@ -49,15 +58,46 @@ class KVLayout:
         return (self.num_layers, 2, self.num_kv_heads, self.block_size, self.head_dim)
 
     @property
+    def quantized(self) -> bool:
+        """8-bit codes with a float32 scale per (token, KV head) row."""
+        return self.dtype in KV_QUANT_DTYPES
+
+    @property
+    def code_bytes_per_block(self) -> int:
+        return math.prod(self.block_shape()) * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
     def bytes_per_block(self) -> int:
-        return (
-            self.num_layers
-            * 2
-            * self.num_kv_heads
-            * self.block_size
-            * self.head_dim
-            * torch.empty((), dtype=self.dtype).element_size()
-        )
+        scales = math.prod(self.block_shape()[:-1]) * 4 if self.quantized else 0
+        return self.code_bytes_per_block + scales
+
+
+@dataclass(frozen=True, slots=True)
+class KVPool:
+    """One allocation of KV blocks seen three ways: `blocks` [num_blocks, bytes_per_block] uint8, what moves
+    (swaps, copy-on-write, the prefix cache's tiers); `kv_cache` [num_blocks, *block_shape] in the pool's dtype,
+    what the kernels read and write; and for an 8-bit pool `kv_scales` [num_blocks, num_layers, 2, num_kv_heads,
+    block_size] float32, each row's scale, stored in the same block after its codes."""
+
+    blocks: torch.Tensor
+    kv_cache: torch.Tensor
+    kv_scales: torch.Tensor | None
+
+
+def allocate_pool(layout: KVLayout, num_blocks: int, device: torch.device | str, pin: bool = False) -> KVPool:
+    """`num_blocks` blocks of `layout` (uninitialised), pinned host memory with `pin`."""
+    blocks = torch.empty((num_blocks, layout.bytes_per_block), dtype=torch.uint8, device=device, pin_memory=pin)
+    return pool_views(blocks, layout)
+
+
+def pool_views(blocks: torch.Tensor, layout: KVLayout) -> KVPool:
+    """The kernels' views of `blocks` [num_blocks, bytes_per_block] (no copy)."""
+    num_blocks, codes = blocks.shape[0], layout.code_bytes_per_block
+    kv_cache = blocks[:, :codes].view(layout.dtype).view(num_blocks, *layout.block_shape())
+    if not layout.quantized:
+        return KVPool(blocks, kv_cache, None)
+    kv_scales = blocks[:, codes:].view(torch.float32).view(num_blocks, *layout.block_shape()[:-1])
+    return KVPool(blocks, kv_cache, kv_scales)
 
 
 class CacheEngine:
@@ -67,11 +107,9 @@ class CacheEngine:
         self.layout = layout
         self.device = device
         self.ops = ops
-        self.kv_cache = torch.empty((num_blocks, *layout.block_shape()), dtype=layout.dtype, device=device)
         pin = device.type == "cuda"
-        self.swap_cache = torch.empty(
-            (num_swap_blocks, *layout.block_shape()), dtype=layout.dtype, device="cpu", pin_memory=pin
-        )
+        self.pool = allocate_pool(layout, num_blocks, device)
+        self.swap_pool = allocate_pool(layout, num_swap_blocks, "cpu", pin)
         self._swap_stream = torch.cuda.Stream(device) if pin else None
         self._ahead_done: torch.cuda.Event | None = None  # after the last swap-in ahead not yet waited for
         # Tunables of `plan_swap` (the swap benchmark sets direct_run_bytes = 0 to measure direct copies).
@@ -79,8 +117,8 @@ class CacheEngine:
         # pass over the bytes: direct always (tests raise direct_run_bytes to run the staged path here).
         self.staging_bytes = STAGING_BYTES
         self.direct_run_bytes = DIRECT_RUN_BYTES if pin else 0
-        self._kv_rows = _rows(self.kv_cache)
-        self._swap_rows = _rows(self.swap_cache)
+        self._kv_rows = _rows(self.pool.blocks)
+        self._swap_rows = _rows(self.swap_pool.blocks)
         log.info(
             "kv_cache.allocated",
             num_blocks=num_blocks,
@@ -91,12 +129,24 @@ class CacheEngine:
         )
 
     @property
+    def kv_cache(self) -> torch.Tensor:
+        return self.pool.kv_cache
+
+    @property
+    def kv_scales(self) -> torch.Tensor | None:
+        return self.pool.kv_scales
+
+    @property
+    def swap_cache(self) -> torch.Tensor:
+        return self.swap_pool.kv_cache
+
+    @property
     def num_blocks(self) -> int:
-        return self.kv_cache.shape[0]
+        return self.pool.blocks.shape[0]
 
     @property
     def num_swap_blocks(self) -> int:
-        return self.swap_cache.shape[0]
+        return self.swap_pool.blocks.shape[0]
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
         """(device block, host block) pairs."""
@@ -125,7 +175,7 @@ class CacheEngine:
             return
         src, dst = zip(*pairs)
         index = torch.tensor([src, dst], dtype=torch.int64).to(self.device, non_blocking=True)
-        self.ops.copy_blocks(self.kv_cache, index[0], index[1])
+        self.ops.copy_blocks(self._kv_rows, index[0], index[1])
 
     def read_blocks(self, blocks: list[int]) -> list[bytes]:
         """The bytes of each device block (one gather, one copy to the host): a prefix-cache spill."""
@@ -133,7 +183,7 @@ class CacheEngine:
             return []
         self.join_swaps()  # (a block restored ahead, freed since: at close, after the last step)
         index = torch.tensor(blocks, dtype=torch.int64).to(self.device)
-        rows = self.kv_cache.index_select(0, index).cpu().view(torch.uint8).reshape(len(blocks), -1)
+        rows = self.pool.blocks.index_select(0, index).cpu()
         return [row.numpy().tobytes() for row in rows]
 
     def read_host_blocks(self, blocks: list[int]) -> list[bytes]:
@@ -143,8 +193,8 @@ class CacheEngine:
             return []
         if self._swap_stream is not None:
             self._swap_stream.synchronize()
-        rows = self.swap_cache.index_select(0, torch.tensor(blocks, dtype=torch.int64))
-        return [row.numpy().tobytes() for row in rows.view(torch.uint8).reshape(len(blocks), -1)]
+        rows = self.swap_pool.blocks.index_select(0, torch.tensor(blocks, dtype=torch.int64))
+        return [row.numpy().tobytes() for row in rows]
 
     def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
         """(device block, bytes) pairs, as `read_blocks` gave them: a prefix-cache restore."""
@@ -152,9 +202,9 @@ class CacheEngine:
             return
         blocks, payloads = zip(*pairs, strict=True)
         host = torch.frombuffer(bytearray().join(payloads), dtype=torch.uint8)  # (one copy, writable)
-        rows = host.view(self.layout.dtype).view(len(blocks), *self.layout.block_shape())
+        rows = host.view(len(blocks), self.layout.bytes_per_block)
         index = torch.tensor(blocks, dtype=torch.int64).to(self.device)
-        self.kv_cache.index_copy_(0, index, rows.to(self.device))
+        self.pool.blocks.index_copy_(0, index, rows.to(self.device))
 
     def _swap(self, pairs: list[tuple[int, int]], to_host: bool, join: bool = True) -> None:
         """(device block, host block) pairs, copied in the direction `to_host` says; `join` False: the compute
@@ -183,11 +233,12 @@ class CacheEngine:
     def _copy_runs(self, runs: list[tuple[int, int, int]], to_host: bool) -> None:
         """One asynchronous copy per (device start, host start, length) run."""
         non_blocking = self._swap_stream is not None
+        device_rows, host_rows = self._kv_rows, self._swap_rows
         for d, h, n in runs:
             if to_host:
-                self.swap_cache[h : h + n].copy_(self.kv_cache[d : d + n], non_blocking=non_blocking)
+                host_rows[h : h + n].copy_(device_rows[d : d + n], non_blocking=non_blocking)
             else:
-                self.kv_cache[d : d + n].copy_(self.swap_cache[h : h + n], non_blocking=non_blocking)
+                device_rows[d : d + n].copy_(host_rows[h : h + n], non_blocking=non_blocking)
 
     def _copy_staged(self, chunks: list[StagedChunk], to_host: bool) -> None:
         """Scattered device blocks go through a contiguous device staging buffer, so the host link sees
@@ -295,11 +346,9 @@ def staged_chunks(pairs: list[tuple[int, int]], max_blocks: int) -> list[StagedC
     return chunks
 
 
-def _rows(pool: torch.Tensor) -> torch.Tensor:
-    """`pool` as [num_blocks, words]: one row per block, in 8-byte words when the block allows, so the
-    gather/scatter kernels move a few wide elements instead of many 2-byte ones, whatever the dtype."""
-    row = math.prod(pool.shape[1:])
-    flat = pool.view(pool.shape[0], row)
-    if row * pool.element_size() % 8 == 0:
-        return flat.view(torch.uint8).view(torch.int64)
-    return flat
+def _rows(blocks: torch.Tensor) -> torch.Tensor:
+    """`blocks` [num_blocks, bytes] in 8-byte words when the block allows, so the copy and gather/scatter
+    kernels move a few wide elements instead of many 1-byte ones, whatever the pool's dtype."""
+    if blocks.shape[1] % 8 == 0:
+        return blocks.view(torch.int64)
+    return blocks

@@ -53,11 +53,13 @@ class DecodeGraphs:
         max_batch: int,
         max_blocks: int,
         layers_only: bool = False,
+        kv_scales: torch.Tensor | None = None,
     ) -> None:
         device = kv_cache.device
         self.model = model
         self.layers_only = layers_only
         self.kv_cache = kv_cache
+        self.kv_scales = kv_scales
         self.ops = ops
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -81,6 +83,7 @@ class DecodeGraphs:
             self.query_start_loc[: n + 1],
             True,
             self.ops,
+            kv_scales=self.kv_scales,
         )
 
     def _forward(self, n: int) -> torch.Tensor:

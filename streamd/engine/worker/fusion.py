@@ -254,7 +254,18 @@ class KernelPath:
         md = get_attention_metadata()
         q_norm, k_norm, eps = _qk_norm_weights(layer)
         q = self.kernels.rotary_store_kv(
-            q, k, v, cos, sin, md.kv_cache, layer.layer_idx, md.slot_mapping, q_norm, k_norm, eps
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            md.kv_cache,
+            layer.layer_idx,
+            md.slot_mapping,
+            q_norm,
+            k_norm,
+            eps,
+            kv_scales=md.kv_scales,
         )
         return paged_attend(md, q, layer.layer_idx, layer.scale, None, None)  # the rotated key stayed on chip
 
@@ -350,7 +361,7 @@ class CompiledPath:
         self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> torch.Tensor:
         md = get_attention_metadata()  # q and k come rotated from the compiled stretch
-        md.ops.store_kv(k, v, md.kv_cache, layer.layer_idx, md.slot_mapping)
+        md.ops.store_kv(k, v, md.kv_cache, layer.layer_idx, md.slot_mapping, kv_scales=md.kv_scales)
         return paged_attend(md, q, layer.layer_idx, layer.scale, k, v)
 
     def mlp_in(

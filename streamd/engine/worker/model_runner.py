@@ -27,7 +27,7 @@ from streamd.engine.worker.attention import (
     register_paged_attention,
     set_attention_metadata,
 )
-from streamd.engine.worker.cache_engine import KVLayout
+from streamd.engine.worker.cache_engine import KVLayout, KVPool, allocate_pool
 from streamd.engine.worker.cuda_graphs import DecodeGraphs
 from streamd.engine.worker.host_to_device import to_device
 from streamd.logs import get_logger
@@ -47,7 +47,8 @@ def kernel_ops(device: torch.device) -> ModuleType:
 
 
 def kv_layout_of(model: PreTrainedModel, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVLayout:
-    """The KV pool's layout; with tensor parallelism each rank holds `num_kv_heads / tp_size` heads."""
+    """The KV pool's layout, its blocks in `dtype` (the model's, or an 8-bit `KV_CACHE_DTYPES` one); with tensor
+    parallelism each rank holds `num_kv_heads / tp_size` heads."""
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
@@ -93,11 +94,12 @@ class ModelRunner:
         self.block_size = block_size
         self.ops = kernel_ops(device)
         self.kv_cache: torch.Tensor | None = None
+        self.kv_scales: torch.Tensor | None = None  # an 8-bit pool's (`cache_engine.KVPool`)
         self.graphs: DecodeGraphs | None = None
         self._prompt_logprobs: PromptLogprobs | None = None  # the last `run`'s, until taken
 
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = kv_cache
+    def bind_kv_cache(self, pool: KVPool) -> None:
+        self.kv_cache, self.kv_scales = pool.kv_cache, pool.kv_scales
 
     def max_table_width(self, max_model_len: int) -> int:
         return -(-max_model_len // self.block_size)
@@ -113,7 +115,7 @@ class ModelRunner:
         instead of running eagerly; `layers_only` and `agree`: a tensor-parallel rank's (`DecodeGraphs`).
         False: not captured (the ranks did not all succeed), decode stays eager."""
         assert self.kv_cache is not None and self.device.type == "cuda"
-        graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, max_batch, max_blocks, layers_only)
+        graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, max_batch, max_blocks, layers_only, self.kv_scales)
         captured = graphs.capture(agree)
         self.graphs = graphs if captured else None
         return captured
@@ -216,6 +218,7 @@ class ModelRunner:
             query_start_loc=batch.query_start_loc,
             decode_only=batch.decode_only,
             ops=self.ops,
+            kv_scales=self.kv_scales,
         )
 
     def _prepare(self, out: SchedulerOutput) -> tuple[ModelInput, list[tuple[int, int]]]:
@@ -365,7 +368,8 @@ def profile_num_blocks(
     seq_len = min(max_model_len, num_tokens)
     num_seqs = -(-num_tokens // seq_len)
     blocks_per_seq = -(-seq_len // layout.block_size)
-    scratch = torch.zeros((num_seqs * blocks_per_seq, *layout.block_shape()), dtype=layout.dtype, device=device)
+    scratch = allocate_pool(layout, num_seqs * blocks_per_seq, device)
+    scratch.blocks.zero_()
     tables = torch.arange(num_seqs * blocks_per_seq, dtype=torch.int32, device=device).view(num_seqs, -1)
     lens = [min(seq_len, num_tokens - i * seq_len) for i in range(num_seqs)]
     positions = torch.cat([torch.arange(n, device=device) for n in lens])
@@ -377,7 +381,8 @@ def profile_num_blocks(
         ]
     )
     metadata = AttentionMetadata(
-        kv_cache=scratch,
+        kv_cache=scratch.kv_cache,
+        kv_scales=scratch.kv_scales,
         slot_mapping=slots,
         block_tables=tables,
         seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
@@ -392,7 +397,7 @@ def profile_num_blocks(
     finally:
         set_attention_metadata(None)
     torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - scratch.numel() * scratch.element_size()
+    peak = torch.cuda.max_memory_allocated(device) - scratch.blocks.numel()
     del scratch
     total = torch.cuda.get_device_properties(device).total_memory
     available = int(total * gpu_memory_utilization) - peak - reserve_bytes

@@ -183,10 +183,10 @@ def test_bfloat16_blocks_round_trip_bit_exact_through_word_rows() -> None:
     _round_trip(cache, _scattered(64, 48, 30, seed=7, host_order="descending"), list(range(30, 60)))
 
 
-def test_rows_fall_back_to_the_pool_dtype_and_handle_an_empty_pool() -> None:
-    odd = torch.zeros((5, 1, 2, 1, 1, 3), dtype=torch.bfloat16)  # 12 bytes per block: no 8-byte words
-    assert _rows(odd).dtype == torch.bfloat16 and _rows(odd).shape == (5, 6)
-    empty = torch.zeros((0, 2, 2, 2, 4, 4), dtype=torch.float32)
+def test_rows_fall_back_to_bytes_and_handle_an_empty_pool() -> None:
+    odd = torch.zeros((5, 12), dtype=torch.uint8)  # 12 bytes per block: no 8-byte words
+    assert _rows(odd).dtype == torch.uint8 and _rows(odd).shape == (5, 12)
+    empty = torch.zeros((0, 512), dtype=torch.uint8)
     assert _rows(empty).shape == (0, 64)  # 512 B = 64 words
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=3, block_size=1, dtype=torch.bfloat16)
     cache = _engine(num_blocks=16, num_swap_blocks=16, layout=layout)
@@ -359,3 +359,36 @@ def test_bench_markdown_and_files(tmp_path: Path) -> None:
     assert json.loads(stem.with_suffix(".json").read_text())["costs"][0]["tokens"] == 128
     assert stem.with_suffix(".md").read_text() == text
 
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.float8_e4m3fn])
+def test_an_8bit_pool_moves_codes_and_scales_as_one_block(dtype) -> None:
+    """Swap out and in, copy-on-write, and the prefix cache's byte round trip of an 8-bit pool: every block's codes
+    and its scales arrive bit for bit, and the scales live inside the block's bytes."""
+    layout = KVLayout(num_layers=2, num_kv_heads=3, head_dim=8, block_size=4, dtype=dtype)
+    assert layout.bytes_per_block == 2 * 2 * 3 * 4 * 8 + 2 * 2 * 3 * 4 * 4
+    cache = CacheEngine(layout, 16, 8, torch.device("cpu"), reference_ops)
+    gen = torch.Generator().manual_seed(1)
+    cache.pool.blocks.copy_(torch.randint(0, 256, cache.pool.blocks.shape, generator=gen, dtype=torch.uint8))
+    assert cache.kv_scales is not None and cache.kv_scales.shape == (16, 2, 2, 3, 4)
+    assert cache.kv_scales.untyped_storage().data_ptr() == cache.kv_cache.untyped_storage().data_ptr()
+    before = cache.pool.blocks.clone()
+    scales_before = cache.kv_scales.clone()
+    cache.swap_out([(3, 0), (7, 5)])
+    cache.pool.blocks[[3, 7]] = 0
+    cache.swap_in([(0, 10), (5, 11)])
+    assert torch.equal(cache.pool.blocks[10], before[3]) and torch.equal(cache.pool.blocks[11], before[7])
+    assert torch.equal(cache.kv_scales[10].view(torch.int32), scales_before[3].view(torch.int32))
+    cache.copy([(1, 12)])
+    assert torch.equal(cache.pool.blocks[12], before[1])
+    cache.write_blocks(list(zip([13, 14], cache.read_blocks([2, 4]), strict=True)))
+    assert torch.equal(cache.pool.blocks[13], before[2]) and torch.equal(cache.pool.blocks[14], before[4])
+
+
+def test_8bit_blocks_hold_about_twice_the_tokens_at_equal_memory() -> None:
+    """The 8B shape (32 layers, 8 KV heads of 128): bfloat16 blocks against int8 codes + a float32 scale per row."""
+    shape = {"num_layers": 32, "num_kv_heads": 8, "head_dim": 128, "block_size": 16}
+    bf16 = KVLayout(**shape, dtype=torch.bfloat16).bytes_per_block
+    int8 = KVLayout(**shape, dtype=torch.int8).bytes_per_block
+    assert bf16 / int8 == pytest.approx(2 * 128 / (128 + 4))
+    assert bf16 / int8 >= 1.9

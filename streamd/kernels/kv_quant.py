@@ -1,0 +1,76 @@
+"""The 8-bit KV cache's arithmetic inside the Triton kernels, shared by the stores and the attentions.
+
+A row (one token's head_dim values of one KV head) is stored as codes ``round(x / scale)`` and one float32
+``scale = max(absmax / QMAX, KV_MIN_SCALE)`` (`layout.quantize_rows` is the reference): int8 rounds half away
+from zero by truncating ``x +- 0.5``, float8 e4m3 by the conversion's round-to-nearest-even. The attentions
+never dequantize a tile: codes convert exactly to the dot's dtype and the scales multiply the scores (keys) and
+the probabilities (values), one multiply per token instead of per element.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton.language as tl
+
+from streamd.kernels._triton_utils import jit_helper
+from streamd.kernels.layout import KV_MIN_SCALE, KV_QMAX, check_scales, kv_quantized
+
+MIN_SCALE = tl.constexpr(KV_MIN_SCALE)
+
+
+@jit_helper
+def quantize_rows(x: tl.tensor, QMAX: tl.constexpr, INT8: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
+    """x [rows, cols] (masked entries 0) -> (codes [rows, cols] float32, to be converted by the store; scales
+    [rows] float32)."""
+    x = x.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), 1) / QMAX, MIN_SCALE)
+    y = x / scale[:, None]
+    if INT8:
+        y = tl.minimum(tl.maximum(tl.where(y >= 0.0, y + 0.5, y - 0.5), -127.0), 127.0)
+    return y, scale
+
+
+@jit_helper
+def quantize_halves(
+    x1: tl.tensor, x2: tl.tensor, QMAX: tl.constexpr, INT8: tl.constexpr
+) -> tuple[tl.tensor, tl.tensor, tl.tensor]:
+    """`quantize_rows` of rows held as two halves [rows, half] each (the rotary store's): one scale per row."""
+    x1 = x1.to(tl.float32)
+    x2 = x2.to(tl.float32)
+    absmax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
+    scale = tl.maximum(absmax / QMAX, MIN_SCALE)
+    y1 = x1 / scale[:, None]
+    y2 = x2 / scale[:, None]
+    if INT8:
+        y1 = tl.minimum(tl.maximum(tl.where(y1 >= 0.0, y1 + 0.5, y1 - 0.5), -127.0), 127.0)
+        y2 = tl.minimum(tl.maximum(tl.where(y2 >= 0.0, y2 + 0.5, y2 - 0.5), -127.0), 127.0)
+    return y1, y2, scale
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleArgs:
+    """What a kernel launch passes for the pool's scales: the tensor (any tensor when the pool is a float
+    one, never read), its layer offset and strides, and the constexprs that compile the 8-bit paths in."""
+
+    scales: torch.Tensor
+    layer_off: int
+    strides: tuple[int, int, int, int]  # block, k|v, head, token
+    quant: bool
+    int8: bool
+    qmax: float
+
+    def flags(self) -> dict[str, object]:
+        return {"KV_QUANT": self.quant, "KV_INT8": self.int8, "KV_QMAX": self.qmax}
+
+
+def scale_args(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, layer: int) -> ScaleArgs:
+    """The launch arguments of `kv_scales` (checked against the pool: an 8-bit pool needs them)."""
+    check_scales(kv_cache, kv_scales)
+    if kv_scales is None or not kv_quantized(kv_cache):
+        return ScaleArgs(kv_cache, 0, (0, 0, 0, 0), False, False, 1.0)
+    s = kv_scales.stride()
+    return ScaleArgs(
+        kv_scales, layer * s[1], (s[0], s[2], s[3], s[4]), True, kv_cache.dtype == torch.int8, KV_QMAX[kv_cache.dtype]
+    )
