@@ -123,8 +123,9 @@ def load_model(
     low_bit_matmul: str = "auto",
 ) -> LoadedModel:
     """Loads weights and tokenizer from one source, onto `device` in `dtype`, in eval mode; `quantization`
-    (`model.quantization`) says whether a GGUF file stays low-bit or a float model is quantized (CPU), and
-    `low_bit_matmul` (`model.low_bit_matmul`) how those low-bit layers multiply."""
+    (`model.quantization`) says whether a GGUF file stays low-bit, a float model is quantized (int8/int4 on the
+    CPU, fp8 on CUDA sm_89+) or an FP8 checkpoint stays FP8, and `low_bit_matmul` (`model.low_bit_matmul`) how the
+    CPU's low-bit layers multiply."""
     start = time.perf_counter()
     low_bit = low_bit_plan(name, quantization, device, low_bit_matmul)
     if isinstance(name, PretrainedConfig):
