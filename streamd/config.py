@@ -68,7 +68,10 @@ OTHER_VARIABLES = frozenset(
 
 FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/worker/fusion.py)
 CATCH_UP_DECODES = ("auto", "hold", "run")  # scheduler.catch_up_decodes (streamd/engine/core/scheduler.py)
-QUANTIZATIONS = ("auto", "none", "int8", "int4")  # model.quantization (streamd/engine/worker/model_loader.py)
+# model.quantization (streamd/engine/worker/model_loader.py): fp8 quantizes a float model's Linears (not the head) to
+# float8_e4m3fn with per-channel scales on a CUDA GPU of sm_89+ (Ada, Hopper), refused elsewhere
+# (streamd/engine/worker/fp8.py)
+QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 LOW_BIT_MATMULS = ("auto", "w8a8", "weight_only")  # model.low_bit_matmul (streamd/engine/worker/quantized.py)
 ALL_REDUCE_MODES = ("auto", "nccl", "symm_mem")  # parallel.all_reduce (streamd/engine/worker/parallel/all_reduce.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # cache.kv_cache_dtype (streamd/engine/worker/cache_engine.py)
@@ -85,7 +88,8 @@ class ModelConfig:
     enforce_eager: bool = False  # True: no CUDA graphs
     num_threads: int = 0  # torch's CPU threads; 0: the cores this process may use (affinity mask), less one
     fuse_layers: str = "auto"  # off | auto | triton | compile | reference (see streamd/engine/worker/fusion.py)
-    # auto: a GGUF keeps its 4/8-bit blocks on a bf16-capable CPU; int8 | int4: quantize a float model (CPU);
+    # auto: a GGUF keeps its 4/8-bit blocks on a bf16-capable CPU, a compressed-tensors FP8 checkpoint stays FP8
+    # where FP8 runs; int8 | int4: quantize a float model (CPU); fp8: quantize a float model to e4m3 (CUDA sm_89+);
     # none: float weights (streamd/engine/worker/model_loader.py)
     quantization: str = "auto"
     # how low-bit layers multiply (CPU): w8a8: int8 weights per output channel x int8 activations per row;

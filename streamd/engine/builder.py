@@ -82,8 +82,10 @@ def load(
     device = resolve_device(config.model.device)
     dtype = resolve_dtype(config.model.dtype, device)
     if config.parallel.tensor_parallel_size > 1:
-        if config.model.quantization in ("int8", "int4"):
-            raise ValueError("model.quantization int8/int4 is for one CPU process, not tensor parallelism")
+        if config.model.quantization in ("int8", "int4", "fp8"):
+            raise ValueError(
+                f"model.quantization = {config.model.quantization!r} is for one process, not tensor parallelism"
+            )
         loaded, workers = start_tensor_parallel(config, model_config, device, dtype)
         return loaded, device, workers
     model = model_config or config.model.name

