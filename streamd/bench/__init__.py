@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "live": ("streamd.bench.live", "run"),
     "peer": ("streamd.bench.peer", "run"),
     "quality": ("streamd.bench.quality", "run"),
+    "quantized": ("streamd.bench.quantized", "run"),
 }
 EXAMPLES: dict[str, str] = {
     "memory": "streamd bench memory --workloads sharegpt --out /tmp/results",
@@ -40,6 +41,7 @@ EXAMPLES: dict[str, str] = {
     "spec": "streamd bench spec --out /tmp/results      # speculative decoding on vs off, CPU default model",
     "live": "streamd bench live --scenarios proxy,first-frame,overhead   # issue 32's targets, null model, minutes",
     "quality": "streamd bench quality --kv-cache-dtype int8 --num-prompts 100 --max-tokens 64   # minutes on 2 cores",
+    "quantized": "streamd bench quantized --shapes llama3.1-8b,llama3.2-1b   # one H100: FP8 weights and KV vs bf16",
     "peer": "llama-server -m MODEL.gguf --port 8080 --parallel 32 -c 32768 &\n"
     "  streamd bench peer --url http://127.0.0.1:8080 --concurrency 1,8,32 --rounds 3",
 }

@@ -163,6 +163,22 @@ class Fp8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8 e4m3{static}"
 
 
+def merge_fp8_linears(*parts: Fp8Linear) -> Fp8Linear:
+    """One `Fp8Linear` whose output is the parts' side by side (the fused layer's q/k/v and gate/up): codes and
+    per-channel scales concatenated, exact; dynamic activation scales only (a static one would differ per part)."""
+    if any(p.input_scale is not None for p in parts):
+        raise ValueError("FP8 layers with static input scales do not merge")
+    weights = [p.fp8_weight() for p in parts]
+    codes = torch.cat([w.codes.view(torch.uint8) for w in weights]).view(FP8)
+    merged = Fp8Weight(codes, torch.cat([w.scales for w in weights]))
+    if all(p.bias is None for p in parts):
+        return Fp8Linear(merged, None)
+    ref = next(p.bias for p in parts if p.bias is not None)
+    assert ref is not None
+    bias = torch.cat([p.bias if p.bias is not None else ref.new_zeros(p.out_features) for p in parts])
+    return Fp8Linear(merged, bias)
+
+
 def has_fp8(model: nn.Module) -> bool:
     return any(isinstance(m, Fp8Linear) for m in model.modules())
 

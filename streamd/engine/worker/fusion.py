@@ -36,7 +36,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 from streamd.config import FUSE_MODES
 from streamd.engine.worker.attention import get_attention_metadata, paged_attend
 from streamd.engine.worker.families import attention_needs
-from streamd.engine.worker.fp8 import Fp8Linear
+from streamd.engine.worker.fp8 import Fp8Linear, has_fp8, merge_fp8_linears
 from streamd.engine.worker.quantized import QuantizedLinear, W8A8Linear
 from streamd.kernels import reference
 from streamd.logs import get_logger
@@ -109,6 +109,8 @@ def resolve_mode(mode: str, model: PreTrainedModel, device: torch.device) -> str
     if mode not in FUSE_MODES:
         raise ValueError(f"model.fuse_layers must be one of {', '.join(FUSE_MODES)}, got {mode!r}")
     reason = unsupported_reason(model)
+    if reason is None and mode == "compile" and has_fp8(model):
+        reason = "its FP8 layers run through torch._scaled_mm, which the compiled stretch does not take"
     if mode == "auto":
         return "triton" if device.type == "cuda" and reason is None else "off"
     if mode != "off" and reason is not None:
@@ -129,8 +131,10 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     base = getattr(model, model.base_model_prefix, None)
     if not all(hasattr(base, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return f"{type(base).__name__} is not a Llama-style decoder"
-    if any(isinstance(m, (QuantizedLinear, W8A8Linear, Fp8Linear)) for m in model.modules()):
+    if any(isinstance(m, (QuantizedLinear, W8A8Linear)) for m in model.modules()):
         return "its weights are low-bit (model.quantization): the fused layer merges float Linears"
+    if any(isinstance(m, Fp8Linear) and m.input_scale is not None for m in model.modules()):
+        return "an FP8 layer has a static input scale: merged projections would share one"
     return None
 
 
@@ -142,17 +146,26 @@ def _kernels(mode: str) -> ModuleType:
     return reference
 
 
-def merge_linears(*parts: nn.Linear) -> nn.Linear:
-    """One Linear whose output is the parts' outputs side by side (missing biases are zeros)."""
-    weight = torch.cat([p.weight for p in parts])
+def merge_linears(*parts: nn.Module) -> nn.Module:
+    """One Linear whose output is the parts' outputs side by side (missing biases are zeros); FP8 parts (dynamic
+    activation scales, one weight scale per output channel) merge exactly into one `Fp8Linear`."""
+    if all(isinstance(p, Fp8Linear) for p in parts):
+        return merge_fp8_linears(*cast(tuple[Fp8Linear, ...], parts))
+    linears = cast(tuple[nn.Linear, ...], parts)
+    weight = torch.cat([p.weight for p in linears])
     bias = None
     if any(p.bias is not None for p in parts):
-        bias = torch.cat([p.bias if p.bias is not None else weight.new_zeros(p.weight.shape[0]) for p in parts])
+        bias = torch.cat([p.bias if p.bias is not None else weight.new_zeros(p.weight.shape[0]) for p in linears])
     merged = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     merged.weight = nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         merged.bias = nn.Parameter(bias, requires_grad=False)
     return merged
+
+
+def _rows_out(linear: nn.Module) -> int:
+    """A projection's output width, from its weight (an `Fp8Linear`'s from its codes, padding aside)."""
+    return linear.out_features if isinstance(linear, Fp8Linear) else cast(nn.Linear, linear).weight.shape[0]
 
 
 def split_qkv(qkv: torch.Tensor, sizes: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -173,7 +186,7 @@ class FusedLayer(nn.Module):
         self.layer_idx: int = attn.layer_idx
         self.scale: float = attn.scaling
         # (q, kv, head_dim) widths; from the weights, not the config: a tensor-parallel shard holds only its heads.
-        self.qkv_sizes: tuple[int, int, int] = (attn.q_proj.weight.shape[0], attn.k_proj.weight.shape[0], attn.head_dim)
+        self.qkv_sizes: tuple[int, int, int] = (_rows_out(attn.q_proj), _rows_out(attn.k_proj), attn.head_dim)
         self.qkv_proj = merge_linears(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o_proj = attn.o_proj
         self.gate_up_proj = merge_linears(mlp.gate_proj, mlp.up_proj)

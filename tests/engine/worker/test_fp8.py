@@ -270,3 +270,20 @@ def test_other_compressed_tensors_schemes_are_refused_by_name(tmp_path: Path) ->
 def test_the_plan_names_fp8(fp8_runs: None) -> None:
     plan = model_loader.low_bit_plan(tiny_config(), "fp8", CPU)
     assert plan.quantize == "fp8" and "fp8 e4m3 per channel" in plan.describe()
+
+
+def test_fp8_projections_merge_exactly_for_the_fused_layer() -> None:
+    """q/k/v (and gate/up) of FP8 layers merge into one FP8 layer whose output is theirs side by side: the input is
+    quantized once per row either way, and codes and per-channel scales are concatenated."""
+    from streamd.engine.worker.fusion import merge_linears
+
+    parts = [fp8.Fp8Linear(fp8.quantize_weight(torch.randn(out, 40)), torch.randn(out) if out != 24 else None)
+             for out in (32, 24, 24)]
+    merged = merge_linears(*parts)
+    assert isinstance(merged, fp8.Fp8Linear) and merged.out_features == 80
+    x = torch.randn(5, 40)
+    torch.testing.assert_close(merged(x), torch.cat([p(x) for p in parts], dim=-1), rtol=1e-6, atol=1e-6)
+    static = fp8.Fp8Linear(fp8.Fp8Weight(parts[0].fp8_weight().codes, parts[0].fp8_weight().scales,
+                                         torch.tensor(0.01)), None)
+    with pytest.raises(ValueError, match="static input scales"):
+        merge_linears(static, parts[1])
