@@ -57,7 +57,7 @@ def test_fp8_linear_on_cuda_matches_its_reference(rows: int, in_out: tuple[int, 
 
 def test_fp8_engine_gives_transformers_greedy_tokens_with_the_same_layers() -> None:
     config = _config()
-    llm = LLM(config, device="cuda", dtype="float32", quantization="fp8", max_num_batched_tokens=512,
+    llm = LLM(config, device="cuda", dtype="float32", quantization="fp8", max_num_batched_tokens=512, num_kv_blocks=256,
               num_swap_blocks=0)
     model = llm.engine.runner.model
     layers = {name: m for name, m in model.named_modules() if isinstance(m, fp8.Fp8Linear)}
@@ -93,12 +93,12 @@ def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
 def test_fp8_bfloat16_engine_stays_near_the_bfloat16_model() -> None:
     config = _config()
     prompts = [p for p in _prompts(config.vocab_size, 6, seed=2) if len(p) > 1]
-    quantized = LLM(config, device="cuda", dtype="bfloat16", quantization="fp8", max_num_batched_tokens=512,
+    quantized = LLM(config, device="cuda", dtype="bfloat16", quantization="fp8", max_num_batched_tokens=512, num_kv_blocks=256,
                     num_swap_blocks=0)
     assert sum(isinstance(m, fp8.Fp8Linear) for m in quantized.engine.runner.model.modules()) == 4 * 7
     got = _prompt_logprobs(quantized, prompts)
     del quantized
-    plain = LLM(config, device="cuda", dtype="bfloat16", quantization="none", max_num_batched_tokens=512,
+    plain = LLM(config, device="cuda", dtype="bfloat16", quantization="none", max_num_batched_tokens=512, num_kv_blocks=256,
                 num_swap_blocks=0)  # the same seed: the same weights before quantization
     want = _prompt_logprobs(plain, prompts)
     difference = (got - want).abs()
