@@ -1,0 +1,32 @@
+"""Issue 28: decode tiles for the 8-bit pools (device call): BLOCK_N x num_warps x num_stages, 8B decode shape."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from triton.testing import do_bench
+
+import streamd.kernels as K
+from streamd.kernels.layout import quantize_rows
+
+seqs, ctx, hkv, group, dim, page = 256, 1024, 8, 4, 128, 16
+blocks = seqs * ctx // page
+tables = torch.arange(blocks, dtype=torch.int32, device="cuda").view(seqs, -1)
+lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
+query = torch.randn(seqs, hkv * group, dim, device="cuda", dtype=torch.bfloat16)
+pool = torch.randn(blocks, 1, 2, hkv, page, dim, device="cuda", dtype=torch.bfloat16)
+out = {}
+for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
+    codes, scales = quantize_rows(pool, dtype)
+    for bn in (32, 64, 128):
+        for warps in (2, 4, 8):
+            for stages in (2, 3, 4):
+                try:
+                    ms = do_bench(lambda: K.paged_decode_attention(query, codes, 0, tables, lens, 0.088, kv_scales=scales,
+                                  block_n=bn, num_warps=warps, num_stages=stages), warmup=10, rep=60, return_mode="median")
+                except Exception as exc:  # out of shared memory etc.
+                    ms = float("nan")
+                out[f"{name}_n{bn}_w{warps}_s{stages}"] = ms
+best = {k: min((v, kk) for kk, v in out.items() if kk.startswith(k)) for k in ("int8", "fp8")}
+print(json.dumps({"best": best, "all": out}, indent=1))
