@@ -75,9 +75,23 @@ def test_fp8_engine_gives_transformers_greedy_tokens_with_the_same_layers() -> N
         setattr(reference.get_submodule(parent), attr, layer)
     reference = reference.cuda().eval()
     reference.generation_config.eos_token_id = None
+    # The layers are shared, only the attention differs (paged Triton vs SDPA); the FP8 layers round their output to
+    # bfloat16, and a random model's flat logits turn that rounding into different greedy tokens within a few steps
+    # (seen on an H100: the second token). So: the first token of every prompt, and each prompt's teacher-forced
+    # log-probabilities far closer than the FP8-vs-bfloat16 bound of the next test.
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
-        assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 24), f"prompt {i} (len {len(prompt)})"
+        assert out.outputs[0].token_ids[:1] == hf_greedy(reference, prompt, 1), f"prompt {i} (len {len(prompt)})"
+    got = _prompt_logprobs(llm, [p for p in prompts if len(p) > 1])
+    want = torch.cat([_hf_prompt_logprobs(reference, p) for p in prompts if len(p) > 1])
+    assert (got - want).abs().mean().item() < LOGPROB_MEAN / 4
     assert_pool_whole(llm.engine)
+
+
+@torch.inference_mode()
+def _hf_prompt_logprobs(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt], device="cuda")
+    logprobs = model(ids).logits[0, :-1].float().log_softmax(-1)
+    return logprobs.gather(1, ids[0, 1:, None])[:, 0].cpu()
 
 
 def _prompt_logprobs(llm: LLM, prompts: list[list[int]]) -> torch.Tensor:
