@@ -112,8 +112,9 @@ def synthetic_step(engine: LLMEngine, setup: Setup) -> Callable[[], torch.Tensor
     it: the decode graph on CUDA, the eager forward elsewhere."""
     runner, dev, bs = engine.runner, setup.device, engine.config.cache.block_size
     per_seq = -(-setup.context // bs)
-    kv = runner.kv_cache
-    assert kv is not None and kv.shape[0] >= setup.batch * per_seq, "pool too small for the synthetic batch"
+    assert runner.pool is not None, "bind_kv_cache first"
+    kv = runner.pool.kv_cache
+    assert kv.shape[0] >= setup.batch * per_seq, "pool too small for the synthetic batch"
     kv[:setup.batch * per_seq].normal_(0, 0.5)  # the pool starts uninitialised
     tables = torch.arange(setup.batch * per_seq, dtype=torch.int32, device=dev).view(setup.batch, per_seq)
     last = setup.context - 1

@@ -196,14 +196,12 @@ def measure(args: argparse.Namespace) -> tuple[QualityResult, str, str]:
         raise BenchError("nothing to compare: give --kv-cache-dtype or --set KEY=VALUE")
     texts = read_prompts(args.prompts, args.num_prompts)
     results, choices = [], []
-    reference_replies: list[list[int]] = []
     for overrides in (base, {**base, **change}):
         llm = LLM(args.model, **overrides)
         prompts = [llm.engine.apply_chat_template([{"role": "user", "content": t}]) for t in texts]
         text = _text_ids(llm, args.text, args.text_tokens)
         results.append((*_run(llm, prompts, args.max_tokens, text), len(text)))
-        reference_replies = reference_replies or results[0][0]
-        choices.append(greedy_choices(llm, prompts, reference_replies))
+        choices.append(greedy_choices(llm, prompts, results[0][0]))  # both read the reference's replies
         device, model = str(llm.engine.device.type), llm.engine.model_name
         llm.engine.close()
         del llm

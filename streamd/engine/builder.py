@@ -30,7 +30,7 @@ from streamd.engine.sample.grammar_budget import GrammarBudget
 from streamd.engine.sample.sampler import Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import DEFAULT_TENANT
-from streamd.engine.worker.cache_engine import CacheEngine, KVLayout, kv_dtype
+from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
 from streamd.engine.worker.cpu_threads import apply_num_threads
 from streamd.engine.worker.cuda_graphs import capture_sizes
 from streamd.engine.worker.draft_model import load_draft_model
@@ -231,8 +231,8 @@ def _kv_cache(
     dtype = next(loaded.model.parameters()).dtype
     runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
     fuse_layers(loaded.model, config.model.fuse_layers, device)
-    pool_dtype = kv_dtype(cache_cfg.kv_cache_dtype, dtype)
-    layout = kv_layout_of(loaded.model, cache_cfg.block_size, pool_dtype, config.parallel.tensor_parallel_size)
+    tp = config.parallel.tensor_parallel_size
+    layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype, tp, cache_cfg.kv_cache_dtype)
     num_blocks = cache_cfg.num_kv_blocks or _auto_num_blocks(
         config, runner, layout, device, max_model_len, vocab, reserve_bytes
     )

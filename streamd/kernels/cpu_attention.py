@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from streamd.kernels.layout import dequantize_rows, quantize_rows
+from streamd.kernels.layout import dequantize_rows, write_kv_rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,13 +73,8 @@ def store_kv(
     kv = kv_cache[:, layer]
     if plan.keep is not None:
         key, value = key[plan.keep], value[plan.keep]
-    for i, x in enumerate((key, value)):
-        if kv_scales is None:
-            kv[plan.blocks, i, :, plan.offsets] = x.to(kv_cache.dtype)
-            continue
-        codes, scales = quantize_rows(x, kv_cache.dtype)
-        kv[plan.blocks, i, :, plan.offsets] = codes
-        kv_scales[:, layer][plan.blocks, i, :, plan.offsets] = scales
+    scales = None if kv_scales is None else kv_scales[:, layer]
+    write_kv_rows(kv, scales, plan.blocks, plan.offsets, key, value)
 
 
 def decode_attention(

@@ -21,15 +21,22 @@ MIN_SCALE = tl.constexpr(KV_MIN_SCALE)
 
 
 @jit_helper
+def _codes(x: tl.tensor, scale: tl.tensor, INT8: tl.constexpr) -> tl.tensor:
+    """x [rows, cols] float32 over its rows' scales [rows]: the codes as float32, for the store's conversion (int8:
+    rounded half away from zero and clamped here; e4m3: rounded by the conversion)."""
+    y = x / scale[:, None]
+    if INT8:
+        y = tl.minimum(tl.maximum(tl.where(y >= 0.0, y + 0.5, y - 0.5), -127.0), 127.0)
+    return y
+
+
+@jit_helper
 def quantize_rows(x: tl.tensor, QMAX: tl.constexpr, INT8: tl.constexpr) -> tuple[tl.tensor, tl.tensor]:
     """x [rows, cols] (masked entries 0) -> (codes [rows, cols] float32, to be converted by the store; scales
     [rows] float32)."""
     x = x.to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 1) / QMAX, MIN_SCALE)
-    y = x / scale[:, None]
-    if INT8:
-        y = tl.minimum(tl.maximum(tl.where(y >= 0.0, y + 0.5, y - 0.5), -127.0), 127.0)
-    return y, scale
+    return _codes(x, scale, INT8), scale
 
 
 @jit_helper
@@ -39,14 +46,28 @@ def quantize_halves(
     """`quantize_rows` of rows held as two halves [rows, half] each (the rotary store's): one scale per row."""
     x1 = x1.to(tl.float32)
     x2 = x2.to(tl.float32)
-    absmax = tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1))
-    scale = tl.maximum(absmax / QMAX, MIN_SCALE)
-    y1 = x1 / scale[:, None]
-    y2 = x2 / scale[:, None]
-    if INT8:
-        y1 = tl.minimum(tl.maximum(tl.where(y1 >= 0.0, y1 + 0.5, y1 - 0.5), -127.0), 127.0)
-        y2 = tl.minimum(tl.maximum(tl.where(y2 >= 0.0, y2 + 0.5, y2 - 0.5), -127.0), 127.0)
-    return y1, y2, scale
+    scale = tl.maximum(tl.maximum(tl.max(tl.abs(x1), 1), tl.max(tl.abs(x2), 1)) / QMAX, MIN_SCALE)
+    return _codes(x1, scale, INT8), _codes(x2, scale, INT8), scale
+
+
+@jit_helper
+def store_row_scales(
+    sc_ptr: tl.tensor,
+    slot: tl.tensor,
+    heads: tl.tensor,
+    mask: tl.tensor,
+    k_scale: tl.tensor,
+    v_scale: tl.tensor,
+    s_sc_blk: tl.tensor,
+    s_sc_kv: tl.tensor,
+    s_sc_head: tl.tensor,
+    s_sc_tok: tl.tensor,
+    PAGE: tl.constexpr,
+) -> None:
+    """One token's key and value scales [heads] at its slot; `sc_ptr` at the layer's scales."""
+    dst = sc_ptr + (slot // PAGE) * s_sc_blk + (slot % PAGE) * s_sc_tok + heads * s_sc_head
+    tl.store(dst, k_scale, mask=mask)
+    tl.store(dst + s_sc_kv, v_scale, mask=mask)
 
 
 @dataclass(frozen=True, slots=True)

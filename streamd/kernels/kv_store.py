@@ -13,7 +13,7 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import cdiv, dual_kernel, next_pow2
-from streamd.kernels.kv_quant import quantize_rows, scale_args
+from streamd.kernels.kv_quant import quantize_rows, scale_args, store_row_scales
 from streamd.kernels.layout import check_cache
 
 # Elements one program moves per tensor: enough to keep loads wide, small enough for registers.
@@ -79,10 +79,20 @@ def _store_kv_kernel(
     if KV_QUANT:
         key, k_scale = quantize_rows(key, KV_QMAX, KV_INT8)
         val, v_scale = quantize_rows(val, KV_QMAX, KV_INT8)
-        sc_dst = sc_ptr + sc_layer_off + (slot // PAGE) * s_sc_blk + (slot % PAGE) * s_sc_tok + offs_h * s_sc_head
         row_mask = valid & (offs_h < num_kv_heads)  # one scale per (token, head) row
-        tl.store(sc_dst, k_scale, mask=row_mask)
-        tl.store(sc_dst + s_sc_kv, v_scale, mask=row_mask)
+        store_row_scales(
+            sc_ptr + sc_layer_off,
+            slot,
+            offs_h,
+            row_mask,
+            k_scale,
+            v_scale,
+            s_sc_blk,
+            s_sc_kv,
+            s_sc_head,
+            s_sc_tok,
+            PAGE,
+        )
     tl.store(dst, key.to(cache_dtype), mask=mask)
     tl.store(dst + s_kv_kv, val.to(cache_dtype), mask=mask)
 

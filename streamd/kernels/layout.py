@@ -54,8 +54,9 @@ def check_rotary_args(
 # one float32 scale, absmax / QMAX, so the row's largest value maps to the format's largest finite code.
 # The scales live beside the codes in the same block (`engine/worker/cache_engine.py`), as
 # kv_scales[num_blocks, num_layers, 2, num_kv_heads, block_size].
-KV_QUANT_DTYPES = (torch.int8, torch.float8_e4m3fn)
+KV_QUANT_NAMES = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}  # `cache.kv_cache_dtype`'s 8-bit values
 KV_QMAX = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
+KV_QUANT_DTYPES = tuple(KV_QMAX)
 # The smallest scale stored: a row of zeros gets this (its codes are zeros) instead of a division by zero.
 KV_MIN_SCALE = 1e-12
 
@@ -88,6 +89,26 @@ def quantize_rows(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, to
     if dtype == torch.int8:
         y = torch.where(y >= 0, y + 0.5, y - 0.5).trunc().clamp(-127, 127)
     return y.to(dtype), scale
+
+
+def write_kv_rows(
+    kv: torch.Tensor,
+    scales: torch.Tensor | None,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> None:
+    """The plain-torch stores' write: token t's key and value [tokens, kv_heads, head_dim] at (blocks[t],
+    offsets[t]) of one layer `kv` [num_blocks, 2, kv_heads, block_size, head_dim], as 8-bit codes with their
+    `scales` (the layer's [num_blocks, 2, kv_heads, block_size]) when given."""
+    for i, x in enumerate((key, value)):
+        if scales is None:
+            kv[blocks, i, :, offsets] = x.to(kv.dtype)
+            continue
+        codes, row_scales = quantize_rows(x, kv.dtype)
+        kv[blocks, i, :, offsets] = codes
+        scales[blocks, i, :, offsets] = row_scales
 
 
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -193,16 +193,12 @@ def _prefill_kernel(
                 else:
                     k_scale = tl.load(sc, mask=k_pos < hi_n, other=0.0)
                     v_scale = tl.load(sc + s_sc_kv, mask=k_pos < hi_n, other=0.0)
-                # (The interpreter's integer -> bfloat16 conversion is wrong: it converts straight to UPCAST's float32.)
-                if UPCAST:
-                    k = k.to(tl.float32)
-                    v = v.to(tl.float32)
-                else:
-                    k = k.to(kv_dtype)
-                    v = v.to(kv_dtype)
-            if UPCAST:
+            if UPCAST:  # (8-bit codes too: the interpreter's integer -> bfloat16 conversion is wrong)
                 k = k.to(tl.float32)
                 v = v.to(tl.float32)
+            elif KV_QUANT:  # codes convert exactly to the query's dtype
+                k = k.to(kv_dtype)
+                v = v.to(kv_dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
             if KV_QUANT:
                 qk = qk * k_scale[None, :]

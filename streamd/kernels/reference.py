@@ -28,7 +28,14 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from streamd.kernels.layout import check_cache, check_rotary_args, check_scales, dequantize_rows, quantize_rows
+from streamd.kernels.layout import (
+    check_cache,
+    check_rotary_args,
+    check_scales,
+    dequantize_rows,
+    quantize_rows,
+    write_kv_rows,
+)
 
 
 def _layer_view(kv_cache: torch.Tensor, layer: int, kv_scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -290,14 +297,8 @@ def store_kv(
     slots = slots[keep]
     blk = slots // page
     off = slots % page
-    # Advanced indices split by a slice: the indexed result is [n, num_kv_heads, head_dim].
-    for i, x in enumerate((key[keep], value[keep])):
-        if kv_scales is None:
-            kv[blk, i, :, off] = x.to(kv_cache.dtype)
-            continue
-        codes, scales = quantize_rows(x, kv_cache.dtype)
-        kv[blk, i, :, off] = codes
-        kv_scales[:, layer][blk, i, :, off] = scales
+    # Advanced indices split by a slice: the indexed rows are [n, num_kv_heads, head_dim].
+    write_kv_rows(kv, None if kv_scales is None else kv_scales[:, layer], blk, off, key[keep], value[keep])
 
 
 def copy_blocks(kv_cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:

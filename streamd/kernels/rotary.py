@@ -17,7 +17,7 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import dual_kernel, jit_helper, next_pow2
-from streamd.kernels.kv_quant import quantize_halves, scale_args
+from streamd.kernels.kv_quant import quantize_halves, scale_args, store_row_scales
 from streamd.kernels.layout import check_rotary_args
 
 
@@ -166,10 +166,20 @@ def _rotary_store_kv_kernel(
     if KV_QUANT:
         k1, k2, k_scale = quantize_halves(k1, k2, KV_QMAX, KV_INT8)
         v1, v2, v_scale = quantize_halves(v1, v2, KV_QMAX, KV_INT8)
-        sc_dst = sc_ptr + sc_layer_off + (slot // PAGE) * s_sc_blk + (slot % PAGE) * s_sc_tok + offs_hk * s_sc_head
         row_mask = valid & (offs_hk < num_kv_heads)
-        tl.store(sc_dst, k_scale, mask=row_mask)
-        tl.store(sc_dst + s_sc_kv, v_scale, mask=row_mask)
+        store_row_scales(
+            sc_ptr + sc_layer_off,
+            slot,
+            offs_hk,
+            row_mask,
+            k_scale,
+            v_scale,
+            s_sc_blk,
+            s_sc_kv,
+            s_sc_head,
+            s_sc_tok,
+            PAGE,
+        )
     tl.store(dst, k1.to(cache_dtype), mask=mask_kv)
     tl.store(dst + HALF, k2.to(cache_dtype), mask=mask_kv)
     tl.store(dst + s_kv_kv, v1.to(cache_dtype), mask=mask_kv)

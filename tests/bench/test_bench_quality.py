@@ -40,6 +40,7 @@ def test_int8_kv_agrees_and_writes_its_report(tmp_path: Path) -> None:
     assert result["candidate"] == "cache.kv_cache_dtype=int8"
     assert result["agreement"]["teacher_forced"] >= 0.8
     assert result["perplexity_ratio"] == pytest.approx(1.0, abs=0.05)
+    assert result["perplexity_ratio"] != 1.0, "the int8 pool computed nothing the float pool did not"
     assert "greedy agreement" in next(tmp_path.glob("quality-int8-*.md")).read_text()
 
 

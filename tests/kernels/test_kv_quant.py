@@ -193,3 +193,28 @@ def test_store_and_attend_on_cuda(dtype):
     args = (query, kv, 1, tables, lens, head_dim**-0.5)
     out = K.paged_decode_attention(*args, kv_scales=scales)
     assert_close(out, ref.paged_decode_attention(*args, kv_scales=scales), torch.bfloat16, "cuda decode")
+
+
+@pytest.mark.parametrize("dtype", QUANT)
+def test_the_cpu_planned_path_matches_the_reference_on_an_8bit_pool(dtype):
+    """The CPU engine's own store and decode (`cpu_attention`, planned once per step) quantize and dequantize as
+    the references do."""
+    from streamd.kernels import cpu_attention
+
+    page, kv_heads, group, head_dim = 4, 2, 3, 16
+    lens = [1, 6, 13]
+    case, codes, scales, _ = _quantized_case(dtype, lens, page, kv_heads, head_dim)
+    key, value = torch.randn(3, kv_heads, head_dim), torch.randn(3, kv_heads, head_dim)
+    slots = torch.tensor([int(case.block_tables[i, (n - 1) // page]) * page + (n - 1) % page
+                          for i, n in enumerate(lens)])  # each sequence's last position: this step's token
+    want_codes, want_scales = codes.clone(), scales.clone()
+    cpu_attention.store_kv(key, value, codes, case.layer, cpu_attention.plan_store(slots, page), scales)
+    ref.store_kv(key, value, want_codes, case.layer, slots, kv_scales=want_scales)
+    assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
+    assert torch.equal(scales.nan_to_num(-7.0), want_scales.nan_to_num(-7.0))
+    query = torch.randn(len(lens), kv_heads * group, head_dim)
+    plan = cpu_attention.plan_decode(case.block_tables, case.seq_lens, page)
+    got = cpu_attention.decode_attention(query, codes, case.layer, plan, head_dim**-0.5, scales)
+    want = ref.paged_decode_attention(query, codes, case.layer, case.block_tables, case.seq_lens, head_dim**-0.5,
+                                      kv_scales=scales)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -27,7 +27,7 @@ from types import ModuleType
 
 import torch
 
-from streamd.kernels.layout import KV_QUANT_DTYPES
+from streamd.kernels.layout import KV_QUANT_DTYPES, KV_QUANT_NAMES
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -43,7 +43,7 @@ DIRECT_RUN_BYTES = 8 << 20
 
 def kv_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """`cache.kv_cache_dtype` as the pool's dtype: auto is the model's."""
-    return {"int8": torch.int8, "fp8": torch.float8_e4m3fn}.get(kv_cache_dtype, model_dtype)
+    return KV_QUANT_NAMES.get(kv_cache_dtype, model_dtype)
 
 
 @dataclass(slots=True, frozen=True)

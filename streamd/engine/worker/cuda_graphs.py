@@ -34,6 +34,8 @@ from streamd.logs import get_logger
 if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
+    from streamd.engine.worker.cache_engine import KVPool
+
 log = get_logger(__name__)
 
 
@@ -48,18 +50,16 @@ class DecodeGraphs:
     def __init__(
         self,
         model: torch.nn.Module,
-        kv_cache: torch.Tensor,
+        pool: KVPool,
         ops: ModuleType,
         max_batch: int,
         max_blocks: int,
         layers_only: bool = False,
-        kv_scales: torch.Tensor | None = None,
     ) -> None:
-        device = kv_cache.device
+        device = pool.kv_cache.device
         self.model = model
         self.layers_only = layers_only
-        self.kv_cache = kv_cache
-        self.kv_scales = kv_scales
+        self.pool = pool
         self.ops = ops
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
@@ -76,14 +76,14 @@ class DecodeGraphs:
 
     def _metadata(self, n: int) -> AttentionMetadata:
         return AttentionMetadata(
-            self.kv_cache,
+            self.pool.kv_cache,
             self.slot_mapping[:n],
             self.block_tables[:n],
             self.seq_lens[:n],
             self.query_start_loc[: n + 1],
             True,
             self.ops,
-            kv_scales=self.kv_scales,
+            kv_scales=self.pool.kv_scales,
         )
 
     def _forward(self, n: int) -> torch.Tensor:

@@ -37,6 +37,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from streamd.kernels import layout
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -45,7 +46,6 @@ FP8 = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90): the GPUs with FP8 tensor cores
 ALIGN = 16  # cuBLAS's FP8 GEMM: the inner dimension and the weight's output dimension multiples of 16
-MIN_AMAX = 1e-12  # an all-zero row (or channel) gets a tiny scale instead of a division by zero
 NEEDS = "a CUDA GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper; sm_89+)"
 
 
@@ -91,15 +91,15 @@ class Fp8Weight:
 
 
 def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
-    """Per output channel: scale = absmax / 448, codes = round(w / scale) in e4m3."""
-    scales = weight.detach().abs().amax(dim=1).float().clamp(min=MIN_AMAX) / FP8_MAX
-    return Fp8Weight(_to_fp8(weight.detach() / scales[:, None]), scales)
+    """Per output channel: scale = absmax / 448, codes = round(w / scale) in e4m3 (the 8-bit KV cache's row
+    quantizer, `layout.quantize_rows`: a weight's rows are its output channels)."""
+    return Fp8Weight(*layout.quantize_rows(weight.detach(), FP8))
 
 
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-row (per-token) quantization: e4m3 codes and float32 scales [rows, 1]."""
-    scales = rows.abs().amax(dim=-1, keepdim=True).float().clamp(min=MIN_AMAX) / FP8_MAX
-    return _to_fp8(rows / scales), scales
+    codes, scales = layout.quantize_rows(rows, FP8)
+    return codes, scales[:, None]
 
 
 def quantize_static(rows: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -27,7 +27,7 @@ from streamd.engine.worker.attention import (
     register_paged_attention,
     set_attention_metadata,
 )
-from streamd.engine.worker.cache_engine import KVLayout, KVPool, allocate_pool
+from streamd.engine.worker.cache_engine import KVLayout, KVPool, allocate_pool, kv_dtype
 from streamd.engine.worker.cuda_graphs import DecodeGraphs
 from streamd.engine.worker.host_to_device import to_device
 from streamd.logs import get_logger
@@ -46,14 +46,17 @@ def kernel_ops(device: torch.device) -> ModuleType:
     return reference
 
 
-def kv_layout_of(model: PreTrainedModel, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> KVLayout:
-    """The KV pool's layout, its blocks in `dtype` (the model's, or an 8-bit `KV_CACHE_DTYPES` one); with tensor
-    parallelism each rank holds `num_kv_heads / tp_size` heads."""
+def kv_layout_of(
+    model: PreTrainedModel, block_size: int, dtype: torch.dtype, tp_size: int = 1, kv_cache_dtype: str = "auto"
+) -> KVLayout:
+    """The KV pool's layout for a model in `dtype`, its blocks as `cache.kv_cache_dtype` says (`kv_dtype`: auto is
+    `dtype`); with tensor parallelism each rank holds `num_kv_heads / tp_size` heads."""
     config = model.config.get_text_config()
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    return KVLayout(config.num_hidden_layers, kv_heads // tp_size, head_dim, block_size, dtype)
+    pool_dtype = kv_dtype(kv_cache_dtype, dtype)
+    return KVLayout(config.num_hidden_layers, kv_heads // tp_size, head_dim, block_size, pool_dtype)
 
 
 @dataclass(slots=True)
@@ -93,13 +96,12 @@ class ModelRunner:
         self.device = device
         self.block_size = block_size
         self.ops = kernel_ops(device)
-        self.kv_cache: torch.Tensor | None = None
-        self.kv_scales: torch.Tensor | None = None  # an 8-bit pool's (`cache_engine.KVPool`)
+        self.pool: KVPool | None = None
         self.graphs: DecodeGraphs | None = None
         self._prompt_logprobs: PromptLogprobs | None = None  # the last `run`'s, until taken
 
     def bind_kv_cache(self, pool: KVPool) -> None:
-        self.kv_cache, self.kv_scales = pool.kv_cache, pool.kv_scales
+        self.pool = pool
 
     def max_table_width(self, max_model_len: int) -> int:
         return -(-max_model_len // self.block_size)
@@ -114,8 +116,8 @@ class ModelRunner:
         """Decode steps of up to `max_batch` sequences (tables up to `max_blocks` wide) then replay graphs
         instead of running eagerly; `layers_only` and `agree`: a tensor-parallel rank's (`DecodeGraphs`).
         False: not captured (the ranks did not all succeed), decode stays eager."""
-        assert self.kv_cache is not None and self.device.type == "cuda"
-        graphs = DecodeGraphs(self.model, self.kv_cache, self.ops, max_batch, max_blocks, layers_only, self.kv_scales)
+        assert self.pool is not None and self.device.type == "cuda"
+        graphs = DecodeGraphs(self.model, self.pool, self.ops, max_batch, max_blocks, layers_only)
         captured = graphs.capture(agree)
         self.graphs = graphs if captured else None
         return captured
@@ -209,16 +211,16 @@ class ModelRunner:
         return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
 
     def _metadata(self, batch: ModelInput) -> AttentionMetadata:
-        assert self.kv_cache is not None, "bind_kv_cache first"
+        assert self.pool is not None, "bind_kv_cache first"
         return AttentionMetadata(
-            kv_cache=self.kv_cache,
+            kv_cache=self.pool.kv_cache,
             slot_mapping=batch.slot_mapping,
             block_tables=batch.block_tables,
             seq_lens=batch.seq_lens,
             query_start_loc=batch.query_start_loc,
             decode_only=batch.decode_only,
             ops=self.ops,
-            kv_scales=self.kv_scales,
+            kv_scales=self.pool.kv_scales,
         )
 
     def _prepare(self, out: SchedulerOutput) -> tuple[ModelInput, list[tuple[int, int]]]:

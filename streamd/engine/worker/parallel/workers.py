@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from transformers import PretrainedConfig
 
 from streamd.config import Config
-from streamd.engine.worker.cache_engine import CacheEngine, kv_dtype
+from streamd.engine.worker.cache_engine import CacheEngine
 from streamd.engine.worker.fusion import fuse_layers
 from streamd.engine.worker.model_loader import LoadedModel, as_module, load_model, resolve_device, resolve_dtype
 from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of
@@ -232,8 +232,8 @@ class Worker:
     def _allocate(self, num_blocks: int, num_swap_blocks: int) -> None:
         runner, args = self.runner, self.args
         dtype = next(runner.model.parameters()).dtype
-        pool_dtype = kv_dtype(args.config.cache.kv_cache_dtype, dtype)
-        layout = kv_layout_of(runner.model, args.config.cache.block_size, pool_dtype, args.world_size)
+        cache = args.config.cache
+        layout = kv_layout_of(runner.model, cache.block_size, dtype, args.world_size, cache.kv_cache_dtype)
         self.cache = CacheEngine(layout, num_blocks, num_swap_blocks, runner.device, runner.ops)
         runner.bind_kv_cache(self.cache.pool)
 
