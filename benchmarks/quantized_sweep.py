@@ -5,17 +5,13 @@ from __future__ import annotations
 import json
 
 import torch
+from quantized_kernels import decode_case  # (this folder: run as `python3 benchmarks/quantized_sweep.py`)
 from triton.testing import do_bench
 
 import streamd.kernels as K
 from streamd.kernels.layout import quantize_rows
 
-seqs, ctx, hkv, group, dim, page = 256, 1024, 8, 4, 128, 16
-blocks = seqs * ctx // page
-tables = torch.arange(blocks, dtype=torch.int32, device="cuda").view(seqs, -1)
-lens = torch.full((seqs,), ctx, dtype=torch.int32, device="cuda")
-query = torch.randn(seqs, hkv * group, dim, device="cuda", dtype=torch.bfloat16)
-pool = torch.randn(blocks, 1, 2, hkv, page, dim, device="cuda", dtype=torch.bfloat16)
+query, pool, tables, lens = decode_case()
 out = {}
 for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
     codes, scales = quantize_rows(pool, dtype)
@@ -25,7 +21,7 @@ for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
                 try:
                     ms = do_bench(lambda: K.paged_decode_attention(query, codes, 0, tables, lens, 0.088, kv_scales=scales,
                                   block_n=bn, num_warps=warps, num_stages=stages), warmup=10, rep=60, return_mode="median")
-                except Exception as exc:  # out of shared memory etc.
+                except Exception:  # out of shared memory etc.
                     ms = float("nan")
                 out[f"{name}_n{bn}_w{warps}_s{stages}"] = ms
 best = {k: min((v, kk) for kk, v in out.items() if kk.startswith(k)) for k in ("int8", "fp8")}
