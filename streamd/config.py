@@ -136,6 +136,14 @@ class CacheConfig:
     # The KV blocks' dtype: auto: the model's; int8 | fp8 (e4m3): 8-bit codes with a float32 scale per token and
     # KV head, stored in the same block (about half the bytes of bfloat16: twice the blocks in the same memory).
     kv_cache_dtype: str = "auto"
+    # The hybrid layout (engine/core/hybrid_blocks.py): a model with both sliding-window and full-attention
+    # layers (Gemma 2/3, gpt-oss) keeps its sliding layers' KV for their window only, in a pool of its own.
+    # vLLM's name; true: every layer keeps the whole context, in one pool (as under tensor parallelism).
+    disable_hybrid_kv_cache_manager: bool = False
+    # The sliding layers' pool holds this many tokens per token of the full layers' pool (SGLang's name and
+    # default). Lower it for long contexts (a long request needs only its window there), raise it for many
+    # short ones (a request shorter than the window needs as many tokens in both pools).
+    swa_full_tokens_ratio: float = 0.8
 
     def validate(self) -> None:
         _one_of("cache.prefix_isolation", self.prefix_isolation, ("none", "tenant"))
@@ -145,6 +153,8 @@ class CacheConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ConfigError(f"cache.gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         _positive("cache.cpu_kv_cache_gib", self.cpu_kv_cache_gib)
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ConfigError(f"cache.swa_full_tokens_ratio must be in (0, 1], got {self.swa_full_tokens_ratio}")
         _non_negative("cache.swap_space_gib", self.swap_space_gib)
         _non_negative("cache.num_swap_blocks", self.num_swap_blocks, allow_none=True)
         if not 0 <= self.watermark < 1:

@@ -58,6 +58,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --sharing: run length per configuration, in mean output lengths",
     )
     parser.add_argument(
+        "--window",
+        action="store_true",
+        help="measure the KV bytes per token of hybrid models (sliding-window and full layers) with the hybrid "
+        "layout and without (window_memory.py) instead; with --quick, without the engine run",
+    )
+    parser.add_argument(
         "--sharing-model",
         action="store_true",
         help="with --sharing: also measure the engine's real beam search on the default model (CPU; loads the model)",
@@ -73,6 +79,8 @@ def main(argv: list[str] | None = None) -> int:
 def run(args: argparse.Namespace) -> int:
     if args.sharing:
         return _run_sharing(args)
+    if args.window:
+        return _run_window(args)
     names = [n.strip() for n in args.workloads.split(",") if n.strip()]
     unknown = [n for n in names if n not in WORKLOADS]
     if unknown or not names:
@@ -121,6 +129,28 @@ def _run_sharing(args: argparse.Namespace) -> int:
         stem = save_report(report, args.out, "memory-sharing", table)
         print(f"wrote {stem}.json, {stem}.md")
     return 0
+
+
+def _run_window(args: argparse.Namespace) -> int:
+    from streamd.bench import window_memory  # (its engine run needs torch and transformers)
+
+    rows = window_memory.shape_rows()
+    engine = None if args.quick else window_memory.engine_row()
+    report = {
+        "benchmark": "memory-window",
+        "date": datetime.date.today().isoformat(),
+        "device": "cpu",
+        "commit": git_commit(),
+        "config": {"block_size": window_memory.BLOCK, "chunk_tokens": window_memory.CHUNK, "dtype": "bfloat16"},
+        "shapes": rows,
+        "engine": engine,
+    }
+    table = window_memory.render(rows, engine)
+    print(table)
+    if not args.no_write:
+        stem = save_report(report, args.out, "memory-window", table)
+        print(f"wrote {stem}.json, {stem}.md")
+    return 0 if engine is None or engine["same_tokens"] else 1
 
 
 def _run_workload(name: str, args: argparse.Namespace, lifetimes: float) -> dict[str, object]:

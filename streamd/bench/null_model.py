@@ -40,6 +40,7 @@ class NullExecutor:
         self.executor = executor
         self.runner = runner
         self.cache = executor.cache
+        self.window = executor.window
         self.prefill_s_per_token = prefill_s_per_token  # a prefill step's sleep per token of its longest chunk
 
     @property

@@ -20,6 +20,7 @@ from streamd.engine.core.admission import Admission
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.disk_tier import DiskTier
 from streamd.engine.core.host_tier import HostCache
+from streamd.engine.core.hybrid_blocks import BlockSpace, HybridBlockManager
 from streamd.engine.core.scheduler import PreemptionCostModel, Scheduler
 from streamd.engine.core.speculation import Speculator
 from streamd.engine.output.chat_template import read_chat_template
@@ -36,8 +37,9 @@ from streamd.engine.worker.cuda_graphs import capture_sizes
 from streamd.engine.worker.draft_model import load_draft_model
 from streamd.engine.worker.executor import Executor, LocalExecutor
 from streamd.engine.worker.fusion import fuse_layers
+from streamd.engine.worker.kv_groups import WindowGroups, split_blocks, window_groups
 from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
+from streamd.engine.worker.model_runner import ModelRunner, WindowPool, kv_layout_of, profile_num_blocks
 from streamd.engine.worker.parallel.executor import TensorParallelExecutor
 from streamd.engine.worker.parallel.workers import WorkerPool, start_tensor_parallel
 from streamd.engine.worker.preemption_costs import cost_model
@@ -64,7 +66,7 @@ class EngineParts:
     runner: ModelRunner
     cache: CacheEngine
     executor: Executor
-    block_manager: BlockManager
+    block_manager: BlockSpace
     scheduler: Scheduler
     admission: Admission
     sampler: Sampler
@@ -104,22 +106,14 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     vocab = loaded.model.config.get_text_config().vocab_size
     draft = load_draft_model(config, loaded, device, max_model_len) if config.speculative.draft_model else None
     draft_bytes = draft.max_cache_bytes() if draft is not None else 0  # (its weights are in the profile's peak)
-    runner, cache = _kv_cache(config, loaded, device, max_model_len, vocab, draft_bytes)
-    executor = _executor(config, runner, cache, workers, max_model_len)
+    runner, pools = _kv_cache(config, loaded, device, max_model_len, vocab, draft_bytes)
+    cache = pools.cache
+    executor = _executor(config, runner, pools, workers, max_model_len)
     cache_cfg = config.cache
-    host_blocks = cache.num_swap_blocks - _num_swap_blocks(cache_cfg, cache.layout)  # the host tier's share
     costs = None
     if (config.scheduler.preemption_mode != "recompute" and cache.num_swap_blocks) or cache_cfg.disk_cache_dir:
         costs = cost_model(cache, executor, runner, max_model_len, cache_path(config.model.cache_dir))
-    block_manager = BlockManager(
-        cache.num_blocks,
-        cache_cfg.block_size,
-        cache.num_swap_blocks,
-        cache_cfg.watermark,
-        cache_cfg.enable_prefix_caching,
-        _disk_tier(config, loaded, cache.layout, costs),
-        _host_cache(cache.layout, host_blocks, costs),
-    )
+    block_manager = _block_manager(config, loaded, pools, costs)
     eos = _eos_token_ids(loaded)
     speculator = Speculator(config.speculative, max_model_len, draft)
     named = {*config.server.tenant_map().values(), DEFAULT_TENANT}  # the server's metrics labels (server/tenants.py)
@@ -151,6 +145,36 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
         BeamSearches(eos, max_model_len, vocab),
         OutputProcessor(loaded.tokenizer),
     )
+
+
+def _block_manager(
+    config: Config, loaded: LoadedModel, pools: KVPools, costs: PreemptionCostModel | None
+) -> BlockSpace:
+    """The block manager of the pools: one group, with the prefix cache's lower tiers as configured, or the
+    hybrid layout's two (whose tiers are off: `core/hybrid_blocks.py`)."""
+    cache_cfg, cache = config.cache, pools.cache
+    if pools.window is None or pools.groups is None:
+        host_blocks = cache.num_swap_blocks - _num_swap_blocks(cache_cfg, cache.layout)  # the host tier's share
+        plain = BlockManager(
+            cache.num_blocks,
+            cache_cfg.block_size,
+            cache.num_swap_blocks,
+            cache_cfg.watermark,
+            cache_cfg.enable_prefix_caching,
+            _disk_tier(config, loaded, cache.layout, costs),
+            _host_cache(cache.layout, host_blocks, costs),
+        )
+        plain.block_bytes = cache.layout.bytes_per_block
+        return plain
+    if cache_cfg.disk_cache_dir:
+        log.warning("disk_tier.off", reason="the hybrid KV layout keeps no lower tiers", key="cache.disk_cache_dir")
+    caching = cache_cfg.enable_prefix_caching
+    full, window = (
+        BlockManager(c.num_blocks, c.layout.block_size, c.num_swap_blocks, cache_cfg.watermark, caching)
+        for c in (cache, pools.window)
+    )
+    full.block_bytes, window.block_bytes = cache.layout.bytes_per_block, pools.window.layout.bytes_per_block
+    return HybridBlockManager(full, window, pools.groups.sliding_window, config.scheduler.max_num_batched_tokens)
 
 
 def _disk_tier(
@@ -206,27 +230,42 @@ def _host_cache_blocks(cache: CacheConfig, layout: KVLayout, device: torch.devic
 
 
 def _executor(
-    config: Config, runner: ModelRunner, cache: CacheEngine, workers: WorkerPool | None, max_model_len: int
+    config: Config, runner: ModelRunner, pools: KVPools, workers: WorkerPool | None, max_model_len: int
 ) -> Executor:
-    """The executor, its decode graphs captured (on CUDA, unless `model.enforce_eager`; under tensor
-    parallelism on every rank together, unless `parallel.cuda_graphs` is off)."""
+    """The executor, its decode graphs captured (on CUDA, unless `model.enforce_eager` or the hybrid layout,
+    whose second pool the graphs do not bind; under tensor parallelism on every rank together, unless
+    `parallel.cuda_graphs` is off)."""
     graphs = runner.device.type == "cuda" and not config.model.enforce_eager
+    if graphs and pools.window is not None:
+        log.info("cuda_graphs.off", reason="the hybrid KV layout decodes eagerly")
+        graphs = False
     max_batch, max_blocks = config.scheduler.max_num_seqs, runner.max_table_width(max_model_len)
+    cache = pools.cache
     if workers is None:
         if graphs:
             runner.capture_cuda_graphs(max_batch, max_blocks)
-        return LocalExecutor(runner, cache)
+        return LocalExecutor(runner, cache, pools.window)
     executor = TensorParallelExecutor(runner, cache, workers)
     if graphs and config.parallel.cuda_graphs:
         executor.capture_cuda_graphs(max_batch, max_blocks)
     return executor
 
 
+@dataclass(slots=True)
+class KVPools:
+    """The KV pools: `cache` holds every layer's, or in the hybrid layout (`groups`) the full-attention
+    layers' while `window` holds the sliding layers'."""
+
+    cache: CacheEngine
+    window: CacheEngine | None = None
+    groups: WindowGroups | None = None
+
+
 def _kv_cache(
     config: Config, loaded: LoadedModel, device: torch.device, max_model_len: int, vocab: int, reserve_bytes: int
-) -> tuple[ModelRunner, CacheEngine]:
-    """The model runner (layers fused as configured) bound to a KV pool sized for this device, leaving
-    `reserve_bytes` (the draft model's caches) beside it."""
+) -> tuple[ModelRunner, KVPools]:
+    """The model runner (layers fused as configured) bound to KV pools sized for this device, leaving
+    `reserve_bytes` (the draft model's caches) beside them."""
     cache_cfg = config.cache
     dtype = next(loaded.model.parameters()).dtype
     runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
@@ -236,10 +275,45 @@ def _kv_cache(
     num_blocks = cache_cfg.num_kv_blocks or _auto_num_blocks(
         config, runner, layout, device, max_model_len, vocab, reserve_bytes
     )
+    groups = window_groups(loaded.model, cache_cfg.disable_hybrid_kv_cache_manager, tp)
+    if groups is not None:
+        return runner, _hybrid_pools(config, runner, layout, groups, num_blocks, device)
     host_blocks = _num_swap_blocks(cache_cfg, layout) + _host_cache_blocks(cache_cfg, layout, device)
     cache = CacheEngine(layout, num_blocks, host_blocks, device, runner.ops)
     runner.bind_kv_cache(cache.pool)
-    return runner, cache
+    return runner, KVPools(cache)
+
+
+def _hybrid_pools(
+    config: Config, runner: ModelRunner, layout: KVLayout, groups: WindowGroups, num_blocks: int, device: torch.device
+) -> KVPools:
+    """The hybrid layout's two pools in the memory `num_blocks` blocks of every layer would take (or, with
+    `cache.num_kv_blocks`, that many full-layer blocks), split by `cache.swa_full_tokens_ratio`; the host swap
+    pools likewise. No host tier: the lower tiers are off in this layout."""
+    cache_cfg = config.cache
+    full, window = groups.layouts(layout)
+    ratio = cache_cfg.swa_full_tokens_ratio
+    if cache_cfg.num_kv_blocks:
+        blocks = (num_blocks, max(1, int(ratio * num_blocks)))
+    else:
+        blocks = split_blocks(num_blocks * layout.bytes_per_block, full, window, ratio)
+    swap = _num_swap_blocks(cache_cfg, layout)
+    swaps = split_blocks(swap * layout.bytes_per_block, full, window, ratio)
+    if cache_cfg.num_swap_blocks is not None:
+        swaps = (swap, int(ratio * swap))
+    cache = CacheEngine(full, blocks[0], swaps[0], device, runner.ops)
+    window_cache = CacheEngine(window, blocks[1], swaps[1], device, runner.ops)
+    runner.bind_kv_cache(cache.pool, WindowPool(window_cache.pool, groups))
+    log.info(
+        "kv_cache.hybrid",
+        sliding_window=groups.sliding_window,
+        full_layers=groups.num_full_layers,
+        window_layers=groups.num_window_layers,
+        full_blocks=blocks[0],
+        window_blocks=blocks[1],
+        swa_full_tokens_ratio=ratio,
+    )
+    return KVPools(cache, window_cache, groups)
 
 
 class Steppable(Protocol):
@@ -247,7 +321,7 @@ class Steppable(Protocol):
 
     max_model_len: int
     vocab_size: int
-    block_manager: BlockManager
+    block_manager: BlockSpace
 
     def add_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> list[int]: ...
 

@@ -36,10 +36,24 @@ class KVCacheStats:
     copied_blocks: int  # cumulative copy-on-write copies
     device_hit_blocks: int = 0  # cumulative prefix blocks found on the device (tier hits: `tiers`)
     tiers: list[TierStats] = field(default_factory=list)  # the prefix cache's lower tiers (disk)
+    block_bytes: int = 0  # one block's bytes (0: not known)
+    # The hybrid layout's sliding-window layers (`core/hybrid_blocks.py`); zeros without it
+    window_blocks_total: int = 0
+    window_blocks_free: int = 0
+    window_block_bytes: int = 0
 
     @property
     def blocks_used(self) -> int:
         return self.blocks_total - self.blocks_free
+
+    @property
+    def window_blocks_used(self) -> int:
+        return self.window_blocks_total - self.window_blocks_free
+
+    @property
+    def bytes_used(self) -> int:
+        """The KV bytes held by live sequences, both groups of the hybrid layout (0 where not known)."""
+        return self.blocks_used * self.block_bytes + self.window_blocks_used * self.window_block_bytes
 
     @property
     def swap_blocks_used(self) -> int:

@@ -126,6 +126,15 @@ class EngineStatsCollector(Collector):
         yield _gauge("streamd_kv_blocks_used", "KV cache blocks in use.", kv.blocks_used)
         yield _gauge("streamd_kv_blocks_free", "Free KV cache blocks.", kv.blocks_free)
         yield _gauge("streamd_swap_blocks_used", "Host swap blocks in use.", kv.swap_blocks_used)
+        if kv.window_blocks_total:  # the hybrid KV layout: the sliding-window layers' own pool
+            yield _gauge(
+                "streamd_kv_window_blocks_used", "Sliding-window layers' KV blocks in use.", kv.window_blocks_used
+            )
+            yield _gauge(
+                "streamd_kv_window_blocks_free", "Free sliding-window layers' KV blocks.", kv.window_blocks_free
+            )
+        if kv.block_bytes:
+            yield _gauge("streamd_kv_bytes_used", "KV cache bytes held by live sequences, every layer.", kv.bytes_used)
         yield _counter(
             "streamd_prefix_cache_queried_tokens",
             "Prompt tokens looked up in the prefix cache.",

@@ -140,6 +140,57 @@ def test_family_matches_hf_generate(family: str, shape: tuple[list[int], int, in
     assert max(lengths) > WINDOW and max_tokens > WINDOW
 
 
+@pytest.mark.parametrize(("family", "engine_args"), [
+    ("gemma3", {"preemption_mode": "swap", "num_swap_blocks": 40}),  # the hybrid layout, preempted by swapping
+    ("gpt-oss", {"preemption_mode": "swap", "num_swap_blocks": 40}),
+    ("gemma3", {"disable_hybrid_kv_cache_manager": True, "num_swap_blocks": 0}),  # every layer keeps it all
+])
+def test_hybrid_layout_swaps_and_its_off_switch(family: str, engine_args: dict, tmp_path: Path) -> None:
+    """The light scenario of `test_family_matches_hf_generate` with swap preemption in the hybrid layout (both
+    pools go to the host and back), and with the layout off; the same greedy tokens as transformers."""
+    lengths, max_tokens = [37, 9, 26], 20
+    path = _saved(family, tmp_path)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=16,
+              num_kv_blocks=12, watermark=0.0, **engine_args)
+    register_engine(llm.engine)
+    hybrid = not engine_args.get("disable_hybrid_kv_cache_manager", False)
+    assert (llm.engine.stats().kv.window_blocks_total > 0) == hybrid
+    distinct = [random_prompt(i, n, VOCAB) for i, n in enumerate(lengths)]
+    prompts = [distinct[0], *distinct]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params = [greedy] * len(prompts)
+    params[3] = SamplingParams(n=2, temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    outs = _run(llm, prompts, params)
+    reference = _reference(path)
+    want = [hf_greedy(reference, ids, max_tokens, None) for ids in distinct]
+    for i, out in outs.items():
+        for choice in out.outputs:
+            assert choice.token_ids == want[max(i - 1, 0)], f"{family}: request {i} choice {choice.index} diverged"
+    sched = llm.engine.stats().scheduler
+    assert sched.preemptions_swap + sched.preemptions_recompute > 0, "the pool was never short"
+    if engine_args.get("preemption_mode") == "swap":
+        assert sched.preemptions_swap > 0
+
+
+@torch.inference_mode()
+def test_beam_search_in_the_hybrid_layout_equals_hf(tmp_path: Path) -> None:
+    """Beams fork and free sequences every step: in the hybrid layout both groups' tables follow (the window
+    group's holes included), and the beams equal transformers' `generate(num_beams=3)` past the window."""
+    path = _saved("gemma3", tmp_path)
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=16,
+              num_kv_blocks=40, num_swap_blocks=0)
+    register_engine(llm.engine)
+    assert llm.engine.stats().kv.window_blocks_total > 0
+    prompt = random_prompt(4, 30, VOCAB)
+    params = SamplingParams(use_beam_search=True, beam_width=3, n=3, max_tokens=16, ignore_eos=True,
+                            detokenize=False)
+    got = [choice.token_ids for choice in llm.generate(prompt, params)[0].outputs]
+    x = torch.tensor([prompt])
+    want = _reference(path).generate(x, attention_mask=torch.ones_like(x), num_beams=3, num_return_sequences=3,
+                                     do_sample=False, max_new_tokens=16, length_penalty=1.0)[:, len(prompt):]
+    assert got == want.tolist()
+
+
 def test_gemma2_final_logit_softcap_reaches_the_logprobs(tmp_path: Path) -> None:
     """streamd's logits come out of the causal LM's own forward, so Gemma 2's head soft cap (tanh(x / c) * c)
     is in every logprob. Every layer global and no score cap here: only the head's cap is looked at."""

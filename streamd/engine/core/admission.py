@@ -21,13 +21,13 @@ from streamd.engine.sampling_params import MAX_LOGPROBS, SamplingParams, is_int
 MAX_LOGIT_BIAS = 300  # token ids one request may bias (as OpenAI)
 
 if TYPE_CHECKING:
-    from streamd.engine.core.block_manager import BlockManager
+    from streamd.engine.core.hybrid_blocks import BlockSpace
 
 
 @dataclass(frozen=True, slots=True)
 class Admission:
     max_model_len: int
-    blocks: BlockManager | None = None  # the KV pool a request must fit (the engine's)
+    blocks: BlockSpace | None = None  # the KV pool a request must fit (the engine's)
     max_num_seqs: int | None = None  # sequences one step runs: every beam of a request decodes in one step
     max_width: int | None = None  # the most parallel samples or beams a request may ask for
 

@@ -26,16 +26,42 @@ import itertools
 import math
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
+from collections.abc import Sequence as Seqs
 from contextlib import contextmanager
+from typing import Protocol
 
 from streamd.engine.core.host_tier import HostCache
 from streamd.engine.core.kv_tiers import BlockKey, CachedBlock, KVTier, TierOrders
 from streamd.engine.core.prefix_cache import PrefixCache, SeqHashes
-from streamd.engine.core.sequence import Sequence
 from streamd.engine.stats import KVCacheStats
 
 CopyPairs = tuple[tuple[int, int], ...]
 _NO_COPIES: CopyPairs = ()
+# A table entry a sequence no longer holds: a sliding-window layer's block that fell behind its window
+# (`release_behind`; only the hybrid layout's window group has them, `hybrid_blocks.py`).
+HOLE = -1
+
+
+class PagedSeq(Protocol):
+    """What the block manager reads of a sequence: a `Sequence`, or the window group's view of one
+    (`hybrid_blocks.WindowSide`, whose `block_table` is the sequence's `window_table`)."""
+
+    block_table: list[int]
+
+    @property
+    def seq_id(self) -> int: ...
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    @property
+    def num_computed_tokens(self) -> int: ...
+
+    @property
+    def prefix_root(self) -> int: ...
 
 
 class BlockManager:
@@ -62,6 +88,7 @@ class BlockManager:
         # `free - needed >= watermark * num_blocks` in whole blocks (the epsilon absorbs float noise).
         self.watermark_blocks = math.ceil(watermark * num_blocks - 1e-9)
         self.enable_prefix_caching = enable_prefix_caching
+        self.block_bytes = 0  # one block's bytes, for the stats (the builder sets it)
         self._ref = [0] * num_blocks
         # Stack: the lowest ids come out first, which keeps tests and copy runs readable.
         self._free: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -116,32 +143,34 @@ class BlockManager:
 
     # ---- admission ------------------------------------------------------------------------------
 
-    def blocks_to_allocate(self, seqs: Iterable[Sequence], reuse_prefix: bool = True) -> int:
+    def blocks_to_allocate(self, seqs: Iterable[PagedSeq], reuse_prefix: bool = True) -> int:
         """Free blocks that allocating `seqs` would consume: prefix hits on held blocks cost nothing,
         hits on free cached blocks take them off the free list. Counts a hit shared by two of `seqs`
         twice, which only errs on the safe side. `reuse_prefix` False: no hits (see `allocate`)."""
-        total = 0
-        for seq in seqs:
-            hits = self._prefix_hits(seq, reuse_prefix)
-            total += self.blocks_needed(seq.num_tokens) - len(hits)
-            total += sum(1 for b in hits if self._ref[b] == 0)
-        return total
+        return sum(self.allocation_cost(seq, self.prefix_hits(seq, reuse_prefix)) for seq in seqs)
 
-    def can_allocate(self, seqs: Iterable[Sequence], reserve: int | None = None, reuse_prefix: bool = True) -> bool:
+    def allocation_cost(self, seq: PagedSeq, hits: list[int]) -> int:
+        """Free blocks `allocate` takes for `seq` when these device `hits` start its table."""
+        return self.blocks_needed(seq.num_tokens) - len(hits) + sum(1 for b in hits if self._ref[b] == 0)
+
+    def can_allocate(self, seqs: Iterable[PagedSeq], reserve: int | None = None, reuse_prefix: bool = True) -> bool:
         """Watermark admission: `free - needed >= reserve` (default: the watermark)."""
         reserve = self.watermark_blocks if reserve is None else reserve
         return self.num_free_blocks() - self.blocks_to_allocate(seqs, reuse_prefix) >= reserve
 
-    def allocate(self, seq: Sequence, reuse_prefix: bool = True, ahead: bool = False) -> int:
+    def allocate(
+        self, seq: PagedSeq, reuse_prefix: bool = True, ahead: bool = False, max_hits: int | None = None
+    ) -> int:
         """Gives `seq` blocks for all its tokens, reusing cached prefix blocks. Returns the cached token
         count, which never includes the last token: the caller (the scheduler) makes it the sequence's
         `num_computed_tokens`. `reuse_prefix` False (a request with prompt logprobs, which needs the logits
         of every prompt position): no hits, every token is computed; its blocks are still registered for
         later requests to find. `ahead` (the step has other work): host hits are copied in beside the step's
-        forward (`TierOrders.host_restores_ahead`), and `restoring_ahead(seq)` says so."""
+        forward (`TierOrders.host_restores_ahead`), and `restoring_ahead(seq)` says so. `max_hits`: use at most
+        that many device hits (the hybrid layout's window group holds no more)."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
-        hits = self._prefix_hits(seq, reuse_prefix)
+        hits = self.prefix_hits(seq, reuse_prefix)[:max_hits]
         fresh = self.blocks_needed(seq.num_tokens) - len(hits)
         if fresh + sum(1 for b in hits if self._ref[b] == 0) > self.num_free_blocks():
             raise RuntimeError("not enough free KV cache blocks; check can_allocate first")
@@ -149,7 +178,7 @@ class BlockManager:
             self._take(block)
         num_hits = len(hits)
         # Lower-tier hits are found (host ones pinned) before allocating, whose evictions could push them out.
-        found = self._find_in_tiers(seq, num_hits, fresh) if reuse_prefix else []
+        found = self._find_in_tiers(seq, num_hits, fresh) if reuse_prefix and max_hits is None else []
         seq.block_table = hits + [self._alloc() for _ in range(fresh)]
         if self.enable_prefix_caching:
             state = self._seq_hashes[seq.seq_id]
@@ -167,7 +196,7 @@ class BlockManager:
 
     # ---- growth ---------------------------------------------------------------------------------
 
-    def blocks_to_append(self, seq: Sequence, num_new_tokens: int = 1) -> int:
+    def blocks_to_append(self, seq: PagedSeq, num_new_tokens: int = 1) -> int:
         """Free blocks `append_slots(seq, num_new_tokens)` may consume (new blocks and copies)."""
         table, ref, bs = seq.block_table, self._ref, self.block_size
         first = seq.num_computed_tokens // bs
@@ -179,7 +208,7 @@ class BlockManager:
         need = max(0, last + 1 - len(table))
         return need + sum(1 for i in range(first, min(last + 1, len(table))) if ref[table[i]] > 1)
 
-    def blocks_to_append_all(self, seqs: list[Sequence], num_new_tokens: int = 1) -> int:
+    def blocks_to_append_all(self, seqs: Seqs[PagedSeq], num_new_tokens: int = 1) -> int:
         """Like `blocks_to_append` summed over `seqs`, but exact when they share the blocks they write:
         w writers of a block with refcount r copy it min(w, r - 1) times (the last writer keeps it)."""
         if len(seqs) == 1:
@@ -195,7 +224,36 @@ class BlockManager:
                 writers[table[i]] = writers.get(table[i], 0) + 1
         return new_blocks + sum(min(w, self._ref[b] - 1) for b, w in writers.items())
 
-    def try_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> CopyPairs | None:
+    # A table covers a whole prompt from `allocate` on; the hybrid layout's window group covers a chunk ahead.
+    covers_ahead = False
+
+    def try_cover_prompt(self, seq: PagedSeq) -> CopyPairs | None:
+        return _NO_COPIES
+
+    def can_cover_prompts(self, seqs: Seqs[PagedSeq]) -> bool:
+        return True
+
+    def cover_prompts(self, seqs: Seqs[PagedSeq]) -> CopyPairs:
+        return _NO_COPIES
+
+    def can_append(self, seq: PagedSeq, num_new_tokens: int) -> bool:
+        """Whether `append_slots(seq, num_new_tokens)` leaves the watermark free (a draft's slots)."""
+        return self.blocks_to_append(seq, num_new_tokens) <= self.num_free_blocks() - self.watermark_blocks
+
+    def can_append_all(self, seqs: Seqs[PagedSeq]) -> bool:
+        """Whether every one of `seqs` can take its next slot now."""
+        return self.blocks_to_append_all(seqs) <= self.num_free_blocks()
+
+    def free_state(self) -> int:
+        """Changes whenever the free blocks do (the scheduler's blocked-head check compares it)."""
+        return self.num_free_blocks()
+
+    @property
+    def follows_progress(self) -> bool:
+        """Whether `mark_computed` must hear of every block a sequence's computed tokens complete."""
+        return self.enable_prefix_caching
+
+    def try_append_slots(self, seq: PagedSeq, num_new_tokens: int = 1) -> CopyPairs | None:
         """`append_slots` if the free blocks suffice, else None (and nothing changes)."""
         start = seq.num_computed_tokens
         index, table = start // self.block_size, seq.block_table
@@ -205,7 +263,7 @@ class BlockManager:
             return None
         return self.append_slots(seq, num_new_tokens)
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> CopyPairs:
+    def append_slots(self, seq: PagedSeq, num_new_tokens: int = 1) -> CopyPairs:
         """Makes the table cover `num_computed_tokens + num_new_tokens` slots. A shared block about to
         be written is replaced by a private one (copy-on-write); returns the (src, dst) copies."""
         table, ref, bs = seq.block_table, self._ref, self.block_size
@@ -227,48 +285,94 @@ class BlockManager:
             table.append(self._alloc())
         return copies
 
-    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+    def truncate(self, seq: PagedSeq, num_tokens: int) -> None:
         """Gives back the blocks of `seq`'s table past its first `num_tokens` slots (the slots rejected draft
         tokens took: their KV was never registered, so nothing findable goes)."""
         table, keep = seq.block_table, self.blocks_needed(num_tokens)
         while len(table) > keep:
-            self._release(table.pop())
+            block = table.pop()
+            if block != HOLE:
+                self._release(block)
 
-    def fork(self, parent: Sequence, child: Sequence) -> None:
+    # ---- a sliding window's blocks (the hybrid layout's window group, `hybrid_blocks.py`) -------
+
+    def cached_block(self, seq: PagedSeq, index: int) -> int | None:
+        """The device block the prefix cache holds for `seq`'s full block `index` (held or free), if any."""
+        if not self.enable_prefix_caching:
+            return None
+        return self._cache.find(self._hashes(seq), seq.token_ids, index)
+
+    def allocate_window(self, seq: PagedSeq, first: int, hits: list[int], upto_tokens: int) -> None:
+        """A table that holds nothing before block `first` (holes), then the cached `hits` (taken), then fresh
+        blocks up to slot `upto_tokens`: a sliding window's blocks for a sequence whose first
+        `first + len(hits)` blocks are cached and whose next `upto_tokens` slots are about to be written."""
+        if seq.block_table:
+            raise ValueError(f"sequence {seq.seq_id} already has blocks")
+        fresh = self.blocks_needed(upto_tokens) - first - len(hits)
+        if fresh + sum(1 for b in hits if self._ref[b] == 0) > self.num_free_blocks():
+            raise RuntimeError("not enough free KV cache blocks; check the window cost first")
+        for block in hits:
+            self._take(block)
+        seq.block_table = [HOLE] * first + hits + [self._alloc() for _ in range(fresh)]
+        if self.enable_prefix_caching:
+            self._hashes(seq).num_committed = first + len(hits)
+
+    def window_cost(self, first: int, hits: list[int], upto_tokens: int) -> int:
+        """Free blocks `allocate_window(seq, first, hits, upto_tokens)` takes."""
+        fresh = self.blocks_needed(upto_tokens) - first - len(hits)
+        return fresh + sum(1 for b in hits if self._ref[b] == 0)
+
+    def release_behind(self, seq: PagedSeq, first_needed: int) -> None:
+        """Gives back `seq`'s blocks before block `first_needed` (they fell behind its window); registered ones
+        stay findable until reused, for the prefix hits of later requests."""
+        table = seq.block_table
+        index = min(first_needed, len(table)) - 1
+        while index >= 0 and table[index] != HOLE:
+            self._release(table[index])
+            table[index] = HOLE
+            index -= 1
+
+    def _hashes(self, seq: PagedSeq) -> SeqHashes:
+        state = self._seq_hashes.get(seq.seq_id)
+        if state is None:
+            state = self._seq_hashes[seq.seq_id] = SeqHashes(self.block_size, root=seq.prefix_root)
+        return state
+
+    def fork(self, parent: PagedSeq, child: PagedSeq) -> None:
         """`child` shares every block of `parent` (both pools); it must not own blocks yet. Only a
         sequence past its prompt forks: shared blocks are then written only through `append_slots`."""
         if parent.num_tokens - parent.num_computed_tokens > 1:
             raise ValueError(f"sequence {parent.seq_id} is still prefilling; fork it after its prompt")
         child.block_table = list(parent.block_table)
-        for block in child.block_table:
+        for block in _held(child.block_table):
             self._ref[block] += 1
         host = self._host_tables.get(parent.seq_id)
         if host is not None:
             self._host_tables[child.seq_id] = list(host)
-            for block in host:
+            for block in _held(host):
                 self._host_ref[block] += 1
         state = self._seq_hashes.get(parent.seq_id)
         if state is not None:
             self._seq_hashes[child.seq_id] = state.copy()
 
-    def free(self, seq: Sequence) -> None:
+    def free(self, seq: PagedSeq) -> None:
         """Releases everything `seq` holds in both pools. Idempotent."""
         table = seq.block_table
         if table:
             # Tail first: the LRU then evicts a freed sequence's last blocks before its prefix,
             # which is the part other requests are likely to share.
-            for block in reversed(table):
+            for block in _held(reversed(table)):
                 self._release(block)
             seq.block_table = []
         host = self._host_tables.pop(seq.seq_id, None)
         if host is not None:
-            for block in host:
+            for block in _held(host):
                 self._release_host(block)
         self._seq_hashes.pop(seq.seq_id, None)
 
     # ---- prefix caching -------------------------------------------------------------------------
 
-    def mark_computed(self, seq: Sequence) -> None:
+    def mark_computed(self, seq: PagedSeq) -> None:
         """Registers the hashes of `seq`'s full blocks whose KV is now written (call after the
         forward that wrote them, with `num_computed_tokens` updated)."""
         state = self._seq_hashes.get(seq.seq_id)
@@ -276,14 +380,12 @@ class BlockManager:
         if state is not None and num_full > state.num_committed:
             self._cache.commit(state, seq.token_ids, seq.block_table, num_full)
 
-    def _prefix_hits(self, seq: Sequence, reuse_prefix: bool = True) -> list[int]:
+    def prefix_hits(self, seq: PagedSeq, reuse_prefix: bool = True) -> list[int]:
         """Device blocks holding the longest cached prefix of `seq`, leaving at least its last token
         to compute (the forward must produce its logits); none when not `reuse_prefix`."""
         if not self.enable_prefix_caching:
             return []
-        state = self._seq_hashes.get(seq.seq_id)
-        if state is None:
-            state = self._seq_hashes[seq.seq_id] = SeqHashes(self.block_size, root=seq.prefix_root)
+        state = self._hashes(seq)
         if not reuse_prefix:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
@@ -306,7 +408,7 @@ class BlockManager:
         if self._in_step:
             self._in_step.clear()
 
-    def publish_in_step(self, seq: Sequence, upto: int) -> None:
+    def publish_in_step(self, seq: PagedSeq, upto: int) -> None:
         """`seq`'s full blocks below token `upto` are written by this step's forward: sequences admitted
         later in this step may share them."""
         if not self.enable_prefix_caching:
@@ -318,7 +420,7 @@ class BlockManager:
                 block_hash, (seq.block_table[index], state.parent(index), seq.token_ids[index * bs : (index + 1) * bs])
             )
 
-    def reading_ahead(self, seqs: Iterable[Sequence]) -> bool:
+    def reading_ahead(self, seqs: Iterable[PagedSeq]) -> bool:
         """Whether admitting `seqs` now would read disk blocks of their prefix chains that the disk tier's
         reader is reading ahead (handed to it here if not yet): the scheduler then lets them wait a step
         rather than read inside a step that other sequences run in."""
@@ -326,7 +428,7 @@ class BlockManager:
             return False
         busy = False
         for seq in seqs:
-            first = len(self._prefix_hits(seq))
+            first = len(self.prefix_hits(seq))
             keys = [key for key in self._tier_chain(seq, first) if not self._on_host(key)]
             busy |= bool(keys) and self.tier.read_ahead(keys)
         return busy
@@ -334,7 +436,7 @@ class BlockManager:
     def _on_host(self, key: BlockKey) -> bool:
         return self.host_cache is not None and self.host_cache.contains(key)
 
-    def _tier_chain(self, seq: Sequence, first: int) -> Iterator[BlockKey]:
+    def _tier_chain(self, seq: PagedSeq, first: int) -> Iterator[BlockKey]:
         """The keys of `seq`'s full blocks from `first` on (its last token excluded), in order."""
         state, bs = self._seq_hashes.get(seq.seq_id), self.block_size
         if state is None:
@@ -346,7 +448,7 @@ class BlockManager:
                 return
             yield key
 
-    def _find_in_tiers(self, seq: Sequence, first: int, fresh: int) -> list[int | bytes]:
+    def _find_in_tiers(self, seq: PagedSeq, first: int, fresh: int) -> list[int | bytes]:
         """Continues `seq`'s prefix chain in the lower tiers from block `first`, block by block: a host
         block (pinned for this step) or the disk tier's verified bytes (read ahead, or read now); stops at
         the first miss. Each tier only while reading from it beats recomputing."""
@@ -367,7 +469,7 @@ class BlockManager:
             found.append(payload)
         return found
 
-    def _order_restores(self, seq: Sequence, first: int, found: list[int | bytes], ahead: bool) -> None:
+    def _order_restores(self, seq: PagedSeq, first: int, found: list[int | bytes], ahead: bool) -> None:
         """Orders what `_find_in_tiers` found copied into the sequence's fresh blocks from `first` on; host
         blocks `ahead` (overlapping the step's forward) when asked."""
         orders = self._orders()
@@ -380,7 +482,7 @@ class BlockManager:
             if ahead:
                 self._arriving.add(block)
 
-    def restoring_ahead(self, seq: Sequence) -> bool:
+    def restoring_ahead(self, seq: PagedSeq) -> bool:
         """Whether `seq` holds a block that a host restore ordered ahead in this step fills (its own restore,
         or a prefix hit on another's): it must not compute before the next step, whose forward waits for the
         copy."""
@@ -454,7 +556,7 @@ class BlockManager:
             self._tier_orders = TierOrders.none()
         return self._tier_orders
 
-    def _cached_copy(self, seq: Sequence, index: int) -> int | None:
+    def _cached_copy(self, seq: PagedSeq, index: int) -> int | None:
         """A device block already holding `seq`'s committed block `index`, if the cache has one."""
         state = self._seq_hashes.get(seq.seq_id)
         if state is None or index >= state.num_committed:
@@ -463,13 +565,13 @@ class BlockManager:
 
     # ---- swapping -------------------------------------------------------------------------------
 
-    def unique_blocks(self, seqs: Iterable[Sequence]) -> int:
-        return len({b for seq in seqs for b in seq.block_table})
+    def unique_blocks(self, seqs: Iterable[PagedSeq]) -> int:
+        return len({b for seq in seqs for b in _held(seq.block_table)})
 
-    def can_swap_out(self, seqs: Iterable[Sequence]) -> bool:
+    def can_swap_out(self, seqs: Iterable[PagedSeq]) -> bool:
         return self.unique_blocks(seqs) <= self.num_free_swap_blocks()
 
-    def swap_out(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+    def swap_out(self, seqs: Seqs[PagedSeq]) -> list[tuple[int, int]]:
         """Moves all of `seqs`' device blocks to the host pool (sharing preserved); returns the
         (device, host) copies. The device blocks are released, findable ones stay cached."""
         if not self.can_swap_out(seqs):
@@ -478,19 +580,22 @@ class BlockManager:
         for seq in seqs:
             host_table = []
             for block in seq.block_table:
+                if block == HOLE:
+                    host_table.append(HOLE)
+                    continue
                 host = mapping.get(block)
                 if host is None:
                     host = mapping[block] = self._take_host()
                 self._host_ref[host] += 1
                 host_table.append(host)
             self._host_tables[seq.seq_id] = host_table
-            for block in reversed(seq.block_table):
+            for block in _held(reversed(seq.block_table)):
                 self._release(block)
             seq.block_table = []
         self.swapped_out_blocks += len(mapping)
         return list(mapping.items())
 
-    def blocks_to_swap_in(self, seqs: Iterable[Sequence]) -> int:
+    def blocks_to_swap_in(self, seqs: Iterable[PagedSeq]) -> int:
         """Device blocks that swapping `seqs` in and then giving each decoding one its next slot takes
         (a new block, or a copy of a last block it shares with others of `seqs`)."""
         refs: dict[int, int] = {}  # host block -> references from `seqs`
@@ -498,7 +603,7 @@ class BlockManager:
         growth = 0
         for seq in seqs:
             table = self._host_tables[seq.seq_id]
-            for host in table:
+            for host in _held(table):
                 refs[host] = refs.get(host, 0) + 1
             if seq.num_tokens - seq.num_computed_tokens == 1:
                 index = seq.num_computed_tokens // self.block_size
@@ -508,11 +613,11 @@ class BlockManager:
                     writers[table[index]] = writers.get(table[index], 0) + 1
         return len(refs) + growth + sum(min(w, refs[h] - 1) for h, w in writers.items())
 
-    def can_swap_in(self, seqs: Iterable[Sequence], reserve: int | None = None) -> bool:
+    def can_swap_in(self, seqs: Iterable[PagedSeq], reserve: int | None = None) -> bool:
         reserve = self.watermark_blocks if reserve is None else reserve
         return self.num_free_blocks() - self.blocks_to_swap_in(seqs) >= reserve
 
-    def swap_in(self, seqs: list[Sequence]) -> list[tuple[int, int]]:
+    def swap_in(self, seqs: Seqs[PagedSeq]) -> list[tuple[int, int]]:
         """Brings `seqs` back to the device; returns the (host, device) copies. A block whose content
         is still cached on the device is reused instead of copied."""
         mapping: dict[int, int] = {}
@@ -520,6 +625,9 @@ class BlockManager:
         for seq in seqs:
             table = []
             for i, host in enumerate(self._host_tables.pop(seq.seq_id)):
+                if host == HOLE:
+                    table.append(HOLE)
+                    continue
                 block = mapping.get(host)
                 if block is not None:
                     self._ref[block] += 1
@@ -616,10 +724,11 @@ class BlockManager:
             allocated_blocks=self.allocated_blocks,
             copied_blocks=self.copied_blocks,
             device_hit_blocks=self.device_hit_blocks,
+            block_bytes=self.block_bytes,
             tiers=[t.stats() for t in (self.host_cache, self.tier) if t is not None],
         )
 
-    def check_invariants(self, seqs: Iterable[Sequence]) -> None:
+    def check_invariants(self, seqs: Iterable[PagedSeq]) -> None:
         """Raises AssertionError unless the pools are consistent with `seqs` (every sequence that may
         hold blocks). With no live sequences this is the leak check: every block is free."""
         seqs = list(seqs)
@@ -639,6 +748,11 @@ class BlockManager:
             assert self._cache.is_registered(block), f"hash {block_hash} maps to unregistered block {block}"
 
 
+def _held(table: Iterable[int]) -> Iterator[int]:
+    """The blocks of a table, without its holes."""
+    return (block for block in table if block != HOLE)
+
+
 def _each_content_once(blocks: list[CachedBlock]) -> list[CachedBlock]:
     """`blocks` without later copies of a content (a host hit copied back to the device stays cached there)."""
     first: dict[int, CachedBlock] = {}
@@ -650,7 +764,7 @@ def _each_content_once(blocks: list[CachedBlock]) -> list[CachedBlock]:
 def _check_pool(name: str, refs: list[int], free: list[int], tables: list[list[int]]) -> None:
     counts = [0] * len(refs)
     for table in tables:
-        for block in table:
+        for block in _held(table):
             counts[block] += 1
     assert counts == refs, f"{name}: reference counts differ from the page tables"
     assert len(set(free)) == len(free), f"{name}: a block is on the free list twice"

@@ -68,11 +68,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import partial as partial_call
 
 from streamd.config import SchedulerConfig
 from streamd.engine.core.admission import Admission
-from streamd.engine.core.block_manager import BlockManager
+from streamd.engine.core.block_manager import CopyPairs
 from streamd.engine.core.fairness import FLEX, FairShare, aged, starving, tier_of
+from streamd.engine.core.hybrid_blocks import BlockSpace
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.core.speculation import Speculator
@@ -109,7 +111,7 @@ class Scheduler:
     def __init__(
         self,
         scheduler_config: SchedulerConfig,
-        block_manager: BlockManager,
+        block_manager: BlockSpace,
         max_model_len: int,
         cost_model: PreemptionCostModel | None = None,
         eos_token_ids: Iterable[int] = (),
@@ -469,7 +471,7 @@ class Scheduler:
             if draft is None:
                 continue
             slots = 1 + len(draft.token_ids)
-            if bm.blocks_to_append(item.seq, slots) > bm.num_free_blocks() - bm.watermark_blocks:
+            if not bm.can_append(item.seq, slots):
                 continue
             out.blocks_to_copy.extend(bm.append_slots(item.seq, slots))
             item.draft = draft
@@ -538,19 +540,24 @@ class Scheduler:
                 continue
             num_seqs += 1
             if left > 1:
+                copies = bm.try_cover_prompt(seq) if bm.covers_ahead else None
+                if bm.covers_ahead and copies is None:
+                    preempted = True
+                    copies, i = self._make_room(i, out, partial_call(bm.try_cover_prompt, seq))
+                if bm.covers_ahead and copies is None:
+                    self._preempt(running.pop(i), out)
+                    num_seqs -= 1
+                    continue
+                if copies:
+                    out.blocks_to_copy.extend(copies)
                 partial.append(ScheduledSeq(seq, group, left))
             elif catch_up is not None and catch_up.holds(group, 1):  # (inline: this runs per decode, every step)
                 pass  # another tenant's decode waits while the least served tenant catches up
             elif budget:  # budget only runs out when forks outgrew it
                 copies = bm.try_append_slots(seq)
-                while copies is None:
+                if copies is None:
                     preempted = True
-                    victim = self._victim(i)
-                    if victim is None:  # the latest-arrived group left is this one
-                        break
-                    self._preempt(running.pop(victim), out)
-                    i -= victim < i
-                    copies = bm.try_append_slots(seq)
+                    copies, i = self._make_room(i, out, partial_call(bm.try_append_slots, seq))
                 if copies is None:
                     self._preempt(running.pop(i), out)
                     num_seqs -= 1
@@ -561,6 +568,22 @@ class Scheduler:
                 budget -= 1
             i += 1
         return num_seqs, preempted
+
+    def _make_room(
+        self, i: int, out: SchedulerOutput, attempt: Callable[[], CopyPairs | None]
+    ) -> tuple[CopyPairs | None, int]:
+        """Preempts the latest-arrived groups other than running[i] until `attempt` (a slot append of
+        running[i]'s) succeeds; returns its copies (None: only running[i] itself was left) and i now."""
+        running = self.running
+        while True:
+            victim = self._victim(i)
+            if victim is None:  # the latest-arrived group left is this one
+                return None, i
+            self._preempt(running.pop(victim), out)
+            i -= victim < i
+            copies = attempt()
+            if copies is not None:
+                return copies, i
 
     def _schedule_group(
         self,
@@ -580,9 +603,8 @@ class Scheduler:
             writers and catch_up is not None and catch_up.holds(group, len(writers))
         ):
             writers = []
-        need = bm.blocks_to_append_all(writers) if writers else 0
         preempted = False
-        while need > bm.num_free_blocks():
+        while not (bm.can_append_all(writers) and bm.can_cover_prompts([item.seq for item in prompts])):
             preempted = True
             victim = self._victim(i)
             if victim is None:
@@ -591,6 +613,7 @@ class Scheduler:
             self._preempt(running.pop(victim), out)
             i -= victim < i
         self._append_decodes(group, writers, out, decodes, budget)
+        out.blocks_to_copy.extend(bm.cover_prompts([item.seq for item in prompts]))
         partial.extend(prompts)
         return len(writers) + len(prompts), preempted, i
 
@@ -634,6 +657,7 @@ class Scheduler:
             for seq in seqs:
                 seq.status = _RUNNING
             writers, prompts = _running_parts(group)  # prompts: swapped in the middle of their prompt
+            out.blocks_to_copy.extend(bm.cover_prompts([item.seq for item in prompts]))
             partial.extend(prompts)
             if _decode_now(group, writers, prompts, budget):
                 before = len(decodes)
@@ -670,7 +694,7 @@ class Scheduler:
                 continue
             # Re-checking a blocked head costs a prefix lookup; skip it until the free count changes (new
             # prefix-cache entries alone do not re-trigger it: they only delay admission by some steps).
-            blocked = (id(group), bm.num_free_blocks(), bool(self.running))
+            blocked = (id(group), bm.free_state(), bool(self.running))
             reserve = (bm.watermark_blocks if self.running else 0) + self._growth_blocks(group, needed)
             reuse = group.sampling_params.prompt_logprobs is None  # prompt logprobs: every position computed
             if blocked == self._blocked or not bm.can_allocate(seqs, reserve, reuse):
@@ -807,7 +831,7 @@ class Scheduler:
     def on_step_done(self, out: SchedulerOutput) -> None:
         """The forward wrote the KV of every scheduled token: advance and publish full blocks."""
         bm = self.block_manager
-        caching, bs = bm.enable_prefix_caching, bm.block_size
+        caching, bs = bm.follows_progress, bm.block_size
         for item in out.scheduled:
             seq = item.seq
             if seq.status is not _RUNNING:  # aborted while the step ran
@@ -896,7 +920,7 @@ class Scheduler:
                 continue
             seq.num_computed_tokens += accepted[i]
             bm.truncate(seq, seq.num_tokens)
-            if bm.enable_prefix_caching:
+            if bm.follows_progress:
                 bm.mark_computed(seq)
 
     def _append_run(

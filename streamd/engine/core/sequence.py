@@ -75,6 +75,8 @@ class Sequence:
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # The sliding-window layers' page table in the hybrid layout (`hybrid_blocks.py`; empty without it)
+    window_table: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     # This sample's index within its request (CompletionOutput.index). Seeded sampling mixes it into the
     # seed so the n samples of one seeded request differ; the engine sets it when it creates/forks seqs.

@@ -41,6 +41,10 @@ class AttentionMetadata:
     # On the CPU, what every layer of this step shares, planned at its first layer (`cpu_attention`)
     store_plan: cpu_attention.StorePlan | None = None
     decode_plan: cpu_attention.DecodePlan | None = None
+    # The hybrid layout (`worker/kv_groups.py`): per layer (in the window group, its index there), and the
+    # window pool's metadata (its cache, slot mapping and block tables); None: one pool holds every layer
+    layer_slots: tuple[tuple[bool, int], ...] | None = None
+    window: AttentionMetadata | None = None
 
     @property
     def planned_on_cpu(self) -> bool:
@@ -84,6 +88,10 @@ def paged_attention_forward(
     """transformers calls this with [1, heads, tokens, head_dim] tensors of the flattened batch."""
     md = get_attention_metadata()
     layer = cast(int, module.layer_idx)  # transformers' attention modules know their layer
+    if md.layer_slots is not None:  # the hybrid layout: a sliding layer stores into the window pool
+        in_window, layer = md.layer_slots[layer]
+        if in_window:
+            md = cast(AttentionMetadata, md.window)
     q = query[0].transpose(0, 1)  # [tokens, heads, head_dim]
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)

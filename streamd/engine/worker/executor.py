@@ -5,6 +5,10 @@
 Either way the engine calls the cache orders (`join_swaps`, `swap_out`, `swap_in`, `copy`, `swap_in_ahead`)
 then `execute`, and reads
 `failed` (an executor that lost a worker can never run a step again).
+
+In the hybrid layout (`core/hybrid_blocks.py`) a second CacheEngine holds the sliding layers' pools; the
+scheduler numbers its blocks after the first engine's (device and host alike), and `LocalExecutor` hands each
+order to the engine its ids name (`split_orders`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from streamd.engine.worker.model_runner import ModelRunner
 
 class Executor(Protocol):
     cache: CacheEngine  # rank 0's pools (the whole pools without tensor parallelism)
+    window: CacheEngine | None  # the hybrid layout's sliding-layer pools (None: `cache` holds every layer)
 
     @property
     def failed(self) -> bool: ...
@@ -47,22 +52,50 @@ class Executor(Protocol):
     def shutdown(self) -> None: ...
 
 
-class LocalExecutor:
-    """The model and the KV cache of this process, used directly."""
+Pairs = list[tuple[int, int]]
 
-    def __init__(self, runner: ModelRunner, cache: CacheEngine) -> None:
+
+def split_orders(pairs: Pairs, device_at: int, offsets: tuple[int, int]) -> tuple[Pairs, Pairs]:
+    """(the first engine's pairs, the window engine's with its offsets taken off): a pair is the window's when
+    its device block (element `device_at`) is past the first engine's; `offsets` are each element's."""
+    first, window = [], []
+    limit = offsets[device_at]
+    for pair in pairs:
+        if pair[device_at] < limit:
+            first.append(pair)
+        else:
+            window.append((pair[0] - offsets[0], pair[1] - offsets[1]))
+    return first, window
+
+
+class LocalExecutor:
+    """The model and the KV cache of this process, used directly (`window`: the hybrid layout's second
+    engine, the sliding layers' pools)."""
+
+    def __init__(self, runner: ModelRunner, cache: CacheEngine, window: CacheEngine | None = None) -> None:
         self.runner = runner
         self.cache = cache
+        self.window = window
 
     @property
     def failed(self) -> bool:
         return False
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self.cache.swap_out(pairs)
+        if self.window is None:
+            self.cache.swap_out(pairs)
+            return
+        first, window = split_orders(pairs, 0, (self.cache.num_blocks, self.cache.num_swap_blocks))
+        self.cache.swap_out(first)
+        self.window.swap_out(window)
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self.cache.swap_in(pairs)
+        if self.window is None:
+            self.cache.swap_in(pairs)
+            return
+        first, window = split_orders(pairs, 1, (self.cache.num_swap_blocks, self.cache.num_blocks))
+        self.cache.swap_in(first)
+        self.window.swap_in(window)
 
     def swap_in_ahead(self, pairs: list[tuple[int, int]]) -> None:
         self.cache.swap_in_ahead(pairs)
@@ -71,7 +104,12 @@ class LocalExecutor:
         self.cache.join_swaps()
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        self.cache.copy(pairs)
+        if self.window is None:
+            self.cache.copy(pairs)
+            return
+        first, window = split_orders(pairs, 0, (self.cache.num_blocks, self.cache.num_blocks))
+        self.cache.copy(first)
+        self.window.copy(window)
 
     def read_blocks(self, blocks: list[int]) -> list[bytes]:
         return self.cache.read_blocks(blocks)

@@ -30,6 +30,7 @@ from streamd.engine.worker.attention import (
 from streamd.engine.worker.cache_engine import KVLayout, KVPool, allocate_pool, kv_dtype
 from streamd.engine.worker.cuda_graphs import DecodeGraphs
 from streamd.engine.worker.host_to_device import to_device
+from streamd.engine.worker.kv_groups import WindowGroups
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -77,6 +78,18 @@ class ModelInput:
     prompt_idx: torch.Tensor | None = None  # int64 [num_prompt_rows]
     prompt_targets: torch.Tensor | None = None  # int64 [num_prompt_rows]
     prompt_spans: list[tuple[str, int, int, int]] | None = None
+    # The hybrid layout's window pool (`kv_groups.py`): its slots and block tables (holes read as block 0,
+    # never read by the kernels: they lie before every window). None: one pool.
+    window_slot_mapping: torch.Tensor | None = None  # int64 [num_tokens]
+    window_block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
+
+
+@dataclass(frozen=True, slots=True)
+class WindowPool:
+    """The hybrid layout's second pool, the sliding layers', and where each layer lives."""
+
+    pool: KVPool
+    groups: WindowGroups
 
 
 @dataclass(slots=True)
@@ -97,11 +110,14 @@ class ModelRunner:
         self.block_size = block_size
         self.ops = kernel_ops(device)
         self.pool: KVPool | None = None
+        self.window: WindowPool | None = None
         self.graphs: DecodeGraphs | None = None
         self._prompt_logprobs: PromptLogprobs | None = None  # the last `run`'s, until taken
 
-    def bind_kv_cache(self, pool: KVPool) -> None:
+    def bind_kv_cache(self, pool: KVPool, window: WindowPool | None = None) -> None:
+        """`pool`: every layer's blocks, or (`window` given: the hybrid layout) the full-attention layers'."""
         self.pool = pool
+        self.window = window
 
     def max_table_width(self, max_model_len: int) -> int:
         return -(-max_model_len // self.block_size)
@@ -212,15 +228,28 @@ class ModelRunner:
 
     def _metadata(self, batch: ModelInput) -> AttentionMetadata:
         assert self.pool is not None, "bind_kv_cache first"
+        metadata = self._pool_metadata(batch, self.pool, batch.slot_mapping, batch.block_tables)
+        window = self.window
+        if window is not None:
+            assert batch.window_slot_mapping is not None and batch.window_block_tables is not None
+            metadata.layer_slots = window.groups.layer_slots
+            metadata.window = self._pool_metadata(
+                batch, window.pool, batch.window_slot_mapping, batch.window_block_tables
+            )
+        return metadata
+
+    def _pool_metadata(
+        self, batch: ModelInput, pool: KVPool, slot_mapping: torch.Tensor, block_tables: torch.Tensor
+    ) -> AttentionMetadata:
         return AttentionMetadata(
-            kv_cache=self.pool.kv_cache,
-            slot_mapping=batch.slot_mapping,
-            block_tables=batch.block_tables,
+            kv_cache=pool.kv_cache,
+            slot_mapping=slot_mapping,
+            block_tables=block_tables,
             seq_lens=batch.seq_lens,
             query_start_loc=batch.query_start_loc,
             decode_only=batch.decode_only,
             ops=self.ops,
-            kv_scales=self.pool.kv_scales,
+            kv_scales=pool.kv_scales,
         )
 
     def _prepare(self, out: SchedulerOutput) -> tuple[ModelInput, list[tuple[int, int]]]:
@@ -273,13 +302,28 @@ class ModelRunner:
             decode_only=len(tokens) == len(seq_lens),
         )
         _add_prompt_rows(batch, out.scheduled[: len(out.scheduled) - out.num_decode_tokens], dev)
+        if self.window is not None:
+            self._add_window_rows(batch, out)
         return batch, pending
+
+    def _add_window_rows(self, batch: ModelInput, out: SchedulerOutput) -> None:
+        """The window pool's slots and tables (each sequence's `window_table`), in the batch's row order."""
+        bs, slots, tables = self.block_size, list[int](), list[list[int]]()
+        for item in out.scheduled:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens + (len(item.draft.token_ids) if item.draft is not None else 0)
+            table = seq.window_table
+            slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+            tables.append(table)
+        batch.window_slot_mapping = to_device(slots, torch.int64, self.device)
+        batch.window_block_tables = self._block_tables(tables)
 
     def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
         # numpy row assignment is ~5x faster than torch.tensor on padded nested lists (hot at large batch)
         rows = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
         for i, table in enumerate(tables):
             rows[i, : len(table)] = table
+        np.maximum(rows, 0, out=rows)  # (a window table's holes: never read)
         return to_device(rows, torch.int32, self.device)
 
 

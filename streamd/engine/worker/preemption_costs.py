@@ -125,10 +125,12 @@ def _link_bytes_per_s(cache: CacheEngine) -> float:
 
 
 def _prefill_tokens_per_s(cache: CacheEngine, executor: Executor, max_model_len: int) -> float:
-    tokens = min(_PROBE_TOKENS, max_model_len, cache.num_blocks * cache.layout.block_size)
+    pools = [cache] if executor.window is None else [cache, executor.window]
+    tokens = min(_PROBE_TOKENS, max_model_len, *(pool.num_blocks * pool.layout.block_size for pool in pools))
     seq = Sequence(prompt_token_ids=[0] * tokens)
     # A throw-away block manager over the (still empty) pool gives the probe its table: blocks 0, 1, ...
     BlockManager(cache.num_blocks, cache.layout.block_size, enable_prefix_caching=False).allocate(seq)
+    seq.window_table = list(seq.block_table)  # (the hybrid layout's sliding layers: the same blocks of theirs)
     group = SequenceGroup("__probe__", [seq], SamplingParams(max_tokens=1))
     out = SchedulerOutput(scheduled=[ScheduledSeq(seq, group, tokens)])
     executor.execute(out)  # warm-up

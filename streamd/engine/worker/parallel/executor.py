@@ -46,6 +46,7 @@ class TensorParallelExecutor:
     def __init__(self, runner: ModelRunner, cache: CacheEngine, workers: WorkerPool) -> None:
         self.runner = runner
         self.cache = cache
+        self.window: CacheEngine | None = None  # (the hybrid layout is off under tensor parallelism)
         self.workers = workers
         self._channel = StepChannel(workers.groups.control, workers.groups.collectives, workers.device)
         self._orders: list[CacheOrder] = []
