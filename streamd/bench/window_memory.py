@@ -19,9 +19,12 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from streamd.config import SchedulerConfig
 from streamd.engine.core.block_manager import BlockManager
-from streamd.engine.core.hybrid_blocks import HybridBlockManager
-from streamd.engine.core.sequence import Sequence
+from streamd.engine.core.hybrid_blocks import BlockSpace, HybridBlockManager
+from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.sequence import Sequence, SequenceGroup
+from streamd.engine.sampling_params import SamplingParams
 
 BLOCK = 16
 CHUNK = 8192
@@ -58,32 +61,28 @@ SHAPES = (
 
 
 def held_bytes(shape: Shape, context: int, hybrid: bool) -> int:
-    """The bytes one request of `context` prompt tokens holds after its prefill and 8 decoded tokens."""
+    """The bytes one request of `context` prompt tokens holds after its prefill and 8 decoded tokens, driven by
+    the real Scheduler (chunked prefill of `CHUNK` tokens, then decodes; no model)."""
     blocks = -(-(context + 16) // BLOCK) + 8
-    if not hybrid:
-        plain = BlockManager(blocks, BLOCK, watermark=0.0)
-        seq = Sequence(list(range(context)))
-        plain.allocate(seq)
-        return len(seq.block_table) * shape.block_bytes(shape.layers)
     window_pool = max(blocks, -(-(shape.window + CHUNK) // BLOCK) + 4)  # (room for one chunk ahead)
-    manager = HybridBlockManager(
-        BlockManager(blocks, BLOCK, watermark=0.0), BlockManager(window_pool, BLOCK, watermark=0.0), shape.window, CHUNK
-    )
+    plain = BlockManager(blocks, BLOCK, watermark=0.0)
+    manager: BlockSpace = plain
+    if hybrid:
+        manager = HybridBlockManager(plain, BlockManager(window_pool, BLOCK, watermark=0.0), shape.window, CHUNK)
+    scheduler = Scheduler(SchedulerConfig(1, CHUNK, "recompute"), manager, context + 16)
     seq = Sequence(list(range(context)))
-    seq.num_computed_tokens = manager.allocate(seq)
-    while seq.num_tokens > seq.num_computed_tokens:
-        if seq.num_computed_tokens:
-            manager.try_cover_prompt(seq)
-        seq.num_computed_tokens = min(seq.num_tokens, seq.num_computed_tokens + CHUNK)
-        manager.mark_computed(seq)
-    for token in range(8):
-        seq.append_token(token)
-        manager.try_append_slots(seq)
-        seq.num_computed_tokens += 1
-        manager.mark_computed(seq)
+    scheduler.add_seq_group(SequenceGroup("long", [seq], SamplingParams(max_tokens=8, ignore_eos=True)))
+    while seq.num_output_tokens < 8:
+        out = scheduler.schedule()
+        sampling = out.sampling()
+        scheduler.on_step_done(out)
+        for item in sampling:
+            item.seq.append_token(0)  # the sampled token; its value is irrelevant to memory
+    full_layers = shape.full_layers if hybrid else shape.layers
     window_blocks = sum(block >= 0 for block in seq.window_table)
-    full = len(seq.block_table) * shape.block_bytes(shape.full_layers)
-    return full + window_blocks * shape.block_bytes(shape.window_layers)
+    return len(seq.block_table) * shape.block_bytes(full_layers) + window_blocks * shape.block_bytes(
+        shape.window_layers
+    )
 
 
 def shape_rows() -> list[dict[str, object]]:

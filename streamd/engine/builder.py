@@ -164,7 +164,7 @@ def _block_manager(
             _disk_tier(config, loaded, cache.layout, costs),
             _host_cache(cache.layout, host_blocks, costs),
         )
-        plain.block_bytes = cache.layout.bytes_per_block
+        plain.block_bytes = cache.layout.bytes_per_block * config.parallel.tensor_parallel_size  # (every rank's)
         return plain
     if cache_cfg.disk_cache_dir:
         log.warning("disk_tier.off", reason="the hybrid KV layout keeps no lower tiers", key="cache.disk_cache_dir")

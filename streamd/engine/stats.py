@@ -41,6 +41,8 @@ class KVCacheStats:
     window_blocks_total: int = 0
     window_blocks_free: int = 0
     window_block_bytes: int = 0
+    window_swap_blocks_total: int = 0
+    window_swap_blocks_free: int = 0
 
     @property
     def blocks_used(self) -> int:
@@ -113,4 +115,10 @@ class EngineStats:
     @property
     def pool_whole(self) -> bool:
         """Every device and host block is free (the leak check once no request is in flight)."""
-        return self.kv.blocks_free == self.kv.blocks_total and self.kv.swap_blocks_free == self.kv.swap_blocks_total
+        kv = self.kv
+        return (
+            kv.blocks_free == kv.blocks_total
+            and kv.swap_blocks_free == kv.swap_blocks_total
+            and kv.window_blocks_free == kv.window_blocks_total
+            and kv.window_swap_blocks_free == kv.window_swap_blocks_total
+        )

@@ -86,3 +86,17 @@ def test_sharing_saves_blocks_and_beams_share_more_than_samples():
             for mode in ("parallel", "beam")}
     assert 0 < runs["parallel"]["saving"] < runs["beam"]["saving"] < 1, runs
     assert all(r["blocks_used"] <= 300 and r["blocks_used"] < r["blocks_unshared"] for r in runs.values())
+
+
+def test_window_run_reports_the_hybrid_layouts_bytes_per_token(tmp_path, capsys):
+    """`--window --quick`: the real scheduler and block managers over the real shapes (no engine run); a long
+    request holds what the window arithmetic says, within the blocks rounding adds."""
+    assert memory.main(["--window", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads(next(tmp_path.glob("memory-window-*.json")).read_text())
+    rows = {(row["model"], row["context"]): row for row in report["shapes"]}
+    assert report["engine"] is None
+    for row in rows.values():
+        assert row["ideal_ratio"] - 1e-3 <= row["ratio"] <= row["ideal_ratio"] + 0.02, row
+    assert rows[("gemma-3-27b", 32768)]["ratio"] < 0.2, "a long Gemma 3 request: about a sixth"
+    assert rows[("gemma-2-9b", 1024)]["ratio"] == 1.0, "shorter than the window: nothing to save"
+    assert "hybrid / plain" in capsys.readouterr().out

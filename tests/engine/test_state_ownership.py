@@ -1,6 +1,7 @@
 """One owner per piece of engine state, checked on the source: every statement in `streamd/` that writes a
 sequence's `status` or `num_computed_tokens` is in the scheduler, every one that writes a `block_table` is in
-the block manager, and every one that changes a `token_ids` list in place is in `sequence.py` (through
+the block manager (a `window_table` in the hybrid layout's view of a sequence, which the block manager writes
+through), and every one that changes a `token_ids` list in place is in `sequence.py` (through
 `Sequence` methods everyone else calls). A write is an assignment (plain, augmented, in a tuple, through a
 subscript), a `del`, a mutating list method called on the attribute, or `setattr` with the name."""
 
@@ -15,6 +16,8 @@ OWNERS = {
     "status": "engine/core/scheduler.py",
     "num_computed_tokens": "engine/core/scheduler.py",
     "block_table": "engine/core/block_manager.py",
+    "window_table": "engine/core/hybrid_blocks.py",  # (`WindowSide`, the window group's view, which only the
+    # block manager writes through)
     "token_ids": "engine/core/sequence.py",
 }
 # Attributes of these names on objects that are not sequences: the outputs handed to users (folded as they

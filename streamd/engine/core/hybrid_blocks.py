@@ -358,6 +358,8 @@ class HybridBlockManager:
             window_blocks_total=window.num_blocks,
             window_blocks_free=window.num_free_blocks(),
             window_block_bytes=window.block_bytes,
+            window_swap_blocks_total=window.num_swap_blocks,
+            window_swap_blocks_free=window.num_free_swap_blocks(),
         )
 
     def check_invariants(self, seqs: Iterable[Sequence]) -> None:

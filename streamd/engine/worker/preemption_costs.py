@@ -14,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from streamd.engine.core.block_manager import BlockManager
+from streamd.engine.core.block_manager import BlockManager, PagedSeq
+from streamd.engine.core.hybrid_blocks import WindowSide
 from streamd.engine.core.scheduler import PreemptionCostModel
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.core.sequence import Sequence, SequenceGroup
@@ -129,8 +130,9 @@ def _prefill_tokens_per_s(cache: CacheEngine, executor: Executor, max_model_len:
     tokens = min(_PROBE_TOKENS, max_model_len, *(pool.num_blocks * pool.layout.block_size for pool in pools))
     seq = Sequence(prompt_token_ids=[0] * tokens)
     # A throw-away block manager over the (still empty) pool gives the probe its table: blocks 0, 1, ...
-    BlockManager(cache.num_blocks, cache.layout.block_size, enable_prefix_caching=False).allocate(seq)
-    seq.window_table = list(seq.block_table)  # (the hybrid layout's sliding layers: the same blocks of theirs)
+    sides: list[PagedSeq] = [seq, WindowSide(seq)]  # (the hybrid layout's sliding layers: their own table)
+    for pool, side in zip(pools, sides, strict=False):
+        BlockManager(pool.num_blocks, pool.layout.block_size, enable_prefix_caching=False).allocate(side)
     group = SequenceGroup("__probe__", [seq], SamplingParams(max_tokens=1))
     out = SchedulerOutput(scheduled=[ScheduledSeq(seq, group, tokens)])
     executor.execute(out)  # warm-up
