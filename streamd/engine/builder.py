@@ -37,9 +37,9 @@ from streamd.engine.worker.cuda_graphs import capture_sizes
 from streamd.engine.worker.draft_model import load_draft_model
 from streamd.engine.worker.executor import Executor, LocalExecutor
 from streamd.engine.worker.fusion import fuse_layers
-from streamd.engine.worker.kv_groups import WindowGroups, split_blocks, window_groups
+from streamd.engine.worker.kv_groups import WindowGroups, WindowPool, split_blocks, window_groups
 from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
-from streamd.engine.worker.model_runner import ModelRunner, WindowPool, kv_layout_of, profile_num_blocks
+from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
 from streamd.engine.worker.parallel.executor import TensorParallelExecutor
 from streamd.engine.worker.parallel.workers import WorkerPool, start_tensor_parallel
 from streamd.engine.worker.preemption_costs import cost_model
@@ -232,13 +232,9 @@ def _host_cache_blocks(cache: CacheConfig, layout: KVLayout, device: torch.devic
 def _executor(
     config: Config, runner: ModelRunner, pools: KVPools, workers: WorkerPool | None, max_model_len: int
 ) -> Executor:
-    """The executor, its decode graphs captured (on CUDA, unless `model.enforce_eager` or the hybrid layout,
-    whose second pool the graphs do not bind; under tensor parallelism on every rank together, unless
-    `parallel.cuda_graphs` is off)."""
+    """The executor, its decode graphs captured (on CUDA, unless `model.enforce_eager`; under tensor
+    parallelism on every rank together, unless `parallel.cuda_graphs` is off)."""
     graphs = runner.device.type == "cuda" and not config.model.enforce_eager
-    if graphs and pools.window is not None:
-        log.info("cuda_graphs.off", reason="the hybrid KV layout decodes eagerly")
-        graphs = False
     max_batch, max_blocks = config.scheduler.max_num_seqs, runner.max_table_width(max_model_len)
     cache = pools.cache
     if workers is None:

@@ -35,6 +35,7 @@ if TYPE_CHECKING:
     from torch.cuda import _POOL_HANDLE
 
     from streamd.engine.worker.cache_engine import KVPool
+    from streamd.engine.worker.kv_groups import WindowPool
 
 log = get_logger(__name__)
 
@@ -55,8 +56,11 @@ class DecodeGraphs:
         max_batch: int,
         max_blocks: int,
         layers_only: bool = False,
+        window: WindowPool | None = None,
     ) -> None:
+        """`window`: the hybrid layout's sliding-layer pool, whose slots and tables get buffers of their own."""
         device = pool.kv_cache.device
+        self.window = window
         self.model = model
         self.layers_only = layers_only
         self.pool = pool
@@ -70,20 +74,32 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((self.max_batch, max_blocks), dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
+        self.window_slot_mapping = torch.full((self.max_batch,), -1, dtype=torch.int64, device=device)
+        self.window_block_tables = torch.zeros((self.max_batch, max_blocks), dtype=torch.int32, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # (layers_only: the final hidden states)
         self.replays = 0  # decode steps served by a graph (tests and profiling read it)
 
     def _metadata(self, n: int) -> AttentionMetadata:
+        metadata = self._pool_metadata(n, self.pool, self.slot_mapping, self.block_tables)
+        window = self.window
+        if window is not None:
+            metadata.layer_slots = window.groups.layer_slots
+            metadata.window = self._pool_metadata(n, window.pool, self.window_slot_mapping, self.window_block_tables)
+        return metadata
+
+    def _pool_metadata(
+        self, n: int, pool: KVPool, slot_mapping: torch.Tensor, block_tables: torch.Tensor
+    ) -> AttentionMetadata:
         return AttentionMetadata(
-            self.pool.kv_cache,
-            self.slot_mapping[:n],
-            self.block_tables[:n],
+            pool.kv_cache,
+            slot_mapping[:n],
+            block_tables[:n],
             self.seq_lens[:n],
             self.query_start_loc[: n + 1],
             True,
             self.ops,
-            kv_scales=self.pool.kv_scales,
+            kv_scales=pool.kv_scales,
         )
 
     def _forward(self, n: int) -> torch.Tensor:
@@ -161,9 +177,12 @@ class DecodeGraphs:
         slot_mapping: torch.Tensor,
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
+        window_slot_mapping: torch.Tensor | None = None,
+        window_block_tables: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Device tensors of one decode batch (n rows); returns logits [n, vocab] (layers_only: hidden states).
-        Every rank of a tensor-parallel group picks the same size for the same batch (`size_for`)."""
+        """Device tensors of one decode batch (n rows; the window pool's too in the hybrid layout); returns
+        logits [n, vocab] (layers_only: hidden states). Every rank of a tensor-parallel group picks the same
+        size for the same batch (`size_for`)."""
         n = input_ids.shape[0]
         size = self.size_for(n)
         self.input_ids[:n].copy_(input_ids)
@@ -173,6 +192,10 @@ class DecodeGraphs:
         self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
         self.seq_lens[:n].copy_(seq_lens)
         self.seq_lens[n:size].fill_(0)
+        if window_slot_mapping is not None and window_block_tables is not None:
+            self.window_slot_mapping[:n].copy_(window_slot_mapping)
+            self.window_slot_mapping[n:size].fill_(-1)
+            self.window_block_tables[:n, : window_block_tables.shape[1]].copy_(window_block_tables)
         self.graphs[size].replay()
         self.replays += 1
         return self.logits[size][:n]

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from streamd.engine.worker.cache_engine import KVLayout
+from streamd.engine.worker.cache_engine import KVLayout, KVPool
 from streamd.engine.worker.families import attention_needs
 
 
@@ -44,6 +44,14 @@ class WindowGroups:
             dataclasses.replace(layout, num_layers=self.num_full_layers),
             dataclasses.replace(layout, num_layers=self.num_window_layers),
         )
+
+
+@dataclass(frozen=True, slots=True)
+class WindowPool:
+    """The hybrid layout's second pool, the sliding layers', and where each layer lives."""
+
+    pool: KVPool
+    groups: WindowGroups
 
 
 def window_groups(model: PreTrainedModel, disabled: bool, tensor_parallel_size: int) -> WindowGroups | None:

@@ -30,7 +30,7 @@ from streamd.engine.worker.attention import (
 from streamd.engine.worker.cache_engine import KVLayout, KVPool, allocate_pool, kv_dtype
 from streamd.engine.worker.cuda_graphs import DecodeGraphs
 from streamd.engine.worker.host_to_device import to_device
-from streamd.engine.worker.kv_groups import WindowGroups
+from streamd.engine.worker.kv_groups import WindowPool
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -84,14 +84,6 @@ class ModelInput:
     window_block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
 
 
-@dataclass(frozen=True, slots=True)
-class WindowPool:
-    """The hybrid layout's second pool, the sliding layers', and where each layer lives."""
-
-    pool: KVPool
-    groups: WindowGroups
-
-
 @dataclass(slots=True)
 class PromptLogprobs:
     """One step's prompt logprobs on the host: per span (request_id, first prompt position, number of
@@ -133,7 +125,7 @@ class ModelRunner:
         instead of running eagerly; `layers_only` and `agree`: a tensor-parallel rank's (`DecodeGraphs`).
         False: not captured (the ranks did not all succeed), decode stays eager."""
         assert self.pool is not None and self.device.type == "cuda"
-        graphs = DecodeGraphs(self.model, self.pool, self.ops, max_batch, max_blocks, layers_only)
+        graphs = DecodeGraphs(self.model, self.pool, self.ops, max_batch, max_blocks, layers_only, self.window)
         captured = graphs.capture(agree)
         self.graphs = graphs if captured else None
         return captured
@@ -224,7 +216,15 @@ class ModelRunner:
 
     def _replay(self, batch: ModelInput) -> torch.Tensor:
         assert self.graphs is not None, "a graph replay without captured graphs"
-        return self.graphs.run(batch.input_ids, batch.positions, batch.slot_mapping, batch.block_tables, batch.seq_lens)
+        return self.graphs.run(
+            batch.input_ids,
+            batch.positions,
+            batch.slot_mapping,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.window_slot_mapping,
+            batch.window_block_tables,
+        )
 
     def _metadata(self, batch: ModelInput) -> AttentionMetadata:
         assert self.pool is not None, "bind_kv_cache first"
