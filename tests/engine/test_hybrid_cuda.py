@@ -25,7 +25,8 @@ def _tokens(path: Path, disabled: bool, prompts: list[list[int]], params: list[S
     register_engine(llm.engine)
     assert (llm.engine.stats().kv.window_blocks_total > 0) == (not disabled)
     outs = _run(llm, prompts, params)
-    assert llm.engine.stats().scheduler.preemptions_recompute > 0, "the pool was never short"
+    sched = llm.engine.stats().scheduler  # (on CUDA the host tier's blocks let preemption swap)
+    assert sched.preemptions_recompute + sched.preemptions_swap > 0, "the pool was never short"
     return {i: [choice.token_ids for choice in out.outputs] for i, out in outs.items()}
 
 
