@@ -294,9 +294,10 @@ def _hybrid_pools(
     else:
         blocks = split_blocks(num_blocks * layout.bytes_per_block, full, window, ratio)
     swap = _num_swap_blocks(cache_cfg, layout)
-    swaps = split_blocks(swap * layout.bytes_per_block, full, window, ratio)
     if cache_cfg.num_swap_blocks is not None:
         swaps = (swap, int(ratio * swap))
+    else:
+        swaps = split_blocks(swap * layout.bytes_per_block, full, window, ratio)
     cache = CacheEngine(full, blocks[0], swaps[0], device, runner.ops)
     window_cache = CacheEngine(window, blocks[1], swaps[1], device, runner.ops)
     runner.bind_kv_cache(cache.pool, WindowPool(window_cache.pool, groups))

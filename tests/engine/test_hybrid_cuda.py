@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from streamd import LLM, SamplingParams
-from tests.engine.test_model_families import BLOCK, VOCAB, _reference, _run, _saved
-from tests.helpers import hf_greedy, random_prompt, register_engine
+from tests.engine.test_model_families import BLOCK, _run, _saved, assert_hf_greedy, choice_tokens, scenario
+from tests.helpers import register_engine
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -24,24 +24,16 @@ def _tokens(path: Path, disabled: bool, prompts: list[list[int]], params: list[S
               disable_hybrid_kv_cache_manager=disabled)
     register_engine(llm.engine)
     assert (llm.engine.stats().kv.window_blocks_total > 0) == (not disabled)
-    outs = _run(llm, prompts, params)
+    tokens = choice_tokens(_run(llm, prompts, params))
     sched = llm.engine.stats().scheduler  # (on CUDA the host tier's blocks let preemption swap)
     assert sched.preemptions_recompute + sched.preemptions_swap > 0, "the pool was never short"
-    return {i: [choice.token_ids for choice in out.outputs] for i, out in outs.items()}
+    return tokens
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
 def test_hybrid_layout_on_cuda_matches_the_plain_layout_and_hf(family: str, tmp_path: Path) -> None:
     path = _saved(family, tmp_path)
-    distinct = [random_prompt(i, n, VOCAB) for i, n in enumerate([37, 9, 26])]
-    prompts = [distinct[0], *distinct]
-    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False)
-    params = [greedy] * len(prompts)
-    params[3] = SamplingParams(n=2, temperature=0.0, max_tokens=20, ignore_eos=True, detokenize=False)
+    distinct, prompts, params = scenario([37, 9, 26], 20)
     hybrid = _tokens(path, False, prompts, params)
-    plain = _tokens(path, True, prompts, params)
-    assert hybrid == plain
-    reference = _reference(path)
-    want = [hf_greedy(reference, ids, 20, None) for ids in distinct]
-    for i, choices in hybrid.items():
-        assert all(tokens == want[max(i - 1, 0)] for tokens in choices), f"{family}: request {i} diverged"
+    assert hybrid == _tokens(path, True, prompts, params)
+    assert_hf_greedy(path, family, hybrid, distinct, 20)

@@ -112,6 +112,31 @@ def _run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> di
     return {int(rid[1:]): b.build() for rid, b in folded.items()}
 
 
+def scenario(lengths: list[int], max_tokens: int) -> tuple[list[list[int]], list[list[int]], list[SamplingParams]]:
+    """(the distinct prompts, the requests' prompts, their parameters): one prompt per length, the first asked
+    twice (the second time a prefix hit), the third request with n = 2; greedy, EOS ignored."""
+    distinct = [random_prompt(i, n, VOCAB) for i, n in enumerate(lengths)]
+    prompts = [distinct[0], *distinct]
+    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    params = [greedy] * len(prompts)
+    params[3] = SamplingParams(n=2, temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    return distinct, prompts, params
+
+
+def assert_hf_greedy(path: Path, family: str, tokens: dict[int, list[list[int]]], distinct: list[list[int]],
+                     max_tokens: int) -> None:
+    """Every choice of request i (`tokens[i]`) equals transformers' greedy continuation of its prompt."""
+    reference = _reference(path)
+    want = [hf_greedy(reference, ids, max_tokens, None) for ids in distinct]
+    for i, choices in tokens.items():
+        for index, got in enumerate(choices):
+            assert got == want[max(i - 1, 0)], f"{family}: request {i} choice {index} diverged"
+
+
+def choice_tokens(outs: dict) -> dict[int, list[list[int]]]:
+    return {i: [choice.token_ids for choice in out.outputs] for i, out in outs.items()}
+
+
 # (prompt lengths, max_tokens, KV blocks). Light: four requests (one a repeat, one n = 2) of 20 tokens in 12
 # blocks; full (slow): seven of 40 in 20.
 @pytest.mark.parametrize("shape", sizes(([37, 9, 26], 20, 12), ([61, 9, 26, 45, 17, 33], 40, 20)))
@@ -123,17 +148,9 @@ def test_family_matches_hf_generate(family: str, shape: tuple[list[int], int, in
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=16,
               num_kv_blocks=num_blocks, num_swap_blocks=0, watermark=0.0)
     register_engine(llm.engine)
-    distinct = [random_prompt(i, n, VOCAB) for i, n in enumerate(lengths)]
-    prompts = [distinct[0], *distinct]  # the second request repeats the first's prompt: a prefix hit
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    params = [greedy] * len(prompts)
-    params[3] = SamplingParams(n=2, temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+    distinct, prompts, params = scenario(lengths, max_tokens)
     outs = _run(llm, prompts, params)
-    reference = _reference(path)
-    want = [hf_greedy(reference, ids, max_tokens, None) for ids in distinct]
-    for i, out in outs.items():
-        for choice in out.outputs:
-            assert choice.token_ids == want[max(i - 1, 0)], f"{family}: request {i} choice {choice.index} diverged"
+    assert_hf_greedy(path, family, choice_tokens(outs), distinct, max_tokens)
     assert len(outs[3].outputs) == 2
     assert outs[1].num_cached_tokens >= BLOCK, "the repeated prompt found no cached block"
     assert llm.engine.stats().scheduler.preemptions_recompute > 0, "the pool was never short"
@@ -148,24 +165,14 @@ def test_family_matches_hf_generate(family: str, shape: tuple[list[int], int, in
 def test_hybrid_layout_swaps_and_its_off_switch(family: str, engine_args: dict, tmp_path: Path) -> None:
     """The light scenario of `test_family_matches_hf_generate` with swap preemption in the hybrid layout (both
     pools go to the host and back), and with the layout off; the same greedy tokens as transformers."""
-    lengths, max_tokens = [37, 9, 26], 20
     path = _saved(family, tmp_path)
     llm = LLM(str(path), device="cpu", dtype="float32", block_size=BLOCK, max_num_batched_tokens=16,
               num_kv_blocks=12, watermark=0.0, **engine_args)
     register_engine(llm.engine)
     hybrid = not engine_args.get("disable_hybrid_kv_cache_manager", False)
     assert (llm.engine.stats().kv.window_blocks_total > 0) == hybrid
-    distinct = [random_prompt(i, n, VOCAB) for i, n in enumerate(lengths)]
-    prompts = [distinct[0], *distinct]
-    greedy = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    params = [greedy] * len(prompts)
-    params[3] = SamplingParams(n=2, temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-    outs = _run(llm, prompts, params)
-    reference = _reference(path)
-    want = [hf_greedy(reference, ids, max_tokens, None) for ids in distinct]
-    for i, out in outs.items():
-        for choice in out.outputs:
-            assert choice.token_ids == want[max(i - 1, 0)], f"{family}: request {i} choice {choice.index} diverged"
+    distinct, prompts, params = scenario([37, 9, 26], 20)
+    assert_hf_greedy(path, family, choice_tokens(_run(llm, prompts, params)), distinct, 20)
     sched = llm.engine.stats().scheduler
     assert sched.preemptions_swap + sched.preemptions_recompute > 0, "the pool was never short"
     if engine_args.get("preemption_mode") == "swap":

@@ -159,29 +159,31 @@ class BlockManager:
         return self.num_free_blocks() - self.blocks_to_allocate(seqs, reuse_prefix) >= reserve
 
     def allocate(
-        self, seq: PagedSeq, reuse_prefix: bool = True, ahead: bool = False, max_hits: int | None = None
+        self, seq: PagedSeq, reuse_prefix: bool = True, ahead: bool = False, hits: list[int] | None = None
     ) -> int:
         """Gives `seq` blocks for all its tokens, reusing cached prefix blocks. Returns the cached token
         count, which never includes the last token: the caller (the scheduler) makes it the sequence's
         `num_computed_tokens`. `reuse_prefix` False (a request with prompt logprobs, which needs the logits
         of every prompt position): no hits, every token is computed; its blocks are still registered for
         later requests to find. `ahead` (the step has other work): host hits are copied in beside the step's
-        forward (`TierOrders.host_restores_ahead`), and `restoring_ahead(seq)` says so. `max_hits`: use at most
-        that many device hits (the hybrid layout's window group holds no more)."""
+        forward (`TierOrders.host_restores_ahead`), and `restoring_ahead(seq)` says so. `hits`: the device hits
+        to use, a prefix of `prefix_hits(seq)` the caller found (the hybrid layout cuts them back); by default
+        all of them."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
-        hits = self.prefix_hits(seq, reuse_prefix)[:max_hits]
-        fresh = self.blocks_needed(seq.num_tokens) - len(hits)
-        if fresh + sum(1 for b in hits if self._ref[b] == 0) > self.num_free_blocks():
+        if hits is None:
+            hits = self.prefix_hits(seq, reuse_prefix)
+        if self.allocation_cost(seq, hits) > self.num_free_blocks():
             raise RuntimeError("not enough free KV cache blocks; check can_allocate first")
+        fresh = self.blocks_needed(seq.num_tokens) - len(hits)
         for block in hits:  # take hits before allocating so eviction cannot pick them
             self._take(block)
         num_hits = len(hits)
         # Lower-tier hits are found (host ones pinned) before allocating, whose evictions could push them out.
-        found = self._find_in_tiers(seq, num_hits, fresh) if reuse_prefix and max_hits is None else []
+        found = self._find_in_tiers(seq, num_hits, fresh) if reuse_prefix else []
         seq.block_table = hits + [self._alloc() for _ in range(fresh)]
         if self.enable_prefix_caching:
-            state = self._seq_hashes[seq.seq_id]
+            state = self._hashes(seq)
             state.num_committed = num_hits
             self.device_hit_blocks += num_hits
             if found:
@@ -224,9 +226,8 @@ class BlockManager:
                 writers[table[i]] = writers.get(table[i], 0) + 1
         return new_blocks + sum(min(w, self._ref[b] - 1) for b, w in writers.items())
 
-    # A table covers a whole prompt from `allocate` on; the hybrid layout's window group covers a chunk ahead.
-    covers_ahead = False
-
+    # A table covers a whole prompt from `allocate` on, so a running prompt's chunk needs nothing more (the
+    # hybrid layout's window group covers one chunk ahead: `HybridBlockManager`'s versions do the work).
     def try_cover_prompt(self, seq: PagedSeq) -> CopyPairs | None:
         return _NO_COPIES
 
@@ -308,11 +309,11 @@ class BlockManager:
         `first + len(hits)` blocks are cached and whose next `upto_tokens` slots are about to be written."""
         if seq.block_table:
             raise ValueError(f"sequence {seq.seq_id} already has blocks")
-        fresh = self.blocks_needed(upto_tokens) - first - len(hits)
-        if fresh + sum(1 for b in hits if self._ref[b] == 0) > self.num_free_blocks():
+        if self.window_cost(first, hits, upto_tokens) > self.num_free_blocks():
             raise RuntimeError("not enough free KV cache blocks; check the window cost first")
         for block in hits:
             self._take(block)
+        fresh = self.blocks_needed(upto_tokens) - first - len(hits)
         seq.block_table = [HOLE] * first + hits + [self._alloc() for _ in range(fresh)]
         if self.enable_prefix_caching:
             self._hashes(seq).num_committed = first + len(hits)

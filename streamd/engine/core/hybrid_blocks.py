@@ -61,7 +61,7 @@ class WindowSide:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.seq.token_ids)
+        return self.seq.num_tokens
 
     @property
     def num_computed_tokens(self) -> int:
@@ -79,7 +79,6 @@ def _sides(seqs: Iterable[Sequence]) -> list[WindowSide]:
 class HybridBlockManager:
     """The full group and the window group behind the one interface the scheduler uses (`BlockManager`'s)."""
 
-    covers_ahead = True
     follows_progress = True  # the window moves on with every block a sequence completes
     tier = None  # (the lower tiers are off in this layout)
 
@@ -182,7 +181,7 @@ class HybridBlockManager:
         hits = self.full.prefix_hits(seq, reuse_prefix)
         first, window_hits = self._usable_hits(seq, len(hits))
         num_hits = first + len(window_hits)
-        cached = self.full.allocate(seq, reuse_prefix, ahead, max_hits=num_hits)
+        cached = self.full.allocate(seq, reuse_prefix, ahead, hits=hits[:num_hits])
         self.window.allocate_window(WindowSide(seq), first, window_hits, self._cover_to(seq, num_hits))
         return cached
 
@@ -221,9 +220,6 @@ class HybridBlockManager:
     def can_append_all(self, seqs: Seqs[Sequence]) -> bool:
         return self.full.can_append_all(seqs) and self.window.can_append_all(_sides(seqs))
 
-    def blocks_to_append(self, seq: Sequence, num_new_tokens: int = 1) -> int:
-        return self.full.blocks_to_append(seq, num_new_tokens)
-
     def try_append_slots(self, seq: Sequence, num_new_tokens: int = 1) -> CopyPairs | None:
         """Both groups' slots, or None with nothing changed (the window group's room is checked first: the
         full group's append is the one that cannot be taken back)."""
@@ -241,7 +237,8 @@ class HybridBlockManager:
 
     def try_cover_prompt(self, seq: Sequence) -> CopyPairs | None:
         """A running prompt's window table one chunk ahead, or None (no room; nothing changed)."""
-        return self._window_copies_or_none(self.window.try_append_slots(WindowSide(seq), self._ahead(seq)))
+        copies = self.window.try_append_slots(WindowSide(seq), self._ahead(seq))
+        return None if copies is None else self._window_copies(copies)
 
     def can_cover_prompts(self, seqs: Seqs[Sequence]) -> bool:
         need = sum(self.window.blocks_to_append(WindowSide(seq), self._ahead(seq)) for seq in seqs)
@@ -259,9 +256,6 @@ class HybridBlockManager:
     def _window_copies(self, copies: CopyPairs) -> CopyPairs:
         offset = self.window_offset
         return tuple((src + offset, dst + offset) for src, dst in copies)
-
-    def _window_copies_or_none(self, copies: CopyPairs | None) -> CopyPairs | None:
-        return None if copies is None else self._window_copies(copies)
 
     def truncate(self, seq: Sequence, num_tokens: int) -> None:
         self.full.truncate(seq, num_tokens)

@@ -540,14 +540,13 @@ class Scheduler:
                 continue
             num_seqs += 1
             if left > 1:
-                copies = bm.try_cover_prompt(seq) if bm.covers_ahead else None
-                if bm.covers_ahead and copies is None:
+                copies = bm.try_cover_prompt(seq)  # (the hybrid layout's window blocks for the chunk)
+                if copies is None:
                     preempted = True
                     copies, i = self._make_room(i, out, partial_call(bm.try_cover_prompt, seq))
-                if bm.covers_ahead and copies is None:
-                    self._preempt(running.pop(i), out)
-                    num_seqs -= 1
-                    continue
+                    if copies is None:  # it was preempted itself
+                        num_seqs -= 1
+                        continue
                 if copies:
                     out.blocks_to_copy.extend(copies)
                 partial.append(ScheduledSeq(seq, group, left))
@@ -558,10 +557,9 @@ class Scheduler:
                 if copies is None:
                     preempted = True
                     copies, i = self._make_room(i, out, partial_call(bm.try_append_slots, seq))
-                if copies is None:
-                    self._preempt(running.pop(i), out)
-                    num_seqs -= 1
-                    continue
+                    if copies is None:  # it was preempted itself
+                        num_seqs -= 1
+                        continue
                 if copies:
                     out.blocks_to_copy.extend(copies)
                 decodes.append(ScheduledSeq(seq, group, 1))
@@ -573,11 +571,13 @@ class Scheduler:
         self, i: int, out: SchedulerOutput, attempt: Callable[[], CopyPairs | None]
     ) -> tuple[CopyPairs | None, int]:
         """Preempts the latest-arrived groups other than running[i] until `attempt` (a slot append of
-        running[i]'s) succeeds; returns its copies (None: only running[i] itself was left) and i now."""
+        running[i]'s) succeeds; returns its copies and i now. When running[i] is the latest-arrived group left,
+        it is preempted itself and the copies are None."""
         running = self.running
         while True:
             victim = self._victim(i)
             if victim is None:  # the latest-arrived group left is this one
+                self._preempt(running.pop(i), out)
                 return None, i
             self._preempt(running.pop(victim), out)
             i -= victim < i

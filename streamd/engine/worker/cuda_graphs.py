@@ -74,8 +74,9 @@ class DecodeGraphs:
         self.block_tables = torch.zeros((self.max_batch, max_blocks), dtype=torch.int32, device=device)
         self.seq_lens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
-        self.window_slot_mapping = torch.full((self.max_batch,), -1, dtype=torch.int64, device=device)
-        self.window_block_tables = torch.zeros((self.max_batch, max_blocks), dtype=torch.int32, device=device)
+        if window is not None:  # (the hybrid layout's sliding layers: their own slots and tables)
+            self.window_slot_mapping = torch.full_like(self.slot_mapping, -1)
+            self.window_block_tables = torch.zeros_like(self.block_tables)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # (layers_only: the final hidden states)
         self.replays = 0  # decode steps served by a graph (tests and profiling read it)

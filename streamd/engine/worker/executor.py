@@ -13,6 +13,7 @@ order to the engine its ids name (`split_orders`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
@@ -82,20 +83,10 @@ class LocalExecutor:
         return False
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        if self.window is None:
-            self.cache.swap_out(pairs)
-            return
-        first, window = split_orders(pairs, 0, (self.cache.num_blocks, self.cache.num_swap_blocks))
-        self.cache.swap_out(first)
-        self.window.swap_out(window)
+        self._route(CacheEngine.swap_out, pairs, 0, (self.cache.num_blocks, self.cache.num_swap_blocks))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        if self.window is None:
-            self.cache.swap_in(pairs)
-            return
-        first, window = split_orders(pairs, 1, (self.cache.num_swap_blocks, self.cache.num_blocks))
-        self.cache.swap_in(first)
-        self.window.swap_in(window)
+        self._route(CacheEngine.swap_in, pairs, 1, (self.cache.num_swap_blocks, self.cache.num_blocks))
 
     def swap_in_ahead(self, pairs: list[tuple[int, int]]) -> None:
         self.cache.swap_in_ahead(pairs)
@@ -104,12 +95,18 @@ class LocalExecutor:
         self.cache.join_swaps()
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
+        self._route(CacheEngine.copy, pairs, 0, (self.cache.num_blocks, self.cache.num_blocks))
+
+    def _route(
+        self, order: Callable[[CacheEngine, Pairs], None], pairs: Pairs, device_at: int, offsets: tuple[int, int]
+    ) -> None:
+        """`order` on each engine with its pairs (`split_orders`); all to `cache` without a window engine."""
         if self.window is None:
-            self.cache.copy(pairs)
+            order(self.cache, pairs)
             return
-        first, window = split_orders(pairs, 0, (self.cache.num_blocks, self.cache.num_blocks))
-        self.cache.copy(first)
-        self.window.copy(window)
+        first, window = split_orders(pairs, device_at, offsets)
+        order(self.cache, first)
+        order(self.window, window)
 
     def read_blocks(self, blocks: list[int]) -> list[bytes]:
         return self.cache.read_blocks(blocks)

@@ -295,7 +295,7 @@ class ModelRunner:
             input_ids=to_device(tokens, torch.int64, dev),
             positions=to_device(positions, torch.int64, dev),
             slot_mapping=to_device(slots, torch.int64, dev),
-            block_tables=self._block_tables(tables),
+            block_tables=to_device(_table_rows(tables), torch.int32, dev),
             seq_lens=to_device(seq_lens, torch.int32, dev),
             query_start_loc=to_device(query_start, torch.int32, dev),
             sample_idx=to_device(sample_idx, torch.int64, dev),
@@ -303,28 +303,30 @@ class ModelRunner:
         )
         _add_prompt_rows(batch, out.scheduled[: len(out.scheduled) - out.num_decode_tokens], dev)
         if self.window is not None:
-            self._add_window_rows(batch, out)
+            self._add_window_rows(batch, out, positions, query_lens)
         return batch, pending
 
-    def _add_window_rows(self, batch: ModelInput, out: SchedulerOutput) -> None:
-        """The window pool's slots and tables (each sequence's `window_table`), in the batch's row order."""
-        bs, slots, tables = self.block_size, list[int](), list[list[int]]()
-        for item in out.scheduled:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_new_tokens + (len(item.draft.token_ids) if item.draft is not None else 0)
-            table = seq.window_table
-            slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
-            tables.append(table)
+    def _add_window_rows(
+        self, batch: ModelInput, out: SchedulerOutput, positions: list[int], query_lens: list[int]
+    ) -> None:
+        """The window pool's tables (each sequence's `window_table`, holes read as block 0: they lie before
+        every window) and its slots, gathered from them at the batch's positions in one numpy pass."""
+        rows = _table_rows([item.seq.window_table for item in out.scheduled])
+        np.maximum(rows, 0, out=rows)
+        bs, pos = self.block_size, np.asarray(positions, dtype=np.int64)
+        row_of = np.repeat(np.arange(len(query_lens)), query_lens)
+        slots = rows[row_of, pos // bs].astype(np.int64) * bs + pos % bs
         batch.window_slot_mapping = to_device(slots, torch.int64, self.device)
-        batch.window_block_tables = self._block_tables(tables)
+        batch.window_block_tables = to_device(rows, torch.int32, self.device)
 
-    def _block_tables(self, tables: list[list[int]]) -> torch.Tensor:
-        # numpy row assignment is ~5x faster than torch.tensor on padded nested lists (hot at large batch)
-        rows = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
-        for i, table in enumerate(tables):
-            rows[i, : len(table)] = table
-        np.maximum(rows, 0, out=rows)  # (a window table's holes: never read)
-        return to_device(rows, torch.int32, self.device)
+
+def _table_rows(tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one padded int32 array (numpy row assignment is ~5x faster than torch.tensor on padded
+    nested lists: hot at large batch)."""
+    rows = np.zeros((len(tables), max(map(len, tables))), dtype=np.int32)
+    for i, table in enumerate(tables):
+        rows[i, : len(table)] = table
+    return rows
 
 
 def _add_drafted(

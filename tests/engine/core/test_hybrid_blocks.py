@@ -158,16 +158,22 @@ def test_a_hit_is_cut_back_to_where_the_window_group_still_holds_the_window() ->
 
 
 def test_admission_asks_both_pools() -> None:
-    bm = manager()
-    long = Sequence(list(range(1, 40)))
-    assert bm.can_allocate([long])
-    bm.allocate(long)  # full: 10 blocks of 16; window: one chunk ahead (2 blocks of 12)
-    many = [Sequence([300 + i, 1, 2, 3, 4, 5, 6, 7, 8]) for i in range(6)]
-    assert not bm.can_allocate(many), "the full pool (6 left) cannot take six 3-block prompts"
-    few = many[:2]
-    assert bm.can_allocate(few)
-    bm.free(long)
-    for seq in [long, *many]:
+    """Each prompt of 9 tokens takes 3 full blocks and 2 window blocks (one chunk of 8 ahead). With room for 20
+    of the first and 8 of the second, four fit and a fifth is refused by the window pool alone; a long prompt
+    that fits the window pool is refused by the full pool alone."""
+    bm = manager(full=20, window=8)
+    prompts = [Sequence([300 + i, 1, 2, 3, 4, 5, 6, 7, 8]) for i in range(5)]
+    assert bm.can_allocate(prompts[:4], reserve=0)
+    assert not bm.can_allocate(prompts, reserve=0), "five need 10 window blocks of 8 (15 full blocks of 20)"
+    for seq in prompts[:4]:
+        bm.allocate(seq)
+    assert bm.full.num_free_blocks() == 8 and bm.window.num_free_blocks() == 0
+    assert not bm.can_allocate([prompts[4]], reserve=0), "the window pool is full (the full pool is not)"
+    bm.free(prompts[3])
+    long = Sequence(list(range(1, 46)))  # 12 full blocks (11 free), 2 window blocks (2 free)
+    assert not bm.can_allocate([long], reserve=0), "the full pool is short (the window pool is not)"
+    assert bm.can_allocate([prompts[4]], reserve=0)
+    for seq in [*prompts, long]:
         bm.free(seq)
     bm.check_invariants([])
 
