@@ -588,6 +588,14 @@ def _coerce(where: str, value: Any, hint: Any) -> Any:
     raise ConfigError(f"{where} must be {expected}, got {value!r}")
 
 
+def parse_assignment(item: str, flag: str = "--set") -> tuple[str, Any]:
+    """A `KEY=VALUE` argument (`--set`) as (key, its value read as `parse_value` reads it)."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"{flag} expects KEY=VALUE, got {item!r}")
+    return key.strip(), parse_value(raw)
+
+
 def parse_value(raw: str) -> Any:
     """A value written on the command line or in the environment: TOML syntax, else the bare string."""
     try:

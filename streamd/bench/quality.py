@@ -159,15 +159,9 @@ def perplexity(llm: Any, ids: list[int]) -> float:
 
 
 def _settings(pairs: list[str]) -> dict[str, Any]:
-    from streamd.config import parse_value
+    from streamd.config import parse_assignment
 
-    out: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise BenchError(f"--set/--base {pair!r}: expected KEY=VALUE")
-        out[key] = parse_value(value)
-    return out
+    return dict(parse_assignment(pair, "--set/--base") for pair in pairs)
 
 
 def _text_ids(llm: Any, path: str | None, tokens: int) -> list[int]:

@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from streamd.config import Config, ConfigError, key_types, load_config, parse_value
+from streamd.config import Config, key_types, load_config, parse_assignment, parse_value
 
 # `section.key` -> its flags where they are not `--<key>` (vLLM's spelling first, then streamd's).
 FLAG_NAMES: dict[str, tuple[str, ...]] = {
@@ -236,7 +236,7 @@ def _add_vllm_flags(parser: argparse.ArgumentParser) -> None:
 
 def command_line_overrides(args: argparse.Namespace, flags: dict[str, Any] | None = None) -> dict[str, Any]:
     """`--set`, then the config flags given, then `flags` (section.key -> value; None: not given)."""
-    overrides: dict[str, Any] = dict(_parse_set(item) for item in args.set)
+    overrides: dict[str, Any] = dict(parse_assignment(item) for item in args.set)
     overrides.update({key: value for key, value in vars(args).items() if "." in key and value is not None})
     overrides.update({key: value for key, value in (flags or {}).items() if value is not None})
     return overrides
@@ -245,10 +245,3 @@ def command_line_overrides(args: argparse.Namespace, flags: dict[str, Any] | Non
 def load_settings(args: argparse.Namespace, flags: dict[str, Any] | None = None) -> Config:
     """The configuration of `--config`, the environment, then the command line (`command_line_overrides`)."""
     return load_config(args.config, command_line_overrides(args, flags))
-
-
-def _parse_set(item: str) -> tuple[str, Any]:
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"--set expects KEY=VALUE, got {item!r}")
-    return key.strip(), parse_value(raw)

@@ -15,7 +15,7 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import jit_helper
-from streamd.kernels.layout import KV_MIN_SCALE, KV_QMAX, check_scales, kv_quantized
+from streamd.kernels.layout import KV_MIN_SCALE, KV_QMAX, check_scales
 
 MIN_SCALE = tl.constexpr(KV_MIN_SCALE)
 
@@ -72,26 +72,27 @@ def store_row_scales(
 
 @dataclass(frozen=True, slots=True)
 class ScaleArgs:
-    """What a kernel launch passes for the pool's scales: the tensor (any tensor when the pool is a float
-    one, never read), its layer offset and strides, and the constexprs that compile the 8-bit paths in."""
+    """What a kernel launch passes for the pool's scales: `args`, the kernels' trailing runtime arguments (sc_ptr,
+    sc_layer_off, s_sc_blk, s_sc_kv, s_sc_head, s_sc_tok; for a float pool any tensor, never read), and `flags`,
+    the constexprs that compile the 8-bit paths in."""
 
-    scales: torch.Tensor
-    layer_off: int
-    strides: tuple[int, int, int, int]  # block, k|v, head, token
-    quant: bool
-    int8: bool
-    qmax: float
+    args: tuple[object, ...]
+    flags: dict[str, object]
 
-    def flags(self) -> dict[str, object]:
-        return {"KV_QUANT": self.quant, "KV_INT8": self.int8, "KV_QMAX": self.qmax}
+    @property
+    def quant(self) -> bool:
+        return bool(self.flags["KV_QUANT"])
+
+
+_FLOAT_POOL_FLAGS: dict[str, object] = {"KV_QUANT": False, "KV_INT8": False, "KV_QMAX": 1.0}
 
 
 def scale_args(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None, layer: int) -> ScaleArgs:
     """The launch arguments of `kv_scales` (checked against the pool: an 8-bit pool needs them)."""
     check_scales(kv_cache, kv_scales)
-    if kv_scales is None or not kv_quantized(kv_cache):
-        return ScaleArgs(kv_cache, 0, (0, 0, 0, 0), False, False, 1.0)
+    if kv_scales is None:
+        return ScaleArgs((kv_cache, 0, 0, 0, 0, 0), _FLOAT_POOL_FLAGS)
     s = kv_scales.stride()
-    return ScaleArgs(
-        kv_scales, layer * s[1], (s[0], s[2], s[3], s[4]), True, kv_cache.dtype == torch.int8, KV_QMAX[kv_cache.dtype]
-    )
+    dtype = kv_cache.dtype
+    flags: dict[str, object] = {"KV_QUANT": True, "KV_INT8": dtype == torch.int8, "KV_QMAX": KV_QMAX[dtype]}
+    return ScaleArgs((kv_scales, layer * s[1], s[0], s[2], s[3], s[4]), flags)

@@ -143,14 +143,12 @@ def store_kv(
         s_kv[3],
         s_kv[4],
         s_kv[5],
-        scales.scales,
-        scales.layer_off,
-        *scales.strides,
+        *scales.args,
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_H=block_h,
         PAGE=kv_cache.shape[4],
-        **scales.flags(),
+        **scales.flags,
         num_warps=4,
     )
 

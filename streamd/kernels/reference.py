@@ -18,7 +18,7 @@ mask carries the window); with either, the scores are spelled out in float32.
 
 An 8-bit pool (`layout.KV_QUANT_DTYPES`) comes with ``kv_scales``: the stores quantize each (token, KV head)
 row (`layout.quantize_rows`) and the attentions dequantize what they gather, to the query's dtype, so every
-key and value attended over is the one the pool holds (a fresh prompt's own K/V make the same round trip).
+key and value attended over is the one the pool holds (a fresh prompt's too: its float K/V are not used).
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from streamd.kernels.layout import (
     check_rotary_args,
     check_scales,
     dequantize_rows,
-    quantize_rows,
     write_kv_rows,
 )
 
@@ -199,9 +198,9 @@ def paged_prefill_attention(
         if q_end <= q_begin or seq_len <= 0:
             continue
         q = query[q_begin:q_end].to(dtype).transpose(0, 1)[None]  # [1, H, q_len, D]
-        step_kv = None if key is None or value is None else (key[q_begin:q_end], value[q_begin:q_end])
-        if step_kv is not None and layer_scales is not None:
-            step_kv = (_as_stored(step_kv[0], kv.dtype), _as_stored(step_kv[1], kv.dtype))
+        step_kv = None  # (an 8-bit pool: its stored codes x scales are read back, not the float K/V)
+        if key is not None and value is not None and layer_scales is None:
+            step_kv = (key[q_begin:q_end], value[q_begin:q_end])
         k, v, first_key = _prefill_keys(kv, tables[i], seq_len, q_end - q_begin, step_kv, sliding_window, layer_scales)
         o = _prefill_one(q, k.to(dtype), v.to(dtype), seq_len, first_key, scale, extras)
         out[q_begin:q_end] = o[0].transpose(0, 1).to(out.dtype)
@@ -219,11 +218,6 @@ class LayerExtras:
 
 
 NO_EXTRAS = LayerExtras()
-
-
-def _as_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """K or V [tokens, kv_heads, head_dim] as an 8-bit pool of `dtype` gives them back."""
-    return dequantize_rows(*quantize_rows(x, dtype), x.dtype)
 
 
 def _prefill_keys(

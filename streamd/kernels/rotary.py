@@ -250,16 +250,14 @@ def rotary_store_kv(
         s_kv[2],
         s_kv[3],
         s_kv[4],
-        scales.scales,
-        scales.layer_off,
-        *scales.strides,
+        *scales.args,
         HALF=half,
         BLOCK_HALF=next_pow2(half),
         BLOCK_HQ=next_pow2(num_heads),
         BLOCK_HK=next_pow2(key.shape[1]),
         PAGE=kv_cache.shape[4],
         QK_NORM=qk_norm,
-        **scales.flags(),
+        **scales.flags,
         num_warps=4,
     )
     return out

@@ -87,7 +87,7 @@ class Fp8Weight:
     input_scale: torch.Tensor | None = None  # a static per-tensor activation scale ([], float32); None: per token
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return (self.codes.float() * self.scales[:, None]).to(dtype)
+        return layout.dequantize_rows(self.codes, self.scales, dtype)
 
 
 def quantize_weight(weight: torch.Tensor) -> Fp8Weight:

@@ -163,11 +163,6 @@ def merge_linears(*parts: nn.Module) -> nn.Module:
     return merged
 
 
-def _rows_out(linear: nn.Module) -> int:
-    """A projection's output width, from its weight (an `Fp8Linear`'s from its codes, padding aside)."""
-    return linear.out_features if isinstance(linear, Fp8Linear) else cast(nn.Linear, linear).weight.shape[0]
-
-
 def split_qkv(qkv: torch.Tensor, sizes: tuple[int, int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """[tokens, q + 2 kv] -> q [tokens, heads, head_dim], k and v [tokens, kv_heads, head_dim] (views);
     sizes = (q, kv, head_dim)."""
@@ -186,7 +181,7 @@ class FusedLayer(nn.Module):
         self.layer_idx: int = attn.layer_idx
         self.scale: float = attn.scaling
         # (q, kv, head_dim) widths; from the weights, not the config: a tensor-parallel shard holds only its heads.
-        self.qkv_sizes: tuple[int, int, int] = (_rows_out(attn.q_proj), _rows_out(attn.k_proj), attn.head_dim)
+        self.qkv_sizes: tuple[int, int, int] = (attn.q_proj.out_features, attn.k_proj.out_features, attn.head_dim)
         self.qkv_proj = merge_linears(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o_proj = attn.o_proj
         self.gate_up_proj = merge_linears(mlp.gate_proj, mlp.up_proj)
