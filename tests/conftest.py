@@ -4,7 +4,9 @@ ends every test (after each test every registered engine is idle and its KV pool
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Iterator
+from concurrent.futures import Future
 from pathlib import Path
 
 import pytest
@@ -79,5 +81,36 @@ async def async_engine(smol_llm):
 
     engine = AsyncEngine(smol_llm.engine)
     engine.start()
+    _LIVE_ASYNC.append(engine)
     yield engine
+    _LIVE_ASYNC.remove(engine)
     await engine.shutdown()
+
+
+_LIVE_ASYNC: list = []  # the session's AsyncEngine while its engine thread runs
+
+
+@pytest.fixture(autouse=True)
+def _engine_thread_parked(request: pytest.FixtureRequest) -> Iterator[None]:
+    """A test that steps the shared engine offline (`smol_llm`, without `async_engine`) while the session's
+    AsyncEngine thread runs: the thread is parked inside a call for the test's length. Otherwise, between
+    publishing its last batch and waiting for the next command, it could find the test's offline request and
+    step it beside the test (under load: a shape mismatch in the KV store, or a livelock)."""
+    if not _LIVE_ASYNC or "smol_llm" not in request.fixturenames or "async_engine" in request.fixturenames:
+        yield
+        return
+    from streamd.engine.client.loop import CallEngine
+
+    parked, release = threading.Event(), threading.Event()
+
+    def park(_engine: object) -> None:
+        parked.set()
+        release.wait()
+
+    # (the loop only asks the future `done`, `set_result`, `set_exception`: a thread-safe one serves)
+    _LIVE_ASYNC[0].engine_loop.put(CallEngine(park, Future()))  # type: ignore[arg-type]
+    assert parked.wait(60), "the engine thread did not park"
+    try:
+        yield
+    finally:
+        release.set()
