@@ -54,6 +54,7 @@ class Executor(Protocol):
 
 
 Pairs = list[tuple[int, int]]
+Order = Callable[[CacheEngine], Callable[[Pairs], None]]  # an engine's order method (bound: tests record calls)
 
 
 def split_orders(pairs: Pairs, device_at: int, offsets: tuple[int, int]) -> tuple[Pairs, Pairs]:
@@ -83,10 +84,10 @@ class LocalExecutor:
         return False
 
     def swap_out(self, pairs: list[tuple[int, int]]) -> None:
-        self._route(CacheEngine.swap_out, pairs, 0, (self.cache.num_blocks, self.cache.num_swap_blocks))
+        self._route(lambda engine: engine.swap_out, pairs, 0, (self.cache.num_blocks, self.cache.num_swap_blocks))
 
     def swap_in(self, pairs: list[tuple[int, int]]) -> None:
-        self._route(CacheEngine.swap_in, pairs, 1, (self.cache.num_swap_blocks, self.cache.num_blocks))
+        self._route(lambda engine: engine.swap_in, pairs, 1, (self.cache.num_swap_blocks, self.cache.num_blocks))
 
     def swap_in_ahead(self, pairs: list[tuple[int, int]]) -> None:
         self.cache.swap_in_ahead(pairs)
@@ -95,18 +96,17 @@ class LocalExecutor:
         self.cache.join_swaps()
 
     def copy(self, pairs: list[tuple[int, int]]) -> None:
-        self._route(CacheEngine.copy, pairs, 0, (self.cache.num_blocks, self.cache.num_blocks))
+        self._route(lambda engine: engine.copy, pairs, 0, (self.cache.num_blocks, self.cache.num_blocks))
 
-    def _route(
-        self, order: Callable[[CacheEngine, Pairs], None], pairs: Pairs, device_at: int, offsets: tuple[int, int]
-    ) -> None:
-        """`order` on each engine with its pairs (`split_orders`); all to `cache` without a window engine."""
+    def _route(self, order: Order, pairs: Pairs, device_at: int, offsets: tuple[int, int]) -> None:
+        """Each engine's `order` (looked up on the engine, as a bound method) with its pairs (`split_orders`); all
+        to `cache` without a window engine."""
         if self.window is None:
-            order(self.cache, pairs)
+            order(self.cache)(pairs)
             return
         first, window = split_orders(pairs, device_at, offsets)
-        order(self.cache, first)
-        order(self.window, window)
+        order(self.cache)(first)
+        order(self.window)(window)
 
     def read_blocks(self, blocks: list[int]) -> list[bytes]:
         return self.cache.read_blocks(blocks)
