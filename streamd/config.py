@@ -66,7 +66,8 @@ OTHER_VARIABLES = frozenset(
     }
 )
 
-FUSE_MODES = ("off", "auto", "triton", "compile", "reference")  # model.fuse_layers (streamd/engine/worker/fusion.py)
+# model.fuse_layers (streamd/engine/worker/fusion.py)
+FUSE_MODES = ("off", "auto", "triton", "compile", "reference", "cpu")
 CATCH_UP_DECODES = ("auto", "hold", "run")  # scheduler.catch_up_decodes (streamd/engine/core/scheduler.py)
 # model.quantization (streamd/engine/worker/model_loader.py): fp8 quantizes a float model's Linears (not the head) to
 # float8_e4m3fn with per-channel scales on a CUDA GPU of sm_89+ (Ada, Hopper), refused elsewhere
@@ -87,7 +88,7 @@ class ModelConfig:
     cache_dir: str | None = None  # converted GGUF weights, measured costs; None: $XDG_CACHE_HOME/streamd
     enforce_eager: bool = False  # True: no CUDA graphs
     num_threads: int = 0  # torch's CPU threads; 0: the cores this process may use (affinity mask), less one
-    fuse_layers: str = "auto"  # off | auto | triton | compile | reference (see streamd/engine/worker/fusion.py)
+    fuse_layers: str = "auto"  # off | auto | triton | compile | reference | cpu (see streamd/engine/worker/fusion.py)
     # auto: a GGUF keeps its 4/8-bit blocks on a bf16-capable CPU, a compressed-tensors FP8 checkpoint stays FP8
     # where FP8 runs; int8 | int4: quantize a float model (CPU); fp8: quantize a float model to e4m3 (CUDA sm_89+);
     # none: float weights (streamd/engine/worker/model_loader.py)

@@ -32,7 +32,7 @@ from streamd.engine.sample.sampler import Sampler
 from streamd.engine.sampling_params import SamplingParams
 from streamd.engine.stats import DEFAULT_TENANT
 from streamd.engine.worker.cache_engine import CacheEngine, KVLayout
-from streamd.engine.worker.cpu_threads import apply_num_threads
+from streamd.engine.worker.cpu_threads import apply_num_threads, thread_governor
 from streamd.engine.worker.cuda_graphs import capture_sizes
 from streamd.engine.worker.draft_model import load_draft_model
 from streamd.engine.worker.executor import Executor, LocalExecutor
@@ -240,7 +240,8 @@ def _executor(
     if workers is None:
         if graphs:
             runner.capture_cuda_graphs(max_batch, max_blocks)
-        return LocalExecutor(runner, cache, pools.window)
+        threads = thread_governor(config.model.num_threads) if runner.device.type == "cpu" else None
+        return LocalExecutor(runner, cache, pools.window, threads)
     executor = TensorParallelExecutor(runner, cache, workers)
     if graphs and config.parallel.cuda_graphs:
         executor.capture_cuda_graphs(max_batch, max_blocks)

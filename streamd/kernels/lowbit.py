@@ -141,16 +141,48 @@ def _pack_rows(codes: torch.Tensor, pad_cols: int) -> torch.Tensor:
 
 
 def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
-    """x [..., in] @ w.T through torch's CPU int4 kernel (x in float32 or bfloat16)."""
-    lead = x.shape[:-1]
-    rows = x.reshape(-1, x.shape[-1])
+    """x [..., in] @ w.T through torch's CPU int4 kernel (x in float32 or bfloat16). A 2-D x of a weight that
+    needs no padding costs the kernel's call alone (a decode step makes ~120 of these)."""
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     padded_in = weight.scales_and_zeros.shape[0] * weight.group_size
     if padded_in != weight.in_features:
         rows = F.pad(rows, (0, padded_in - weight.in_features))
     out = torch.ops.aten._weight_int4pack_mm_for_cpu(
         rows.contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros
     )
-    return out[:, : weight.out_features].reshape(*lead, weight.out_features)
+    if out.shape[1] != weight.out_features:
+        out = out[:, : weight.out_features]
+    return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def int4_codes(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What `pack_int4` took, back from the packed weight: codes uint8 [out, in] and the per-group scales and
+    zeros [out, groups] (as stored). Exact: the packing is a permutation of nibbles."""
+    block = packed_row_block()
+    if block is None:
+        raise RuntimeError("torch's int4 packing has a layout this module does not unpack")
+    groups, rows, _ = weight.scales_and_zeros.shape
+    codes = _codes_t(weight.packed.reshape(-1), groups * weight.group_size, rows, block).t()
+    pairs = weight.scales_and_zeros[:, : weight.out_features].transpose(0, 1)
+    codes = codes[: weight.out_features, : weight.in_features].to(torch.uint8)
+    return codes, pairs[..., 0], pairs[..., 1]
+
+
+def concat_rows(weights: Sequence[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
+    """One weight whose output rows are the weights' rows in turn (q, k and v as one matmul): the same codes and
+    scales, so every output row is computed as it was by its own weight (tested bit for bit). The weights share
+    a layout, an input width and, for int4, a group size."""
+    first = weights[0]
+    if any(type(w) is not type(first) or w.compute_dtype != first.compute_dtype for w in weights):
+        raise ValueError("weights of different layouts or dtypes do not concatenate")
+    if isinstance(first, Int8Weight):
+        int8 = [w for w in weights if isinstance(w, Int8Weight)]
+        return Int8Weight(torch.cat([w.codes for w in int8]), torch.cat([w.scales for w in int8]))
+    int4 = [w for w in weights if isinstance(w, Int4Weight)]
+    if any((w.in_features, w.group_size) != (first.in_features, first.group_size) for w in int4):
+        raise ValueError("int4 weights of different widths or group sizes do not concatenate")
+    codes, scales, zeros = zip(*(int4_codes(w) for w in int4))
+    return pack_int4(torch.cat(codes), torch.cat(scales), torch.cat(zeros), first.group_size, first.compute_dtype)
 
 
 def dequantize_t(weight: Int4Weight | Int8Weight) -> torch.Tensor:

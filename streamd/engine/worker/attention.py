@@ -96,7 +96,7 @@ def paged_attention_forward(
     k = key[0].transpose(0, 1)
     v = value[0].transpose(0, 1)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    _store_kv(md, k, v, layer)
+    store_kv(md, k, v, layer)
     out = paged_attend(md, q, layer, scale, k, v, layer_extras(kwargs))
     return out.unsqueeze(0), None  # transformers wants [batch, tokens, heads, dim]
 
@@ -149,7 +149,7 @@ def paged_attend(
     )
 
 
-def _store_kv(md: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
+def store_kv(md: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, layer: int) -> None:
     if not md.planned_on_cpu:
         md.ops.store_kv(key, value, md.kv_cache, layer, md.slot_mapping, kv_scales=md.kv_scales)
         return

@@ -1,16 +1,24 @@
 """The CPU this process runs on: its model name, and how many threads torch runs on (`model.num_threads`,
-or by default one per core this process may use, less one).
+or by default as many as the other processes leave idle: `ThreadGovernor`).
 
 The cores come from the CPU affinity mask (`os.sched_getaffinity`), which honours `taskset`, cgroups'
 cpusets and Docker's `--cpuset-cpus`; torch's own default (every core of the machine) oversubscribes a
-container. One core is left to everything else (the server's event loop, the engine thread's Python
-work, other processes): torch's OpenMP regions wait at a barrier for their slowest thread, so one thread
-descheduled by a competing process stalls every operator (measurements: benchmarks/NOTES.md).
+container. torch's OpenMP regions wait at a barrier for their slowest thread, so a thread descheduled by a
+competing process stalls every operator: beside one busy process, two threads on two cores ran a decode 2-3x
+slower than one; alone, two ran it 1.5x faster than one once the step was no longer bound by operator calls
+(benchmarks/NOTES.md, "Issue 25"). So by default the engine measures: every half second it reads how busy its
+cores were (/proc/stat) less its own process's CPU time, and runs on every core while the rest of the machine
+leaves them idle, one core fewer for each core the rest keeps busy. Where there is no /proc/stat it keeps one
+core free, as a fixed count would.
 """
 
 from __future__ import annotations
 
+import math
 import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -29,7 +37,8 @@ def usable_cores() -> int:
 
 def apply_num_threads(configured: int) -> int:
     """Sets torch's intra-op threads (and inter-op threads, where torch still allows it) to `configured`,
-    or when it is 0 to `usable_cores() - 1` (at least 1); returns the count in effect."""
+    or when it is 0 to `usable_cores() - 1` (at least 1: what `ThreadGovernor` starts from); returns the count
+    in effect."""
     threads = configured or max(1, usable_cores() - 1)
     torch.set_num_threads(threads)
     try:
@@ -38,6 +47,83 @@ def apply_num_threads(configured: int) -> int:
         pass
     log.info("cpu_threads", num_threads=threads, interop_threads=torch.get_num_interop_threads())
     return threads
+
+
+# Other processes using less than this many cores in all (a client reading a stream, an idle server's
+# housekeeping) leave the cores idle enough for every thread; each further core they use costs one thread.
+IDLE_ENOUGH = 0.25
+GOVERNOR_INTERVAL_S = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """Cumulative CPU seconds: busy on this process's cores (every process), and this process's own."""
+
+    busy_s: float
+    own_s: float
+
+
+def read_cpu_sample(cores: Sequence[int]) -> CpuSample | None:
+    """Now's `CpuSample` from /proc/stat's per-core lines (busy = all but idle and iowait) and os.times();
+    None where there is no /proc/stat."""
+    wanted = {f"cpu{core}" for core in cores}
+    try:
+        with open("/proc/stat", encoding="ascii") as fh:
+            lines = [line.split() for line in fh if line.startswith("cpu")]
+    except OSError:
+        return None
+    ticks = sum(sum(map(int, f[1:])) - int(f[4]) - int(f[5]) for f in lines if f[0] in wanted)
+    own = os.times()
+    return CpuSample(ticks / os.sysconf("SC_CLK_TCK"), own.user + own.system)
+
+
+def threads_for(cores: int, others_busy: float) -> int:
+    """Threads for `cores` cores while other processes keep `others_busy` cores busy."""
+    return max(1, min(cores, cores - math.ceil(others_busy - IDLE_ENOUGH)))
+
+
+class ThreadGovernor:
+    """`model.num_threads = 0`: torch's threads follow how busy the rest of the machine keeps this process's
+    cores (`threads_for`), re-decided every `interval_s` from the engine thread (torch's thread count is that
+    thread's setting) at the start of a step. `read` and `clock` are injectable for tests."""
+
+    def __init__(
+        self,
+        cores: Sequence[int],
+        interval_s: float = GOVERNOR_INTERVAL_S,
+        read: Callable[[Sequence[int]], CpuSample | None] = read_cpu_sample,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.cores, self.interval_s, self._read, self._clock = tuple(cores), interval_s, read, clock
+        self.threads = max(1, len(self.cores) - 1)
+        self._since = clock()
+        self._last = read(self.cores)
+
+    def tick(self) -> None:
+        """Called before each step: re-decides once `interval_s` has passed since the last decision."""
+        now = self._clock()
+        if now - self._since < self.interval_s or self._last is None:
+            return
+        sample = self._read(self.cores)
+        if sample is None:
+            return
+        others = (sample.busy_s - self._last.busy_s) - (sample.own_s - self._last.own_s)
+        threads = threads_for(len(self.cores), max(0.0, others) / (now - self._since))
+        self._since, self._last = now, sample
+        if threads != self.threads:
+            self.threads = threads
+            torch.set_num_threads(threads)
+
+
+def thread_governor(configured: int) -> ThreadGovernor | None:
+    """The governor for `model.num_threads` (None: a fixed count was configured)."""
+    if configured:
+        return None
+    try:
+        cores: Sequence[int] = sorted(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = range(usable_cores())
+    return ThreadGovernor(cores)
 
 
 def cpu_model_name() -> str:

@@ -20,6 +20,7 @@ import torch
 
 from streamd.engine.core.scheduler_output import SchedulerOutput
 from streamd.engine.worker.cache_engine import CacheEngine
+from streamd.engine.worker.cpu_threads import ThreadGovernor
 from streamd.engine.worker.model_runner import ModelRunner
 
 
@@ -72,12 +73,19 @@ def split_orders(pairs: Pairs, device_at: int, offsets: tuple[int, int]) -> tupl
 
 class LocalExecutor:
     """The model and the KV cache of this process, used directly (`window`: the hybrid layout's second
-    engine, the sliding layers' pools)."""
+    engine, the sliding layers' pools; `threads`: on the CPU, what sets torch's thread count before each step)."""
 
-    def __init__(self, runner: ModelRunner, cache: CacheEngine, window: CacheEngine | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        cache: CacheEngine,
+        window: CacheEngine | None = None,
+        threads: ThreadGovernor | None = None,
+    ) -> None:
         self.runner = runner
         self.cache = cache
         self.window = window
+        self.threads = threads
 
     @property
     def failed(self) -> bool:
@@ -120,6 +128,8 @@ class LocalExecutor:
     def execute(
         self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
     ) -> torch.Tensor:
+        if self.threads is not None:
+            self.threads.tick()
         return self.runner.execute(out, prev_tokens, prev_rows)
 
     def shutdown(self) -> None:

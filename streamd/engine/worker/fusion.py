@@ -14,11 +14,18 @@ loader made. Modes (`model.fuse_layers`):
 - ``off``: the model as transformers built it; nothing here runs.
 - ``triton``: `streamd.kernels` (compiled on CUDA; Triton's interpreter on CPU tensors, for tests).
 - ``reference``: the same rewiring on the torch references (transformers' arithmetic; CPU tests).
+- ``cpu``: the same rewiring in the fewest torch operators a layer (`CpuPath`), transformers' arithmetic. On
+  the CPU a one-stream decode step is bound by operator calls, not by the weights (benchmarks/NOTES.md, "Issue
+  25, one stream").
 - ``compile``: the same rewiring, with the two stretches between attention calls (norm, QKV, q/k norm and
   rotary; norm, gate/up, SiLU-and-mul) as `torch.compile`d functions of the references. Inductor fuses
   their elementwise work; it uses no CUDA graphs of its own, so the engine's decode graphs capture it.
   K/V are stored and attended by the engine's kernels.
-- ``auto``: ``triton`` on CUDA for a supported architecture, otherwise ``off``.
+- ``auto``: ``triton`` on CUDA for a supported architecture; ``cpu`` on the CPU for a supported architecture
+  whose weights are low-bit (the default model); otherwise ``off``.
+
+Low-bit weights (`quantized.QuantizedLinear`) merge too: q/k/v (gate/up) become one layer of concatenated rows,
+each output row computed as its own layer computed it (`lowbit.concat_rows`).
 """
 
 from __future__ import annotations
@@ -34,10 +41,10 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from streamd.config import FUSE_MODES
-from streamd.engine.worker.attention import get_attention_metadata, paged_attend
+from streamd.engine.worker.attention import get_attention_metadata, paged_attend, store_kv
 from streamd.engine.worker.families import attention_needs
 from streamd.engine.worker.fp8 import Fp8Linear, has_fp8, merge_fp8_linears
-from streamd.engine.worker.quantized import QuantizedLinear, W8A8Linear
+from streamd.engine.worker.quantized import QuantizedLinear, W8A8Linear, merge_quantized, merge_reason
 from streamd.kernels import reference
 from streamd.logs import get_logger
 
@@ -95,6 +102,8 @@ def fuse_layers(model: PreTrainedModel, mode: str, device: torch.device, compile
         return applied
     if applied == "compile":
         path: LayerPath = CompiledPath(compile_backend)
+    elif applied == "cpu":
+        path = CpuPath()
     else:
         path = KernelPath(_kernels(applied))
     prefix = model.base_model_prefix
@@ -111,11 +120,23 @@ def resolve_mode(mode: str, model: PreTrainedModel, device: torch.device) -> str
     reason = unsupported_reason(model)
     if reason is None and mode == "compile" and has_fp8(model):
         reason = "its FP8 layers run through torch._scaled_mm, which the compiled stretch does not take"
+    if reason is None and mode == "compile" and _low_bit(model):
+        reason = "its low-bit layers run through torch's packed kernels, which the compiled stretch does not take"
     if mode == "auto":
-        return "triton" if device.type == "cuda" and reason is None else "off"
+        return _auto_mode(model, device) if reason is None else "off"
     if mode != "off" and reason is not None:
         raise ValueError(f"model.fuse_layers = {mode!r}: {reason}")
     return mode
+
+
+def _auto_mode(model: PreTrainedModel, device: torch.device) -> str:
+    if device.type == "cuda":
+        return "triton"
+    return "cpu" if device.type == "cpu" and _low_bit(model) else "off"
+
+
+def _low_bit(model: nn.Module) -> bool:
+    return any(isinstance(m, (QuantizedLinear, W8A8Linear)) for m in model.modules())
 
 
 def unsupported_reason(model: PreTrainedModel) -> str | None:
@@ -131,10 +152,24 @@ def unsupported_reason(model: PreTrainedModel) -> str | None:
     base = getattr(model, model.base_model_prefix, None)
     if not all(hasattr(base, part) for part in ("embed_tokens", "layers", "norm", "rotary_emb")):
         return f"{type(base).__name__} is not a Llama-style decoder"
-    if any(isinstance(m, (QuantizedLinear, W8A8Linear)) for m in model.modules()):
-        return "its weights are low-bit (model.quantization): the fused layer merges float Linears"
+    low_bit = _low_bit_reason(cast(DecoderModule, base))
+    if low_bit is not None:
+        return low_bit
     if any(isinstance(m, Fp8Linear) and m.input_scale is not None for m in model.modules()):
         return "an FP8 layer has a static input scale: merged projections would share one"
+    return None
+
+
+def _low_bit_reason(base: DecoderModule) -> str | None:
+    """Why the layers' low-bit siblings (q/k/v, gate/up) cannot be merged into one layer each (None: they can,
+    or none is low-bit)."""
+    for layer in cast(list[DecoderLayerModule], list(base.layers)):
+        attn, mlp = layer.self_attn, layer.mlp
+        for group in ((attn.q_proj, attn.k_proj, attn.v_proj), (mlp.gate_proj, mlp.up_proj)):
+            if any(isinstance(m, (QuantizedLinear, W8A8Linear)) for m in group):
+                reason = merge_reason(group)
+                if reason is not None:
+                    return reason
     return None
 
 
@@ -148,9 +183,12 @@ def _kernels(mode: str) -> ModuleType:
 
 def merge_linears(*parts: nn.Module) -> nn.Module:
     """One Linear whose output is the parts' outputs side by side (missing biases are zeros); FP8 parts (dynamic
-    activation scales, one weight scale per output channel) merge exactly into one `Fp8Linear`."""
+    activation scales, one weight scale per output channel) merge exactly into one `Fp8Linear`, low-bit parts
+    into one `QuantizedLinear`."""
     if all(isinstance(p, Fp8Linear) for p in parts):
         return merge_fp8_linears(*cast(tuple[Fp8Linear, ...], parts))
+    if all(isinstance(p, QuantizedLinear) for p in parts):
+        return merge_quantized(cast(tuple[QuantizedLinear, ...], parts))
     linears = cast(tuple[nn.Linear, ...], parts)
     weight = torch.cat([p.weight for p in linears])
     bias = None
@@ -381,6 +419,56 @@ class CompiledPath:
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor:
         return self._final(hidden, residual, norm.weight, norm.variance_epsilon)[0]
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary arithmetic, x * cos + rotate_half(x) * sin, on x [tokens, heads, head_dim]."""
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+class CpuPath:
+    """Each stretch in the fewest torch operators, for the CPU (where a decode step pays per operator call):
+    q and k rotated as one tensor (they sit side by side in the QKV output), K/V stored and attended through the
+    step's plan (`attention.store_kv`, `paged_attend`: the index arithmetic done once for all layers), no copies
+    or argument checks between. transformers' arithmetic throughout (its norm, rotary and SiLU, in its order)."""
+
+    def qkv(
+        self,
+        layer: FusedLayer,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        norm = layer.input_layernorm
+        x, residual = _norm_in(reference, hidden, residual, norm.weight, norm.variance_epsilon)
+        qkv = layer.qkv_proj(x)
+        if layer.q_norm is not None:  # Qwen3: each head normalised before its rotation
+            q, k, v = split_qkv(qkv, layer.qkv_sizes)
+            q, k = reference.rotary(q, k, cos, sin, *_qk_norm_weights(layer))
+            return q, k, v, residual
+        q_size, kv_size, head_dim = layer.qkv_sizes
+        qk = _rotate(qkv[:, : q_size + kv_size].unflatten(-1, (-1, head_dim)), cos[:, None], sin[:, None])
+        heads = q_size // head_dim
+        return qk[:, :heads], qk[:, heads:], qkv[:, q_size + kv_size :].unflatten(-1, (-1, head_dim)), residual
+
+    def attend(
+        self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> torch.Tensor:
+        md = get_attention_metadata()
+        store_kv(md, k, v, layer.layer_idx)
+        return paged_attend(md, q, layer.layer_idx, layer.scale, k, v)
+
+    def mlp_in(
+        self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        norm = layer.post_attention_layernorm
+        x, residual = reference.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)
+        return reference.silu_and_mul(layer.gate_up_proj(x)), residual
+
+    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor:
+        return reference.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)[0]
 
 
 class FusedDecoder(nn.Module):

@@ -101,6 +101,33 @@ def _apply(x: torch.Tensor, part: Part) -> torch.Tensor:
     return lowbit.int8_linear(x, part)
 
 
+def merge_reason(linears: Sequence[nn.Module]) -> str | None:
+    """Why `merge_quantized` cannot merge these low-bit layers (None: it can)."""
+    if not all(isinstance(m, QuantizedLinear) for m in linears):
+        kinds = sorted({type(m).__name__ for m in linears})
+        return f"its low-bit layers {'/'.join(kinds)} do not merge (only weight-only QuantizedLinear layers do)"
+    layers = [m for m in linears if isinstance(m, QuantizedLinear)]
+    if len({tuple((type(p), p.compute_dtype) for p in m.parts) for m in layers}) != 1:
+        return "sibling projections are stored in different low-bit formats"
+    if len({m.in_features for m in layers}) != 1:
+        return "sibling projections read inputs of different widths"
+    return None
+
+
+def merge_quantized(linears: Sequence[QuantizedLinear]) -> QuantizedLinear:
+    """One layer whose output is the `linears`' outputs side by side (q/k/v, gate/up as one matmul): each part's
+    rows concatenated (`lowbit.concat_rows`), so every output row is computed as its own layer computed it."""
+    reason = merge_reason(linears)
+    if reason is not None:
+        raise ValueError(reason)
+    parts = [lowbit.concat_rows([m.parts[i] for m in linears]) for i in range(len(linears[0].parts))]
+    bias = None
+    if any(m.bias is not None for m in linears):
+        first = next(m.bias for m in linears if m.bias is not None)
+        bias = torch.cat([m.bias if m.bias is not None else first.new_zeros(m.out_features) for m in linears])
+    return QuantizedLinear(parts, bias, linears[0].in_features, sum(m.out_features for m in linears))
+
+
 class QuantizedEmbedding(nn.Module):
     """Rows of a 4-bit or Q8_0 table, dequantized as they are looked up (in `dtype`)."""
 

@@ -1,6 +1,8 @@
 """The fused decoder layers (streamd/engine/worker/fusion.py) give the greedy tokens of Hugging Face `generate` on
 random-weight Llama, Qwen2 (QKV bias) and Qwen3 (q/k norm) models, through the reference kernels, the
-Triton kernels (interpreted on CPU) and torch.compile; and `model.fuse_layers` is wired and validated."""
+Triton kernels (interpreted on CPU), torch.compile and the CPU's lean path; low-bit models through the CPU's path
+give the tokens of transformers' modules over the same low-bit layers; and `model.fuse_layers` is wired and
+validated."""
 
 from __future__ import annotations
 
@@ -9,7 +11,8 @@ import torch
 from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig, MistralConfig, Qwen2Config
 
 from streamd import LLM, SamplingParams
-from streamd.engine.worker.fusion import FusedDecoder, fuse_layers
+from streamd.engine.worker.fusion import CpuPath, FusedDecoder, fuse_layers
+from streamd.engine.worker.quantized import QuantizedLinear
 from tests.helpers import (
     hf_greedy,
     random_engine_and_hf_twin,
@@ -33,7 +36,7 @@ def _engine_and_reference(kind: str, num_prompts: int):
 def _modes() -> list:
     """(mode, (prompts, max tokens)). The interpreted Triton kernels and torch.compile are slow on CPU: fewer
     requests there (the kernel tests cover shapes), lighter still in `make test` (their full size is slow)."""
-    modes = [pytest.param("reference", (6, 12), id="reference")]
+    modes = [pytest.param("reference", (6, 12), id="reference"), pytest.param("cpu", (6, 12), id="cpu")]
     for mode in ("triton", "compile"):
         modes += [pytest.param(mode, *size.values, id=f"{mode}-{size.id}", marks=size.marks)
                   for size in sizes((2, 6), (4, 8))]
@@ -43,7 +46,7 @@ def _modes() -> list:
 # Mistral without a window is a Llama to the fused layer: the references alone (the kernels are the Llama's).
 @pytest.mark.parametrize("kind, mode, shape", [pytest.param(kind, *mode.values, id=f"{kind}-{mode.id}", marks=mode.marks)
                                                for kind in ("llama", "qwen2", "qwen3") for mode in _modes()]
-                         + [pytest.param("mistral", "reference", (6, 12), id="mistral-reference")])
+                         + [pytest.param("mistral", mode, (6, 12), id=f"mistral-{mode}") for mode in ("reference", "cpu")])
 def test_fused_layers_match_hf_generate(kind: str, mode: str, shape: tuple[int, int]) -> None:
     num_prompts, max_tokens = shape
     llm, reference, prompts = _engine_and_reference(kind, num_prompts)
@@ -154,3 +157,42 @@ def test_fused_engine_on_cuda_matches_transformers(mode: str) -> None:
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         assert out.outputs[0].token_ids == hf_greedy(reference, prompt, 40, None), f"{mode}: prompt {i} diverged"
     assert llm.engine.runner.graphs.replays > replays_before, "decode steps should have replayed CUDA graphs"
+
+
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_a_low_bit_model_on_the_cpu_path_computes_what_transformers_modules_compute(quantization: str) -> None:
+    """`auto` on the CPU takes a low-bit model through `CpuPath` (q/k/v and gate/up merged into one low-bit layer
+    each); its greedy tokens equal transformers' modules over the same low-bit layers, prompts long enough for the
+    dense path and a batch of decodes. The latency budget is off: it sizes prompt chunks from measured step times,
+    and a chunk's row count picks the packed or the dense matmul, which round differently."""
+    config = _tiny("llama")
+    kwargs = dict(device="cpu", dtype="float32", num_swap_blocks=0, quantization=quantization, max_step_ms=0,
+                  num_kv_blocks=120, block_size=8, seed=11)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 150, (6,), generator=gen)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False)
+    outs = {}
+    for mode in ("off", "auto"):
+        llm = LLM(config, fuse_layers=mode, **kwargs)
+        register_engine(llm.engine)
+        decoder = llm.engine.runner.model.model
+        assert isinstance(decoder, FusedDecoder) == (mode == "auto")
+        outs[mode] = [out.outputs[0].token_ids for out in run_to_completion(llm.engine, prompts, params)]
+    assert isinstance(decoder.path, CpuPath)
+    assert isinstance(decoder.layers[0].qkv_proj, QuantizedLinear)
+    assert outs["auto"] == outs["off"]
+
+
+def test_low_bit_layers_that_do_not_merge_keep_transformers_layer() -> None:
+    """W8A8 layers (int8 activations) are not merged: `auto` leaves such a model alone, a named mode says why;
+    the compiled stretch takes no low-bit layer."""
+    config = _tiny("llama")
+    kwargs = dict(device="cpu", dtype="float32", num_swap_blocks=0, num_kv_blocks=16, block_size=8)
+    llm = register_engine(LLM(config, quantization="int8", low_bit_matmul="w8a8", **kwargs).engine)
+    assert not isinstance(llm.runner.model.model, FusedDecoder)
+    with pytest.raises(ValueError, match="W8A8Linear"):
+        fuse_layers(llm.runner.model, "cpu", torch.device("cpu"))
+    int4 = register_engine(LLM(config, quantization="int4", fuse_layers="off", **kwargs).engine)
+    with pytest.raises(ValueError, match="low-bit"):
+        fuse_layers(int4.runner.model, "compile", torch.device("cpu"))

@@ -371,3 +371,39 @@ def test_a_w8a8_layer_counts_each_held_byte_once(kind: GGML) -> None:
             part.codes, part.scales]
     unique = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
     assert model_loader.weight_bytes(layer) == sum(unique.values())
+
+
+def _sibling(kind: GGML | str, rows: int, seed: int) -> quantized.QuantizedLinear:
+    """A low-bit layer of `rows` outputs: GGUF blocks of `kind` (96 inputs), or a float layer of 72 inputs (not a
+    multiple of the 32-wide group) quantized at load ("int4", "int8")."""
+    if isinstance(kind, GGML):
+        codes = gguf_weights.decode(random_blocks(kind, rows, 96, seed), TensorInfo("w", kind, (rows, 96), 0))
+        assert isinstance(codes, Int4Codes | Q8Codes)
+        return quantized.packed_from_codes(codes, None, torch.bfloat16)
+    torch.manual_seed(seed)
+    layer = quantized._quantized(torch.nn.Linear(72, rows), kind, torch.bfloat16, quantized.WEIGHT_ONLY)
+    assert isinstance(layer, quantized.QuantizedLinear)
+    return layer
+
+
+@pytest.mark.parametrize("kind", [GGML.Q4_1, GGML.Q8_0, "int4", "int8"])
+def test_merged_siblings_compute_every_row_as_their_own_layers(kind: GGML | str) -> None:
+    """q, k and v of 40, 24 and 24 rows (not whole blocks of torch's packing) merged into one layer (as the fused
+    layer merges them): each output row bit for bit what its own layer gives, on the packed path and the dense
+    one, with a zero bias where a layer had none."""
+    layers = [_sibling(kind, rows, seed) for seed, rows in enumerate((40, 24, 24))]
+    layers[1].bias = torch.nn.Parameter(torch.randn(24), requires_grad=False)
+    merged = quantized.merge_quantized(layers)
+    assert (merged.out_features, len(merged.parts)) == (88, len(layers[0].parts))
+    for rows in (1, 5, quantized.DENSE_ROWS + 3):
+        x = torch.randn(rows, layers[0].in_features)
+        with torch.no_grad():
+            assert torch.equal(merged(x), torch.cat([layer(x) for layer in layers], dim=-1)), f"{rows} rows"
+
+
+def test_siblings_in_different_formats_are_not_merged() -> None:
+    q4, q8 = _sibling(GGML.Q4_1, 32, 0), _sibling(GGML.Q8_0, 32, 1)
+    reason = quantized.merge_reason([q4, q8])
+    assert reason is not None and "different low-bit formats" in reason
+    with pytest.raises(ValueError, match="different low-bit formats"):
+        quantized.merge_quantized([q4, q8])
