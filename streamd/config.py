@@ -268,8 +268,10 @@ class EngineConfig:
     """How the engine runs beside the server (`streamd serve`, the serving benchmarks)."""
 
     # The engine in a child process, detokenizing in the server's (ProcessEngine outputs="network"): the
-    # network side and the engine stop sharing one GIL. "auto": on when the model runs on CUDA without tensor
-    # parallelism (where the host side is what bounds the served rate), else off (the CPU default, and tests).
+    # network side and the engine stop sharing one GIL. "auto": on without tensor parallelism (on CUDA the host
+    # side bounds the served rate; on the CPU the engine's threads no longer wait for the GIL the network side
+    # holds, and its thread count sees the server as another process: benchmarks/NOTES.md, "Issue 25, one
+    # stream"), off under it (the offline LLM and tests' in-process servers use a thread either way).
     process: bool | str = "auto"
     # With process: step batches the engine may run ahead of their delivery. When the network side is the
     # bottleneck, that many steps' tokens merge into one write per stream (fewer, bigger writes: more

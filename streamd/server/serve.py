@@ -107,14 +107,10 @@ def uvicorn_config(config: Config, app: Starlette) -> uvicorn.Config:
 
 
 def engine_in_own_process(config: Config) -> bool:
-    """`engine.process` decided: "auto" is on where the model runs on CUDA with one GPU."""
+    """`engine.process` decided: "auto" is on without tensor parallelism (one GPU, or the CPU)."""
     if isinstance(config.engine.process, bool):
         return config.engine.process
-    if config.parallel.tensor_parallel_size > 1:
-        return False
-    from streamd.engine import resolve_device
-
-    return resolve_device(config.model.device).type == "cuda"
+    return config.parallel.tensor_parallel_size == 1
 
 
 def engine_for(config: Config, factory: Callable[..., LLMEngine], *args: Any) -> EngineClient:
