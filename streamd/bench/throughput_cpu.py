@@ -102,6 +102,16 @@ def _hf_model(settings: CpuBenchSettings, attn: str) -> Any:
     return AutoModelForCausalLM.from_pretrained(default_model_dir(), dtype=dtype, attn_implementation=attn).eval()
 
 
+def _hf_default_threads() -> None:
+    """transformers at its own default: torch's threads on every core this process may use (streamd's governor
+    sets its own count again at its next step)."""
+    import torch
+
+    from streamd.engine.worker.cpu_threads import usable_cores
+
+    torch.set_num_threads(usable_cores())
+
+
 class HfContinuousRunner:
     name = "hf_cb"
 
@@ -109,6 +119,7 @@ class HfContinuousRunner:
         self.model = _hf_model(settings, "paged|sdpa")
 
     def run(self, work: TokenWorkload) -> float:
+        _hf_default_threads()
         seconds, produced = run_continuous_batching(self.model, work)
         if produced != work.output_tokens:
             raise RuntimeError(f"transformers continuous batching produced {produced} of {work.output_tokens} tokens")
@@ -125,6 +136,7 @@ class HfStaticRunner:
         """One left-padded batch of every request (the workload is CPU-sized), run to the longest output."""
         import torch
 
+        _hf_default_threads()
         width = max(map(len, work.prompts))
         ids = torch.tensor([[0] * (width - len(p)) + p for p in work.prompts])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in work.prompts])
@@ -140,6 +152,7 @@ class HfStaticRunner:
         """One plain forward of the prompt (logits of its last position): transformers' time to first token."""
         import torch
 
+        _hf_default_threads()
         ids = torch.tensor([prompt])
         start = time.perf_counter()
         with torch.inference_mode():

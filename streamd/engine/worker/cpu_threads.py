@@ -109,9 +109,8 @@ class ThreadGovernor:
             return
         others = (sample.busy_s - self._last.busy_s) - (sample.own_s - self._last.own_s)
         threads = threads_for(len(self.cores), max(0.0, others) / (now - self._since))
-        self._since, self._last = now, sample
-        if threads != self.threads:
-            self.threads = threads
+        self._since, self._last, self.threads = now, sample, threads
+        if torch.get_num_threads() != threads:  # (set again where other code in this process changed it)
             torch.set_num_threads(threads)
 
 
