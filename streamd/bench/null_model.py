@@ -47,6 +47,9 @@ class NullExecutor:
     def failed(self) -> bool:
         return self.executor.failed
 
+    def cpu_threads(self) -> int:
+        return self.executor.cpu_threads()
+
     def execute(
         self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
     ) -> torch.Tensor:

@@ -173,6 +173,7 @@ class LLMEngine:
             len(self.requests),
             self._generated_tokens,
             self.grammars.cache_bytes(),
+            self.executor.cpu_threads(),
         )
 
     # ---- the iteration --------------------------------------------------------------------------

@@ -111,6 +111,7 @@ class EngineStats:
     num_requests: int  # requests the engine holds (waiting, running, swapped)
     generated_tokens: int  # cumulative output tokens sampled and kept (the engine view's tokens/s)
     grammar_cache_bytes: int = 0  # compiled grammars cached (bounded by grammar.cache_bytes)
+    cpu_threads: int = 0  # torch's threads the forward runs on now (0: the model is not on the CPU)
 
     @property
     def pool_whole(self) -> bool:

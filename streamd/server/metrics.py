@@ -135,6 +135,12 @@ class EngineStatsCollector(Collector):
             )
         if kv.block_bytes:
             yield _gauge("streamd_kv_bytes_used", "KV cache bytes held by live sequences, every layer.", kv.bytes_used)
+        if stats.cpu_threads:
+            yield _gauge(
+                "streamd_cpu_threads",
+                "torch threads the CPU forward runs on now (model.num_threads = 0: re-decided every 0.5 s).",
+                stats.cpu_threads,
+            )
         yield _counter(
             "streamd_prefix_cache_queried_tokens",
             "Prompt tokens looked up in the prefix cache.",

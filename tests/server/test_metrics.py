@@ -3,6 +3,8 @@ when requests run."""
 
 from __future__ import annotations
 
+import os
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -11,7 +13,8 @@ from tests.server.util import gather_until_done, running_server, send, ws_connec
 HISTOGRAMS = ["streamd_time_to_first_token_seconds", "streamd_inter_token_latency_seconds",
               "streamd_e2e_request_latency_seconds", "streamd_request_queue_time_seconds"]
 GAUGES = ["streamd_requests_running", "streamd_requests_waiting", "streamd_requests_swapped",
-          "streamd_kv_blocks_used", "streamd_kv_blocks_free", "streamd_swap_blocks_used", "streamd_ws_connections"]
+          "streamd_kv_blocks_used", "streamd_kv_blocks_free", "streamd_swap_blocks_used", "streamd_ws_connections",
+          "streamd_cpu_threads"]  # (the session's engine runs on the CPU)
 COUNTERS = ["streamd_prefix_cache_queried_tokens", "streamd_prefix_cache_hit_tokens", "streamd_preemptions",
             "streamd_swapped_blocks", "streamd_recomputed_tokens", "streamd_requests", "streamd_ws_closes",
             "streamd_generation_tokens", "streamd_spec_draft_tokens", "streamd_spec_accepted_tokens"]
@@ -58,6 +61,7 @@ async def test_metrics_parse_and_move(async_engine) -> None:
     assert after[generated][()] == before[generated][()] + 10  # 5 tokens each, eos ignored
     total = async_engine.stats().kv.blocks_total
     assert after["streamd_kv_blocks_free"][()] == total and after["streamd_kv_blocks_used"][()] == 0
+    assert 1 <= after["streamd_cpu_threads"][()] <= len(os.sched_getaffinity(0))
     assert set(after["streamd_preemptions_total"]) == {(("mode", "recompute"),), (("mode", "swap"),)}
     assert set(after["streamd_swapped_blocks_total"]) == {(("direction", "in"),), (("direction", "out"),)}
 

@@ -51,6 +51,10 @@ class Executor(Protocol):
         self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
     ) -> torch.Tensor: ...
 
+    def cpu_threads(self) -> int:
+        """torch's threads the forward runs on now, on the CPU (0: the model is not on the CPU)."""
+        ...
+
     def shutdown(self) -> None: ...
 
 
@@ -131,6 +135,11 @@ class LocalExecutor:
         if self.threads is not None:
             self.threads.tick()
         return self.runner.execute(out, prev_tokens, prev_rows)
+
+    def cpu_threads(self) -> int:
+        if self.runner.device.type != "cpu":
+            return 0
+        return self.threads.threads if self.threads is not None else torch.get_num_threads()
 
     def shutdown(self) -> None:
         pass

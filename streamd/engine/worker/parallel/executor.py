@@ -85,6 +85,10 @@ class TensorParallelExecutor:
     def write_blocks(self, pairs: list[tuple[int, bytes]]) -> None:
         _no_tier_orders(pairs)
 
+    def cpu_threads(self) -> int:
+        """Each rank sets its own threads (`workers.py`); rank 0's here, on the CPU."""
+        return torch.get_num_threads() if self.runner.device.type == "cpu" else 0
+
     def execute(
         self, out: SchedulerOutput, prev_tokens: torch.Tensor | None = None, prev_rows: dict[int, int] | None = None
     ) -> torch.Tensor:
