@@ -168,6 +168,43 @@ def int4_codes(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return codes, pairs[..., 0], pairs[..., 1]
 
 
+def int4_rows(weight: Int4Weight, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` of the packed weight's codes, uint8 [len(index), in_features]: the packing undone for those
+    rows alone (`_codes_t`'s layout), so a table looked up a few rows at a time need not be held unpacked."""
+    block = packed_row_block()
+    if block is None:
+        raise RuntimeError("torch's int4 packing has a layout this module does not unpack")
+    groups, rows, _ = weight.scales_and_zeros.shape
+    width, full, half = groups * weight.group_size, rows // block * block, block // 2
+    flat, ids = weight.packed.reshape(-1), index.to(torch.long).reshape(-1)
+    out = torch.empty(len(ids), width, dtype=torch.uint8)
+    in_blocks = ids < full
+    if bool(in_blocks.any()):
+        r = ids[in_blocks]
+        data = flat[: full * width // 2].view(full // block, width, half)[r // block, :, r % half]
+        out[in_blocks] = (data >> ((r % block >= half).to(torch.uint8) * 4)[:, None]) & 15
+    if not bool(in_blocks.all()):
+        r = ids[~in_blocks] - full
+        data = flat[full * width // 2 :].view(width, (rows - full) // 2)[:, r // 2].t()
+        out[~in_blocks] = (data >> ((r % 2).to(torch.uint8) * 4)[:, None]) & 15
+    return out[:, : weight.in_features]
+
+
+def stack_rows(weights: Sequence[Int4Weight]) -> Int4Weight:
+    """One weight of the `weights`' rows in turn, their packed bytes and scales concatenated as they are (no
+    unpacking): each but the last holds whole blocks of torch's packing (`packed_row_block`) and no padded row.
+    How a large table is packed a slice at a time (`quantized.packed_from_codes`)."""
+    block = packed_row_block()
+    if any(
+        block is None or w.out_features % block or w.scales_and_zeros.shape[1] != w.out_features for w in weights[:-1]
+    ):
+        raise ValueError("only whole blocks of torch's int4 packing stack without repacking")
+    first = weights[0]
+    packed = torch.cat([w.packed for w in weights])
+    pairs = torch.cat([w.scales_and_zeros for w in weights], dim=1)
+    return Int4Weight(packed, pairs, first.group_size, sum(w.out_features for w in weights), first.in_features)
+
+
 def concat_rows(weights: Sequence[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
     """One weight whose output rows are the weights' rows in turn (q, k and v as one matmul): the same codes and
     scales, so every output row is computed as it was by its own weight (tested bit for bit). The weights share

@@ -26,7 +26,13 @@ from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
 from streamd.engine.worker.gguf_weights import BLOCK_FORMATS, Decoded, decode, read, read_index
-from streamd.engine.worker.quantized import WEIGHT_ONLY, QuantizedEmbedding, linear_from_codes, share_inputs
+from streamd.engine.worker.quantized import (
+    WEIGHT_ONLY,
+    PackedTable,
+    QuantizedEmbedding,
+    linear_from_codes,
+    share_inputs,
+)
 from streamd.heap import trim_c_heap
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values mapped here (Mistral files say llama)
@@ -118,8 +124,10 @@ def _replace(model: nn.Module, module_name: str, module: nn.Module) -> None:
 def _tie_head(model: PreTrainedModel, compute: torch.dtype, matmul: str) -> None:
     """A file without `output.weight` ties the head to the token embedding (SmolLM2's does)."""
     embedding = model.get_submodule("model.embed_tokens")
-    if isinstance(embedding, QuantizedEmbedding):
-        _replace(model, "lm_head", linear_from_codes(embedding.table, None, compute, matmul))
+    if isinstance(embedding, QuantizedEmbedding) and not isinstance(embedding.table, PackedTable):
+        head = linear_from_codes(embedding.table, None, compute, matmul)
+        _replace(model, "lm_head", head)
+        embedding.table = PackedTable.of(embedding.table, head) or embedding.table  # its codes held once
     else:
         model.get_submodule("lm_head").weight = embedding.weight
 

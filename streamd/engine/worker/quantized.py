@@ -26,6 +26,7 @@ int8 codes through torch's weight-only int8 kernel). The memory is the price: bo
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -128,13 +129,50 @@ def merge_quantized(linears: Sequence[QuantizedLinear]) -> QuantizedLinear:
     return QuantizedLinear(parts, bias, linears[0].in_features, sum(m.out_features for m in linears))
 
 
+@dataclass(frozen=True, slots=True)
+class PackedTable:
+    """A tied embedding's table whose codes are read from the head's packed weight, so the codes are held once:
+    the file's exact float32 scales (and zeros) beside it, and a looked-up row's codes unpacked
+    (`lowbit.int4_rows`; a Q8_0 code from its halves, q = 16 * (hi - 8) + lo), so a row dequantizes to what the
+    file's table gives, bit for bit."""
+
+    parts: tuple[lowbit.Int4Weight, ...]  # the head's: a 4-bit weight, or a Q8_0 weight's (high, low) halves
+    scales: torch.Tensor
+    zeros: torch.Tensor | None  # a 4-bit table's (None: Q8_0)
+
+    def rows(self, index: torch.Tensor) -> Int4Codes | Q8Codes:
+        if self.zeros is not None:
+            return Int4Codes(lowbit.int4_rows(self.parts[0], index), self.scales[index], self.zeros[index])
+        high, low = (lowbit.int4_rows(part, index).to(torch.int16) for part in self.parts)
+        return Q8Codes(((high - 8) * 16 + low).to(torch.int8), self.scales[index])
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.parts[0].out_features, self.parts[0].in_features
+
+    @property
+    def nbytes(self) -> int:
+        """What the table holds beside the head (its codes are the head's)."""
+        return self.scales.nbytes + (0 if self.zeros is None else self.zeros.nbytes)
+
+    @classmethod
+    def of(cls, table: Int4Codes | Q8Codes, head: nn.Module) -> PackedTable | None:
+        """`table` read from `head`, where the head is its weight-only packed form (None: it is not)."""
+        if not isinstance(head, QuantizedLinear) or not all(isinstance(p, lowbit.Int4Weight) for p in head.parts):
+            return None
+        parts = tuple(p for p in head.parts if isinstance(p, lowbit.Int4Weight))
+        if isinstance(table, Q8Codes):
+            return cls(parts, table.scales, None) if len(parts) == 2 else None
+        return cls(parts, table.scales, table.zeros) if len(parts) == 1 else None
+
+
 class QuantizedEmbedding(nn.Module):
     """Rows of a 4-bit or Q8_0 table, dequantized as they are looked up (in `dtype`)."""
 
-    def __init__(self, table: Int4Codes | Q8Codes, dtype: torch.dtype) -> None:
+    def __init__(self, table: Int4Codes | Q8Codes | PackedTable, dtype: torch.dtype) -> None:
         super().__init__()
         self.table, self.dtype = table, dtype
-        self.num_embeddings, self.embedding_dim = table.codes.shape
+        self.num_embeddings, self.embedding_dim = table.shape if isinstance(table, PackedTable) else table.codes.shape
 
     @property
     def nbytes(self) -> int:
@@ -248,10 +286,23 @@ def linear_from_codes(
 
 
 def packed_from_codes(codes: Int4Codes | Q8Codes, bias: torch.Tensor | None, compute: torch.dtype) -> QuantizedLinear:
-    halves = codes.int4_halves() if isinstance(codes, Q8Codes) else iter((codes,))
-    parts = [lowbit.pack_int4(h.codes, h.scales, h.zeros, GROUP, compute) for h in halves]  # one half held at a time
     out_features, in_features = codes.codes.shape
+    if isinstance(codes, Q8Codes):
+        parts = _packed_halves(codes, compute)
+    else:
+        parts = [lowbit.pack_int4(codes.codes, codes.scales, codes.zeros, GROUP, compute)]
     return QuantizedLinear(parts, bias, in_features, out_features)
+
+
+def _packed_halves(codes: Q8Codes, compute: torch.dtype) -> list[Part]:
+    """A Q8_0 weight's two int4 halves, packed `REQUANTIZE_ROWS` rows at a time and stacked (`lowbit.stack_rows`):
+    a vocabulary-sized table never has an unpacked half beside it (the load's peak: benchmarks/NOTES.md)."""
+    high: list[lowbit.Int4Weight] = []
+    low: list[lowbit.Int4Weight] = []
+    for start in range(0, codes.codes.shape[0], REQUANTIZE_ROWS):
+        for into, half in zip((high, low), codes.rows(slice(start, start + REQUANTIZE_ROWS)).int4_halves()):
+            into.append(lowbit.pack_int4(half.codes, half.scales, half.zeros, GROUP, compute))
+    return [lowbit.stack_rows(high), lowbit.stack_rows(low)]
 
 
 def quantize_linears(model: nn.Module, mode: str, compute: torch.dtype, matmul: str = WEIGHT_ONLY) -> int:

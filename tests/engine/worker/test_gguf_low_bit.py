@@ -95,14 +95,14 @@ def test_the_default_model_as_stored_computes_transformers_dequantized_model(low
     torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=0)
 
 
-@pytest.mark.parametrize("matmul, held_bound", [(quantized.WEIGHT_ONLY, 1.6), (quantized.W8A8, 2.9)])
+@pytest.mark.parametrize("matmul, held_bound", [(quantized.WEIGHT_ONLY, 1.4), (quantized.W8A8, 2.9)])
 def test_loading_the_default_model_holds_no_float_copy_of_its_weights(matmul: str, held_bound: float) -> None:
     """Memory of the load, measured from after torch and transformers are imported. A float32 copy of the
-    weights alone would be 5.7x the file. Peak: under 3.5x (measured 2.4-3.3x: the Q8_0 table held as codes
-    for the lookup and as two packed int4 halves for the tied head, and the halves' packing transients; w8a8
-    requantizes 1,024 rows at a time: 2.7x); held once loaded and the C heap trimmed: under 1.6x (measured
-    1.5-1.6x), w8a8 under 2.9x (measured 2.6x: its layers hold int8 codes beside their packed 4-bit ones, the
-    head int8 codes instead of two 4-bit halves)."""
+    weights alone would be 5.7x the file. Peak: under 3.5x (measured 2.5x: the Q8_0 table as codes while the
+    tied head's two int4 halves are packed from it, a slice at a time; w8a8 requantizes 1,024 rows at a time:
+    2.7x); held once loaded and the C heap trimmed: under 1.4x (measured 1.28x: the embedding reads its codes
+    from the head's packed halves, `PackedTable`), w8a8 under 2.9x (measured 2.6x: its layers hold int8 codes
+    beside their packed 4-bit ones, the head int8 codes instead of two 4-bit halves, and the table its codes)."""
     script = f"""
 import gc, torch, transformers
 from streamd import heap
@@ -407,3 +407,42 @@ def test_siblings_in_different_formats_are_not_merged() -> None:
     assert reason is not None and "different low-bit formats" in reason
     with pytest.raises(ValueError, match="different low-bit formats"):
         quantized.merge_quantized([q4, q8])
+
+
+@pytest.mark.parametrize("rows", [80, 1030])
+def test_rows_unpack_from_torchs_packing_alone(rows: int) -> None:
+    """`lowbit.int4_rows` gives the codes of any rows (whole blocks of the packing and the pairwise tail) as packed."""
+    codes = torch.randint(0, 16, (rows, 96), generator=torch.Generator().manual_seed(rows), dtype=torch.uint8)
+    weight = lowbit.pack_int4(codes, torch.rand(rows, 3), torch.rand(rows, 3), 32, torch.bfloat16)
+    ids = torch.tensor([0, 1, 31, 32, 63, 64, 65, rows - 2, rows - 1, 5, 5])
+    assert torch.equal(lowbit.int4_rows(weight, ids), codes[ids])
+
+
+def test_stacked_slices_pack_as_the_whole_weight_does() -> None:
+    codes = torch.randint(0, 16, (200, 64), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
+    scales, zeros = torch.rand(200, 2), torch.rand(200, 2)
+    whole = lowbit.pack_int4(codes, scales, zeros, 32, torch.bfloat16)
+    parts = [lowbit.pack_int4(codes[s], scales[s], zeros[s], 32, torch.bfloat16)
+             for s in (slice(0, 128), slice(128, 192), slice(192, 200))]
+    stacked = lowbit.stack_rows(parts)
+    assert torch.equal(stacked.packed, whole.packed) and torch.equal(stacked.scales_and_zeros, whole.scales_and_zeros)
+    assert (stacked.out_features, stacked.in_features) == (200, 64)
+    with pytest.raises(ValueError, match="whole blocks"):
+        lowbit.stack_rows([parts[2], parts[0]])
+
+
+@pytest.mark.parametrize("kind", [GGML.Q4_1, GGML.Q8_0])
+def test_a_tied_table_read_from_the_packed_head_dequantizes_as_the_file_does(kind: GGML) -> None:
+    """The embedding of a tied head holds no codes of its own (`PackedTable`): its rows, read from the head's packed
+    halves, dequantize to the file's values bit for bit (rows in whole blocks and in the tail)."""
+    rows = 1030  # (over `REQUANTIZE_ROWS`: the head is packed in slices, then stacked)
+    table = gguf_weights.decode(random_blocks(kind, rows, 96, seed=3), TensorInfo("t", kind, (rows, 96), 0))
+    assert isinstance(table, Int4Codes | Q8Codes)
+    head = quantized.packed_from_codes(table, None, torch.bfloat16)
+    packed = quantized.PackedTable.of(table, head)
+    assert packed is not None and packed.shape == (rows, 96)
+    ids = torch.tensor([0, 63, 64, 1023, 1024, 1029, 7])
+    assert torch.equal(packed.rows(ids).dequantize(), table.rows(ids).dequantize())
+    embedding = quantized.QuantizedEmbedding(packed, torch.float32)
+    assert torch.equal(embedding(ids[None]), table.rows(ids).dequantize()[None])
+    assert packed.nbytes < table.nbytes / 4  # the scales alone
