@@ -4,7 +4,8 @@ transformers' own GGUF loader dequantizes every tensor to float32 (540 MB for th
 a decode step then reads all of it per token. Here the model is made on the meta device from the file's
 config, every Linear whose tensor is Q4_0 / Q4_1 / Q4_K / Q8_0 becomes a `QuantizedLinear` over its codes
 (exact: `gguf_weights`), the token embedding a `QuantizedEmbedding` (and the head, when tied to it, a
-`QuantizedLinear` of the same codes), and the remaining tensors (norms, biases, other formats) are set in
+`QuantizedLinear` of the same codes, read and packed from the file 1,024 rows at a time, the embedding then reading
+its rows from the head's packed codes: `quantized.PackedTable`, each code held once), and the remaining tensors (norms, biases, other formats) are set in
 the model's dtype. Nothing float32 of the size of the weights exists at any point. With `model.low_bit_matmul`
 resolved to w8a8 the Linears are `W8A8Linear`s instead: the codes requantized to int8 per output channel, a
 few thousand rows at a time, and q/k/v and gate/up quantize their shared input once (`quantized.share_inputs`).
@@ -16,7 +17,7 @@ architecture loads through transformers' dequantizing path (`model_loader`), as 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -25,15 +26,28 @@ from accelerate import init_empty_weights
 from torch import nn
 from transformers import AutoModelForCausalLM, PretrainedConfig, PreTrainedModel
 
-from streamd.engine.worker.gguf_weights import BLOCK_FORMATS, Decoded, decode, read, read_index
+from streamd.engine.worker.gguf_weights import (
+    BLOCK_FORMATS,
+    Decoded,
+    Int4Codes,
+    Q8Codes,
+    TensorInfo,
+    decode,
+    read,
+    read_index,
+)
 from streamd.engine.worker.quantized import (
+    REQUANTIZE_ROWS,
     WEIGHT_ONLY,
     PackedTable,
     QuantizedEmbedding,
+    QuantizedLinear,
     linear_from_codes,
+    packed_from_codes,
     share_inputs,
 )
 from streamd.heap import trim_c_heap
+from streamd.kernels import lowbit
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3")  # general.architecture values mapped here (Mistral files say llama)
 _GLOBAL = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
@@ -78,13 +92,17 @@ def load_low_bit(
     arch = str(fields.get("general.architecture", ""))
     tensors = {hf_name(t.name): t for t in infos}
     biases = {name: tensors.pop(name) for name in list(tensors) if name.endswith(".bias")}
+    tied = "lm_head.weight" not in tensors
     for name, info in tensors.items():
+        if tied and name == EMBEDDING and _install_tied_by_slices(model, path, info, _Numerics(dtype, compute, matmul)):
+            tied = False  # the head is in place
+            continue
         decoded = _row_order(arch, name, config, decode(read(path, info), info))
         bias = biases.pop(name[: -len("weight")] + "bias", None)
         bias_tensor = None if bias is None else _dense(decode(read(path, bias), bias)).to(dtype)
         _install(model, name, decoded, bias_tensor, _Numerics(dtype, compute, matmul))
         trim_c_heap()  # each tensor's transients (bytes, codes, int32 packing copies) back to the OS
-    if "lm_head.weight" not in tensors:
+    if tied:
         _tie_head(model, compute, matmul)
     _check_materialized(model, path)
     share_inputs(model)
@@ -110,6 +128,54 @@ def _install(model: nn.Module, name: str, decoded: Decoded, bias: torch.Tensor |
     module.weight = nn.Parameter(_dense(decoded).to(how.dtype), requires_grad=False)  # a norm, or another module
     if bias is not None:
         module.bias = nn.Parameter(bias.to(how.dtype), requires_grad=False)
+
+
+EMBEDDING = "model.embed_tokens.weight"
+
+
+def _install_tied_by_slices(model: nn.Module, path: Path, info: TensorInfo, how: _Numerics) -> bool:
+    """A tied vocabulary table in a block format, weight-only: the head packed from the file's bytes
+    `REQUANTIZE_ROWS` rows at a time (`lowbit.stack_rows`) and the embedding reading its codes from it
+    (`PackedTable`), so the table's codes are never held whole (the load's peak: benchmarks/NOTES.md). False
+    where that does not apply (the caller installs the table as it is)."""
+    if how.matmul != WEIGHT_ONLY or not isinstance(model.get_submodule("model.embed_tokens"), nn.Embedding):
+        return False
+    rows, cols = info.shape
+    slices = [decode(read(path, part), part) for part in _row_slices(info)]
+    if not all(isinstance(codes, Int4Codes | Q8Codes) for codes in slices):
+        return False
+    tables = [codes for codes in slices if isinstance(codes, Int4Codes | Q8Codes)]
+    packed = [_int4_parts(packed_from_codes(codes, None, how.compute)) for codes in tables]
+    head = QuantizedLinear([lowbit.stack_rows(same) for same in zip(*packed)], None, cols, rows)
+    table = PackedTable.of(_table(tables), head)
+    if table is None:
+        return False
+    _replace(model, "lm_head", head)
+    _replace(model, "model.embed_tokens", QuantizedEmbedding(table, how.dtype))
+    return True
+
+
+def _row_slices(info: TensorInfo) -> list[TensorInfo]:
+    """A 2-D tensor's rows, `REQUANTIZE_ROWS` at a time, each a tensor of its own in the file."""
+    rows, cols = info.shape
+    row_bytes = info.nbytes // rows
+    return [
+        replace(info, shape=(min(REQUANTIZE_ROWS, rows - start), cols), offset=info.offset + start * row_bytes)
+        for start in range(0, rows, REQUANTIZE_ROWS)
+    ]
+
+
+def _int4_parts(head: QuantizedLinear) -> list[lowbit.Int4Weight]:
+    return [part for part in head.parts if isinstance(part, lowbit.Int4Weight)]
+
+
+def _table(pieces: list[Int4Codes | Q8Codes]) -> Int4Codes | Q8Codes:
+    """The slices' scales (and zeros) as one table, without codes (`PackedTable.of` reads the scales alone)."""
+    empty = torch.empty(0, dtype=torch.uint8)
+    scales = torch.cat([p.scales for p in pieces])
+    if all(isinstance(p, Int4Codes) for p in pieces):
+        return Int4Codes(empty, scales, torch.cat([p.zeros for p in pieces if isinstance(p, Int4Codes)]))
+    return Q8Codes(empty, scales)
 
 
 def _dense(decoded: Decoded) -> torch.Tensor:

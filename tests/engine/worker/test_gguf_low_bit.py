@@ -95,12 +95,14 @@ def test_the_default_model_as_stored_computes_transformers_dequantized_model(low
     torch.testing.assert_close(ours, theirs, atol=2e-3, rtol=0)
 
 
-@pytest.mark.parametrize("matmul, held_bound", [(quantized.WEIGHT_ONLY, 1.4), (quantized.W8A8, 2.9)])
-def test_loading_the_default_model_holds_no_float_copy_of_its_weights(matmul: str, held_bound: float) -> None:
+@pytest.mark.parametrize("matmul, peak_bound, held_bound", [(quantized.WEIGHT_ONLY, 1.5, 1.4), (quantized.W8A8, 3.5, 2.9)])
+def test_loading_the_default_model_holds_no_float_copy_of_its_weights(
+    matmul: str, peak_bound: float, held_bound: float
+) -> None:
     """Memory of the load, measured from after torch and transformers are imported. A float32 copy of the
-    weights alone would be 5.7x the file. Peak: under 3.5x (measured 2.5x: the Q8_0 table as codes while the
-    tied head's two int4 halves are packed from it, a slice at a time; w8a8 requantizes 1,024 rows at a time:
-    2.7x); held once loaded and the C heap trimmed: under 1.4x (measured 1.28x: the embedding reads its codes
+    weights alone would be 5.7x the file. Peak: under 1.5x (measured 1.44x: the tied Q8_0 table is read, decoded
+    and packed into the head's two int4 halves 1,024 rows at a time, its codes never whole; w8a8 requantizes
+    1,024 rows at a time but decodes the table whole: under 3.5x, measured 2.7x); held once loaded and the C heap trimmed: under 1.4x (measured 1.28x: the embedding reads its codes
     from the head's packed halves, `PackedTable`), w8a8 under 2.9x (measured 2.6x: its layers hold int8 codes
     beside their packed 4-bit ones, the head int8 codes instead of two 4-bit halves, and the table its codes)."""
     script = f"""
@@ -119,7 +121,7 @@ print(peak - base, status("VmRSS") - base, path.stat().st_size)
 """
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     peak, held, file_size = map(int, result.stdout.split()[-3:])
-    assert peak < 3.5 * file_size, f"loading peaked {peak / 2**20:.0f} MiB above the imports (file {file_size / 2**20:.0f})"
+    assert peak < peak_bound * file_size, f"loading peaked {peak / 2**20:.0f} MiB above the imports (file {file_size / 2**20:.0f})"
     assert held < held_bound * file_size, f"the model holds {held / 2**20:.0f} MiB (file {file_size / 2**20:.0f})"
 
 
