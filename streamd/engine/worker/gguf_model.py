@@ -3,12 +3,13 @@
 transformers' own GGUF loader dequantizes every tensor to float32 (540 MB for the default 98 MB file), and
 a decode step then reads all of it per token. Here the model is made on the meta device from the file's
 config, every Linear whose tensor is Q4_0 / Q4_1 / Q4_K / Q8_0 becomes a `QuantizedLinear` over its codes
-(exact: `gguf_weights`), the token embedding a `QuantizedEmbedding` (and the head, when tied to it, a
-`QuantizedLinear` of the same codes, read and packed from the file 1,024 rows at a time, the embedding then reading
-its rows from the head's packed codes: `quantized.PackedTable`, each code held once), and the remaining tensors (norms, biases, other formats) are set in
-the model's dtype. Nothing float32 of the size of the weights exists at any point. With `model.low_bit_matmul`
-resolved to w8a8 the Linears are `W8A8Linear`s instead: the codes requantized to int8 per output channel, a
-few thousand rows at a time, and q/k/v and gate/up quantize their shared input once (`quantized.share_inputs`).
+(exact: `gguf_weights`), the token embedding a `QuantizedEmbedding`, and the remaining tensors (norms, biases,
+other formats) are set in the model's dtype. A head tied to the embedding is a `QuantizedLinear` of the same
+codes, read and packed from the file 1,024 rows at a time; the embedding then reads its rows from the head's
+packed codes (`quantized.PackedTable`), so each code is held once. Nothing float32 of the size of the weights
+exists at any point. With `model.low_bit_matmul` resolved to w8a8 the Linears are `W8A8Linear`s instead: the
+codes requantized to int8 per output channel, a few thousand rows at a time, and q/k/v and gate/up quantize
+their shared input once (`quantized.share_inputs`).
 
 Only llama.cpp's Llama-style naming is mapped (`ARCHITECTURES`: Llama, Mistral, Qwen2, Qwen3); another
 architecture loads through transformers' dequantizing path (`model_loader`), as before.
