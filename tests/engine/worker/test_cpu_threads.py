@@ -123,3 +123,23 @@ def test_an_automatic_count_gets_a_governor_and_a_fixed_one_does_not(restore_thr
     assert LLM(config, num_threads=1, **kwargs).engine.executor.threads is None
     governor = LLM(config, num_threads=0, **kwargs).engine.executor.threads
     assert isinstance(governor, ThreadGovernor) and governor.cores == tuple(sorted(os.sched_getaffinity(0)))
+
+
+def test_the_executor_ticks_the_governor_before_each_step(restore_threads) -> None:
+    """The governor decides on the engine thread, before a step's forward (torch's count is that thread's): a
+    machine whose other processes fall idle takes the engine from one thread to both within a step."""
+    from transformers import LlamaConfig
+
+    from streamd import LLM, SamplingParams
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    llm = LLM(config, device="cpu", num_threads=0, num_kv_blocks=8, num_swap_blocks=0)
+    executor = llm.engine.executor
+    machine = FakeMachine()
+    executor.threads = ThreadGovernor([0, 1], interval_s=0.5, read=machine.read, clock=lambda: machine.now)
+    torch.set_num_threads(1)
+    machine.run(1.0, ours=1.0, others=0.0)
+    llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False))
+    assert executor.threads.threads == 2 and torch.get_num_threads() == 2
+    assert llm.engine.stats().cpu_threads == 2
