@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from streamd.bench.report import BenchError, add_out_argument, markdown_table, report_header, save_report
-from streamd.config import load_config
+from streamd.config import load_config, parse_assignment
 from streamd.engine.core.fairness import OUTPUT_WEIGHT, PROMPT_WEIGHT, FairShare
 from streamd.engine.sampling_params import SamplingParams
 
@@ -153,6 +153,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--device", default="cpu", help="where the default model runs: cpu, cuda (the null model has no weights)"
     )
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an engine setting over the bench's own (e.g. scheduler.catch_up_chunk_tokens=32); repeatable",
+    )
     add_out_argument(parser)
     parser.add_argument("--no-write", action="store_true", help="print only")
 
@@ -166,8 +173,10 @@ def run(args: argparse.Namespace) -> int:
             "--models null runs on the CPU only: the null model has no weights and measures the scheduler alone "
             "(run it with --device cpu, and the default model with --models default --device cuda)"
         )
+    settings = dict(parse_assignment(item) for item in args.set)
+    report["settings"] = settings
     for name, sizes in all_sizes.items():
-        engine = build_engine(name, sizes, args.device)
+        engine = build_engine(name, sizes, args.device, settings)
         try:
             result = measure(engine, sizes, args.warmup_rounds)
             report["models"][name] = {"sizes": asdict(sizes), "warmup_rounds": args.warmup_rounds, **result}
@@ -205,8 +214,10 @@ def engine_overrides(sizes: Sizes, device: str) -> dict[str, Any]:
     }
 
 
-def build_engine(model: str, sizes: Sizes, device: str = "cpu") -> LLMEngine:
-    config = load_config(overrides=engine_overrides(sizes, device), environ={})
+def build_engine(model: str, sizes: Sizes, device: str = "cpu", settings: dict[str, Any] | None = None) -> LLMEngine:
+    """The engine of one model: the bench's settings (`engine_overrides`), then `settings` (`--set`) over them; the
+    environment is not read (a run says all it was run with)."""
+    config = load_config(overrides={**engine_overrides(sizes, device), **(settings or {})}, environ={})
     if model == "null":
         from streamd.bench.null_model import null_engine
 
@@ -475,6 +486,12 @@ def markdown(report: dict[str, Any]) -> str:
         "",
         "Shared 2-core machine, noisy: ratios come from runs in one invocation on one engine.",
     ]
+    if report.get("settings"):
+        lines += [
+            "",
+            "Settings over the bench's own (`--set`): "
+            + ", ".join(f"`{k} = {v!r}`" for k, v in report["settings"].items()),
+        ]
     for model, result in report["models"].items():
         flood, back, tier = result["flood_and_chat"], result["backlog"], result["tiers"]
         flood_met = flood["targets"]

@@ -104,6 +104,21 @@ def test_device_flag_puts_the_model_there() -> None:
     assert on_gpu["scheduler.max_num_seqs"] == TINY.seats
 
 
+def test_set_puts_engine_settings_over_the_benchs_own(monkeypatch) -> None:
+    """`--set KEY=VALUE` reaches the engine (the environment does not: a run says all it was run with)."""
+    parser = argparse.ArgumentParser()
+    fairness.add_arguments(parser)
+    args = parser.parse_args(["--set", "scheduler.catch_up_chunk_tokens=32", "--set", "scheduler.max_num_seqs=3"])
+    settings = dict(fairness.parse_assignment(item) for item in args.set)
+    monkeypatch.setenv("STREAMD_SCHEDULER__CATCH_UP_CHUNK_TOKENS", "7")
+    engine = fairness.build_engine("null", TINY, "cpu", settings)
+    try:
+        assert engine.scheduler.config.catch_up_chunk_tokens == 32
+        assert engine.scheduler.max_num_seqs == 3  # over the bench's seats (TINY: 2)
+    finally:
+        engine.executor.shutdown()
+
+
 def test_untimed_rounds_first_then_timed_rounds_in_alternating_order(monkeypatch) -> None:
     """`--warmup-rounds 1 --rounds 2`: solo, fair, fcfs untimed; then solo, fair, fcfs and fcfs, fair, solo,
     each timed run pooled under its policy (the null model: only the order is asserted)."""
