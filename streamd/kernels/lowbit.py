@@ -190,25 +190,12 @@ def int4_rows(weight: Int4Weight, index: torch.Tensor) -> torch.Tensor:
     return out[:, : weight.in_features]
 
 
-def stack_rows(weights: Sequence[Int4Weight]) -> Int4Weight:
-    """One weight of the `weights`' rows in turn, their packed bytes and scales concatenated as they are (no
-    unpacking): each but the last holds whole blocks of torch's packing (`packed_row_block`) and no padded row.
-    How a large table is packed a slice at a time (`quantized.packed_from_codes`)."""
-    block = packed_row_block()
-    if any(
-        block is None or w.out_features % block or w.scales_and_zeros.shape[1] != w.out_features for w in weights[:-1]
-    ):
-        raise ValueError("only whole blocks of torch's int4 packing stack without repacking")
-    first = weights[0]
-    packed = torch.cat([w.packed for w in weights])
-    pairs = torch.cat([w.scales_and_zeros for w in weights], dim=1)
-    return Int4Weight(packed, pairs, first.group_size, sum(w.out_features for w in weights), first.in_features)
-
-
 def concat_rows(weights: Sequence[Int4Weight | Int8Weight]) -> Int4Weight | Int8Weight:
-    """One weight whose output rows are the weights' rows in turn (q, k and v as one matmul): the same codes and
-    scales, so every output row is computed as it was by its own weight (tested bit for bit). The weights share
-    a layout, an input width and, for int4, a group size."""
+    """One weight whose output rows are the weights' rows in turn (q, k and v as one matmul; a large table packed a
+    slice at a time): the same codes and scales, so every output row is computed as it was by its own weight
+    (tested bit for bit). The weights share a layout, an input width and, for int4, a group size. torch's int4
+    packing is local to blocks of rows: weights of whole blocks (all but the last) concatenate as packed; others
+    are unpacked and packed again."""
     first = weights[0]
     if any(type(w) is not type(first) or w.compute_dtype != first.compute_dtype for w in weights):
         raise ValueError("weights of different layouts or dtypes do not concatenate")
@@ -218,8 +205,18 @@ def concat_rows(weights: Sequence[Int4Weight | Int8Weight]) -> Int4Weight | Int8
     int4 = [w for w in weights if isinstance(w, Int4Weight)]
     if any((w.in_features, w.group_size) != (first.in_features, first.group_size) for w in int4):
         raise ValueError("int4 weights of different widths or group sizes do not concatenate")
+    if all(_whole_blocks(w) for w in int4[:-1]):
+        packed, pairs = torch.cat([w.packed for w in int4]), torch.cat([w.scales_and_zeros for w in int4], dim=1)
+        return Int4Weight(packed, pairs, first.group_size, sum(w.out_features for w in int4), first.in_features)
     codes, scales, zeros = zip(*(int4_codes(w) for w in int4))
     return pack_int4(torch.cat(codes), torch.cat(scales), torch.cat(zeros), first.group_size, first.compute_dtype)
+
+
+def _whole_blocks(weight: Int4Weight) -> bool:
+    """Whether the weight's packed rows are whole blocks of torch's packing, none of them padding."""
+    block = packed_row_block()
+    rows = weight.scales_and_zeros.shape[1]
+    return block is not None and rows == weight.out_features and rows % block == 0
 
 
 def dequantize_t(weight: Int4Weight | Int8Weight) -> torch.Tensor:

@@ -337,13 +337,14 @@ def rotary(
     computes them; [num_tokens, heads, head_dim] each, cos/sin [num_tokens, head_dim]."""
     if q_norm is not None and k_norm is not None:
         query, key = rmsnorm(query, q_norm, eps), rmsnorm(key, k_norm, eps)
-    cos, sin = cos[:, None], sin[:, None]
+    return rotate(query, cos, sin), rotate(key, cos, sin)
 
-    def rotate_half(x: torch.Tensor) -> torch.Tensor:
-        half = x.shape[-1] // 2
-        return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
-    return query * cos + rotate_half(query) * sin, key * cos + rotate_half(key) * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' rotary arithmetic, x * cos + rotate_half(x) * sin, on x [num_tokens, heads, head_dim] with
+    cos/sin [num_tokens, head_dim] (q and k side by side rotate as one x: the CPU's fused path)."""
+    half = x.shape[-1] // 2
+    return x * cos[:, None] + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin[:, None]
 
 
 def rotary_store_kv(
@@ -375,6 +376,7 @@ __all__ = [
     "rmsnorm",
     "rotary",
     "rotary_store_kv",
+    "rotate",
     "silu_and_mul",
     "store_kv",
 ]

@@ -27,19 +27,28 @@ from streamd.logs import get_logger
 log = get_logger(__name__)
 
 
-def usable_cores() -> int:
-    """Cores this process may run on (the affinity mask where the OS has one, else the core count)."""
+def usable_core_ids() -> list[int]:
+    """The cores this process may run on (the affinity mask where the OS has one, else every core)."""
     try:
-        return max(1, len(os.sched_getaffinity(0)))
+        return sorted(os.sched_getaffinity(0)) or [0]
     except (AttributeError, OSError):  # macOS and Windows have no affinity mask
-        return max(1, os.cpu_count() or 1)
+        return list(range(os.cpu_count() or 1))
+
+
+def usable_cores() -> int:
+    return len(usable_core_ids())
+
+
+def fixed_default(cores: int) -> int:
+    """Threads on `cores` cores without measuring: one core left to everything else (at least one thread)."""
+    return max(1, cores - 1)
 
 
 def apply_num_threads(configured: int) -> int:
     """Sets torch's intra-op threads (and inter-op threads, where torch still allows it) to `configured`,
     or when it is 0 to `usable_cores() - 1` (at least 1: what `ThreadGovernor` starts from); returns the count
     in effect."""
-    threads = configured or max(1, usable_cores() - 1)
+    threads = configured or fixed_default(usable_cores())
     torch.set_num_threads(threads)
     try:
         torch.set_num_interop_threads(threads)
@@ -95,7 +104,7 @@ class ThreadGovernor:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.cores, self.interval_s, self._read, self._clock = tuple(cores), interval_s, read, clock
-        self.threads = max(1, len(self.cores) - 1)
+        self.threads = fixed_default(len(self.cores))  # what `apply_num_threads` set, until it has measured
         self._since = clock()
         self._last = read(self.cores)
 
@@ -116,13 +125,7 @@ class ThreadGovernor:
 
 def thread_governor(configured: int) -> ThreadGovernor | None:
     """The governor for `model.num_threads` (None: a fixed count was configured)."""
-    if configured:
-        return None
-    try:
-        cores: Sequence[int] = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = range(usable_cores())
-    return ThreadGovernor(cores)
+    return None if configured else ThreadGovernor(usable_core_ids())
 
 
 def cpu_model_name() -> str:

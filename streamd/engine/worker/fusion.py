@@ -421,17 +421,15 @@ class CompiledPath:
         return self._final(hidden, residual, norm.weight, norm.variance_epsilon)[0]
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """transformers' rotary arithmetic, x * cos + rotate_half(x) * sin, on x [tokens, heads, head_dim]."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+class CpuPath(KernelPath):
+    """The references' path (`KernelPath` over `reference`) in the fewest torch operators, for the CPU (where a
+    decode step pays per operator call): q and k rotated as one tensor (they sit side by side in the QKV output),
+    K/V stored and attended through the step's plan (`attention.store_kv`, `paged_attend`: the index arithmetic
+    done once for all layers) instead of the reference `rotary_store_kv` (the Triton kernel's spec: argument
+    checks, q and k apart, an unplanned store). The norms and SiLU are the references'."""
 
-
-class CpuPath:
-    """Each stretch in the fewest torch operators, for the CPU (where a decode step pays per operator call):
-    q and k rotated as one tensor (they sit side by side in the QKV output), K/V stored and attended through the
-    step's plan (`attention.store_kv`, `paged_attend`: the index arithmetic done once for all layers), no copies
-    or argument checks between. transformers' arithmetic throughout (its norm, rotary and SiLU, in its order)."""
+    def __init__(self) -> None:
+        super().__init__(reference)
 
     def qkv(
         self,
@@ -442,14 +440,14 @@ class CpuPath:
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         norm = layer.input_layernorm
-        x, residual = _norm_in(reference, hidden, residual, norm.weight, norm.variance_epsilon)
+        x, residual = _norm_in(self.kernels, hidden, residual, norm.weight, norm.variance_epsilon)
         qkv = layer.qkv_proj(x)
         if layer.q_norm is not None:  # Qwen3: each head normalised before its rotation
             q, k, v = split_qkv(qkv, layer.qkv_sizes)
             q, k = reference.rotary(q, k, cos, sin, *_qk_norm_weights(layer))
             return q, k, v, residual
         q_size, kv_size, head_dim = layer.qkv_sizes
-        qk = _rotate(qkv[:, : q_size + kv_size].unflatten(-1, (-1, head_dim)), cos[:, None], sin[:, None])
+        qk = reference.rotate(qkv[:, : q_size + kv_size].unflatten(-1, (-1, head_dim)), cos, sin)
         heads = q_size // head_dim
         return qk[:, :heads], qk[:, heads:], qkv[:, q_size + kv_size :].unflatten(-1, (-1, head_dim)), residual
 
@@ -459,16 +457,6 @@ class CpuPath:
         md = get_attention_metadata()
         store_kv(md, k, v, layer.layer_idx)
         return paged_attend(md, q, layer.layer_idx, layer.scale, k, v)
-
-    def mlp_in(
-        self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        norm = layer.post_attention_layernorm
-        x, residual = reference.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)
-        return reference.silu_and_mul(layer.gate_up_proj(x)), residual
-
-    def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor:
-        return reference.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)[0]
 
 
 class FusedDecoder(nn.Module):

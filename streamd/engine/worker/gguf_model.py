@@ -20,6 +20,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import torch
@@ -136,21 +137,17 @@ EMBEDDING = "model.embed_tokens.weight"
 
 def _install_tied_by_slices(model: nn.Module, path: Path, info: TensorInfo, how: _Numerics) -> bool:
     """A tied vocabulary table in a block format, weight-only: the head packed from the file's bytes
-    `REQUANTIZE_ROWS` rows at a time (`lowbit.stack_rows`) and the embedding reading its codes from it
+    `REQUANTIZE_ROWS` rows at a time (`lowbit.concat_rows`) and the embedding reading its codes from it
     (`PackedTable`), so the table's codes are never held whole (the load's peak: benchmarks/NOTES.md). False
     where that does not apply (the caller installs the table as it is)."""
-    if how.matmul != WEIGHT_ONLY or not isinstance(model.get_submodule("model.embed_tokens"), nn.Embedding):
+    if how.matmul != WEIGHT_ONLY or not info.low_bit:
         return False
     rows, cols = info.shape
-    slices = [decode(read(path, part), part) for part in _row_slices(info)]
-    if not all(isinstance(codes, Int4Codes | Q8Codes) for codes in slices):
-        return False
-    tables = [codes for codes in slices if isinstance(codes, Int4Codes | Q8Codes)]
-    packed = [_int4_parts(packed_from_codes(codes, None, how.compute)) for codes in tables]
-    head = QuantizedLinear([lowbit.stack_rows(same) for same in zip(*packed)], None, cols, rows)
-    table = PackedTable.of(_table(tables), head)
-    if table is None:
-        return False
+    slices = [cast(Int4Codes | Q8Codes, decode(read(path, part), part)) for part in _row_slices(info)]
+    packed = [packed_from_codes(codes, None, how.compute).parts for codes in slices]
+    head = QuantizedLinear([lowbit.concat_rows(same) for same in zip(*packed)], None, cols, rows)
+    zeros = [codes.zeros for codes in slices if isinstance(codes, Int4Codes)]
+    table = PackedTable.of(head, torch.cat([codes.scales for codes in slices]), torch.cat(zeros) if zeros else None)
     _replace(model, "lm_head", head)
     _replace(model, "model.embed_tokens", QuantizedEmbedding(table, how.dtype))
     return True
@@ -166,19 +163,6 @@ def _row_slices(info: TensorInfo) -> list[TensorInfo]:
     ]
 
 
-def _int4_parts(head: QuantizedLinear) -> list[lowbit.Int4Weight]:
-    return [part for part in head.parts if isinstance(part, lowbit.Int4Weight)]
-
-
-def _table(pieces: list[Int4Codes | Q8Codes]) -> Int4Codes | Q8Codes:
-    """The slices' scales (and zeros) as one table, without codes (`PackedTable.of` reads the scales alone)."""
-    empty = torch.empty(0, dtype=torch.uint8)
-    scales = torch.cat([p.scales for p in pieces])
-    if all(isinstance(p, Int4Codes) for p in pieces):
-        return Int4Codes(empty, scales, torch.cat([p.zeros for p in pieces if isinstance(p, Int4Codes)]))
-    return Q8Codes(empty, scales)
-
-
 def _dense(decoded: Decoded) -> torch.Tensor:
     return decoded if isinstance(decoded, torch.Tensor) else decoded.dequantize()
 
@@ -191,10 +175,9 @@ def _replace(model: nn.Module, module_name: str, module: nn.Module) -> None:
 def _tie_head(model: PreTrainedModel, compute: torch.dtype, matmul: str) -> None:
     """A file without `output.weight` ties the head to the token embedding (SmolLM2's does)."""
     embedding = model.get_submodule("model.embed_tokens")
-    if isinstance(embedding, QuantizedEmbedding) and not isinstance(embedding.table, PackedTable):
-        head = linear_from_codes(embedding.table, None, compute, matmul)
-        _replace(model, "lm_head", head)
-        embedding.table = PackedTable.of(embedding.table, head) or embedding.table  # its codes held once
+    if isinstance(embedding, QuantizedEmbedding):  # (a weight-only table was installed with its head, by slices)
+        table = cast(Int4Codes | Q8Codes, embedding.table)
+        _replace(model, "lm_head", linear_from_codes(table, None, compute, matmul))
     else:
         model.get_submodule("lm_head").weight = embedding.weight
 

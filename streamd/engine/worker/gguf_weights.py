@@ -51,6 +51,10 @@ class Int4Codes:
         return lowbit.dequantize_int4(self.codes, self.scales, self.zeros, GROUP)
 
     @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1]
+
+    @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes + self.zeros.nbytes
 
@@ -67,6 +71,10 @@ class Q8Codes:
 
     def dequantize(self) -> torch.Tensor:
         return self.codes.float() * self.scales[:, torch.arange(self.codes.shape[1]) // GROUP]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1]
 
     @property
     def nbytes(self) -> int:
@@ -96,6 +104,11 @@ class TensorInfo:
     def nbytes(self) -> int:
         block, size = GGML_QUANT_SIZES[self.kind]
         return int(np.prod(self.shape)) // block * size
+
+    @property
+    def low_bit(self) -> bool:
+        """Whether `decode` keeps this tensor as codes (`BLOCK_FORMATS`) rather than floats."""
+        return self.kind in _DECODERS
 
 
 def read(path: Path, info: TensorInfo) -> np.ndarray:

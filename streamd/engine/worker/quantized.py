@@ -156,14 +156,13 @@ class PackedTable:
         return self.scales.nbytes + (0 if self.zeros is None else self.zeros.nbytes)
 
     @classmethod
-    def of(cls, table: Int4Codes | Q8Codes, head: nn.Module) -> PackedTable | None:
-        """`table` read from `head`, where the head is its weight-only packed form (None: it is not)."""
-        if not isinstance(head, QuantizedLinear) or not all(isinstance(p, lowbit.Int4Weight) for p in head.parts):
-            return None
+    def of(cls, head: QuantizedLinear, scales: torch.Tensor, zeros: torch.Tensor | None) -> PackedTable:
+        """The table of `head` (its weight-only packed form) and the file's `scales` (and a 4-bit table's
+        `zeros`; None: Q8_0, two halves)."""
         parts = tuple(p for p in head.parts if isinstance(p, lowbit.Int4Weight))
-        if isinstance(table, Q8Codes):
-            return cls(parts, table.scales, None) if len(parts) == 2 else None
-        return cls(parts, table.scales, table.zeros) if len(parts) == 1 else None
+        if len(parts) != len(head.parts) or len(parts) != (1 if zeros is not None else 2):
+            raise ValueError("a packed table is read from one int4 weight (4-bit) or two int4 halves (Q8_0)")
+        return cls(parts, scales, zeros)
 
 
 class QuantizedEmbedding(nn.Module):
@@ -172,7 +171,7 @@ class QuantizedEmbedding(nn.Module):
     def __init__(self, table: Int4Codes | Q8Codes | PackedTable, dtype: torch.dtype) -> None:
         super().__init__()
         self.table, self.dtype = table, dtype
-        self.num_embeddings, self.embedding_dim = table.shape if isinstance(table, PackedTable) else table.codes.shape
+        self.num_embeddings, self.embedding_dim = table.shape
 
     @property
     def nbytes(self) -> int:
@@ -295,14 +294,15 @@ def packed_from_codes(codes: Int4Codes | Q8Codes, bias: torch.Tensor | None, com
 
 
 def _packed_halves(codes: Q8Codes, compute: torch.dtype) -> list[Part]:
-    """A Q8_0 weight's two int4 halves, packed `REQUANTIZE_ROWS` rows at a time and stacked (`lowbit.stack_rows`):
-    a vocabulary-sized table never has an unpacked half beside it (the load's peak: benchmarks/NOTES.md)."""
-    high: list[lowbit.Int4Weight] = []
-    low: list[lowbit.Int4Weight] = []
+    """A Q8_0 weight's two int4 halves, packed `REQUANTIZE_ROWS` rows at a time and concatenated as packed
+    (`lowbit.concat_rows`): a vocabulary-sized table never has an unpacked half beside it (the load's peak:
+    benchmarks/NOTES.md)."""
+    high: list[Part] = []
+    low: list[Part] = []
     for start in range(0, codes.codes.shape[0], REQUANTIZE_ROWS):
         for into, half in zip((high, low), codes.rows(slice(start, start + REQUANTIZE_ROWS)).int4_halves()):
             into.append(lowbit.pack_int4(half.codes, half.scales, half.zeros, GROUP, compute))
-    return [lowbit.stack_rows(high), lowbit.stack_rows(low)]
+    return [lowbit.concat_rows(high), lowbit.concat_rows(low)]
 
 
 def quantize_linears(model: nn.Module, mode: str, compute: torch.dtype, matmul: str = WEIGHT_ONLY) -> int:

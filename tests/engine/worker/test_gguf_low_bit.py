@@ -420,17 +420,59 @@ def test_rows_unpack_from_torchs_packing_alone(rows: int) -> None:
     assert torch.equal(lowbit.int4_rows(weight, ids), codes[ids])
 
 
-def test_stacked_slices_pack_as_the_whole_weight_does() -> None:
+def test_slices_of_whole_blocks_concatenate_as_packed_and_others_are_packed_again(monkeypatch) -> None:
+    """`concat_rows` of slices in whole blocks of torch's packing concatenates their packed bytes (nothing unpacked)
+    and equals packing the whole weight; slices in another order (a short one first) are packed again and equal
+    packing their rows in that order."""
     codes = torch.randint(0, 16, (200, 64), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)
     scales, zeros = torch.rand(200, 2), torch.rand(200, 2)
+    cuts = (slice(0, 128), slice(128, 192), slice(192, 200))
+    parts = [lowbit.pack_int4(codes[s], scales[s], zeros[s], 32, torch.bfloat16) for s in cuts]
+    unpacked = lowbit.int4_codes
+    with monkeypatch.context() as patched:
+        patched.setattr(lowbit, "int4_codes", lambda w: pytest.fail("whole blocks were unpacked"))
+        joined = lowbit.concat_rows(parts)
     whole = lowbit.pack_int4(codes, scales, zeros, 32, torch.bfloat16)
-    parts = [lowbit.pack_int4(codes[s], scales[s], zeros[s], 32, torch.bfloat16)
-             for s in (slice(0, 128), slice(128, 192), slice(192, 200))]
-    stacked = lowbit.stack_rows(parts)
-    assert torch.equal(stacked.packed, whole.packed) and torch.equal(stacked.scales_and_zeros, whole.scales_and_zeros)
-    assert (stacked.out_features, stacked.in_features) == (200, 64)
-    with pytest.raises(ValueError, match="whole blocks"):
-        lowbit.stack_rows([parts[2], parts[0]])
+    assert isinstance(joined, lowbit.Int4Weight) and (joined.out_features, joined.in_features) == (200, 64)
+    assert torch.equal(joined.packed, whole.packed) and torch.equal(joined.scales_and_zeros, whole.scales_and_zeros)
+    calls = []
+    monkeypatch.setattr(lowbit, "int4_codes", lambda w: calls.append(w) or unpacked(w))
+    reordered = lowbit.concat_rows([parts[2], parts[0]])
+    rows = torch.cat([torch.arange(192, 200), torch.arange(0, 128)])
+    expected = lowbit.pack_int4(codes[rows], scales[rows], zeros[rows], 32, torch.bfloat16)
+    assert len(calls) == 2 and isinstance(reordered, lowbit.Int4Weight)
+    assert torch.equal(reordered.packed, expected.packed)
+    assert torch.equal(reordered.scales_and_zeros, expected.scales_and_zeros)
+
+
+def test_a_tied_table_installed_by_slices_is_the_whole_tables_head_and_lookup(tmp_path: Path) -> None:
+    """The loader's tied table, read 1,024 rows at a time (1,100 rows: a short last slice at its own offset): the
+    head packs exactly as the whole table would, and the embedding's rows are gguf-py's values."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    rows, cols = 1100, 64
+    q8 = quants.quantize(np.random.default_rng(5).standard_normal((rows, cols)).astype(np.float32), GGML.Q8_0)
+    path = tmp_path / "tied.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", q8, raw_dtype=GGML.Q8_0)
+    for step in (writer.write_header_to_file, writer.write_kv_data_to_file, writer.write_tensors_to_file):
+        step()
+    writer.close()
+    (info,) = gguf_weights.read_index(path)[1]
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=rows, hidden_size=cols, num_hidden_layers=1,
+                                                             num_attention_heads=2, intermediate_size=32))
+    numerics = gguf_model._Numerics(torch.float32, torch.bfloat16, quantized.WEIGHT_ONLY)
+    assert gguf_model._install_tied_by_slices(model, path, info, numerics)
+    whole = gguf_weights.decode(gguf_weights.read(path, info), info)
+    assert isinstance(whole, Q8Codes)
+    expected = quantized.packed_from_codes(whole, None, torch.bfloat16)
+    for ours, theirs in zip(model.lm_head.parts, expected.parts, strict=True):
+        assert torch.equal(ours.packed, theirs.packed) and torch.equal(ours.scales_and_zeros, theirs.scales_and_zeros)
+    ids = torch.tensor([[0, 1023, 1024, 1099, 17]])
+    reference = torch.from_numpy(quants.dequantize(q8, GGML.Q8_0).reshape(rows, cols))
+    assert torch.equal(model.model.embed_tokens(ids)[0], reference[ids[0]])
 
 
 @pytest.mark.parametrize("kind", [GGML.Q4_1, GGML.Q8_0])
@@ -441,8 +483,8 @@ def test_a_tied_table_read_from_the_packed_head_dequantizes_as_the_file_does(kin
     table = gguf_weights.decode(random_blocks(kind, rows, 96, seed=3), TensorInfo("t", kind, (rows, 96), 0))
     assert isinstance(table, Int4Codes | Q8Codes)
     head = quantized.packed_from_codes(table, None, torch.bfloat16)
-    packed = quantized.PackedTable.of(table, head)
-    assert packed is not None and packed.shape == (rows, 96)
+    packed = quantized.PackedTable.of(head, table.scales, table.zeros if isinstance(table, Int4Codes) else None)
+    assert packed.shape == (rows, 96)
     ids = torch.tensor([0, 63, 64, 1023, 1024, 1029, 7])
     assert torch.equal(packed.rows(ids).dequantize(), table.rows(ids).dequantize())
     embedding = quantized.QuantizedEmbedding(packed, torch.float32)
