@@ -67,7 +67,7 @@ OTHER_VARIABLES = frozenset(
 )
 
 # model.fuse_layers (streamd/engine/worker/fusion.py)
-FUSE_MODES = ("off", "auto", "triton", "compile", "reference", "cpu")
+FUSE_MODES = ("off", "auto", "triton", "compile", "reference", "cpu", "native")
 CATCH_UP_DECODES = ("auto", "hold", "run")  # scheduler.catch_up_decodes (streamd/engine/core/scheduler.py)
 # model.quantization (streamd/engine/worker/model_loader.py): fp8 quantizes a float model's Linears (not the head) to
 # float8_e4m3fn with per-channel scales on a CUDA GPU of sm_89+ (Ada, Hopper), refused elsewhere

@@ -118,7 +118,7 @@ def paged_attend(
     kernels as keywords."""
     window, softcap, sinks = extras.sliding_window, extras.softcap, extras.sinks
     if md.decode_only and extras is NO_EXTRAS and md.planned_on_cpu:
-        return cpu_attention.decode_attention(query, md.kv_cache, layer, _decode_plan(md), scale, md.kv_scales)
+        return cpu_attention.decode_attention(query, layer, _decode_plan(md), scale)
     if md.decode_only:
         return md.ops.paged_decode_attention(
             query,
@@ -154,13 +154,13 @@ def store_kv(md: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, laye
         md.ops.store_kv(key, value, md.kv_cache, layer, md.slot_mapping, kv_scales=md.kv_scales)
         return
     if md.store_plan is None:
-        md.store_plan = cpu_attention.plan_store(md.slot_mapping, md.kv_cache.shape[4])
-    cpu_attention.store_kv(key, value, md.kv_cache, layer, md.store_plan, md.kv_scales)
+        md.store_plan = cpu_attention.plan_store(md.slot_mapping, md.kv_cache, md.kv_scales)
+    cpu_attention.store_kv(key, value, layer, md.store_plan)
 
 
 def _decode_plan(md: AttentionMetadata) -> cpu_attention.DecodePlan:
     if md.decode_plan is None:
-        md.decode_plan = cpu_attention.plan_decode(md.block_tables, md.seq_lens, md.kv_cache.shape[4])
+        md.decode_plan = cpu_attention.plan_decode(md.block_tables, md.seq_lens, md.kv_cache, md.kv_scales)
     return md.decode_plan
 
 

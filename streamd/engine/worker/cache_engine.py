@@ -67,9 +67,16 @@ class KVLayout:
         return math.prod(self.block_shape()) * torch.empty((), dtype=self.dtype).element_size()
 
     @property
+    def scale_bytes_per_block(self) -> int:
+        return math.prod(self.block_shape()[:-1]) * 4 if self.quantized else 0
+
+    @property
     def bytes_per_block(self) -> int:
-        scales = math.prod(self.block_shape()[:-1]) * 4 if self.quantized else 0
-        return self.code_bytes_per_block + scales
+        """Codes, then scales, rounded up to whole rows of head_dim codes: every block then starts on a row (the
+        CPU addresses the pool as rows: `cpu_attention.pool_rows`)."""
+        used = self.code_bytes_per_block + self.scale_bytes_per_block
+        row = self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+        return -(-used // row) * row
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +103,8 @@ def pool_views(blocks: torch.Tensor, layout: KVLayout) -> KVPool:
     kv_cache = blocks[:, :codes].view(layout.dtype).view(num_blocks, *layout.block_shape())
     if not layout.quantized:
         return KVPool(blocks, kv_cache, None)
-    kv_scales = blocks[:, codes:].view(torch.float32).view(num_blocks, *layout.block_shape()[:-1])
+    scales = blocks[:, codes : codes + layout.scale_bytes_per_block]
+    kv_scales = scales.view(torch.float32).view(num_blocks, *layout.block_shape()[:-1])
     return KVPool(blocks, kv_cache, kv_scales)
 
 

@@ -21,8 +21,12 @@ loader made. Modes (`model.fuse_layers`):
   rotary; norm, gate/up, SiLU-and-mul) as `torch.compile`d functions of the references. Inductor fuses
   their elementwise work; it uses no CUDA graphs of its own, so the engine's decode graphs capture it.
   K/V are stored and attended by the engine's kernels.
-- ``auto``: ``triton`` on CUDA for a supported architecture; ``cpu`` on the CPU for a supported architecture
-  whose weights are low-bit (the default model); otherwise ``off``.
+- ``native``: ``cpu``, with its decode steps of few sequences run by `native_decode.NativeDecode` (the work
+  between the matmuls in C, `kernels/native_cpu`): weight-only low-bit layers in bfloat16, float32 norms, no
+  per-head q/k norms, and a C compiler at hand (or the library prebuilt).
+- ``auto``: ``triton`` on CUDA for a supported architecture; on the CPU for a supported architecture whose
+  weights are low-bit (the default model) ``native``, or ``cpu`` where `native` cannot run (the reason is
+  logged); otherwise ``off``.
 
 Low-bit weights (`quantized.QuantizedLinear`) merge too: q/k/v (gate/up) become one layer of concatenated rows,
 each output row computed as its own layer computed it (`lowbit.concat_rows`).
@@ -41,6 +45,7 @@ from transformers import PretrainedConfig, PreTrainedModel
 from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from streamd.config import FUSE_MODES
+from streamd.engine.worker import native_decode
 from streamd.engine.worker.attention import get_attention_metadata, paged_attend, store_kv
 from streamd.engine.worker.families import attention_needs
 from streamd.engine.worker.fp8 import Fp8Linear, has_fp8, merge_fp8_linears
@@ -102,12 +107,14 @@ def fuse_layers(model: PreTrainedModel, mode: str, device: torch.device, compile
         return applied
     if applied == "compile":
         path: LayerPath = CompiledPath(compile_backend)
-    elif applied == "cpu":
+    elif applied in ("cpu", "native"):
         path = CpuPath()
     else:
         path = KernelPath(_kernels(applied))
     prefix = model.base_model_prefix
     fused = FusedDecoder(getattr(model, prefix), path)
+    if applied == "native":
+        applied = _attach_native(fused, explicit=mode == "native")
     setattr(model, prefix, fused)
     log.info("model.layers_fused", mode=applied, layers=len(fused.layers))
     return applied
@@ -132,7 +139,20 @@ def resolve_mode(mode: str, model: PreTrainedModel, device: torch.device) -> str
 def _auto_mode(model: PreTrainedModel, device: torch.device) -> str:
     if device.type == "cuda":
         return "triton"
-    return "cpu" if device.type == "cpu" and _low_bit(model) else "off"
+    return "native" if device.type == "cpu" and _low_bit(model) else "off"
+
+
+def _attach_native(fused: FusedDecoder, explicit: bool) -> str:
+    """`fused` runs its decode steps natively ("native"), or, where it cannot, with torch operators ("cpu"; an
+    explicit `native` is then an error)."""
+    reason = native_decode.unsupported_reason(fused)
+    if reason is None:
+        fused.native = native_decode.NativeDecode(fused)
+        return "native"
+    if explicit:
+        raise ValueError(f"model.fuse_layers = 'native': {reason}")
+    log.info("model.native_decode_off", reason=reason)
+    return "cpu"
 
 
 def _low_bit(model: nn.Module) -> bool:
@@ -471,6 +491,7 @@ class FusedDecoder(nn.Module):
         self.norm = parts.norm
         self.layers = nn.ModuleList(FusedLayer(layer, path) for layer in parts.layers)
         self.path = path
+        self.native: native_decode.NativeDecode | None = None  # mode "native": its decode steps (`_attach_native`)
 
     def forward(
         self,
@@ -487,6 +508,8 @@ class FusedDecoder(nn.Module):
             raise ValueError(f"the fused decoder runs one flattened batch [1, tokens], got {tuple(hidden.shape[:2])}")
         cos, sin = self.rotary_emb(hidden, position_ids)
         hidden, cos, sin = hidden[0], cos[0], sin[0]
+        if self.native is not None and self.native.takes(md := get_attention_metadata(), hidden):
+            return BaseModelOutputWithPast(last_hidden_state=self.native.run(md, hidden, cos, sin)[None])
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin)

@@ -1,0 +1,269 @@
+"""NativeDecode: a fused CPU model's decode steps with the work between the matmuls in C (`kernels/native_cpu`).
+
+`model.fuse_layers = "native"` (what `auto` picks on the CPU for a low-bit Llama-family model where a C compiler
+is at hand) is the `cpu` mode's path whose decode steps over a few thousand context tokens run here: per layer four torch matmuls
+(the low-bit layers' own, so the kernel each picks stays) and three C calls (residual add + RMSNorm; rotary,
+K/V store and paged attention; SiLU-and-mul), instead of ~45 torch operators. Prompt chunks, speculative
+verifies, steps over more context (`MAX_CONTEXT_TOKENS`) and pools this path does not read (8-bit, a window pool) take the `cpu` path's torch
+operators (`takes`). The arithmetic is transformers' in float32 in the same order; sums round in another order,
+so logits differ from the torch path in the last bits (tests bound them).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Protocol, cast
+
+import torch
+from torch import nn
+
+from streamd.engine.worker.attention import AttentionMetadata
+from streamd.engine.worker.quantized import QuantizedLinear
+from streamd.kernels import native_cpu
+from streamd.kernels.lowbit import Int4Weight
+
+
+class Norm(Protocol):
+    @property
+    def weight(self) -> torch.Tensor: ...
+    @property
+    def variance_epsilon(self) -> float: ...
+
+
+class FusedLayer(Protocol):
+    """What this reads of `fusion.FusedLayer` (fusion imports this module: no import back)."""
+
+    @property
+    def layer_idx(self) -> int: ...
+    @property
+    def scale(self) -> float: ...
+    @property
+    def qkv_sizes(self) -> tuple[int, int, int]: ...
+    @property
+    def qkv_proj(self) -> nn.Module: ...
+    @property
+    def o_proj(self) -> nn.Module: ...
+    @property
+    def gate_up_proj(self) -> nn.Module: ...
+    @property
+    def down_proj(self) -> nn.Module: ...
+    @property
+    def input_layernorm(self) -> Norm: ...
+    @property
+    def post_attention_layernorm(self) -> Norm: ...
+    @property
+    def q_norm(self) -> Norm | None: ...
+
+
+class FusedDecoder(Protocol):
+    """What this reads of `fusion.FusedDecoder`."""
+
+    @property
+    def layers(self) -> nn.ModuleList: ...
+    @property
+    def norm(self) -> Norm: ...
+
+
+# Context tokens (summed over the step's sequences) up to which a decode step runs here: the C attention is one
+# thread, torch's SDPA uses every core, so past this the rows' attention costs more than the operators saved
+# (measured, 2 threads: 1 x 1,500 tokens even, 4 x 1,500 1.37x slower, 32 x 170 1.06x faster; benchmarks/NOTES.md).
+MAX_CONTEXT_TOKENS = 4096
+
+
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+
+
+@dataclass(frozen=True, slots=True)
+class Matmul:
+    """A low-bit layer's matmul of bfloat16 rows, as few calls as it allows: one packed int4 weight whose
+    widths need no padding is torch's kernel called at once (what `QuantizedLinear.forward` does for few rows,
+    less its checks), any other layer its own forward."""
+
+    layer: QuantizedLinear
+    int4: Int4Weight | None
+
+    @classmethod
+    def of(cls, layer: QuantizedLinear) -> Matmul:
+        part = layer.parts[0]
+        direct = (
+            len(layer.parts) == 1
+            and isinstance(part, Int4Weight)
+            and part.scales_and_zeros.shape[0] * part.group_size == part.in_features
+            and part.scales_and_zeros.shape[1] == part.out_features
+        )
+        return cls(layer, part if direct else None)  # type: ignore[arg-type]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.int4
+        if w is None or (self.layer.dense_rows is not None and x.shape[0] >= self.layer.dense_rows):
+            return self.layer.forward(x)
+        return _INT4_MM(x, w.packed, w.group_size, w.scales_and_zeros)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeLayer:
+    qkv: Matmul
+    o: Matmul
+    gate_up: Matmul
+    down: Matmul
+    norm: torch.Tensor  # the input norm's weight (float32)
+    eps: float
+    post_norm: torch.Tensor
+    post_eps: float
+    heads: int
+    kv_heads: int
+    head_dim: int
+    scale: float
+    index: int
+
+
+def unsupported_reason(decoder: FusedDecoder) -> str | None:
+    """Why this decoder's decode steps cannot run natively (None: they can)."""
+    reason = native_cpu.unavailable_reason()
+    if reason is not None:
+        return reason
+    layers = _layers(decoder)
+    for layer in layers:
+        if layer.q_norm is not None:
+            return "its layers normalise q and k per head (Qwen3)"
+        linears = (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+        if not all(_bf16_low_bit(m) for m in linears):
+            return "a projection is not a weight-only low-bit layer without bias computed in bfloat16"
+    norms = [decoder.norm.weight] + [n.weight for layer in layers for n in _norms(layer)]
+    if any(w.dtype != torch.float32 for w in norms):
+        return "its norms are not float32"
+    return None
+
+
+def _bf16_low_bit(module: nn.Module) -> bool:
+    return (
+        isinstance(module, QuantizedLinear)
+        and module.bias is None
+        and all(p.compute_dtype == torch.bfloat16 for p in module.parts)
+    )
+
+
+def _norms(layer: FusedLayer) -> tuple[Norm, Norm]:
+    return layer.input_layernorm, layer.post_attention_layernorm
+
+
+def _layers(decoder: FusedDecoder) -> list[FusedLayer]:
+    return cast("list[FusedLayer]", list(decoder.layers))
+
+
+class NativeDecode:
+    """The decode loop over a `FusedDecoder`'s layers (built once, after fusing)."""
+
+    def __init__(self, decoder: FusedDecoder) -> None:
+        lib = native_cpu.load()
+        assert lib is not None, "NativeDecode needs the library (unsupported_reason first)"
+        self.lib = lib
+        self.layers = [_native_layer(layer) for layer in _layers(decoder)]
+        self.final_norm = decoder.norm.weight
+        self.final_eps = float(decoder.norm.variance_epsilon)
+        self.dim = int(self.final_norm.shape[0])
+        # after layer i: layer i + 1's input norm, after the last the final norm
+        self.next_norms = [(n.norm, n.eps) for n in self.layers[1:]] + [(self.final_norm, self.final_eps)]
+
+    @staticmethod
+    def takes(md: AttentionMetadata, hidden: torch.Tensor) -> bool:
+        """Whether this step runs here: a decode step over at most MAX_CONTEXT_TOKENS of context in a float32 pool
+        of its own."""
+        return (
+            md.decode_only
+            and md.planned_on_cpu
+            and hidden.dtype == torch.float32
+            and md.kv_scales is None
+            and md.layer_slots is None
+            and md.kv_cache.dtype == torch.float32
+            and md.kv_cache.stride(-1) == 1
+            and int(md.seq_lens.sum()) <= MAX_CONTEXT_TOKENS
+        )
+
+    def run(self, md: AttentionMetadata, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """hidden [rows, dim] (the embeddings) -> the final norm's output [rows, dim], storing each layer's K/V.
+        Each layer's last call adds its MLP's output to the residual and norms it for the next layer (the final
+        norm after the last, in float32)."""
+        rows, dim = hidden.shape[0], self.dim
+        step = _Step.of(md, cos, sin, self.layers[0].head_dim)
+        residual = hidden.to(torch.float32, copy=True).contiguous()
+        x = torch.empty(rows, dim, dtype=torch.bfloat16)
+        out = torch.empty(rows, dim, dtype=torch.float32)
+        first = self.layers[0]
+        self.lib.add_rmsnorm(rows, dim, _ptr(residual), None, 0, _ptr(first.norm), first.eps, _ptr(x), None)
+        for layer, (weight, eps) in zip(self.layers, self.next_norms):
+            down = self._layer(step, layer, residual, x)
+            last = weight is self.final_norm
+            self.lib.add_rmsnorm(rows, dim, _ptr(residual), _ptr(down), down.stride(0), _ptr(weight), eps,
+                                 None if last else _ptr(x), _ptr(out) if last else None)  # fmt: skip
+        return out
+
+    def _layer(self, step: _Step, layer: NativeLayer, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """One layer from its normed input `x` to its MLP's output (not yet added to `residual`); `x` is reused."""
+        lib, rows = self.lib, x.shape[0]
+        qkv = layer.qkv(x)
+        attn = torch.empty(rows, layer.heads * layer.head_dim, dtype=torch.bfloat16)
+        step.attend(lib, layer, qkv, attn)
+        o = layer.o(attn)
+        lib.add_rmsnorm(rows, self.dim, _ptr(residual), _ptr(o), o.stride(0), _ptr(layer.post_norm), layer.post_eps,
+                        _ptr(x), None)  # fmt: skip
+        gate_up = layer.gate_up(x)
+        act = torch.empty(rows, gate_up.shape[1] // 2, dtype=torch.bfloat16)
+        lib.silu_and_mul(rows, act.shape[1], _ptr(gate_up), gate_up.stride(0), _ptr(act))
+        return layer.down(act)
+
+
+@dataclass(slots=True)
+class _Step:
+    """What every layer of one decode step passes to the attention call."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    pool: torch.Tensor
+    strides: ctypes.Array[ctypes.c_int64]
+    slots: torch.Tensor
+    tables: torch.Tensor
+    lens: torch.Tensor
+    page: int
+    scratch: torch.Tensor
+
+    @classmethod
+    def of(cls, md: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> _Step:
+        pool = md.kv_cache
+        lens = md.seq_lens.to(torch.int32).contiguous()
+        scratch = torch.empty(int(lens.max()) + 2 * head_dim, dtype=torch.float32)
+        return cls(
+            cos.to(torch.float32).contiguous(),
+            sin.to(torch.float32).contiguous(),
+            pool,
+            (ctypes.c_int64 * 5)(*pool.stride()[:5]),
+            md.slot_mapping.to(torch.int64).contiguous(),
+            md.block_tables.to(torch.int32).contiguous(),
+            lens,
+            int(pool.shape[4]),
+            scratch,
+        )
+
+    def attend(self, lib: ctypes.CDLL, layer: NativeLayer, qkv: torch.Tensor, out: torch.Tensor) -> None:
+        lib.rope_store_attend(
+            out.shape[0], layer.heads, layer.kv_heads, layer.head_dim, _ptr(qkv), qkv.stride(0),
+            _ptr(self.cos), _ptr(self.sin), _ptr(self.pool), self.strides, layer.index, _ptr(self.slots),
+            _ptr(self.tables), self.tables.shape[1], _ptr(self.lens), self.page, layer.scale, _ptr(self.scratch),
+            _ptr(out),
+        )  # fmt: skip
+
+
+def _native_layer(layer: FusedLayer) -> NativeLayer:
+    q_size, kv_size, head_dim = layer.qkv_sizes
+    norm, post = _norms(layer)
+    qkv, o, gate_up, down = (Matmul.of(cast(QuantizedLinear, m)) for m in
+                             (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))  # fmt: skip
+    return NativeLayer(
+        qkv, o, gate_up, down, norm.weight, float(norm.variance_epsilon), post.weight, float(post.variance_epsilon),
+        q_size // head_dim, kv_size // head_dim, head_dim, float(layer.scale), layer.layer_idx,
+    )  # fmt: skip
+
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()

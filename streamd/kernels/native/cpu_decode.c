@@ -1,0 +1,141 @@
+/* streamd's CPU decode glue: the work between a decoder layer's four matmuls, in one call each.
+ *
+ * On the CPU a one-stream decode step is bound by operator calls, not by the weights: ~45 torch operators a
+ * layer at ~3 us each cost more than the layer's int4 matmuls (benchmarks/NOTES.md, "Issue 25, one stream").
+ * Here each stretch between two matmuls is one C call over raw float32 / bfloat16 rows: residual add + RMSNorm,
+ * rotary + K/V store + paged attention, SiLU-and-mul. The matmuls stay torch's (`streamd/kernels/native_cpu.py`
+ * calls them). Arithmetic follows transformers' in float32, in its order, with no fused multiply-adds (built
+ * with -ffp-contract=off); sums are taken in 8 lanes, so they round differently from torch's in the last bits.
+ * Plain C99, no torch headers: it builds in a second with the system's C compiler.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LANES 8
+
+static inline float bf16_to_f32(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* Round to nearest even, as torch's conversion; NaN stays a quiet NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline float dot(const float *a, const float *b, int n) {
+    float acc[LANES] = {0};
+    int i = 0;
+    for (; i + LANES <= n; i += LANES)
+        for (int j = 0; j < LANES; j++) acc[j] += a[i + j] * b[i + j];
+    float sum = 0.0f;
+    for (int j = 0; j < LANES; j++) sum += acc[j];
+    for (; i < n; i++) sum += a[i] * b[i];
+    return sum;
+}
+
+/* residual[r] += delta[r] (bfloat16, a row stride apart; NULL: nothing to add), then
+ * out[r] = weight * (residual[r] * rsqrt(mean(residual[r]^2) + eps)), as bfloat16 (out_bf16) or float32 (out_f32). */
+void add_rmsnorm(int rows, int dim, float *residual, const uint16_t *delta, int64_t delta_stride, const float *weight,
+                 float eps, uint16_t *out_bf16, float *out_f32) {
+    for (int r = 0; r < rows; r++) {
+        float *x = residual + (int64_t)r * dim;
+        if (delta != NULL) {
+            const uint16_t *d = delta + (int64_t)r * delta_stride;
+            for (int i = 0; i < dim; i++) x[i] = x[i] + bf16_to_f32(d[i]);
+        }
+        float inv = 1.0f / sqrtf(dot(x, x, dim) / (float)dim + eps);
+        for (int i = 0; i < dim; i++) {
+            float y = weight[i] * (x[i] * inv);
+            if (out_bf16 != NULL) out_bf16[(int64_t)r * dim + i] = f32_to_bf16(y);
+            if (out_f32 != NULL) out_f32[(int64_t)r * dim + i] = y;
+        }
+    }
+}
+
+/* out[r] = silu(gate) * up of gate_up[r] = (gate, up) [2 * inter] bfloat16, as bfloat16. */
+void silu_and_mul(int rows, int inter, const uint16_t *gate_up, int64_t stride, uint16_t *out) {
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = gate_up + (int64_t)r * stride;
+        for (int i = 0; i < inter; i++) {
+            float x = bf16_to_f32(g[i]);
+            float silu = x / (1.0f + expf(-x));
+            out[(int64_t)r * inter + i] = f32_to_bf16(silu * bf16_to_f32(g[inter + i]));
+        }
+    }
+}
+
+/* transformers' rotary on one head: x * cos + rotate_half(x) * sin. */
+static void rotate(const uint16_t *src, const float *cos, const float *sin, int head_dim, float *dst) {
+    int half = head_dim / 2;
+    for (int i = 0; i < head_dim; i++) {
+        float x = bf16_to_f32(src[i]);
+        float other = i < half ? -bf16_to_f32(src[i + half]) : bf16_to_f32(src[i - half]);
+        dst[i] = x * cos[i] + other * sin[i];
+    }
+}
+
+/* Where a (block, layer, k|v, head, offset) row of the pool starts. */
+typedef struct {
+    float *base;
+    int64_t block, layer, kv, head, offset;
+} Pool;
+
+static inline float *row(const Pool *p, int64_t block, int layer, int kv, int head, int64_t offset) {
+    return p->base + block * p->block + layer * p->layer + kv * p->kv + head * p->head + offset * p->offset;
+}
+
+/* One decode step's attention for `rows` sequences of one token each, in `layer`: q and k of qkv [rows, stride]
+ * bfloat16 ((heads + 2 kv_heads) x head_dim: q, k, v) rotated by cos/sin [rows, head_dim]; k and v stored at
+ * slots[r]; the query attends over positions [0, seq_lens[r]) through block_tables [rows, table_width]; the result
+ * [rows, heads x head_dim] as bfloat16. `scratch` holds max(seq_lens) + (heads + 1) x head_dim floats. */
+void rope_store_attend(int rows, int heads, int kv_heads, int head_dim, const uint16_t *qkv, int64_t stride,
+                       const float *cos, const float *sin, float *pool_base, const int64_t *pool_strides, int layer,
+                       const int64_t *slots, const int32_t *block_tables, int table_width, const int32_t *seq_lens,
+                       int page, float scale, float *scratch, uint16_t *out) {
+    Pool p = {pool_base, pool_strides[0], pool_strides[1], pool_strides[2], pool_strides[3], pool_strides[4]};
+    int group = heads / kv_heads;
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *src = qkv + (int64_t)r * stride;
+        const float *c = cos + (int64_t)r * head_dim, *s = sin + (int64_t)r * head_dim;
+        int64_t block = slots[r] / page, offset = slots[r] % page;
+        for (int h = 0; h < kv_heads && slots[r] >= 0; h++) { /* slot -1: not stored (padding) */
+            rotate(src + (int64_t)(heads + h) * head_dim, c, s, head_dim, row(&p, block, layer, 0, h, offset));
+            float *v = row(&p, block, layer, 1, h, offset);
+            for (int i = 0; i < head_dim; i++) v[i] = bf16_to_f32(src[(int64_t)(heads + kv_heads + h) * head_dim + i]);
+        }
+        int len = seq_lens[r];
+        const int32_t *table = block_tables + (int64_t)r * table_width;
+        float *q = scratch, *acc = scratch + head_dim, *scores = scratch + 2 * head_dim;
+        for (int h = 0; h < heads; h++) {
+            int kvh = h / group;
+            rotate(src + (int64_t)h * head_dim, c, s, head_dim, q);
+            float top = -INFINITY;
+            for (int t = 0; t < len; t++) {
+                scores[t] = dot(q, row(&p, table[t / page], layer, 0, kvh, t % page), head_dim) * scale;
+                top = scores[t] > top ? scores[t] : top;
+            }
+            float total = 0.0f;
+            for (int t = 0; t < len; t++) {
+                scores[t] = expf(scores[t] - top);
+                total += scores[t];
+            }
+            memset(acc, 0, sizeof(float) * (size_t)head_dim);
+            for (int t = 0; t < len; t++) {
+                const float *v = row(&p, table[t / page], layer, 1, kvh, t % page);
+                float w = scores[t];
+                for (int i = 0; i < head_dim; i++) acc[i] += w * v[i];
+            }
+            uint16_t *o = out + (int64_t)r * heads * head_dim + (int64_t)h * head_dim;
+            for (int i = 0; i < head_dim; i++) o[i] = f32_to_bf16(acc[i] / total);
+        }
+    }
+}

@@ -1,0 +1,123 @@
+"""`model.fuse_layers = "native"` (engine/worker/native_decode.py): a low-bit model's decode steps of few
+sequences run the C glue between torch's matmuls and give the greedy tokens of the `cpu` path's torch operators
+(prompt chunks and wider batches still take the torch path): on the default model exactly; on random tiny
+models, whose bfloat16 logits often tie, up to a near-tie of the torch path's top two. `auto` picks it on the
+CPU, and where the library cannot be built `auto` falls back to `cpu` while a named `native` says why."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from streamd import LLM, SamplingParams
+from streamd.engine.worker import native_decode
+from streamd.engine.worker.fusion import FusedDecoder, fuse_layers
+from streamd.kernels import native_cpu
+from tests.helpers import register_engine, run_to_completion, tiny_arch_config
+
+needs_library = pytest.mark.skipif(native_cpu.load() is None, reason=f"{native_cpu.unavailable_reason()}")
+KWARGS = dict(device="cpu", dtype="float32", num_swap_blocks=0, max_step_ms=0, num_kv_blocks=120, block_size=8,
+              seed=11)  # fmt: skip
+
+
+def _config():
+    return tiny_arch_config("llama", hidden_size=96, intermediate_size=200, num_attention_heads=6, qwen3_head_dim=24)
+
+
+@needs_library
+@pytest.mark.parametrize("quantization", ["int4", "int8"])
+def test_native_decode_steps_give_the_cpu_paths_tokens(quantization: str, monkeypatch) -> None:
+    """Six prompts of 1-150 tokens, at most 2 and then 6 at once, with the context bound lowered to 300 tokens:
+    decode steps within it run natively (counted), wider ones and every prompt chunk on the torch operators; the
+    tokens are the same."""
+    config = _config()
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
+               for n in torch.randint(1, 150, (6,), generator=gen)]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False, logprobs=2)
+    native_rows: list[int] = []
+    run = native_decode.NativeDecode.run
+
+    def counted(self, md, hidden, cos, sin):
+        native_rows.append(hidden.shape[0])
+        return run(self, md, hidden, cos, sin)
+
+    monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
+    monkeypatch.setattr(native_decode, "MAX_CONTEXT_TOKENS", 300)
+    wide: list[int] = []
+    takes = native_decode.NativeDecode.takes
+
+    def seen(md, hidden):
+        wide.append(int(md.decode_only and md.seq_lens.sum() > 300))
+        return takes(md, hidden)
+
+    monkeypatch.setattr(native_decode.NativeDecode, "takes", staticmethod(seen))
+    outs = {}
+    for mode in ("cpu", "native"):
+        for seqs in (2, 6):
+            llm = LLM(config, fuse_layers=mode, quantization=quantization, max_num_seqs=seqs, **KWARGS)
+            register_engine(llm.engine)
+            assert (llm.engine.runner.model.model.native is not None) == (mode == "native")
+            outs[mode, seqs] = [o.outputs[0] for o in run_to_completion(llm.engine, prompts, params)]
+    for seqs in (2, 6):
+        for torch_path, native in zip(outs["cpu", seqs], outs["native", seqs]):
+            _same_up_to_a_near_tie(torch_path, native)
+    assert len(native_rows) >= 20 and any(wide), "decode steps ran natively, and wider ones did not"
+    assert len(native_rows) + sum(wide) >= 2 * 15, "every decode step was one or the other"
+
+
+def _same_up_to_a_near_tie(torch_path, native, margin: float = 0.05) -> None:
+    """The tokens are equal, or first differ where the torch path's two likeliest tokens were within `margin`
+    (a bfloat16 logit's rounding step near 4 is 0.03) and the native token is one of them."""
+    for i, (want, got) in enumerate(zip(torch_path.token_ids, native.token_ids)):
+        if want != got:
+            top = sorted(torch_path.logprobs[i].items(), key=lambda kv: -kv[1])
+            assert got in dict(top) and top[0][1] - top[1][1] <= margin, f"diverged at {i}: {top}"
+            return
+
+
+@needs_library
+def test_the_default_models_greedy_tokens_equal_the_cpu_paths() -> None:
+    """The default GGUF (Q4_1 layers, Q8_0 head): five prompts x 48 tokens, natively and on torch's operators.
+    Its head's logits are bfloat16 (a step of 0.125-0.25 at their size), so the two likeliest tokens often tie
+    exactly, and one path's last-bit difference breaks the tie the other way."""
+    prompts = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
+               "List three colors:", "Once upon a time, in a land far away,"]  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+    outs = {}
+    for mode in ("cpu", "native"):
+        llm = LLM(device="cpu", num_swap_blocks=0, num_kv_blocks=128, max_step_ms=0, fuse_layers=mode, seed=3)
+        register_engine(llm.engine)
+        outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params)]
+    for torch_path, native in zip(outs["cpu"], outs["native"]):
+        _same_up_to_a_near_tie(torch_path, native, margin=0.25)
+    same = sum(a.token_ids == b.token_ids for a, b in zip(outs["cpu"], outs["native"]))
+    assert same >= 2, "most sequences run to the end on the same tokens"
+
+
+@needs_library
+def test_auto_picks_native_on_the_cpu_for_a_low_bit_model() -> None:
+    llm = register_engine(LLM(_config(), quantization="int4", **KWARGS).engine)
+    decoder = llm.runner.model.model
+    assert isinstance(decoder, FusedDecoder) and decoder.native is not None
+
+
+def test_without_the_library_auto_runs_the_cpu_path_and_native_says_why(monkeypatch, tmp_path) -> None:
+    """No compiler: `load()` gives None, `auto` keeps the torch operators, a named `native` is refused with the
+    reason."""
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
+    monkeypatch.setenv("STREAMD_NATIVE_DIR", str(tmp_path))
+    monkeypatch.setattr(native_cpu, "SOURCE", tmp_path / "native" / "cpu_decode.c")  # no library beside it either
+    (tmp_path / "native").mkdir()
+    (tmp_path / "native" / "cpu_decode.c").write_text("void f(void) {}\n")
+    native_cpu.load.cache_clear()
+    try:
+        assert native_cpu.load() is None and "failed" in str(native_cpu.unavailable_reason())
+        llm = register_engine(LLM(_config(), quantization="int4", fuse_layers="off", **KWARGS).engine)
+        model = llm.runner.model
+        with pytest.raises(ValueError, match="native"):
+            fuse_layers(model, "native", torch.device("cpu"))
+        assert fuse_layers(model, "auto", torch.device("cpu")) == "cpu"
+        assert model.model.native is None
+    finally:
+        native_cpu.load.cache_clear()

@@ -1,0 +1,82 @@
+"""The C decode glue (`kernels/native/cpu_decode.c`) against the torch references, on awkward sizes: head widths
+not a multiple of the 8-lane sums, GQA groups, unequal context lengths over shuffled blocks whose every unread
+slot is NaN, a padded row (slot -1) that must not be stored, and rows a stride apart. Tolerances: the C sums
+round in another order than torch's (float32), and the outputs are bfloat16 (one rounding step apart at most)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from paged_testlib import make_paged
+
+from streamd.kernels import native_cpu, reference
+
+lib = native_cpu.load()
+pytestmark = pytest.mark.skipif(lib is None, reason=f"{native_cpu.unavailable_reason()}")
+BF16 = {"atol": 1e-2, "rtol": 1e-2}  # a bfloat16 rounding step of values of order 1
+
+
+def _p(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+@pytest.mark.parametrize("rows, dim, with_delta", [(1, 576, True), (3, 100, True), (2, 13, False)])
+def test_add_rmsnorm_equals_the_reference(rows: int, dim: int, with_delta: bool) -> None:
+    residual = torch.randn(rows, dim) * 3
+    wide = torch.randn(rows, dim + 5).to(torch.bfloat16)  # the delta's rows are a stride apart
+    delta = wide[:, :dim]
+    weight = torch.randn(dim)
+    want_sum = residual + delta.float() if with_delta else residual.clone()
+    want = reference.rmsnorm(want_sum, weight, 1e-5)
+    out_bf16, out_f32 = torch.empty(rows, dim, dtype=torch.bfloat16), torch.empty(rows, dim)
+    assert lib is not None
+    lib.add_rmsnorm(rows, dim, _p(residual), _p(delta) if with_delta else None, wide.stride(0), _p(weight), 1e-5,
+                    _p(out_bf16), _p(out_f32))  # fmt: skip
+    assert torch.equal(residual, want_sum), "the residual add is one float32 add, as torch's"
+    torch.testing.assert_close(out_f32, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(out_bf16.float(), want.to(torch.bfloat16).float(), **BF16)
+
+
+@pytest.mark.parametrize("rows, inter", [(1, 1536), (3, 37)])
+def test_silu_and_mul_equals_the_reference(rows: int, inter: int) -> None:
+    wide = (torch.randn(rows, 2 * inter + 3) * 4).to(torch.bfloat16)
+    gate_up = wide[:, : 2 * inter]
+    out = torch.empty(rows, inter, dtype=torch.bfloat16)
+    assert lib is not None
+    lib.silu_and_mul(rows, inter, _p(gate_up), wide.stride(0), _p(out))
+    want = reference.silu_and_mul(gate_up.float()).to(torch.bfloat16)
+    torch.testing.assert_close(out.float(), want.float(), **BF16)
+
+
+@pytest.mark.parametrize("seq_lens, page", [([1], 16), ([17, 3, 32], 16), ([40, 1, 9], 8)])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (2, 3, 24)])
+def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group, head_dim) -> None:
+    """Rotary on q and k (transformers' arithmetic), this step's K/V stored at each sequence's last position
+    (a padded row with slot -1 stores nothing), attention over the context: as `reference.rotate`,
+    `reference.store_kv` and `reference.paged_decode_attention`."""
+    case = make_paged(seq_lens, page=page, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float32)
+    heads, rows = kv_heads * group, len(seq_lens)
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(rows, width + 7).to(torch.bfloat16)[:, :width]
+    angles = torch.rand(rows, head_dim // 2) * 6
+    cos, sin = torch.cat((angles.cos(), angles.cos()), -1), torch.cat((angles.sin(), angles.sin()), -1)
+    slots = torch.tensor([int(case.block_tables[i, (n - 1) // page]) * page + (n - 1) % page
+                          for i, n in enumerate(seq_lens)])  # fmt: skip
+    slots[-1] = -1 if rows > 1 else slots[-1]  # the last row is padding: its slot holds the context's own key
+    want_cache = case.kv_cache.clone()
+    x = qkv.float().unflatten(-1, (-1, head_dim))
+    qk = reference.rotate(x[:, : heads + kv_heads], cos, sin)
+    reference.store_kv(qk[:, heads:], x[:, heads + kv_heads :], want_cache, case.layer, slots)
+    want = reference.paged_decode_attention(qk[:, :heads].contiguous(), want_cache, case.layer, case.block_tables,
+                                            case.seq_lens, 0.3)  # fmt: skip
+    pool = case.kv_cache
+    scratch = torch.empty(max(seq_lens) + 2 * head_dim)
+    out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
+    strides = (native_cpu.ctypes.c_int64 * 5)(*pool.stride()[:5])
+    assert lib is not None
+    lib.rope_store_attend(rows, heads, kv_heads, head_dim, _p(qkv), qkv.stride(0), _p(cos), _p(sin), _p(pool),
+                          strides, case.layer, _p(slots), _p(case.block_tables), case.block_tables.shape[1],
+                          _p(case.seq_lens), page, 0.3, _p(scratch), _p(out))  # fmt: skip
+    assert case.seq_lens.dtype == case.block_tables.dtype == torch.int32
+    assert torch.equal(pool.nan_to_num(7.0), want_cache.nan_to_num(7.0)), "stored as the references store, only there"
+    torch.testing.assert_close(out.float().unflatten(-1, (heads, head_dim)), want.to(torch.bfloat16).float(), **BF16)
