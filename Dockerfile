@@ -62,7 +62,15 @@ print('\n'.join(d for name in sys.argv[1].strip('[]').split(',') if name for d i
 
 COPY README.md /tmp/src/README.md
 COPY streamd /tmp/src/streamd
-RUN pip install --no-deps /tmp/src && rm -rf /tmp/src
+# The CPU decode glue (streamd/kernels/native/cpu_decode.c, plain C) is compiled beside its source, where
+# `native_cpu.load()` finds it; a CPU image borrows a compiler for it and drops it again (CUDA images keep theirs).
+RUN set -eux; \
+    pip install --no-deps /tmp/src && rm -rf /tmp/src; \
+    build='from streamd.kernels import native_cpu as n; print(n.build(n.SOURCE.parent))'; \
+    if command -v cc >/dev/null; then python -c "$build"; else \
+        apt-get update; apt-get install -y --no-install-recommends gcc libc6-dev; python -c "$build"; \
+        apt-get purge -y --auto-remove gcc libc6-dev; rm -rf /var/lib/apt/lists/*; \
+    fi
 
 RUN useradd --create-home --home-dir /home/streamd --uid 10001 --user-group --shell /usr/sbin/nologin streamd \
     && mkdir -p /opt/streamd/cache /cache/huggingface /cache/kv \

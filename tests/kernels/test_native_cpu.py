@@ -70,7 +70,7 @@ def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group
     want = reference.paged_decode_attention(qk[:, :heads].contiguous(), want_cache, case.layer, case.block_tables,
                                             case.seq_lens, 0.3)  # fmt: skip
     pool = case.kv_cache
-    scratch = torch.empty(max(seq_lens) + 2 * head_dim)
+    scratch = torch.empty(group * (max(seq_lens) + 2 * head_dim))
     out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
     strides = (native_cpu.ctypes.c_int64 * 5)(*pool.stride()[:5])
     assert lib is not None

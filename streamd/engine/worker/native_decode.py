@@ -1,12 +1,12 @@
 """NativeDecode: a fused CPU model's decode steps with the work between the matmuls in C (`kernels/native_cpu`).
 
 `model.fuse_layers = "native"` (what `auto` picks on the CPU for a low-bit Llama-family model where a C compiler
-is at hand) is the `cpu` mode's path whose decode steps over a few thousand context tokens run here: per layer four torch matmuls
-(the low-bit layers' own, so the kernel each picks stays) and three C calls (residual add + RMSNorm; rotary,
-K/V store and paged attention; SiLU-and-mul), instead of ~45 torch operators. Prompt chunks, speculative
-verifies, steps over more context (`MAX_CONTEXT_TOKENS`) and pools this path does not read (8-bit, a window pool) take the `cpu` path's torch
-operators (`takes`). The arithmetic is transformers' in float32 in the same order; sums round in another order,
-so logits differ from the torch path in the last bits (tests bound them).
+is at hand) is the `cpu` mode's path whose decode steps over a few thousand context tokens run here: per layer
+four torch matmuls (the low-bit layers' own kernels) and three C calls (residual add + RMSNorm; rotary, K/V store
+and paged attention; SiLU-and-mul), instead of ~45 torch operators. Prompt chunks, speculative verifies, steps
+over more context (`MAX_CONTEXT_TOKENS`) and pools this path does not read (8-bit, a window pool) take the `cpu`
+path's torch operators (`takes`). The arithmetic is transformers' in float32 in the same order; sums round in
+another order, so logits differ from the torch path in the last bits (tests bound them).
 """
 
 from __future__ import annotations
@@ -186,11 +186,11 @@ class NativeDecode:
         Each layer's last call adds its MLP's output to the residual and norms it for the next layer (the final
         norm after the last, in float32)."""
         rows, dim = hidden.shape[0], self.dim
-        step = _Step.of(md, cos, sin, self.layers[0].head_dim)
+        first = self.layers[0]
+        step = _Step.of(md, cos, sin, first.head_dim, first.heads // first.kv_heads)
         residual = hidden.to(torch.float32, copy=True).contiguous()
         x = torch.empty(rows, dim, dtype=torch.bfloat16)
         out = torch.empty(rows, dim, dtype=torch.float32)
-        first = self.layers[0]
         self.lib.add_rmsnorm(rows, dim, _ptr(residual), None, 0, _ptr(first.norm), first.eps, _ptr(x), None)
         for layer, (weight, eps) in zip(self.layers, self.next_norms):
             down = self._layer(step, layer, residual, x)
@@ -229,10 +229,10 @@ class _Step:
     scratch: torch.Tensor
 
     @classmethod
-    def of(cls, md: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, head_dim: int) -> _Step:
+    def of(cls, md: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, group: int) -> _Step:
         pool = md.kv_cache
         lens = md.seq_lens.to(torch.int32).contiguous()
-        scratch = torch.empty(int(lens.max()) + 2 * head_dim, dtype=torch.float32)
+        scratch = torch.empty(group * (int(lens.max()) + 2 * head_dim), dtype=torch.float32)
         return cls(
             cos.to(torch.float32).contiguous(),
             sin.to(torch.float32).contiguous(),

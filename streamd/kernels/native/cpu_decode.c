@@ -93,10 +93,41 @@ static inline float *row(const Pool *p, int64_t block, int layer, int kv, int he
     return p->base + block * p->block + layer * p->layer + kv * p->kv + head * p->head + offset * p->offset;
 }
 
+/* The `group` query heads that share KV head `kv_head` (GQA), over positions [0, len): each K and V row is read
+ * once for the group. scratch: group x (2 head_dim + len) floats. */
+static void attend_group(const Pool *p, int layer, int kv_head, int group, int head_dim, const uint16_t *q_src,
+                         const float *cos, const float *sin, const int32_t *table, int page, int len, float scale,
+                         float *scratch, uint16_t *out) {
+    float *q = scratch, *acc = scratch + group * head_dim, *scores = scratch + 2 * group * head_dim;
+    for (int j = 0; j < group; j++) rotate(q_src + (int64_t)j * head_dim, cos, sin, head_dim, q + j * head_dim);
+    for (int t = 0; t < len; t++) {
+        const float *k = row(p, table[t / page], layer, 0, kv_head, t % page);
+        for (int j = 0; j < group; j++) scores[(int64_t)j * len + t] = dot(q + j * head_dim, k, head_dim) * scale;
+    }
+    for (int j = 0; j < group; j++) {
+        float *sc = scores + (int64_t)j * len, top = -INFINITY, total = 0.0f;
+        for (int t = 0; t < len; t++) top = sc[t] > top ? sc[t] : top;
+        for (int t = 0; t < len; t++) {
+            sc[t] = expf(sc[t] - top);
+            total += sc[t];
+        }
+        for (int t = 0; t < len; t++) sc[t] /= total;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
+    for (int t = 0; t < len; t++) {
+        const float *v = row(p, table[t / page], layer, 1, kv_head, t % page);
+        for (int j = 0; j < group; j++) {
+            float w = scores[(int64_t)j * len + t], *a = acc + j * head_dim;
+            for (int i = 0; i < head_dim; i++) a[i] += w * v[i];
+        }
+    }
+    for (int i = 0; i < group * head_dim; i++) out[i] = f32_to_bf16(acc[i]);
+}
+
 /* One decode step's attention for `rows` sequences of one token each, in `layer`: q and k of qkv [rows, stride]
  * bfloat16 ((heads + 2 kv_heads) x head_dim: q, k, v) rotated by cos/sin [rows, head_dim]; k and v stored at
  * slots[r]; the query attends over positions [0, seq_lens[r]) through block_tables [rows, table_width]; the result
- * [rows, heads x head_dim] as bfloat16. `scratch` holds max(seq_lens) + (heads + 1) x head_dim floats. */
+ * [rows, heads x head_dim] as bfloat16. `scratch` holds (heads / kv_heads) x (2 head_dim + max(seq_lens)) floats. */
 void rope_store_attend(int rows, int heads, int kv_heads, int head_dim, const uint16_t *qkv, int64_t stride,
                        const float *cos, const float *sin, float *pool_base, const int64_t *pool_strides, int layer,
                        const int64_t *slots, const int32_t *block_tables, int table_width, const int32_t *seq_lens,
@@ -114,28 +145,8 @@ void rope_store_attend(int rows, int heads, int kv_heads, int head_dim, const ui
         }
         int len = seq_lens[r];
         const int32_t *table = block_tables + (int64_t)r * table_width;
-        float *q = scratch, *acc = scratch + head_dim, *scores = scratch + 2 * head_dim;
-        for (int h = 0; h < heads; h++) {
-            int kvh = h / group;
-            rotate(src + (int64_t)h * head_dim, c, s, head_dim, q);
-            float top = -INFINITY;
-            for (int t = 0; t < len; t++) {
-                scores[t] = dot(q, row(&p, table[t / page], layer, 0, kvh, t % page), head_dim) * scale;
-                top = scores[t] > top ? scores[t] : top;
-            }
-            float total = 0.0f;
-            for (int t = 0; t < len; t++) {
-                scores[t] = expf(scores[t] - top);
-                total += scores[t];
-            }
-            memset(acc, 0, sizeof(float) * (size_t)head_dim);
-            for (int t = 0; t < len; t++) {
-                const float *v = row(&p, table[t / page], layer, 1, kvh, t % page);
-                float w = scores[t];
-                for (int i = 0; i < head_dim; i++) acc[i] += w * v[i];
-            }
-            uint16_t *o = out + (int64_t)r * heads * head_dim + (int64_t)h * head_dim;
-            for (int i = 0; i < head_dim; i++) o[i] = f32_to_bf16(acc[i] / total);
-        }
+        for (int g = 0; g < kv_heads; g++)
+            attend_group(&p, layer, g, group, head_dim, src + (int64_t)g * group * head_dim, c, s, table, page, len,
+                         scale, scratch, out + (int64_t)r * heads * head_dim + (int64_t)g * group * head_dim);
     }
 }

@@ -34,7 +34,7 @@ def test_native_decode_steps_give_the_cpu_paths_tokens(quantization: str, monkey
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
                for n in torch.randint(1, 150, (6,), generator=gen)]  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False, logprobs=5)
     native_rows: list[int] = []
     run = native_decode.NativeDecode.run
 
@@ -67,12 +67,12 @@ def test_native_decode_steps_give_the_cpu_paths_tokens(quantization: str, monkey
 
 
 def _same_up_to_a_near_tie(torch_path, native, margin: float = 0.05) -> None:
-    """The tokens are equal, or first differ where the torch path's two likeliest tokens were within `margin`
-    (a bfloat16 logit's rounding step near 4 is 0.03) and the native token is one of them."""
+    """The tokens are equal, or first differ where the torch path gave the native token a log-probability within
+    `margin` of its best (a near-tie: a bfloat16 logit's rounding step is 0.03 near 4, 0.125 near 20)."""
     for i, (want, got) in enumerate(zip(torch_path.token_ids, native.token_ids)):
         if want != got:
-            top = sorted(torch_path.logprobs[i].items(), key=lambda kv: -kv[1])
-            assert got in dict(top) and top[0][1] - top[1][1] <= margin, f"diverged at {i}: {top}"
+            top = torch_path.logprobs[i]
+            assert got in top and top[want] - top[got] <= margin, f"diverged at {i}: {got} against {top}"
             return
 
 
@@ -83,16 +83,14 @@ def test_the_default_models_greedy_tokens_equal_the_cpu_paths() -> None:
     exactly, and one path's last-bit difference breaks the tie the other way."""
     prompts = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
                "List three colors:", "Once upon a time, in a land far away,"]  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=5)
     outs = {}
     for mode in ("cpu", "native"):
         llm = LLM(device="cpu", num_swap_blocks=0, num_kv_blocks=128, max_step_ms=0, fuse_layers=mode, seed=3)
         register_engine(llm.engine)
         outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params)]
     for torch_path, native in zip(outs["cpu"], outs["native"]):
-        _same_up_to_a_near_tie(torch_path, native, margin=0.25)
-    same = sum(a.token_ids == b.token_ids for a, b in zip(outs["cpu"], outs["native"]))
-    assert same >= 2, "most sequences run to the end on the same tokens"
+        _same_up_to_a_near_tie(torch_path, native, margin=0.13)
 
 
 @needs_library
