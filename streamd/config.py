@@ -187,6 +187,17 @@ class SchedulerConfig:
     # A request still unscheduled after this fraction of its queue timeout (`server.max_queue_time_s`) goes
     # ahead of every tier and fair share, oldest first, so it gets the next seat before its deadline (fairness.py).
     queue_aging: float = 0.5
+    # When every seat (max_num_seqs) is taken and a tenant with nothing running (or below its equal share) has a
+    # request waiting, it is seated beyond max_num_seqs, up to this many extra seats, instead of preempting
+    # another tenant's request (a recompute of its whole context); the seats are repaid as requests end (no one
+    # else is admitted until the count is back under max_num_seqs). -1: max_num_seqs // 8, at least 1; 0: never
+    # (preempt). CUDA graphs and tensor-parallel buffers are sized for `seat_cap()`.
+    lent_seats: int = -1
+
+    def seat_cap(self) -> int:
+        """The most sequences a step may run: max_num_seqs and the seats `lent_seats` may lend."""
+        lent = max(1, self.max_num_seqs // 8) if self.lent_seats < 0 else self.lent_seats
+        return self.max_num_seqs + lent
 
     def tenant_weight_map(self) -> dict[str, float]:
         """`tenant_weights` as name -> weight; a malformed entry raises naming it."""
@@ -209,6 +220,8 @@ class SchedulerConfig:
         _non_negative("scheduler.max_step_ms", self.max_step_ms)
         _non_negative("scheduler.catch_up_chunk_tokens", self.catch_up_chunk_tokens)
         _one_of("scheduler.catch_up_decodes", self.catch_up_decodes, CATCH_UP_DECODES)
+        if self.lent_seats < -1:
+            raise ConfigError(f"scheduler.lent_seats must be -1 (auto), 0 (never) or a count, got {self.lent_seats}")
         if not 0 < self.queue_aging <= 1:
             raise ConfigError(f"scheduler.queue_aging must be in (0, 1], got {self.queue_aging}")
         _one_of("scheduler.preemption_mode", self.preemption_mode, ("auto", "swap", "recompute"))

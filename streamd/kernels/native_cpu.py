@@ -29,6 +29,7 @@ SIGNATURES = {
     "add_rmsnorm": [_I, _I, _P, _P, _I64, _P, _F, _P, _P],
     "silu_and_mul": [_I, _I, _P, _I64, _P],
     "rope_store_attend": [_I, _I, _I, _I, _P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _F, _P, _P],
+    "int4_rows": [_P, _I64, _I64, _I, _P, _I, _I, _P],
 }
 
 

@@ -29,6 +29,10 @@ the latest-arrived victim the least deserving); a waiting group that does not fi
 tenant and `flex` requests, not the others, until it has waited `STARVING_S` (then everything after it
 waits). A request near its queue deadline (`scheduler.queue_aging` of its queue timeout) goes ahead of every
 tier and fair share, oldest first (`_aged_first`), so no load of higher tiers holds it past its deadline.
+When every seat is taken and a tenant has nothing running (or holds less than its equal share), its request is
+seated beyond `max_num_seqs` (a lent seat, up to `scheduler.lent_seats` more: `_seat_for_unserved`) instead of
+preempting another tenant's request, whose whole context would be computed again; the seats are repaid as
+requests end. With none left to lend, the most served tenant's cheapest group gives its seat up (recomputed).
 When the least served tenant's prompt runs in a step (or its first token is read back after it), the other
 tenants' prompt chunks come after its admission and share `scheduler.catch_up_chunk_tokens` in that step
 (`_catch_up`), so a chat's first token beside a flood of long prompts waits for steps of a decode step's size;
@@ -136,6 +140,11 @@ class Scheduler:
         # Admission keeps running sequences within the token budget too, so every running sequence's
         # decode always fits in one step and no decode is ever starved.
         self.max_num_seqs = min(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
+        # beyond max_num_seqs only by a seat lent to an unserved tenant (`_seat_for_unserved`)
+        self.seat_cap = min(scheduler_config.seat_cap(), scheduler_config.max_num_batched_tokens)
+        self._seat_limit = self.max_num_seqs  # this step's for `_lent_to`: raised to seat it beyond max_num_seqs
+        self._lent_to: SequenceGroup | None = None
+        self.lent = 0  # seats lent so far (a count, for stats and tests)
         self.max_step_s = scheduler_config.max_step_ms / 1e3 or None  # None: no latency budget
         self.lone_chunk_tokens = max(block_manager.block_size, lone_chunk_tokens)
         rate = cost_model.prefill_tokens_per_s if cost_model is not None else 0.0
@@ -263,6 +272,7 @@ class Scheduler:
         """This iteration's plan (see the module docstring for the order)."""
         out = SchedulerOutput()
         seat_free = False
+        self._seat_limit, self._lent_to = self.max_num_seqs, None
         if self.fair.reorders:
             seat_free = self._seats_taken() < self.max_num_seqs
             self._reorder(seat_free)
@@ -360,10 +370,12 @@ class Scheduler:
 
     def _seat_for_unserved(self, out: SchedulerOutput) -> bool:
         """Every seat (`max_num_seqs`) is taken and an active tenant has nothing running, or the least served
-        one holds fewer than its equal share of the seats (a chat's next request behind a flood): the group of
-        the tenant running the most groups with the fewest computed tokens (the cheapest to recompute; of those
-        the least deserving) gives up its seat (recomputed, so admission goes on in this step), and that
-        tenant's first waiting request goes to the front of the queue. Returns whether it made a seat."""
+        one holds fewer than its equal share of the seats (a chat's next request behind a flood): that tenant's
+        first waiting request goes to the front of the queue and is seated beyond `max_num_seqs` (a lent seat,
+        up to `seat_cap`; nobody else is admitted until the count is back under `max_num_seqs`), or, with no
+        seat left to lend, the group of the tenant running the most groups with the fewest computed tokens (the
+        cheapest to recompute; of those the least deserving) gives up its seat (recomputed). Returns whether
+        it made a seat."""
         running = self.running
         if self.swapped:
             return False
@@ -377,10 +389,16 @@ class Scheduler:
         candidate = next((g for g in self.waiting if _may_take_seat(g, unserved, self.paused)), None)
         if candidate is None:
             return False
-        richest = seats.most_common(1)[0][0]
-        mine = [i for i, g in enumerate(running) if g.sampling_params.tenant == richest]
-        victim = min(mine, key=lambda i: (_computed_tokens(running[i]), -i))  # the cheapest to recompute
-        self._preempt(running.pop(victim), out, recompute=True)
+        width, taken = len(candidate.seqs), self._seats_taken()
+        if taken + width <= self.seat_cap:
+            self.lent += 1
+        else:
+            richest = seats.most_common(1)[0][0]
+            mine = [i for i, g in enumerate(running) if g.sampling_params.tenant == richest]
+            victim = min(mine, key=lambda i: (_computed_tokens(running[i]), -i))  # the cheapest to recompute
+            self._preempt(running.pop(victim), out, recompute=True)
+            taken = self._seats_taken()
+        self._seat_limit, self._lent_to = max(self.max_num_seqs, min(self.seat_cap, taken + width)), candidate
         self.waiting.remove(candidate)
         self.waiting.appendleft(candidate)
         return True
@@ -685,7 +703,7 @@ class Scheduler:
                 k += 1
                 continue
             seqs = group.seqs_with_status(SequenceStatus.WAITING)
-            if num_seqs and num_seqs + len(seqs) > self.max_num_seqs:
+            if num_seqs and num_seqs + len(seqs) > (self._seat_limit if group is self._lent_to else self.max_num_seqs):
                 break
             needed = sum(bm.blocks_needed(s.num_tokens) for s in seqs)
             if needed > bm.num_blocks:  # grew past the pool before a recompute preemption

@@ -70,7 +70,8 @@ class Q8Codes:
         return Q8Codes(self.codes[index], self.scales[index])
 
     def dequantize(self) -> torch.Tensor:
-        return self.codes.float() * self.scales[:, torch.arange(self.codes.shape[1]) // GROUP]
+        rows, width = self.codes.shape
+        return (self.codes.float().view(rows, -1, GROUP) * self.scales[:, : width // GROUP, None]).view(rows, width)
 
     @property
     def shape(self) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
-from typing import Protocol, cast
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -116,6 +116,7 @@ class NativeLayer:
     head_dim: int
     scale: float
     index: int
+    intermediate: int  # the MLP's width (SiLU-and-mul's output)
 
 
 def unsupported_reason(decoder: FusedDecoder) -> str | None:
@@ -185,73 +186,81 @@ class NativeDecode:
         """hidden [rows, dim] (the embeddings) -> the final norm's output [rows, dim], storing each layer's K/V.
         Each layer's last call adds its MLP's output to the residual and norms it for the next layer (the final
         norm after the last, in float32)."""
-        rows, dim = hidden.shape[0], self.dim
-        first = self.layers[0]
-        step = _Step.of(md, cos, sin, first.head_dim, first.heads // first.kv_heads)
+        lib, rows, dim, first = self.lib, hidden.shape[0], self.dim, self.layers[0]
+        step = _Step.of(md, cos, sin, first)
         residual = hidden.to(torch.float32, copy=True).contiguous()
         x = torch.empty(rows, dim, dtype=torch.bfloat16)
         out = torch.empty(rows, dim, dtype=torch.float32)
-        self.lib.add_rmsnorm(rows, dim, _ptr(residual), None, 0, _ptr(first.norm), first.eps, _ptr(x), None)
+        res_p, x_p = residual.data_ptr(), x.data_ptr()
+        lib.add_rmsnorm(rows, dim, res_p, None, 0, first.norm.data_ptr(), first.eps, x_p, None)
         for layer, (weight, eps) in zip(self.layers, self.next_norms):
-            down = self._layer(step, layer, residual, x)
+            qkv = layer.qkv(x)
+            lib.rope_store_attend(
+                rows,
+                layer.heads,
+                layer.kv_heads,
+                layer.head_dim,
+                qkv.data_ptr(),
+                qkv.stride(0),
+                *step.pool_args,
+                layer.index,
+                *step.seq_args,
+                layer.scale,
+                *step.attn_out,
+            )
+            o = layer.o(step.attn)
+            lib.add_rmsnorm(
+                rows, dim, res_p, o.data_ptr(), o.stride(0), layer.post_norm.data_ptr(), layer.post_eps, x_p, None
+            )
+            gate_up = layer.gate_up(x)
+            lib.silu_and_mul(rows, step.act.shape[1], gate_up.data_ptr(), gate_up.stride(0), step.act.data_ptr())
+            down = layer.down(step.act)
             last = weight is self.final_norm
-            self.lib.add_rmsnorm(rows, dim, _ptr(residual), _ptr(down), down.stride(0), _ptr(weight), eps,
-                                 None if last else _ptr(x), _ptr(out) if last else None)  # fmt: skip
+            lib.add_rmsnorm(
+                rows,
+                dim,
+                res_p,
+                down.data_ptr(),
+                down.stride(0),
+                weight.data_ptr(),
+                eps,
+                None if last else x_p,
+                out.data_ptr() if last else None,
+            )
         return out
-
-    def _layer(self, step: _Step, layer: NativeLayer, residual: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """One layer from its normed input `x` to its MLP's output (not yet added to `residual`); `x` is reused."""
-        lib, rows = self.lib, x.shape[0]
-        qkv = layer.qkv(x)
-        attn = torch.empty(rows, layer.heads * layer.head_dim, dtype=torch.bfloat16)
-        step.attend(lib, layer, qkv, attn)
-        o = layer.o(attn)
-        lib.add_rmsnorm(rows, self.dim, _ptr(residual), _ptr(o), o.stride(0), _ptr(layer.post_norm), layer.post_eps,
-                        _ptr(x), None)  # fmt: skip
-        gate_up = layer.gate_up(x)
-        act = torch.empty(rows, gate_up.shape[1] // 2, dtype=torch.bfloat16)
-        lib.silu_and_mul(rows, act.shape[1], _ptr(gate_up), gate_up.stride(0), _ptr(act))
-        return layer.down(act)
 
 
 @dataclass(slots=True)
 class _Step:
-    """What every layer of one decode step passes to the attention call."""
+    """What one decode step's layers share: the attention call's pool and sequence arguments (pointers taken
+    once), and the buffers every layer reuses for its attention output and its SiLU-and-mul."""
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    pool: torch.Tensor
-    strides: ctypes.Array[ctypes.c_int64]
-    slots: torch.Tensor
-    tables: torch.Tensor
-    lens: torch.Tensor
-    page: int
-    scratch: torch.Tensor
+    held: tuple[torch.Tensor, ...]  # the tensors the pointers point into, kept alive for the step
+    pool_args: tuple[Any, ...]  # cos, sin, pool, its strides
+    seq_args: tuple[Any, ...]  # slots, block tables and their width, lengths, block size
+    attn_out: tuple[int, int]  # scratch, attention output
+    attn: torch.Tensor  # [rows, heads x head_dim] bfloat16
+    act: torch.Tensor  # [rows, intermediate] bfloat16
 
     @classmethod
-    def of(cls, md: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, head_dim: int, group: int) -> _Step:
-        pool = md.kv_cache
+    def of(cls, md: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, layer: NativeLayer) -> _Step:
+        pool, rows = md.kv_cache, cos.shape[0]
+        cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+        slots, tables = md.slot_mapping.to(torch.int64).contiguous(), md.block_tables.to(torch.int32).contiguous()
         lens = md.seq_lens.to(torch.int32).contiguous()
-        scratch = torch.empty(group * (int(lens.max()) + 2 * head_dim), dtype=torch.float32)
+        group = layer.heads // layer.kv_heads
+        scratch = torch.empty(group * (int(lens.max()) + 2 * layer.head_dim), dtype=torch.float32)
+        attn = torch.empty(rows, layer.heads * layer.head_dim, dtype=torch.bfloat16)
+        act = torch.empty(rows, layer.intermediate, dtype=torch.bfloat16)
+        strides = (ctypes.c_int64 * 5)(*pool.stride()[:5])
         return cls(
-            cos.to(torch.float32).contiguous(),
-            sin.to(torch.float32).contiguous(),
-            pool,
-            (ctypes.c_int64 * 5)(*pool.stride()[:5]),
-            md.slot_mapping.to(torch.int64).contiguous(),
-            md.block_tables.to(torch.int32).contiguous(),
-            lens,
-            int(pool.shape[4]),
-            scratch,
+            (cos, sin, slots, tables, lens, scratch),
+            (cos.data_ptr(), sin.data_ptr(), pool.data_ptr(), strides),
+            (slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), int(pool.shape[4])),
+            (scratch.data_ptr(), attn.data_ptr()),
+            attn,
+            act,
         )
-
-    def attend(self, lib: ctypes.CDLL, layer: NativeLayer, qkv: torch.Tensor, out: torch.Tensor) -> None:
-        lib.rope_store_attend(
-            out.shape[0], layer.heads, layer.kv_heads, layer.head_dim, _ptr(qkv), qkv.stride(0),
-            _ptr(self.cos), _ptr(self.sin), _ptr(self.pool), self.strides, layer.index, _ptr(self.slots),
-            _ptr(self.tables), self.tables.shape[1], _ptr(self.lens), self.page, layer.scale, _ptr(self.scratch),
-            _ptr(out),
-        )  # fmt: skip
 
 
 def _native_layer(layer: FusedLayer) -> NativeLayer:
@@ -262,8 +271,5 @@ def _native_layer(layer: FusedLayer) -> NativeLayer:
     return NativeLayer(
         qkv, o, gate_up, down, norm.weight, float(norm.variance_epsilon), post.weight, float(post.variance_epsilon),
         q_size // head_dim, kv_size // head_dim, head_dim, float(layer.scale), layer.layer_idx,
+        gate_up.layer.out_features // 2,
     )  # fmt: skip
-
-
-def _ptr(t: torch.Tensor) -> int:
-    return t.data_ptr()

@@ -150,3 +150,27 @@ void rope_store_attend(int rows, int heads, int kv_heads, int head_dim, const ui
                          scale, scratch, out + (int64_t)r * heads * head_dim + (int64_t)g * group * head_dim);
     }
 }
+
+/* Rows `ids` [n] of torch's packed int4 CPU layout (see `lowbit._codes_t`): codes uint8 [n, in_features]. Rows
+ * come in blocks of `block`, each stored as [width, block / 2] bytes (low nibble row j, high nibble row
+ * j + block / 2); a last block of fewer rows stores rows 2j (low) and 2j + 1 (high), [width, tail / 2] bytes. */
+void int4_rows(const uint8_t *packed, int64_t width, int64_t rows, int block, const int64_t *ids, int n,
+               int in_features, uint8_t *out) {
+    int64_t full = rows / block * block, half = block / 2, tail = (rows - full) / 2;
+    for (int k = 0; k < n; k++) {
+        int64_t r = ids[k];
+        const uint8_t *src;
+        int64_t step;
+        int shift;
+        if (r < full) {
+            src = packed + (r / block) * width * half + (r % block) % half;
+            step = half;
+            shift = (r % block) >= half ? 4 : 0;
+        } else {
+            src = packed + full * width / 2 + (r - full) / 2;
+            step = tail;
+            shift = ((r - full) % 2) * 4;
+        }
+        for (int c = 0; c < in_features; c++) out[(int64_t)k * in_features + c] = (src[c * step] >> shift) & 15;
+    }
+}

@@ -23,11 +23,11 @@ class TenantEngine(FakeEngine):
     simulated: `now` is the number of steps run (one second each)."""
 
     def __init__(self, scheduling: str = "fair", weights: tuple[str, ...] = (), catch_up_decodes: str = "auto",
-                 **kwargs) -> None:
+                 lent_seats: int = -1, **kwargs) -> None:
         super().__init__(**kwargs)
         config = self.sched.config
         config.scheduling, config.tenant_weights = scheduling, list(weights)
-        config.catch_up_decodes = catch_up_decodes
+        config.catch_up_decodes, config.lent_seats = catch_up_decodes, lent_seats
         self.now = 0.0
         self.sched = Scheduler(config, self.bm, 4096, kwargs.get("cost_model"), clock=lambda: self.now)
         self.admitted: list[str] = []
@@ -46,6 +46,7 @@ class TenantEngine(FakeEngine):
 
     def step(self):
         out = super().step()
+        assert len({id(item.seq) for item in out.scheduled}) <= self.sched.seat_cap, "more seats than the cap"
         self.now += 1.0
         for item in out.scheduled[: len(out.scheduled) - out.num_decode_tokens]:
             tenant = item.group.sampling_params.tenant
@@ -74,18 +75,28 @@ def _prompt(rid: str, n: int) -> list[int]:
 
 # ---- admission order ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("scheduling", ["fair", "fcfs"])
-def test_chatting_tenant_is_not_queued_behind_a_flood(scheduling):
-    eng = TenantEngine(scheduling, num_blocks=400, max_num_seqs=4)
+@pytest.mark.parametrize("scheduling, lent_seats", [("fair", -1), ("fair", 0), ("fcfs", -1)])
+def test_chatting_tenant_is_not_queued_behind_a_flood(scheduling, lent_seats):
+    """Every seat is the flood's: b0 gets a lent fifth seat at once (no one preempted, and the flood's next
+    request waits until the count is back under four), or, lending nothing, the flood's newest request gives
+    its seat up; under fcfs b0 waits for the flood."""
+    eng = TenantEngine(scheduling, num_blocks=400, max_num_seqs=4, lent_seats=lent_seats)
     for i in range(12):
         eng.add_as(f"a{i}", _prompt(f"a{i}", 8), 20, "flood")
     eng.step()
     eng.add_as("b0", _prompt("b0", 4), 4, "chat")
-    eng.run()
+    eng.step()
+    if scheduling == "fair" and lent_seats:
+        assert len(eng.sched.running) == 5 and eng.sched.lent == 1
+    while eng.sched.has_unfinished_seqs():  # the lent seat is b0's alone: the flood never holds more than four
+        eng.step()
+        assert sum(g.sampling_params.tenant == "flood" for g in eng.sched.running) <= 4
     waited = eng.admitted_at["b0"] - eng.arrived_at["b0"]
-    if scheduling == "fair":  # every seat is the flood's: its newest request gives one up to b0 at once
+    if scheduling == "fair":
         assert eng.admitted.index("b0") == 4 and waited <= 1
-        assert eng.sched.fair.tenants["flood"].preemptions == 1 and eng.sched.fair.tenants["chat"].preemptions == 0
+        preempted = 0 if lent_seats else 1
+        assert eng.sched.fair.tenants["flood"].preemptions == preempted
+        assert eng.sched.fair.tenants["chat"].preemptions == 0
     else:
         assert eng.admitted[-1] == "b0" and waited > 40
     assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 8), 20)] for i in range(12))
@@ -210,8 +221,9 @@ def test_a_chats_prompt_is_admitted_before_the_floods_chunks_fill_the_latency_bu
 
 
 def test_a_chats_next_request_gets_a_seat_while_its_first_still_runs():
-    """The least served tenant below its equal share of the seats has a request waiting: the flood gives up a
-    seat at once, not when one of its requests ends."""
+    """The least served tenant below its equal share of the seats has a request waiting: b0 takes the one seat
+    there is to lend (4 // 8, at least 1), and for b1 the flood gives up a seat at once, not when one of its
+    requests ends."""
     eng = TenantEngine(num_blocks=400, max_num_seqs=4)
     for i in range(12):
         eng.add_as(f"a{i}", _prompt(f"a{i}", 8), 30, "flood")
@@ -221,7 +233,7 @@ def test_a_chats_next_request_gets_a_seat_while_its_first_still_runs():
     eng.add_as("b1", _prompt("b1", 4), 12, "chat")
     eng.step()
     assert eng.admitted_at["b1"] - eng.arrived_at["b1"] <= 1 and "b0" not in eng.finished
-    assert eng.sched.fair.tenants["flood"].preemptions == 2
+    assert eng.sched.fair.tenants["flood"].preemptions == 1 and eng.sched.lent == 1
     eng.run()
     assert all(eng.finished[f"b{i}"] == [reference(_prompt(f"b{i}", 4), 12)] for i in range(2))
     assert all(eng.finished[f"a{i}"] == [reference(_prompt(f"a{i}", 8), 30)] for i in range(12))

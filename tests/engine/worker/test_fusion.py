@@ -161,10 +161,11 @@ def test_fused_engine_on_cuda_matches_transformers(mode: str) -> None:
 
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_a_low_bit_model_on_the_cpu_path_computes_what_transformers_modules_compute(quantization: str) -> None:
-    """`auto` on the CPU takes a low-bit model through `CpuPath` (q/k/v and gate/up merged into one low-bit layer
-    each); its greedy tokens equal transformers' modules over the same low-bit layers, prompts long enough for the
-    dense path and a batch of decodes. The latency budget is off: it sizes prompt chunks from measured step times,
-    and a chunk's row count picks the packed or the dense matmul, which round differently."""
+    """`cpu` takes a low-bit model through `CpuPath` (q/k/v and gate/up merged into one low-bit layer each); its
+    greedy tokens equal transformers' modules over the same low-bit layers, prompts long enough for the dense
+    path and a batch of decodes. The latency budget is off: it sizes prompt chunks from measured step times,
+    and a chunk's row count picks the packed or the dense matmul, which round differently. (`auto` picks
+    `native` where a C compiler is at hand, whose sums round otherwise: test_native_decode.py.)"""
     config = _tiny("llama")
     kwargs = dict(device="cpu", dtype="float32", num_swap_blocks=0, quantization=quantization, max_step_ms=0,
                   num_kv_blocks=120, block_size=8, seed=11)
@@ -173,15 +174,15 @@ def test_a_low_bit_model_on_the_cpu_path_computes_what_transformers_modules_comp
                for n in torch.randint(1, 150, (6,), generator=gen)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False)
     outs = {}
-    for mode in ("off", "auto"):
+    for mode in ("off", "cpu"):
         llm = LLM(config, fuse_layers=mode, **kwargs)
         register_engine(llm.engine)
         decoder = llm.engine.runner.model.model
-        assert isinstance(decoder, FusedDecoder) == (mode == "auto")
+        assert isinstance(decoder, FusedDecoder) == (mode == "cpu")
         outs[mode] = [out.outputs[0].token_ids for out in run_to_completion(llm.engine, prompts, params)]
-    assert isinstance(decoder.path, CpuPath)
+    assert isinstance(decoder.path, CpuPath) and decoder.native is None
     assert isinstance(decoder.layers[0].qkv_proj, QuantizedLinear)
-    assert outs["auto"] == outs["off"]
+    assert outs["cpu"] == outs["off"]
 
 
 def test_low_bit_layers_that_do_not_merge_keep_transformers_layer() -> None:

@@ -418,6 +418,10 @@ def test_rows_unpack_from_torchs_packing_alone(rows: int) -> None:
     weight = lowbit.pack_int4(codes, torch.rand(rows, 3), torch.rand(rows, 3), 32, torch.bfloat16)
     ids = torch.tensor([0, 1, 31, 32, 63, 64, 65, rows - 2, rows - 1, 5, 5])
     assert torch.equal(lowbit.int4_rows(weight, ids), codes[ids])
+    assert torch.equal(lowbit.int4_rows_reference(weight, ids), codes[ids]), "the C path and its reference"
+    assert lowbit.int4_rows(weight, ids[:0]).shape == (0, 96)
+    with pytest.raises(IndexError, match="row ids"):
+        lowbit.int4_rows(weight, torch.tensor([rows]))
 
 
 def test_slices_of_whole_blocks_concatenate_as_packed_and_others_are_packed_again(monkeypatch) -> None:
