@@ -60,10 +60,9 @@ def cache_dir() -> Path:
 def load() -> ctypes.CDLL | None:
     """The library, built if need be; None where it cannot be (then `unavailable_reason` says why)."""
     try:
-        path = _find() or build(cache_dir())
-    except (OSError, subprocess.CalledProcessError, RuntimeError):
+        lib = ctypes.CDLL(str(_find() or build(cache_dir())))
+    except (OSError, subprocess.CalledProcessError, RuntimeError):  # (a library it may not read: OSError too)
         return None
-    lib = ctypes.CDLL(str(path))
     for name, args in SIGNATURES.items():
         fn = getattr(lib, name)
         fn.argtypes, fn.restype = args, None
@@ -103,6 +102,7 @@ def build(folder: Path) -> Path:
     os.close(fd)
     try:
         subprocess.run([compiler, *flags(), str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
+        os.chmod(tmp, 0o755)  # (mkstemp's file is the owner's alone: a library built as root is read by others)
         os.replace(tmp, target)
     finally:
         if os.path.exists(tmp):

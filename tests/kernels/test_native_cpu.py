@@ -80,3 +80,11 @@ def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group
     assert case.seq_lens.dtype == case.block_tables.dtype == torch.int32
     assert torch.equal(pool.nan_to_num(7.0), want_cache.nan_to_num(7.0)), "stored as the references store, only there"
     torch.testing.assert_close(out.float().unflatten(-1, (heads, head_dim)), want.to(torch.bfloat16).float(), **BF16)
+
+
+def test_a_built_library_is_readable_by_every_user(tmp_path) -> None:
+    """Built as root at image build time, it is loaded by the image's own user."""
+    import stat
+
+    path = native_cpu.build(tmp_path)
+    assert stat.S_IMODE(path.stat().st_mode) & 0o044 == 0o044
