@@ -43,7 +43,14 @@ class PoolRows:
     block_rows: int
     scales: torch.Tensor | None
     scale_rows: int
-    layer_rows: int  # rows of one layer in a block: 2 x kv_heads x block_size
+    kv_heads: int
+    page: int  # the block size (tokens)
+    head_dim: int
+
+    @property
+    def layer_rows(self) -> int:
+        """Rows of one layer in a block: 2 x kv_heads x block_size."""
+        return 2 * self.kv_heads * self.page
 
     def rows(self, blocks: torch.Tensor, within: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Layer 0's row numbers of (block, row within the block) in `codes` and in `scales`."""
@@ -57,11 +64,11 @@ def pool_rows(kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> 
     allocation keeps them so: `KVLayout.bytes_per_block`)."""
     codes, block_rows = _as_rows(kv_cache, kv_cache.shape[-1])
     scales, scale_rows = (None, 0) if kv_scales is None else _as_rows(kv_scales, 1)
-    _, _, two, heads, page, _ = kv_cache.shape
+    _, _, _, heads, page, head_dim = kv_cache.shape
     if kv_cache.dtype.is_floating_point and kv_cache.element_size() == 1:
         codes = codes.view(torch.uint8)
     flat = None if scales is None else scales.view(-1)
-    return PoolRows(codes, kv_cache.dtype, block_rows, flat, scale_rows, two * heads * page)
+    return PoolRows(codes, kv_cache.dtype, block_rows, flat, scale_rows, heads, page, head_dim)
 
 
 def _as_rows(pool: torch.Tensor, width: int) -> tuple[torch.Tensor, int]:
@@ -98,11 +105,8 @@ class StorePlan:
     scale_rows: torch.Tensor | None
 
 
-def plan_decode(
-    block_tables: torch.Tensor, seq_lens: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None
-) -> DecodePlan:
-    pool = pool_rows(kv_cache, kv_scales)
-    _, _, _, heads, page, head_dim = kv_cache.shape
+def plan_decode(block_tables: torch.Tensor, seq_lens: torch.Tensor, pool: PoolRows) -> DecodePlan:
+    heads, page, head_dim = pool.kv_heads, pool.page, pool.head_dim
     lens = seq_lens.to(torch.long)
     context = max(1, int(lens.max()))
     positions = torch.arange(context)[None, :].expand(lens.shape[0], -1)
@@ -117,14 +121,12 @@ def plan_decode(
     return DecodePlan(pool, rows.reshape(-1), flat, (lens.shape[0], heads, context, head_dim), mask)
 
 
-def plan_store(slot_mapping: torch.Tensor, kv_cache: torch.Tensor, kv_scales: torch.Tensor | None = None) -> StorePlan:
-    pool = pool_rows(kv_cache, kv_scales)
-    _, _, _, heads, page, _ = kv_cache.shape
+def plan_store(slot_mapping: torch.Tensor, pool: PoolRows) -> StorePlan:
+    heads, page = pool.kv_heads, pool.page
     slots = slot_mapping.to(torch.long)
-    keep: torch.Tensor | None = slots >= 0
-    if bool(keep.all()):  # type: ignore[union-attr]
-        keep = None
-    else:
+    stored = slots >= 0
+    keep = None if bool(stored.all()) else stored
+    if keep is not None:
         slots = slots[keep]
     kv, head = torch.arange(2)[:, None, None], torch.arange(heads)[None, None, :]
     within = _within(heads, page, kv, head, (slots % page)[None, :, None])  # [2, tokens, H]

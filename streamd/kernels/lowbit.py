@@ -142,19 +142,31 @@ def _pack_rows(codes: torch.Tensor, pad_cols: int) -> torch.Tensor:
     return torch.ops.aten._convert_weight_to_int4pack_for_cpu(wide.contiguous(), 1)
 
 
+_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+
+
 def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
-    """x [..., in] @ w.T through torch's CPU int4 kernel (x in float32 or bfloat16). A 2-D x of a weight that
-    needs no padding costs the kernel's call alone (a decode step makes ~120 of these)."""
+    """x [..., in] @ w.T through torch's CPU int4 kernel (x in float32 or bfloat16). A 2-D contiguous x of a
+    weight that needs no padding can take `int4_mm`, the kernel's call alone (a decode step makes ~120)."""
     rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     padded_in = weight.scales_and_zeros.shape[0] * weight.group_size
     if padded_in != weight.in_features:
         rows = F.pad(rows, (0, padded_in - weight.in_features))
-    out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-        rows.contiguous(), weight.packed, weight.group_size, weight.scales_and_zeros
-    )
+    out = int4_mm(rows.contiguous(), weight)
     if out.shape[1] != weight.out_features:
         out = out[:, : weight.out_features]
     return out if x.dim() == 2 else out.reshape(*x.shape[:-1], weight.out_features)
+
+
+def int4_mm(rows: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
+    """rows [n, in] (contiguous) @ w.T for a weight that `needs_no_padding`: torch's kernel, nothing around it."""
+    return _INT4_MM(rows, weight.packed, weight.group_size, weight.scales_and_zeros)
+
+
+def needs_no_padding(weight: Int4Weight) -> bool:
+    """Whether the packed weight's widths are its own (no input padded to a group, no rows padded for packing)."""
+    groups, rows, _ = weight.scales_and_zeros.shape
+    return groups * weight.group_size == weight.in_features and rows == weight.out_features
 
 
 def int4_codes(weight: Int4Weight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -17,7 +17,7 @@ from tests.kernels.paged_testlib import assert_close, make_paged, naive_attentio
 def test_planned_decode_equals_the_spec(seq_lens, page, num_kv_heads, group, dtype) -> None:
     case = make_paged(seq_lens, page=page, num_kv_heads=num_kv_heads, head_dim=32, dtype=dtype)
     query = torch.randn(len(seq_lens), num_kv_heads * group, 32).to(dtype)
-    plan = cpu_attention.plan_decode(case.block_tables, case.seq_lens, case.kv_cache)
+    plan = cpu_attention.plan_decode(case.block_tables, case.seq_lens, cpu_attention.pool_rows(case.kv_cache))
     out = cpu_attention.decode_attention(query, case.layer, plan, 0.3)
     assert not out.isnan().any()  # padded positions read a written slot, never a stale NaN
     spec = naive_attention(query, case, [[n - 1] for n in seq_lens], 0.3)
@@ -28,9 +28,9 @@ def test_planned_decode_equals_the_spec(seq_lens, page, num_kv_heads, group, dty
 
 def test_a_batch_of_equal_lengths_needs_no_mask() -> None:
     tables = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
-    cache = torch.zeros(4, 1, 2, 1, 16, 8)
-    assert cpu_attention.plan_decode(tables, torch.tensor([20, 20], dtype=torch.int32), cache).mask is None
-    assert cpu_attention.plan_decode(tables, torch.tensor([20, 19], dtype=torch.int32), cache).mask is not None
+    rows = cpu_attention.pool_rows(torch.zeros(4, 1, 2, 1, 16, 8))
+    assert cpu_attention.plan_decode(tables, torch.tensor([20, 20], dtype=torch.int32), rows).mask is None
+    assert cpu_attention.plan_decode(tables, torch.tensor([20, 19], dtype=torch.int32), rows).mask is not None
 
 
 @pytest.mark.parametrize("slots", [[5, 17, 0, 31], [-1, 9, -1, 30]])
@@ -40,5 +40,5 @@ def test_planned_store_equals_the_reference(slots: list[int]) -> None:
     key, value = torch.randn(4, 3, 4), torch.randn(4, 3, 4)
     slot_mapping = torch.tensor(slots)
     reference.store_kv(key, value, expected, 1, slot_mapping)
-    cpu_attention.store_kv(key, value, 1, cpu_attention.plan_store(slot_mapping, cache))
+    cpu_attention.store_kv(key, value, 1, cpu_attention.plan_store(slot_mapping, cpu_attention.pool_rows(cache)))
     assert torch.equal(cache, expected)

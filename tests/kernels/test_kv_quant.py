@@ -214,12 +214,12 @@ def test_the_cpu_planned_path_matches_the_reference_on_an_8bit_pool(dtype):
     slots = torch.tensor([int(case.block_tables[i, (n - 1) // page]) * page + (n - 1) % page
                           for i, n in enumerate(lens)])  # each sequence's last position: this step's token
     want_codes, want_scales = codes.clone(), scales.clone()
-    cpu_attention.store_kv(key, value, case.layer, cpu_attention.plan_store(slots, codes, scales))
+    cpu_attention.store_kv(key, value, case.layer, cpu_attention.plan_store(slots, cpu_attention.pool_rows(codes, scales)))
     ref.store_kv(key, value, want_codes, case.layer, slots, kv_scales=want_scales)
     assert torch.equal(codes.view(torch.uint8), want_codes.view(torch.uint8))
     assert torch.equal(scales.nan_to_num(-7.0), want_scales.nan_to_num(-7.0))
     query = torch.randn(len(lens), kv_heads * group, head_dim)
-    plan = cpu_attention.plan_decode(case.block_tables, case.seq_lens, codes, scales)
+    plan = cpu_attention.plan_decode(case.block_tables, case.seq_lens, cpu_attention.pool_rows(codes, scales))
     got = cpu_attention.decode_attention(query, case.layer, plan, head_dim**-0.5)
     want = ref.paged_decode_attention(query, codes, case.layer, case.block_tables, case.seq_lens, head_dim**-0.5,
                                       kv_scales=scales)
@@ -247,12 +247,12 @@ def test_an_8bit_pool_whose_scales_end_off_a_row_is_padded_and_addressed_as_rows
         live = [s for s in range(2) if pos < int(lens[s])]
         slots = torch.tensor([int(tables[s, pos // 4]) * 4 + pos % 4 for s in live])
         key, value = torch.randn(len(live), 1, 64), torch.randn(len(live), 1, 64)
-        plan = cpu_attention.plan_store(slots, pool.kv_cache, pool.kv_scales)
+        plan = cpu_attention.plan_store(slots, cpu_attention.pool_rows(pool.kv_cache, pool.kv_scales))
         cpu_attention.store_kv(key, value, 0, plan)
         ref.store_kv(key, value, want.kv_cache, 0, slots, kv_scales=want.kv_scales)
     assert torch.equal(pool.blocks, want.blocks)
     query = torch.randn(2, 3, 64)
-    plan = cpu_attention.plan_decode(tables, lens, pool.kv_cache, pool.kv_scales)
+    plan = cpu_attention.plan_decode(tables, lens, cpu_attention.pool_rows(pool.kv_cache, pool.kv_scales))
     got = cpu_attention.decode_attention(query, 0, plan, 0.125)
     expected = ref.paged_decode_attention(query, want.kv_cache, 0, tables, lens, 0.125, kv_scales=want.kv_scales)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)

@@ -142,8 +142,7 @@ class Scheduler:
         self.max_num_seqs = min(scheduler_config.max_num_seqs, scheduler_config.max_num_batched_tokens)
         # beyond max_num_seqs only by a seat lent to an unserved tenant (`_seat_for_unserved`)
         self.seat_cap = min(scheduler_config.seat_cap(), scheduler_config.max_num_batched_tokens)
-        self._seat_limit = self.max_num_seqs  # this step's for `_lent_to`: raised to seat it beyond max_num_seqs
-        self._lent_to: SequenceGroup | None = None
+        self._lent_to: SequenceGroup | None = None  # this step's group seated up to `seat_cap`
         self.lent = 0  # seats lent so far (a count, for stats and tests)
         self.max_step_s = scheduler_config.max_step_ms / 1e3 or None  # None: no latency budget
         self.lone_chunk_tokens = max(block_manager.block_size, lone_chunk_tokens)
@@ -272,7 +271,7 @@ class Scheduler:
         """This iteration's plan (see the module docstring for the order)."""
         out = SchedulerOutput()
         seat_free = False
-        self._seat_limit, self._lent_to = self.max_num_seqs, None
+        self._lent_to = None
         if self.fair.reorders:
             seat_free = self._seats_taken() < self.max_num_seqs
             self._reorder(seat_free)
@@ -389,16 +388,14 @@ class Scheduler:
         candidate = next((g for g in self.waiting if _may_take_seat(g, unserved, self.paused)), None)
         if candidate is None:
             return False
-        width, taken = len(candidate.seqs), self._seats_taken()
-        if taken + width <= self.seat_cap:
+        if self._seats_taken() + len(candidate.seqs) <= self.seat_cap:
             self.lent += 1
         else:
             richest = seats.most_common(1)[0][0]
             mine = [i for i, g in enumerate(running) if g.sampling_params.tenant == richest]
             victim = min(mine, key=lambda i: (_computed_tokens(running[i]), -i))  # the cheapest to recompute
             self._preempt(running.pop(victim), out, recompute=True)
-            taken = self._seats_taken()
-        self._seat_limit, self._lent_to = max(self.max_num_seqs, min(self.seat_cap, taken + width)), candidate
+        self._lent_to = candidate
         self.waiting.remove(candidate)
         self.waiting.appendleft(candidate)
         return True
@@ -703,7 +700,7 @@ class Scheduler:
                 k += 1
                 continue
             seqs = group.seqs_with_status(SequenceStatus.WAITING)
-            if num_seqs and num_seqs + len(seqs) > (self._seat_limit if group is self._lent_to else self.max_num_seqs):
+            if num_seqs and num_seqs + len(seqs) > (self.seat_cap if group is self._lent_to else self.max_num_seqs):
                 break
             needed = sum(bm.blocks_needed(s.num_tokens) for s in seqs)
             if needed > bm.num_blocks:  # grew past the pool before a recompute preemption

@@ -39,6 +39,7 @@ class AttentionMetadata:
     # An 8-bit pool's scales, float32 [num_blocks, num_layers, 2, num_kv_heads, block_size]; None: a float pool
     kv_scales: torch.Tensor | None = None
     # On the CPU, what every layer of this step shares, planned at its first layer (`cpu_attention`)
+    pool_rows: cpu_attention.PoolRows | None = None  # the pool as rows, shared by both plans (`_pool_rows`)
     store_plan: cpu_attention.StorePlan | None = None
     decode_plan: cpu_attention.DecodePlan | None = None
     # The hybrid layout (`worker/kv_groups.py`): per layer (in the window group, its index there), and the
@@ -154,14 +155,20 @@ def store_kv(md: AttentionMetadata, key: torch.Tensor, value: torch.Tensor, laye
         md.ops.store_kv(key, value, md.kv_cache, layer, md.slot_mapping, kv_scales=md.kv_scales)
         return
     if md.store_plan is None:
-        md.store_plan = cpu_attention.plan_store(md.slot_mapping, md.kv_cache, md.kv_scales)
+        md.store_plan = cpu_attention.plan_store(md.slot_mapping, _pool_rows(md))
     cpu_attention.store_kv(key, value, layer, md.store_plan)
 
 
 def _decode_plan(md: AttentionMetadata) -> cpu_attention.DecodePlan:
     if md.decode_plan is None:
-        md.decode_plan = cpu_attention.plan_decode(md.block_tables, md.seq_lens, md.kv_cache, md.kv_scales)
+        md.decode_plan = cpu_attention.plan_decode(md.block_tables, md.seq_lens, _pool_rows(md))
     return md.decode_plan
+
+
+def _pool_rows(md: AttentionMetadata) -> cpu_attention.PoolRows:
+    if md.pool_rows is None:
+        md.pool_rows = cpu_attention.pool_rows(md.kv_cache, md.kv_scales)
+    return md.pool_rows
 
 
 def register_paged_attention() -> None:

@@ -12,6 +12,7 @@ another order, so logits differ from the torch path in the last bits (tests boun
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, cast
 
@@ -21,7 +22,6 @@ from torch import nn
 from streamd.engine.worker.attention import AttentionMetadata
 from streamd.engine.worker.quantized import QuantizedLinear
 from streamd.kernels import native_cpu
-from streamd.kernels.lowbit import Int4Weight
 
 
 class Norm(Protocol):
@@ -71,42 +71,13 @@ class FusedDecoder(Protocol):
 MAX_CONTEXT_TOKENS = 4096
 
 
-_INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-
-
-@dataclass(frozen=True, slots=True)
-class Matmul:
-    """A low-bit layer's matmul of bfloat16 rows, as few calls as it allows: one packed int4 weight whose
-    widths need no padding is torch's kernel called at once (what `QuantizedLinear.forward` does for few rows,
-    less its checks), any other layer its own forward."""
-
-    layer: QuantizedLinear
-    int4: Int4Weight | None
-
-    @classmethod
-    def of(cls, layer: QuantizedLinear) -> Matmul:
-        part = layer.parts[0]
-        direct = (
-            len(layer.parts) == 1
-            and isinstance(part, Int4Weight)
-            and part.scales_and_zeros.shape[0] * part.group_size == part.in_features
-            and part.scales_and_zeros.shape[1] == part.out_features
-        )
-        return cls(layer, part if direct else None)  # type: ignore[arg-type]
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        w = self.int4
-        if w is None or (self.layer.dense_rows is not None and x.shape[0] >= self.layer.dense_rows):
-            return self.layer.forward(x)
-        return _INT4_MM(x, w.packed, w.group_size, w.scales_and_zeros)
-
-
 @dataclass(frozen=True, slots=True)
 class NativeLayer:
-    qkv: Matmul
-    o: Matmul
-    gate_up: Matmul
-    down: Matmul
+    # the low-bit layers' `matmul`s (bfloat16 rows in and out: their kernel choice, no dtype casts, no bias)
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    o: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
     norm: torch.Tensor  # the input norm's weight (float32)
     eps: float
     post_norm: torch.Tensor
@@ -266,10 +237,11 @@ class _Step:
 def _native_layer(layer: FusedLayer) -> NativeLayer:
     q_size, kv_size, head_dim = layer.qkv_sizes
     norm, post = _norms(layer)
-    qkv, o, gate_up, down = (Matmul.of(cast(QuantizedLinear, m)) for m in
+    qkv, o, gate_up, down = (cast(QuantizedLinear, m) for m in
                              (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))  # fmt: skip
     return NativeLayer(
-        qkv, o, gate_up, down, norm.weight, float(norm.variance_epsilon), post.weight, float(post.variance_epsilon),
+        qkv.matmul, o.matmul, gate_up.matmul, down.matmul,
+        norm.weight, float(norm.variance_epsilon), post.weight, float(post.variance_epsilon),
         q_size // head_dim, kv_size // head_dim, head_dim, float(layer.scale), layer.layer_idx,
-        gate_up.layer.out_features // 2,
+        gate_up.out_features // 2,
     )  # fmt: skip

@@ -70,15 +70,23 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
         small = in_features * out_features <= DENSE_MAX_WEIGHTS
         self.dense_rows = DENSE_ROWS if small and lowbit.packed_row_block() else None
+        # one packed int4 weight of its own widths: few contiguous rows take torch's kernel and nothing around it
+        # (the CPU decode step's ~120 matmuls: `native_decode` calls `matmul` directly)
+        single = self.parts[0] if len(self.parts) == 1 else None
+        self.int4 = single if isinstance(single, lowbit.Int4Weight) and lowbit.needs_no_padding(single) else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.to(self.parts[0].compute_dtype)
-        if self.dense_rows is not None and rows.numel() >= self.dense_rows * self.in_features:
-            out = lowbit.dense_linear(rows, self.parts, (self.out_features, self.in_features))
-        else:
-            out = _packed(rows, self.parts)
-        out = out.to(x.dtype)
+        out = self.matmul(x.to(self.parts[0].compute_dtype)).to(x.dtype)
         return out if self.bias is None else out + self.bias
+
+    def matmul(self, rows: torch.Tensor) -> torch.Tensor:
+        """rows [..., in] in the compute dtype @ the weight.T, in the compute dtype, without the bias: the kernel
+        for the row count (many rows: one dequantization and a dense matmul)."""
+        if self.dense_rows is not None and rows.numel() >= self.dense_rows * self.in_features:
+            return lowbit.dense_linear(rows, self.parts, (self.out_features, self.in_features))
+        if self.int4 is not None and rows.dim() == 2 and rows.is_contiguous():
+            return lowbit.int4_mm(rows, self.int4)
+        return _packed(rows, self.parts)
 
     @property
     def nbytes(self) -> int:
