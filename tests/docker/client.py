@@ -2,8 +2,8 @@
 
 `python -m tests.docker.client URL -- STOP_COMMAND...` checks, from the host: `/ready`; a streamed chat
 completion through the official `openai` client and one `streamd.v1` WebSocket generation, both equal
-to Hugging Face `generate` on the host's copy of the default model; `/metrics` counting both. Then it
-starts a WebSocket stream sized to last several seconds, runs STOP_COMMAND (`docker compose stop`) once
+to Hugging Face `generate` on the host's copy of the default model; `/metrics` counting both; a
+long answer arriving in more than one chunk. Then it starts a WebSocket stream sized to last several seconds, runs STOP_COMMAND (`docker compose stop`) once
 the first token has arrived, and checks that the stream goes on during the drain and ends with its `done`
 (`length`, or `cancelled` if the 30 s drain ran out on a slow machine), and that the socket closes with
 1012 (service restart) as the server finishes its drain. Any failure exits non-zero, naming
@@ -28,6 +28,11 @@ from websockets.exceptions import ConnectionClosed
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 MAX_TOKENS = 24
+# a long answer, to see it arrive in pieces: the short one above takes ~8 tokens at ~10 ms each on the CPU, and a
+# loaded host that keeps the server's event loop off the CPU that long merges them into one chunk
+# (request_stream.PendingDelta), as it should
+LONG_MESSAGES = [{"role": "user", "content": "Describe the city of Paris in a few sentences."}]
+LONG_MAX_TOKENS = 64
 TIMEOUT_S = 120.0
 STOP_STREAM_S = 6.0  # the in-flight stream should last about this long: SIGTERM lands well inside it,
 STOP_TOKENS = (32, 1024)  # and the 30 s drain normally lets it finish
@@ -124,10 +129,11 @@ def finished_requests(base: str) -> dict[str, float]:
     return counts
 
 
-def openai_chat(base: str, ref: Reference) -> str:
+def openai_stream(base: str, messages: list[dict[str, str]], max_tokens: int) -> tuple[list[str], str | None]:
+    """The content pieces of a greedy streamed chat completion through the official client, and its finish."""
     client = OpenAI(base_url=f"{base}/v1", api_key="unused", timeout=TIMEOUT_S, max_retries=0)
     model = client.models.list().data[0].id
-    stream = client.chat.completions.create(model=model, messages=MESSAGES, max_tokens=MAX_TOKENS,
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                             temperature=0, stream=True)
     pieces: list[str] = []
     finish: str | None = None
@@ -135,11 +141,22 @@ def openai_chat(base: str, ref: Reference) -> str:
         for choice in chunk.choices:
             pieces.append(choice.delta.content or "")
             finish = choice.finish_reason or finish
+    return pieces, finish
+
+
+def openai_chat(base: str, ref: Reference) -> str:
+    pieces, finish = openai_stream(base, MESSAGES, MAX_TOKENS)
     text = "".join(pieces)
-    assert sum(1 for p in pieces if p) > 1, f"the answer did not stream: {pieces}"
     assert text == ref.text, f"openai text {text!r} != transformers {ref.text!r}"
     assert finish == expected_finish(ref), f"finish_reason {finish!r}"
     return text
+
+
+def check_streams(base: str) -> None:
+    pieces, finish = openai_stream(base, LONG_MESSAGES, LONG_MAX_TOKENS)
+    assert sum(1 for p in pieces if p) > 1, f"the answer did not stream: {pieces}"
+    assert finish in ("stop", "length"), f"finish_reason {finish!r}"
+    print(f"    {sum(1 for p in pieces if p)} content chunks", flush=True)
 
 
 async def read_frame(ws: ClientConnection) -> dict[str, Any]:
@@ -220,6 +237,8 @@ def run(base: str, stop_command: list[str]) -> None:
     reason = expected_finish(ref)
     assert after.get(reason, 0) - before.get(reason, 0) == 2, f"streamd_requests_total: {before} -> {after}"
     assert after["ttft_count"] - before["ttft_count"] == 2, f"ttft count: {before} -> {after}"
+    step("a long answer streams in pieces through the openai client")
+    check_streams(base)
     step("stop with a stream in flight")
     check_stop(ws_url, stream.tokens_per_second(), stop_command)
 
