@@ -422,10 +422,15 @@ def first_token_times(timings: list[Timing]) -> list[float]:
     return [t.token_times[0] - t.sent for t in timings if t.error is None and t.token_times]
 
 
+def inter_token_gaps(timings: list[Timing]) -> list[float]:
+    """Seconds between consecutive token arrivals of each completed request."""
+    return [b - a for t in timings if t.error is None for a, b in zip(t.token_times, t.token_times[1:])]
+
+
 def report(timings: list[Timing], duration: float, args: argparse.Namespace) -> dict[str, Any]:
     ok = [t for t in timings if t.error is None]
     ttft = first_token_times(ok)
-    itl = [b - a for t in ok for a, b in zip(t.token_times, t.token_times[1:])]
+    itl = inter_token_gaps(ok)
     e2e = [t.end - t.sent for t in ok]
     tokens = sum(t.tokens for t in ok)
     errors = sorted({t.error for t in timings if t.error})[:5]

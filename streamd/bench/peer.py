@@ -1,12 +1,12 @@
 """`streamd bench peer`: one OpenAI streaming load against another server and against streamd, side by side.
 
 The peer is any server with OpenAI's streaming `/v1/completions` (llama.cpp's `llama-server`, vLLM, SGLang);
-streamd is started here (`serve_target`, the real server path; `--set` settings) on the same model file, or
-reached at `--streamd-url`. Every level of `--concurrency` runs `--rounds` times, the two servers alternating
-which goes first, with the same seeded prompts, `ignore_eos` and `--max-tokens` output tokens per request
-(load.py's SSE client: one `data:` event is one delta; the usage chunk, where a server sends one, gives the
-exact count). Reported per level: the median output tokens/s and TTFT p50 of each, and their ratios
-(streamd / peer). How to build llama.cpp's server here: docs/models.md.
+streamd is started here (`serve_target`, the real server path with `streamd serve`'s engine layout; `--set`
+settings) on the same model file, or reached at `--streamd-url`. Every level of `--concurrency` runs `--rounds`
+times, the two servers alternating which goes first, with the same seeded prompts, `ignore_eos` and
+`--max-tokens` output tokens per request (load.py's SSE client: one `data:` event is one delta; the usage chunk,
+where a server sends one, gives the exact count). Reported per level: the median output tokens/s, TTFT p50 and
+ITL p50 of each, and their ratios (streamd / peer). How to build llama.cpp's server here: docs/models.md.
 
 Example: `streamd bench peer --url http://127.0.0.1:8080 --concurrency 1,8,32 --rounds 3`
 """
@@ -22,7 +22,15 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from streamd.bench.load import SSEClient, Timing, closed_loop, first_token_times, percentiles, synthetic_prompts
+from streamd.bench.load import (
+    SSEClient,
+    Timing,
+    closed_loop,
+    first_token_times,
+    inter_token_gaps,
+    percentiles,
+    synthetic_prompts,
+)
 from streamd.bench.report import BenchError, add_out_argument, markdown_table, report_header, save_report
 
 
@@ -48,6 +56,7 @@ class Run:
     ttft_p50_s: float | None
     completed: int
     failed: int
+    itl_p50_s: float | None = None  # the gaps between a request's tokens (one event each), over its requests
 
 
 def run(args: argparse.Namespace) -> int:
@@ -74,7 +83,7 @@ def _streamd(args: argparse.Namespace) -> Iterator[str]:
     from streamd.bench.serve_baseline import ServerProcess
     from streamd.engine.worker.model_loader import default_gguf_path
 
-    server = ServerProcess(str(default_gguf_path()), list(args.set))
+    server = ServerProcess(str(default_gguf_path()), list(args.set), layout="auto")  # as `streamd serve` runs
     try:
         yield server.url
     finally:
@@ -103,8 +112,10 @@ async def _one(name: str, client: SSEClient, prompts: list[str], level: int, rou
     duration = loop.time() - start
     ok = [t for t in timings if t.error is None]
     ttft = percentiles(first_token_times(ok))["p50"]
-    run = Run(name, level, round_, sum(t.tokens for t in ok) / duration, ttft, len(ok), len(timings) - len(ok))
-    print(f"round {round_} concurrency {level} {name}: {run.output_tok_s:.1f} tok/s, TTFT p50 {ttft}", flush=True)
+    itl = percentiles(inter_token_gaps(ok))["p50"]
+    tok_s = sum(t.tokens for t in ok) / duration
+    run = Run(name, level, round_, tok_s, ttft, len(ok), len(timings) - len(ok), itl)
+    print(f"round {round_} concurrency {level} {name}: {tok_s:.1f} tok/s, TTFT p50 {ttft}, ITL p50 {itl}", flush=True)
     return run
 
 
@@ -116,6 +127,8 @@ def _level(runs: list[Run], level: int) -> dict[str, Any]:
         out[f"{name}_tok_s"] = statistics.median(r.output_tok_s for r in mine)
         ttfts = [r.ttft_p50_s for r in mine if r.ttft_p50_s is not None]
         out[f"{name}_ttft_p50_s"] = statistics.median(ttfts) if ttfts else None
+        itls = [r.itl_p50_s for r in mine if r.itl_p50_s is not None]
+        out[f"{name}_itl_p50_s"] = statistics.median(itls) if itls else None
     out["tok_s_ratio"] = out["streamd_tok_s"] / out["peer_tok_s"] if out["peer_tok_s"] else None
     peer_ttft, own_ttft = out["peer_ttft_p50_s"], out["streamd_ttft_p50_s"]
     out["ttft_ratio"] = own_ttft / peer_ttft if peer_ttft and own_ttft is not None else None
@@ -124,6 +137,7 @@ def _level(runs: list[Run], level: int) -> dict[str, Any]:
 
 def _table(levels: list[dict[str, Any]]) -> tuple[list[str], list[list[object]]]:
     header = ["streams", "streamd tok/s", "peer tok/s", "streamd/peer", "TTFT p50 streamd", "TTFT p50 peer"]
+    header += ["ITL p50 streamd", "ITL p50 peer"]
     rows: list[list[object]] = [
         [
             lv["concurrency"],
@@ -132,14 +146,16 @@ def _table(levels: list[dict[str, Any]]) -> tuple[list[str], list[list[object]]]
             "-" if lv["tok_s_ratio"] is None else f"{lv['tok_s_ratio']:.2f}x",
             _ms(lv["streamd_ttft_p50_s"]),
             _ms(lv["peer_ttft_p50_s"]),
+            _ms(lv.get("streamd_itl_p50_s"), 1),
+            _ms(lv.get("peer_itl_p50_s"), 1),
         ]
         for lv in levels
     ]
     return header, rows
 
 
-def _ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f} ms"
+def _ms(seconds: float | None, digits: int = 0) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.{digits}f} ms"
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -147,7 +163,8 @@ def markdown(report: dict[str, Any]) -> str:
         f"# streamd bench peer ({report['date']}, commit {report['git_commit']}, {report['device']})",
         "",
         f"Peer: {report['peer_url']}. Command: `streamd {' '.join(report['argv'])}`. Medians over rounds "
-        "(order alternating); output tokens/s over each run's wall time; TTFT p50 of its requests.",
+        "(order alternating); output tokens/s over each run's wall time; TTFT p50 of its requests; ITL p50 of "
+        "the gaps between a request's token events.",
         "",
         *markdown_table(*_table(report["levels"])),
         "",

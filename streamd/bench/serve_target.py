@@ -4,10 +4,11 @@ app, uvicorn) over the engine the benchmark asks for, the null model executor in
 Run as `python -m streamd.bench.serve_target --model null|NAME [--layout L] [--set key=value ...]`.
 It prints `LISTENING <port> <engine thread id> <engine process id>` once ready, so the benchmark can reach
 it and read its threads' CPU time from the OS; SIGTERM drains and exits as `streamd serve` does. Layouts:
-`thread` (the engine on a thread of the server process, as `streamd serve`), `process` (the engine in a
-child process, `ProcessEngine`) and `split` (the same, with the output processor
-in the server process). `--prefill-s-per-token` is the null model's switch for `streamd bench live`
-(null_model.py); `--no-progress` (any model) makes its "off" server, which reports nothing before a first token.
+`auto` (`engine.process` as configured: `streamd serve`'s own choice), `thread` (the engine on a thread of the
+server process), `process` (the engine in a child process, `ProcessEngine`) and `split` (the same, with the
+output processor in the server process: what `auto` picks without tensor parallelism). `--prefill-s-per-token` is
+the null model's switch for `streamd bench live` (null_model.py); `--no-progress` (any model) makes its "off"
+server, which reports nothing before a first token.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from streamd.engine.client.protocol import EngineClient
 from streamd.engine.llm_engine import LLMEngine
 from streamd.server.serve import configure_server_logging, engine_for, http_server, run_on_uvloop
 
-LAYOUTS = ("thread", "process", "split")
+LAYOUTS = ("auto", "thread", "process", "split")
 WARM_UP_TIMEOUT_S = 120.0  # the warm-up is one token; the model is loaded before
 
 

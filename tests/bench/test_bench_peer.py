@@ -28,11 +28,15 @@ async def test_peer_bench_runs_both_servers_alternating_and_reports_their_ratio(
     assert firsts == ["peer", "streamd", "streamd", "peer"]  # (round + level) parity decides who goes first
     assert all(r.failed == 0 and r.completed == r.concurrency for r in runs)
     assert all(r.output_tok_s > 0 and r.ttft_p50_s for r in runs)
+    assert all(r.itl_p50_s is not None and r.itl_p50_s > 0 for r in runs)  # 3 tokens: two gaps a request
     for level in map(lambda c: peer._level(runs, c), (1, 2)):
         for name in ("streamd", "peer"):
             rates = [r.output_tok_s for r in runs if r.concurrency == level["concurrency"] and r.server == name]
             assert level[f"{name}_tok_s"] == statistics.median(rates)
+            itls = [r.itl_p50_s for r in runs if r.concurrency == level["concurrency"] and r.server == name]
+            assert level[f"{name}_itl_p50_s"] == statistics.median(itls)
         assert level["tok_s_ratio"] == pytest.approx(level["streamd_tok_s"] / level["peer_tok_s"])
     report = {"date": "d", "git_commit": "c", "device": "cpu", "peer_url": "u", "argv": ["peer"],
               "levels": [peer._level(runs, 1)]}
     assert "| streams | streamd tok/s | peer tok/s | streamd/peer |" in peer.markdown(report)
+    assert "| ITL p50 streamd | ITL p50 peer |" in peer.markdown(report)
