@@ -68,6 +68,9 @@ main() {
         || fail "the gpu profile does not reserve an NVIDIA device"
 
     step "docker compose --profile cpu up -d --build"
+    # a fresh project: the disk tier's volume from an earlier run holds KV that older code computed, which
+    # changes greedy tokens wherever the bfloat16 logits nearly tie (the client compares them exactly)
+    (cd "$ROOT" && docker compose --profile cpu down -v --remove-orphans) >/dev/null 2>&1 || true
     STREAMD_PORT=$(free_port)
     export STREAMD_PORT
     (cd "$ROOT" && docker compose --profile cpu up -d --build)
@@ -94,7 +97,7 @@ main() {
     check_model_mounts
 
     step "docker compose down"
-    (cd "$ROOT" && docker compose --profile cpu down)
+    (cd "$ROOT" && docker compose --profile cpu down -v)
     docker image prune -f >/dev/null
     docker builder prune -f --keep-storage 8gb >/dev/null 2>&1 || echo "note: the build cache was not pruned"
 
