@@ -20,7 +20,11 @@ GGUF's Q8_0 (w = d * q, one d per 32 inputs) has no kernel of its own here: it r
 (q = 16*hi + lo, `gguf_weights.Q8Codes.int4_halves`), exact, and faster than looping torch's int8 kernel over
 the 32-wide blocks (benchmarks/NOTES.md).
 
-Both kernels cost the same per row at any row count (they dequantize the weight again for every 4 rows), so a
+Where the CPU has AVX-512 BF16, few rows of an int4 weight run in C instead (`NativeInt4`, `native/int4_matmul.c`:
+the same packed bytes and scales; a code becomes the bfloat16 128 + q by one bit operation, multiplied by
+`vdpbf16ps`), 1.2-1.5x torch's kernel, and a Q8_0 weight's two halves are summed before one rounding.
+
+Both of torch's kernels cost the same per row at any row count (they dequantize the weight again for every 4 rows), so a
 step with many rows (a prompt chunk, a k+1-token verify, many streams) runs faster as one dequantization and a
 dense GEMM: `dequantize_t` unpacks torch's packed layout back to the weight (float32, as the kernels compute
 it; nothing else is held), `dense_linear` multiplies by it in the activations' dtype. Where the crossover is:
@@ -39,6 +43,7 @@ largest value, at twice the int8 work. `w8a8_reference` spells the two out in fl
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -161,6 +166,56 @@ def int4_linear(x: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
 def int4_mm(rows: torch.Tensor, weight: Int4Weight) -> torch.Tensor:
     """rows [n, in] (contiguous) @ w.T for a weight that `needs_no_padding`: torch's kernel, nothing around it."""
     return _INT4_MM(rows, weight.packed, weight.group_size, weight.scales_and_zeros)
+
+
+@dataclass(frozen=True, slots=True)
+class NativeInt4:
+    """The C int4 matmul (`native/int4_matmul.c`) bound to one weight, the sum of its int4 parts (a 4-bit weight,
+    or a Q8_0 weight's two halves, summed in float32 and rounded once to bfloat16): bfloat16 rows in, bfloat16 out.
+    It reads torch's packed bytes and scales as they are; on a decode step's matmuls it runs 1.2-1.5x torch's
+    kernel (benchmarks/NOTES.md, "Issue 25, the int4 matmul in C"). Made by `native_int4`."""
+
+    parts: tuple[Int4Weight, ...]  # held: the pointers below point into them
+    packed: ctypes.Array[ctypes.c_void_p]
+    scales: ctypes.Array[ctypes.c_void_p]
+    in_features: int
+    out_features: int
+
+    def __call__(self, rows: torch.Tensor) -> torch.Tensor | None:
+        """rows [n, in] bfloat16 (contiguous) @ w.T [n, out] bfloat16; None for other rows (or no memory)."""
+        if rows.dtype != torch.bfloat16 or rows.dim() != 2 or rows.shape[1] != self.in_features:
+            return None
+        if not rows.is_contiguous():
+            return None
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
+        kernel = native_cpu.int4_matmul()
+        assert kernel is not None  # (native_int4 made this only where it is)
+        group, threads = self.parts[0].group_size, torch.get_num_threads()
+        widths = (self.in_features, self.out_features)
+        status = kernel(self.packed, self.scales, len(self.parts), group, *widths, rows.data_ptr(), rows.shape[0],
+                        out.data_ptr(), threads)  # fmt: skip
+        return out if status == 0 else None
+
+
+def native_int4(parts: Sequence[Int4Weight | Int8Weight]) -> NativeInt4 | None:
+    """The C matmul for the sum of `parts`, where it runs: this CPU has AVX-512 BF16 and the library built, every
+    part is int4 of its own widths (`needs_no_padding`) with bfloat16 scales, the same group size and widths, in
+    whole 64-row blocks of torch's packing. None elsewhere (torch's kernels run)."""
+    int4 = [p for p in parts if isinstance(p, Int4Weight)]
+    if native_cpu.int4_matmul() is None or not int4 or len(int4) != len(parts) or packed_row_block() != 64:
+        return None
+    first = int4[0]
+    shape = (first.group_size, first.in_features, first.out_features)
+    if any((p.group_size, p.in_features, p.out_features) != shape for p in int4):
+        return None
+    if first.out_features % 64 or not all(needs_no_padding(p) for p in int4):
+        return None
+    if any(p.scales_and_zeros.dtype != torch.bfloat16 for p in int4):
+        return None
+    pointers = ctypes.c_void_p * len(int4)
+    packed = pointers(*(p.packed.data_ptr() for p in int4))
+    scales = pointers(*(p.scales_and_zeros.data_ptr() for p in int4))
+    return NativeInt4(tuple(int4), packed, scales, first.in_features, first.out_features)
 
 
 def needs_no_padding(weight: Int4Weight) -> bool:

@@ -1,4 +1,5 @@
-"""The CPU decode glue in C (`native/cpu_decode.c`), built with the system's C compiler and loaded with ctypes.
+"""streamd's C for the CPU, built with the system's C compiler and loaded with ctypes: the decode glue
+(`native/cpu_decode.c`) and the int4 matmul (`native/int4_matmul.c`, `lowbit.NativeInt4`), one library.
 
 Why C, and why this way: on the CPU a one-stream decode step of the default model pays ~45 torch operator
 calls a layer between its four matmuls, which cost more than the matmuls (benchmarks/NOTES.md, "Issue 25, one
@@ -8,8 +9,9 @@ first use into `STREAMD_NATIVE_DIR` (default ~/.cache/streamd/native), named by 
 or finds it prebuilt there or beside the source (the CPU image builds it so: Dockerfile). Without a compiler
 `load()` returns None and says why (`unavailable_reason`); the engine then runs the torch path.
 
-Flags: -O3 with AVX2 where the CPU has it (the sums vectorize), and -ffp-contract=off (no fused multiply-adds:
-each product rounds as torch's does).
+Flags: -O3 with AVX2 where the CPU has it (the sums vectorize), -ffp-contract=off (no fused multiply-adds:
+each product rounds as torch's does; the matmul's intrinsics say where they fuse) and -fopenmp (the matmul's
+threads: dlopen finds torch's libgomp.so.1 already loaded, so both share one OpenMP runtime and its pool).
 """
 
 from __future__ import annotations
@@ -24,18 +26,24 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("native") / "cpu_decode.c"
+SOURCES = (SOURCE, SOURCE.with_name("int4_matmul.c"))
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
-SIGNATURES = {
-    "add_rmsnorm": [_I, _I, _P, _P, _I64, _P, _F, _P, _P],
-    "silu_and_mul": [_I, _I, _P, _I64, _P],
-    "rope_store_attend": [_I, _I, _I, _I, _P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _F, _P, _P],
-    "int4_rows": [_P, _I64, _I64, _I, _P, _I, _I, _P],
+SIGNATURES: dict[str, tuple[list[type], type | None]] = {
+    "add_rmsnorm": ([_I, _I, _P, _P, _I64, _P, _F, _P, _P], None),
+    "silu_and_mul": ([_I, _I, _P, _I64, _P], None),
+    "rope_store_attend": ([_I, _I, _I, _I, _P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _F, _P, _P], None),
+    "int4_rows": ([_P, _I64, _I64, _I, _P, _I, _I, _P], None),
+    "int4_matmul": ([_P, _P, _I, _I, _I64, _I64, _P, _I, _P, _I], _I),
+    "int4_matmul_available": ([], _I),
 }
+# OpenMP for int4_matmul's threads: the library then shares torch's OpenMP runtime (libgomp.so.1, already loaded
+# by torch) and its thread pool; without it (a compiler that cannot link OpenMP) the same source builds serial.
+OPENMP = ["-fopenmp"]
 
 
-def flags() -> list[str]:
+def flags(openmp: bool = True) -> list[str]:
     simd = ["-mavx2"] if "avx2" in _cpu_flags() else []
-    return ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", *simd]
+    return ["-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared", *simd, *(OPENMP if openmp else [])]
 
 
 def _cpu_flags() -> set[str]:
@@ -48,8 +56,8 @@ def _cpu_flags() -> set[str]:
 
 
 def library_name() -> str:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags()).encode()).hexdigest()[:16]
-    return f"cpu_decode-{digest}.so"
+    text = b"".join(source.read_bytes() for source in SOURCES) + " ".join(flags()).encode()
+    return f"cpu_decode-{hashlib.sha256(text).hexdigest()[:16]}.so"
 
 
 def cache_dir() -> Path:
@@ -63,10 +71,17 @@ def load() -> ctypes.CDLL | None:
         lib = ctypes.CDLL(str(_find() or build(cache_dir())))
     except (OSError, subprocess.CalledProcessError, RuntimeError):  # (a library it may not read: OSError too)
         return None
-    for name, args in SIGNATURES.items():
+    for name, (args, result) in SIGNATURES.items():
         fn = getattr(lib, name)
-        fn.argtypes, fn.restype = args, None
+        fn.argtypes, fn.restype = args, result
     return lib
+
+
+@functools.cache
+def int4_matmul() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """The library's int4 x bfloat16 matmul where this CPU runs it (AVX-512 BF16), else None."""
+    lib = load()
+    return lib.int4_matmul if lib is not None and lib.int4_matmul_available() else None
 
 
 def unavailable_reason() -> str | None:
@@ -101,7 +116,11 @@ def build(folder: Path) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
     os.close(fd)
     try:
-        subprocess.run([compiler, *flags(), str(SOURCE), "-o", tmp, "-lm"], check=True, capture_output=True)
+        sources = [str(source) for source in SOURCES]
+        try:
+            subprocess.run([compiler, *flags(), *sources, "-o", tmp, "-lm"], check=True, capture_output=True)
+        except subprocess.CalledProcessError:
+            subprocess.run([compiler, *flags(False), *sources, "-o", tmp, "-lm"], check=True, capture_output=True)
         os.chmod(tmp, 0o755)  # (mkstemp's file is the owner's alone: a library built as root is read by others)
         os.replace(tmp, target)
     finally:
