@@ -50,10 +50,12 @@ def test_silu_and_mul_equals_the_reference(rows: int, inter: int) -> None:
 
 @pytest.mark.parametrize("seq_lens, page", [([1], 16), ([17, 3, 32], 16), ([40, 1, 9], 8)])
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (2, 3, 24)])
-def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group, head_dim) -> None:
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group, head_dim, threads) -> None:
     """Rotary on q and k (transformers' arithmetic), this step's K/V stored at each sequence's last position
     (a padded row with slot -1 stores nothing), attention over the context: as `reference.rotate`,
-    `reference.store_kv` and `reference.paged_decode_attention`."""
+    `reference.store_kv` and `reference.paged_decode_attention`; on 1-3 threads (more than the (row, KV head)
+    pairs too), each in its own scratch."""
     case = make_paged(seq_lens, page=page, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float32)
     heads, rows = kv_heads * group, len(seq_lens)
     width = (heads + 2 * kv_heads) * head_dim
@@ -70,13 +72,13 @@ def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group
     want = reference.paged_decode_attention(qk[:, :heads].contiguous(), want_cache, case.layer, case.block_tables,
                                             case.seq_lens, 0.3)  # fmt: skip
     pool = case.kv_cache
-    scratch = torch.empty(group * (max(seq_lens) + 2 * head_dim))
+    scratch = torch.full((threads * group * (max(seq_lens) + 2 * head_dim),), float("nan"))
     out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
     strides = (native_cpu.ctypes.c_int64 * 5)(*pool.stride()[:5])
     assert lib is not None
     lib.rope_store_attend(rows, heads, kv_heads, head_dim, _p(qkv), qkv.stride(0), _p(cos), _p(sin), _p(pool),
                           strides, case.layer, _p(slots), _p(case.block_tables), case.block_tables.shape[1],
-                          _p(case.seq_lens), page, 0.3, _p(scratch), _p(out))  # fmt: skip
+                          _p(case.seq_lens), page, 0.3, threads, _p(scratch), _p(out))  # fmt: skip
     assert case.seq_lens.dtype == case.block_tables.dtype == torch.int32
     assert torch.equal(pool.nan_to_num(7.0), want_cache.nan_to_num(7.0)), "stored as the references store, only there"
     torch.testing.assert_close(out.float().unflatten(-1, (heads, head_dim)), want.to(torch.bfloat16).float(), **BF16)

@@ -1,9 +1,9 @@
 """NativeDecode: a fused CPU model's decode steps with the work between the matmuls in C (`kernels/native_cpu`).
 
 `model.fuse_layers = "native"` (what `auto` picks on the CPU for a low-bit Llama-family model where a C compiler
-is at hand) is the `cpu` mode's path whose decode steps over a few thousand context tokens run here: per layer
-four torch matmuls (the low-bit layers' own kernels) and three C calls (residual add + RMSNorm; rotary, K/V store
-and paged attention; SiLU-and-mul), instead of ~45 torch operators. Prompt chunks, speculative verifies, steps
+is at hand) is the `cpu` mode's path whose decode steps run here: per layer four matmuls (the low-bit layers' own
+kernel choice) and three C calls (residual add + RMSNorm; rotary, K/V store and paged attention, its (row, KV
+head) pairs on torch's threads; SiLU-and-mul), instead of ~45 torch operators. Prompt chunks, speculative verifies, steps
 over more context (`MAX_CONTEXT_TOKENS`) and pools this path does not read (8-bit, a window pool) take the `cpu`
 path's torch operators (`takes`). The arithmetic is transformers' in float32 in the same order; sums round in
 another order, so logits differ from the torch path in the last bits (tests bound them).
@@ -65,10 +65,12 @@ class FusedDecoder(Protocol):
     def norm(self) -> Norm: ...
 
 
-# Context tokens (summed over the step's sequences) up to which a decode step runs here: the C attention is one
-# thread, torch's SDPA uses every core, so past this the rows' attention costs more than the operators saved
-# (measured, 2 threads: 1 x 1,500 tokens even, 4 x 1,500 1.37x slower, 32 x 170 1.06x faster; benchmarks/NOTES.md).
-MAX_CONTEXT_TOKENS = 4096
+# Context tokens (summed over the step's sequences) up to which a decode step runs here. With the C attention on
+# one thread, torch's SDPA on every core won past ~4,096 (1 x 1,500 tokens even, 4 x 1,500 1.37x slower); with
+# its (row, KV head) pairs on torch's threads the C path won at every size measured, up to 16 x ~1,500 tokens
+# (2 threads: 1 x 2,250 1.33x faster, 4 x 2,250 1.23x, 16 x 1,500 2.2x; benchmarks/NOTES.md). Past what was
+# measured the torch path runs.
+MAX_CONTEXT_TOKENS = 32768
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,7 +211,7 @@ class _Step:
     held: tuple[torch.Tensor, ...]  # the tensors the pointers point into, kept alive for the step
     pool_args: tuple[Any, ...]  # cos, sin, pool, its strides
     seq_args: tuple[Any, ...]  # slots, block tables and their width, lengths, block size
-    attn_out: tuple[int, int]  # scratch, attention output
+    attn_out: tuple[int, int, int]  # threads, their scratch, attention output
     attn: torch.Tensor  # [rows, heads x head_dim] bfloat16
     act: torch.Tensor  # [rows, intermediate] bfloat16
 
@@ -219,8 +221,8 @@ class _Step:
         cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
         slots, tables = md.slot_mapping.to(torch.int64).contiguous(), md.block_tables.to(torch.int32).contiguous()
         lens = md.seq_lens.to(torch.int32).contiguous()
-        group = layer.heads // layer.kv_heads
-        scratch = torch.empty(group * (int(lens.max()) + 2 * layer.head_dim), dtype=torch.float32)
+        group, threads = layer.heads // layer.kv_heads, torch.get_num_threads()
+        scratch = torch.empty(threads * group * (int(lens.max()) + 2 * layer.head_dim), dtype=torch.float32)
         attn = torch.empty(rows, layer.heads * layer.head_dim, dtype=torch.bfloat16)
         act = torch.empty(rows, layer.intermediate, dtype=torch.bfloat16)
         strides = (ctypes.c_int64 * 5)(*pool.stride()[:5])
@@ -228,7 +230,7 @@ class _Step:
             (cos, sin, slots, tables, lens, scratch),
             (cos.data_ptr(), sin.data_ptr(), pool.data_ptr(), strides),
             (slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), int(pool.shape[4])),
-            (scratch.data_ptr(), attn.data_ptr()),
+            (threads, scratch.data_ptr(), attn.data_ptr()),
             attn,
             act,
         )

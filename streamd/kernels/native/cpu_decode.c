@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define LANES 8
 
@@ -124,16 +127,26 @@ static void attend_group(const Pool *p, int layer, int kv_head, int group, int h
     for (int i = 0; i < group * head_dim; i++) out[i] = f32_to_bf16(acc[i]);
 }
 
+static inline int thread_id(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
 /* One decode step's attention for `rows` sequences of one token each, in `layer`: q and k of qkv [rows, stride]
  * bfloat16 ((heads + 2 kv_heads) x head_dim: q, k, v) rotated by cos/sin [rows, head_dim]; k and v stored at
  * slots[r]; the query attends over positions [0, seq_lens[r]) through block_tables [rows, table_width]; the result
- * [rows, heads x head_dim] as bfloat16. `scratch` holds (heads / kv_heads) x (2 head_dim + max(seq_lens)) floats. */
+ * [rows, heads x head_dim] as bfloat16. Every row's K/V is stored first (a row's new token lives in its own
+ * sequence's block, which no other row reads), then the (row, KV head) pairs attend on up to `threads` OpenMP
+ * threads, each in its part of `scratch`: threads x (heads / kv_heads) x (2 head_dim + max(seq_lens)) floats. */
 void rope_store_attend(int rows, int heads, int kv_heads, int head_dim, const uint16_t *qkv, int64_t stride,
                        const float *cos, const float *sin, float *pool_base, const int64_t *pool_strides, int layer,
                        const int64_t *slots, const int32_t *block_tables, int table_width, const int32_t *seq_lens,
-                       int page, float scale, float *scratch, uint16_t *out) {
+                       int page, float scale, int threads, float *scratch, uint16_t *out) {
     Pool p = {pool_base, pool_strides[0], pool_strides[1], pool_strides[2], pool_strides[3], pool_strides[4]};
-    int group = heads / kv_heads;
+    int group = heads / kv_heads, longest = 0;
     for (int r = 0; r < rows; r++) {
         const uint16_t *src = qkv + (int64_t)r * stride;
         const float *c = cos + (int64_t)r * head_dim, *s = sin + (int64_t)r * head_dim;
@@ -143,11 +156,19 @@ void rope_store_attend(int rows, int heads, int kv_heads, int head_dim, const ui
             float *v = row(&p, block, layer, 1, h, offset);
             for (int i = 0; i < head_dim; i++) v[i] = bf16_to_f32(src[(int64_t)(heads + kv_heads + h) * head_dim + i]);
         }
-        int len = seq_lens[r];
-        const int32_t *table = block_tables + (int64_t)r * table_width;
-        for (int g = 0; g < kv_heads; g++)
-            attend_group(&p, layer, g, group, head_dim, src + (int64_t)g * group * head_dim, c, s, table, page, len,
-                         scale, scratch, out + (int64_t)r * heads * head_dim + (int64_t)g * group * head_dim);
+        longest = seq_lens[r] > longest ? seq_lens[r] : longest;
+    }
+    int64_t per_thread = (int64_t)group * (2 * head_dim + longest);
+    int tasks = rows * kv_heads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
+    for (int task = 0; task < tasks; task++) {
+        int r = task / kv_heads, g = task % kv_heads;
+        const uint16_t *src = qkv + (int64_t)r * stride;
+        const float *c = cos + (int64_t)r * head_dim, *s = sin + (int64_t)r * head_dim;
+        attend_group(&p, layer, g, group, head_dim, src + (int64_t)g * group * head_dim, c, s,
+                     block_tables + (int64_t)r * table_width, page, seq_lens[r], scale,
+                     scratch + per_thread * thread_id(),
+                     out + (int64_t)r * heads * head_dim + (int64_t)g * group * head_dim);
     }
 }
 
