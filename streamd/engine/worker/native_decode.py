@@ -5,8 +5,8 @@ is at hand) is the `cpu` mode's path whose decode steps run here: per layer four
 kernel choice) and three C calls (residual add + RMSNorm; rotary, K/V store and paged attention, its (row, KV
 head) pairs on torch's threads; SiLU-and-mul), instead of ~45 torch operators. Prompt chunks, speculative
 verifies, steps over more context (`MAX_CONTEXT_TOKENS`) and pools this path does not read (8-bit, a window pool)
-take the `cpu` path's torch operators (`takes`). The arithmetic is transformers' in float32 in the same order; sums round in
-another order, so logits differ from the torch path in the last bits (tests bound them).
+take the `cpu` path's torch operators (`takes`). The arithmetic is transformers' in float32 in the same order;
+sums round in another order, so logits differ from the torch path in the last bits (tests bound them).
 """
 
 from __future__ import annotations
