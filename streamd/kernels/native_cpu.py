@@ -35,6 +35,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "int4_rows": ([_P, _I64, _I64, _I, _P, _I, _I, _P], None),
     "int4_matmul": ([_P, _P, _I, _I, _I64, _I64, _P, _I, _P, _I], _I),
     "int4_matmul_available": ([], _I),
+    "decode_layer": ([_P, _P, _P, _F, _P], _I),
 }
 # OpenMP for int4_matmul's threads: the library then shares torch's OpenMP runtime (libgomp.so.1, already loaded
 # by torch) and its thread pool; without it (a compiler that cannot link OpenMP) the same source builds serial.

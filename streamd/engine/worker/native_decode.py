@@ -3,10 +3,12 @@
 `model.fuse_layers = "native"` (what `auto` picks on the CPU for a low-bit Llama-family model where a C compiler
 is at hand) is the `cpu` mode's path whose decode steps run here: per layer four matmuls (the low-bit layers' own
 kernel choice) and three C calls (residual add + RMSNorm; rotary, K/V store and paged attention, its (row, KV
-head) pairs on torch's threads; SiLU-and-mul), instead of ~45 torch operators. Prompt chunks, speculative
-verifies, steps over more context (`MAX_CONTEXT_TOKENS`) and pools this path does not read (8-bit, a window pool)
-take the `cpu` path's torch operators (`takes`). The arithmetic is transformers' in float32 in the same order;
-sums round in another order, so logits differ from the torch path in the last bits (tests bound them).
+head) pairs on torch's threads; SiLU-and-mul), instead of ~45 torch operators; where all four matmuls run in C
+(`lowbit.NativeInt4`, AVX-512 BF16) the layer is one C call (`decode_layer`: the same calls, in C). Prompt
+chunks, speculative verifies, steps over more context (`MAX_CONTEXT_TOKENS`) and pools this path does not read
+(8-bit, a window pool) take the `cpu` path's torch operators (`takes`). The arithmetic is transformers' in
+float32 in the same order; sums round in another order, so logits differ from the torch path in the last bits
+(tests bound them).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 
 from streamd.engine.worker.attention import AttentionMetadata
 from streamd.engine.worker.quantized import QuantizedLinear
-from streamd.kernels import native_cpu
+from streamd.kernels import lowbit, native_cpu
 
 
 class Norm(Protocol):
@@ -90,6 +92,8 @@ class NativeLayer:
     scale: float
     index: int
     intermediate: int  # the MLP's width (SiLU-and-mul's output)
+    # the whole layer as one C call (`decode_layer`), where all four matmuls run in C (`lowbit.NativeInt4`)
+    whole: LayerArgs | None = None
 
 
 def unsupported_reason(decoder: FusedDecoder) -> str | None:
@@ -139,6 +143,7 @@ class NativeDecode:
         self.dim = int(self.final_norm.shape[0])
         # after layer i: layer i + 1's input norm, after the last the final norm
         self.next_norms = [(n.norm, n.eps) for n in self.layers[1:]] + [(self.final_norm, self.final_eps)]
+        self.whole = all(layer.whole is not None for layer in self.layers)
 
     @staticmethod
     def takes(md: AttentionMetadata, hidden: torch.Tensor) -> bool:
@@ -166,6 +171,9 @@ class NativeDecode:
         out = torch.empty(rows, dim, dtype=torch.float32)
         res_p, x_p = residual.data_ptr(), x.data_ptr()
         lib.add_rmsnorm(rows, dim, res_p, None, 0, first.norm.data_ptr(), first.eps, x_p, None)
+        if self.whole:
+            self._run_whole(step.whole_args(rows, dim, first, residual, x), out)
+            return out
         for layer, (weight, eps) in zip(self.layers, self.next_norms):
             qkv = layer.qkv(x)
             lib.rope_store_attend(
@@ -202,6 +210,15 @@ class NativeDecode:
             )
         return out
 
+    def _run_whole(self, step: StepArgs, out: torch.Tensor) -> None:
+        """Each layer in one C call (`decode_layer`), the last writing the final norm's output into `out`."""
+        step_ref = ctypes.byref(step)
+        for layer, (weight, eps) in zip(self.layers, self.next_norms):
+            final = out.data_ptr() if weight is self.final_norm else None
+            assert layer.whole is not None
+            if self.lib.decode_layer(ctypes.byref(layer.whole), step_ref, weight.data_ptr(), eps, final):
+                raise MemoryError("the C int4 matmul found no memory for its scratch")
+
 
 @dataclass(slots=True)
 class _Step:
@@ -214,6 +231,7 @@ class _Step:
     attn_out: tuple[int, int, int]  # threads, their scratch, attention output
     attn: torch.Tensor  # [rows, heads x head_dim] bfloat16
     act: torch.Tensor  # [rows, intermediate] bfloat16
+    buffers: tuple[torch.Tensor, ...] = ()  # `whole_args`' matmul outputs and stream, kept alive for the step
 
     @classmethod
     def of(cls, md: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, layer: NativeLayer) -> _Step:
@@ -236,14 +254,73 @@ class _Step:
         )
 
 
+    def whole_args(self, rows: int, dim: int, layer: NativeLayer, residual: torch.Tensor, x: torch.Tensor) -> StepArgs:
+        """The step's `StepArgs` for `decode_layer`: these pointers, the stream (`residual`, `x`) and an output
+        buffer for each matmul (bfloat16, every layer reusing them)."""
+        assert layer.whole is not None
+        widths = (layer.whole.qkv.out_features, layer.whole.o.out_features, layer.whole.gate_up.out_features,
+                  layer.whole.down.out_features)  # fmt: skip
+        qkv, o, gate_up, down = (torch.empty(rows, w, dtype=torch.bfloat16) for w in widths)
+        self.buffers = (residual, x, qkv, o, gate_up, down)
+        cos, sin, pool, strides = self.pool_args
+        slots, tables, width, lens, page = self.seq_args
+        threads, scratch, attn = self.attn_out
+        ptrs = [t.data_ptr() for t in (residual, x, qkv)] + [attn] + [t.data_ptr() for t in (o, gate_up)]
+        ptrs += [self.act.data_ptr(), down.data_ptr()]
+        return StepArgs(rows, dim, threads, width, page, cos, sin, pool, ctypes.cast(strides, ctypes.c_void_p),
+                        slots, tables, lens, scratch, *ptrs)  # fmt: skip
+
+
+class Int4Args(ctypes.Structure):
+    """`cpu_decode.c`'s Int4Args: one matmul's `lowbit.NativeInt4`."""
+
+    _fields_ = [("packed", ctypes.c_void_p), ("scales", ctypes.c_void_p), ("parts", ctypes.c_int),
+                ("group", ctypes.c_int), ("in_features", ctypes.c_int64), ("out_features", ctypes.c_int64)]  # fmt: skip
+
+    @classmethod
+    def of(cls, native: lowbit.NativeInt4) -> Int4Args:
+        pointers = (ctypes.cast(native.packed, ctypes.c_void_p), ctypes.cast(native.scales, ctypes.c_void_p))
+        return cls(*pointers, len(native.parts), native.parts[0].group_size, native.in_features, native.out_features)
+
+
+class LayerArgs(ctypes.Structure):
+    """`cpu_decode.c`'s LayerArgs: one layer's constants for `decode_layer`."""
+
+    _fields_ = [("qkv", Int4Args), ("o", Int4Args), ("gate_up", Int4Args), ("down", Int4Args),
+                ("post_norm", ctypes.c_void_p), ("post_eps", ctypes.c_float), ("scale", ctypes.c_float),
+                ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int), ("head_dim", ctypes.c_int),
+                ("index", ctypes.c_int), ("intermediate", ctypes.c_int)]  # fmt: skip
+
+
+class StepArgs(ctypes.Structure):
+    """`cpu_decode.c`'s StepArgs: one step's sequences, pool, stream and buffers for `decode_layer`."""
+
+    _fields_ = [(name, ctypes.c_int) for name in ("rows", "dim", "threads", "table_width", "page")] + [
+        (name, ctypes.c_void_p)
+        for name in ("cos", "sin", "pool", "pool_strides", "slots", "block_tables", "seq_lens", "scratch",
+                     "residual", "x", "qkv", "attn", "o", "gate_up", "act", "down")  # fmt: skip
+    ]
+
+
+def _layer_args(layer: FusedLayer, modules: tuple[QuantizedLinear, ...], shape: tuple[int, ...]) -> LayerArgs | None:
+    """`decode_layer`'s constants for this layer, or None where a matmul does not run in C."""
+    natives = [m.native for m in modules]
+    if any(n is None for n in natives):
+        return None
+    post = _norms(layer)[1]
+    matmuls = [Int4Args.of(n) for n in natives if n is not None]
+    return LayerArgs(*matmuls, post.weight.data_ptr(), float(post.variance_epsilon), float(layer.scale), *shape)
+
+
 def _native_layer(layer: FusedLayer) -> NativeLayer:
     q_size, kv_size, head_dim = layer.qkv_sizes
     norm, post = _norms(layer)
     qkv, o, gate_up, down = (cast(QuantizedLinear, m) for m in
                              (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))  # fmt: skip
+    shape = (q_size // head_dim, kv_size // head_dim, head_dim, layer.layer_idx, gate_up.out_features // 2)
     return NativeLayer(
         qkv.matmul, o.matmul, gate_up.matmul, down.matmul,
         norm.weight, float(norm.variance_epsilon), post.weight, float(post.variance_epsilon),
-        q_size // head_dim, kv_size // head_dim, head_dim, float(layer.scale), layer.layer_idx,
-        gate_up.out_features // 2,
+        shape[0], shape[1], head_dim, float(layer.scale), layer.layer_idx, shape[4],
+        _layer_args(layer, (qkv, o, gate_up, down), shape),
     )  # fmt: skip

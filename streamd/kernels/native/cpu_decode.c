@@ -195,3 +195,56 @@ void int4_rows(const uint8_t *packed, int64_t width, int64_t rows, int block, co
         for (int c = 0; c < in_features; c++) out[(int64_t)k * in_features + c] = (src[c * step] >> shift) & 15;
     }
 }
+
+/* One whole decoder layer of a decode step, for a model whose four matmuls all run in `int4_matmul.c`: the
+ * Python loop's seven calls a layer (`native_decode.NativeDecode.run`) as one, with the same arithmetic in the
+ * same order. The structs mirror `native_decode`'s ctypes Structures field for field. */
+typedef struct {
+    const uint8_t *const *packed;
+    const uint16_t *const *scales;
+    int parts, group;
+    int64_t in_features, out_features;
+} Int4Args;
+
+typedef struct {
+    Int4Args qkv, o, gate_up, down;
+    const float *post_norm;
+    float post_eps, scale;
+    int heads, kv_heads, head_dim, index, intermediate;
+} LayerArgs;
+
+typedef struct {
+    int rows, dim, threads, table_width, page;
+    const float *cos, *sin;
+    float *pool;
+    const int64_t *pool_strides, *slots;
+    const int32_t *block_tables, *seq_lens;
+    float *scratch, *residual;
+    uint16_t *x, *qkv, *attn, *o, *gate_up, *act, *down;
+} StepArgs;
+
+int int4_matmul(const uint8_t *const *packed, const uint16_t *const *sz, int parts, int group, int64_t in_features,
+                int64_t rows, const uint16_t *x, int n, uint16_t *out, int threads);
+
+static int matmul(const Int4Args *w, const uint16_t *x, int rows, uint16_t *out, int threads) {
+    return int4_matmul(w->packed, w->scales, w->parts, w->group, w->in_features, w->out_features, x, rows, out,
+                       threads);
+}
+
+/* x (the layer's normed input, bfloat16) -> the residual stream updated by attention and MLP, and x the next
+ * norm's output (`next_norm`; the last layer writes the final norm's float32 output to `final_out` instead).
+ * Returns 0, or -1 where a matmul found no memory for its scratch. */
+int decode_layer(const LayerArgs *l, const StepArgs *s, const float *next_norm, float next_eps, float *final_out) {
+    int rows = s->rows, dim = s->dim, t = s->threads;
+    if (matmul(&l->qkv, s->x, rows, s->qkv, t)) return -1;
+    rope_store_attend(rows, l->heads, l->kv_heads, l->head_dim, s->qkv, l->qkv.out_features, s->cos, s->sin, s->pool,
+                      s->pool_strides, l->index, s->slots, s->block_tables, s->table_width, s->seq_lens, s->page,
+                      l->scale, t, s->scratch, s->attn);
+    if (matmul(&l->o, s->attn, rows, s->o, t)) return -1;
+    add_rmsnorm(rows, dim, s->residual, s->o, dim, l->post_norm, l->post_eps, s->x, NULL);
+    if (matmul(&l->gate_up, s->x, rows, s->gate_up, t)) return -1;
+    silu_and_mul(rows, l->intermediate, s->gate_up, l->gate_up.out_features, s->act);
+    if (matmul(&l->down, s->act, rows, s->down, t)) return -1;
+    add_rmsnorm(rows, dim, s->residual, s->down, dim, next_norm, next_eps, final_out ? NULL : s->x, final_out);
+    return 0;
+}

@@ -88,9 +88,36 @@ def test_the_default_models_greedy_tokens_equal_the_cpu_paths() -> None:
     for mode in ("cpu", "native"):
         llm = LLM(device="cpu", num_swap_blocks=0, num_kv_blocks=128, max_step_ms=0, fuse_layers=mode, seed=3)
         register_engine(llm.engine)
+        decode = llm.engine.runner.model.model.native
+        assert (decode is not None and decode.whole) == (mode == "native" and native_cpu.int4_matmul() is not None)
         outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params)]
     for torch_path, native in zip(outs["cpu"], outs["native"]):
         _same_up_to_a_near_tie(torch_path, native, margin=0.13)
+
+
+@needs_library
+@pytest.mark.skipif(native_cpu.int4_matmul() is None, reason="no AVX-512 BF16: the matmuls stay torch's")
+def test_whole_layers_in_one_call_give_the_seven_calls_bits(monkeypatch) -> None:
+    """A model whose widths are whole 64-row blocks (every matmul in C): each layer as one `decode_layer` call
+    gives the Python loop's tokens and log-probabilities bit for bit (the same C, in the same order), and the
+    default model runs that way."""
+    config = tiny_arch_config("llama", hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                              qwen3_head_dim=32)  # fmt: skip
+    config.num_key_value_heads = 2  # q/k/v 128 + 64 + 64 rows
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist() for n in (5, 40, 17)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, detokenize=False, logprobs=3)
+    outs = []
+    for whole in (True, False):
+        if not whole:
+            monkeypatch.setattr(native_decode, "_layer_args", lambda *args: None)
+        llm = LLM(config, fuse_layers="native", quantization="int4", max_num_seqs=3, **KWARGS)
+        register_engine(llm.engine)
+        decode = llm.engine.runner.model.model.native
+        assert decode is not None and decode.whole == whole
+        outs.append([o.outputs[0] for o in run_to_completion(llm.engine, prompts, params)])
+    for one_call, seven_calls in zip(*outs):
+        assert one_call.token_ids == seven_calls.token_ids and one_call.logprobs == seven_calls.logprobs
 
 
 @needs_library
@@ -106,6 +133,7 @@ def test_without_the_library_auto_runs_the_cpu_path_and_native_says_why(monkeypa
     monkeypatch.setenv("CC", str(tmp_path / "no-such-cc"))
     monkeypatch.setenv("STREAMD_NATIVE_DIR", str(tmp_path))
     monkeypatch.setattr(native_cpu, "SOURCE", tmp_path / "native" / "cpu_decode.c")  # no library beside it either
+    monkeypatch.setattr(native_cpu, "SOURCES", (native_cpu.SOURCE,))
     (tmp_path / "native").mkdir()
     (tmp_path / "native" / "cpu_decode.c").write_text("void f(void) {}\n")
     native_cpu.load.cache_clear()
