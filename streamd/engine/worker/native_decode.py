@@ -253,7 +253,6 @@ class _Step:
             act,
         )
 
-
     def whole_args(self, rows: int, dim: int, layer: NativeLayer, residual: torch.Tensor, x: torch.Tensor) -> StepArgs:
         """The step's `StepArgs` for `decode_layer`: these pointers, the stream (`residual`, `x`) and an output
         buffer for each matmul (bfloat16, every layer reusing them)."""
@@ -295,11 +294,10 @@ class LayerArgs(ctypes.Structure):
 class StepArgs(ctypes.Structure):
     """`cpu_decode.c`'s StepArgs: one step's sequences, pool, stream and buffers for `decode_layer`."""
 
-    _fields_ = [(name, ctypes.c_int) for name in ("rows", "dim", "threads", "table_width", "page")] + [
-        (name, ctypes.c_void_p)
-        for name in ("cos", "sin", "pool", "pool_strides", "slots", "block_tables", "seq_lens", "scratch",
-                     "residual", "x", "qkv", "attn", "o", "gate_up", "act", "down")  # fmt: skip
-    ]
+    _ints = ("rows", "dim", "threads", "table_width", "page")
+    _pointers = ("cos", "sin", "pool", "pool_strides", "slots", "block_tables", "seq_lens", "scratch", "residual",
+                 "x", "qkv", "attn", "o", "gate_up", "act", "down")  # fmt: skip
+    _fields_ = [(name, ctypes.c_int) for name in _ints] + [(name, ctypes.c_void_p) for name in _pointers]
 
 
 def _layer_args(layer: FusedLayer, modules: tuple[QuantizedLinear, ...], shape: tuple[int, ...]) -> LayerArgs | None:
