@@ -42,6 +42,10 @@ Part = lowbit.Int4Weight | lowbit.Int8Weight
 # head (49,152 x 576) costs 0.5 s to dequantize, more than the kernel takes for 128 rows, so it stays packed.
 DENSE_ROWS = 96
 DENSE_MAX_WEIGHTS = 1 << 22
+# The same crossover against the C int4 matmul (`lowbit.NativeInt4`, AVX-512 BF16), which costs ~0.75x torch's
+# kernel per row: at 128 rows it beat the dense path on all three shapes (3072 x 576: 1.96 against 2.74 ms), at 192
+# lost on two of three (benchmarks/NOTES.md, "Issue 25, eighteenth session").
+NATIVE_DENSE_ROWS = 160
 
 # How low-bit layers multiply (`model.low_bit_matmul`, resolved by `model_loader.low_bit_plan`): weight-only
 # (the packed kernels, bfloat16 activations) or int8 weights x int8 activations (`W8A8Linear`).
@@ -77,6 +81,8 @@ class QuantizedLinear(nn.Module):
         # the C matmul over every part at once where it runs (AVX-512 BF16): faster, and a Q8_0 weight's halves
         # are summed in float32 and rounded once
         self.native = lowbit.native_int4(self.parts)
+        if self.native is not None and self.dense_rows is not None:
+            self.dense_rows = NATIVE_DENSE_ROWS
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x.to(self.parts[0].compute_dtype)).to(x.dtype)

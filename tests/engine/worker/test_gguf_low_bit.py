@@ -16,7 +16,7 @@ from transformers import AutoConfig, LlamaConfig
 
 from streamd.engine.worker import gguf_model, gguf_weights, model_loader, quantized
 from streamd.engine.worker.gguf_weights import Int4Codes, Q8Codes, TensorInfo
-from streamd.kernels import lowbit
+from streamd.kernels import lowbit, native_cpu
 
 BLOCK_FORMATS = [GGML.Q4_0, GGML.Q4_1, GGML.Q8_0, GGML.Q4_K]
 
@@ -225,18 +225,21 @@ def test_a_quantized_linear_takes_the_dense_path_from_dense_rows_on(kind: GGML, 
 
 @pytest.mark.parametrize("rows, direct", [(128, True), (77, False)])
 def test_few_rows_of_an_unpadded_int4_weight_take_the_kernel_alone(rows: int, direct: bool) -> None:
-    """A Q4_1 weight of its own widths calls torch's kernel directly for a 2-D input of few rows (`int4_mm`, what
-    the CPU decode step's matmuls take); its output is the generic packed path's, bit for bit, and the float
-    reference's within bfloat16 rounding. A weight padded for packing (77 rows) keeps the generic path."""
+    """A Q4_1 weight of its own widths calls a kernel directly for a 2-D input of few rows (what the CPU decode
+    step's matmuls take): the C matmul where this CPU runs it (whole 64-row blocks), else torch's (`int4_mm`); its
+    output is that kernel's, bit for bit, and the float reference's within bfloat16 rounding. A weight padded for
+    packing (77 rows) keeps torch's generic path."""
     cols = 96
     codes = gguf_weights.decode(random_blocks(GGML.Q4_1, rows, cols, seed=3), TensorInfo("w", GGML.Q4_1, (rows, cols), 0))
     assert isinstance(codes, Int4Codes)
     linear = quantized.linear_from_codes(codes, None, torch.bfloat16)
     assert (linear.int4 is not None) == direct
+    assert (linear.native is not None) == (direct and native_cpu.int4_matmul() is not None)
     x = torch.randn(3, cols)
     with torch.no_grad():
         out = linear(x)
-    assert torch.equal(out, quantized._packed(x.to(torch.bfloat16), linear.parts).float())
+    kernel = linear.native(x.to(torch.bfloat16)) if linear.native is not None else None
+    assert torch.equal(out, (quantized._packed(x.to(torch.bfloat16), linear.parts) if kernel is None else kernel).float())
     reference = Int4Codes(codes.codes, codes.scales.bfloat16().float(), codes.zeros.bfloat16().float()).dequantize()
     ref = x.to(torch.bfloat16).float() @ reference.t()
     torch.testing.assert_close(out, ref, atol=2e-2 * ref.abs().max().item(), rtol=0)
@@ -246,7 +249,8 @@ def test_a_vocabulary_sized_head_stays_packed() -> None:
     codes = Int4Codes(torch.zeros(1 << 14, 512, dtype=torch.uint8), torch.ones(1 << 14, 16), torch.zeros(1 << 14, 16))
     assert quantized.linear_from_codes(codes, None, torch.bfloat16).dense_rows is None
     small = quantized.linear_from_codes(codes.rows(torch.arange(64)), None, torch.bfloat16)
-    assert small.dense_rows == quantized.DENSE_ROWS
+    in_c = native_cpu.int4_matmul() is not None  # the C matmul's crossover is its own
+    assert small.dense_rows == (quantized.NATIVE_DENSE_ROWS if in_c else quantized.DENSE_ROWS)
 
 
 @pytest.mark.parametrize("kind", BLOCK_FORMATS)
