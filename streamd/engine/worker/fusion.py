@@ -21,9 +21,9 @@ loader made. Modes (`model.fuse_layers`):
   rotary; norm, gate/up, SiLU-and-mul) as `torch.compile`d functions of the references. Inductor fuses
   their elementwise work; it uses no CUDA graphs of its own, so the engine's decode graphs capture it.
   K/V are stored and attended by the engine's kernels.
-- ``native``: ``cpu``, with its decode steps of few sequences run by `native_decode.NativeDecode` (the work
-  between the matmuls in C, `kernels/native_cpu`): weight-only low-bit layers in bfloat16, float32 norms, no
-  per-head q/k norms, and a C compiler at hand (or the library prebuilt).
+- ``native``: ``cpu``, with its decode steps, speculative verifies and short prompt chunks run by
+  `native_decode.NativeDecode` (the work between the matmuls in C, `kernels/native_cpu`): weight-only low-bit
+  layers in bfloat16, float32 norms, no per-head q/k norms, and a C compiler at hand (or the library prebuilt).
 - ``auto``: ``triton`` on CUDA for a supported architecture; on the CPU for a supported architecture whose
   weights are low-bit (the default model) ``native``, or ``cpu`` where `native` cannot run (the reason is
   logged); otherwise ``off``.

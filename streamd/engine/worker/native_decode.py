@@ -1,14 +1,14 @@
 """NativeDecode: a fused CPU model's decode steps with the work between the matmuls in C (`kernels/native_cpu`).
 
 `model.fuse_layers = "native"` (what `auto` picks on the CPU for a low-bit Llama-family model where a C compiler
-is at hand) is the `cpu` mode's path whose decode steps run here: per layer four matmuls (the low-bit layers' own
-kernel choice) and three C calls (residual add + RMSNorm; rotary, K/V store and paged attention, its (row, KV
-head) pairs on torch's threads; SiLU-and-mul), instead of ~45 torch operators; where all four matmuls run in C
-(`lowbit.NativeInt4`, AVX-512 BF16) the layer is one C call (`decode_layer`: the same calls, in C). Prompt
-chunks, speculative verifies, steps over more context (`MAX_CONTEXT_TOKENS`) and pools this path does not read
-(8-bit, a window pool) take the `cpu` path's torch operators (`takes`). The arithmetic is transformers' in
-float32 in the same order; sums round in another order, so logits differ from the torch path in the last bits
-(tests bound them).
+is at hand) is the `cpu` mode's path whose decode steps, speculative verifies and short prompt chunks (at most
+`MAX_QUERY_TOKENS` a sequence, each query token a row: `row_view`) run here: per layer four matmuls (the low-bit
+layers' own kernel choice) and three C calls (residual add + RMSNorm; rotary, K/V store and paged attention, its
+(row, KV head) pairs on torch's threads; SiLU-and-mul), instead of ~45 torch operators; where all four matmuls
+run in C (`lowbit.NativeInt4`, AVX-512 BF16) the layer is one C call (`decode_layer`: the same calls, in C).
+Longer prompt chunks, steps over more context (`MAX_CONTEXT_TOKENS`) and pools this path does not read (8-bit, a
+window pool) take the `cpu` path's torch operators (`takes`). The arithmetic is transformers' in float32 in the
+same order; sums round in another order, so logits differ from the torch path in the last bits (tests bound them).
 """
 
 from __future__ import annotations
@@ -73,6 +73,10 @@ class FusedDecoder(Protocol):
 # (2 threads: 1 x 2,250 1.33x faster, 4 x 2,250 1.23x, 16 x 1,500 2.2x; benchmarks/NOTES.md). Past what was
 # measured the torch path runs.
 MAX_CONTEXT_TOKENS = 32768
+# A sequence's query tokens up to which a step runs here (a speculative verify's k + 1, a short prompt chunk):
+# each query token is a row of its own, attending over its own prefix (`row_view`), so a row reads its whole
+# context; beyond a few tokens torch's one causal attention per sequence reads it once.
+MAX_QUERY_TOKENS = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,17 +151,25 @@ class NativeDecode:
 
     @staticmethod
     def takes(md: AttentionMetadata, hidden: torch.Tensor) -> bool:
-        """Whether this step runs here: a decode step over at most MAX_CONTEXT_TOKENS of context in a float32 pool
-        of its own."""
-        return (
-            md.decode_only
-            and md.planned_on_cpu
+        """Whether this step runs here: each sequence's query tokens at most MAX_QUERY_TOKENS (a decode step, a
+        speculative verify, a short prompt chunk), the rows' attention over at most MAX_CONTEXT_TOKENS in all,
+        in a float32 pool of its own."""
+        if not (
+            md.planned_on_cpu
             and hidden.dtype == torch.float32
             and md.kv_scales is None
             and md.layer_slots is None
             and md.kv_cache.dtype == torch.float32
             and md.kv_cache.stride(-1) == 1
-            and int(md.seq_lens.sum()) <= MAX_CONTEXT_TOKENS
+        ):
+            return False
+        if md.decode_only:
+            return int(md.seq_lens.sum()) <= MAX_CONTEXT_TOKENS
+        queries = md.query_start_loc.diff()
+        return (
+            int(md.query_start_loc[-1]) == hidden.shape[0]
+            and int(queries.max()) <= MAX_QUERY_TOKENS
+            and int((queries * md.seq_lens).sum()) <= MAX_CONTEXT_TOKENS
         )
 
     def run(self, md: AttentionMetadata, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -237,8 +249,8 @@ class _Step:
     def of(cls, md: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, layer: NativeLayer) -> _Step:
         pool, rows = md.kv_cache, cos.shape[0]
         cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
-        slots, tables = md.slot_mapping.to(torch.int64).contiguous(), md.block_tables.to(torch.int32).contiguous()
-        lens = md.seq_lens.to(torch.int32).contiguous()
+        slots = md.slot_mapping.to(torch.int64).contiguous()
+        tables, lens = row_view(md)
         group, threads = layer.heads // layer.kv_heads, torch.get_num_threads()
         scratch = torch.empty(threads * group * (int(lens.max()) + 2 * layer.head_dim), dtype=torch.float32)
         attn = torch.empty(rows, layer.heads * layer.head_dim, dtype=torch.bfloat16)
@@ -308,6 +320,19 @@ def _layer_args(layer: FusedLayer, modules: tuple[QuantizedLinear, ...], shape: 
     post = _norms(layer)[1]
     matmuls = [Int4Args.of(n) for n in natives if n is not None]
     return LayerArgs(*matmuls, post.weight.data_ptr(), float(post.variance_epsilon), float(layer.scale), *shape)
+
+
+def row_view(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each query token as a row of its own: its sequence's block table (int32 [tokens, width]) and the context it
+    attends over (int32 [tokens]), its own position + 1, so that the C attention, which stores every row's K/V
+    before any row attends, is causal within a sequence's query tokens. A decode step's rows are its sequences."""
+    if md.decode_only:
+        return md.block_tables.to(torch.int32).contiguous(), md.seq_lens.to(torch.int32).contiguous()
+    queries = md.query_start_loc.diff().to(torch.int64)
+    starts = md.query_start_loc[:-1].to(torch.int64).repeat_interleave(queries)
+    first = (md.seq_lens.to(torch.int64) - queries).repeat_interleave(queries)  # the context before the queries
+    lens = first + torch.arange(int(queries.sum())) - starts + 1
+    return md.block_tables.to(torch.int32).repeat_interleave(queries, dim=0).contiguous(), lens.to(torch.int32)
 
 
 def _native_layer(layer: FusedLayer) -> NativeLayer:

@@ -120,6 +120,48 @@ def test_whole_layers_in_one_call_give_the_seven_calls_bits(monkeypatch) -> None
         assert one_call.token_ids == seven_calls.token_ids and one_call.logprobs == seven_calls.logprobs
 
 
+def test_row_view_makes_each_query_token_a_row_over_its_own_prefix() -> None:
+    """Three sequences of 3, 1 and 5 query tokens with 10, 1 and 5 tokens of context (this step's included):
+    each token attends over its position + 1, through its sequence's block table."""
+    tables = torch.tensor([[4, 5], [6, 0], [7, 8]], dtype=torch.int32)
+    md = native_decode.AttentionMetadata(
+        kv_cache=torch.empty(0), slot_mapping=torch.arange(9), block_tables=tables,
+        seq_lens=torch.tensor([10, 1, 5], dtype=torch.int32), query_start_loc=torch.tensor([0, 3, 4, 9], dtype=torch.int32),
+        decode_only=False, ops=torch,
+    )  # fmt: skip
+    rows, lens = native_decode.row_view(md)
+    assert lens.tolist() == [8, 9, 10, 1, 1, 2, 3, 4, 5] and lens.dtype == torch.int32
+    assert torch.equal(rows, tables[[0, 0, 0, 1, 2, 2, 2, 2, 2]])
+
+
+@needs_library
+def test_speculative_verifies_run_natively_and_keep_the_tokens(monkeypatch) -> None:
+    """Prompt lookup on prompts that repeat themselves: the verify steps (k + 1 query tokens a sequence) run
+    natively, and the greedy tokens are those of the `cpu` path with speculation on, up to a near-tie."""
+    config = _config()
+    gen = torch.Generator().manual_seed(2)
+    motifs = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist() for n in (6, 9)]
+    prompts = [motif * 8 for motif in motifs]  # n-grams to look up
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False, logprobs=5)
+    wide_rows: list[int] = []
+    run = native_decode.NativeDecode.run
+
+    def counted(self, md, hidden, cos, sin):
+        if not md.decode_only:
+            wide_rows.append(hidden.shape[0])
+        return run(self, md, hidden, cos, sin)
+
+    monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
+    outs = {}
+    for mode in ("cpu", "native"):
+        llm = LLM(config, fuse_layers=mode, quantization="int4", prompt_lookup=True, **KWARGS)
+        register_engine(llm.engine)
+        outs[mode] = [o.outputs[0] for o in run_to_completion(llm.engine, prompts, params)]
+    assert any(rows > len(prompts) for rows in wide_rows), "a verify of several query tokens ran natively"
+    for torch_path, native in zip(outs["cpu"], outs["native"]):
+        _same_up_to_a_near_tie(torch_path, native)
+
+
 @needs_library
 def test_auto_picks_native_on_the_cpu_for_a_low_bit_model() -> None:
     llm = register_engine(LLM(_config(), quantization="int4", **KWARGS).engine)
