@@ -31,7 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def llama_greedy(url: str, ids: list[int], max_tokens: int) -> list[int]:
     body = {"prompt": ids, "n_predict": max_tokens, "temperature": 0, "top_k": 1, "ignore_eos": True,
             "return_tokens": True, "cache_prompt": False}  # fmt: skip
-    request = urllib.request.Request(f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"{url}/completion", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(request, timeout=300) as response:
         return list(json.loads(response.read())["tokens"])
 
