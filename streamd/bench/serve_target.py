@@ -33,7 +33,8 @@ WARM_UP_TIMEOUT_S = 120.0  # the warm-up is one token; the model is loaded befor
 
 
 def build_config(model: str, settings: list[str], layout: str | None = None) -> Config:
-    """The configuration of `--set` settings; a layout other than "process" decides engine.process."""
+    """The configuration of `--set` settings; a "thread" or "split" layout decides engine.process ("auto" and
+    "process" leave it as configured)."""
     overrides: dict[str, object] = {"server.host": "127.0.0.1", "server.port": 0}
     if model != NULL_MODEL:
         overrides["model.name"] = model

@@ -45,7 +45,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -178,8 +178,15 @@ class NativeInt4:
     parts: tuple[Int4Weight, ...]  # held: the pointers below point into them
     packed: ctypes.Array[ctypes.c_void_p]
     scales: ctypes.Array[ctypes.c_void_p]
-    in_features: int
-    out_features: int
+    kernel: Callable[..., int]  # `native_cpu.int4_matmul()`
+
+    @property
+    def in_features(self) -> int:
+        return self.parts[0].in_features
+
+    @property
+    def out_features(self) -> int:
+        return self.parts[0].out_features
 
     def __call__(self, rows: torch.Tensor) -> torch.Tensor | None:
         """rows [n, in] bfloat16 (contiguous) @ w.T [n, out] bfloat16; None for other rows (or no memory)."""
@@ -188,12 +195,10 @@ class NativeInt4:
         if not rows.is_contiguous():
             return None
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.bfloat16)
-        kernel = native_cpu.int4_matmul()
-        assert kernel is not None  # (native_int4 made this only where it is)
         group, threads = self.parts[0].group_size, torch.get_num_threads()
         widths = (self.in_features, self.out_features)
-        status = kernel(self.packed, self.scales, len(self.parts), group, *widths, rows.data_ptr(), rows.shape[0],
-                        out.data_ptr(), threads)  # fmt: skip
+        status = self.kernel(self.packed, self.scales, len(self.parts), group, *widths, rows.data_ptr(), rows.shape[0],
+                             out.data_ptr(), threads)  # fmt: skip
         return out if status == 0 else None
 
 
@@ -201,8 +206,9 @@ def native_int4(parts: Sequence[Int4Weight | Int8Weight]) -> NativeInt4 | None:
     """The C matmul for the sum of `parts`, where it runs: this CPU has AVX-512 BF16 and the library built, every
     part is int4 of its own widths (`needs_no_padding`) with bfloat16 scales, the same group size and widths, in
     whole 64-row blocks of torch's packing. None elsewhere (torch's kernels run)."""
+    kernel = native_cpu.int4_matmul()
     int4 = [p for p in parts if isinstance(p, Int4Weight)]
-    if native_cpu.int4_matmul() is None or not int4 or len(int4) != len(parts) or packed_row_block() != 64:
+    if kernel is None or not int4 or len(int4) != len(parts) or packed_row_block() != 64:
         return None
     first = int4[0]
     shape = (first.group_size, first.in_features, first.out_features)
@@ -215,7 +221,7 @@ def native_int4(parts: Sequence[Int4Weight | Int8Weight]) -> NativeInt4 | None:
     pointers = ctypes.c_void_p * len(int4)
     packed = pointers(*(p.packed.data_ptr() for p in int4))
     scales = pointers(*(p.scales_and_zeros.data_ptr() for p in int4))
-    return NativeInt4(tuple(int4), packed, scales, first.in_features, first.out_features)
+    return NativeInt4(tuple(int4), packed, scales, kernel)
 
 
 def needs_no_padding(weight: Int4Weight) -> bool:

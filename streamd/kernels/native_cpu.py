@@ -27,6 +27,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).with_name("native") / "cpu_decode.c"
 SOURCES = (SOURCE, SOURCE.with_name("int4_matmul.c"))
+HEADERS = (SOURCE.with_name("bf16.h"),)  # included by the sources: part of what names the library
 _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "add_rmsnorm": ([_I, _I, _P, _P, _I64, _P, _F, _P, _P], None),
@@ -57,7 +58,7 @@ def _cpu_flags() -> set[str]:
 
 
 def library_name() -> str:
-    text = b"".join(source.read_bytes() for source in SOURCES) + " ".join(flags()).encode()
+    text = b"".join(path.read_bytes() for path in (*SOURCES, *HEADERS)) + " ".join(flags()).encode()
     return f"cpu_decode-{hashlib.sha256(text).hexdigest()[:16]}.so"
 
 

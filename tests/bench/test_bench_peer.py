@@ -40,3 +40,30 @@ async def test_peer_bench_runs_both_servers_alternating_and_reports_their_ratio(
               "levels": [peer._level(runs, 1)]}
     assert "| streams | streamd tok/s | peer tok/s | streamd/peer |" in peer.markdown(report)
     assert "| ITL p50 streamd | ITL p50 peer |" in peer.markdown(report)
+
+
+async def test_streamd_runs_in_streamd_serves_own_layout(monkeypatch) -> None:
+    """The peer bench starts streamd as `streamd serve` runs it (`--layout auto`: `engine.process` as configured,
+    the engine in its own process by default), not on the server's thread (`thread`, serve_target's default)."""
+    from streamd.bench import serve_baseline, serve_target
+
+    started: list[tuple[list[str], str]] = []
+
+    class Started:
+        url = "http://127.0.0.1:1"
+
+        def __init__(self, model: str, settings: list[str], layout: str = "thread") -> None:
+            started.append((settings, layout))
+
+        def stop(self) -> None:
+            pass
+
+    monkeypatch.setattr(serve_baseline, "ServerProcess", Started)
+    parser = argparse.ArgumentParser()
+    peer.add_arguments(parser)
+    with peer._streamd(parser.parse_args(["--url", "unused", "--set", "model.num_threads=1"])) as url:
+        assert url == Started.url
+    assert started == [(["model.num_threads=1"], "auto")]
+    assert serve_target.build_config("null", [], "auto").engine.process == "auto"  # as configured
+    assert serve_target.build_config("null", ["engine.process=false"], "auto").engine.process is False
+    assert serve_target.build_config("null", [], "thread").engine.process is False

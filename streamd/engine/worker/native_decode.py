@@ -177,49 +177,31 @@ class NativeDecode:
         Each layer's last call adds its MLP's output to the residual and norms it for the next layer (the final
         norm after the last, in float32)."""
         lib, rows, dim, first = self.lib, hidden.shape[0], self.dim, self.layers[0]
-        step = _Step.of(md, cos, sin, first)
         residual = hidden.to(torch.float32, copy=True).contiguous()
         x = torch.empty(rows, dim, dtype=torch.bfloat16)
         out = torch.empty(rows, dim, dtype=torch.float32)
-        res_p, x_p = residual.data_ptr(), x.data_ptr()
-        lib.add_rmsnorm(rows, dim, res_p, None, 0, first.norm.data_ptr(), first.eps, x_p, None)
-        if self.whole:
-            self._run_whole(step.whole_args(rows, dim, first, residual, x), out)
+        step = _Step.of(md, cos, sin, first, residual, x)
+        a = step.args
+        lib.add_rmsnorm(rows, dim, a.residual, None, 0, first.norm.data_ptr(), first.eps, a.x, None)
+        if first.whole is not None and self.whole:
+            step.add_matmul_outputs(first.whole)
+            self._run_whole(a, out)
             return out
         for layer, (weight, eps) in zip(self.layers, self.next_norms):
             qkv = layer.qkv(x)
-            lib.rope_store_attend(
-                rows,
-                layer.heads,
-                layer.kv_heads,
-                layer.head_dim,
-                qkv.data_ptr(),
-                qkv.stride(0),
-                *step.pool_args,
-                layer.index,
-                *step.seq_args,
-                layer.scale,
-                *step.attn_out,
-            )
+            lib.rope_store_attend(rows, layer.heads, layer.kv_heads, layer.head_dim, qkv.data_ptr(), qkv.stride(0),
+                                  a.cos, a.sin, a.pool, a.pool_strides, layer.index, a.slots, a.block_tables,
+                                  a.table_width, a.seq_lens, a.page, layer.scale, a.threads, a.scratch,
+                                  a.attn)  # fmt: skip
             o = layer.o(step.attn)
-            lib.add_rmsnorm(
-                rows, dim, res_p, o.data_ptr(), o.stride(0), layer.post_norm.data_ptr(), layer.post_eps, x_p, None
-            )
+            lib.add_rmsnorm(rows, dim, a.residual, o.data_ptr(), o.stride(0), layer.post_norm.data_ptr(),
+                            layer.post_eps, a.x, None)  # fmt: skip
             gate_up = layer.gate_up(x)
-            lib.silu_and_mul(rows, step.act.shape[1], gate_up.data_ptr(), gate_up.stride(0), step.act.data_ptr())
+            lib.silu_and_mul(rows, layer.intermediate, gate_up.data_ptr(), gate_up.stride(0), a.act)
             down = layer.down(step.act)
             last = weight is self.final_norm
-            lib.add_rmsnorm(
-                rows,
-                dim,
-                res_p,
-                down.data_ptr(),
-                down.stride(0),
-                weight.data_ptr(),
-                eps,
-                None if last else x_p,
-                out.data_ptr() if last else None,
-            )
+            lib.add_rmsnorm(rows, dim, a.residual, down.data_ptr(), down.stride(0), weight.data_ptr(), eps,
+                            None if last else a.x, out.data_ptr() if last else None)  # fmt: skip
         return out
 
     def _run_whole(self, step: StepArgs, out: torch.Tensor) -> None:
@@ -234,19 +216,20 @@ class NativeDecode:
 
 @dataclass(slots=True)
 class _Step:
-    """What one decode step's layers share: the attention call's pool and sequence arguments (pointers taken
-    once), and the buffers every layer reuses for its attention output and its SiLU-and-mul."""
+    """What one step's layers share: `StepArgs` (the rows' pool and sequence arguments, the residual stream and
+    the buffers every layer reuses, pointers taken once), and the tensors behind its pointers."""
 
-    held: tuple[torch.Tensor, ...]  # the tensors the pointers point into, kept alive for the step
-    pool_args: tuple[Any, ...]  # cos, sin, pool, its strides
-    seq_args: tuple[Any, ...]  # slots, block tables and their width, lengths, block size
-    attn_out: tuple[int, int, int]  # threads, their scratch, attention output
-    attn: torch.Tensor  # [rows, heads x head_dim] bfloat16
-    act: torch.Tensor  # [rows, intermediate] bfloat16
-    buffers: tuple[torch.Tensor, ...] = ()  # `whole_args`' matmul outputs and stream, kept alive for the step
+    args: StepArgs
+    held: list[Any]  # what the pointers point into, kept alive for the step
+    attn: torch.Tensor  # [rows, heads x head_dim] bfloat16: the attention's output, the o matmul's input
+    act: torch.Tensor  # [rows, intermediate] bfloat16: SiLU-and-mul's output, the down matmul's input
 
     @classmethod
-    def of(cls, md: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, layer: NativeLayer) -> _Step:
+    def of(
+        cls, md: AttentionMetadata, cos: torch.Tensor, sin: torch.Tensor, layer: NativeLayer, residual: torch.Tensor,
+        x: torch.Tensor,
+    ) -> _Step:  # fmt: skip
+        """`residual` [rows, dim] float32 and `x` [rows, dim] bfloat16: the stream and each layer's normed input."""
         pool, rows = md.kv_cache, cos.shape[0]
         cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
         slots = md.slot_mapping.to(torch.int64).contiguous()
@@ -256,30 +239,21 @@ class _Step:
         attn = torch.empty(rows, layer.heads * layer.head_dim, dtype=torch.bfloat16)
         act = torch.empty(rows, layer.intermediate, dtype=torch.bfloat16)
         strides = (ctypes.c_int64 * 5)(*pool.stride()[:5])
-        return cls(
-            (cos, sin, slots, tables, lens, scratch),
-            (cos.data_ptr(), sin.data_ptr(), pool.data_ptr(), strides),
-            (slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), int(pool.shape[4])),
-            (threads, scratch.data_ptr(), attn.data_ptr()),
-            attn,
-            act,
-        )
+        args = StepArgs(
+            rows=rows, dim=x.shape[1], threads=threads, table_width=tables.shape[1], page=int(pool.shape[4]),
+            cos=cos.data_ptr(), sin=sin.data_ptr(), pool=pool.data_ptr(), pool_strides=ctypes.addressof(strides),
+            slots=slots.data_ptr(), block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(),
+            scratch=scratch.data_ptr(), residual=residual.data_ptr(), x=x.data_ptr(), attn=attn.data_ptr(),
+            act=act.data_ptr(),
+        )  # fmt: skip
+        return cls(args, [cos, sin, slots, tables, lens, scratch, strides, residual, x, attn, act], attn, act)
 
-    def whole_args(self, rows: int, dim: int, layer: NativeLayer, residual: torch.Tensor, x: torch.Tensor) -> StepArgs:
-        """The step's `StepArgs` for `decode_layer`: these pointers, the stream (`residual`, `x`) and an output
-        buffer for each matmul (bfloat16, every layer reusing them)."""
-        assert layer.whole is not None
-        widths = (layer.whole.qkv.out_features, layer.whole.o.out_features, layer.whole.gate_up.out_features,
-                  layer.whole.down.out_features)  # fmt: skip
-        qkv, o, gate_up, down = (torch.empty(rows, w, dtype=torch.bfloat16) for w in widths)
-        self.buffers = (residual, x, qkv, o, gate_up, down)
-        cos, sin, pool, strides = self.pool_args
-        slots, tables, width, lens, page = self.seq_args
-        threads, scratch, attn = self.attn_out
-        ptrs = [t.data_ptr() for t in (residual, x, qkv)] + [attn] + [t.data_ptr() for t in (o, gate_up)]
-        ptrs += [self.act.data_ptr(), down.data_ptr()]
-        return StepArgs(rows, dim, threads, width, page, cos, sin, pool, ctypes.cast(strides, ctypes.c_void_p),
-                        slots, tables, lens, scratch, *ptrs)  # fmt: skip
+    def add_matmul_outputs(self, layer: LayerArgs) -> None:
+        """A bfloat16 output for each of `decode_layer`'s four matmuls (every layer reusing them)."""
+        for name in ("qkv", "o", "gate_up", "down"):
+            buffer = torch.empty(self.args.rows, getattr(layer, name).out_features, dtype=torch.bfloat16)
+            self.held.append(buffer)
+            setattr(self.args, name, buffer.data_ptr())
 
 
 class Int4Args(ctypes.Structure):
@@ -312,14 +286,16 @@ class StepArgs(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in _ints] + [(name, ctypes.c_void_p) for name in _pointers]
 
 
-def _layer_args(layer: FusedLayer, modules: tuple[QuantizedLinear, ...], shape: tuple[int, ...]) -> LayerArgs | None:
-    """`decode_layer`'s constants for this layer, or None where a matmul does not run in C."""
-    natives = [m.native for m in modules]
-    if any(n is None for n in natives):
+def _layer_args(
+    modules: tuple[QuantizedLinear, ...], post: Norm, scale: float, shape: tuple[int, ...]
+) -> LayerArgs | None:
+    """`decode_layer`'s constants for a layer (`shape`: heads, KV heads, head_dim, index, intermediate), or None
+    where one of its matmuls does not run in C."""
+    natives = [m.native for m in modules if m.native is not None]
+    if len(natives) != len(modules):
         return None
-    post = _norms(layer)[1]
-    matmuls = [Int4Args.of(n) for n in natives if n is not None]
-    return LayerArgs(*matmuls, post.weight.data_ptr(), float(post.variance_epsilon), float(layer.scale), *shape)
+    matmuls = [Int4Args.of(n) for n in natives]
+    return LayerArgs(*matmuls, post.weight.data_ptr(), float(post.variance_epsilon), scale, *shape)
 
 
 def row_view(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
@@ -338,12 +314,15 @@ def row_view(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
 def _native_layer(layer: FusedLayer) -> NativeLayer:
     q_size, kv_size, head_dim = layer.qkv_sizes
     norm, post = _norms(layer)
-    qkv, o, gate_up, down = (cast(QuantizedLinear, m) for m in
-                             (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj))  # fmt: skip
+    modules = tuple(
+        cast(QuantizedLinear, m) for m in (layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+    )
+    qkv, o, gate_up, down = modules
     shape = (q_size // head_dim, kv_size // head_dim, head_dim, layer.layer_idx, gate_up.out_features // 2)
+    heads, kv_heads, _, index, intermediate = shape
     return NativeLayer(
         qkv.matmul, o.matmul, gate_up.matmul, down.matmul,
         norm.weight, float(norm.variance_epsilon), post.weight, float(post.variance_epsilon),
-        shape[0], shape[1], head_dim, float(layer.scale), layer.layer_idx, shape[4],
-        _layer_args(layer, (qkv, o, gate_up, down), shape),
+        heads, kv_heads, head_dim, float(layer.scale), index, intermediate,
+        _layer_args(modules, post, float(layer.scale), shape),
     )  # fmt: skip

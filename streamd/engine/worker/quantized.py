@@ -72,17 +72,16 @@ class QuantizedLinear(nn.Module):
         self.parts = tuple(parts)
         self.in_features, self.out_features = in_features, out_features
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        small = in_features * out_features <= DENSE_MAX_WEIGHTS
-        self.dense_rows = DENSE_ROWS if small and lowbit.packed_row_block() else None
+        # the C matmul over every part at once where it runs (AVX-512 BF16): faster, and a Q8_0 weight's halves
+        # are summed in float32 and rounded once
+        self.native = lowbit.native_int4(self.parts)
         # one packed int4 weight of its own widths: few contiguous rows take torch's kernel and nothing around it
         # (the CPU decode step's ~120 matmuls: `native_decode` calls `matmul` directly)
         single = self.parts[0] if len(self.parts) == 1 else None
         self.int4 = single if isinstance(single, lowbit.Int4Weight) and lowbit.needs_no_padding(single) else None
-        # the C matmul over every part at once where it runs (AVX-512 BF16): faster, and a Q8_0 weight's halves
-        # are summed in float32 and rounded once
-        self.native = lowbit.native_int4(self.parts)
-        if self.native is not None and self.dense_rows is not None:
-            self.dense_rows = NATIVE_DENSE_ROWS
+        small = in_features * out_features <= DENSE_MAX_WEIGHTS
+        crossover = DENSE_ROWS if self.native is None else NATIVE_DENSE_ROWS  # against the few-row kernel taken
+        self.dense_rows = crossover if small and lowbit.packed_row_block() else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.matmul(x.to(self.parts[0].compute_dtype)).to(x.dtype)

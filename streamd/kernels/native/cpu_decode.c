@@ -3,8 +3,9 @@
  * On the CPU a one-stream decode step is bound by operator calls, not by the weights: ~45 torch operators a
  * layer at ~3 us each cost more than the layer's int4 matmuls (benchmarks/NOTES.md, "Issue 25, one stream").
  * Here each stretch between two matmuls is one C call over raw float32 / bfloat16 rows: residual add + RMSNorm,
- * rotary + K/V store + paged attention, SiLU-and-mul. The matmuls stay torch's (`streamd/kernels/native_cpu.py`
- * calls them). Arithmetic follows transformers' in float32, in its order, with no fused multiply-adds (built
+ * rotary + K/V store + paged attention, SiLU-and-mul; and where a layer's four matmuls all run in
+ * `int4_matmul.c`, the whole layer as one call (`decode_layer`). Otherwise the matmuls are torch's, called from
+ * Python between these (`engine/worker/native_decode.py`). Arithmetic follows transformers' in float32, in its order, with no fused multiply-adds (built
  * with -ffp-contract=off); sums are taken in 8 lanes, so they round differently from torch's in the last bits.
  * Plain C99, no torch headers: it builds in a second with the system's C compiler.
  */
@@ -16,23 +17,9 @@
 #include <omp.h>
 #endif
 
+#include "bf16.h"
+
 #define LANES 8
-
-static inline float bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
-}
-
-/* Round to nearest even, as torch's conversion; NaN stays a quiet NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
 
 static inline float dot(const float *a, const float *b, int n) {
     float acc[LANES] = {0};

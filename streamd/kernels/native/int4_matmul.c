@@ -19,7 +19,8 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -69,14 +70,6 @@ TARGET static inline void group_scales(const uint16_t *sz, __m512 s[4], __m512 c
     }
 }
 
-static inline uint16_t to_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
 /* One 64-row block (`b`) for rows [m0, m0 + tile) of x, summed over the `parts` weights (one rounding). */
 TARGET static void block_tile(const uint8_t *const *packed, const uint16_t *const *sz, int parts, int group,
                               int64_t in_features, int64_t rows, const uint16_t *x, const float *xsums, int m0,
@@ -103,7 +96,7 @@ TARGET static void block_tile(const uint8_t *const *packed, const uint16_t *cons
         float lanes[16];
         for (int v = 0; v < 4; v++) {
             _mm512_storeu_ps(lanes, total[m][v]);
-            for (int t = 0; t < 16; t++) out[(int64_t)(m0 + m) * rows + b * 64 + ROW(v, t)] = to_bf16(lanes[t]);
+            for (int t = 0; t < 16; t++) out[(int64_t)(m0 + m) * rows + b * 64 + ROW(v, t)] = f32_to_bf16(lanes[t]);
         }
     }
 }
@@ -120,12 +113,7 @@ TARGET int int4_matmul(const uint8_t *const *packed, const uint16_t *const *sz, 
     for (int m = 0; m < n; m++)
         for (int64_t g = 0; g < groups; g++) {
             float sum = 0.0f;
-            for (int k = 0; k < group; k++) {
-                uint32_t u = (uint32_t)x[(int64_t)m * in_features + g * group + k] << 16;
-                float f;
-                memcpy(&f, &u, 4);
-                sum += f;
-            }
+            for (int k = 0; k < group; k++) sum += bf16_to_f32(x[(int64_t)m * in_features + g * group + k]);
             xsums[(int64_t)m * groups + g] = sum;
         }
     int64_t blocks = rows / 64;
