@@ -36,7 +36,6 @@ from streamd.engine.worker.cpu_threads import apply_num_threads, thread_governor
 from streamd.engine.worker.cuda_graphs import capture_sizes
 from streamd.engine.worker.draft_model import load_draft_model
 from streamd.engine.worker.executor import Executor, LocalExecutor
-from streamd.engine.worker.fusion import fuse_layers
 from streamd.engine.worker.kv_groups import WindowGroups, WindowPool, split_blocks, window_groups
 from streamd.engine.worker.model_loader import LoadedModel, load_model, resolve_device, resolve_dtype
 from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of, profile_num_blocks
@@ -266,7 +265,7 @@ def _kv_cache(
     cache_cfg = config.cache
     dtype = next(loaded.model.parameters()).dtype
     runner = ModelRunner(loaded.model, device, cache_cfg.block_size)
-    fuse_layers(loaded.model, config.model.fuse_layers, device)
+    runner.fuse(config.model.fuse_layers)
     tp = config.parallel.tensor_parallel_size
     layout = kv_layout_of(loaded.model, cache_cfg.block_size, dtype, tp, cache_cfg.kv_cache_dtype)
     num_blocks = cache_cfg.num_kv_blocks or _auto_num_blocks(

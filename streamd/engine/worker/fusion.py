@@ -35,6 +35,7 @@ each output row computed as its own layer computed it (`lowbit.concat_rows`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol, cast
 
@@ -46,10 +47,16 @@ from transformers.modeling_outputs import BaseModelOutputWithPast
 
 from streamd.config import FUSE_MODES
 from streamd.engine.worker import native_decode
-from streamd.engine.worker.attention import get_attention_metadata, paged_attend, store_kv
+from streamd.engine.worker.attention import AttentionMetadata, get_attention_metadata, paged_attend, store_kv
 from streamd.engine.worker.families import attention_needs
 from streamd.engine.worker.fp8 import Fp8Linear, has_fp8, merge_fp8_linears
-from streamd.engine.worker.quantized import QuantizedLinear, W8A8Linear, merge_quantized, merge_reason
+from streamd.engine.worker.quantized import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    W8A8Linear,
+    merge_quantized,
+    merge_reason,
+)
 from streamd.kernels import reference
 from streamd.logs import get_logger
 
@@ -118,6 +125,33 @@ def fuse_layers(model: PreTrainedModel, mode: str, device: torch.device, compile
     setattr(model, prefix, fused)
     log.info("model.layers_fused", mode=applied, layers=len(fused.layers))
     return applied
+
+
+@dataclass(frozen=True, slots=True)
+class NativeLogits:
+    """A causal LM's decode steps on the native path with transformers' wrappers skipped: the fused decoder's
+    `native_hidden`, then `head` over the rows that sample."""
+
+    decoder: FusedDecoder
+    head: nn.Module
+
+    def __call__(
+        self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor
+    ) -> torch.Tensor | None:
+        """float32 logits of the `keep` rows (None: the native path does not take this step)."""
+        hidden = self.decoder.native_hidden(md, input_ids, positions)
+        return None if hidden is None else self.head(hidden[keep]).float()
+
+
+def native_logits(model: PreTrainedModel) -> NativeLogits | None:
+    """`model`'s decode steps without transformers' wrappers, where that computes what its forward does (None:
+    it does not): the decoder runs natively, and the causal LM (one of `SUPPORTED_MODEL_TYPES`, text only) takes
+    its logits as `lm_head` over the decoder's output and nothing else (no scaling, no soft-capping)."""
+    decoder = getattr(model, model.base_model_prefix, None)
+    head = getattr(model, "lm_head", None)
+    if not isinstance(decoder, FusedDecoder) or decoder.native is None or not isinstance(head, nn.Module):
+        return None
+    return NativeLogits(decoder, head) if model.config.model_type in SUPPORTED_MODEL_TYPES else None
 
 
 def resolve_mode(mode: str, model: PreTrainedModel, device: torch.device) -> str:
@@ -508,10 +542,28 @@ class FusedDecoder(nn.Module):
             raise ValueError(f"the fused decoder runs one flattened batch [1, tokens], got {tuple(hidden.shape[:2])}")
         cos, sin = self.rotary_emb(hidden, position_ids)
         hidden, cos, sin = hidden[0], cos[0], sin[0]
-        if self.native is not None and self.native.takes(md := get_attention_metadata(), hidden):
+        if self.native is not None and self.native.takes(md := get_attention_metadata(), hidden.shape[0], hidden.dtype):
             return BaseModelOutputWithPast(last_hidden_state=self.native.run(md, hidden, cos, sin)[None])
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin)
         assert residual is not None, "a decoder has at least one layer"
         return BaseModelOutputWithPast(last_hidden_state=self.path.final_norm(hidden, residual, self.norm)[None])
+
+    def native_hidden(
+        self, md: AttentionMetadata, input_ids: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The final norm's output [tokens, dim] of a step the native path takes (None: it does not take it),
+        from the flattened batch's token ids and positions, without transformers' model wrappers around it: what
+        `NativeLogits` runs."""
+        native = self.native
+        if native is None or not native.takes(md, input_ids.shape[0], self.embedding_dtype):
+            return None
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(hidden, positions[None])
+        return native.run(md, hidden, cos[0], sin[0])
+
+    @property
+    def embedding_dtype(self) -> torch.dtype:
+        table = self.embed_tokens
+        return table.dtype if isinstance(table, QuantizedEmbedding) else table.weight.dtype

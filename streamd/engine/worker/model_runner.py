@@ -29,6 +29,7 @@ from streamd.engine.worker.attention import (
 )
 from streamd.engine.worker.cache_engine import KVLayout, KVPool, allocate_pool, kv_dtype
 from streamd.engine.worker.cuda_graphs import DecodeGraphs
+from streamd.engine.worker.fusion import NativeLogits, fuse_layers, native_logits
 from streamd.engine.worker.host_to_device import to_device
 from streamd.engine.worker.kv_groups import WindowPool
 from streamd.logs import get_logger
@@ -104,7 +105,14 @@ class ModelRunner:
         self.pool: KVPool | None = None
         self.window: WindowPool | None = None
         self.graphs: DecodeGraphs | None = None
+        self.native: NativeLogits | None = None  # decode steps run natively, transformers' wrappers skipped (`fuse`)
         self._prompt_logprobs: PromptLogprobs | None = None  # the last `run`'s, until taken
+
+    def fuse(self, mode: str) -> str:
+        """Fuses the model's layers as `model.fuse_layers` says (`fusion.fuse_layers`); returns the mode applied."""
+        applied = fuse_layers(self.model, mode, self.device)
+        self.native = native_logits(self.model)
+        return applied
 
     def bind_kv_cache(self, pool: KVPool, window: WindowPool | None = None) -> None:
         """`pool`: every layer's blocks, or (`window` given: the hybrid layout) the full-attention layers'."""
@@ -178,7 +186,12 @@ class ModelRunner:
             graph_size = self.graph_size(batch)
         if graph_size:
             return self._replay(batch).float()
-        set_attention_metadata(self._metadata(batch))
+        metadata = self._metadata(batch)
+        if self.native is not None and batch.prompt_idx is None:
+            logits = self.native(metadata, batch.input_ids, batch.positions, batch.sample_idx)
+            if logits is not None:
+                return logits
+        set_attention_metadata(metadata)
         keep = batch.sample_idx if batch.prompt_idx is None else torch.cat([batch.sample_idx, batch.prompt_idx])
         try:
             logits = self.model(

@@ -150,13 +150,13 @@ class NativeDecode:
         self.whole = all(layer.whole is not None for layer in self.layers)
 
     @staticmethod
-    def takes(md: AttentionMetadata, hidden: torch.Tensor) -> bool:
+    def takes(md: AttentionMetadata, rows: int, dtype: torch.dtype) -> bool:
         """Whether this step runs here: each sequence's query tokens at most MAX_QUERY_TOKENS (a decode step, a
         speculative verify, a short prompt chunk), the rows' attention over at most MAX_CONTEXT_TOKENS in all,
         in a float32 pool of its own."""
         if not (
             md.planned_on_cpu
-            and hidden.dtype == torch.float32
+            and dtype == torch.float32
             and md.kv_scales is None
             and md.layer_slots is None
             and md.kv_cache.dtype == torch.float32
@@ -167,7 +167,7 @@ class NativeDecode:
             return int(md.seq_lens.sum()) <= MAX_CONTEXT_TOKENS
         queries = md.query_start_loc.diff()
         return (
-            int(md.query_start_loc[-1]) == hidden.shape[0]
+            int(md.query_start_loc[-1]) == rows
             and int(queries.max()) <= MAX_QUERY_TOKENS
             and int((queries * md.seq_lens).sum()) <= MAX_CONTEXT_TOKENS
         )

@@ -47,9 +47,9 @@ def test_native_decode_steps_give_the_cpu_paths_tokens(quantization: str, monkey
     wide: list[int] = []
     takes = native_decode.NativeDecode.takes
 
-    def seen(md, hidden):
+    def seen(md, rows, dtype):
         wide.append(int(md.decode_only and md.seq_lens.sum() > 300))
-        return takes(md, hidden)
+        return takes(md, rows, dtype)
 
     monkeypatch.setattr(native_decode.NativeDecode, "takes", staticmethod(seen))
     outs = {}
@@ -118,6 +118,33 @@ def test_whole_layers_in_one_call_give_the_seven_calls_bits(monkeypatch) -> None
         outs.append([o.outputs[0] for o in run_to_completion(llm.engine, prompts, params)])
     for one_call, seven_calls in zip(*outs):
         assert one_call.token_ids == seven_calls.token_ids and one_call.logprobs == seven_calls.logprobs
+
+
+@needs_library
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_decode_steps_skip_transformers_wrappers_and_keep_the_bits(model_type: str, monkeypatch) -> None:
+    """The runner's native decode steps go from the token ids to the logits without the causal LM's and the base
+    model's forwards (counted: they run only for prompt chunks), and give the tokens and log-probabilities that
+    the same native layers give called through those wrappers, bit for bit."""
+    config = tiny_arch_config(model_type, hidden_size=96, intermediate_size=200, num_attention_heads=6,
+                              qwen3_head_dim=24)  # fmt: skip
+    gen = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist() for n in (3, 30, 11)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, detokenize=False, logprobs=4)
+    outs, wrapped = [], []
+    for direct in (True, False):
+        llm = LLM(config, fuse_layers="native", quantization="int4", max_num_seqs=3, **KWARGS)
+        runner = register_engine(llm.engine).runner
+        assert runner.native is not None
+        if not direct:
+            runner.native = None
+        forward = type(runner.model).forward
+        monkeypatch.setattr(type(runner.model), "forward", lambda *a, **k: wrapped.append(direct) or forward(*a, **k))
+        outs.append([o.outputs[0] for o in run_to_completion(llm.engine, prompts, params)])
+        monkeypatch.undo()
+    assert wrapped.count(True) <= len(prompts) < wrapped.count(False), "only prompt chunks went through transformers"
+    for direct_out, wrapped_out in zip(*outs):
+        assert direct_out.token_ids == wrapped_out.token_ids and direct_out.logprobs == wrapped_out.logprobs
 
 
 def test_row_view_makes_each_query_token_a_row_over_its_own_prefix() -> None:

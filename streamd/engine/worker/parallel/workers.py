@@ -38,7 +38,6 @@ from transformers import PretrainedConfig
 
 from streamd.config import Config
 from streamd.engine.worker.cache_engine import CacheEngine
-from streamd.engine.worker.fusion import fuse_layers
 from streamd.engine.worker.model_loader import LoadedModel, as_module, load_model, resolve_device, resolve_dtype
 from streamd.engine.worker.model_runner import ModelRunner, kv_layout_of
 from streamd.engine.worker.parallel.all_reduce import (
@@ -203,7 +202,7 @@ def _load_shard(args: WorkerArgs, all_reduce: LayerAllReduce, device: torch.devi
     shard_model(loaded.model, ShardSpec(args.rank, args.world_size, all_reduce))
     as_module(loaded.model).to(device)
     runner = ModelRunner(loaded.model, device, config.cache.block_size)
-    fuse_layers(loaded.model, config.model.fuse_layers, device)
+    runner.fuse(config.model.fuse_layers)
     return runner
 
 
