@@ -14,6 +14,7 @@ from streamd.kernels import native_cpu, reference
 lib = native_cpu.load()
 pytestmark = pytest.mark.skipif(lib is None, reason=f"{native_cpu.unavailable_reason()}")
 BF16 = {"atol": 1e-2, "rtol": 1e-2}  # a bfloat16 rounding step of values of order 1
+ONE_BF16_STEP = {"atol": 1e-4, "rtol": 8e-3}  # at most one rounding step apart at any size (2^-8 relative)
 
 
 def _p(t: torch.Tensor) -> int:
@@ -48,14 +49,15 @@ def test_silu_and_mul_equals_the_reference(rows: int, inter: int) -> None:
     torch.testing.assert_close(out.float(), want.float(), **BF16)
 
 
-@pytest.mark.parametrize("seq_lens, page", [([1], 16), ([17, 3, 32], 16), ([40, 1, 9], 8)])
-@pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (2, 3, 24)])
+@pytest.mark.parametrize("seq_lens, page", [([1], 16), ([17, 3, 32], 16), ([40, 1, 9], 8), ([250, 17], 16)])
+@pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (2, 3, 24), (3, 3, 64), (2, 4, 128)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group, head_dim, threads) -> None:
     """Rotary on q and k (transformers' arithmetic), this step's K/V stored at each sequence's last position
     (a padded row with slot -1 stores nothing), attention over the context: as `reference.rotate`,
     `reference.store_kv` and `reference.paged_decode_attention`; on 1-3 threads (more than the (row, KV head)
-    pairs too), each in its own scratch."""
+    pairs too), each in its own scratch. A head_dim of whole 16-lane vectors takes the AVX-512 loop where the CPU
+    has it (its own exp), others the portable one."""
     case = make_paged(seq_lens, page=page, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float32)
     heads, rows = kv_heads * group, len(seq_lens)
     width = (heads + 2 * kv_heads) * head_dim
@@ -81,7 +83,9 @@ def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group
                           _p(case.seq_lens), page, 0.3, threads, _p(scratch), _p(out))  # fmt: skip
     assert case.seq_lens.dtype == case.block_tables.dtype == torch.int32
     assert torch.equal(pool.nan_to_num(7.0), want_cache.nan_to_num(7.0)), "stored as the references store, only there"
-    torch.testing.assert_close(out.float().unflatten(-1, (heads, head_dim)), want.to(torch.bfloat16).float(), **BF16)
+    torch.testing.assert_close(
+        out.float().unflatten(-1, (heads, head_dim)), want.to(torch.bfloat16).float(), **ONE_BF16_STEP
+    )
 
 
 def test_a_built_library_is_readable_by_every_user(tmp_path) -> None:

@@ -122,6 +122,173 @@ static inline int thread_id(void) {
 #endif
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define AVX512 __attribute__((target("avx512f")))
+
+/* e^x of 16 lanes (x <= 0 here: scores less their maximum), as Cephes' expf: x = n ln 2 + r, e^r by a degree-7
+ * polynomial, then scaled by 2^n; relative error ~1.2e-7 (libm's expf: ~0.5 ulp). Below -87.3 it gives ~1e-38. */
+AVX512 static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 y = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(y, n);
+}
+
+/* Lanes [t, t + 16) of a row of `len` (the tail masked). */
+static inline __mmask16 lanes(int t, int len) { return len - t >= 16 ? 0xffff : (__mmask16)((1u << (len - t)) - 1); }
+
+/* Positions per attention task: a (row, KV head)'s context is split into chunks of CHUNK, so that two threads
+ * share even one sequence's three KV heads (a split that depends on the length alone: a verify's rows and a
+ * decode step's compute a position's attention alike). */
+#define CHUNK 64
+#define AHEAD 16 /* positions a K or V row is fetched ahead of its use */
+
+/* The pool's blocks lie a layer's worth of rows apart, and hardware prefetchers stop at a 4 KiB page: each
+ * block's rows would arrive cold. */
+static inline void fetch_ahead(const Pool *p, const int32_t *table, int page, int layer, int kv, int head, int pos,
+                               int head_dim) {
+    const float *start = row(p, table[pos / page], layer, kv, head, pos % page);
+    for (int i = 0; i < head_dim; i += 16) _mm_prefetch((const char *)(start + i), _MM_HINT_T0);
+}
+
+/* One chunk [first, first + count) of a (row, KV head)'s positions for its `group` rotated query heads q: per
+ * head j, part[j] = (sum over the chunk of e^(s - m) v [head_dim], m, sum of e^(s - m)) with s = scale q . k and
+ * m the chunk's largest s. scores: group x count floats. */
+AVX512 static void attend_chunk16(const Pool *p, int layer, int kv_head, int group, int head_dim, const float *q,
+                                  const int32_t *table, int page, int first, int count, float scale, float *scores,
+                                  float *part) {
+    int chunks = head_dim / 16, width = head_dim + 2;
+    for (int t = 0; t < count; t++) {
+        int pos = first + t;
+        const float *k = row(p, table[pos / page], layer, 0, kv_head, pos % page);
+        if (t + AHEAD < count) fetch_ahead(p, table, page, layer, 0, kv_head, pos + AHEAD, head_dim);
+        for (int j = 0; j < group; j++) {
+            __m512 dot16 = _mm512_setzero_ps();
+            for (int c = 0; c < chunks; c++)
+                dot16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * head_dim + 16 * c), _mm512_loadu_ps(k + 16 * c), dot16);
+            scores[j * count + t] = _mm512_reduce_add_ps(dot16) * scale;
+        }
+    }
+    for (int j = 0; j < group; j++) {
+        float *sc = scores + j * count;
+        __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
+        for (int t = 0; t < count; t += 16) {
+            __mmask16 m = lanes(t, count);
+            top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, sc + t));
+        }
+        float most = _mm512_reduce_max_ps(top);
+        for (int t = 0; t < count; t += 16) {
+            __mmask16 m = lanes(t, count);
+            __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sc + t), _mm512_set1_ps(most)));
+            total = _mm512_add_ps(total, _mm512_maskz_mov_ps(m, e));
+            _mm512_mask_storeu_ps(sc + t, m, e);
+        }
+        part[j * width + head_dim] = most;
+        part[j * width + head_dim + 1] = _mm512_reduce_add_ps(total);
+        memset(part + j * width, 0, sizeof(float) * (size_t)head_dim);
+    }
+    for (int t = 0; t < count; t++) {
+        int pos = first + t;
+        const float *v = row(p, table[pos / page], layer, 1, kv_head, pos % page);
+        if (t + AHEAD < count) fetch_ahead(p, table, page, layer, 1, kv_head, pos + AHEAD, head_dim);
+        for (int j = 0; j < group; j++) {
+            __m512 w = _mm512_set1_ps(scores[j * count + t]);
+            float *a = part + j * width;
+            for (int c = 0; c < chunks; c++) {
+                __m512 sum = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), _mm512_loadu_ps(a + 16 * c));
+                _mm512_storeu_ps(a + 16 * c, sum);
+            }
+        }
+    }
+}
+
+/* A (row, KV head)'s `count` chunk parts (attend_chunk16) -> its group's attention output as bfloat16: each chunk
+ * weighted by e^(m_c - M) (M: the largest m), divided by the weighted sum of the chunks' sums. sum: head_dim floats. */
+AVX512 static void merge_chunks16(const float *parts, int count, int group, int head_dim, float *sum, uint16_t *out) {
+    int width = head_dim + 2, stride = group * width;
+    for (int j = 0; j < group; j++) {
+        const float *part = parts + j * width;
+        float most = -INFINITY, total = 0.0f;
+        for (int c = 0; c < count; c++) most = part[c * stride + head_dim] > most ? part[c * stride + head_dim] : most;
+        memset(sum, 0, sizeof(float) * (size_t)head_dim);
+        for (int c = 0; c < count; c++) {
+            const float *chunk = part + c * stride;
+            float w = expf(chunk[head_dim] - most);
+            total += w * chunk[head_dim + 1];
+            for (int d = 0; d < head_dim; d += 16)
+                _mm512_storeu_ps(sum + d, _mm512_fmadd_ps(_mm512_set1_ps(w), _mm512_loadu_ps(chunk + d),
+                                                          _mm512_loadu_ps(sum + d)));
+        }
+        for (int d = 0; d < head_dim; d++) out[j * head_dim + d] = f32_to_bf16(sum[d] / total);
+    }
+}
+
+/* The attention of every (row, KV head) on AVX-512, in chunks of CHUNK positions over `threads` threads, then
+ * merged; scratch: per thread group x (head_dim + min(CHUNK, longest)) floats, which rope_store_attend's
+ * `per_thread` covers. Returns -1 where memory could not be had (nothing computed). */
+AVX512 static int attend_chunked16(const Pool *p, int rows, int heads, int kv_heads, int head_dim, const uint16_t *qkv,
+                                   int64_t stride, const float *cos, const float *sin, int layer,
+                                   const int32_t *block_tables, int table_width, const int32_t *seq_lens, int page,
+                                   float scale, int threads, float *scratch, int64_t per_thread, uint16_t *out) {
+    int group = heads / kv_heads, pairs = rows * kv_heads, tasks = 0;
+    int *first = malloc(sizeof(int) * (size_t)(pairs + 1));
+    if (first == NULL) return -1;
+    for (int i = 0; i < pairs; i++) {
+        first[i] = tasks;
+        tasks += (seq_lens[i / kv_heads] + CHUNK - 1) / CHUNK;
+    }
+    first[pairs] = tasks;
+    int width = group * (head_dim + 2);
+    float *parts = malloc(sizeof(float) * (size_t)tasks * (size_t)width);
+    int *pair_of = malloc(sizeof(int) * (size_t)(tasks > 0 ? tasks : 1));
+    if (parts == NULL || pair_of == NULL) {
+        free(first), free(parts), free(pair_of);
+        return -1;
+    }
+    for (int i = 0; i < pairs; i++)
+        for (int t = first[i]; t < first[i + 1]; t++) pair_of[t] = i;
+#pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
+    {
+        float *q = scratch + per_thread * thread_id(), *scores = q + group * head_dim;
+#pragma omp for schedule(dynamic, 1)
+        for (int t = 0; t < tasks; t++) {
+            int i = pair_of[t], r = i / kv_heads, g = i % kv_heads, chunk = t - first[i];
+            const uint16_t *src = qkv + (int64_t)r * stride + (int64_t)g * group * head_dim;
+            for (int j = 0; j < group; j++)
+                rotate(src + (int64_t)j * head_dim, cos + (int64_t)r * head_dim, sin + (int64_t)r * head_dim,
+                       head_dim, q + j * head_dim);
+            int from = chunk * CHUNK, count = seq_lens[r] - from < CHUNK ? seq_lens[r] - from : CHUNK;
+            attend_chunk16(p, layer, g, group, head_dim, q, block_tables + (int64_t)r * table_width, page, from,
+                           count, scale, scores, parts + (int64_t)t * width);
+        }
+#pragma omp for schedule(static)
+        for (int i = 0; i < pairs; i++) {
+            int64_t at = (int64_t)(i / kv_heads) * heads * head_dim + (int64_t)(i % kv_heads) * group * head_dim;
+            merge_chunks16(parts + (int64_t)first[i] * width, first[i + 1] - first[i], group, head_dim, q, out + at);
+        }
+    }
+    free(first), free(parts), free(pair_of);
+    return 0;
+}
+
+static int avx512(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f");
+}
+#else
+static int avx512(void) { return 0; }
+#endif
+
 /* One decode step's attention for `rows` sequences of one token each, in `layer`: q and k of qkv [rows, stride]
  * bfloat16 ((heads + 2 kv_heads) x head_dim: q, k, v) rotated by cos/sin [rows, head_dim]; k and v stored at
  * slots[r]; the query attends over positions [0, seq_lens[r]) through block_tables [rows, table_width]; the result
@@ -146,6 +313,12 @@ void rope_store_attend(int rows, int heads, int kv_heads, int head_dim, const ui
         longest = seq_lens[r] > longest ? seq_lens[r] : longest;
     }
     int64_t per_thread = (int64_t)group * (2 * head_dim + longest);
+#if defined(__x86_64__) && defined(__GNUC__)
+    if (head_dim % 16 == 0 && avx512() &&
+        attend_chunked16(&p, rows, heads, kv_heads, head_dim, qkv, stride, cos, sin, layer, block_tables, table_width,
+                         seq_lens, page, scale, threads, scratch, per_thread, out) == 0)
+        return;
+#endif
     int tasks = rows * kv_heads;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1 && tasks > 1)
     for (int task = 0; task < tasks; task++) {
