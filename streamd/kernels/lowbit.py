@@ -261,6 +261,34 @@ def int4_rows(weight: Int4Weight, index: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def table_rows(
+    parts: Sequence[Int4Weight], index: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, group: int
+) -> torch.Tensor | None:
+    """Rows `index` of a table whose codes are packed int4 `parts` (one 4-bit weight with float32 `zeros`, or a Q8_0
+    weight's high and low halves, zeros None), dequantized to float32 in one C call (`cpu_decode.c`'s
+    `table_rows`: a decode step's embedding lookup, ~15 torch operators otherwise); None where the library or the
+    packing is not at hand (then `int4_rows` and the formats' own dequantization give the same floats)."""
+    lib, block = native_cpu.load(), packed_row_block()
+    floats = [scales] if zeros is None else [scales, zeros]
+    if lib is None or block is None or len(parts) != (2 if zeros is None else 1):
+        return None
+    if not all(t.is_contiguous() for t in [*floats, *(p.packed for p in parts)]):
+        return None
+    if any(t.dtype != torch.float32 for t in floats):
+        return None
+    ids = index.to(torch.long).reshape(-1).contiguous()
+    first = parts[0]
+    out = torch.empty(len(ids), first.in_features, dtype=torch.float32)
+    packed = (ctypes.c_void_p * len(parts))(*(p.packed.data_ptr() for p in parts))
+    width, rows = first.scales_and_zeros.shape[0] * first.group_size, first.scales_and_zeros.shape[1]
+    zero_ptr = None if zeros is None else zeros.data_ptr()
+    status = lib.table_rows(packed, len(parts), width, rows, block, ids.data_ptr(), len(ids), first.out_features,
+                            first.in_features, scales.data_ptr(), zero_ptr, group, out.data_ptr())  # fmt: skip
+    if status != 0:
+        raise IndexError(f"row ids must be in [0, {first.out_features})")
+    return out
+
+
 def int4_rows_reference(weight: Int4Weight, index: torch.Tensor) -> torch.Tensor:
     """`int4_rows` in torch operators."""
     block = packed_row_block()

@@ -34,6 +34,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "silu_and_mul": ([_I, _I, _P, _I64, _P], None),
     "rope_store_attend": ([_I, _I, _I, _I, _P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _F, _I, _P, _P], None),
     "int4_rows": ([_P, _I64, _I64, _I, _P, _I, _I, _P], None),
+    "table_rows": ([_P, _I, _I64, _I64, _I, _P, _I, _I64, _I, _P, _P, _I, _P], _I),
     "int4_matmul": ([_P, _P, _I, _I, _I64, _I64, _P, _I, _P, _I], _I),
     "int4_matmul_available": ([], _I),
     "decode_layer": ([_P, _P, _P, _F, _P], _I),

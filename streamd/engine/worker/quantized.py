@@ -166,6 +166,11 @@ class PackedTable:
         high, low = (lowbit.int4_rows(part, index).to(torch.int16) for part in self.parts)
         return Q8Codes(((high - 8) * 16 + low).to(torch.int8), self.scales[index])
 
+    def lookup(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` dequantized to float32: in one C call where the library is built, else through `rows`."""
+        found = lowbit.table_rows(self.parts, index, self.scales, self.zeros, GROUP)
+        return found if found is not None else self.rows(index).dequantize()
+
     @property
     def shape(self) -> tuple[int, int]:
         return self.parts[0].out_features, self.parts[0].in_features
@@ -199,7 +204,8 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
-        rows = self.table.rows(flat).dequantize().to(self.dtype)
+        table = self.table
+        rows = (table.lookup(flat) if isinstance(table, PackedTable) else table.rows(flat).dequantize()).to(self.dtype)
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
 

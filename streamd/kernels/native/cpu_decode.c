@@ -332,28 +332,60 @@ void rope_store_attend(int rows, int heads, int kv_heads, int head_dim, const ui
     }
 }
 
-/* Rows `ids` [n] of torch's packed int4 CPU layout (see `lowbit._codes_t`): codes uint8 [n, in_features]. Rows
- * come in blocks of `block`, each stored as [width, block / 2] bytes (low nibble row j, high nibble row
- * j + block / 2); a last block of fewer rows stores rows 2j (low) and 2j + 1 (high), [width, tail / 2] bytes. */
+/* Where row r's codes start in torch's packed int4 CPU layout (see `lowbit._codes_t`), their byte stride and
+ * nibble. Rows come in blocks of `block`, each stored as [width, block / 2] bytes (low nibble row j, high nibble
+ * row j + block / 2); a last block of fewer rows stores rows 2j (low) and 2j + 1 (high), [width, tail / 2] bytes. */
+static const uint8_t *codes_of(const uint8_t *packed, int64_t width, int64_t rows, int block, int64_t r, int64_t *step,
+                               int *shift) {
+    int64_t full = rows / block * block, half = block / 2;
+    if (r < full) {
+        *step = half;
+        *shift = (r % block) >= half ? 4 : 0;
+        return packed + (r / block) * width * half + (r % block) % half;
+    }
+    *step = (rows - full) / 2;
+    *shift = ((r - full) % 2) * 4;
+    return packed + full * width / 2 + (r - full) / 2;
+}
+
+/* Rows `ids` [n] of a packed int4 weight: codes uint8 [n, in_features]. */
 void int4_rows(const uint8_t *packed, int64_t width, int64_t rows, int block, const int64_t *ids, int n,
                int in_features, uint8_t *out) {
-    int64_t full = rows / block * block, half = block / 2, tail = (rows - full) / 2;
     for (int k = 0; k < n; k++) {
-        int64_t r = ids[k];
-        const uint8_t *src;
         int64_t step;
         int shift;
-        if (r < full) {
-            src = packed + (r / block) * width * half + (r % block) % half;
-            step = half;
-            shift = (r % block) >= half ? 4 : 0;
-        } else {
-            src = packed + full * width / 2 + (r - full) / 2;
-            step = tail;
-            shift = ((r - full) % 2) * 4;
-        }
+        const uint8_t *src = codes_of(packed, width, rows, block, ids[k], &step, &shift);
         for (int c = 0; c < in_features; c++) out[(int64_t)k * in_features + c] = (src[c * step] >> shift) & 15;
     }
+}
+
+/* Rows `ids` [n] of a tied embedding table whose codes are its head's packed int4 weight (`quantized.PackedTable`),
+ * dequantized to float32 [n, in_features] as the file's table gives them: one part (4-bit), w = (q - 8) s + z;
+ * two parts (a Q8_0 weight's high and low halves), q = 16 (hi - 8) + lo and w = q s. scales and zeros: float32
+ * [rows, in_features / group]. Returns -1 (nothing written) where an id is outside [0, valid) (`rows` counts the
+ * packing's padding rows too). */
+int table_rows(const uint8_t *const *packed, int parts, int64_t width, int64_t rows, int block, const int64_t *ids,
+               int n, int64_t valid, int in_features, const float *scales, const float *zeros, int group, float *out) {
+    for (int k = 0; k < n; k++)
+        if (ids[k] < 0 || ids[k] >= valid) return -1;
+    int64_t groups = in_features / group;
+    for (int k = 0; k < n; k++) {
+        int64_t step[2], r = ids[k];
+        int shift[2];
+        const uint8_t *src[2];
+        for (int p = 0; p < parts; p++) src[p] = codes_of(packed[p], width, rows, block, r, &step[p], &shift[p]);
+        for (int c = 0; c < in_features; c++) {
+            int q = (src[0][c * step[0]] >> shift[0]) & 15;
+            float s = scales[r * groups + c / group];
+            float w;
+            if (parts == 2)
+                w = (float)(16 * (q - 8) + ((src[1][c * step[1]] >> shift[1]) & 15)) * s;
+            else
+                w = ((float)q - 8.0f) * s + zeros[r * groups + c / group];
+            out[(int64_t)k * in_features + c] = w;
+        }
+    }
+    return 0;
 }
 
 /* One whole decoder layer of a decode step, for a model whose four matmuls all run in `int4_matmul.c`: the

@@ -517,3 +517,8 @@ def test_a_tied_table_read_from_the_packed_head_dequantizes_as_the_file_does(kin
     embedding = quantized.QuantizedEmbedding(packed, torch.float32)
     assert torch.equal(embedding(ids[None]), table.rows(ids).dequantize()[None])
     assert packed.nbytes < table.nbytes / 4  # the scales alone
+    if native_cpu.load() is not None:  # the lookup is one C call (`lowbit.table_rows`), the same floats
+        found = lowbit.table_rows(packed.parts, ids, packed.scales, packed.zeros, 32)
+        assert found is not None and torch.equal(found, table.rows(ids).dequantize())
+        with pytest.raises(IndexError, match="row ids"):
+            embedding(torch.tensor([[3, rows]]))

@@ -139,12 +139,20 @@ def test_decode_steps_skip_transformers_wrappers_and_keep_the_bits(model_type: s
         if not direct:
             runner.native = None
         forward = type(runner.model).forward
-        monkeypatch.setattr(type(runner.model), "forward", lambda *a, **k: wrapped.append(direct) or forward(*a, **k))
+        monkeypatch.setattr(type(runner.model), "forward", _counted(forward, wrapped, direct))
         outs.append([o.outputs[0] for o in run_to_completion(llm.engine, prompts, params)])
         monkeypatch.undo()
     assert wrapped.count(True) <= len(prompts) < wrapped.count(False), "only prompt chunks went through transformers"
     for direct_out, wrapped_out in zip(*outs):
         assert direct_out.token_ids == wrapped_out.token_ids and direct_out.logprobs == wrapped_out.logprobs
+
+
+def _counted(forward, calls: list[bool], label: bool):
+    def counted(*args, **kwargs):
+        calls.append(label)
+        return forward(*args, **kwargs)
+
+    return counted
 
 
 def test_row_view_makes_each_query_token_a_row_over_its_own_prefix() -> None:
