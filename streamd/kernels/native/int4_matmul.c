@@ -28,10 +28,11 @@
 #define TILE 4 /* activation rows that share one unpacking of the weight */
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512bf16")))
+#define INLINE static inline __attribute__((always_inline))
 
 /* One group's codes [k0, k0 + group) of a 64-row block against `tile` rows of x: acc[m][v] += pairs . x. */
-TARGET static inline void group_dots(const uint8_t *codes, const uint32_t *xpairs, int64_t xstride, int tile, int k0,
-                                     int group, __m512 acc[TILE][4]) {
+TARGET INLINE void group_dots(const uint8_t *codes, const uint32_t *xpairs, int64_t xstride, int tile, int k0, int group,
+                              __m512 acc[TILE][4]) {
     const __m512i low = _mm512_set1_epi16(0x000f), magic = _mm512_set1_epi16(0x4300);
     for (int k = k0; k < k0 + group; k += 2) {
         __m512i w0 = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)(codes + (int64_t)k * 32)));
@@ -70,10 +71,11 @@ TARGET static inline void group_scales(const uint16_t *sz, __m512 s[4], __m512 c
     }
 }
 
-/* One 64-row block (`b`) for rows [m0, m0 + tile) of x, summed over the `parts` weights (one rounding). */
-TARGET static void block_tile(const uint8_t *const *packed, const uint16_t *const *sz, int parts, int group,
-                              int64_t in_features, int64_t rows, const uint16_t *x, const float *xsums, int m0,
-                              int tile, int64_t b, uint16_t *out) {
+/* One 64-row block (`b`) for rows [m0, m0 + tile) of x, summed over the `parts` weights (one rounding). Inlined
+ * into one copy per tile size (`block_tile`), so that each copy's accumulators stay in registers. */
+TARGET INLINE void block_tile_of(const uint8_t *const *packed, const uint16_t *const *sz, int parts, int group,
+                                 int64_t in_features, int64_t rows, const uint16_t *x, const float *xsums, int m0,
+                                 int tile, int64_t b, uint16_t *out) {
     const uint32_t *xpairs = (const uint32_t *)(x + (int64_t)m0 * in_features);
     int64_t groups = in_features / group;
     __m512 total[TILE][4];
@@ -98,6 +100,17 @@ TARGET static void block_tile(const uint8_t *const *packed, const uint16_t *cons
             _mm512_storeu_ps(lanes, total[m][v]);
             for (int t = 0; t < 16; t++) out[(int64_t)(m0 + m) * rows + b * 64 + ROW(v, t)] = f32_to_bf16(lanes[t]);
         }
+    }
+}
+
+TARGET static void block_tile(const uint8_t *const *packed, const uint16_t *const *sz, int parts, int group,
+                              int64_t in_features, int64_t rows, const uint16_t *x, const float *xsums, int m0,
+                              int tile, int64_t b, uint16_t *out) {
+    switch (tile) {
+    case 1: block_tile_of(packed, sz, parts, group, in_features, rows, x, xsums, m0, 1, b, out); break;
+    case 2: block_tile_of(packed, sz, parts, group, in_features, rows, x, xsums, m0, 2, b, out); break;
+    case 3: block_tile_of(packed, sz, parts, group, in_features, rows, x, xsums, m0, 3, b, out); break;
+    default: block_tile_of(packed, sz, parts, group, in_features, rows, x, xsums, m0, TILE, b, out); break;
     }
 }
 
