@@ -11,7 +11,7 @@ import torch
 
 from streamd import LLM, SamplingParams
 from streamd.engine.worker import native_decode
-from streamd.engine.worker.fusion import FusedDecoder, fuse_layers
+from streamd.engine.worker.fusion import FusedDecoder, RotaryTable, fuse_layers
 from streamd.kernels import native_cpu
 from tests.helpers import register_engine, run_to_completion, tiny_arch_config
 
@@ -80,7 +80,9 @@ def _same_up_to_a_near_tie(torch_path, native, margin: float = 0.05) -> None:
 def test_the_default_models_greedy_tokens_equal_the_cpu_paths() -> None:
     """The default GGUF (Q4_1 layers, Q8_0 head): five prompts x 48 tokens, natively and on torch's operators.
     Its head's logits are bfloat16 (a step of 0.125-0.25 at their size), so the two likeliest tokens often tie
-    exactly, and one path's last-bit difference breaks the tie the other way."""
+    exactly, and one path's last-bit difference breaks the tie the other way: the first difference is at most one
+    step of 0.25 apart (the native attention's outputs equal the exactly rounded ones as often as the torch path's:
+    benchmarks/NOTES.md, "Issue 25, nineteenth session")."""
     prompts = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):",
                "List three colors:", "Once upon a time, in a land far away,"]  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, logprobs=5)
@@ -92,7 +94,7 @@ def test_the_default_models_greedy_tokens_equal_the_cpu_paths() -> None:
         assert (decode is not None and decode.whole) == (mode == "native" and native_cpu.int4_matmul() is not None)
         outs[mode] = [o.outputs[0] for o in llm.generate(prompts, params)]
     for torch_path, native in zip(outs["cpu"], outs["native"]):
-        _same_up_to_a_near_tie(torch_path, native, margin=0.13)
+        _same_up_to_a_near_tie(torch_path, native, margin=0.26)
 
 
 @needs_library
@@ -145,6 +147,32 @@ def test_decode_steps_skip_transformers_wrappers_and_keep_the_bits(model_type: s
     assert wrapped.count(True) <= len(prompts) < wrapped.count(False), "only prompt chunks went through transformers"
     for direct_out, wrapped_out in zip(*outs):
         assert direct_out.token_ids == wrapped_out.token_ids and direct_out.logprobs == wrapped_out.logprobs
+
+
+def test_the_rotary_table_gives_the_modules_rows_bit_for_bit() -> None:
+    """`RotaryTable`: rows for scattered positions, before and after the table grows past its first size, equal the
+    rotary module's own output for those positions alone; a rope type whose rows depend on the batch ("dynamic")
+    calls the module every time."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = tiny_arch_config("llama", hidden_size=96, intermediate_size=200, num_attention_heads=6, qwen3_head_dim=24)
+    rotary = LlamaRotaryEmbedding(config)
+    table = RotaryTable(rotary)
+    hidden = torch.zeros(3, 96)
+    for positions in ([0, 5, 511], [700, 3, 1500]):
+        cos, sin = table(hidden, torch.tensor(positions))
+        for i, p in enumerate(positions):
+            want_cos, want_sin = rotary(hidden[None, :1], torch.tensor([[p]]))
+            assert torch.equal(cos[i], want_cos[0, 0]) and torch.equal(sin[i], want_sin[0, 0])
+    assert table.cos is not None and len(table.cos) >= 1501
+    rotary.rope_type = "dynamic"
+    dynamic = RotaryTable(rotary)
+    cos, _ = dynamic(hidden, torch.tensor([1, 2, 3]))
+    assert (
+        not dynamic.static
+        and dynamic.cos is None
+        and torch.equal(cos, rotary(hidden[None], torch.tensor([[1, 2, 3]]))[0][0])
+    )
 
 
 def _counted(forward, calls: list[bool], label: bool):
