@@ -9,9 +9,10 @@ first use into `STREAMD_NATIVE_DIR` (default ~/.cache/streamd/native), named by 
 or finds it prebuilt there or beside the source (the CPU image builds it so: Dockerfile). Without a compiler
 `load()` returns None and says why (`unavailable_reason`); the engine then runs the torch path.
 
-Flags: -O3 with AVX2 where the CPU has it (the sums vectorize), -ffp-contract=off (no fused multiply-adds:
-each product rounds as torch's does; the matmul's intrinsics say where they fuse) and -fopenmp (the matmul's
-threads: dlopen finds torch's libgomp.so.1 already loaded, so both share one OpenMP runtime and its pool).
+Flags: -O3 with AVX2 where the CPU has it (the sums vectorize), -ffp-contract=off (no fused multiply-adds: each
+product rounds as torch's does; the matmul's and the AVX-512 attention's intrinsics say where they fuse) and
+-fopenmp (the matmul's threads: dlopen finds torch's libgomp.so.1 already loaded, so both share one OpenMP runtime
+and its pool).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "rope_store_attend": ([_I, _I, _I, _I, _P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _F, _I, _P, _P], None),
     "int4_rows": ([_P, _I64, _I64, _I, _P, _I, _I, _P], None),
     "table_rows": ([_P, _I, _I64, _I64, _I, _P, _I, _I64, _I, _P, _P, _I, _P], _I),
+    "attention_portable": ([_I], _I),
     "int4_matmul": ([_P, _P, _I, _I, _I64, _I64, _P, _I, _P, _I], _I),
     "int4_matmul_available": ([], _I),
     "decode_layer": ([_P, _P, _P, _F, _P], _I),

@@ -5,6 +5,9 @@ round in another order than torch's (float32), and the outputs are bfloat16 (one
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import pytest
 import torch
 from paged_testlib import make_paged
@@ -52,12 +55,13 @@ def test_silu_and_mul_equals_the_reference(rows: int, inter: int) -> None:
 @pytest.mark.parametrize("seq_lens, page", [([1], 16), ([17, 3, 32], 16), ([40, 1, 9], 8), ([250, 17], 16)])
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (2, 3, 24), (3, 3, 64), (2, 4, 128)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
-def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group, head_dim, threads) -> None:
+@pytest.mark.parametrize("portable", [False, True])
+def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group, head_dim, threads, portable) -> None:
     """Rotary on q and k (transformers' arithmetic), this step's K/V stored at each sequence's last position
     (a padded row with slot -1 stores nothing), attention over the context: as `reference.rotate`,
     `reference.store_kv` and `reference.paged_decode_attention`; on 1-3 threads (more than the (row, KV head)
     pairs too), each in its own scratch. A head_dim of whole 16-lane vectors takes the AVX-512 loop where the CPU
-    has it (its own exp), others the portable one."""
+    has it (its own exp, 64-position chunks), others the portable one; `portable` runs the portable one for all."""
     case = make_paged(seq_lens, page=page, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float32)
     heads, rows = kv_heads * group, len(seq_lens)
     width = (heads + 2 * kv_heads) * head_dim
@@ -77,15 +81,50 @@ def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group
     scratch = torch.full((threads * group * (max(seq_lens) + 2 * head_dim),), float("nan"))
     out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
     strides = (native_cpu.ctypes.c_int64 * 5)(*pool.stride()[:5])
-    assert lib is not None
-    lib.rope_store_attend(rows, heads, kv_heads, head_dim, _p(qkv), qkv.stride(0), _p(cos), _p(sin), _p(pool),
-                          strides, case.layer, _p(slots), _p(case.block_tables), case.block_tables.shape[1],
-                          _p(case.seq_lens), page, 0.3, threads, _p(scratch), _p(out))  # fmt: skip
+    with _attention(portable):
+        lib.rope_store_attend(rows, heads, kv_heads, head_dim, _p(qkv), qkv.stride(0), _p(cos), _p(sin), _p(pool),
+                              strides, case.layer, _p(slots), _p(case.block_tables), case.block_tables.shape[1],
+                              _p(case.seq_lens), page, 0.3, threads, _p(scratch), _p(out))  # fmt: skip
     assert case.seq_lens.dtype == case.block_tables.dtype == torch.int32
     assert torch.equal(pool.nan_to_num(7.0), want_cache.nan_to_num(7.0)), "stored as the references store, only there"
     torch.testing.assert_close(
         out.float().unflatten(-1, (heads, head_dim)), want.to(torch.bfloat16).float(), **ONE_BF16_STEP
     )
+
+
+@contextlib.contextmanager
+def _attention(portable: bool) -> Iterator[None]:
+    """The attention loop `rope_store_attend` takes: the portable one for all, or the default choice."""
+    assert lib is not None
+    lib.attention_portable(int(portable))
+    try:
+        yield
+    finally:
+        lib.attention_portable(0)
+
+
+@pytest.mark.parametrize("portable", [False, True])
+def test_attention_keeps_a_nan_key_and_gives_zeros_over_no_positions(portable: bool) -> None:
+    """A NaN in a context's K row reaches the output of the heads that read it (a corrupt cache shows), as in the
+    scalar loop; a row over no positions gives zeros. Both loops, at a head_dim the AVX-512 loop takes."""
+    kv_heads, group, head_dim, page = 2, 2, 64, 16
+    case = make_paged([40, 1], page=page, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float32)
+    block = int(case.block_tables[0, 5 // page])
+    case.kv_cache[block, case.layer, 0, 1, 5 % page, 3] = float("nan")  # sequence 0's position 5, KV head 1's key
+    heads, pool = kv_heads * group, case.kv_cache
+    qkv = torch.randn(2, (heads + 2 * kv_heads) * head_dim).to(torch.bfloat16)
+    cos, sin = torch.ones(2, head_dim), torch.zeros(2, head_dim)
+    slots, lens = torch.tensor([-1, -1]), torch.tensor([40, 0], dtype=torch.int32)
+    scratch = torch.zeros(group * (40 + 2 * head_dim))
+    out = torch.empty(2, heads * head_dim, dtype=torch.bfloat16)
+    strides = (native_cpu.ctypes.c_int64 * 5)(*pool.stride()[:5])
+    with _attention(portable):
+        lib.rope_store_attend(2, heads, kv_heads, head_dim, _p(qkv), qkv.stride(0), _p(cos), _p(sin), _p(pool),
+                              strides, case.layer, _p(slots), _p(case.block_tables), case.block_tables.shape[1],
+                              _p(lens), page, 0.125, 1, _p(scratch), _p(out))  # fmt: skip
+    first = out[0].float().unflatten(-1, (kv_heads, group * head_dim))
+    assert not first[0].isnan().any() and first[1].isnan().all()
+    assert torch.equal(out[1].float(), torch.zeros(heads * head_dim))
 
 
 def test_a_built_library_is_readable_by_every_user(tmp_path) -> None:

@@ -535,20 +535,22 @@ class RotaryTable:
         if not self.static:
             cos, sin = self.rotary(hidden[None], positions[None])
             return cos[0], sin[0]
-        if (
-            self.cos is None
-            or self.sin is None
-            or self.cos.dtype != hidden.dtype
-            or int(positions.max()) >= len(self.cos)
-        ):
-            self._grow(hidden, int(positions.max()) + 1)
+        last = int(positions.max())
+        if not self._covers(hidden, last):
+            self._grow(hidden, last + 1)
         assert self.cos is not None and self.sin is not None
         return self.cos[positions], self.sin[positions]
+
+    def _covers(self, hidden: torch.Tensor, position: int) -> bool:
+        table = self.cos
+        return (
+            table is not None and (table.dtype, table.device) == (hidden.dtype, hidden.device) and position < len(table)
+        )
 
     def _grow(self, hidden: torch.Tensor, needed: int) -> None:
         size = max(needed, 2 * (len(self.cos) if self.cos is not None else 512))
         every = torch.arange(size, device=hidden.device)[None]
-        cos, sin = self.rotary(hidden.new_empty(1, size, hidden.shape[-1]), every)
+        cos, sin = self.rotary(hidden.new_empty(1, 1, 1), every)  # (the module reads its input's dtype and device)
         self.cos, self.sin = cos[0], sin[0]
 
 

@@ -5,8 +5,10 @@
  * Here each stretch between two matmuls is one C call over raw float32 / bfloat16 rows: residual add + RMSNorm,
  * rotary + K/V store + paged attention, SiLU-and-mul; and where a layer's four matmuls all run in
  * `int4_matmul.c`, the whole layer as one call (`decode_layer`). Otherwise the matmuls are torch's, called from
- * Python between these (`engine/worker/native_decode.py`). Arithmetic follows transformers' in float32, in its order, with no fused multiply-adds (built
- * with -ffp-contract=off); sums are taken in 8 lanes, so they round differently from torch's in the last bits.
+ * Python between these (`engine/worker/native_decode.py`). Arithmetic follows transformers' in float32, in its
+ * order, with no fused multiply-adds (built with -ffp-contract=off); sums are taken in 8 lanes, so they round
+ * differently from torch's in the last bits. The exception is the attention on AVX-512 (`attend_chunked16`):
+ * fused multiply-adds in 16 lanes, its own exp, the softmax taken per 64-position chunk and merged.
  * Plain C99, no torch headers: it builds in a second with the system's C compiler.
  */
 #include <math.h>
@@ -129,7 +131,7 @@ static inline int thread_id(void) {
 /* e^x of 16 lanes (x <= 0 here: scores less their maximum), as Cephes' expf: x = n ln 2 + r, e^r by a degree-7
  * polynomial, then scaled by 2^n; relative error ~1.2e-7 (libm's expf: ~0.5 ulp). Below -87.3 it gives ~1e-38. */
 AVX512 static inline __m512 exp16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.33654f));
+    x = _mm512_max_ps(_mm512_set1_ps(-87.33654f), x); /* (a NaN score stays NaN, as with expf) */
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -216,6 +218,10 @@ AVX512 static void attend_chunk16(const Pool *p, int layer, int kv_head, int gro
  * weighted by e^(m_c - M) (M: the largest m), divided by the weighted sum of the chunks' sums. sum: head_dim floats. */
 AVX512 static void merge_chunks16(const float *parts, int count, int group, int head_dim, float *sum, uint16_t *out) {
     int width = head_dim + 2, stride = group * width;
+    if (count == 0) { /* no position to attend over (a row of length 0): zeros, as the portable loop gives */
+        memset(out, 0, sizeof(uint16_t) * (size_t)(group * head_dim));
+        return;
+    }
     for (int j = 0; j < group; j++) {
         const float *part = parts + j * width;
         float most = -INFINITY, total = 0.0f;
@@ -249,7 +255,7 @@ AVX512 static int attend_chunked16(const Pool *p, int rows, int heads, int kv_he
     }
     first[pairs] = tasks;
     int width = group * (head_dim + 2);
-    float *parts = malloc(sizeof(float) * (size_t)tasks * (size_t)width);
+    float *parts = malloc(sizeof(float) * (size_t)(tasks > 0 ? tasks : 1) * (size_t)width);
     int *pair_of = malloc(sizeof(int) * (size_t)(tasks > 0 ? tasks : 1));
     if (parts == NULL || pair_of == NULL) {
         free(first), free(parts), free(pair_of);
@@ -281,13 +287,25 @@ AVX512 static int attend_chunked16(const Pool *p, int rows, int heads, int kv_he
     return 0;
 }
 
+static int portable_only; /* set by `attention_portable` (tests run both loops on one machine) */
+
 static int avx512(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f");
+    return !portable_only && __builtin_cpu_supports("avx512f");
 }
 #else
+static int portable_only;
 static int avx512(void) { return 0; }
 #endif
+
+/* 1: every later attention takes the portable loop, even where AVX-512 would run (for tests); 0: the default.
+ * Returns whether the AVX-512 loop runs on this CPU when allowed. */
+int attention_portable(int on) {
+    portable_only = 0;
+    int available = avx512();
+    portable_only = on;
+    return available;
+}
 
 /* One decode step's attention for `rows` sequences of one token each, in `layer`: q and k of qkv [rows, stride]
  * bfloat16 ((heads + 2 kv_heads) x head_dim: q, k, v) rotated by cos/sin [rows, head_dim]; k and v stored at
@@ -366,6 +384,8 @@ void int4_rows(const uint8_t *packed, int64_t width, int64_t rows, int block, co
  * packing's padding rows too). */
 int table_rows(const uint8_t *const *packed, int parts, int64_t width, int64_t rows, int block, const int64_t *ids,
                int n, int64_t valid, int in_features, const float *scales, const float *zeros, int group, float *out) {
+    if (parts != 1 && parts != 2) return -1;
+    if (parts == 1 && zeros == NULL) return -1;
     for (int k = 0; k < n; k++)
         if (ids[k] < 0 || ids[k] >= valid) return -1;
     int64_t groups = in_features / group;

@@ -520,5 +520,6 @@ def test_a_tied_table_read_from_the_packed_head_dequantizes_as_the_file_does(kin
     if native_cpu.load() is not None:  # the lookup is one C call (`lowbit.table_rows`), the same floats
         found = lowbit.table_rows(packed.parts, ids, packed.scales, packed.zeros, 32)
         assert found is not None and torch.equal(found, table.rows(ids).dequantize())
-        with pytest.raises(IndexError, match="row ids"):
-            embedding(torch.tensor([[3, rows]]))
+        for bad in (rows, -1):
+            with pytest.raises(IndexError, match="row ids"):
+                embedding(torch.tensor([[3, bad]]))

@@ -6,6 +6,8 @@ CPU, and where the library cannot be built `auto` falls back to `cpu` while a na
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -127,7 +129,8 @@ def test_whole_layers_in_one_call_give_the_seven_calls_bits(monkeypatch) -> None
 def test_decode_steps_skip_transformers_wrappers_and_keep_the_bits(model_type: str, monkeypatch) -> None:
     """The runner's native decode steps go from the token ids to the logits without the causal LM's and the base
     model's forwards (counted: they run only for prompt chunks), and give the tokens and log-probabilities that
-    the same native layers give called through those wrappers, bit for bit."""
+    the same native layers give called through those wrappers, bit for bit. A short prompt that asks for its
+    prompt logprobs (a chunk the native path would take) goes through the wrappers, which compute them."""
     config = tiny_arch_config(model_type, hidden_size=96, intermediate_size=200, num_attention_heads=6,
                               qwen3_head_dim=24)  # fmt: skip
     gen = torch.Generator().manual_seed(4)
@@ -142,11 +145,14 @@ def test_decode_steps_skip_transformers_wrappers_and_keep_the_bits(model_type: s
             runner.native = None
         forward = type(runner.model).forward
         monkeypatch.setattr(type(runner.model), "forward", _counted(forward, wrapped, direct))
-        outs.append([o.outputs[0] for o in run_to_completion(llm.engine, prompts, params)])
+        outs.append(run_to_completion(llm.engine, prompts, params))
+        outs[-1] += run_to_completion(llm.engine, prompts[:1], replace(params, prompt_logprobs=2))  # alone in its step
         monkeypatch.undo()
-    assert wrapped.count(True) <= len(prompts) < wrapped.count(False), "only prompt chunks went through transformers"
+    assert wrapped.count(True) <= len(prompts) + 1 < wrapped.count(False), "only prompts went through transformers"
+    assert outs[0][-1].prompt_logprobs is not None and outs[0][-1].prompt_logprobs == outs[1][-1].prompt_logprobs
     for direct_out, wrapped_out in zip(*outs):
-        assert direct_out.token_ids == wrapped_out.token_ids and direct_out.logprobs == wrapped_out.logprobs
+        one, other = direct_out.outputs[0], wrapped_out.outputs[0]
+        assert one.token_ids == other.token_ids and one.logprobs == other.logprobs
 
 
 def test_the_rotary_table_gives_the_modules_rows_bit_for_bit() -> None:
