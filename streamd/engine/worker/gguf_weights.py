@@ -47,6 +47,10 @@ class Int4Codes:
     def rows(self, index: torch.Tensor | slice) -> Int4Codes:
         return Int4Codes(self.codes[index], self.scales[index], self.zeros[index])
 
+    def lookup(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` dequantized to float32 (an embedding's lookup)."""
+        return self.rows(index).dequantize()
+
     def dequantize(self) -> torch.Tensor:
         return lowbit.dequantize_int4(self.codes, self.scales, self.zeros, GROUP)
 
@@ -68,6 +72,10 @@ class Q8Codes:
 
     def rows(self, index: torch.Tensor | slice) -> Q8Codes:
         return Q8Codes(self.codes[index], self.scales[index])
+
+    def lookup(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` dequantized to float32 (an embedding's lookup)."""
+        return self.rows(index).dequantize()
 
     def dequantize(self) -> torch.Tensor:
         rows, width = self.codes.shape

@@ -204,8 +204,7 @@ class QuantizedEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         flat = input_ids.reshape(-1)
-        table = self.table
-        rows = (table.lookup(flat) if isinstance(table, PackedTable) else table.rows(flat).dequantize()).to(self.dtype)
+        rows = self.table.lookup(flat).to(self.dtype)
         return rows.reshape(*input_ids.shape, self.embedding_dim)
 
 
