@@ -2,7 +2,7 @@
 
 `model.fuse_layers = "native"` (what `auto` picks on the CPU for a low-bit Llama-family model where a C compiler
 is at hand) is the `cpu` mode's path whose decode steps, speculative verifies and short prompt chunks (at most
-`MAX_QUERY_TOKENS` a sequence, each query token a row: `row_view`) run here: per layer four matmuls (the low-bit
+`MAX_QUERY_ROWS` in the step, each query token a row: `row_view`) run here: per layer four matmuls (the low-bit
 layers' own kernel choice) and three C calls (residual add + RMSNorm; rotary, K/V store and paged attention, its
 (row, KV head) pairs on torch's threads; SiLU-and-mul), instead of ~45 torch operators; where all four matmuls
 run in C (`lowbit.NativeInt4`, AVX-512 BF16) the layer is one C call (`decode_layer`: the same calls, in C).
@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from streamd.engine.worker.attention import AttentionMetadata
-from streamd.engine.worker.quantized import QuantizedLinear
+from streamd.engine.worker.quantized import NATIVE_DENSE_ROWS, QuantizedLinear
 from streamd.kernels import lowbit, native_cpu
 
 
@@ -73,10 +73,12 @@ class FusedDecoder(Protocol):
 # (2 threads: 1 x 2,250 1.33x faster, 4 x 2,250 1.23x, 16 x 1,500 2.2x; benchmarks/NOTES.md). Past what was
 # measured the torch path runs.
 MAX_CONTEXT_TOKENS = 32768
-# A sequence's query tokens up to which a step runs here (a speculative verify's k + 1, a short prompt chunk):
-# each query token is a row of its own, attending over its own prefix (`row_view`), so a row reads its whole
-# context; beyond a few tokens torch's one causal attention per sequence reads it once.
-MAX_QUERY_TOKENS = 16
+# The rows (query tokens) up to which a step with more than one query token a sequence (a speculative verify, a
+# prompt chunk) runs here, each query token a row of its own over its own prefix (`row_view`): below the rows at
+# which the layers' matmuls go dense (`quantized.NATIVE_DENSE_ROWS`) both paths run the same C matmul, and the C
+# between the matmuls is what differs (one-request prefills, alternating: 32 tokens 74 -> 54 ms, 96 tokens 171 ->
+# 159 ms; benchmarks/NOTES.md, "Issue 25, nineteenth session"); `MAX_CONTEXT_TOKENS` bounds the rows' reading.
+MAX_QUERY_ROWS = NATIVE_DENSE_ROWS
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,9 +153,9 @@ class NativeDecode:
 
     @staticmethod
     def takes(md: AttentionMetadata, rows: int, dtype: torch.dtype) -> bool:
-        """Whether this step runs here: each sequence's query tokens at most MAX_QUERY_TOKENS (a decode step, a
-        speculative verify, a short prompt chunk), the rows' attention over at most MAX_CONTEXT_TOKENS in all,
-        in a float32 pool of its own."""
+        """Whether this step runs here: a decode step, or a step of at most MAX_QUERY_ROWS query tokens (speculative
+        verifies, prompt chunks), the rows' attention over at most MAX_CONTEXT_TOKENS in all, in a float32 pool of
+        its own."""
         if not (
             md.planned_on_cpu
             and dtype == torch.float32
@@ -167,8 +169,7 @@ class NativeDecode:
             return int(md.seq_lens.sum()) <= MAX_CONTEXT_TOKENS
         queries = md.query_start_loc.diff()
         return (
-            int(md.query_start_loc[-1]) == rows
-            and int(queries.max()) <= MAX_QUERY_TOKENS
+            int(md.query_start_loc[-1]) == rows <= MAX_QUERY_ROWS
             and int((queries * md.seq_lens).sum()) <= MAX_CONTEXT_TOKENS
         )
 

@@ -30,8 +30,8 @@ def _config():
 @pytest.mark.parametrize("quantization", ["int4", "int8"])
 def test_native_decode_steps_give_the_cpu_paths_tokens(quantization: str, monkeypatch) -> None:
     """Six prompts of 1-150 tokens, at most 2 and then 6 at once, with the context bound lowered to 300 tokens:
-    decode steps within it run natively (counted), wider ones and every prompt chunk on the torch operators; the
-    tokens are the same."""
+    decode steps within it run natively (counted), wider ones and prompt chunks past it on the torch operators;
+    the tokens are the same."""
     config = _config()
     gen = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
@@ -122,6 +122,38 @@ def test_whole_layers_in_one_call_give_the_seven_calls_bits(monkeypatch) -> None
         outs.append([o.outputs[0] for o in run_to_completion(llm.engine, prompts, params)])
     for one_call, seven_calls in zip(*outs):
         assert one_call.token_ids == seven_calls.token_ids and one_call.logprobs == seven_calls.logprobs
+
+
+@needs_library
+def test_prompt_chunks_of_up_to_max_query_rows_run_natively(monkeypatch) -> None:
+    """Three prompts of 40, 60 and 30 tokens admitted together: their chunks (130 rows, each over its own prefix)
+    run natively in one step; with the bound lowered below 130 the same step runs on the torch operators. The
+    tokens are the `cpu` path's up to a near-tie."""
+    config = _config()
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (40, 60, 30)]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=5)
+    prompt_rows: list[int] = []
+    run = native_decode.NativeDecode.run
+
+    def counted(self, md, hidden, cos, sin):
+        if not md.decode_only:
+            prompt_rows.append(hidden.shape[0])
+        return run(self, md, hidden, cos, sin)
+
+    monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
+    outs = {}
+    for mode, bound in (("native", native_decode.MAX_QUERY_ROWS), ("native", 129), ("cpu", 0)):
+        monkeypatch.setattr(native_decode, "MAX_QUERY_ROWS", bound)
+        llm = LLM(config, fuse_layers=mode, quantization="int4", max_num_seqs=3, **KWARGS)
+        register_engine(llm.engine)
+        outs[mode, bound] = [o.outputs[0] for o in run_to_completion(llm.engine, prompts, params)]
+        if mode == "native":
+            assert (130 in prompt_rows) == (bound >= 130), prompt_rows
+            prompt_rows.clear()
+    for native in (outs["native", native_decode.NATIVE_DENSE_ROWS], outs["native", 129]):
+        for torch_path, got in zip(outs["cpu", 0], native):
+            _same_up_to_a_near_tie(torch_path, got)
 
 
 @needs_library
