@@ -290,11 +290,22 @@ class EngineConfig:
     # bottleneck, that many steps' tokens merge into one write per stream (fewer, bigger writes: more
     # tokens/s, ITL up to this many steps); 1-2 keeps ITL per step, more trades it for throughput.
     batches_ahead: int = 16
+    # Whether a step's forward is queued before the previous step's tokens are read back (the host's bookkeeping
+    # of step n overlapping the device's step n+1; every token then reaches its stream a step later). "auto": on
+    # a GPU; not on the CPU, where the forward has run when it returns and the overlap would only hold each token
+    # back a step (the first token of a chat beside a flood: benchmarks/NOTES.md, "Issue 30, nineteenth session").
+    overlap_steps: bool | str = "auto"
 
     def validate(self) -> None:
         if isinstance(self.process, str):
             _one_of("engine.process", self.process, ("auto",))
+        if isinstance(self.overlap_steps, str):
+            _one_of("engine.overlap_steps", self.overlap_steps, ("auto",))
         _positive("engine.batches_ahead", self.batches_ahead)
+
+    def overlaps_steps(self, device: str) -> bool:
+        """`overlap_steps` resolved for an engine on a `device` of this type ("cpu", "cuda")."""
+        return device != "cpu" if self.overlap_steps == "auto" else bool(self.overlap_steps)
 
 
 @dataclass(slots=True)

@@ -62,6 +62,11 @@ class LLMEngine:
         self._generated_tokens = 0  # cumulative tokens sampled and kept (EngineStats.generated_tokens)
         self._pending: list[RequestUpdate] = []  # requests ended outside a step (aborts), reported next step
         self._inflight: InFlight | None = None  # the launched step whose tokens are not read back yet
+        # Without the overlap (`engine.overlap_steps`; the CPU's default: its forward has run when `launch`
+        # returns) a step's tokens are read back in the step itself; the next step's progress reports take its
+        # output from `_settled`.
+        self._settles_at_once = not config.engine.overlaps_steps(device.type)
+        self._settled: SchedulerOutput | None = None
         self._progress = ProgressReports()  # queue places and prompt chunks done, before the first token
 
     @classmethod
@@ -184,7 +189,8 @@ class LLMEngine:
         bookkeeping of step n overlaps the device's step n+1 (its inputs take those tokens on the device).
         Outputs therefore trail the device by one step. A batch with grammar-constrained rows keeps the
         overlap: its forward is queued first, then the previous step's tokens are read back and advance
-        the matchers, and the masks are filled while the device runs the forward."""
+        the matchers, and the masks are filled while the device runs the forward. Without the overlap
+        (`engine.overlap_steps`, off on the CPU by default) a step's tokens are read back at its end (`_settle`)."""
         if self.executor.failed:  # each step fails at once, so the engine loop declares the engine dead
             raise RuntimeError("the executor failed in an earlier step; the engine cannot step")
         for request in self.requests.expired():  # timeout_s / queue_timeout_s: the output so far is kept
@@ -192,7 +198,7 @@ class LLMEngine:
         updates, self._pending = self._pending, []
         deltas: list[RequestDelta] = []
         prev, self._inflight = self._inflight, None
-        done = prev.out if prev is not None else None
+        done, self._settled = (prev.out if prev is not None else self._settled), None
         if prev is not None:
             self.scheduler.on_step_done(prev.out)
             self.grammars.drop(self.scheduler.fork_samples(prev.forks))
@@ -222,7 +228,17 @@ class LLMEngine:
             self._inflight.dispatch_s = dispatch_s + time.perf_counter() - began
         if prev is not None:
             updates += self._read_back(prev)
+        if self._inflight is not None and self._settles_at_once:
+            updates += self._settle(self._inflight)
         return deltas + self._process(updates)
+
+    def _settle(self, step: InFlight) -> list[RequestUpdate]:
+        """A launched step whose forward has run (the CPU's): its tokens read back now, not in the next step."""
+        self._inflight = None
+        self.scheduler.on_step_done(step.out)
+        self.grammars.drop(self.scheduler.fork_samples(step.forks))
+        self._settled = step.out
+        return self._read_back(step)
 
     def _move_blocks(self, out: SchedulerOutput) -> None:
         """The step's cache orders before its forward: the prefix cache's evicted blocks are read (to disk)

@@ -1,6 +1,7 @@
 """The overlapped step loop: step n+1 is launched before step n's tokens reach the host. Whatever mixes in a
 batch (penalties that force the synchronous path, requests finishing at different steps, aborts while a
-step is in flight), every request's tokens equal those of the same request run alone."""
+step is in flight), every request's tokens equal those of the same request run alone. The CPU's default is no
+overlap (`engine.overlap_steps`): these tests ask for it; without it a step's tokens come with the step."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ CONFIG = tiny_config(vocab_size=200)
 @pytest.fixture(scope="module")
 def engine():
     llm = LLM(CONFIG, device="cpu", dtype="float32", block_size=8, num_kv_blocks=300, num_swap_blocks=0,
-              max_num_batched_tokens=64, seed=3)
+              max_num_batched_tokens=64, seed=3, overlap_steps=True)
     return register_engine(llm.engine)
 
 
@@ -67,12 +68,13 @@ def test_abort_while_a_step_is_in_flight(engine) -> None:
     assert final["ab1"].outputs[0].token_ids == want[1][:len(final["ab1"].outputs[0].token_ids)]
 
 
-def test_a_finished_sequence_takes_no_extra_block() -> None:
+@pytest.mark.parametrize("overlap", [True, False])
+def test_a_finished_sequence_takes_no_extra_block(overlap: bool) -> None:
     # A (7 prompt tokens, 2 outputs) fits in 1 block: its last token is never computed. B (24 prompt tokens)
     # holds 4 blocks from its first decode on. A pool of 5 fits both exactly, unless the engine schedules a
     # decode for A's last token: that would take a 6th block and preempt B.
     llm = LLM(CONFIG, device="cpu", dtype="float32", block_size=8, num_kv_blocks=5, num_swap_blocks=0,
-              watermark=0.0, enable_prefix_caching=False)
+              watermark=0.0, enable_prefix_caching=False, overlap_steps=overlap)
     engine = register_engine(llm.engine)
     a, b = _prompts(2, seed=4)
     a, b = (a * 8)[:7], (b * 8)[:24]
@@ -102,6 +104,23 @@ def test_a_failed_step_reports_no_pending_token(engine, monkeypatch: pytest.Monk
     assert {d.request_id for d in deltas} == {"fail0", "fail1", "fail2"}
     for delta in deltas:
         assert delta.finished and delta.error and all(PLACEHOLDER not in c.token_ids for c in delta.outputs)
+
+
+def test_without_the_overlap_a_steps_tokens_come_with_it(engine) -> None:
+    """`overlap_steps` off (the CPU's default): the step that computes a prompt's first token returns it, each
+    later step returns the token it computed, nothing is left in flight between steps, and the tokens equal
+    the overlapped engine's."""
+    plain = register_engine(LLM(CONFIG, device="cpu", dtype="float32", block_size=8, num_kv_blocks=300,
+                                num_swap_blocks=0, max_num_batched_tokens=64, seed=3).engine)  # fmt: skip
+    prompt = _prompts(1, seed=9)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, detokenize=False)
+    plain.add_request("r", prompt, params)
+    got = []
+    while plain.has_unfinished_requests():
+        deltas = plain.step()
+        got.append(sum(len(c.token_ids) for d in deltas if d.request_id == "r" for c in d.outputs))
+    assert got == [1] * 6, "each step's token came with it (the overlap would give 0 on the first step)"
+    assert run_to_completion(plain, [prompt], params)[0].outputs[0].token_ids == _alone(engine, prompt, params)
 
 
 def test_warm_up_leaves_the_engine_idle_and_its_counters_at_zero() -> None:
