@@ -87,7 +87,8 @@ def test_bad_file_is_named(tmp_path: Path) -> None:
 
 def test_engine_keys_are_checked() -> None:
     """`engine.process` is "auto" (the default) or a bool; with tensor parallelism it cannot be true yet (where
-    "auto" puts the engine is the server's decision: tests/server/test_engine_layout.py)."""
+    "auto" puts the engine is the server's decision: tests/server/test_engine_layout.py). `engine.overlap_steps`
+    likewise, "auto" resolving by the device."""
     assert load_config(environ={}).engine.process == "auto"
     assert load_config(overrides={"engine.process": True}, environ={}).engine.process is True
     assert load_config(environ={"STREAMD_ENGINE__BATCHES_AHEAD": "4"}).engine.batches_ahead == 4
@@ -97,6 +98,12 @@ def test_engine_keys_are_checked() -> None:
         load_config(overrides={"batches_ahead": 0}, environ={})
     with pytest.raises(ConfigError, match=r"engine\.process does not support parallel\.tensor_parallel_size"):
         load_config(overrides={"engine.process": True, "parallel.tensor_parallel_size": 2}, environ={})
+    overlap = load_config(environ={}).engine
+    assert overlap.overlaps_steps("cuda") and not overlap.overlaps_steps("cpu"), "auto: overlap on a GPU only"
+    forced = load_config(overrides={"engine.overlap_steps": True}, environ={}).engine
+    assert forced.overlaps_steps("cpu")
+    with pytest.raises(ConfigError, match=r"engine\.overlap_steps"):
+        load_config(overrides={"engine.overlap_steps": "sometimes"}, environ={})
 
 
 @pytest.mark.parametrize("old, new, value", [

@@ -200,8 +200,7 @@ class LLMEngine:
         prev, self._inflight = self._inflight, None
         done, self._settled = (prev.out if prev is not None else self._settled), None
         if prev is not None:
-            self.scheduler.on_step_done(prev.out)
-            self.grammars.drop(self.scheduler.fork_samples(prev.forks))
+            self._complete(prev)
             # Penalties and beam search need the tokens on the host, and drafts continue them: no overlap.
             if self.requests.num_serial or prev.verified is not None or self.scheduler.may_speculate():
                 deltas = self._process(updates + self._read_back(prev))
@@ -232,11 +231,15 @@ class LLMEngine:
             updates += self._settle(self._inflight)
         return deltas + self._process(updates)
 
+    def _complete(self, step: InFlight) -> None:
+        """A launched step's forward has run: its sequences advance past its tokens, its forks take their samples."""
+        self.scheduler.on_step_done(step.out)
+        self.grammars.drop(self.scheduler.fork_samples(step.forks))
+
     def _settle(self, step: InFlight) -> list[RequestUpdate]:
         """A launched step whose forward has run (the CPU's): its tokens read back now, not in the next step."""
         self._inflight = None
-        self.scheduler.on_step_done(step.out)
-        self.grammars.drop(self.scheduler.fork_samples(step.forks))
+        self._complete(step)
         self._settled = step.out
         return self._read_back(step)
 

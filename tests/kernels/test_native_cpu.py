@@ -96,7 +96,9 @@ def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group
 def _attention(portable: bool) -> Iterator[None]:
     """The attention loop `rope_store_attend` takes: the portable one for all, or the default choice."""
     assert lib is not None
-    lib.attention_portable(int(portable))
+    vector_loop = lib.attention_portable(int(portable))
+    assert not (portable and vector_loop), "the switch took the AVX-512 loop out"
+    assert portable or vector_loop == ("avx512f" in native_cpu._cpu_flags()), "AVX-512 CPUs take the vector loop"
     try:
         yield
     finally:

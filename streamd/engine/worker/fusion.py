@@ -582,10 +582,10 @@ class FusedDecoder(nn.Module):
         hidden = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if hidden.shape[0] != 1:
             raise ValueError(f"the fused decoder runs one flattened batch [1, tokens], got {tuple(hidden.shape[:2])}")
+        if self.native is not None and self.native.takes(md := get_attention_metadata(), hidden.shape[1], hidden.dtype):
+            return BaseModelOutputWithPast(last_hidden_state=self._run_native(md, hidden[0], position_ids[0])[None])
         cos, sin = self.rotary_emb(hidden, position_ids)
         hidden, cos, sin = hidden[0], cos[0], sin[0]
-        if self.native is not None and self.native.takes(md := get_attention_metadata(), hidden.shape[0], hidden.dtype):
-            return BaseModelOutputWithPast(last_hidden_state=self.native.run(md, hidden, cos, sin)[None])
         residual: torch.Tensor | None = None
         for layer in self.layers:
             hidden, residual = layer(hidden, residual, cos, sin)
@@ -598,12 +598,15 @@ class FusedDecoder(nn.Module):
         """The final norm's output [tokens, dim] of a step the native path takes (None: it does not take it),
         from the flattened batch's token ids and positions, without transformers' model wrappers around it: what
         `NativeLogits` runs."""
-        native = self.native
-        if native is None or not native.takes(md, input_ids.shape[0], self.embedding_dtype):
+        if self.native is None or not self.native.takes(md, input_ids.shape[0], self.embedding_dtype):
             return None
-        hidden = self.embed_tokens(input_ids)
+        return self._run_native(md, self.embed_tokens(input_ids), positions)
+
+    def _run_native(self, md: AttentionMetadata, hidden: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """hidden [tokens, dim] (the embeddings) -> the final norm's output, on `NativeDecode` (it takes the step)."""
+        assert self.native is not None
         cos, sin = self.rotary_rows(hidden, positions)
-        return native.run(md, hidden, cos, sin)
+        return self.native.run(md, hidden, cos, sin)
 
     @property
     def embedding_dtype(self) -> torch.dtype:

@@ -149,7 +149,14 @@ class NativeDecode:
         self.dim = int(self.final_norm.shape[0])
         # after layer i: layer i + 1's input norm, after the last the final norm
         self.next_norms = [(n.norm, n.eps) for n in self.layers[1:]] + [(self.final_norm, self.final_eps)]
-        self.whole = all(layer.whole is not None for layer in self.layers)
+        # where every layer is one C call: each call's constant arguments (its layer, the next norm and its eps)
+        wholes = [layer.whole for layer in self.layers]
+        self.whole_calls = [
+            (ctypes.byref(whole), weight.data_ptr(), eps)
+            for whole, (weight, eps) in zip(wholes, self.next_norms)
+            if whole is not None
+        ]
+        self.whole = len(self.whole_calls) == len(self.layers)
 
     @staticmethod
     def takes(md: AttentionMetadata, rows: int, dtype: torch.dtype) -> bool:
@@ -184,8 +191,8 @@ class NativeDecode:
         step = _Step.of(md, cos, sin, first, residual, x)
         a = step.args
         lib.add_rmsnorm(rows, dim, a.residual, None, 0, first.norm.data_ptr(), first.eps, a.x, None)
-        if first.whole is not None and self.whole:
-            step.add_matmul_outputs(first.whole)
+        if self.whole:
+            step.add_matmul_outputs(cast(LayerArgs, first.whole))
             self._run_whole(a, out)
             return out
         for layer, (weight, eps) in zip(self.layers, self.next_norms):
@@ -207,11 +214,9 @@ class NativeDecode:
 
     def _run_whole(self, step: StepArgs, out: torch.Tensor) -> None:
         """Each layer in one C call (`decode_layer`), the last writing the final norm's output into `out`."""
-        step_ref = ctypes.byref(step)
-        for layer, (weight, eps) in zip(self.layers, self.next_norms):
-            final = out.data_ptr() if weight is self.final_norm else None
-            assert layer.whole is not None
-            if self.lib.decode_layer(ctypes.byref(layer.whole), step_ref, weight.data_ptr(), eps, final):
+        step_ref, last = ctypes.byref(step), len(self.whole_calls) - 1
+        for i, (layer, weight, eps) in enumerate(self.whole_calls):
+            if self.lib.decode_layer(layer, step_ref, weight, eps, out.data_ptr() if i == last else None):
                 raise MemoryError("the C int4 matmul found no memory for its scratch")
 
 

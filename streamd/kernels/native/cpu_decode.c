@@ -299,12 +299,10 @@ static int avx512(void) { return 0; }
 #endif
 
 /* 1: every later attention takes the portable loop, even where AVX-512 would run (for tests); 0: the default.
- * Returns whether the AVX-512 loop runs on this CPU when allowed. */
+ * Returns whether the AVX-512 loop runs from now on (for a head_dim of whole 16-lane vectors). */
 int attention_portable(int on) {
-    portable_only = 0;
-    int available = avx512();
     portable_only = on;
-    return available;
+    return avx512();
 }
 
 /* One decode step's attention for `rows` sequences of one token each, in `layer`: q and k of qkv [rows, stride]

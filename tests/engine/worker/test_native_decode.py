@@ -37,14 +37,7 @@ def test_native_decode_steps_give_the_cpu_paths_tokens(quantization: str, monkey
     prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist()
                for n in torch.randint(1, 150, (6,), generator=gen)]  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False, logprobs=5)
-    native_rows: list[int] = []
-    run = native_decode.NativeDecode.run
-
-    def counted(self, md, hidden, cos, sin):
-        native_rows.append(hidden.shape[0])
-        return run(self, md, hidden, cos, sin)
-
-    monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
+    native_rows = _native_rows(monkeypatch, decode_steps=True)
     monkeypatch.setattr(native_decode, "MAX_CONTEXT_TOKENS", 300)
     wide: list[int] = []
     takes = native_decode.NativeDecode.takes
@@ -66,6 +59,21 @@ def test_native_decode_steps_give_the_cpu_paths_tokens(quantization: str, monkey
             _same_up_to_a_near_tie(torch_path, native)
     assert len(native_rows) >= 20 and any(wide), "decode steps ran natively, and wider ones did not"
     assert len(native_rows) + sum(wide) >= 2 * 15, "every decode step was one or the other"
+
+
+def _native_rows(monkeypatch, decode_steps: bool) -> list[int]:
+    """The rows of every step `NativeDecode.run` runs from now on (`decode_steps` False: only steps that are not
+    decode steps: verifies, prompt chunks), in order."""
+    rows: list[int] = []
+    run = native_decode.NativeDecode.run
+
+    def counted(self, md, hidden, cos, sin):
+        if decode_steps or not md.decode_only:
+            rows.append(hidden.shape[0])
+        return run(self, md, hidden, cos, sin)
+
+    monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
+    return rows
 
 
 def _same_up_to_a_near_tie(torch_path, native, margin: float = 0.05) -> None:
@@ -133,15 +141,7 @@ def test_prompt_chunks_of_up_to_max_query_rows_run_natively(monkeypatch) -> None
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, config.vocab_size, (n,), generator=gen).tolist() for n in (40, 60, 30)]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, detokenize=False, logprobs=5)
-    prompt_rows: list[int] = []
-    run = native_decode.NativeDecode.run
-
-    def counted(self, md, hidden, cos, sin):
-        if not md.decode_only:
-            prompt_rows.append(hidden.shape[0])
-        return run(self, md, hidden, cos, sin)
-
-    monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
+    prompt_rows = _native_rows(monkeypatch, decode_steps=False)
     outs = {}
     for mode, bound in (("native", native_decode.MAX_QUERY_ROWS), ("native", 129), ("cpu", 0)):
         monkeypatch.setattr(native_decode, "MAX_QUERY_ROWS", bound)
@@ -244,15 +244,7 @@ def test_speculative_verifies_run_natively_and_keep_the_tokens(monkeypatch) -> N
     motifs = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist() for n in (6, 9)]
     prompts = [motif * 8 for motif in motifs]  # n-grams to look up
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False, logprobs=5)
-    wide_rows: list[int] = []
-    run = native_decode.NativeDecode.run
-
-    def counted(self, md, hidden, cos, sin):
-        if not md.decode_only:
-            wide_rows.append(hidden.shape[0])
-        return run(self, md, hidden, cos, sin)
-
-    monkeypatch.setattr(native_decode.NativeDecode, "run", counted)
+    wide_rows = _native_rows(monkeypatch, decode_steps=False)
     outs = {}
     for mode in ("cpu", "native"):
         llm = LLM(config, fuse_layers=mode, quantization="int4", prompt_lookup=True, **KWARGS)
