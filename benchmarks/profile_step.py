@@ -32,7 +32,7 @@ def main() -> None:
     start = time.perf_counter()
     prefill_steps = 0
     while engine.stats().scheduler.num_waiting or any(  # until every request is decoding
-            s.num_computed_tokens < s.num_prompt_tokens for g in engine._groups.values() for s in g.seqs):
+            s.num_computed_tokens < s.num_prompt_tokens for r in engine.requests for s in r.group.seqs):
         engine.step()
         prefill_steps += 1
     torch.cuda.synchronize()
@@ -62,7 +62,7 @@ def main() -> None:
     print(gpu)
     with open(f"{args.out}/profile-{args.shape}.txt", "w") as fh:
         fh.write(f"{step_ms:.3f} ms/step\n{table}\n{gpu}\n")
-    for request_id in list(engine._groups):
+    for request_id in [r.group.request_id for r in engine.requests]:
         engine.abort(request_id)
     engine.step()
 

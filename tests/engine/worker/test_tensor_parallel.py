@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -195,3 +196,22 @@ def test_shutdown_releases_rank_0_graphs_before_its_groups(tmp_path: Path, monke
     assert engine.runner.graphs is None and held.replays == 0
     [worker] = engine.executor.workers.processes
     assert worker.exitcode == 0, "the worker did not leave on its own after SHUTDOWN"
+
+
+def test_a_worker_traces_the_window_of_steps_it_is_told(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                         tp_llm: list[LLM]) -> None:
+    """`STREAMD_TP_PROFILE=first:steps:prefix` (workers.py): the worker rank writes the Chrome trace of exactly that
+    window of its steps, so its GPU's timeline can be read beside rank 0's (benchmarks/tp_profile.py)."""
+    path = save_random_model("llama", tmp_path / "llama")
+    monkeypatch.setenv("STREAMD_TP_PROFILE", f"1:2:{tmp_path}/trace")  # (spawned workers take the environment)
+    llm = LLM(str(path), tensor_parallel_size=2, **_engine_args("recompute"))
+    tp_llm.append(llm)
+    engine = llm.engine
+    engine.add_request("r", list(range(1, 12)), GREEDY)
+    for _ in range(3):  # steps 0-2: the window (steps 1 and 2) is still open
+        engine.step()
+    assert not (tmp_path / "trace-rank1.json").exists()  # (step 3 has not been sent)
+    engine.step()  # step 3 closes the window before it runs
+    engine.executor.shutdown()  # (the worker reads every step before SHUTDOWN, then exits)
+    events = json.loads((tmp_path / "trace-rank1.json").read_text())["traceEvents"]
+    assert any(e.get("name", "").startswith("aten::") for e in events)

@@ -20,6 +20,11 @@ graph holds its captured kernels, so a group dropped to its destructor with grap
 `STREAMD_TP_HANG_DUMP_S=<seconds>` (debugging; `benchmarks/tp_device.sh` sets it for the CUDA test): a worker rank arms
 `faulthandler.dump_traceback_later` at start, so a rank still running that long after it started dumps every
 thread's Python stack to its stderr (again each period while it runs); the process goes on running.
+
+`STREAMD_TP_PROFILE=<first step>:<steps>:<file prefix>` (profiling; `benchmarks/tp_profile.py` sets it): a worker
+rank records its steps `first .. first + steps - 1` (counted from its first step message) with torch's profiler
+and writes their Chrome trace to `<prefix>-rank<N>.json` when step `first + steps` arrives, so its GPU's timeline
+can be read beside rank 0's.
 """
 
 from __future__ import annotations
@@ -217,12 +222,14 @@ class Worker:
         self.cache: CacheEngine | None = None
 
     def serve(self) -> None:
+        profile = StepProfile.from_env(self.args.rank)
         while (message := self.channel.recv()).command != Command.SHUTDOWN:
             if message.command == Command.ALLOCATE:
                 self._allocate(*message.args)
             elif message.command == Command.CAPTURE:
                 self._capture(*message.args)
             else:
+                profile.around_step()
                 self._step(message)
         self.runner.release_graphs()  # before the groups: NCCL keeps a communicator that a graph holds
         close_group(self.groups.collectives, "collectives")
@@ -246,6 +253,39 @@ class Worker:
             apply_order(self.cache, order)
         if message.batch is not None:
             self.runner.run_layers(message.batch, message.graph_size)
+
+
+class StepProfile:
+    """`STREAMD_TP_PROFILE` (module docstring): torch's profiler around a window of a worker's steps."""
+
+    def __init__(self, first: int = -1, steps: int = 0, path: str = "") -> None:
+        self.first, self.last, self.path = first, first + steps, path
+        self.seen = 0
+        self.profiler: torch.profiler.profile | None = None
+
+    @classmethod
+    def from_env(cls, rank: int) -> StepProfile:
+        spec = os.environ.get("STREAMD_TP_PROFILE")
+        if not spec:
+            return cls()
+        first, steps, prefix = spec.split(":", 2)
+        return cls(int(first), int(steps), f"{prefix}-rank{rank}.json")
+
+    def around_step(self) -> None:
+        """Called before each step: starts the profiler at the first step of the window, stops it after the last."""
+        if self.seen == self.first:
+            self.profiler = torch.profiler.profile(activities=_ACTIVITIES)
+            self.profiler.start()
+        elif self.seen == self.last and self.profiler is not None:
+            if torch.cuda.is_available():
+                torch.cuda.synchronize()
+            self.profiler.stop()
+            self.profiler.export_chrome_trace(self.path)
+            self.profiler = None
+        self.seen += 1
+
+
+_ACTIVITIES = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
 
 
 def _connect(store: dist.Store, rank: int, world: int, config: Config, device: torch.device) -> Groups:
