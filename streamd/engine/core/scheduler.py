@@ -81,7 +81,7 @@ from streamd.engine.core.fairness import FLEX, FairShare, aged, starving, tier_o
 from streamd.engine.core.hybrid_blocks import BlockSpace
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
-from streamd.engine.core.speculation import Speculator
+from streamd.engine.core.speculation import Draft, Speculator
 from streamd.engine.core.step_cost import StepCost, StepShape
 from streamd.engine.core.stop_checker import StopChecker
 from streamd.engine.outputs import FinishReason, RequestUpdate, SeqUpdate
@@ -481,8 +481,9 @@ class Scheduler:
         if spec is None or not spec.step_allowed(len(decodes)):
             return 0
         total = 0
+        row_cost = self.step_cost.row_cost(len(decodes))
         for item in decodes:
-            draft = spec.propose(item.seq, item.group, budget - total) if budget > total else None
+            draft = self._propose(spec, item, budget - total, row_cost) if budget > total else None
             if draft is None:
                 continue
             slots = 1 + len(draft.token_ids)
@@ -492,6 +493,12 @@ class Scheduler:
             item.draft = draft
             total += len(draft.token_ids)
         return total
+
+    @staticmethod
+    def _propose(spec: Speculator, item: ScheduledSeq, limit: int, row_cost: float | None) -> Draft | None:
+        if row_cost is None:  # (no step without a prompt chunk measured yet)
+            return spec.propose(item.seq, item.group, limit)
+        return spec.propose(item.seq, item.group, limit, row_cost)
 
     def _chunk(self, shape: StepShape, seq: Sequence, wanted: int, budget: int) -> int:
         """The tokens of `seq`'s next prompt chunk: what it wants within the token `budget` and, with a
@@ -521,8 +528,8 @@ class Scheduler:
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine measured the step `out` planned: the step cost learns from it (only with a latency
-        budget: without one nothing reads the fit)."""
-        if self.max_step_s is not None:
+        budget or speculation: without them nothing reads the fit)."""
+        if self.max_step_s is not None or self.speculator is not None:
             self.step_cost.observe(out.shape, seconds)
 
     def _schedule_running(

@@ -21,10 +21,13 @@ costs k forwards of its own, so it drafts only where neither of the free propose
 source keeps state per sequence, its cache; it catches up on the tokens the other proposers drafted the
 next time it is asked.)
 
-A sequence drafts fewer tokens while its recent acceptance rate is low (`_draft_length`), and one whose rate
-falls below `min_acceptance` stops drafting for a while (longer after each relapse); a step with more decoding
-sequences than `disable_by_batch_size` does not speculate at all (the wider forward stops paying). Requests
-whose sampling reads per-position state (penalties, seeds, beam search, a thinking budget, pending
+How many drafts: the number that buys the most tokens per second of step (`best_draft_length`), from the
+sequence's recent acceptance rate and what a draft row costs against the step without it (`row_cost`, which the
+scheduler reads off its fitted step cost: ~0.46 of a decode step on a 2-core CPU, a few percent in a GPU's
+batched forward). Where no draft length beats a plain decode, the sequence pauses, then probes with one draft;
+one whose rate falls below `min_acceptance` stops drafting for a while too (longer after each relapse); a step with
+more decoding sequences than `disable_by_batch_size` does not speculate at all (the wider forward stops paying).
+Requests whose sampling reads per-position state (penalties, seeds, beam search, a thinking budget, pending
 `min_tokens`) never speculate: their output stays exactly as without speculation. A structured output does
 speculate: each verify row is masked by its grammar's state after the drafts before it
 (`GrammarMatchers.draft_bitmask`). Plain Python: the scheduler owns one `Speculator`.
@@ -32,7 +35,6 @@ speculate: each verify row is masked by its grammar's state after the drafts bef
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -41,6 +43,7 @@ from streamd.engine.core.sequence import PLACEHOLDER, Sequence, SequenceGroup
 from streamd.engine.sampling_params import SamplingParams
 
 _RATE_WEIGHT = 0.3  # weight of the newest step in a sequence's acceptance rate (exponential average)
+DEFAULT_ROW_COST = 0.05  # a draft row's cost against its step where none was measured (a GPU's batched forward)
 _BASE_PAUSE_STEPS = 8  # steps a sequence below the floor stops drafting, doubled per relapse
 _MAX_PAUSE_STEPS = 256
 
@@ -57,9 +60,10 @@ class Draft:
 class DraftRecord:
     """One sequence's speculation history: its recent acceptance rate and its pause."""
 
-    rate: float = 1.0
+    rate: float = 0.7  # before any verify: hopeful, yet one draft where a row is dear (a CPU), ~6 where cheap
     paused_steps: int = 0
     relapses: int = 0
+    probe: bool = False  # the next draft, after a pause for drafts not paying, is one token: its acceptance is news
     cursor: int = 0  # where the last match in the prediction ended
     lookup_cursor: int = 0  # where the last prompt-lookup match ended (a copy follows its source forward)
 
@@ -112,15 +116,23 @@ class Speculator:
         params = group.sampling_params
         return self.wants(group) and seq.num_output_tokens >= params.min_tokens and self._room(seq, params) > 0
 
-    def propose(self, seq: Sequence, group: SequenceGroup, limit: int) -> Draft | None:
-        """`seq`'s drafts for this step (at most `limit` tokens), or None."""
+    def propose(
+        self, seq: Sequence, group: SequenceGroup, limit: int, row_cost: float = DEFAULT_ROW_COST
+    ) -> Draft | None:
+        """`seq`'s drafts for this step (at most `limit` tokens), or None; `row_cost`: what one draft row adds to
+        the step, as a share of the step without drafts."""
         if not self._eligible(seq, group):
             return None
         record = self._records.setdefault(seq.seq_id, DraftRecord())
         if record.paused_steps:
             record.paused_steps -= 1
             return None
-        k = min(limit, self._draft_length(record), self._room(seq, group.sampling_params))
+        k = self._draft_length(record, row_cost)
+        if k == 0:  # no draft pays at this rate: wait, then probe with one
+            self._pause(record)
+            record.probe = True
+            return None
+        k = min(limit, k, self._room(seq, group.sampling_params))
         if k <= 0 or seq.token_ids[-1] == PLACEHOLDER:
             return None
         return (
@@ -129,15 +141,12 @@ class Speculator:
             or self._from_draft_source(seq, k)
         )
 
-    def _draft_length(self, record: DraftRecord) -> int:
-        """Drafts worth verifying at the sequence's recent acceptance rate r: about twice the run it keeps on
-        average (r / (1 - r)), at least one, at most `num_speculative_tokens`. Each draft widens the verify
-        forward by a row, which on the CPU's packed kernels costs about what a decode's row does (a k = 8
-        verify ~2x a decode step: benchmarks/NOTES.md, issue 29), so drafts that are likely refused cost."""
-        most = self.config.num_speculative_tokens
-        if record.rate >= 1.0:
-            return most
-        return max(1, min(most, math.ceil(2 * record.rate / (1 - record.rate))))
+    def _draft_length(self, record: DraftRecord, row_cost: float) -> int:
+        """`best_draft_length` at the sequence's rate; one after a pause (a probe)."""
+        if record.probe:
+            record.probe = False
+            return 1
+        return best_draft_length(record.rate, row_cost, self.config.num_speculative_tokens)
 
     def _room(self, seq: Sequence, params: SamplingParams) -> int:
         """Drafts that can still become output: the token after them is the step's own (max_tokens, context)."""
@@ -185,9 +194,14 @@ class Speculator:
         record = self._records.setdefault(seq.seq_id, DraftRecord())
         record.rate += _RATE_WEIGHT * (accepted / drafted - record.rate)
         if record.rate < self.config.min_acceptance:
-            record.paused_steps = min(_BASE_PAUSE_STEPS << record.relapses, _MAX_PAUSE_STEPS)
-            record.relapses += 1
+            self._pause(record)
             record.rate = self.config.min_acceptance  # one more bad step after the pause stops it again
+
+    @staticmethod
+    def _pause(record: DraftRecord) -> None:
+        """No drafts for a while, twice as long as the last time."""
+        record.paused_steps = min(_BASE_PAUSE_STEPS << record.relapses, _MAX_PAUSE_STEPS)
+        record.relapses += 1
 
     def forget(self, group: SequenceGroup) -> None:
         """`group` ended (finished, aborted, rejected): its records and its draft source's state go."""
@@ -201,6 +215,21 @@ class Speculator:
         if self.draft_source is not None:
             for seq in group.seqs:
                 self.draft_source.forget(seq.seq_id)
+
+
+def best_draft_length(rate: float, row_cost: float, most: int) -> int:
+    """The draft count k (0 .. `most`) that buys the most tokens per unit of step time, each draft taken as kept
+    with probability `rate` once those before it were: k drafts yield (1 - rate^(k+1)) / (1 - rate) tokens on
+    average (the kept run, then the model's own token) for 1 + `row_cost` * k of a plain decode step's time. 0
+    where no k beats a plain decode (one token for one step)."""
+    rate = min(max(rate, 0.0), 1.0)
+    best, best_yield = 0, 1.0
+    for k in range(1, most + 1):
+        tokens = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
+        per_time = tokens / (1.0 + row_cost * k)
+        if per_time > best_yield * (1.0 + 1e-9):
+            best, best_yield = k, per_time
+    return best
 
 
 def find_continuation(

@@ -89,6 +89,16 @@ class StepCost:
     def predict(self, shape: StepShape) -> float:
         return sum(c * x for c, x in zip(self.coefficients, shape.features(), strict=True))
 
+    def row_cost(self, tokens: int) -> float | None:
+        """What one more token adds to a step of `tokens` tokens and no prompt chunk, as a share of that step's
+        predicted time (speculation's price of a draft row); None until such a step was measured."""
+        if not self._windows[1].samples:
+            return None
+        base, per_token, _ = self.coefficients
+        per = per_token / TOKEN_UNIT
+        step = base + per * tokens
+        return per / step if step > 0 else None
+
     def observe(self, shape: StepShape, seconds: float) -> None:
         self._windows[0 if shape.pairs else 1].add((shape.features(), seconds))
         self._fitted = None

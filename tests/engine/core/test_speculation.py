@@ -3,11 +3,15 @@ that drafts stop short of max_tokens, and that a sequence whose drafts keep fail
 
 from __future__ import annotations
 
+from hypothesis import given
+from hypothesis import strategies as st
+
 from streamd.config import SchedulerConfig, SpeculativeConfig
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler import Scheduler
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from streamd.engine.core.speculation import Speculator, find_continuation
+from streamd.engine.core.speculation import DEFAULT_ROW_COST, Speculator, best_draft_length, find_continuation
+from streamd.engine.core.step_cost import StepCost, StepShape
 from streamd.engine.sampling_params import SamplingParams
 
 
@@ -52,8 +56,8 @@ def test_drafts_stop_short_of_max_tokens_and_the_budget() -> None:
 
 
 def test_a_sequence_drafts_fewer_tokens_while_its_drafts_are_refused_and_more_as_they_are_kept() -> None:
-    """The draft length follows the recent acceptance rate r (about 2 r / (1 - r), 1 .. k): a refused draft
-    shrinks the next, kept ones grow it back to `num_speculative_tokens`."""
+    """The draft length follows the recent acceptance rate r (`best_draft_length`, rows priced as on a GPU): a
+    refused draft shrinks the next, kept ones grow it back."""
     spec = Speculator(SpeculativeConfig(num_speculative_tokens=8, min_acceptance=0.0), max_model_len=200)
     group = _group([1], [10], list(range(10, 100)), max_tokens=150)
     seq = group.seqs[0]
@@ -62,8 +66,8 @@ def test_a_sequence_drafts_fewer_tokens_while_its_drafts_are_refused_and_more_as
         drafted = len(spec.propose(seq, group, 8).token_ids)
         lengths.append(drafted)
         spec.record(seq, drafted, round(drafted * accepted_share))
-    assert lengths[0] == 8  # no history: the most
-    assert lengths[:5] == sorted(lengths[:5], reverse=True) and lengths[1] < 8 and lengths[4] == 1  # refused
+    assert lengths[0] == best_draft_length(0.7, DEFAULT_ROW_COST, 8) == 6  # no history: a hopeful rate
+    assert lengths[:5] == sorted(lengths[:5], reverse=True) and lengths[1] < 6 and lengths[4] == 1  # refused
     assert lengths[5:] == sorted(lengths[5:]) and lengths[-1] > 2  # kept: growing again
 
 
@@ -168,3 +172,50 @@ def test_a_draft_source_alone_makes_a_request_want_drafts_and_forgets_it_when_it
     sched.add_seq_group(group)
     sched.abort_seq_group("r")
     assert source.forgotten == 2 * [s.seq_id for s in group.seqs]
+
+
+def _tokens_per_step_time(rate: float, row_cost: float, k: int) -> float:
+    """Expected tokens of a k-draft verify over its time, summed term by term: the model's own token always,
+    the i-th draft with probability rate^i (every one before it kept)."""
+    return sum(rate**i for i in range(k + 1)) / (1 + row_cost * k)
+
+
+@given(st.floats(0.0, 1.0), st.floats(0.0, 2.0), st.integers(1, 12))
+def test_the_draft_length_buys_the_most_tokens_per_unit_of_step_time(rate: float, row_cost: float, most: int) -> None:
+    k = best_draft_length(rate, row_cost, most)
+    best = max(_tokens_per_step_time(rate, row_cost, j) for j in range(most + 1))
+    assert 0 <= k <= most
+    assert _tokens_per_step_time(rate, row_cost, k) >= best * (1 - 1e-6)
+    assert k == 0 or _tokens_per_step_time(rate, row_cost, k) > 1.0  # a draft only where it beats a decode
+
+
+def test_drafts_shrink_where_a_row_costs_what_it_does_on_a_cpu() -> None:
+    """A 2-core CPU (benchmarks/NOTES.md, issue 29): a verify row ~0.46 of a decode step. Half-kept drafts
+    pay for one draft at most; a batched GPU forward (rows ~free) takes the most at a rate that fails there."""
+    assert [best_draft_length(rate, 0.46, 8) for rate in (0.3, 0.5, 0.8, 0.95, 1.0)] == [0, 1, 2, 5, 8]
+    assert best_draft_length(0.7, 0.02, 8) >= 6
+    assert best_draft_length(1.0, 1.0, 8) == 0  # a row as dear as a step: drafts can only break even
+
+
+def test_a_sequence_whose_drafts_do_not_pay_pauses_then_probes_with_one_draft() -> None:
+    spec = Speculator(SpeculativeConfig(prompt_lookup=True, min_acceptance=0.0), max_model_len=200)
+    group = _group([1, 2, 3, 1, 2, 3, 1, 2], [3], max_tokens=100)
+    seq = group.seqs[0]
+    assert len(spec.propose(seq, group, 8, row_cost=0.46).token_ids) == 1  # no history: a hopeful 0.7
+    for _ in range(2):
+        spec.record(seq, 1, 0)  # refused: the rate falls to ~0.34, where no draft pays at this row cost
+    skipped = 0
+    while (draft := spec.propose(seq, group, 8, row_cost=0.46)) is None:
+        skipped += 1
+    assert skipped >= 2 and len(draft.token_ids) == 1  # the pause, then a probe of one draft
+
+
+def test_the_step_cost_prices_a_draft_row_from_the_steps_it_measured() -> None:
+    """Steps without prompt chunks measured at 5 ms + 4.4 ms a token: one more row of a one-row step costs
+    4.4 / 9.4 of it. Before any such step there is no price (the speculator then assumes a GPU's)."""
+    cost = StepCost(seconds_per_token=0.001)
+    assert cost.row_cost(1) is None
+    for tokens in (1, 1, 2, 3, 1, 5, 9):
+        cost.observe(StepShape(tokens=tokens), 0.005 + 0.0044 * tokens)
+    assert abs(cost.row_cost(1) - 4.4 / 9.4) < 0.03  # (the fit is pulled lightly toward its prior)
+    assert cost.row_cost(4) < cost.row_cost(1)
