@@ -111,7 +111,7 @@ def build(config: Config, loaded: LoadedModel, device: torch.device, workers: Wo
     cache_cfg = config.cache
     costs = None
     if (config.scheduler.preemption_mode != "recompute" and cache.num_swap_blocks) or cache_cfg.disk_cache_dir:
-        costs = cost_model(cache, executor, runner, max_model_len, cache_path(config.model.cache_dir))
+        costs = cost_model(cache, executor, runner, max_model_len, cache_path(config.model.cache_dir), loaded.low_bit)
     block_manager = _block_manager(config, loaded, pools, costs)
     eos = _eos_token_ids(loaded)
     speculator = Speculator(config.speculative, max_model_len, draft)

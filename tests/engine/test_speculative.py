@@ -120,8 +120,8 @@ def test_accepted_runs_and_refusals_keep_greedy_tokens(tiny: LLM, every: int) ->
     accepted = after.spec_accepted_tokens - before.spec_accepted_tokens
     if every < 1000:
         assert 0 < accepted < drafted
-    else:  # a perfect prediction: every draft kept, each step 8 drafts and one token of the model's own
-        assert accepted == drafted >= len(off) * 8 // 9 - 1
+    else:  # a perfect prediction: every draft kept; the drafts grow with the rate (from 0.7) to 8 a step
+        assert accepted == drafted >= len(off) * 3 // 4
 
 
 def test_a_stop_token_inside_an_accepted_run_ends_it_there(tiny: LLM) -> None:

@@ -81,6 +81,7 @@ class LoadedModel:
     tokenizer: Any | None  # None for random-weight models built from a bare config
     name: str  # the display label (a folder's or file's name): not unique
     weights: str  # what identifies the weights loaded (`weights_identity.py`), with their low-bit plan
+    low_bit: str = "none"  # how the weights are held and multiplied (`LowBitPlan.describe`)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
@@ -134,7 +135,8 @@ def load_model(
     else:
         loaded = _pretrained(name, dtype, cache_path(cache_dir), quantization, device)
     check_runnable(loaded.model)
-    loaded.weights = f"{loaded.weights}|low_bit={low_bit.describe()}"
+    loaded.low_bit = low_bit.describe()
+    loaded.weights = f"{loaded.weights}|low_bit={loaded.low_bit}"
     if low_bit.quantize is not None:
         count = _quantize(loaded.model, low_bit, device)
         log.info("model.quantized", mode=low_bit.quantize, linears=count, plan=low_bit.describe())

@@ -1,7 +1,9 @@
 """The two numbers `preemption_mode = "auto"` weighs: the host link's bandwidth (swap) and the model's
-prefill rate (recompute). Measured once per machine and model shape, on the empty pool before any
-request, then kept in `<model.cache_dir>/preemption-costs.json`, so later starts skip the measurement
-(seconds on a CPU). Delete that file to measure again (after a hardware or driver change)."""
+prefill rate (recompute). Measured once per machine, model shape, weight format and streamd release, on the
+empty pool before any request, then kept in `<model.cache_dir>/preemption-costs.json`, so later starts skip the
+measurement (seconds on a CPU). The format and the release are in the key because they change the prefill rate
+(4-bit weights on the CPU prefill at several times float32's rate; a release's kernels at another); delete the
+file to measure again after a hardware or driver change."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import os
 import platform
 import tempfile
 import time
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -34,12 +37,12 @@ COSTS_FILE = "preemption-costs.json"
 
 
 def cost_model(
-    cache: CacheEngine, executor: Executor, runner: ModelRunner, max_model_len: int, cache_dir: Path
+    cache: CacheEngine, executor: Executor, runner: ModelRunner, max_model_len: int, cache_dir: Path, low_bit: str
 ) -> PreemptionCostModel:
-    """The cached measurement for this machine and model shape, or a new one (then cached); the prefill is
-    measured through `executor` (so tensor-parallel workers take part)."""
+    """The cached measurement for this machine, model shape and weight format (`low_bit`: `LoadedModel.low_bit`),
+    or a new one (then cached); the prefill is measured through `executor` (so tensor-parallel workers take part)."""
     file = cache_dir / COSTS_FILE
-    key = measurement_key(cache, runner)
+    key = measurement_key(cache, runner, low_bit)
     known = _read(file)
     cached = key in known
     if not cached:
@@ -61,8 +64,9 @@ def cost_model(
     )
 
 
-def measurement_key(cache: CacheEngine, runner: ModelRunner) -> str:
-    """Device name, torch threads, model shape, KV dtype and block size: what the two rates depend on."""
+def measurement_key(cache: CacheEngine, runner: ModelRunner, low_bit: str) -> str:
+    """Device name, torch threads, model shape, weight format, KV dtype, block size, torch and streamd releases:
+    what the two rates depend on."""
     config = runner.model.config.get_text_config()
     layout = cache.layout
     shape = (
@@ -74,11 +78,20 @@ def measurement_key(cache: CacheEngine, runner: ModelRunner) -> str:
             _device_name(cache.device),
             f"threads{torch.get_num_threads()}",
             shape,
+            f"weights {low_bit}",
             str(layout.dtype).removeprefix("torch."),
             f"block{layout.block_size}",
             f"torch{torch.__version__}",
+            f"streamd{_release()}",
         ]
     )
+
+
+def _release() -> str:
+    try:
+        return metadata.version("streamd")
+    except metadata.PackageNotFoundError:  # (run from a source tree that was never installed)
+        return "-source"
 
 
 def _device_name(device: torch.device) -> str:

@@ -33,6 +33,11 @@ def test_measured_once_then_read_from_the_cache(tmp_path: Path) -> None:
     # Another KV block size is another key: measured and added beside the first.
     _engine(tmp_path, block_size=32)
     assert len(json.loads(file.read_text())) == 2
+    # So are weights held in another format (int8 Linears prefill at another rate than float32's).
+    quantized = _engine(tmp_path, quantization="int8")
+    entries = json.loads(file.read_text())
+    assert len(entries) == 3 and quantized.scheduler.cost_model.prefill_tokens_per_s not in (123.0, 456.0)
+    assert all("weights " in k and "streamd" in k for k in entries)
 
 
 def test_damaged_cache_file_is_measured_again(tmp_path: Path) -> None:
