@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from streamd.bench.report import add_out_argument, markdown_table, report_header, save_report
+from streamd.bench.report import BenchError, add_out_argument, markdown_table, report_header, save_report
 
 _NAMES = ["Ada", "Bruno", "Chen", "Dana", "Emil", "Farah", "Goran", "Hana", "Ivo", "Jun", "Kira", "Lev"]
 _PLACES = ["harbour", "library", "market", "station", "bakery", "garden", "museum", "workshop", "school"]
@@ -82,6 +82,16 @@ class ModeResult:
             "identical_to_off": None if reference is None else self.outputs == reference.outputs,
         }
 
+    def merge(self, other: ModeResult) -> None:
+        """Another round of the same mode pooled into this one; its outputs must be this one's (greedy)."""
+        self.tpot_ms += other.tpot_ms
+        self.tokens += other.tokens
+        self.seconds += other.seconds
+        self.draft_tokens += other.draft_tokens
+        self.accepted_tokens += other.accepted_tokens
+        if other.outputs != self.outputs:
+            self.outputs = [[] for _ in self.outputs]  # (a round disagreed: never identical to off)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="a model path or GGUF file (default: the default model)")
@@ -93,6 +103,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--chat-max-tokens", type=int, default=FULL.chat_max_tokens)
     parser.add_argument("--streams", type=int, default=FULL.streams, help="the chat workload's wide level")
     parser.add_argument("--num-speculative-tokens", type=int, default=None, help="speculative.num_speculative_tokens")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="rounds of every mode, their order rotated each round; figures pooled"
+    )
     add_out_argument(parser)
 
 
@@ -159,41 +172,67 @@ def _speculation(engine: Any, prompt_lookup: bool) -> None:
 
 
 def workload(
-    engine: Any, name: str, chats: list[str], max_tokens: int, streams: int, predictions: list[str] | None
+    engine: Any,
+    name: str,
+    chats: list[str],
+    max_tokens: int,
+    streams: int,
+    predictions: list[str] | None,
+    rounds: int = 1,
 ) -> dict[str, Any]:
-    """Runs one workload in every mode it has; returns its report entry."""
+    """Runs one workload in every mode it has, `rounds` times with the modes' order rotated each round (each
+    takes every place, so the machine's drift weighs on all alike); returns its report entry, the requests'
+    times pooled over the rounds and each round's ratio beside."""
     from streamd.engine.sampling_params import SamplingParams
 
     prompts = [engine.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
     plain = [SamplingParams(temperature=0, max_tokens=max_tokens) for _ in prompts]
-    modes: dict[str, ModeResult] = {}
+    settings: dict[str, tuple[bool, list[Any]]] = {"off": (False, plain), "prompt_lookup": (True, plain)}
+    if predictions is not None:
+        settings["prediction"] = (False, [dataclasses.replace(p, prediction=t) for p, t in zip(plain, predictions)])
     _speculation(engine, False)
     # Untimed: the prompts' blocks enter the prefix cache, so no mode (the first one least) pays more prefill.
     run_mode(engine, prompts, [dataclasses.replace(p, max_tokens=1) for p in plain], streams)
-    modes["off"] = run_mode(engine, prompts, plain, streams)
-    _speculation(engine, True)
-    modes["prompt_lookup"] = run_mode(engine, prompts, plain, streams)
-    _speculation(engine, False)
-    if predictions is not None:
-        predicted = [dataclasses.replace(p, prediction=text) for p, text in zip(plain, predictions)]
-        modes["prediction"] = run_mode(engine, prompts, predicted, streams)
+    names = list(settings)
+    modes: dict[str, ModeResult] = {}
+    per_round: list[dict[str, ModeResult]] = []
+    for round_index in range(rounds):
+        results: dict[str, ModeResult] = {}
+        for mode in names[round_index % len(names) :] + names[: round_index % len(names)]:
+            lookup, params = settings[mode]
+            _speculation(engine, lookup)
+            results[mode] = run_mode(engine, prompts, params, streams)
+        _speculation(engine, False)
+        per_round.append(results)
+        for mode, result in results.items():
+            if mode in modes:
+                modes[mode].merge(result)
+            else:
+                modes[mode] = dataclasses.replace(result, tpot_ms=list(result.tpot_ms))
+    modes = {mode: modes[mode] for mode in names}
     off = modes["off"]
     entry: dict[str, Any] = {
         "workload": name,
         "streams": streams,
         "requests": len(prompts),
+        "rounds": rounds,
         "prompt_tokens": [len(p) for p in prompts],
         "max_tokens": max_tokens,
         "modes": {mode: r.summary(None if mode == "off" else off) for mode, r in modes.items()},
     }
-    base = statistics.median(off.tpot_ms)
-    entry["tpot_lower_x"] = {m: round(base / statistics.median(r.tpot_ms), 3) for m, r in modes.items() if m != "off"}
+    entry["tpot_lower_x"] = {m: _lower_x(off, r) for m, r in modes.items() if m != "off"}
+    entry["tpot_lower_x_rounds"] = {m: [_lower_x(r["off"], r[m]) for r in per_round] for m in names if m != "off"}
     rate = off.tokens / off.seconds
     entry["rate_vs_off"] = {m: round(r.tokens / r.seconds / rate, 3) for m, r in modes.items() if m != "off"}
     return entry
 
 
-def measure(engine: Any, sizes: Sizes) -> list[dict[str, Any]]:
+def _lower_x(off: ModeResult, mode: ModeResult) -> float:
+    """How many times lower `mode`'s median time per output token is than `off`'s."""
+    return round(statistics.median(off.tpot_ms) / statistics.median(mode.tpot_ms), 3)
+
+
+def measure(engine: Any, sizes: Sizes, rounds: int = 1) -> list[dict[str, Any]]:
     edits = edit_requests(sizes)
     chats = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(sizes.chat_requests)]
     wide = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] + f" (variant {i})" for i in range(sizes.streams)]
@@ -203,7 +242,7 @@ def measure(engine: Any, sizes: Sizes) -> list[dict[str, Any]]:
         ("chat", chats, sizes.chat_max_tokens, 1, None),
         ("chat", wide, sizes.chat_max_tokens, sizes.streams, None),
     ):
-        results.append(workload(engine, name, prompts, max_tokens, streams, predictions))
+        results.append(workload(engine, name, prompts, max_tokens, streams, predictions, rounds))
         print(json.dumps(results[-1]), flush=True)  # each workload as it ends (a long run shows progress)
     return results
 
@@ -250,6 +289,8 @@ def markdown(report: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     from streamd.llm import LLM
 
+    if args.rounds < 1:
+        raise BenchError(f"--rounds must be >= 1, got {args.rounds}")
     sizes = (
         LIGHT
         if args.light
@@ -272,10 +313,11 @@ def run(args: argparse.Namespace) -> int:
         **report_header(str(engine.device.type)),
         "model": engine.model_name,
         "command": "streamd bench spec "
-        + ("--light" if args.light else " ".join(f"--{k.replace('_', '-')} {v}" for k, v in asdict(sizes).items())),
+        + ("--light" if args.light else " ".join(f"--{k.replace('_', '-')} {v}" for k, v in asdict(sizes).items()))
+        + (f" --rounds {args.rounds}" if args.rounds > 1 else ""),
         "note": "Shared, noisy 2-core machine: compare modes within this one run only.",
         "speculative": dataclasses.asdict(speculator.config),
-        "results": measure(engine, sizes),
+        "results": measure(engine, sizes, args.rounds),
     }
     stem = save_report(report, args.out, "spec", markdown(report))
     print(markdown(report))

@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from streamd.bench import spec
+from streamd.bench.report import BenchError
 
 
 def test_edit_texts_are_600_to_1500_tokens(smol_llm) -> None:
@@ -41,3 +44,30 @@ def test_light_run_reports_every_mode_and_identical_tokens(tmp_path) -> None:
     text = (tmp_path / path.name.replace(".json", ".md")).read_text()
     assert text.startswith("# streamd bench spec")
     assert text.count("\n| ") == 1 + sum(len(r["modes"]) for r in report["results"])  # header, a row per mode
+
+
+def test_rounds_rotate_the_modes_and_pool_their_requests(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    spec.add_arguments(parser)
+    order: list[list[int]] = []
+    real = spec.run_mode
+
+    def noted(engine, prompts, params, streams):  # which mode each run is: its params' max_tokens and prediction
+        order.append([params[0].max_tokens, bool(params[0].prediction), engine.scheduler.speculator.config.prompt_lookup])
+        return real(engine, prompts, params, streams)
+
+    monkeypatch.setattr(spec, "run_mode", noted)
+    assert spec.run(parser.parse_args(["--light", "--rounds", "2", "--out", str(tmp_path)])) == 0
+    report = json.loads(next(tmp_path.glob("spec-*.json")).read_text())
+    assert report["command"].endswith("--rounds 2")
+    edit = report["results"][0]
+    assert edit["rounds"] == 2
+    for mode, numbers in edit["modes"].items():
+        assert len(numbers["tpot_ms_per_request"]) == 2 * edit["requests"]  # both rounds' requests, pooled
+        assert numbers["identical_to_off"] is (None if mode == "off" else True)
+    assert all(len(ratios) == 2 for ratios in edit["tpot_lower_x_rounds"].values())
+    # The edit workload: the untimed warm-up, then off, lookup, prediction, then lookup, prediction, off.
+    off, lookup, prediction = [12, False, False], [12, False, True], [12, True, False]
+    assert order[:7] == [[1, False, False], off, lookup, prediction, lookup, prediction, off]
+    with pytest.raises(BenchError, match="--rounds"):
+        spec.run(parser.parse_args(["--light", "--rounds", "0", "--out", str(tmp_path)]))
