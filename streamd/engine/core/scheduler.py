@@ -111,6 +111,20 @@ class PreemptionCostModel:
         return num_tokens / self.prefill_tokens_per_s
 
 
+class _RowPrice:
+    """A draft row's price for one step (`StepCost.row_cost`), fitted on the first ask only."""
+
+    def __init__(self, step_cost: StepCost, decodes: int) -> None:
+        self.step_cost, self.decodes = step_cost, decodes
+        self.asked = False
+        self.price: float | None = None
+
+    def get(self) -> float | None:
+        if not self.asked:
+            self.asked, self.price = True, self.step_cost.row_cost(self.decodes)
+        return self.price
+
+
 class Scheduler:
     def __init__(
         self,
@@ -480,10 +494,10 @@ class Scheduler:
         spec, bm = self.speculator, self.block_manager
         if spec is None or not spec.step_allowed(len(decodes)):
             return 0
-        total = 0
-        row_cost = self.step_cost.row_cost(len(decodes))
+        total, prices = 0, _RowPrice(self.step_cost, len(decodes))
         for item in decodes:
-            draft = self._propose(spec, item, budget - total, row_cost) if budget > total else None
+            wants = budget > total and spec.wants(item.group)  # (the fit is read only for a sequence that may draft)
+            draft = self._propose(spec, item, budget - total, prices.get()) if wants else None
             if draft is None:
                 continue
             slots = 1 + len(draft.token_ids)

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from streamd.config import SchedulerConfig, SpeculativeConfig
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler import Scheduler
+from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.core.speculation import DEFAULT_ROW_COST, Speculator, best_draft_length, find_continuation
 from streamd.engine.core.step_cost import StepCost, StepShape
@@ -219,3 +220,17 @@ def test_the_step_cost_prices_a_draft_row_from_the_steps_it_measured() -> None:
         cost.observe(StepShape(tokens=tokens), 0.005 + 0.0044 * tokens)
     assert abs(cost.row_cost(1) - 4.4 / 9.4) < 0.03  # (the fit is pulled lightly toward its prior)
     assert cost.row_cost(4) < cost.row_cost(1)
+
+
+def test_a_step_prices_draft_rows_once_and_only_where_a_sequence_may_draft(monkeypatch) -> None:
+    """The step cost is fitted for a draft row's price only in a step with a sequence that wants drafts (a
+    prediction here), once however many do: a small model's GPU step is ~1 ms, a fit is tens of microseconds."""
+    spec = Speculator(SpeculativeConfig(), 100)  # no prompt lookup, no draft model: only predictions draft
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4), 100, speculator=spec)
+    asked: list[int] = []
+    monkeypatch.setattr(sched.step_cost, "row_cost", lambda tokens: asked.append(tokens) or 0.1)
+    plain = [ScheduledSeq(g.seqs[0], g, 1) for g in (_group([1, 2, 3], [4]), _group([5, 6], [7]))]
+    assert sched._add_drafts(SchedulerOutput(), plain, 64) == 0 and asked == []
+    predicted = [_group([1, 2, 3], [4], [4, 5, 6, 7, 8], max_tokens=50) for _ in range(2)]
+    sched._add_drafts(SchedulerOutput(), plain + [ScheduledSeq(g.seqs[0], g, 1) for g in predicted], 64)
+    assert asked == [4]  # one price for the step's four decodes
