@@ -12,6 +12,7 @@ import time
 import torch
 
 from streamd import LLM, SamplingParams
+from streamd.bench.offline import abort_all, all_decoding
 from streamd.bench.throughput import model_config, random_workload
 
 
@@ -31,8 +32,7 @@ def main() -> None:
     torch.cuda.synchronize()
     start = time.perf_counter()
     prefill_steps = 0
-    while engine.stats().scheduler.num_waiting or any(  # until every request is decoding
-            s.num_computed_tokens < s.num_prompt_tokens for r in engine.requests for s in r.group.seqs):
+    while not all_decoding(engine):
         engine.step()
         prefill_steps += 1
     torch.cuda.synchronize()
@@ -62,9 +62,7 @@ def main() -> None:
     print(gpu)
     with open(f"{args.out}/profile-{args.shape}.txt", "w") as fh:
         fh.write(f"{step_ms:.3f} ms/step\n{table}\n{gpu}\n")
-    for request_id in [r.group.request_id for r in engine.requests]:
-        engine.abort(request_id)
-    engine.step()
+    abort_all(engine)
 
 
 if __name__ == "__main__":

@@ -17,51 +17,16 @@ from typing import Any
 
 import torch
 
-from streamd import LLM, SamplingParams
-from streamd.bench.offline import model_config
+from streamd import LLM
+from streamd.bench.offline import abort_all, fill_decoding, model_config, ms_per_call
 
 PROMPT = 512
 
 
-def fill(engine: Any, batch: int, salt: int, max_tokens: int) -> None:
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)
-    vocab = engine.vocab_size
-    for i in range(batch):
-        engine.add_request(f"{salt}-{i}", [(7 * i + 13 * salt + j) % (vocab - 1) + 1 for j in range(PROMPT)], params)
-    while engine.stats().scheduler.num_waiting or any(
-        s.num_computed_tokens < s.num_prompt_tokens for r in engine.requests for s in r.group.seqs
-    ):
-        engine.step()
-    for _ in range(10):
-        engine.step()
-
-
-def wall_ms(engine: Any, steps: int = 30) -> float:
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / steps * 1e3
-
-
-def replay_ms(engine: Any, batch: int, replays: int = 30) -> float | None:
+def replay_ms(engine: Any, batch: int) -> float | None:
+    """A bare replay of the decode graph that a step of `batch` sequences runs (None: no graphs)."""
     graphs = engine.runner.graphs
-    if graphs is None:
-        return None
-    graph = graphs.graphs[graphs.size_for(batch)]
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(replays):
-        graph.replay()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / replays * 1e3
-
-
-def clear(engine: Any) -> None:
-    for request_id in [r.group.request_id for r in engine.requests]:
-        engine.abort(request_id)
-    engine.step()
+    return None if graphs is None else ms_per_call(graphs.graphs[graphs.size_for(batch)].replay)
 
 
 def main() -> None:
@@ -76,8 +41,8 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     batches = [int(b) for b in args.batches.split(",")]
     for batch in batches:
-        fill(engine, batch, batch, args.max_tokens)
-        wall, gpu = wall_ms(engine), replay_ms(engine, batch)
+        fill_decoding(engine, batch, PROMPT, args.max_tokens, salt=batch)
+        wall, gpu = ms_per_call(engine.step), replay_ms(engine, batch)
         rows.append({"batch": batch, "wall_ms": wall, "graph_replay_ms": gpu})
         print(f"[{args.shape}] batch {batch:4d}: step {wall:6.3f} ms, graph replay {gpu or 0:6.3f} ms", flush=True)
         if args.hold and batch == batches[-1]:
@@ -85,7 +50,7 @@ def main() -> None:
             end = time.perf_counter() + args.hold
             while time.perf_counter() < end:
                 engine.step()
-        clear(engine)
+        abort_all(engine)
     name = Path(args.out, f"step-batches-{args.shape}.json")
     name.write_text(json.dumps({"device": torch.cuda.get_device_name(0), "shape": args.shape, "rows": rows}, indent=2))
 

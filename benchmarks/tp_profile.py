@@ -12,49 +12,16 @@ from __future__ import annotations
 import json
 import os
 import sys
-import time
 from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from streamd import LLM, SamplingParams
+from streamd import LLM
+from streamd.bench.offline import abort_all, fill_decoding, ms_per_call, sync_cuda
 
 PROMPT = int(os.environ.get("TP_PROFILE_PROMPT", "512"))
 BATCHES = tuple(int(b) for b in os.environ.get("TP_PROFILE_BATCHES", "256,64").split(","))
-
-
-def sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-def fill(engine: Any, batch: int, vocab: int, salt: int) -> None:
-    """`batch` requests whose prompts are all computed, every one decoding."""
-    params = SamplingParams(max_tokens=400, ignore_eos=True, detokenize=False, temperature=0.0)
-    for i in range(batch):
-        engine.add_request(f"{salt}-{i}", [(7 * i + 13 * salt + j) % (vocab - 1) + 1 for j in range(PROMPT)], params)
-    while engine.stats().scheduler.num_waiting or any(
-        s.num_computed_tokens < s.num_prompt_tokens for r in engine.requests for s in r.group.seqs
-    ):
-        engine.step()
-    for _ in range(10):
-        engine.step()
-
-
-def step_ms(engine: Any, steps: int = 30) -> float:
-    sync()
-    start = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    sync()
-    return (time.perf_counter() - start) / steps * 1e3
-
-
-def clear(engine: Any) -> None:
-    for request_id in [r.group.request_id for r in engine.requests]:
-        engine.abort(request_id)
-    engine.step()
 
 
 def gpu_timeline(prof: Any) -> dict[str, float]:
@@ -78,7 +45,6 @@ def gpu_timeline(prof: Any) -> dict[str, float]:
 def run(tp: int, ckpt: str, out: str, report: dict[str, Any]) -> None:
     llm = LLM(ckpt, dtype="bfloat16", tensor_parallel_size=tp, num_kv_blocks=12000, max_num_seqs=256)
     engine = llm.engine
-    vocab = engine.vocab_size
     sends = [0]
     if tp > 1:
         send = engine.executor._send
@@ -89,20 +55,20 @@ def run(tp: int, ckpt: str, out: str, report: dict[str, Any]) -> None:
 
         engine.executor._send = counted
     for batch in BATCHES:
-        fill(engine, batch, vocab, batch)
+        fill_decoding(engine, batch, PROMPT, 400, salt=batch)
         if tp > 1 and batch == BATCHES[0] and os.environ.get("STREAMD_TP_PROFILE"):
             report["rank0_profile_first_step"] = sends[0]
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 for _ in range(10):
                     engine.step()
-                sync()
+                sync_cuda()
             prof.export_chrome_trace(f"{out}/tp2-rank0.json")
             report[f"tp2_b{batch}_rank0"] = gpu_timeline(prof) | {"steps": 10}
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25), flush=True)
-        ms = step_ms(engine)
+        ms = ms_per_call(engine.step)
         report[f"tp{tp}_b{batch}_ms"] = ms
         print(f"tp={tp} batch={batch}: {ms:.3f} ms/step", flush=True)
-        clear(engine)
+        abort_all(engine)
     engine.executor.shutdown()
     del llm, engine
     if torch.cuda.is_available():

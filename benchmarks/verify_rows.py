@@ -10,9 +10,9 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from typing import Any
 
 from streamd import LLM, SamplingParams
+from streamd.bench.offline import schedules
 from streamd.bench.spec import Sizes, edit_requests
 
 
@@ -20,20 +20,14 @@ def main(lookup: bool) -> None:
     engine = LLM(enable_prefix_caching=False, **{"speculative.prompt_lookup": lookup}).engine
     instruction, _ = edit_requests(Sizes(edit_requests=1))[0]
     ids = engine.apply_chat_template([{"role": "user", "content": instruction}])
-    schedule, steps = engine.scheduler.schedule, []
-
-    def recorded() -> Any:
-        out = schedule()
-        steps.append([out.num_draft_tokens, out.num_prefill_tokens, 0.0])
-        return out
-
-    engine.scheduler.schedule = recorded
     engine.add_request("edit", None, SamplingParams(max_tokens=160, temperature=0.0), prompt_token_ids=ids)
-    tokens = 0
-    while engine.has_unfinished_requests():
-        began = time.perf_counter()
-        tokens += sum(delta.num_new_tokens for delta in engine.step())
-        steps[-1][2] = (time.perf_counter() - began) * 1e3
+    tokens, steps = 0, []  # (draft tokens, prompt tokens, ms) a step
+    with schedules(engine) as planned:
+        while engine.has_unfinished_requests():
+            began = time.perf_counter()
+            tokens += sum(delta.num_new_tokens for delta in engine.step())
+            out = planned[-1]
+            steps.append((out.num_draft_tokens, out.num_prefill_tokens, (time.perf_counter() - began) * 1e3))
     decodes = [s for s in steps if not s[1]]
     by_drafts: dict[int, list[float]] = {}
     for drafts, _, ms in decodes:

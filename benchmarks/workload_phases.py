@@ -17,32 +17,23 @@ from typing import Any
 import torch
 
 from streamd import LLM, SamplingParams
-from streamd.bench.offline import model_config, random_workload
+from streamd.bench.offline import model_config, random_workload, schedules, sync_cuda
 
 
 def run(engine: Any, prompts: list[list[int]], outputs: list[int], salt: str) -> list[dict[str, Any]]:
-    scheduled: list[Any] = []
-    schedule = engine.scheduler.schedule
-
-    def recorded() -> Any:
-        out = schedule()
-        scheduled.append(out)
-        return out
-
-    engine.scheduler.schedule = recorded
+    """Each step's wall time and what it scheduled, the requests all added at once, until every one ends."""
     for i, (prompt, n) in enumerate(zip(prompts, outputs)):
         params = SamplingParams(max_tokens=n, ignore_eos=True, detokenize=False, temperature=0.0)
         engine.add_request(f"{salt}{i}", prompt, params)
     steps = []
-    torch.cuda.synchronize()
+    sync_cuda()
     last = time.perf_counter()
-    while engine.has_unfinished_requests():
-        engine.step()
-        now = time.perf_counter()
-        out = scheduled[-1]
-        steps.append({"ms": (now - last) * 1e3, "prefill": out.num_prefill_tokens, "decode": out.num_decode_tokens})
-        last = now
-    engine.scheduler.schedule = schedule
+    with schedules(engine) as planned:
+        while engine.has_unfinished_requests():
+            engine.step()
+            now, out = time.perf_counter(), planned[-1]
+            steps.append({"ms": (now - last) * 1e3, "prefill": out.num_prefill_tokens, "decode": out.num_decode_tokens})
+            last = now
     return steps
 
 

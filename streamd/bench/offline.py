@@ -1,7 +1,8 @@
 """What the offline benchmarks share: the model shapes (random weights), nano-vllm's workload, the device's
 measured ceilings, the workload's roofline over one or more GPUs, and the loop that drives an engine through
 a workload. `throughput` (streamd against transformers) and `tensor_parallel` (streamd at several
-tensor-parallel sizes) both build on it.
+tensor-parallel sizes) both build on it; the profiling scripts in benchmarks/ take its step-at-a-time helpers
+(a batch brought to decoding, a call timed with the GPU waited for, the schedules a block plans).
 
 The roofline: every decode step reads each card's share of the layers' weights and of the live KV once (in
 parallel on the cards), rank 0 also the replicated head; prefill and decode FLOPs at the measured matrix
@@ -14,6 +15,8 @@ from __future__ import annotations
 import random
 import statistics
 import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
 from streamd.bench.workloads import TokenWorkload
@@ -177,6 +180,74 @@ def drive(engine: Any, work: TokenWorkload, progress: Any) -> dict[str, float]:
         "prefix_cache_hit_tokens": stats.kv.prefix_hit_tokens,
         "preemptions": stats.scheduler.preemptions_swap + stats.scheduler.preemptions_recompute,
     }
+
+
+# ---- a step at a time (the profiling scripts in benchmarks/) ---------------------------------------------------
+
+
+def all_decoding(engine: Any) -> bool:
+    """No request waits and every sequence's prompt is computed: each step from here on decodes only."""
+    if engine.stats().scheduler.num_waiting:
+        return False
+    return all(s.num_computed_tokens >= s.num_prompt_tokens for r in engine.requests for s in r.group.seqs)
+
+
+def fill_decoding(engine: Any, batch: int, prompt_len: int, max_tokens: int, salt: int = 0) -> None:
+    """`batch` greedy requests of `prompt_len` tokens (differing per request and per `salt`), stepped until all
+    decode, then 10 steps more (past the last prompt's first token)."""
+    from streamd import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False, temperature=0.0)
+    vocab = engine.vocab_size
+    for i in range(batch):
+        prompt = [(7 * i + 13 * salt + j) % (vocab - 1) + 1 for j in range(prompt_len)]
+        engine.add_request(f"{salt}-{i}", prompt, params)
+    while not all_decoding(engine):
+        engine.step()
+    for _ in range(10):
+        engine.step()
+
+
+def abort_all(engine: Any) -> None:
+    """Aborts every live request; the step after it frees their blocks."""
+    for request_id in [r.group.request_id for r in engine.requests]:
+        engine.abort(request_id)
+    engine.step()
+
+
+def sync_cuda() -> None:
+    """Waits for the GPU where there is one (the scripts also dry-run on the CPU)."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def ms_per_call(call: Callable[[], Any], times: int = 30) -> float:
+    """Wall milliseconds per call of `call` over `times` calls, the GPU waited for before and after."""
+    sync_cuda()
+    start = time.perf_counter()
+    for _ in range(times):
+        call()
+    sync_cuda()
+    return (time.perf_counter() - start) / times * 1e3
+
+
+@contextmanager
+def schedules(engine: Any) -> Iterator[list[Any]]:
+    """Every `SchedulerOutput` the engine's scheduler plans inside the block, in order."""
+    planned: list[Any] = []
+    schedule = engine.scheduler.schedule
+
+    def recorded() -> Any:
+        planned.append(schedule())
+        return planned[-1]
+
+    engine.scheduler.schedule = recorded
+    try:
+        yield planned
+    finally:
+        del engine.scheduler.schedule  # (the class's method again)
 
 
 def free_cuda() -> None:

@@ -82,15 +82,20 @@ class ModeResult:
             "identical_to_off": None if reference is None else self.outputs == reference.outputs,
         }
 
-    def merge(self, other: ModeResult) -> None:
-        """Another round of the same mode pooled into this one; its outputs must be this one's (greedy)."""
-        self.tpot_ms += other.tpot_ms
-        self.tokens += other.tokens
-        self.seconds += other.seconds
-        self.draft_tokens += other.draft_tokens
-        self.accepted_tokens += other.accepted_tokens
-        if other.outputs != self.outputs:
-            self.outputs = [[] for _ in self.outputs]  # (a round disagreed: never identical to off)
+    @classmethod
+    def pooled(cls, rounds: list[ModeResult]) -> ModeResult:
+        """The rounds of one mode as one run: requests and counts together; the outputs kept only where every
+        round gave the same (greedy: they must), else none (then never identical to off)."""
+        first = rounds[0]
+        same = all(r.outputs == first.outputs for r in rounds)
+        return cls(
+            [t for r in rounds for t in r.tpot_ms],
+            sum(r.tokens for r in rounds),
+            sum(r.seconds for r in rounds),
+            sum(r.draft_tokens for r in rounds),
+            sum(r.accepted_tokens for r in rounds),
+            first.outputs if same else [[] for _ in first.outputs],
+        )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -194,7 +199,6 @@ def workload(
     # Untimed: the prompts' blocks enter the prefix cache, so no mode (the first one least) pays more prefill.
     run_mode(engine, prompts, [dataclasses.replace(p, max_tokens=1) for p in plain], streams)
     names = list(settings)
-    modes: dict[str, ModeResult] = {}
     per_round: list[dict[str, ModeResult]] = []
     for round_index in range(rounds):
         results: dict[str, ModeResult] = {}
@@ -204,12 +208,7 @@ def workload(
             results[mode] = run_mode(engine, prompts, params, streams)
         _speculation(engine, False)
         per_round.append(results)
-        for mode, result in results.items():
-            if mode in modes:
-                modes[mode].merge(result)
-            else:
-                modes[mode] = dataclasses.replace(result, tpot_ms=list(result.tpot_ms))
-    modes = {mode: modes[mode] for mode in names}
+    modes = {mode: ModeResult.pooled([r[mode] for r in per_round]) for mode in names}
     off = modes["off"]
     entry: dict[str, Any] = {
         "workload": name,

@@ -81,7 +81,7 @@ from streamd.engine.core.fairness import FLEX, FairShare, aged, starving, tier_o
 from streamd.engine.core.hybrid_blocks import BlockSpace
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
-from streamd.engine.core.speculation import Draft, Speculator
+from streamd.engine.core.speculation import DEFAULT_ROW_COST, Speculator
 from streamd.engine.core.step_cost import StepCost, StepShape
 from streamd.engine.core.stop_checker import StopChecker
 from streamd.engine.outputs import FinishReason, RequestUpdate, SeqUpdate
@@ -109,20 +109,6 @@ class PreemptionCostModel:
 
     def recompute_cost_s(self, num_tokens: int) -> float:
         return num_tokens / self.prefill_tokens_per_s
-
-
-class _RowPrice:
-    """A draft row's price for one step (`StepCost.row_cost`), fitted on the first ask only."""
-
-    def __init__(self, step_cost: StepCost, decodes: int) -> None:
-        self.step_cost, self.decodes = step_cost, decodes
-        self.asked = False
-        self.price: float | None = None
-
-    def get(self) -> float | None:
-        if not self.asked:
-            self.asked, self.price = True, self.step_cost.row_cost(self.decodes)
-        return self.price
 
 
 class Scheduler:
@@ -494,10 +480,13 @@ class Scheduler:
         spec, bm = self.speculator, self.block_manager
         if spec is None or not spec.step_allowed(len(decodes)):
             return 0
-        total, prices = 0, _RowPrice(self.step_cost, len(decodes))
+        if not any(spec.wants(item.group) for item in decodes):  # (then no fit for a row's price: most steps)
+            return 0
+        row_cost = self.step_cost.row_cost(len(decodes))
+        price = DEFAULT_ROW_COST if row_cost is None else row_cost  # (no step without a chunk measured yet)
+        total = 0
         for item in decodes:
-            wants = budget > total and spec.wants(item.group)  # (the fit is read only for a sequence that may draft)
-            draft = self._propose(spec, item, budget - total, prices.get()) if wants else None
+            draft = spec.propose(item.seq, item.group, budget - total, price) if budget > total else None
             if draft is None:
                 continue
             slots = 1 + len(draft.token_ids)
@@ -507,12 +496,6 @@ class Scheduler:
             item.draft = draft
             total += len(draft.token_ids)
         return total
-
-    @staticmethod
-    def _propose(spec: Speculator, item: ScheduledSeq, limit: int, row_cost: float | None) -> Draft | None:
-        if row_cost is None:  # (no step without a prompt chunk measured yet)
-            return spec.propose(item.seq, item.group, limit)
-        return spec.propose(item.seq, item.group, limit, row_cost)
 
     def _chunk(self, shape: StepShape, seq: Sequence, wanted: int, budget: int) -> int:
         """The tokens of `seq`'s next prompt chunk: what it wants within the token `budget` and, with a
@@ -541,10 +524,9 @@ class Scheduler:
         return self.step_cost.max_chunk(shape, 0, self.max_step_s) <= 0
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """The engine measured the step `out` planned: the step cost learns from it (only with a latency
-        budget or speculation: without them nothing reads the fit)."""
-        if self.max_step_s is not None or self.speculator is not None:
-            self.step_cost.observe(out.shape, seconds)
+        """The engine measured the step `out` planned: the step cost learns from it (the latency budget and
+        speculation's price of a draft row read the fit)."""
+        self.step_cost.observe(out.shape, seconds)
 
     def _schedule_running(
         self,

@@ -234,3 +234,14 @@ def test_a_step_prices_draft_rows_once_and_only_where_a_sequence_may_draft(monke
     predicted = [_group([1, 2, 3], [4], [4, 5, 6, 7, 8], max_tokens=50) for _ in range(2)]
     sched._add_drafts(SchedulerOutput(), plain + [ScheduledSeq(g.seqs[0], g, 1) for g in predicted], 64)
     assert asked == [4]  # one price for the step's four decodes
+
+
+def test_a_scheduler_without_a_latency_budget_still_learns_a_draft_rows_price() -> None:
+    """`scheduler.max_step_ms = 0` turns the step budget off, not the step cost: speculation reads its fit."""
+    sched = Scheduler(SchedulerConfig(max_step_ms=0.0), BlockManager(64, 4), 100, speculator=Speculator(SpeculativeConfig(), 100))
+    assert sched.step_cost.row_cost(1) is None
+    for tokens in (1, 2, 1, 3):
+        out = SchedulerOutput()
+        out.shape.tokens = tokens
+        sched.observe_step(out, 0.005 + 0.002 * tokens)
+    assert sched.step_cost.row_cost(1) is not None
