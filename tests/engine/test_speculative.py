@@ -15,9 +15,16 @@ import re
 import pytest
 
 from streamd import LLM, SamplingParams
+from streamd.engine.core.step_cost import StepCost
 from streamd.engine.sampling_params import StructuredOutputs
 from tests.helpers import random_prompt, run_to_completion, sizes, tiny_llm
 
+
+@pytest.fixture(autouse=True)
+def unmeasured_row_price(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A draft row's price comes from measured step times (`StepCost.row_cost`); these tests check what drafts do,
+    not how many pay off (tests/engine/core/test_speculation.py), so the price stays the unmeasured default."""
+    monkeypatch.setattr(StepCost, "row_cost", lambda self, tokens: None)
 
 def _speculate(engine, **changes) -> None:
     spec = engine.scheduler.speculator

@@ -524,9 +524,10 @@ class Scheduler:
         return self.step_cost.max_chunk(shape, 0, self.max_step_s) <= 0
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """The engine measured the step `out` planned: the step cost learns from it (the latency budget and
-        speculation's price of a draft row read the fit)."""
-        self.step_cost.observe(out.shape, seconds)
+        """The engine measured the step `out` planned: the step cost learns from it (only with a latency
+        budget or a speculator: without them nothing reads the fit)."""
+        if self.max_step_s is not None or self.speculator is not None:
+            self.step_cost.observe(out.shape, seconds)
 
     def _schedule_running(
         self,
