@@ -4,6 +4,8 @@ without triton)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -61,6 +63,23 @@ KV_QUANT_DTYPES = tuple(KV_QMAX)
 KV_MIN_SCALE = 1e-12
 
 
+# FP8 activations (`Fp8Linear`'s input): one row's codes in e4m3 and one float32 scale, the same arithmetic as an
+# 8-bit KV row (`quantize_rows`): scale = max(absmax / 448, KV_MIN_SCALE), codes = round(x / scale), nearest even.
+FP8 = torch.float8_e4m3fn
+FP8_MAX = KV_QMAX[FP8]
+
+
+@dataclass(frozen=True, slots=True)
+class Fp8Rows:
+    """Activations [rows, cols] as e4m3 codes and float32 row scales [rows]: x = codes * scales[:, None]."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_rows(self.codes, self.scales, dtype)
+
+
 def kv_quantized(kv_cache: torch.Tensor) -> bool:
     """Whether the pool holds 8-bit codes (then its scales come with it)."""
     return kv_cache.dtype in KV_QUANT_DTYPES
@@ -114,3 +133,17 @@ def write_kv_rows(
 def dequantize_rows(codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """codes [..., head_dim] x scales [...] -> values in `dtype` (computed in float32, then rounded)."""
     return (codes.float() * scales[..., None]).to(dtype)
+
+
+def check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    """The norms' argument checks (the Triton norms' and `fp8`'s); host metadata only."""
+    if x.dim() != 2 or weight.shape != (x.shape[1],):
+        raise ValueError(
+            f"rmsnorm wants x [rows, hidden] and weight [hidden], got {tuple(x.shape)} and {tuple(weight.shape)}"
+        )
+    if x.stride(1) != 1:
+        raise ValueError("rmsnorm wants rows with unit stride along hidden")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
+        raise ValueError(
+            f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}"
+        )

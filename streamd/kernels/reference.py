@@ -29,10 +29,13 @@ import torch
 import torch.nn.functional as F
 
 from streamd.kernels.layout import (
+    FP8,
+    Fp8Rows,
     check_cache,
     check_rotary_args,
     check_scales,
     dequantize_rows,
+    quantize_rows,
     write_kv_rows,
 )
 
@@ -322,6 +325,42 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [rows, 2 * inter] (gate, then up) -> silu(gate) * up."""
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def quantize_fp8(x: torch.Tensor) -> Fp8Rows:
+    """x [rows, cols] -> e4m3 codes and float32 row scales (`layout.quantize_rows`)."""
+    return Fp8Rows(*quantize_rows(x, FP8))
+
+
+def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    """`rmsnorm`'s rows (rounded to x's dtype), quantized."""
+    return quantize_fp8(rmsnorm(x, weight, eps))
+
+
+def fused_add_rmsnorm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[Fp8Rows, torch.Tensor]:
+    """`fused_add_rmsnorm` with its normalised rows quantized."""
+    normed, summed = fused_add_rmsnorm(x, residual, weight, eps)
+    return quantize_fp8(normed), summed
+
+
+def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
+    """`silu_and_mul`'s rows (rounded to x's dtype), quantized."""
+    return quantize_fp8(silu_and_mul(x))
+
+
+def fp8_matmul(
+    x: Fp8Rows,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    out_dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+    config: object = None,
+) -> torch.Tensor:
+    """(x.codes * x.scales) @ (codes * scales).T + bias in float32 (`config`, the kernel's tiling, is ignored)."""
+    out = (x.codes.float() @ codes.float().t()) * x.scales[:, None] * scales[None, :]
+    return (out if bias is None else out + bias.float()).to(out_dtype)
 
 
 def rotary(

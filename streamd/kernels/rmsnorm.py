@@ -13,6 +13,7 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import dual_kernel, next_pow2
+from streamd.kernels.layout import check_norm_args
 
 
 @dual_kernel
@@ -45,15 +46,6 @@ def _rmsnorm_kernel(
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = (x * inv_rms).to(dtype).to(tl.float32) * w
     tl.store(out_ptr + row * s_out + offs, y.to(dtype), mask=mask)
-
-
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
-    if x.dim() != 2 or weight.shape != (x.shape[1],):
-        raise ValueError(
-            f"rmsnorm wants x [rows, hidden] and weight [hidden], got {tuple(x.shape)} and {tuple(weight.shape)}"
-        )
-    if x.stride(1) != 1:
-        raise ValueError("rmsnorm wants rows with unit stride along hidden")
 
 
 def _launch(
@@ -92,7 +84,7 @@ def _launch(
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """weight * (x / sqrt(mean(x^2) + eps)) per row of x [rows, hidden]; a new tensor of x's dtype."""
-    _check(x, weight)
+    check_norm_args(x, None, weight)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     _launch(x, None, weight, eps, out, None)
     return out
@@ -102,11 +94,7 @@ def fused_add_rmsnorm(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(rmsnorm(x + residual), x + residual) for x, residual [rows, hidden]; new tensors, inputs untouched."""
-    _check(x, weight)
-    if residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1:
-        raise ValueError(
-            f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}"
-        )
+    check_norm_args(x, residual, weight)
     out = torch.empty_like(x, memory_format=torch.contiguous_format)
     residual_out = torch.empty_like(out)
     _launch(x, residual, weight, eps, out, residual_out)

@@ -1,0 +1,148 @@
+"""FP8 activations and the FP8 GEMM (`streamd.kernels.fp8`) against their torch references: e4m3 codes bit for bit
+against torch's conversion at every rounding boundary (the interpreter's own conversion gets these wrong, so the
+kernels encode in integers), the fused norm and SiLU-and-mul writing codes, and the GEMM's epilogue scales, on
+awkward sizes; the same kernels compiled on CUDA (marked)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import streamd.kernels as K
+from streamd.kernels import reference as ref
+from streamd.kernels.fp8 import GemmConfig
+from streamd.kernels.layout import FP8, FP8_MAX, Fp8Rows
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+cuda = pytest.mark.cuda
+
+
+def _bits(rows: Fp8Rows) -> torch.Tensor:
+    return rows.codes.view(torch.uint8)
+
+
+def _grid_and_midpoints() -> torch.Tensor:
+    """Every finite e4m3 value, each midpoint between neighbours (ties: nearest even), and one float32 ulp either
+    side of each midpoint, both signs, plus 0, -0, values under half the smallest subnormal, and 448 itself."""
+    values = torch.arange(0, 0x7F, dtype=torch.uint8).view(FP8).float()  # 0 .. 448, ascending
+    mids = (values[1:] + values[:-1]) / 2
+    near = torch.cat([mids, mids.nextafter(torch.tensor(0.0)), mids.nextafter(torch.tensor(1e9))])
+    tiny = torch.tensor([0.0, 2.0**-11, 2.0**-10 * 1.0001, 1e-30])
+    positive = torch.cat([values, near, tiny])
+    return torch.cat([positive, -positive, torch.tensor([-0.0, FP8_MAX])])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_codes_equal_torch_conversion_at_every_boundary(device: str) -> None:
+    # rows whose absmax is 448: scale 1, so x / scale is x and every code boundary is exercised as given
+    y = _grid_and_midpoints()
+    y = y[torch.randperm(len(y))]
+    x = torch.nn.functional.pad(y, (0, -len(y) % 64)).view(-1, 64)
+    x[:, 0] = FP8_MAX
+    got = K.quantize_fp8(x.to(device))
+    assert torch.equal(got.scales.cpu(), torch.ones(x.shape[0]))
+    assert torch.equal(_bits(got).cpu(), x.to(FP8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("cols", [1, 77, 300])
+def test_quantize_matches_reference(device: str, cols: int) -> None:
+    x = (torch.randn(9, cols) * torch.logspace(-5, 4, 9)[:, None]).to(device)
+    x[4] = 0.0  # a zero row: the smallest scale, zero codes
+    got, want = K.quantize_fp8(x), ref.quantize_fp8(x)
+    assert torch.equal(got.scales, want.scales)
+    assert torch.equal(_bits(got), _bits(want))
+    assert K.quantize_fp8(x[:0]).codes.shape == (0, cols)
+
+
+def _assert_same(got: Fp8Rows, want: Fp8Rows) -> None:
+    assert torch.equal(got.scales, want.scales) and torch.equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hidden", [48, 130])
+def test_norms_write_the_codes_of_norm_then_quantize(device: str, dtype: torch.dtype, hidden: int) -> None:
+    """One launch equals the norm kernel (tested against transformers' arithmetic elsewhere) followed by
+    `quantize_fp8`, bit for bit, and stays within a code of the references' composition."""
+    x = torch.randn(7, hidden + 3).to(device, dtype)[:, 3:]  # strided rows
+    residual = torch.randn(7, hidden).to(device, dtype)
+    weight = (1 + 0.3 * torch.randn(hidden)).to(device, dtype)
+    _assert_same(K.rmsnorm_fp8(x, weight, 1e-5), K.quantize_fp8(K.rmsnorm(x, weight, 1e-5)))
+    rows, summed = K.fused_add_rmsnorm_fp8(x, residual, weight, 1e-5)
+    normed, want_summed = K.fused_add_rmsnorm(x, residual, weight, 1e-5)
+    _assert_same(rows, K.quantize_fp8(normed))
+    assert torch.equal(summed, want_summed)
+    _assert_near(rows, ref.fused_add_rmsnorm_fp8(x, residual, weight, 1e-5)[0])
+
+
+def _assert_near(got: Fp8Rows, want: Fp8Rows) -> None:
+    """Within the layer kernels' tolerance of their references (2%, for the interpreter's bfloat16) and one e4m3
+    step (an eighth) of the value."""
+    torch.testing.assert_close(got.scales, want.scales, rtol=2e-2, atol=0)
+    a, b = got.dequantize(torch.float32), want.dequantize(torch.float32)
+    assert ((a - b).abs() <= b.abs() * (1 / 8 + 2e-2) + want.scales[:, None] * 2**-8).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inter", [40, 2500])  # 2,500: over the kernel's 2,048-column block, two passes
+def test_silu_and_mul_writes_the_codes_of_silu_then_quantize(device: str, dtype: torch.dtype, inter: int) -> None:
+    x = (torch.randn(5, 2 * inter + 5) * 3).to(device, dtype)[:, 5:]
+    _assert_same(K.silu_and_mul_fp8(x), K.quantize_fp8(K.silu_and_mul(x)))
+    _assert_near(K.silu_and_mul_fp8(x), ref.silu_and_mul_fp8(x))
+
+
+def test_fp8_ops_reject_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="quantize_fp8 wants x"):
+        K.quantize_fp8(torch.randn(4))
+    with pytest.raises(ValueError, match="silu_and_mul_fp8 wants"):
+        K.silu_and_mul_fp8(torch.randn(3, 5))
+    with pytest.raises(ValueError, match="residual"):
+        K.fused_add_rmsnorm_fp8(torch.randn(3, 8), torch.randn(3, 9), torch.ones(8), 1e-5)
+    x, w = ref.quantize_fp8(torch.randn(3, 32)), ref.quantize_fp8(torch.randn(5, 16))
+    with pytest.raises(ValueError, match=r"fp8_matmul wants x \[rows, k\]"):
+        K.fp8_matmul(x, w.codes, w.scales, torch.float32)
+
+
+TILINGS = [GemmConfig(16, 16, 32, 1, 1), GemmConfig(32, 64, 64, 2, 4)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rows,n,k", [(1, 37, 48), (19, 100, 80), (70, 16, 160)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_fp8_matmul_matches_reference(device: str, rows: int, n: int, k: int, bias: bool) -> None:
+    x = ref.quantize_fp8(torch.randn(rows, k, device=device) * 4)
+    w = ref.quantize_fp8(torch.randn(n, k, device=device) * 0.05)
+    b = torch.randn(n, device=device) if bias else None
+    want = ref.fp8_matmul(x, w.codes, w.scales, torch.float32, b)
+    for tiling in TILINGS + [None]:  # None: the default for this row count
+        got = K.fp8_matmul(x, w.codes, w.scales, torch.float32, b, config=tiling)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    got = K.fp8_matmul(x, w.codes, w.scales, torch.bfloat16, b)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-5 * want.abs().max().item())
+
+
+@cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("rows", [1, 64, 300])
+def test_fp8_matmul_on_cuda_equals_scaled_mm(rows: int) -> None:
+    """The Triton GEMM against cuBLAS's rowwise-scaled FP8 GEMM on a decode-sized 8B Linear; in a CUDA graph."""
+    x = ref.quantize_fp8(torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16))
+    w = ref.quantize_fp8(torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
+    want = torch._scaled_mm(
+        x.codes,
+        w.codes.t(),
+        scale_a=x.scales[:, None].contiguous(),
+        scale_b=w.scales[None, :].contiguous(),
+        out_dtype=torch.float32,
+    )
+    got = K.fp8_matmul(x, w.codes, w.scales, torch.float32)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    graph = torch.cuda.CUDAGraph()
+    K.fp8_matmul(x, w.codes, w.scales, torch.bfloat16)
+    with torch.cuda.graph(graph):
+        out = K.fp8_matmul(x, w.codes, w.scales, torch.bfloat16)
+    graph.replay()
+    torch.testing.assert_close(out.float(), want, rtol=2**-7, atol=1e-4 * want.abs().max().item())
