@@ -145,7 +145,9 @@ def main() -> None:
         result["gemm"].append(row)
         print(json.dumps(row), flush=True)
     result["seconds"] = time.time() - start
-    result["default_configs"] = {r: asdict(default_config(r)) for r in ROWS}
+    result["default_configs"] = {
+        f"{name}x{r}": asdict(default_config(r, SHAPES[name][1], SHAPES[name][0])) for name in SHAPES for r in ROWS
+    }
     with open(sys.argv[1], "w") as f:
         json.dump(result, f, indent=1)
 

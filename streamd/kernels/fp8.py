@@ -5,7 +5,9 @@ and the codes). In torch that is four or five kernels a Linear, as long as the G
 (benchmarks/NOTES.md, "Issue 28"). Here the quantization is one launch, or none: the RMSNorm before the QKV and
 gate/up GEMMs and the SiLU-and-mul before the down GEMM write e4m3 codes and their row scales directly
 (`rmsnorm_fp8`, `fused_add_rmsnorm_fp8`, `silu_and_mul_fp8`). `fp8_matmul` multiplies codes by codes on the FP8
-tensor cores and applies both scales (row x channel) in its epilogue.
+tensor cores and applies both scales (row x channel) in its epilogue. Hopper's FP8 MMA accumulates with fewer bits
+than float32; the GEMM moves its partial sums into a float32 accumulator every BLOCK_K (128 or 256) products, as
+cuBLAS does without its fast-accumulation flag.
 
 Codes are encoded with integer arithmetic (`_e4m3_bits`): round to nearest even, saturating at 448. That is what
 the hardware's conversion does, but Triton's interpreter rounds without carrying a mantissa overflow into the
@@ -161,15 +163,20 @@ class GemmConfig:
     group_m: int = 8
 
 
-def default_config(rows: int) -> GemmConfig:
-    """The tiling for `rows` activation rows (measured on an H200: benchmarks/fp8_gemm.py)."""
+def default_config(rows: int, n: int, k: int) -> GemmConfig:
+    """The tiling for `rows` activation rows times a weight [n, k]: the fastest of a sweep on an H200 at the
+    Llama-3.1-8B and 3.2-1B Linears (benchmarks/fp8_gemm.py, results/fp8-gemm-2026-11-28-h200.json). Few rows
+    read the weight once and want many narrow tiles to spread it over the GPU; many rows want big ones."""
+    wide = n >= 16384  # a gate/up projection
     if rows <= 16:
-        return GemmConfig(16, 64, 256, 4, 4)
+        return GemmConfig(16, 32 if n <= 4096 else 64 if not n > 16384 else 128, 256 if k >= 4096 else 128, 4, 4)
     if rows <= 64:
-        return GemmConfig(64, 64, 128, 4, 4)
-    if rows <= 128:
-        return GemmConfig(64, 128, 128, 4, 4)
-    return GemmConfig(128, 128, 128, 4, 8)
+        return GemmConfig(64, 64, 256 if k >= 8192 else 128, 4, 4)
+    if rows <= 256:
+        return GemmConfig(128, 256, 128, 4, 8) if wide else GemmConfig(64, 128, 128, 3, 8)
+    if rows <= 512:
+        return GemmConfig(128, 256, 128, 4, 8) if wide else GemmConfig(128, 128, 128, 3, 8)
+    return GemmConfig(128, 256, 128, 4, 8)
 
 
 @dual_kernel(do_not_specialize=("rows",))
@@ -213,8 +220,8 @@ def _fp8_matmul_kernel(
         w = tl.load(w_ptrs, mask=(offs_n[None, :] < n) & k_mask[:, None], other=0.0)
         if UPCAST:
             acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
-        else:
-            acc = tl.dot(a, w, acc)
+        else:  # Hopper's FP8 MMA accumulates in less than float32: promote to `acc` once per BLOCK_K
+            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < rows, other=0.0)
@@ -250,7 +257,7 @@ def fp8_matmul(
     out = torch.empty((rows, n), dtype=out_dtype, device=x.codes.device)
     if rows == 0:
         return out
-    cfg = config or default_config(rows)
+    cfg = config or default_config(rows, n, k)
     grid = (cdiv(rows, cfg.block_m) * cdiv(n, cfg.block_n),)
     _fp8_matmul_kernel.launch(
         x.codes.device,
@@ -279,9 +286,10 @@ def fp8_matmul(
     return out
 
 
-def _new_rows(rows: int, cols: int, device: torch.device) -> Fp8Rows:
-    codes = torch.empty((rows, cols), dtype=FP8, device=device)
-    return Fp8Rows(codes, torch.empty(rows, dtype=torch.float32, device=device))
+def _new_rows(x: torch.Tensor, cols: int) -> Fp8Rows:
+    """Room for the quantized rows of x (cols of them each)."""
+    codes = torch.empty((x.shape[0], cols), dtype=FP8, device=x.device)
+    return Fp8Rows(codes, torch.empty(x.shape[0], dtype=torch.float32, device=x.device), x.dtype)
 
 
 def _check_rows(x: torch.Tensor, what: str) -> None:
@@ -292,7 +300,7 @@ def _check_rows(x: torch.Tensor, what: str) -> None:
 def quantize_fp8(x: torch.Tensor) -> Fp8Rows:
     """x [rows, cols] -> e4m3 codes and float32 row scales, one launch."""
     _check_rows(x, "quantize_fp8")
-    out = _new_rows(x.shape[0], x.shape[1], x.device)
+    out = _new_rows(x, x.shape[1])
     if x.shape[0]:
         block = min(_MAX_BLOCK, next_pow2(x.shape[1]))
         _quantize_kernel.launch(
@@ -316,7 +324,7 @@ def _rmsnorm_fp8(
     """The quantized rows of rmsnorm(x [+ residual]) and the sum (x itself without a residual)."""
     check_norm_args(x, residual, weight)
     rows, hidden = x.shape
-    out = _new_rows(rows, hidden, x.device)
+    out = _new_rows(x, hidden)
     res = residual if residual is not None else x
     summed = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
     if rows:
@@ -365,7 +373,7 @@ def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
             f"{tuple(x.shape)} strides {x.stride()}"
         )
     rows, inter = x.shape[0], x.shape[1] // 2
-    out = _new_rows(rows, inter, x.device)
+    out = _new_rows(x, inter)
     if rows:
         block = min(_MAX_BLOCK, next_pow2(inter))
         _silu_and_mul_fp8_kernel.launch(

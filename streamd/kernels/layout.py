@@ -71,10 +71,12 @@ FP8_MAX = KV_QMAX[FP8]
 
 @dataclass(frozen=True, slots=True)
 class Fp8Rows:
-    """Activations [rows, cols] as e4m3 codes and float32 row scales [rows]: x = codes * scales[:, None]."""
+    """Activations [rows, cols] as e4m3 codes and float32 row scales [rows]: x = codes * scales[:, None]; `dtype`
+    is the activations' own (what a Linear fed these rows returns)."""
 
     codes: torch.Tensor
     scales: torch.Tensor
+    dtype: torch.dtype
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_rows(self.codes, self.scales, dtype)

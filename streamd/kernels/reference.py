@@ -329,7 +329,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def quantize_fp8(x: torch.Tensor) -> Fp8Rows:
     """x [rows, cols] -> e4m3 codes and float32 row scales (`layout.quantize_rows`)."""
-    return Fp8Rows(*quantize_rows(x, FP8))
+    return Fp8Rows(*quantize_rows(x, FP8), x.dtype)
 
 
 def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:

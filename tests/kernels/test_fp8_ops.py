@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from paged_testlib import interpreter_runs_dynamic_loops
 
 import streamd.kernels as K
 from streamd.kernels import reference as ref
 from streamd.kernels.fp8 import GemmConfig
 from streamd.kernels.layout import FP8, FP8_MAX, Fp8Rows
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+# the kernels loop over a row's columns and K: an interpreter that cannot run such loops (triton 3.6's with
+# numpy >= 2.4) runs the CPU cases not at all
+DEVICES = (["cpu"] if interpreter_runs_dynamic_loops() else []) + (["cuda"] if torch.cuda.is_available() else [])
 cuda = pytest.mark.cuda
 
 
@@ -93,6 +96,7 @@ def test_silu_and_mul_writes_the_codes_of_silu_then_quantize(device: str, dtype:
     _assert_near(K.silu_and_mul_fp8(x), ref.silu_and_mul_fp8(x))
 
 
+@pytest.mark.skipif("cpu" not in DEVICES, reason="this triton's interpreter cannot run data-dependent loops")
 def test_fp8_ops_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="quantize_fp8 wants x"):
         K.quantize_fp8(torch.randn(4))
@@ -105,7 +109,7 @@ def test_fp8_ops_reject_bad_shapes() -> None:
         K.fp8_matmul(x, w.codes, w.scales, torch.float32)
 
 
-TILINGS = [GemmConfig(16, 16, 32, 1, 1), GemmConfig(32, 64, 64, 2, 4)]
+TILINGS = [GemmConfig(16, 32, 64, 2, 4), GemmConfig(64, 64, 128, 3, 4)]
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -128,18 +132,18 @@ def test_fp8_matmul_matches_reference(device: str, rows: int, n: int, k: int, bi
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 64, 300])
 def test_fp8_matmul_on_cuda_equals_scaled_mm(rows: int) -> None:
-    """The Triton GEMM against cuBLAS's rowwise-scaled FP8 GEMM on a decode-sized 8B Linear; in a CUDA graph."""
-    x = ref.quantize_fp8(torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16))
-    w = ref.quantize_fp8(torch.randn(1024, 4096, device="cuda", dtype=torch.bfloat16) * 0.02)
-    want = torch._scaled_mm(
-        x.codes,
-        w.codes.t(),
-        scale_a=x.scales[:, None].contiguous(),
-        scale_b=w.scales[None, :].contiguous(),
-        out_dtype=torch.float32,
-    )
+    """The Triton GEMM against cuBLAS's rowwise-scaled FP8 GEMM (precise accumulation; bfloat16 out, as torch's
+    rowwise path writes) and the float32 reference, on a decode-sized 8B down projection; in a CUDA graph."""
+    x = ref.quantize_fp8(torch.randn(rows, 14336, device="cuda", dtype=torch.bfloat16))
+    w = ref.quantize_fp8(torch.randn(1024, 14336, device="cuda", dtype=torch.bfloat16) * 0.02)
+    exact = ref.fp8_matmul(x, w.codes, w.scales, torch.float32)
+    cublas = torch._scaled_mm(x.codes, w.codes.t(), scale_a=x.scales[:, None].contiguous(),
+                              scale_b=w.scales[None, :].contiguous(), out_dtype=torch.bfloat16)
     got = K.fp8_matmul(x, w.codes, w.scales, torch.float32)
-    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+    scale = exact.abs().max().item()
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * scale)  # float32 accumulation, promoted
+    torch.testing.assert_close(cublas.float(), exact, rtol=2**-8, atol=1e-3 * scale)
+    want = exact
     graph = torch.cuda.CUDAGraph()
     K.fp8_matmul(x, w.codes, w.scales, torch.bfloat16)
     with torch.cuda.graph(graph):

@@ -11,17 +11,18 @@ also run the matmul at twice bfloat16's rate. Two ways in, one module (`Fp8Linea
   dequantized where FP8 runs. A per-tensor weight scale becomes one per channel (the same value on every row); a
   static `input_scale` is kept, otherwise activations are quantized per token (also for a weight-only FP8 scheme).
 
-`Fp8Linear` multiplies with `torch._scaled_mm` under rowwise scaling: the activations quantized per row at each
-call (absmax / 448, float32 scales [rows, 1]) or by the static input scale, times the weight's codes with its
-scales [1, out]; the bias is added after, in the input's dtype. cuBLAS's FP8 GEMM wants the inner dimension and the
-weight's output dimension to be multiples of 16: a weight whose dimensions are not is zero-padded once at build,
-the activations padded per call (inner) and the output sliced (outer); the row count needs no padding. Rowwise
-scaling on CUDA writes bfloat16 (older torch releases take no other output dtype), so on CUDA the matmul writes
-bfloat16 and the result is cast to the input's dtype (a no-op for bfloat16 models).
+`Fp8Linear` multiplies through `kernels.fp8_matmul` (Triton on CUDA: e4m3 x e4m3 on the tensor cores, the row
+and channel scales and the bias in the epilogue; the plain-torch reference elsewhere). Its input is either rows
+already quantized (`layout.Fp8Rows`: the fused layer's norms and SiLU-and-mul write them, `kernels.fp8`) or a float
+tensor, then quantized per row in one launch (`kernels.quantize_fp8`) or by the static input scale. Measured on an
+H200 (benchmarks/fp8_gemm.py), torch's rowwise-scaled `_scaled_mm` was slower than the bfloat16 GEMM below ~128
+rows and its activation quantization four kernels; the Triton GEMM is faster than bfloat16 at every size measured.
+The inner dimension and the weight's output dimension are zero-padded to multiples of 16 once at build (the
+activations padded per call, the output sliced); rows already quantized come unpadded (`takes_rows`).
 
-Where FP8 cannot run (the CPU, CUDA below sm_89, a torch whose rowwise FP8 matmul fails on the GPU): "fp8" is
+Where FP8 cannot run (the CPU, CUDA below sm_89, a GPU the FP8 GEMM does not compile for): "fp8" is
 refused at load with the reason, and a compressed-tensors FP8 checkpoint is dequantized to `model.dtype` (codes x
-scale) with a log line. `torch._scaled_mm` also runs on the CPU, which the tests use to check the numerics.
+scale) with a log line. The reference runs on the CPU, which the tests use to check the numerics.
 """
 
 from __future__ import annotations
@@ -31,19 +32,19 @@ import json
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
-from streamd.kernels import layout
+from streamd.kernels import layout, reference
+from streamd.kernels.layout import FP8, FP8_MAX, Fp8Rows
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = float(torch.finfo(FP8).max)  # 448
 MIN_CAPABILITY = (8, 9)  # Ada (sm_89) and Hopper (sm_90): the GPUs with FP8 tensor cores
 ALIGN = 16  # cuBLAS's FP8 GEMM: the inner dimension and the weight's output dimension multiples of 16
 NEEDS = "a CUDA GPU with FP8 tensor cores (compute capability 8.9+: Ada, Hopper; sm_89+)"
@@ -62,12 +63,13 @@ def _cuda_reason(index: int) -> str | None:
     name = torch.cuda.get_device_name(index)
     if (major, minor) < MIN_CAPABILITY:
         return f"model.device is cuda:{index}, {name}: sm_{major}{minor}"
-    try:  # one tiny rowwise matmul: some torch builds lack the rowwise kernel for some architectures
-        ones = torch.ones(ALIGN, ALIGN, device=f"cuda:{index}")
-        codes, scales = quantize_rows(ones)
-        torch._scaled_mm(codes, codes.t(), scale_a=scales, scale_b=scales.t().contiguous(), out_dtype=torch.bfloat16)
-    except RuntimeError as exc:
-        return f"model.device is cuda:{index}, {name}: torch {torch.__version__}'s rowwise FP8 matmul failed ({exc})"
+    try:  # one tiny matmul: the Triton FP8 GEMM compiles for this GPU
+        from streamd import kernels
+
+        rows = kernels.quantize_fp8(torch.ones(ALIGN, ALIGN, device=f"cuda:{index}"))
+        kernels.fp8_matmul(rows, rows.codes, rows.scales, torch.bfloat16)
+    except Exception as exc:  # Triton's compile errors have no common base
+        return f"model.device is cuda:{index}, {name}: the FP8 GEMM did not compile or run ({exc})"
     return None
 
 
@@ -96,15 +98,9 @@ def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
     return Fp8Weight(*layout.quantize_rows(weight.detach(), FP8))
 
 
-def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic per-row (per-token) quantization: e4m3 codes and float32 scales [rows, 1]."""
-    codes, scales = layout.quantize_rows(rows, FP8)
-    return codes, scales[:, None]
-
-
-def quantize_static(rows: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantization by a checkpoint's static per-tensor scale, given per row as `_scaled_mm` takes it."""
-    return _to_fp8(rows / scale), scale.reshape(1, 1).expand(rows.shape[0], 1).contiguous()
+def quantize_static(rows: torch.Tensor, scale: torch.Tensor) -> Fp8Rows:
+    """Quantization by a checkpoint's static per-tensor scale (the same scale on every row)."""
+    return Fp8Rows(_to_fp8(rows / scale), scale.reshape(1).expand(rows.shape[0]).contiguous(), rows.dtype)
 
 
 def _to_fp8(values: torch.Tensor) -> torch.Tensor:
@@ -112,8 +108,17 @@ def _to_fp8(values: torch.Tensor) -> torch.Tensor:
     return values.float().clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
+def _ops(device: torch.device) -> ModuleType:
+    """The FP8 kernels for tensors on `device`: Triton on CUDA, the plain-torch reference elsewhere."""
+    if device.type == "cuda":
+        from streamd import kernels
+
+        return kernels
+    return reference
+
+
 class Fp8Linear(nn.Module):
-    """y = (x quantized) @ (codes * scales).T + bias through `torch._scaled_mm`, rowwise scaling.
+    """y = (x quantized) @ (codes * scales).T + bias through `kernels.fp8_matmul`.
 
     `codes` (e4m3) and `scales` (float32) are buffers, so `.to(device)` moves them; never cast the module to
     another dtype (`.to(torch.bfloat16)` would turn the codes into plain numbers)."""
@@ -133,19 +138,28 @@ class Fp8Linear(nn.Module):
         self.register_buffer("input_scale", None if scale is None else scale.float().reshape(()))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    @property
+    def takes_rows(self) -> bool:
+        """Whether `forward` takes rows its caller quantized (dynamic scales, no padding of the inner dimension)."""
+        return self.input_scale is None and not self.pad_in
+
+    def forward(self, x: torch.Tensor | Fp8Rows) -> torch.Tensor:
+        """x [..., in] float, or quantized rows [tokens, in] (`takes_rows`) -> [..., out] in the activations'
+        dtype."""
+        if isinstance(x, Fp8Rows):
+            return self._matmul(x, x.dtype)
         rows = x.reshape(-1, self.in_features)
         if self.pad_in:
             rows = nn.functional.pad(rows, (0, self.pad_in))
-        codes, scales = quantize_rows(rows) if self.input_scale is None else quantize_static(rows, self.input_scale)
-        out_dtype = torch.bfloat16 if x.is_cuda else x.dtype
-        out = torch._scaled_mm(codes, self.codes.t(), scale_a=scales, scale_b=self.scales, out_dtype=out_dtype)
-        if self.pad_out:
-            out = out[:, : self.out_features]
-        out = out.to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        quantized = (
+            _ops(x.device).quantize_fp8(rows) if self.input_scale is None else quantize_static(rows, self.input_scale)
+        )
+        return self._matmul(quantized, x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def _matmul(self, x: Fp8Rows, out_dtype: torch.dtype) -> torch.Tensor:
+        bias = None if self.bias is None else nn.functional.pad(self.bias, (0, self.pad_out))
+        out = _ops(x.codes.device).fp8_matmul(x, self.codes, self.scales[0], out_dtype, bias)
+        return out[:, : self.out_features] if self.pad_out else out
 
     def fp8_weight(self) -> Fp8Weight:
         """The weight as held, without the padding."""

@@ -58,6 +58,7 @@ from streamd.engine.worker.quantized import (
     merge_reason,
 )
 from streamd.kernels import reference
+from streamd.kernels.layout import Fp8Rows
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -160,7 +161,7 @@ def resolve_mode(mode: str, model: PreTrainedModel, device: torch.device) -> str
         raise ValueError(f"model.fuse_layers must be one of {', '.join(FUSE_MODES)}, got {mode!r}")
     reason = unsupported_reason(model)
     if reason is None and mode == "compile" and has_fp8(model):
-        reason = "its FP8 layers run through torch._scaled_mm, which the compiled stretch does not take"
+        reason = "its FP8 layers run through the Triton FP8 GEMM, which the compiled stretch does not take"
     if reason is None and mode == "compile" and _low_bit(model):
         reason = "its low-bit layers run through torch's packed kernels, which the compiled stretch does not take"
     if mode == "auto":
@@ -311,18 +312,29 @@ class LayerPath(Protocol):
 
     def mlp_in(
         self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]: ...
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]: ...
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor: ...
 
 
 def _norm_in(
-    kernels: Any, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layer's first norm: the first layer has no residual yet (its input is the residual)."""
+    kernels: Any,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    fp8: bool = False,
+) -> tuple[Any, torch.Tensor]:
+    """The layer's first norm: the first layer has no residual yet (its input is the residual). `fp8`: the
+    normalised rows come quantized (`Fp8Rows`), for an FP8 projection."""
     if residual is None:
-        return kernels.rmsnorm(hidden, weight, eps), hidden
-    return kernels.fused_add_rmsnorm(hidden, residual, weight, eps)
+        return (kernels.rmsnorm_fp8 if fp8 else kernels.rmsnorm)(hidden, weight, eps), hidden
+    return (kernels.fused_add_rmsnorm_fp8 if fp8 else kernels.fused_add_rmsnorm)(hidden, residual, weight, eps)
+
+
+def _takes_rows(linear: nn.Module) -> bool:
+    """Whether `linear` is an FP8 layer that takes quantized rows, so the kernel before it writes them."""
+    return isinstance(linear, Fp8Linear) and linear.takes_rows
 
 
 def _qk_norm_weights(layer: FusedLayer) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
@@ -346,7 +358,8 @@ class KernelPath:
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         norm = layer.input_layernorm
-        x, residual = _norm_in(self.kernels, hidden, residual, norm.weight, norm.variance_epsilon)
+        fp8 = _takes_rows(layer.qkv_proj)
+        x, residual = _norm_in(self.kernels, hidden, residual, norm.weight, norm.variance_epsilon, fp8)
         return (*split_qkv(layer.qkv_proj(x), layer.qkv_sizes), residual)
 
     def attend(
@@ -372,10 +385,14 @@ class KernelPath:
 
     def mlp_in(
         self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         norm = layer.post_attention_layernorm
-        x, residual = self.kernels.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)
-        return self.kernels.silu_and_mul(layer.gate_up_proj(x)), residual
+        add_norm = (
+            self.kernels.fused_add_rmsnorm_fp8 if _takes_rows(layer.gate_up_proj) else self.kernels.fused_add_rmsnorm
+        )
+        x, residual = add_norm(hidden, residual, norm.weight, norm.variance_epsilon)
+        silu = self.kernels.silu_and_mul_fp8 if _takes_rows(layer.down_proj) else self.kernels.silu_and_mul
+        return silu(layer.gate_up_proj(x)), residual
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor:
         return self.kernels.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)[0]

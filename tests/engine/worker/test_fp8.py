@@ -1,4 +1,4 @@
-"""FP8 weights (`streamd/engine/worker/fp8.py`) on the CPU, where `torch._scaled_mm` also runs: the FP8 Linear's
+"""FP8 weights (`streamd/engine/worker/fp8.py`) on the CPU, where the plain-torch reference of the FP8 GEMM runs: the FP8 Linear's
 numerics against float references; `model.quantization = "fp8"` refused where FP8 cannot run (and, with the device
 check forced open, quantizing a float model but its head); a compressed-tensors FP8 checkpoint written here from a
 tiny Llama, loaded dequantized on the CPU (greedy tokens = transformers on the dequantized weights) and, forced,
@@ -6,8 +6,11 @@ kept FP8 as stored (the engine's greedy tokens = transformers' with the same FP8
 
 from __future__ import annotations
 
+import importlib
 import json
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -15,10 +18,11 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from streamd import LLM, SamplingParams
+from streamd import LLM, SamplingParams, kernels
 from streamd.config import ConfigError, ModelConfig
 from streamd.engine.worker import fp8, model_loader
 from streamd.engine.worker.model_loader import load_model, weight_bytes
+from streamd.kernels import reference
 from tests.helpers import hf_greedy, register_engine, save_random_checkpoint, tiny_config
 
 CPU = torch.device("cpu")
@@ -53,8 +57,7 @@ def test_fp8_linear_matches_its_references(rows: int, in_out: tuple[int, int], d
     out = layer(x)
     assert out.shape == (2, rows, out_features) and out.dtype == dtype
     dequantized = stored.dequantize(torch.float32)
-    codes, scales = fp8.quantize_rows(x.reshape(-1, in_features))
-    exact = ((codes.float() * scales) @ dequantized.T + bias).reshape(out.shape)
+    exact = (reference.quantize_fp8(x.reshape(-1, in_features)).dequantize(torch.float32) @ dequantized.T + bias).reshape(out.shape)
     assert _relative(out, exact) < (EXACT_F32 if dtype == torch.float32 else EXACT_BF16)
     assert _relative(out, x.float() @ dequantized.T + bias) < DEQUANTIZED
     assert _relative(out, x.float() @ weight.T + bias) < FLOAT
@@ -111,7 +114,7 @@ def test_fp8_is_refused_on_a_gpu_older_than_ada(monkeypatch: pytest.MonkeyPatch)
 
 @pytest.fixture
 def fp8_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The device check forced open on the CPU: the FP8 layers then run through the CPU's `torch._scaled_mm`."""
+    """The device check forced open on the CPU: the FP8 layers then run through the reference FP8 GEMM."""
     monkeypatch.setattr(fp8, "unsupported_reason", lambda device: None)
 
 
@@ -191,8 +194,11 @@ def _prompts() -> list[list[int]]:
     return [torch.randint(10, 256, (n,), generator=gen).tolist() for n in (1, 9, 23)]
 
 
-def _engine_greedy(path: Path, prompts: list[list[int]], tokens: int) -> tuple[LLM, list[list[int]]]:
-    llm = LLM(str(path), device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, seed=5)
+def _engine_greedy(
+    path: Path, prompts: list[list[int]], tokens: int, fuse_layers: str = "auto"
+) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(str(path), device="cpu", dtype="float32", block_size=8, max_num_batched_tokens=64, seed=5,
+              fuse_layers=fuse_layers)
     register_engine(llm.engine)
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True, detokenize=False)
     return llm, [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
@@ -249,6 +255,44 @@ def test_a_compressed_tensors_fp8_checkpoint_runs_fp8_where_fp8_runs(tmp_path: P
     assert sum(isinstance(m, fp8.Fp8Linear) for m in llm.engine.runner.model.modules()) == 2 * 7
     for prompt, tokens in zip(_prompts(), got):
         assert tokens == hf_greedy(loaded.model, prompt, 12), prompt
+
+
+@pytest.mark.parametrize("mode", ["reference", "triton"])
+def test_the_fused_layer_hands_fp8_projections_quantized_rows(
+    tmp_path: Path, fp8_runs: None, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Fused, the norms before the QKV and gate/up projections (and the SiLU-and-mul before a down projection of
+    unpadded width) write e4m3 rows (one kernel each, `kernels.fp8`) that the FP8 layers take as they are; the greedy
+    tokens stay transformers' with the same FP8 layers (which quantize their float inputs themselves)."""
+    from tests.kernels.paged_testlib import interpreter_runs_dynamic_loops
+
+    if mode == "triton" and not interpreter_runs_dynamic_loops():
+        pytest.skip("this triton's interpreter cannot run the FP8 kernels' loops")
+    _fp8_checkpoint(tmp_path / "fp8", static=False)
+    loaded = load_model(str(tmp_path / "fp8"), torch.float32, CPU, quantization="fp8")
+    loaded.model.generation_config.eos_token_id = None
+    calls: list[str] = []
+    module = reference if mode == "reference" else importlib.import_module("streamd.kernels.fp8")
+    for name in ("rmsnorm_fp8", "fused_add_rmsnorm_fp8", "silu_and_mul_fp8"):
+        monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
+    if mode == "triton":
+        for name in ("rmsnorm_fp8", "fused_add_rmsnorm_fp8", "silu_and_mul_fp8"):
+            monkeypatch.setattr(kernels, name, getattr(module, name), raising=False)
+    llm, got = _engine_greedy(tmp_path / "fp8", _prompts(), 6, fuse_layers=mode)
+    layers = llm.engine.runner.model.model.layers
+    # the down projection's inner width (72) is padded to 16 (`takes_rows` False): its input stays float
+    assert not layers[0].down_proj.takes_rows and "silu_and_mul_fp8" not in calls and "rmsnorm_fp8" in calls
+    assert calls.count("fused_add_rmsnorm_fp8") >= 2 * len(layers) - 1
+    for prompt, tokens in zip(_prompts(), got):
+        assert tokens == hf_greedy(loaded.model, prompt, 6), prompt
+
+
+def _counted(fn: Callable[..., Any], name: str, calls: list[str]) -> Callable[..., Any]:
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(name)
+        return fn(*args, **kwargs)
+
+    return counted
 
 
 def test_quantization_none_dequantizes_an_fp8_checkpoint_even_where_fp8_runs(tmp_path: Path, fp8_runs: None) -> None:

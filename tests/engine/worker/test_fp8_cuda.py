@@ -1,5 +1,5 @@
 """FP8 weights on a GPU with FP8 tensor cores (device machine, sm_89+: an H100): `Fp8Linear` through cuBLAS's rowwise
-`torch._scaled_mm` agrees with its float reference at awkward shapes (padded to 16) and row counts; an engine with
+the Triton FP8 GEMM agrees with its float reference at awkward shapes (padded to 16) and row counts; an engine with
 `model.quantization = "fp8"` (CUDA graphs, unfused) gives transformers' greedy tokens with the same FP8 layers
 (float32 around them), and in bfloat16 its prompt logprobs stay near the bfloat16 model's."""
 
@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 
 from streamd import LLM, SamplingParams
 from streamd.engine.worker import fp8
+from streamd.kernels import reference
 from tests.helpers import assert_pool_whole, hf_greedy
 
 pytestmark = [
@@ -50,8 +51,7 @@ def test_fp8_linear_on_cuda_matches_its_reference(rows: int, in_out: tuple[int, 
     x = torch.randn(rows, in_features, generator=gen).bfloat16()
     out = layer(x.cuda())
     assert out.dtype == torch.bfloat16 and out.shape == (rows, out_features)
-    codes, scales = fp8.quantize_rows(x)
-    exact = (codes.float() * scales) @ stored.dequantize(torch.float32).T + bias
+    exact = reference.quantize_fp8(x).dequantize(torch.float32) @ stored.dequantize(torch.float32).T + bias
     assert ((out.cpu().float() - exact).norm() / exact.norm()).item() < EXACT_BF16
 
 
