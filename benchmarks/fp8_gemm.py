@@ -4,11 +4,11 @@ For the Llama-3.1-8B and 3.2-1B Linears at decode and prefill row counts, each t
 engine's decode steps replay graphs, so launch overhead is not what is compared):
 - bf16 `x @ w.T` (cuBLAS), the baseline;
 - `torch._scaled_mm` with rowwise scales (what `Fp8Linear` used), and with per-tensor scales (cuBLASLt);
-- `streamd.kernels.fp8_matmul` (Triton) over a sweep of tilings, the best per row count reported;
+- `streamd.kernels.fp8_matmul`: the per-tensor one with unit scales, then the row and channel scales in one pass;
 and the quantization: torch's `layout.quantize_rows` against `quantize_fp8`, the norms and SiLU-and-mul with and
 without FP8 output. Writes one JSON to argv[1] and prints a table.
 
-    python benchmarks/fp8_gemm.py OUT.json [quick]
+    python benchmarks/fp8_gemm.py OUT.json
 """
 
 from __future__ import annotations
@@ -17,13 +17,11 @@ import itertools
 import json
 import sys
 import time
-from dataclasses import asdict
 
 import torch
 
 import streamd.kernels as K
 from streamd.kernels import reference as R
-from streamd.kernels.fp8 import GemmConfig, default_config
 from streamd.kernels.layout import FP8, quantize_rows
 
 SHAPES = {  # name: (k, n)
@@ -64,17 +62,7 @@ def graph_us(fn, reps: int = 20, replays: int = 10) -> float:
     return best
 
 
-def configs(rows: int) -> list[GemmConfig]:
-    if rows <= 16:
-        grid = itertools.product((16,), (32, 64, 128), (128, 256), (3, 5), (4,))
-    elif rows <= 64:
-        grid = itertools.product((32, 64), (64, 128), (128, 256), (3, 4), (4,))
-    else:
-        grid = itertools.product((64, 128), (128, 256), (64, 128), (3, 4), (4, 8))
-    return [GemmConfig(*c) for c in grid]
-
-
-def gemm_case(name: str, rows: int, quick: bool) -> dict:
+def gemm_case(name: str, rows: int) -> dict:
     k, n = SHAPES[name]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
@@ -92,23 +80,8 @@ def gemm_case(name: str, rows: int, quick: bool) -> dict:
     )
     want = R.fp8_matmul(xq, wq.codes, wq.scales, torch.float32)
     got = K.fp8_matmul(xq, wq.codes, wq.scales, torch.bfloat16)
-    row["triton_default_rel_err"] = ((got.float() - want).abs().max() / want.abs().max()).item()
-    row["triton_default_us"] = graph_us(lambda: K.fp8_matmul(xq, wq.codes, wq.scales, torch.bfloat16))
-    if not quick:
-        timed = []
-        for cfg in configs(rows):
-            try:
-                us = graph_us(lambda c=cfg: K.fp8_matmul(xq, wq.codes, wq.scales, torch.bfloat16, config=c), reps=10)
-            except Exception as exc:  # a tiling this GPU cannot hold (shared memory): skipped, named
-                timed.append((float("inf"), cfg, type(exc).__name__))
-                continue
-            timed.append((us, cfg, None))
-        timed.sort(key=lambda t: t[0])
-        row["triton_best_us"], best, _ = timed[0]
-        row["triton_best"] = [best.block_m, best.block_n, best.block_k, best.stages, best.warps]
-        row["triton_top3"] = [
-            [round(t[0], 2), [t[1].block_m, t[1].block_n, t[1].block_k, t[1].stages, t[1].warps]] for t in timed[:3]
-        ]
+    row["fp8_matmul_rel_err"] = ((got.float() - want).abs().max() / want.abs().max()).item()
+    row["fp8_matmul_us"] = graph_us(lambda: K.fp8_matmul(xq, wq.codes, wq.scales, torch.bfloat16))
     return row
 
 
@@ -134,20 +107,16 @@ def quant_case(rows: int, hidden: int, inter: int) -> dict:
 
 
 def main() -> None:
-    quick = len(sys.argv) > 2 and sys.argv[2] == "quick"
     start = time.time()
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "gemm": [], "quant": []}
     for rows, (hidden, inter) in itertools.product((1, 64, 256, 2048), ((4096, 14336), (2048, 8192))):
         result["quant"].append(quant_case(rows, hidden, inter))
         print(json.dumps(result["quant"][-1]), flush=True)
     for name, rows in itertools.product(SHAPES, ROWS):
-        row = gemm_case(name, rows, quick)
+        row = gemm_case(name, rows)
         result["gemm"].append(row)
         print(json.dumps(row), flush=True)
     result["seconds"] = time.time() - start
-    result["default_configs"] = {
-        f"{name}x{r}": asdict(default_config(r, SHAPES[name][1], SHAPES[name][0])) for name in SHAPES for r in ROWS
-    }
     with open(sys.argv[1], "w") as f:
         json.dump(result, f, indent=1)
 

@@ -5,9 +5,7 @@ and the codes). In torch that is four or five kernels a Linear, as long as the G
 (benchmarks/NOTES.md, "Issue 28"). Here the quantization is one launch, or none: the RMSNorm before the QKV and
 gate/up GEMMs and the SiLU-and-mul before the down GEMM write e4m3 codes and their row scales directly
 (`rmsnorm_fp8`, `fused_add_rmsnorm_fp8`, `silu_and_mul_fp8`). `fp8_matmul` multiplies codes by codes on the FP8
-tensor cores and applies both scales (row x channel) in its epilogue. Hopper's FP8 MMA accumulates with fewer bits
-than float32; the GEMM moves its partial sums into a float32 accumulator every BLOCK_K (128 or 256) products, as
-cuBLAS does without its fast-accumulation flag.
+tensor cores (cuBLAS) and applies both scales (row x channel) and the bias in one pass after.
 
 Codes are encoded with integer arithmetic (`_e4m3_bits`): round to nearest even, saturating at 448. That is what
 the hardware's conversion does, but Triton's interpreter rounds without carrying a mantissa overflow into the
@@ -18,7 +16,7 @@ torch's conversion. The quantization follows `layout.quantize_fp8_rows` (the ref
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
 
 import torch
 import triton.language as tl
@@ -151,102 +149,45 @@ def _silu_and_mul_fp8_kernel(
         _store_codes(codes_ptr + row * s_codes, cols, y, scale, cols < inter)
 
 
-@dataclass(frozen=True, slots=True)
-class GemmConfig:
-    """`fp8_matmul`'s tiling: BLOCK_M x BLOCK_N output tiles, BLOCK_K deep, `stages` in flight."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    stages: int
-    warps: int
-    group_m: int = 8
-
-
-def default_config(rows: int, n: int, k: int) -> GemmConfig:
-    """The tiling for `rows` activation rows times a weight [n, k]: the fastest of a sweep on an H200 at the
-    Llama-3.1-8B and 3.2-1B Linears (benchmarks/fp8_gemm.py, results/fp8-gemm-2026-11-28-h200.json). Few rows
-    read the weight once and want many narrow tiles to spread it over the GPU; many rows want big ones."""
-    wide = n >= 16384  # a gate/up projection
-    if rows <= 16:
-        return GemmConfig(16, 32 if n <= 4096 else 64 if not n > 16384 else 128, 256 if k >= 4096 else 128, 4, 4)
-    if rows <= 64:
-        return GemmConfig(64, 64, 256 if k >= 8192 else 128, 4, 4)
-    if rows <= 256:
-        return GemmConfig(128, 256, 128, 4, 8) if wide else GemmConfig(64, 128, 128, 3, 8)
-    if rows <= 512:
-        return GemmConfig(128, 256, 128, 4, 8) if wide else GemmConfig(128, 128, 128, 3, 8)
-    return GemmConfig(128, 256, 128, 4, 8)
-
-
 @dual_kernel(do_not_specialize=("rows",))
-def _fp8_matmul_kernel(
-    a_ptr: tl.tensor,
+def _scale_kernel(
+    p_ptr: tl.tensor,
     a_scale_ptr: tl.tensor,
-    w_ptr: tl.tensor,
     w_scale_ptr: tl.tensor,
     bias_ptr: tl.tensor,
-    out_ptr: tl.tensor,
-    rows: tl.tensor,
     n: tl.tensor,
-    k: tl.tensor,
-    s_a: tl.tensor,
-    s_w: tl.tensor,
-    s_out: tl.tensor,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    GROUP_M: tl.constexpr,
+    s_p: tl.tensor,
+    BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    UPCAST: tl.constexpr,
 ) -> None:
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(rows, BLOCK_M)
-    tiles_n = tl.cdiv(n, BLOCK_N)
-    group = pid // (GROUP_M * tiles_n)
-    first_m = group * GROUP_M
-    group_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % (GROUP_M * tiles_n)) % group_m
-    pid_n = (pid % (GROUP_M * tiles_n)) // group_m
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + offs_m[:, None].to(tl.int64) * s_a + offs_k[None, :]
-    w_ptrs = w_ptr + offs_n[None, :].to(tl.int64) * s_w + offs_k[:, None]
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for start in range(0, k, BLOCK_K):
-        k_mask = start + offs_k < k
-        a = tl.load(a_ptrs, mask=(offs_m[:, None] < rows) & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=(offs_n[None, :] < n) & k_mask[:, None], other=0.0)
-        if UPCAST:
-            acc += tl.dot(a.to(tl.float32), w.to(tl.float32))
-        else:  # Hopper's FP8 MMA accumulates in less than float32: promote to `acc` once per BLOCK_K
-            acc = tl.dot(a, w, acc, max_num_imprecise_acc=BLOCK_K)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    a_scale = tl.load(a_scale_ptr + offs_m, mask=offs_m < rows, other=0.0)
-    w_scale = tl.load(w_scale_ptr + offs_n, mask=offs_n < n, other=0.0)
-    acc = acc * a_scale[:, None] * w_scale[None, :]
+    """p[row, cols] *= a_scale[row] * w_scale[cols] (+ bias[cols]), in place, in float32."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < n
+    p = tl.load(p_ptr + row * s_p + cols, mask=mask, other=0.0).to(tl.float32)
+    y = p * tl.load(a_scale_ptr + row) * tl.load(w_scale_ptr + cols, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(bias_ptr + offs_n, mask=offs_n < n, other=0.0).to(tl.float32)[None, :]
-    out_mask = (offs_m[:, None] < rows) & (offs_n[None, :] < n)
-    tl.store(
-        out_ptr + offs_m[:, None].to(tl.int64) * s_out + offs_n[None, :],
-        acc.to(out_ptr.dtype.element_ty),
-        mask=out_mask,
-    )
+        y += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(p_ptr + row * s_p + cols, y.to(p_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _unit_scale(device: torch.device) -> torch.Tensor:
+    return torch.ones((), dtype=torch.float32, device=device)
 
 
 def fp8_matmul(
-    x: Fp8Rows,
-    codes: torch.Tensor,
-    scales: torch.Tensor,
-    out_dtype: torch.dtype,
-    bias: torch.Tensor | None = None,
-    config: GemmConfig | None = None,
+    x: Fp8Rows, codes: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """(x.codes * x.scales) @ (codes * scales).T + bias: x [rows, k] e4m3 with float32 row scales [rows], the
-    weight's codes [n, k] e4m3 with float32 channel scales [n]; float32 accumulation, [rows, n] in `out_dtype`."""
+    weight's codes [n, k] e4m3 with float32 channel scales [n]; [rows, n] in `out_dtype`.
+
+    The codes' product is cuBLAS's per-tensor FP8 GEMM with unit scales (float32 accumulation, written in
+    `out_dtype`); one Triton pass then applies the row and channel scales and the bias in place. Measured on an H200
+    (benchmarks/fp8_gemm.py), that GEMM is the fastest FP8 one at every size of the 8B and 1B Linears: torch's
+    rowwise-scaled one is slower than bfloat16 below ~64 rows, and a Triton GEMM either accumulated in Hopper's
+    reduced-precision FP8 MMA (0.5-1% errors) or, promoting to float32 every tile, ran up to 3x slower. The pass
+    rounds twice in a bfloat16 model (the product, then the scaled value): within two bfloat16 steps."""
     rows, k = x.codes.shape
     n = codes.shape[0]
     if codes.shape[1] != k or x.scales.shape != (rows,) or scales.shape != (n,):
@@ -254,35 +195,23 @@ def fp8_matmul(
             f"fp8_matmul wants x [rows, k] with scales [rows] and a weight [n, k] with scales [n], got "
             f"{tuple(x.codes.shape)}, {tuple(x.scales.shape)}, {tuple(codes.shape)}, {tuple(scales.shape)}"
         )
-    out = torch.empty((rows, n), dtype=out_dtype, device=x.codes.device)
-    if rows == 0:
-        return out
-    cfg = config or default_config(rows, n, k)
-    grid = (cdiv(rows, cfg.block_m) * cdiv(n, cfg.block_n),)
-    _fp8_matmul_kernel.launch(
-        x.codes.device,
-        grid,
-        x.codes,
-        x.scales,
-        codes,
-        scales,
-        bias if bias is not None else scales,
-        out,
-        rows,
-        n,
-        k,
-        x.codes.stride(0),
-        codes.stride(0),
-        out.stride(0),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        GROUP_M=cfg.group_m,
-        HAS_BIAS=bias is not None,
-        UPCAST=x.codes.device.type != "cuda",
-        num_warps=cfg.warps,
-        num_stages=cfg.stages,
-    )
+    unit = _unit_scale(x.codes.device)
+    out = torch._scaled_mm(x.codes, codes.t(), scale_a=unit, scale_b=unit, out_dtype=out_dtype)
+    if rows:
+        block = min(_MAX_BLOCK, next_pow2(n))
+        _scale_kernel.launch(
+            out.device,
+            (rows, cdiv(n, block)),
+            out,
+            x.scales,
+            scales,
+            bias if bias is not None else scales,
+            n,
+            out.stride(0),
+            BLOCK=block,
+            HAS_BIAS=bias is not None,
+            num_warps=4,
+        )
     return out
 
 

@@ -356,9 +356,8 @@ def fp8_matmul(
     scales: torch.Tensor,
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
-    config: object = None,
 ) -> torch.Tensor:
-    """(x.codes * x.scales) @ (codes * scales).T + bias in float32 (`config`, the kernel's tiling, is ignored)."""
+    """(x.codes * x.scales) @ (codes * scales).T + bias in float32, rounded once to `out_dtype`."""
     out = (x.codes.float() @ codes.float().t()) * x.scales[:, None] * scales[None, :]
     return (out if bias is None else out + bias.float()).to(out_dtype)
 

@@ -11,7 +11,6 @@ from paged_testlib import interpreter_runs_dynamic_loops
 
 import streamd.kernels as K
 from streamd.kernels import reference as ref
-from streamd.kernels.fp8 import GemmConfig
 from streamd.kernels.layout import FP8, FP8_MAX, Fp8Rows
 
 # the kernels loop over a row's columns and K: an interpreter that cannot run such loops (triton 3.6's with
@@ -109,9 +108,6 @@ def test_fp8_ops_reject_bad_shapes() -> None:
         K.fp8_matmul(x, w.codes, w.scales, torch.float32)
 
 
-TILINGS = [GemmConfig(16, 32, 64, 2, 4), GemmConfig(64, 64, 128, 3, 4)]
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rows,n,k", [(1, 37, 48), (19, 100, 80), (70, 16, 160)])
 @pytest.mark.parametrize("bias", [False, True])
@@ -120,20 +116,20 @@ def test_fp8_matmul_matches_reference(device: str, rows: int, n: int, k: int, bi
     w = ref.quantize_fp8(torch.randn(n, k, device=device) * 0.05)
     b = torch.randn(n, device=device) if bias else None
     want = ref.fp8_matmul(x, w.codes, w.scales, torch.float32, b)
-    for tiling in TILINGS + [None]:  # None: the default for this row count
-        got = K.fp8_matmul(x, w.codes, w.scales, torch.float32, b, config=tiling)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    got = K.fp8_matmul(x, w.codes, w.scales, torch.float32, b)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
     got = K.fp8_matmul(x, w.codes, w.scales, torch.bfloat16, b)
     assert got.dtype == torch.bfloat16
-    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=1e-5 * want.abs().max().item())
+    # bfloat16 rounds twice (the codes' product, then the scaled value plus the bias): a step of the larger
+    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-8 * want.abs().max().item())
 
 
 @cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("rows", [1, 64, 300])
 def test_fp8_matmul_on_cuda_equals_scaled_mm(rows: int) -> None:
-    """The Triton GEMM against cuBLAS's rowwise-scaled FP8 GEMM (precise accumulation; bfloat16 out, as torch's
-    rowwise path writes) and the float32 reference, on a decode-sized 8B down projection; in a CUDA graph."""
+    """Against torch's rowwise-scaled FP8 GEMM (bfloat16 out, as it writes) and the float32 reference, on a
+    decode-sized 8B down projection; in a CUDA graph."""
     x = ref.quantize_fp8(torch.randn(rows, 14336, device="cuda", dtype=torch.bfloat16))
     w = ref.quantize_fp8(torch.randn(1024, 14336, device="cuda", dtype=torch.bfloat16) * 0.02)
     exact = ref.fp8_matmul(x, w.codes, w.scales, torch.float32)
@@ -141,7 +137,7 @@ def test_fp8_matmul_on_cuda_equals_scaled_mm(rows: int) -> None:
                               scale_b=w.scales[None, :].contiguous(), out_dtype=torch.bfloat16)
     got = K.fp8_matmul(x, w.codes, w.scales, torch.float32)
     scale = exact.abs().max().item()
-    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * scale)  # float32 accumulation, promoted
+    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * scale)  # float32 accumulation
     torch.testing.assert_close(cublas.float(), exact, rtol=2**-8, atol=1e-3 * scale)
     want = exact
     graph = torch.cuda.CUDAGraph()
