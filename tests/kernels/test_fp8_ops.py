@@ -17,6 +17,9 @@ from streamd.kernels.layout import FP8, FP8_MAX, Fp8Rows
 # numpy >= 2.4) runs the CPU cases not at all
 DEVICES = (["cpu"] if interpreter_runs_dynamic_loops() else []) + (["cuda"] if torch.cuda.is_available() else [])
 cuda = pytest.mark.cuda
+# cuBLAS's FP8 GEMM on Hopper: its partial sums are not float32 throughout (measured on an H200: 3e-3 of the largest
+# output at k = 14,336, against the exact products)
+CUBLAS_FP8 = 5e-3
 
 
 def _bits(rows: Fp8Rows) -> torch.Tensor:
@@ -109,7 +112,7 @@ def test_fp8_ops_reject_bad_shapes() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("rows,n,k", [(1, 37, 48), (19, 100, 80), (70, 16, 160)])
+@pytest.mark.parametrize("rows,n,k", [(1, 48, 48), (19, 112, 80), (70, 16, 160)])  # cuBLAS: n, k by 16
 @pytest.mark.parametrize("bias", [False, True])
 def test_fp8_matmul_matches_reference(device: str, rows: int, n: int, k: int, bias: bool) -> None:
     x = ref.quantize_fp8(torch.randn(rows, k, device=device) * 4)
@@ -117,7 +120,8 @@ def test_fp8_matmul_matches_reference(device: str, rows: int, n: int, k: int, bi
     b = torch.randn(n, device=device) if bias else None
     want = ref.fp8_matmul(x, w.codes, w.scales, torch.float32, b)
     got = K.fp8_matmul(x, w.codes, w.scales, torch.float32, b)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * want.abs().max().item())
+    close = 1e-5 if device == "cpu" else CUBLAS_FP8
+    torch.testing.assert_close(got, want, rtol=close, atol=close * want.abs().max().item())
     got = K.fp8_matmul(x, w.codes, w.scales, torch.bfloat16, b)
     assert got.dtype == torch.bfloat16
     # bfloat16 rounds twice (the codes' product, then the scaled value plus the bias): a step of the larger
@@ -137,7 +141,7 @@ def test_fp8_matmul_on_cuda_equals_scaled_mm(rows: int) -> None:
                               scale_b=w.scales[None, :].contiguous(), out_dtype=torch.bfloat16)
     got = K.fp8_matmul(x, w.codes, w.scales, torch.float32)
     scale = exact.abs().max().item()
-    torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-4 * scale)  # float32 accumulation
+    torch.testing.assert_close(got, exact, rtol=CUBLAS_FP8, atol=CUBLAS_FP8 * scale)
     torch.testing.assert_close(cublas.float(), exact, rtol=2**-8, atol=1e-3 * scale)
     want = exact
     graph = torch.cuda.CUDAGraph()
