@@ -20,7 +20,14 @@ if TYPE_CHECKING:
     from streamd.kernels.activation import silu_and_mul
     from streamd.kernels.block_copy import copy_blocks
     from streamd.kernels.decode_attention import paged_decode_attention
-    from streamd.kernels.fp8 import fp8_matmul, fused_add_rmsnorm_fp8, quantize_fp8, rmsnorm_fp8, silu_and_mul_fp8
+    from streamd.kernels.fp8 import (
+        fp8_matmul,
+        fp8_product,
+        fused_add_rmsnorm_fp8,
+        quantize_fp8,
+        rmsnorm_fp8,
+        silu_and_mul_fp8,
+    )
     from streamd.kernels.kv_store import store_kv
     from streamd.kernels.prefill_attention import paged_prefill_attention
     from streamd.kernels.rmsnorm import fused_add_rmsnorm, rmsnorm
@@ -40,6 +47,7 @@ _MODULE_OF = {
     "fused_add_rmsnorm_fp8": "fp8",
     "silu_and_mul_fp8": "fp8",
     "fp8_matmul": "fp8",
+    "fp8_product": "fp8",
 }
 __all__ = list(_MODULE_OF)
 

@@ -27,6 +27,8 @@ from streamd.kernels.layout import FP8, FP8_MAX, KV_MIN_SCALE, Fp8Rows, check_no
 MIN_SCALE = tl.constexpr(KV_MIN_SCALE)
 QMAX = tl.constexpr(FP8_MAX)
 _MAX_BLOCK = 2048
+# a whole row of gate/up at once up to 16,384 columns (Llama-3.1-8B's 14,336): one read of each value
+_SILU_BLOCK = 16384
 
 
 @jit_helper
@@ -116,10 +118,31 @@ def _rmsnorm_fp8_kernel(
 
 
 @jit_helper
-def _silu_mul(x_ptr: tl.tensor, inter: tl.tensor, cols: tl.tensor, mask: tl.tensor, dtype: tl.constexpr) -> tl.tensor:
-    """`activation._silu_and_mul_kernel`'s value of `cols` (rounded to `dtype`), float32."""
+def _scaled(
+    x: tl.tensor, row_scale: tl.tensor, col_ptr: tl.tensor, cols: tl.tensor, mask: tl.tensor, dtype: tl.constexpr
+) -> tl.tensor:
+    """An FP8 product's values times their row and column scales, rounded to `dtype` (`_scale_kernel`'s value)."""
+    return (x * row_scale * tl.load(col_ptr + cols, mask=mask, other=0.0)).to(dtype).to(tl.float32)
+
+
+@jit_helper
+def _silu_mul(
+    x_ptr: tl.tensor,
+    inter: tl.tensor,
+    cols: tl.tensor,
+    mask: tl.tensor,
+    dtype: tl.constexpr,
+    row_scale: tl.tensor,
+    col_ptr: tl.tensor,
+    SCALED: tl.constexpr,
+) -> tl.tensor:
+    """`activation._silu_and_mul_kernel`'s value of `cols` (rounded to `dtype`), float32; SCALED: x is an FP8
+    product, scaled first (as `fp8_matmul` would have)."""
     gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    if SCALED:
+        gate = _scaled(gate, row_scale, col_ptr, cols, mask, dtype)
+        up = _scaled(up, row_scale, col_ptr, inter + cols, mask, dtype)
     act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
     return (act * up).to(dtype).to(tl.float32)
 
@@ -129,23 +152,28 @@ def _silu_and_mul_fp8_kernel(
     x_ptr: tl.tensor,
     codes_ptr: tl.tensor,
     scales_ptr: tl.tensor,
+    row_scales_ptr: tl.tensor,
+    col_scales_ptr: tl.tensor,
     inter: tl.tensor,
     s_x: tl.tensor,
     s_codes: tl.tensor,
     BLOCK: tl.constexpr,
+    SCALED: tl.constexpr,
 ) -> None:
     row = tl.program_id(0).to(tl.int64)
     dtype = x_ptr.dtype.element_ty
     x_row = x_ptr + row * s_x
+    rs = tl.load(row_scales_ptr + row) if SCALED else 1.0
     absmax = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        absmax = tl.maximum(absmax, tl.abs(_silu_mul(x_row, inter, cols, cols < inter, dtype)))
+        y = _silu_mul(x_row, inter, cols, cols < inter, dtype, rs, col_scales_ptr, SCALED)
+        absmax = tl.maximum(absmax, tl.abs(y))
     scale = _row_scale(tl.max(absmax, 0))
     tl.store(scales_ptr + row, scale)
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
-        y = _silu_mul(x_row, inter, cols, cols < inter, dtype)
+        y = _silu_mul(x_row, inter, cols, cols < inter, dtype, rs, col_scales_ptr, SCALED)
         _store_codes(codes_ptr + row * s_codes, cols, y, scale, cols < inter)
 
 
@@ -176,6 +204,13 @@ def _unit_scale(device: torch.device) -> torch.Tensor:
     return torch.ones((), dtype=torch.float32, device=device)
 
 
+def fp8_product(x: Fp8Rows, codes: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x.codes @ codes.T, unscaled, in `out_dtype` (cuBLAS's per-tensor FP8 GEMM with unit scales): for a kernel
+    after it that applies the scales itself (`silu_and_mul_fp8`)."""
+    unit = _unit_scale(x.codes.device)
+    return torch._scaled_mm(x.codes, codes.t(), scale_a=unit, scale_b=unit, out_dtype=out_dtype)
+
+
 def fp8_matmul(
     x: Fp8Rows, codes: torch.Tensor, scales: torch.Tensor, out_dtype: torch.dtype, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -195,8 +230,7 @@ def fp8_matmul(
             f"fp8_matmul wants x [rows, k] with scales [rows] and a weight [n, k] with scales [n], got "
             f"{tuple(x.codes.shape)}, {tuple(x.scales.shape)}, {tuple(codes.shape)}, {tuple(scales.shape)}"
         )
-    unit = _unit_scale(x.codes.device)
-    out = torch._scaled_mm(x.codes, codes.t(), scale_a=unit, scale_b=unit, out_dtype=out_dtype)
+    out = fp8_product(x, codes, out_dtype)
     if rows:
         block = min(_MAX_BLOCK, next_pow2(n))
         _scale_kernel.launch(
@@ -294,30 +328,41 @@ def fused_add_rmsnorm_fp8(
     return _rmsnorm_fp8(x, residual, weight, eps)
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
-    """`silu_and_mul(x)` quantized (its rows rounded to x's dtype first), one launch."""
+def silu_and_mul_fp8(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Fp8Rows:
+    """`silu_and_mul(x)` quantized (its rows rounded to x's dtype first), one launch. `scales` (row scales [rows],
+    column scales [2 * intermediate]): x is an FP8 gate/up product still to be scaled (`fp8_product`), which this
+    does on the way, as `fp8_matmul`'s pass would have."""
     if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
         raise ValueError(
             f"silu_and_mul_fp8 wants x [rows, 2 * intermediate] with unit column stride, got "
             f"{tuple(x.shape)} strides {x.stride()}"
         )
+    if scales is not None and (scales[0].shape != (x.shape[0],) or scales[1].shape != (x.shape[1],)):
+        raise ValueError(
+            f"silu_and_mul_fp8's scales must be [{x.shape[0]}] and [{x.shape[1]}], got "
+            f"{tuple(scales[0].shape)} and {tuple(scales[1].shape)}"
+        )
     rows, inter = x.shape[0], x.shape[1] // 2
     out = _new_rows(x, inter)
     if rows:
-        block = min(_MAX_BLOCK, next_pow2(inter))
+        block = min(_SILU_BLOCK, next_pow2(inter))
+        row_scales, col_scales = scales if scales is not None else (out.scales, out.scales)
         _silu_and_mul_fp8_kernel.launch(
             x.device,
             (rows,),
             x,
             out.codes.view(torch.uint8),
             out.scales,
+            row_scales,
+            col_scales,
             inter,
             x.stride(0),
             out.codes.stride(0),
             BLOCK=block,
-            num_warps=min(8, max(1, block // 256)),
+            SCALED=scales is not None,
+            num_warps=min(16, max(1, block // 512)),
         )
     return out
 
 
-__all__ = ["fp8_matmul", "fused_add_rmsnorm_fp8", "quantize_fp8", "rmsnorm_fp8", "silu_and_mul_fp8"]
+__all__ = ["fp8_matmul", "fp8_product", "fused_add_rmsnorm_fp8", "quantize_fp8", "rmsnorm_fp8", "silu_and_mul_fp8"]

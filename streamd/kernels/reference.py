@@ -345,9 +345,17 @@ def fused_add_rmsnorm_fp8(
     return quantize_fp8(normed), summed
 
 
-def silu_and_mul_fp8(x: torch.Tensor) -> Fp8Rows:
-    """`silu_and_mul`'s rows (rounded to x's dtype), quantized."""
+def silu_and_mul_fp8(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Fp8Rows:
+    """`silu_and_mul`'s rows (rounded to x's dtype), quantized; `scales` (rows, columns): x is an FP8 product,
+    scaled first and rounded to its dtype."""
+    if scales is not None:
+        x = (x.float() * scales[0][:, None] * scales[1][None, :]).to(x.dtype)
     return quantize_fp8(silu_and_mul(x))
+
+
+def fp8_product(x: Fp8Rows, codes: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """x.codes @ codes.T unscaled (float64, then `out_dtype`)."""
+    return (x.codes.double() @ codes.double().t()).to(out_dtype)
 
 
 def fp8_matmul(

@@ -82,11 +82,11 @@ def test_norms_write_the_codes_of_norm_then_quantize(device: str, dtype: torch.d
 
 
 def _assert_near(got: Fp8Rows, want: Fp8Rows) -> None:
-    """Within the layer kernels' tolerance of their references (2%, for the interpreter's bfloat16) and one e4m3
+    """Within the layer kernels' tolerance of their references (3%, for the interpreter's bfloat16) and one e4m3
     step (an eighth) of the value."""
-    torch.testing.assert_close(got.scales, want.scales, rtol=2e-2, atol=0)
+    torch.testing.assert_close(got.scales, want.scales, rtol=3e-2, atol=0)
     a, b = got.dequantize(torch.float32), want.dequantize(torch.float32)
-    assert ((a - b).abs() <= b.abs() * (1 / 8 + 2e-2) + want.scales[:, None] * 2**-8).all()
+    assert ((a - b).abs() <= b.abs() * (1 / 8 + 3e-2) + want.scales[:, None] * 2**-8).all()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -99,6 +99,22 @@ def test_silu_and_mul_writes_the_codes_of_silu_then_quantize(device: str, dtype:
 
 
 @pytest.mark.skipif("cpu" not in DEVICES, reason="this triton's interpreter cannot run data-dependent loops")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_scales_an_fp8_product_as_the_matmul_would(device: str, dtype: torch.dtype) -> None:
+    """Given the gate/up product unscaled and its scales, the SiLU-and-mul writes the codes it writes after
+    `fp8_matmul`'s own scale pass, bit for bit."""
+    x = ref.quantize_fp8(torch.randn(6, 64, device=device).to(dtype))
+    w = ref.quantize_fp8(torch.randn(2 * 48, 64, device=device) * 0.1)
+    scaled = K.silu_and_mul_fp8(K.fp8_matmul(x, w.codes, w.scales, dtype))
+    product = K.fp8_product(x, w.codes, dtype)
+    _assert_same(K.silu_and_mul_fp8(product, scales=(x.scales, w.scales)), scaled)
+    want = ref.silu_and_mul_fp8(ref.fp8_product(x, w.codes, dtype), scales=(x.scales, w.scales))
+    _assert_near(K.silu_and_mul_fp8(product, scales=(x.scales, w.scales)), want)
+    with pytest.raises(ValueError, match="scales must be"):
+        K.silu_and_mul_fp8(product, scales=(x.scales, w.scales[:5]))
+
+
 def test_fp8_ops_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="quantize_fp8 wants x"):
         K.quantize_fp8(torch.randn(4))

@@ -156,6 +156,14 @@ class Fp8Linear(nn.Module):
         )
         return self._matmul(quantized, x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def unscaled(self, x: Fp8Rows) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(the codes' product [tokens, out] in x's dtype, the channel scales [out]) for a kernel after this layer
+        that applies x.scales and the channel scales itself (`kernels.silu_and_mul_fp8`); None where the output is
+        more than that (a bias, a padded output)."""
+        if self.bias is not None or self.pad_out:
+            return None
+        return _ops(x.codes.device).fp8_product(x, self.codes, x.dtype), self.scales[0]
+
     def _matmul(self, x: Fp8Rows, out_dtype: torch.dtype) -> torch.Tensor:
         bias = None if self.bias is None else nn.functional.pad(self.bias, (0, self.pad_out))
         out = _ops(x.codes.device).fp8_matmul(x, self.codes, self.scales[0], out_dtype, bias)

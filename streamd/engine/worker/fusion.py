@@ -332,6 +332,21 @@ def _norm_in(
     return (kernels.fused_add_rmsnorm_fp8 if fp8 else kernels.fused_add_rmsnorm)(hidden, residual, weight, eps)
 
 
+def _activation(kernels: Any, layer: FusedLayer, x: torch.Tensor | Fp8Rows) -> torch.Tensor | Fp8Rows:
+    """SiLU-and-mul of x's gate/up projection; quantized for an FP8 down projection that takes rows, and then an FP8
+    gate/up hands over its codes' product unscaled (`Fp8Linear.unscaled`) for the SiLU-and-mul to scale on the way
+    (no pass over the product of its own)."""
+    gate_up = layer.gate_up_proj
+    if not _takes_rows(layer.down_proj):
+        return kernels.silu_and_mul(gate_up(x))
+    unscaled = gate_up.unscaled(x) if isinstance(x, Fp8Rows) and isinstance(gate_up, Fp8Linear) else None
+    if unscaled is None:
+        return kernels.silu_and_mul_fp8(gate_up(x))
+    product, channel_scales = unscaled
+    assert isinstance(x, Fp8Rows)
+    return kernels.silu_and_mul_fp8(product, scales=(x.scales, channel_scales))
+
+
 def _takes_rows(linear: nn.Module) -> bool:
     """Whether `linear` is an FP8 layer that takes quantized rows, so the kernel before it writes them."""
     return isinstance(linear, Fp8Linear) and linear.takes_rows
@@ -391,8 +406,7 @@ class KernelPath:
             self.kernels.fused_add_rmsnorm_fp8 if _takes_rows(layer.gate_up_proj) else self.kernels.fused_add_rmsnorm
         )
         x, residual = add_norm(hidden, residual, norm.weight, norm.variance_epsilon)
-        silu = self.kernels.silu_and_mul_fp8 if _takes_rows(layer.down_proj) else self.kernels.silu_and_mul
-        return silu(layer.gate_up_proj(x)), residual
+        return _activation(self.kernels, layer, x), residual
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor:
         return self.kernels.fused_add_rmsnorm(hidden, residual, norm.weight, norm.variance_epsilon)[0]

@@ -152,12 +152,14 @@ def _ct_config(strategy: str, static: bool) -> dict:
             "ignore": ["lm_head"], "kv_cache_scheme": None}
 
 
-def _fp8_checkpoint(path: Path, strategy: str = "channel", static: bool = False) -> dict[str, torch.Tensor]:
-    """A tiny random Llama (hidden 64, 2 layers, vocabulary 256; intermediate 72, so the MLP's layers are padded
-    to 16) saved, then its Linears but the head rewritten as llm-compressor stores FP8: e4m3 `weight`, its
+def _fp8_checkpoint(
+    path: Path, strategy: str = "channel", static: bool = False, intermediate: int = 72
+) -> dict[str, torch.Tensor]:
+    """A tiny random Llama (hidden 64, 2 layers, vocabulary 256; intermediate 72 by default, so the MLP's layers are
+    padded to 16) saved, then its Linears but the head rewritten as llm-compressor stores FP8: e4m3 `weight`, its
     `weight_scale` (channel: [out, 1] in bfloat16; tensor: [1] in float32) and a static `input_scale` ([1]).
     Returns each such weight dequantized (codes x stored scale) in float32."""
-    save_random_checkpoint(tiny_config(vocab_size=256, intermediate_size=72), path, seed=3)
+    save_random_checkpoint(tiny_config(vocab_size=256, intermediate_size=intermediate), path, seed=3)
     tensors, dequantized = load_file(path / "model.safetensors"), {}
     for name in [n for n in tensors if n.endswith("_proj.weight")]:
         weight, prefix = tensors[name].float(), name.removesuffix(".weight")
@@ -257,32 +259,37 @@ def test_a_compressed_tensors_fp8_checkpoint_runs_fp8_where_fp8_runs(tmp_path: P
         assert tokens == hf_greedy(loaded.model, prompt, 12), prompt
 
 
+@pytest.mark.parametrize("intermediate", [72, 80])
 @pytest.mark.parametrize("mode", ["reference", "triton"])
 def test_the_fused_layer_hands_fp8_projections_quantized_rows(
-    tmp_path: Path, fp8_runs: None, mode: str, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, fp8_runs: None, mode: str, intermediate: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Fused, the norms before the QKV and gate/up projections (and the SiLU-and-mul before a down projection of
-    unpadded width) write e4m3 rows (one kernel each, `kernels.fp8`) that the FP8 layers take as they are; the greedy
-    tokens stay transformers' with the same FP8 layers (which quantize their float inputs themselves)."""
+    """Fused, the norms before the QKV and gate/up projections, and the SiLU-and-mul before a down projection of
+    unpadded width, write e4m3 rows (one kernel each, `kernels.fp8`) that the FP8 layers take as they are; that
+    SiLU-and-mul also scales the gate/up's unscaled product itself. The greedy tokens stay transformers' with the
+    same FP8 layers (which quantize their float inputs themselves)."""
     from tests.kernels.paged_testlib import interpreter_runs_dynamic_loops
 
     if mode == "triton" and not interpreter_runs_dynamic_loops():
         pytest.skip("this triton's interpreter cannot run the FP8 kernels' loops")
-    _fp8_checkpoint(tmp_path / "fp8", static=False)
+    _fp8_checkpoint(tmp_path / "fp8", intermediate=intermediate)
     loaded = load_model(str(tmp_path / "fp8"), torch.float32, CPU, quantization="fp8")
     loaded.model.generation_config.eos_token_id = None
     calls: list[str] = []
     module = reference if mode == "reference" else importlib.import_module("streamd.kernels.fp8")
     for name in ("rmsnorm_fp8", "fused_add_rmsnorm_fp8", "silu_and_mul_fp8"):
         monkeypatch.setattr(module, name, _counted(getattr(module, name), name, calls))
-    if mode == "triton":
-        for name in ("rmsnorm_fp8", "fused_add_rmsnorm_fp8", "silu_and_mul_fp8"):
+        if mode == "triton":
             monkeypatch.setattr(kernels, name, getattr(module, name), raising=False)
+    # the FP8 layers' own GEMMs run through the reference off CUDA, whatever the layer's mode
+    monkeypatch.setattr(reference, "fp8_product", _counted(reference.fp8_product, "fp8_product", calls))
     llm, got = _engine_greedy(tmp_path / "fp8", _prompts(), 6, fuse_layers=mode)
     layers = llm.engine.runner.model.model.layers
-    # the down projection's inner width (72) is padded to 16 (`takes_rows` False): its input stays float
-    assert not layers[0].down_proj.takes_rows and "silu_and_mul_fp8" not in calls and "rmsnorm_fp8" in calls
-    assert calls.count("fused_add_rmsnorm_fp8") >= 2 * len(layers) - 1
+    assert "rmsnorm_fp8" in calls and calls.count("fused_add_rmsnorm_fp8") >= 2 * len(layers) - 1
+    if intermediate % 16:  # the down projection's inner width is padded (`takes_rows` False): its input stays float
+        assert not layers[0].down_proj.takes_rows and "silu_and_mul_fp8" not in calls
+    else:
+        assert calls.count("silu_and_mul_fp8") >= len(layers) and calls.count("fp8_product") >= len(layers)
     for prompt, tokens in zip(_prompts(), got):
         assert tokens == hf_greedy(loaded.model, prompt, 6), prompt
 
