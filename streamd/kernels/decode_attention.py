@@ -37,18 +37,6 @@ from streamd.kernels.layout import check_cache
 # A finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN for rows that see no
 # key (seq_len 0, padding rows), whereas exp2(x - 1e30-ish) is cleanly 0 or 1.
 _NEG_BIG = tl.constexpr(-1.0e30)
-_F16_MAX = tl.constexpr(65504.0)
-# An 8-bit pool's probability columns times their value scales are multiplied by this before they round to float16
-# (values of up to ~250 x the scale of 1: float16's normal range starts at 6e-5), then the sum divided by it.
-_P_SCALE = tl.constexpr(256.0)
-
-
-def _quant_dot_dtype(query_dtype: torch.dtype) -> torch.dtype:
-    """The dots' operand dtype over an 8-bit pool: float16 for a 16-bit query. Codes convert to float16 exactly
-    (int8's |127|, e4m3's whole range) in one instruction a pair on the GPU, where converting them to bfloat16 took
-    several and bounded the kernel (benchmarks/NOTES.md, "Issue 28, twenty-first session"); its 10-bit mantissa
-    also holds the probabilities more finely than bfloat16's 7. A float32 query keeps float32."""
-    return torch.float16 if query_dtype in (torch.bfloat16, torch.float16) else query_dtype
 
 
 @dual_kernel(do_not_specialize=("partition_size", "num_splits", "s_bt_seq"))
@@ -102,7 +90,6 @@ def _decode_kernel(
     KV_QUANT: tl.constexpr,
     KV_INT8: tl.constexpr,
     KV_QMAX: tl.constexpr,
-    QUANT_F16: tl.constexpr,
 ) -> None:
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -120,15 +107,12 @@ def _decode_kernel(
 
     kv_dtype = kv_ptr.dtype.element_ty  # the dots' operand dtype
     if KV_QUANT:
-        kv_dtype = tl.float16 if QUANT_F16 else q_ptr.dtype.element_ty
+        kv_dtype = q_ptr.dtype.element_ty
     q = tl.load(
         q_ptr + seq * s_q_seq + heads[:, None] * s_q_head + offs_d[None, :] * s_q_dim,
         mask=qd_mask,
         other=0.0,
-    )
-    if QUANT_F16:  # (float16's range: a bfloat16 query beyond it saturates rather than turn the scores to NaN)
-        q = tl.minimum(tl.maximum(q.to(tl.float32), -_F16_MAX), _F16_MAX)
-    q = q.to(kv_dtype)
+    ).to(kv_dtype)
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -185,14 +169,10 @@ def _decode_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        if QUANT_F16:  # scaled up into float16's normal range; undone once after the loop
-            p = p * (v_scale[None, :] * _P_SCALE)
-        elif KV_QUANT:
+        if KV_QUANT:
             p = p * v_scale[None, :]
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
-    if QUANT_F16:
-        acc = acc * (1.0 / _P_SCALE)
 
     if SPLIT:
         # Partials are [num_seqs, num_heads, num_splits] (+ [HEAD_DIM] for acc), float32, contiguous.
@@ -382,7 +362,7 @@ def paged_decode_attention(
 
     block_d = max(16, next_pow2(head_dim))
     s_kv = kv_cache.stride()
-    dot_dtype = _quant_dot_dtype(query.dtype) if scales.quant else kv_cache.dtype
+    dot_dtype = query.dtype if scales.quant else kv_cache.dtype
     _decode_kernel.launch(
         query.device,
         (num_seqs, num_kv_heads, num_splits),
@@ -426,7 +406,6 @@ def paged_decode_attention(
         UPCAST=dot_upcast(query.device, dot_dtype),
         **extras.flags(),
         **scales.flags,
-        QUANT_F16=scales.quant and dot_dtype == torch.float16,
         num_warps=num_warps,
         num_stages=num_stages,
     )
