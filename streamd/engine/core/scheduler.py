@@ -484,9 +484,9 @@ class Scheduler:
             return 0
         row_cost = self.step_cost.row_cost(len(decodes))
         price = DEFAULT_ROW_COST if row_cost is None else row_cost  # (no step without a chunk measured yet)
-        total = 0
+        total, others = 0, len(decodes) - 1
         for item in decodes:
-            draft = spec.propose(item.seq, item.group, budget - total, price) if budget > total else None
+            draft = spec.propose(item.seq, item.group, budget - total, price, others) if budget > total else None
             if draft is None:
                 continue
             slots = 1 + len(draft.token_ids)

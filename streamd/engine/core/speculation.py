@@ -21,10 +21,11 @@ costs k forwards of its own, so it drafts only where neither of the free propose
 source keeps state per sequence, its cache; it catches up on the tokens the other proposers drafted the
 next time it is asked.)
 
-How many drafts: the number that buys the most tokens per second of step (`best_draft_length`), from the
-sequence's recent acceptance rate and what a draft row costs against the step without it (`row_cost`, which the
-scheduler reads off its fitted step cost: ~0.46 of a decode step on a 2-core CPU, a few percent in a GPU's
-batched forward). Where no draft length beats a plain decode, the sequence pauses, then probes with one draft;
+How many drafts: the number that buys the step the most tokens per second (`best_draft_length`), from the
+sequence's recent acceptance rate, what a draft row costs against the step without it (`row_cost`, which the
+scheduler reads off its fitted step cost: ~0.46 of a one-sequence decode step on a 2-core CPU, a few percent in a
+GPU's batched forward) and how many other sequences the step decodes (the draft rows slow their tokens too).
+Where no draft length beats a plain decode, the sequence pauses, then probes with one draft;
 one whose rate falls below `min_acceptance` stops drafting for a while too (longer after each relapse); a step with
 more decoding sequences than `disable_by_batch_size` does not speculate at all (the wider forward stops paying).
 Requests whose sampling reads per-position state (penalties, seeds, beam search, a thinking budget, pending
@@ -117,17 +118,17 @@ class Speculator:
         return self.wants(group) and seq.num_output_tokens >= params.min_tokens and self._room(seq, params) > 0
 
     def propose(
-        self, seq: Sequence, group: SequenceGroup, limit: int, row_cost: float = DEFAULT_ROW_COST
+        self, seq: Sequence, group: SequenceGroup, limit: int, row_cost: float = DEFAULT_ROW_COST, others: int = 0
     ) -> Draft | None:
         """`seq`'s drafts for this step (at most `limit` tokens), or None; `row_cost`: what one draft row adds to
-        the step, as a share of the step without drafts."""
+        the step, as a share of the step without drafts, which also decodes `others` sequences."""
         if not self._eligible(seq, group):
             return None
         record = self._records.setdefault(seq.seq_id, DraftRecord())
         if record.paused_steps:
             record.paused_steps -= 1
             return None
-        k = self._draft_length(record, row_cost)
+        k = self._draft_length(record, row_cost, others)
         if k == 0:  # no draft pays at this rate: wait, then probe with one
             self._pause(record)
             record.probe = True
@@ -141,12 +142,12 @@ class Speculator:
             or self._from_draft_source(seq, k)
         )
 
-    def _draft_length(self, record: DraftRecord, row_cost: float) -> int:
+    def _draft_length(self, record: DraftRecord, row_cost: float, others: int) -> int:
         """`best_draft_length` at the sequence's rate; one after a pause (a probe)."""
         if record.probe:
             record.probe = False
             return 1
-        return best_draft_length(record.rate, row_cost, self.config.num_speculative_tokens)
+        return best_draft_length(record.rate, row_cost, self.config.num_speculative_tokens, others)
 
     def _room(self, seq: Sequence, params: SamplingParams) -> int:
         """Drafts that can still become output: the token after them is the step's own (max_tokens, context)."""
@@ -217,16 +218,17 @@ class Speculator:
                 self.draft_source.forget(seq.seq_id)
 
 
-def best_draft_length(rate: float, row_cost: float, most: int) -> int:
-    """The draft count k (0 .. `most`) that buys the most tokens per unit of step time, each draft taken as kept
-    with probability `rate` once those before it were: k drafts yield (1 - rate^(k+1)) / (1 - rate) tokens on
-    average (the kept run, then the model's own token) for 1 + `row_cost` * k of a plain decode step's time. 0
-    where no k beats a plain decode (one token for one step)."""
+def best_draft_length(rate: float, row_cost: float, most: int, others: int = 0) -> int:
+    """The draft count k (0 .. `most`) that buys the step the most tokens per unit of its time, each draft taken
+    as kept with probability `rate` once those before it were: k drafts yield (1 - rate^(k+1)) / (1 - rate) tokens
+    on average (the kept run, then the model's own token) for 1 + `row_cost` * k of the plain step's time. The
+    step also decodes `others` sequences, one token each, which the draft rows slow down as well: with B
+    sequences a draft must gain B times what it would alone. 0 where no k beats the plain step."""
     rate = min(max(rate, 0.0), 1.0)
-    best, best_yield = 0, 1.0
+    best, best_yield = 0, others + 1.0
     for k in range(1, most + 1):
         tokens = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
-        per_time = tokens / (1.0 + row_cost * k)
+        per_time = (others + tokens) / (1.0 + row_cost * k)
         if per_time > best_yield * (1.0 + 1e-9):
             best, best_yield = k, per_time
     return best

@@ -175,19 +175,22 @@ def test_a_draft_source_alone_makes_a_request_want_drafts_and_forgets_it_when_it
     assert source.forgotten == 2 * [s.seq_id for s in group.seqs]
 
 
-def _tokens_per_step_time(rate: float, row_cost: float, k: int) -> float:
-    """Expected tokens of a k-draft verify over its time, summed term by term: the model's own token always,
-    the i-th draft with probability rate^i (every one before it kept)."""
-    return sum(rate**i for i in range(k + 1)) / (1 + row_cost * k)
+def _tokens_per_step_time(rate: float, row_cost: float, k: int, others: int = 0) -> float:
+    """Expected tokens of a step with a k-draft verify over its time, summed term by term: one token of each other
+    sequence, the model's own token always, the i-th draft with probability rate^i (every one before it kept)."""
+    return (others + sum(rate**i for i in range(k + 1))) / (1 + row_cost * k)
 
 
-@given(st.floats(0.0, 1.0), st.floats(0.0, 2.0), st.integers(1, 12))
-def test_the_draft_length_buys_the_most_tokens_per_unit_of_step_time(rate: float, row_cost: float, most: int) -> None:
-    k = best_draft_length(rate, row_cost, most)
-    best = max(_tokens_per_step_time(rate, row_cost, j) for j in range(most + 1))
+@given(st.floats(0.0, 1.0), st.floats(0.0, 2.0), st.integers(1, 12), st.integers(0, 40))
+def test_the_draft_length_buys_the_step_the_most_tokens_per_unit_of_time(
+    rate: float, row_cost: float, most: int, others: int
+) -> None:
+    k = best_draft_length(rate, row_cost, most, others)
+    best = max(_tokens_per_step_time(rate, row_cost, j, others) for j in range(most + 1))
     assert 0 <= k <= most
-    assert _tokens_per_step_time(rate, row_cost, k) >= best * (1 - 1e-6)
-    assert k == 0 or _tokens_per_step_time(rate, row_cost, k) > 1.0  # a draft only where it beats a decode
+    assert _tokens_per_step_time(rate, row_cost, k, others) >= best * (1 - 1e-6)
+    assert k == 0 or _tokens_per_step_time(rate, row_cost, k, others) > others + 1.0  # only where it beats decodes
+    assert k >= best_draft_length(rate, row_cost, most, others + 1)  # more sequences slowed: never more drafts
 
 
 def test_drafts_shrink_where_a_row_costs_what_it_does_on_a_cpu() -> None:
@@ -196,6 +199,8 @@ def test_drafts_shrink_where_a_row_costs_what_it_does_on_a_cpu() -> None:
     assert [best_draft_length(rate, 0.46, 8) for rate in (0.3, 0.5, 0.8, 0.95, 1.0)] == [0, 1, 2, 5, 8]
     assert best_draft_length(0.7, 0.02, 8) >= 6
     assert best_draft_length(1.0, 1.0, 8) == 0  # a row as dear as a step: drafts can only break even
+    # a second sequence in the step: its token is slowed too, so a draft must gain twice as much
+    assert best_draft_length(0.5, 0.3, 8) == 1 and best_draft_length(0.5, 0.3, 8, others=1) == 0
 
 
 def test_a_sequence_whose_drafts_do_not_pay_pauses_then_probes_with_one_draft() -> None:
@@ -234,6 +239,20 @@ def test_a_step_prices_draft_rows_once_and_only_where_a_sequence_may_draft(monke
     predicted = [_group([1, 2, 3], [4], [4, 5, 6, 7, 8], max_tokens=50) for _ in range(2)]
     sched._add_drafts(SchedulerOutput(), plain + [ScheduledSeq(g.seqs[0], g, 1) for g in predicted], 64)
     assert asked == [4]  # one price for the step's four decodes
+
+
+def test_a_draft_must_pay_for_every_sequence_its_rows_slow(monkeypatch) -> None:
+    """Priced at 0.3 of the step a row, a fresh sequence (a hopeful rate of 0.7) drafts two tokens when it decodes
+    alone; beside three other decodes its rows would slow four tokens, and no draft gains that much."""
+    def drafts(plain: int) -> int:
+        spec = Speculator(SpeculativeConfig(), 100)
+        sched = Scheduler(SchedulerConfig(), BlockManager(64, 4), 100, speculator=spec)
+        monkeypatch.setattr(sched.step_cost, "row_cost", lambda tokens: 0.3)
+        predicted = _group([1, 2, 3], [4], [4, 5, 6, 7, 8], max_tokens=50)
+        others = [ScheduledSeq(g.seqs[0], g, 1) for g in (_group([9, 8], [7]) for _ in range(plain))]
+        return sched._add_drafts(SchedulerOutput(), [ScheduledSeq(predicted.seqs[0], predicted, 1), *others], 64)
+
+    assert drafts(0) == 2 and drafts(3) == 0
 
 
 def test_a_scheduler_without_a_latency_budget_still_learns_a_draft_rows_price() -> None:
