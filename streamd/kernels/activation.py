@@ -12,6 +12,7 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import cdiv, dual_kernel, next_pow2
+from streamd.kernels.layout import check_gate_up
 
 _MAX_BLOCK = 1024
 
@@ -32,11 +33,7 @@ def _silu_and_mul_kernel(
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """x [rows, 2 * inter] (gate, then up) -> silu(gate) * up [rows, inter]; a new tensor of x's dtype."""
-    if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
-        raise ValueError(
-            f"silu_and_mul wants x [rows, 2 * intermediate] with unit column stride, got "
-            f"{tuple(x.shape)} strides {x.stride()}"
-        )
+    check_gate_up(x, "silu_and_mul")
     rows, inter = x.shape[0], x.shape[1] // 2
     out = torch.empty((rows, inter), dtype=x.dtype, device=x.device)
     if rows == 0:

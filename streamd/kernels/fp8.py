@@ -1,4 +1,4 @@
-"""FP8 (e4m3) activations and the FP8 GEMM behind `Fp8Linear` (Triton).
+"""FP8 (e4m3) activations and the FP8 matmul behind `Fp8Linear` (Triton kernels around cuBLAS's FP8 GEMM).
 
 Why: an FP8 Linear reads half of bfloat16's weight bytes, but it needs its input quantized per row (absmax / 448
 and the codes). In torch that is four or five kernels a Linear, as long as the GEMM itself at decode sizes
@@ -22,18 +22,19 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import cdiv, dual_kernel, jit_helper, next_pow2
-from streamd.kernels.layout import FP8, FP8_MAX, KV_MIN_SCALE, Fp8Rows, check_norm_args
+from streamd.kernels.layout import FP8, FP8_MAX, KV_MIN_SCALE, Fp8Rows, check_gate_up, check_norm_args, product_dtype
 
 MIN_SCALE = tl.constexpr(KV_MIN_SCALE)
 QMAX = tl.constexpr(FP8_MAX)
 _MAX_BLOCK = 2048
-# a whole row of gate/up at once up to 16,384 columns (Llama-3.1-8B's 14,336): one read of each value
+# a whole row of gate/up in one tile up to 16,384 columns (Llama-3.1-8B's 14,336): each pass one iteration
 _SILU_BLOCK = 16384
 
 
 @jit_helper
 def _e4m3_bits(y: tl.tensor) -> tl.tensor:
-    """float32 values -> their e4m3fn codes as int32 (0..255): round to nearest even, |y| > 448 saturates."""
+    """float32 values -> their e4m3fn codes as int32 (0..255): round to nearest even, |y| > 448 saturates, NaN
+    is NaN (0x7F with its sign)."""
     bits = y.to(tl.int32, bitcast=True)
     sign = (bits >> 24) & 0x80
     mag = tl.minimum(tl.abs(y), QMAX).to(tl.int32, bitcast=True)
@@ -43,12 +44,21 @@ def _e4m3_bits(y: tl.tensor) -> tl.tensor:
     shift = tl.minimum(14 - ((mag >> 23) - 127), 25)
     significand = (mag & 0x7FFFFF) | 0x800000
     sub = (significand + (1 << (shift - 1)) - 1 + ((significand >> shift) & 1)) >> shift
-    return sign | tl.where(mag < 0x3C800000, sub, normal)  # 0x3C800000 is 2^-6
+    code = sign | tl.where(mag < 0x3C800000, sub, normal)  # 0x3C800000 is 2^-6
+    return tl.where(y != y, sign | 0x7F, code)  # noqa: PLR0124 (NaN stays NaN)
+
+
+@jit_helper
+def _lane_max(absmax: tl.tensor, x: tl.tensor) -> tl.tensor:
+    """The running |x| maxima of a row's lanes; a NaN stays (Triton's max would drop it)."""
+    return tl.maximum(absmax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
 
 
 @jit_helper
 def _row_scale(absmax: tl.tensor) -> tl.tensor:
-    return tl.maximum(absmax / QMAX, MIN_SCALE)
+    """A row's scale from its lanes' |x| maxima: NaN where a lane saw a NaN, as the reference's absmax is."""
+    nan = tl.max((absmax != absmax).to(tl.int32), 0)  # noqa: PLR0124 (a NaN lane)
+    return tl.where(nan > 0, float("nan"), tl.maximum(tl.max(absmax, 0) / QMAX, MIN_SCALE))
 
 
 @jit_helper
@@ -71,8 +81,8 @@ def _quantize_kernel(
     for start in range(0, cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * s_x + offs, mask=offs < cols, other=0.0).to(tl.float32)
-        absmax = tl.maximum(absmax, tl.abs(x))
-    scale = _row_scale(tl.max(absmax, 0))
+        absmax = _lane_max(absmax, x)
+    scale = _row_scale(absmax)
     tl.store(scales_ptr + row, scale)
     for start in range(0, cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
@@ -112,7 +122,7 @@ def _rmsnorm_fp8_kernel(
     inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
     w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     y = ((x * inv_rms).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
-    scale = _row_scale(tl.max(tl.abs(y), 0))
+    scale = _row_scale(tl.abs(y))
     tl.store(scales_ptr + row, scale)
     _store_codes(codes_ptr + row * s_codes, offs, y, scale, mask)
 
@@ -168,8 +178,8 @@ def _silu_and_mul_fp8_kernel(
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         y = _silu_mul(x_row, inter, cols, cols < inter, dtype, rs, col_scales_ptr, SCALED)
-        absmax = tl.maximum(absmax, tl.abs(y))
-    scale = _row_scale(tl.max(absmax, 0))
+        absmax = _lane_max(absmax, y)
+    scale = _row_scale(absmax)
     tl.store(scales_ptr + row, scale)
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
@@ -177,18 +187,20 @@ def _silu_and_mul_fp8_kernel(
         _store_codes(codes_ptr + row * s_codes, cols, y, scale, cols < inter)
 
 
-@dual_kernel(do_not_specialize=("rows",))
+@dual_kernel
 def _scale_kernel(
     p_ptr: tl.tensor,
     a_scale_ptr: tl.tensor,
     w_scale_ptr: tl.tensor,
     bias_ptr: tl.tensor,
+    out_ptr: tl.tensor,
     n: tl.tensor,
     s_p: tl.tensor,
+    s_out: tl.tensor,
     BLOCK: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ) -> None:
-    """p[row, cols] *= a_scale[row] * w_scale[cols] (+ bias[cols]), in place, in float32."""
+    """out[row, cols] = p[row, cols] * a_scale[row] * w_scale[cols] (+ bias[cols]), in float32 (out may be p)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
@@ -196,19 +208,42 @@ def _scale_kernel(
     y = p * tl.load(a_scale_ptr + row) * tl.load(w_scale_ptr + cols, mask=mask, other=0.0)
     if HAS_BIAS:
         y += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(p_ptr + row * s_p + cols, y.to(p_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * s_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
 def _unit_scale(device: torch.device) -> torch.Tensor:
+    """The unit scale `_scaled_mm` takes, one per device, made by the first FP8 matmul there: the load-time probe
+    (`engine/worker/fp8.py`), never inside a CUDA graph's capture, where it would be filled only on replay."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(f"the first FP8 matmul on {device} ran inside a CUDA graph capture; run one eagerly first")
     return torch.ones((), dtype=torch.float32, device=device)
 
 
 def fp8_product(x: Fp8Rows, codes: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """x.codes @ codes.T, unscaled, in `out_dtype` (cuBLAS's per-tensor FP8 GEMM with unit scales): for a kernel
-    after it that applies the scales itself (`silu_and_mul_fp8`)."""
+    """x.codes @ codes.T, unscaled, in `product_dtype(out_dtype)` (cuBLAS's per-tensor FP8 GEMM with unit scales):
+    for a kernel after it that applies the scales itself (`silu_and_mul_fp8`)."""
     unit = _unit_scale(x.codes.device)
-    return torch._scaled_mm(x.codes, codes.t(), scale_a=unit, scale_b=unit, out_dtype=out_dtype)
+    return torch._scaled_mm(x.codes, codes.t(), scale_a=unit, scale_b=unit, out_dtype=product_dtype(out_dtype))
+
+
+def _check_matmul(x: Fp8Rows, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
+    rows, k = x.codes.shape
+    n = codes.shape[0]
+    vectors = [x.scales, scales] + ([] if bias is None else [bias])
+    if (
+        codes.shape[1] != k
+        or x.scales.shape != (rows,)
+        or scales.shape != (n,)
+        or (bias is not None and bias.shape != (n,))
+    ):
+        raise ValueError(
+            f"fp8_matmul wants x [rows, k] with scales [rows] and a weight [n, k] with scales [n] (and a bias [n]), "
+            f"got {tuple(x.codes.shape)}, {tuple(x.scales.shape)}, {tuple(codes.shape)}, {tuple(scales.shape)}"
+            + ("" if bias is None else f", {tuple(bias.shape)}")
+        )
+    if any(v.stride(-1) != 1 for v in vectors if v.numel() > 1) or {x.scales.dtype, scales.dtype} != {torch.float32}:
+        raise ValueError("fp8_matmul wants float32 scales and a bias, each with unit stride")
 
 
 def fp8_matmul(
@@ -218,29 +253,27 @@ def fp8_matmul(
     weight's codes [n, k] e4m3 with float32 channel scales [n]; [rows, n] in `out_dtype`.
 
     The codes' product is cuBLAS's per-tensor FP8 GEMM with unit scales (float32 accumulation, written in
-    `out_dtype`); one Triton pass then applies the row and channel scales and the bias in place. Measured on an H200
-    (benchmarks/fp8_gemm.py), that GEMM is the fastest FP8 one at every size of the 8B and 1B Linears: torch's
-    rowwise-scaled one is slower than bfloat16 below ~64 rows, and a Triton GEMM either accumulated in Hopper's
-    reduced-precision FP8 MMA (0.5-1% errors) or, promoting to float32 every tile, ran up to 3x slower. The pass
-    rounds twice in a bfloat16 model (the product, then the scaled value): within two bfloat16 steps."""
-    rows, k = x.codes.shape
-    n = codes.shape[0]
-    if codes.shape[1] != k or x.scales.shape != (rows,) or scales.shape != (n,):
-        raise ValueError(
-            f"fp8_matmul wants x [rows, k] with scales [rows] and a weight [n, k] with scales [n], got "
-            f"{tuple(x.codes.shape)}, {tuple(x.scales.shape)}, {tuple(codes.shape)}, {tuple(scales.shape)}"
-        )
-    out = fp8_product(x, codes, out_dtype)
+    `product_dtype`); one Triton pass then applies the row and channel scales and the bias, in place where the
+    dtypes agree. Measured on an H200 (benchmarks/fp8_gemm.py), that GEMM is the fastest FP8 one at every size of
+    the 8B and 1B Linears: torch's rowwise-scaled one is slower than bfloat16 below ~128 rows, and a Triton GEMM
+    either accumulated in Hopper's reduced-precision FP8 MMA (0.5-1% errors) or, promoting to float32 every tile,
+    ran up to 3x slower. In a 16-bit model the pass rounds twice (the product, then the scaled value)."""
+    _check_matmul(x, codes, scales, bias)
+    product = fp8_product(x, codes, out_dtype)
+    out = product if product.dtype == out_dtype else torch.empty_like(product, dtype=out_dtype)
+    rows, n = product.shape
     if rows:
         block = min(_MAX_BLOCK, next_pow2(n))
         _scale_kernel.launch(
             out.device,
             (rows, cdiv(n, block)),
-            out,
+            product,
             x.scales,
             scales,
             bias if bias is not None else scales,
+            out,
             n,
+            product.stride(0),
             out.stride(0),
             BLOCK=block,
             HAS_BIAS=bias is not None,
@@ -323,8 +356,6 @@ def fused_add_rmsnorm_fp8(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[Fp8Rows, torch.Tensor]:
     """`fused_add_rmsnorm` with its normalised rows quantized: (codes and scales, x + residual), one launch."""
-    if residual is None:
-        raise ValueError("fused_add_rmsnorm_fp8 needs a residual")
     return _rmsnorm_fp8(x, residual, weight, eps)
 
 
@@ -332,11 +363,7 @@ def silu_and_mul_fp8(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
     """`silu_and_mul(x)` quantized (its rows rounded to x's dtype first), one launch. `scales` (row scales [rows],
     column scales [2 * intermediate]): x is an FP8 gate/up product still to be scaled (`fp8_product`), which this
     does on the way, as `fp8_matmul`'s pass would have."""
-    if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
-        raise ValueError(
-            f"silu_and_mul_fp8 wants x [rows, 2 * intermediate] with unit column stride, got "
-            f"{tuple(x.shape)} strides {x.stride()}"
-        )
+    check_gate_up(x, "silu_and_mul_fp8")
     if scales is not None and (scales[0].shape != (x.shape[0],) or scales[1].shape != (x.shape[1],)):
         raise ValueError(
             f"silu_and_mul_fp8's scales must be [{x.shape[0]}] and [{x.shape[1]}], got "

@@ -1,6 +1,7 @@
-"""The block-major KV pool's shape contract (and the rotary store's arguments), shared by the Triton
-kernels and their references (no triton import here: the CPU engine runs the references on machines
-without triton)."""
+"""What the Triton kernels and their references agree on, with no triton import (the CPU engine runs the
+references on machines without triton): the block-major KV pool's shape contract and the 8-bit rows' reference
+quantizer, the FP8 activations' record (`Fp8Rows`) and product dtype, and the argument checks of the rotary store,
+the norms and the SiLU-and-mul."""
 
 from __future__ import annotations
 
@@ -78,8 +79,15 @@ class Fp8Rows:
     scales: torch.Tensor
     dtype: torch.dtype
 
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_rows(self.codes, self.scales, dtype)
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """codes x scales, in `dtype` (default: the activations' own)."""
+        return dequantize_rows(self.codes, self.scales, dtype or self.dtype)
+
+
+def product_dtype(out_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an FP8 codes' product is written in for a result in `out_dtype` (`fp8_product`): float16 cannot
+    hold the codes' sums (448 x 448 a product, thousands summed), so its product is bfloat16's."""
+    return torch.bfloat16 if out_dtype == torch.float16 else out_dtype
 
 
 def kv_quantized(kv_cache: torch.Tensor) -> bool:
@@ -148,4 +156,13 @@ def check_norm_args(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype or residual.stride(1) != 1):
         raise ValueError(
             f"residual {tuple(residual.shape)} {residual.dtype} does not match x {tuple(x.shape)} {x.dtype}"
+        )
+
+
+def check_gate_up(x: torch.Tensor, what: str) -> None:
+    """A merged gate/up projection's output, as the SiLU-and-mul kernels take it; host metadata only."""
+    if x.dim() != 2 or x.shape[1] % 2 or x.stride(1) != 1:
+        raise ValueError(
+            f"{what} wants x [rows, 2 * intermediate] with unit column stride, got {tuple(x.shape)} "
+            f"strides {x.stride()}"
         )

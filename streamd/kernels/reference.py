@@ -7,7 +7,9 @@ versions they may synchronise with the host (CPU is their production target): th
 trims the block table to the longest context on CPU, the prefill reference loops over sequences, and
 ``store_kv`` drops ``-1`` slots with a boolean mask. The decoder-layer references (RMSNorm, SiLU-and-mul,
 rotary) are transformers' own arithmetic, op for op in the activations' dtype, so a model rewired onto
-them computes what the unfused model computes.
+them computes what the unfused model computes. The FP8 ones (`quantize_fp8`, the norms and SiLU-and-mul
+writing e4m3 rows, `fp8_product`, `fp8_matmul`) quantize as `layout.quantize_rows` does and multiply the codes
+exactly (float64), so they are what `Fp8Linear` computes off CUDA.
 
 Both attention references take transformers' per-layer extras as keywords (None: off): ``sliding_window``
 W (a query at position p sees the keys p - W < k <= p, as transformers' ``sliding_window_overlay``: W
@@ -35,6 +37,7 @@ from streamd.kernels.layout import (
     check_rotary_args,
     check_scales,
     dequantize_rows,
+    product_dtype,
     quantize_rows,
     write_kv_rows,
 )
@@ -354,8 +357,8 @@ def silu_and_mul_fp8(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
 
 
 def fp8_product(x: Fp8Rows, codes: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """x.codes @ codes.T unscaled (float64, then `out_dtype`)."""
-    return (x.codes.double() @ codes.double().t()).to(out_dtype)
+    """x.codes @ codes.T unscaled (float64, then `product_dtype(out_dtype)`)."""
+    return (x.codes.double() @ codes.double().t()).to(product_dtype(out_dtype))
 
 
 def fp8_matmul(

@@ -60,6 +60,17 @@ def test_quantize_matches_reference(device: str, cols: int) -> None:
     assert K.quantize_fp8(x[:0]).codes.shape == (0, cols)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_nan_and_inf_stay_what_the_reference_makes_them(device: str) -> None:
+    """A NaN makes its row's scale NaN and its codes NaN; an infinity makes the scale infinite (its own code NaN,
+    inf / inf); as the reference, not a finite row that hides them."""
+    x = torch.randn(4, 40)
+    x[1, 3], x[2, 5], x[3, 7] = float("nan"), float("inf"), -float("inf")
+    got, want = K.quantize_fp8(x.to(device)), ref.quantize_fp8(x)
+    torch.testing.assert_close(got.scales.cpu(), want.scales, equal_nan=True)
+    assert torch.equal(got.codes.cpu().float().isnan(), want.codes.float().isnan())
+    assert torch.equal(_bits(got)[0].cpu(), _bits(want)[0])
+
 def _assert_same(got: Fp8Rows, want: Fp8Rows) -> None:
     assert torch.equal(got.scales, want.scales) and torch.equal(_bits(got), _bits(want))
 
@@ -138,10 +149,11 @@ def test_fp8_matmul_matches_reference(device: str, rows: int, n: int, k: int, bi
     got = K.fp8_matmul(x, w.codes, w.scales, torch.float32, b)
     close = 1e-5 if device == "cpu" else CUBLAS_FP8
     torch.testing.assert_close(got, want, rtol=close, atol=close * want.abs().max().item())
-    got = K.fp8_matmul(x, w.codes, w.scales, torch.bfloat16, b)
-    assert got.dtype == torch.bfloat16
-    # bfloat16 rounds twice (the codes' product, then the scaled value plus the bias): a step of the larger
-    torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-8 * want.abs().max().item())
+    for dtype in (torch.bfloat16, torch.float16):  # (float16's product is taken in bfloat16: its range)
+        got = K.fp8_matmul(x, w.codes, w.scales, dtype, b)
+        assert got.dtype == dtype
+        # rounded twice (the codes' product, then the scaled value plus the bias): a bfloat16 step of the larger
+        torch.testing.assert_close(got.float(), want, rtol=2**-7, atol=2**-8 * want.abs().max().item())
 
 
 @cuda

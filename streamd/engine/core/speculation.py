@@ -129,6 +129,8 @@ class Speculator:
             record.paused_steps -= 1
             return None
         k = self._draft_length(record, row_cost, others)
+        if k is None:  # drafts would pay alone, not beside this step's other decodes: this step only
+            return None
         if k == 0:  # no draft pays at this rate: wait, then probe with one
             self._pause(record)
             record.probe = True
@@ -142,12 +144,19 @@ class Speculator:
             or self._from_draft_source(seq, k)
         )
 
-    def _draft_length(self, record: DraftRecord, row_cost: float, others: int) -> int:
-        """`best_draft_length` at the sequence's rate; one after a pause (a probe)."""
+    def _draft_length(self, record: DraftRecord, row_cost: float, others: int) -> int | None:
+        """`best_draft_length` at the sequence's rate: 0 where no draft pays even alone (a bad rate: the caller
+        pauses it); None where the step's `others` decodes alone make every draft a loss (the record untouched, a
+        pending probe kept); one after a pause (a probe), where a kept draft would pay in this step."""
+        most = self.config.num_speculative_tokens
         if record.probe:
+            if best_draft_length(1.0, row_cost, 1, others) == 0:
+                return None
             record.probe = False
             return 1
-        return best_draft_length(record.rate, row_cost, self.config.num_speculative_tokens, others)
+        if best_draft_length(record.rate, row_cost, most) == 0:
+            return 0
+        return best_draft_length(record.rate, row_cost, most, others) or None
 
     def _room(self, seq: Sequence, params: SamplingParams) -> int:
         """Drafts that can still become output: the token after them is the step's own (max_tokens, context)."""

@@ -11,12 +11,13 @@ also run the matmul at twice bfloat16's rate. Two ways in, one module (`Fp8Linea
   dequantized where FP8 runs. A per-tensor weight scale becomes one per channel (the same value on every row); a
   static `input_scale` is kept, otherwise activations are quantized per token (also for a weight-only FP8 scheme).
 
-`Fp8Linear` multiplies through `kernels.fp8_matmul` (Triton on CUDA: e4m3 x e4m3 on the tensor cores, the row
-and channel scales and the bias in the epilogue; the plain-torch reference elsewhere). Its input is either rows
-already quantized (`layout.Fp8Rows`: the fused layer's norms and SiLU-and-mul write them, `kernels.fp8`) or a float
-tensor, then quantized per row in one launch (`kernels.quantize_fp8`) or by the static input scale. Measured on an
-H200 (benchmarks/fp8_gemm.py), torch's rowwise-scaled `_scaled_mm` was slower than the bfloat16 GEMM below ~128
-rows and its activation quantization four kernels; the Triton GEMM is faster than bfloat16 at every size measured.
+`Fp8Linear` multiplies through `kernels.fp8_matmul`: on CUDA, cuBLAS's per-tensor FP8 GEMM with unit scales (e4m3
+x e4m3 on the tensor cores), then one Triton pass for the row and channel scales and the bias; the plain-torch
+reference elsewhere. Its input is either rows already quantized (`layout.Fp8Rows`: the fused layer's norms and
+SiLU-and-mul write them, `kernels.fp8`) or a float tensor, then quantized per row in one launch
+(`kernels.quantize_fp8`) or by the static input scale. Measured on an H200 (benchmarks/fp8_gemm.py), torch's
+rowwise-scaled `_scaled_mm` was slower than the bfloat16 GEMM below ~128 rows and its activation quantization took
+four kernels; the per-tensor GEMM and its pass are faster than bfloat16 at every size of the 8B's Linears.
 The inner dimension and the weight's output dimension are zero-padded to multiples of 16 once at build (the
 activations padded per call, the output sliced); rows already quantized come unpadded (`takes_rows`).
 
@@ -40,7 +41,7 @@ from safetensors import safe_open
 from torch import nn
 
 from streamd.kernels import layout, reference
-from streamd.kernels.layout import FP8, FP8_MAX, Fp8Rows
+from streamd.kernels.layout import FP8, FP8_MAX, Fp8Rows, product_dtype
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
@@ -63,13 +64,13 @@ def _cuda_reason(index: int) -> str | None:
     name = torch.cuda.get_device_name(index)
     if (major, minor) < MIN_CAPABILITY:
         return f"model.device is cuda:{index}, {name}: sm_{major}{minor}"
-    try:  # one tiny matmul: the Triton FP8 GEMM compiles for this GPU
+    try:  # one tiny matmul, eager: the FP8 GEMM and its Triton kernels run on this GPU
         from streamd import kernels
 
         rows = kernels.quantize_fp8(torch.ones(ALIGN, ALIGN, device=f"cuda:{index}"))
         kernels.fp8_matmul(rows, rows.codes, rows.scales, torch.bfloat16)
     except Exception as exc:  # Triton's compile errors have no common base
-        return f"model.device is cuda:{index}, {name}: the FP8 GEMM did not compile or run ({exc})"
+        return f"model.device is cuda:{index}, {name}: the FP8 matmul did not compile or run ({exc})"
     return None
 
 
@@ -159,13 +160,13 @@ class Fp8Linear(nn.Module):
     def unscaled(self, x: Fp8Rows) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(the codes' product [tokens, out] in x's dtype, the channel scales [out]) for a kernel after this layer
         that applies x.scales and the channel scales itself (`kernels.silu_and_mul_fp8`); None where the output is
-        more than that (a bias, a padded output)."""
-        if self.bias is not None or self.pad_out:
+        more than that (a bias, a padded output) or the product is not in x's dtype (float16: `product_dtype`)."""
+        if self.bias is not None or self.pad_out or product_dtype(x.dtype) != x.dtype:
             return None
         return _ops(x.codes.device).fp8_product(x, self.codes, x.dtype), self.scales[0]
 
     def _matmul(self, x: Fp8Rows, out_dtype: torch.dtype) -> torch.Tensor:
-        bias = None if self.bias is None else nn.functional.pad(self.bias, (0, self.pad_out))
+        bias = self.bias if self.bias is None or not self.pad_out else nn.functional.pad(self.bias, (0, self.pad_out))
         out = _ops(x.codes.device).fp8_matmul(x, self.codes, self.scales[0], out_dtype, bias)
         return out[:, : self.out_features] if self.pad_out else out
 

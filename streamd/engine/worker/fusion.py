@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Protocol, cast
+from typing import Any, Literal, Protocol, cast, overload
 
 import torch
 import torch.nn.functional as F
@@ -161,7 +161,9 @@ def resolve_mode(mode: str, model: PreTrainedModel, device: torch.device) -> str
         raise ValueError(f"model.fuse_layers must be one of {', '.join(FUSE_MODES)}, got {mode!r}")
     reason = unsupported_reason(model)
     if reason is None and mode == "compile" and has_fp8(model):
-        reason = "its FP8 layers run through the Triton FP8 GEMM, which the compiled stretch does not take"
+        reason = (
+            "its FP8 layers run through cuBLAS's FP8 GEMM and Triton kernels, which the compiled stretch does not take"
+        )
     if reason is None and mode == "compile" and _low_bit(model):
         reason = "its low-bit layers run through torch's packed kernels, which the compiled stretch does not take"
     if mode == "auto":
@@ -317,6 +319,23 @@ class LayerPath(Protocol):
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor: ...
 
 
+@overload
+def _norm_in(
+    kernels: Any,
+    hidden: torch.Tensor,
+    residual: torch.Tensor | None,
+    weight: torch.Tensor,
+    eps: float,
+    fp8: Literal[False] = False,
+) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+@overload
+def _norm_in(
+    kernels: Any, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8: bool
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]: ...
+
+
 def _norm_in(
     kernels: Any,
     hidden: torch.Tensor,
@@ -324,9 +343,10 @@ def _norm_in(
     weight: torch.Tensor,
     eps: float,
     fp8: bool = False,
-) -> tuple[Any, torch.Tensor]:
-    """The layer's first norm: the first layer has no residual yet (its input is the residual). `fp8`: the
-    normalised rows come quantized (`Fp8Rows`), for an FP8 projection."""
+) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
+    """A layer's norm before a projection, with the residual add before it (the first layer's first norm has no
+    residual yet: its input is the residual). `fp8`: the normalised rows come quantized (`Fp8Rows`), for an FP8
+    projection that takes them."""
     if residual is None:
         return (kernels.rmsnorm_fp8 if fp8 else kernels.rmsnorm)(hidden, weight, eps), hidden
     return (kernels.fused_add_rmsnorm_fp8 if fp8 else kernels.fused_add_rmsnorm)(hidden, residual, weight, eps)
@@ -339,11 +359,12 @@ def _activation(kernels: Any, layer: FusedLayer, x: torch.Tensor | Fp8Rows) -> t
     gate_up = layer.gate_up_proj
     if not _takes_rows(layer.down_proj):
         return kernels.silu_and_mul(gate_up(x))
-    unscaled = gate_up.unscaled(x) if isinstance(x, Fp8Rows) and isinstance(gate_up, Fp8Linear) else None
+    if not (isinstance(x, Fp8Rows) and isinstance(gate_up, Fp8Linear)):
+        return kernels.silu_and_mul_fp8(gate_up(x))
+    unscaled = gate_up.unscaled(x)
     if unscaled is None:
         return kernels.silu_and_mul_fp8(gate_up(x))
     product, channel_scales = unscaled
-    assert isinstance(x, Fp8Rows)
     return kernels.silu_and_mul_fp8(product, scales=(x.scales, channel_scales))
 
 
@@ -402,10 +423,8 @@ class KernelPath:
         self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         norm = layer.post_attention_layernorm
-        add_norm = (
-            self.kernels.fused_add_rmsnorm_fp8 if _takes_rows(layer.gate_up_proj) else self.kernels.fused_add_rmsnorm
-        )
-        x, residual = add_norm(hidden, residual, norm.weight, norm.variance_epsilon)
+        fp8 = _takes_rows(layer.gate_up_proj)
+        x, residual = _norm_in(self.kernels, hidden, residual, norm.weight, norm.variance_epsilon, fp8)
         return _activation(self.kernels, layer, x), residual
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor:

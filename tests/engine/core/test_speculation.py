@@ -255,6 +255,19 @@ def test_a_draft_must_pay_for_every_sequence_its_rows_slow(monkeypatch) -> None:
     assert drafts(0) == 2 and drafts(3) == 0
 
 
+def test_a_crowded_step_skips_drafts_without_pausing_the_sequence() -> None:
+    """Where only the step's other decodes make drafts a loss, the sequence's record is left as it was: no pause,
+    no relapse, so the first step it decodes alone it drafts again."""
+    spec = Speculator(SpeculativeConfig(prompt_lookup=True, min_acceptance=0.0), max_model_len=400)
+    group = _group([1, 2, 3, 1, 2, 3, 1, 2], [3], max_tokens=300)
+    seq = group.seqs[0]
+    for _ in range(150):
+        assert spec.propose(seq, group, 8, row_cost=0.3, others=3) is None
+    record = spec._records[seq.seq_id]
+    assert record.paused_steps == 0 and record.relapses == 0 and not record.probe
+    assert len(spec.propose(seq, group, 8, row_cost=0.3).token_ids) == 2
+
+
 def test_a_scheduler_without_a_latency_budget_still_learns_a_draft_rows_price() -> None:
     """`scheduler.max_step_ms = 0` turns the step budget off, not the step cost: speculation reads its fit."""
     sched = Scheduler(SchedulerConfig(max_step_ms=0.0), BlockManager(64, 4), 100, speculator=Speculator(SpeculativeConfig(), 100))

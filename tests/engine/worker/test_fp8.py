@@ -63,6 +63,25 @@ def test_fp8_linear_matches_its_references(rows: int, in_out: tuple[int, int], d
     assert _relative(out, x.float() @ weight.T + bias) < FLOAT
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows_given", [False, True])
+def test_fp8_linear_through_the_kernels(dtype: torch.dtype, rows_given: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The layer's glue to `streamd.kernels` (what CUDA runs; the kernels run interpreted here): a padded output
+    with a bias, float inputs or rows already quantized, every 16-bit dtype (float16 cannot hold the codes'
+    product: it is taken in bfloat16)."""
+    monkeypatch.setattr(fp8, "_ops", lambda device: kernels)
+    gen = torch.Generator().manual_seed(11)
+    weight, bias = torch.randn(40, 64, generator=gen) * 0.05, torch.randn(40, generator=gen) * 0.1
+    layer = fp8.Fp8Linear(fp8.quantize_weight(weight), bias.to(dtype))
+    assert layer.pad_out == 8 and layer.takes_rows
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    rows = reference.quantize_fp8(x)
+    out = layer(rows if rows_given else x)
+    assert out.dtype == dtype and out.shape == (5, 40) and torch.isfinite(out).all()
+    exact = rows.dequantize(torch.float32) @ layer.fp8_weight().dequantize(torch.float32).T + bias.to(dtype).float()
+    assert _relative(out, exact) < (EXACT_F32 if dtype == torch.float32 else EXACT_BF16)
+
+
 def test_weight_quantization_is_per_output_channel() -> None:
     weight = torch.randn(24, 40) * torch.logspace(-3, 1, 24)[:, None]  # rows of very different sizes
     stored = fp8.quantize_weight(weight)

@@ -1,5 +1,5 @@
-"""FP8 weights on a GPU with FP8 tensor cores (device machine, sm_89+: an H100): `Fp8Linear` through cuBLAS's rowwise
-the Triton FP8 GEMM agrees with its float reference at awkward shapes (padded to 16) and row counts; an engine with
+"""FP8 weights on a GPU with FP8 tensor cores (device machine, sm_89+: an H100): `Fp8Linear` (cuBLAS's per-tensor
+FP8 GEMM and the Triton scale pass) agrees with its float reference at awkward shapes (padded to 16) and row counts; an engine with
 `model.quantization = "fp8"` (CUDA graphs, unfused) gives transformers' greedy tokens with the same FP8 layers
 (float32 around them), and in bfloat16 its prompt logprobs stay near the bfloat16 model's."""
 
