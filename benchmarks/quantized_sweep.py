@@ -25,9 +25,12 @@ for name, dtype in (("int8", torch.int8), ("fp8", torch.float8_e4m3fn)):
     for bn in (32, 64, 128):
         for warps in (2, 4, 8):
             for stages in (2, 3, 4):
+                def call(codes=codes, scales=scales, bn=bn, warps=warps, stages=stages):
+                    return K.paged_decode_attention(query, codes, 0, tables, lens, 0.088, kv_scales=scales, block_n=bn,
+                                                    num_warps=warps, num_stages=stages)
+
                 try:
-                    ms = do_bench(lambda: K.paged_decode_attention(query, codes, 0, tables, lens, 0.088, kv_scales=scales,
-                                  block_n=bn, num_warps=warps, num_stages=stages), warmup=10, rep=60, return_mode="median")
+                    ms = do_bench(call, warmup=10, rep=60, return_mode="median")
                 except Exception:  # out of shared memory etc.
                     ms = float("nan")
                 out[f"{name}_n{bn}_w{warps}_s{stages}"] = ms

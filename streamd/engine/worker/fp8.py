@@ -100,8 +100,9 @@ def quantize_weight(weight: torch.Tensor) -> Fp8Weight:
 
 
 def quantize_static(rows: torch.Tensor, scale: torch.Tensor) -> Fp8Rows:
-    """Quantization by a checkpoint's static per-tensor scale (the same scale on every row)."""
-    return Fp8Rows(_to_fp8(rows / scale), scale.reshape(1).expand(rows.shape[0]).contiguous(), rows.dtype)
+    """Quantization by a checkpoint's static per-tensor scale (the same scale on every row), divided in float32 (a
+    16-bit quotient would round twice)."""
+    return Fp8Rows(_to_fp8(rows.float() / scale), scale.reshape(1).expand(rows.shape[0]).contiguous(), rows.dtype)
 
 
 def _to_fp8(values: torch.Tensor) -> torch.Tensor:
