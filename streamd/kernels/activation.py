@@ -12,6 +12,7 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import cdiv, dual_kernel, next_pow2
+from streamd.kernels.layer_math import silu_mul
 from streamd.kernels.layout import check_gate_up
 
 _MAX_BLOCK = 1024
@@ -27,8 +28,7 @@ def _silu_and_mul_kernel(
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * s_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * s_x + inter + cols, mask=mask, other=0.0).to(tl.float32)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * s_out + cols, (act * up).to(dtype), mask=mask)
+    tl.store(out_ptr + row * s_out + cols, silu_mul(gate, up, dtype).to(dtype), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

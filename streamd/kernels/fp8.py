@@ -22,6 +22,7 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import cdiv, dual_kernel, jit_helper, next_pow2
+from streamd.kernels.layer_math import add_norm_row, silu_mul
 from streamd.kernels.layout import FP8, FP8_MAX, KV_MIN_SCALE, Fp8Rows, check_gate_up, check_norm_args, product_dtype
 
 MIN_SCALE = tl.constexpr(KV_MIN_SCALE)
@@ -107,21 +108,25 @@ def _rmsnorm_fp8_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
 ) -> None:
-    """`rmsnorm._rmsnorm_kernel`'s arithmetic (the normalised row rounded to the activations' dtype), then the
-    row's quantization in place of the store."""
+    """`rmsnorm._rmsnorm_kernel`'s row (`layer_math.add_norm_row`, rounded to the activations' dtype), quantized in
+    place of the store."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     dtype = x_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        x += tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
-        summed = x.to(dtype)
-        tl.store(res_out_ptr + row * s_res_out + offs, summed, mask=mask)
-        x = summed.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = ((x * inv_rms).to(dtype).to(tl.float32) * w).to(dtype).to(tl.float32)
+    y = add_norm_row(
+        x_ptr + row * s_x,
+        res_ptr + row * s_res,
+        w_ptr,
+        res_out_ptr + row * s_res_out,
+        offs,
+        mask,
+        hidden,
+        eps,
+        dtype,
+        HAS_RESIDUAL,
+    )
+    y = y.to(dtype).to(tl.float32)
     scale = _row_scale(tl.abs(y))
     tl.store(scales_ptr + row, scale)
     _store_codes(codes_ptr + row * s_codes, offs, y, scale, mask)
@@ -146,15 +151,14 @@ def _silu_mul(
     col_ptr: tl.tensor,
     SCALED: tl.constexpr,
 ) -> tl.tensor:
-    """`activation._silu_and_mul_kernel`'s value of `cols` (rounded to `dtype`), float32; SCALED: x is an FP8
-    product, scaled first (as `fp8_matmul` would have)."""
+    """`activation._silu_and_mul_kernel`'s value of `cols` (`layer_math.silu_mul`, rounded to `dtype`), float32;
+    SCALED: x is an FP8 product, scaled first (as `fp8_matmul` would have)."""
     gate = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + inter + cols, mask=mask, other=0.0).to(tl.float32)
     if SCALED:
         gate = _scaled(gate, row_scale, col_ptr, cols, mask, dtype)
         up = _scaled(up, row_scale, col_ptr, inter + cols, mask, dtype)
-    act = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
-    return (act * up).to(dtype).to(tl.float32)
+    return silu_mul(gate, up, dtype).to(dtype).to(tl.float32)
 
 
 @dual_kernel

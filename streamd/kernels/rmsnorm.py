@@ -13,6 +13,7 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import dual_kernel, next_pow2
+from streamd.kernels.layer_math import add_norm_row
 from streamd.kernels.layout import check_norm_args
 
 
@@ -36,15 +37,18 @@ def _rmsnorm_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
     dtype = out_ptr.dtype.element_ty
-    x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RESIDUAL:
-        x += tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
-        summed = x.to(dtype)
-        tl.store(res_out_ptr + row * s_res_out + offs, summed, mask=mask)
-        x = summed.to(tl.float32)
-    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    y = (x * inv_rms).to(dtype).to(tl.float32) * w
+    y = add_norm_row(
+        x_ptr + row * s_x,
+        res_ptr + row * s_res,
+        w_ptr,
+        res_out_ptr + row * s_res_out,
+        offs,
+        mask,
+        hidden,
+        eps,
+        dtype,
+        HAS_RESIDUAL,
+    )
     tl.store(out_ptr + row * s_out + offs, y.to(dtype), mask=mask)
 
 
