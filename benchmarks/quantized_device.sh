@@ -9,7 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 export PYTHONPATH=/tmp/site:$PWD
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${3:-1}" = 1 ]; then
-  timeout 240 python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_kv_quant.py \
+  timeout 240 python3 -m pytest -q -m cuda -p no:cacheprovider tests/kernels/test_kv_quant.py tests/kernels/test_fp8_ops.py \
     tests/engine/worker/test_fp8_cuda.py 2>&1 | tail -25 | tee "$OUT/cuda-tests.log"
 fi
 VARIANTS=${2:-bf16,kv-int8,kv-fp8,w-fp8,w-fp8+kv-fp8}

@@ -15,7 +15,9 @@ from streamd.kernels.layout import FP8, FP8_MAX, Fp8Rows
 
 # the kernels loop over a row's columns and K: an interpreter that cannot run such loops (triton 3.6's with
 # numpy >= 2.4) runs the CPU cases not at all
-DEVICES = (["cpu"] if interpreter_runs_dynamic_loops() else []) + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = (["cpu"] if interpreter_runs_dynamic_loops() else []) + (
+    [pytest.param("cuda", marks=pytest.mark.cuda)] if torch.cuda.is_available() else []
+)
 cuda = pytest.mark.cuda
 # cuBLAS's FP8 GEMM on Hopper: its partial sums are not float32 throughout (measured on an H200: 3e-3 of the largest
 # output at k = 14,336, against the exact products)
@@ -109,7 +111,6 @@ def test_silu_and_mul_writes_the_codes_of_silu_then_quantize(device: str, dtype:
     _assert_near(K.silu_and_mul_fp8(x), ref.silu_and_mul_fp8(x))
 
 
-@pytest.mark.skipif("cpu" not in DEVICES, reason="this triton's interpreter cannot run data-dependent loops")
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_and_mul_scales_an_fp8_product_as_the_matmul_would(device: str, dtype: torch.dtype) -> None:
