@@ -2,16 +2,11 @@
 
 Why: an FP8 Linear reads half of bfloat16's weight bytes, but it needs its input quantized per row (absmax / 448
 and the codes). In torch that is four or five kernels a Linear, as long as the GEMM itself at decode sizes
-(benchmarks/NOTES.md, "Issue 28"). Here the quantization is one launch, or none: the RMSNorm before the QKV and
-gate/up GEMMs and the SiLU-and-mul before the down GEMM write e4m3 codes and their row scales directly
-(`rmsnorm_fp8`, `fused_add_rmsnorm_fp8`, `silu_and_mul_fp8`). `fp8_matmul` multiplies codes by codes on the FP8
-tensor cores (cuBLAS) and applies both scales (row x channel) and the bias in one pass after.
-
-Codes are encoded with integer arithmetic (`_e4m3_bits`): round to nearest even, saturating at 448. That is what
-the hardware's conversion does, but Triton's interpreter rounds without carrying a mantissa overflow into the
-exponent (124.0 becomes 64), so one encoding serves both and the CPU tests check the codes bit for bit against
-torch's conversion. The quantization follows `layout.quantize_fp8_rows` (the reference): scale = max(absmax /
-448, KV_MIN_SCALE), codes = round(x / scale).
+(benchmarks/NOTES.md, "Issue 28"). Here the quantization is one launch (`quantize_fp8`), or none: the RMSNorm
+before the QKV and gate/up GEMMs (`rmsnorm.rmsnorm_fp8`, `fused_add_rmsnorm_fp8`) and the SiLU-and-mul before the
+down GEMM (`silu_and_mul_fp8`) write e4m3 codes and their row scales directly. `fp8_matmul` multiplies codes by
+codes on the FP8 tensor cores (cuBLAS) and applies both scales (row x channel) and the bias in one pass after.
+The codes' arithmetic (`layer_math.e4m3_bits`, the row scale) is shared with the norm kernel.
 """
 
 from __future__ import annotations
@@ -22,49 +17,12 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import cdiv, dual_kernel, jit_helper, next_pow2
-from streamd.kernels.layer_math import add_norm_row, silu_mul
-from streamd.kernels.layout import FP8, FP8_MAX, KV_MIN_SCALE, Fp8Rows, check_gate_up, check_norm_args, product_dtype
+from streamd.kernels.layer_math import lane_max, row_scale, silu_mul, store_codes
+from streamd.kernels.layout import Fp8Rows, check_gate_up, product_dtype
 
-MIN_SCALE = tl.constexpr(KV_MIN_SCALE)
-QMAX = tl.constexpr(FP8_MAX)
 _MAX_BLOCK = 2048
 # a whole row of gate/up in one tile up to 16,384 columns (Llama-3.1-8B's 14,336): each pass one iteration
 _SILU_BLOCK = 16384
-
-
-@jit_helper
-def _e4m3_bits(y: tl.tensor) -> tl.tensor:
-    """float32 values -> their e4m3fn codes as int32 (0..255): round to nearest even, |y| > 448 saturates, NaN
-    is NaN (0x7F with its sign)."""
-    bits = y.to(tl.int32, bitcast=True)
-    sign = (bits >> 24) & 0x80
-    mag = tl.minimum(tl.abs(y), QMAX).to(tl.int32, bitcast=True)
-    # normal (|y| >= 2^-6): keep 3 mantissa bits, nearest even, exponent rebiased 127 -> 7
-    normal = ((mag + 0x7FFFF + ((mag >> 20) & 1)) >> 20) - (120 << 3)
-    # subnormal: the 24-bit significand shifted to units of 2^-9, nearest even
-    shift = tl.minimum(14 - ((mag >> 23) - 127), 25)
-    significand = (mag & 0x7FFFFF) | 0x800000
-    sub = (significand + (1 << (shift - 1)) - 1 + ((significand >> shift) & 1)) >> shift
-    code = sign | tl.where(mag < 0x3C800000, sub, normal)  # 0x3C800000 is 2^-6
-    return tl.where(y != y, sign | 0x7F, code)  # noqa: PLR0124 (NaN stays NaN)
-
-
-@jit_helper
-def _lane_max(absmax: tl.tensor, x: tl.tensor) -> tl.tensor:
-    """The running |x| maxima of a row's lanes; a NaN stays (Triton's max would drop it)."""
-    return tl.maximum(absmax, tl.abs(x), propagate_nan=tl.PropagateNan.ALL)
-
-
-@jit_helper
-def _row_scale(absmax: tl.tensor) -> tl.tensor:
-    """A row's scale from its lanes' |x| maxima: NaN where a lane saw a NaN, as the reference's absmax is."""
-    nan = tl.max((absmax != absmax).to(tl.int32), 0)  # noqa: PLR0124 (a NaN lane)
-    return tl.where(nan > 0, float("nan"), tl.maximum(tl.max(absmax, 0) / QMAX, MIN_SCALE))
-
-
-@jit_helper
-def _store_codes(codes_ptr: tl.tensor, offs: tl.tensor, y: tl.tensor, scale: tl.tensor, mask: tl.tensor) -> None:
-    tl.store(codes_ptr + offs, _e4m3_bits(tl.div_rn(y, scale)).to(tl.uint8), mask=mask)
 
 
 @dual_kernel
@@ -82,54 +40,13 @@ def _quantize_kernel(
     for start in range(0, cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * s_x + offs, mask=offs < cols, other=0.0).to(tl.float32)
-        absmax = _lane_max(absmax, x)
-    scale = _row_scale(absmax)
+        absmax = lane_max(absmax, x)
+    scale = row_scale(absmax)
     tl.store(scales_ptr + row, scale)
     for start in range(0, cols, BLOCK):
         offs = start + tl.arange(0, BLOCK)
         x = tl.load(x_ptr + row * s_x + offs, mask=offs < cols, other=0.0).to(tl.float32)
-        _store_codes(codes_ptr + row * s_codes, offs, x, scale, offs < cols)
-
-
-@dual_kernel
-def _rmsnorm_fp8_kernel(
-    x_ptr: tl.tensor,
-    res_ptr: tl.tensor,
-    w_ptr: tl.tensor,
-    codes_ptr: tl.tensor,
-    scales_ptr: tl.tensor,
-    res_out_ptr: tl.tensor,
-    hidden: tl.tensor,
-    eps: tl.tensor,
-    s_x: tl.tensor,
-    s_res: tl.tensor,
-    s_codes: tl.tensor,
-    s_res_out: tl.tensor,
-    BLOCK: tl.constexpr,
-    HAS_RESIDUAL: tl.constexpr,
-) -> None:
-    """`rmsnorm._rmsnorm_kernel`'s row (`layer_math.add_norm_row`, rounded to the activations' dtype), quantized in
-    place of the store."""
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < hidden
-    dtype = x_ptr.dtype.element_ty
-    y = add_norm_row(
-        x_ptr + row * s_x,
-        res_ptr + row * s_res,
-        w_ptr,
-        res_out_ptr + row * s_res_out,
-        offs,
-        mask,
-        hidden,
-        eps,
-        dtype,
-        HAS_RESIDUAL,
-    )
-    y = y.to(dtype).to(tl.float32)
-    scale = _row_scale(tl.abs(y))
-    tl.store(scales_ptr + row, scale)
-    _store_codes(codes_ptr + row * s_codes, offs, y, scale, mask)
+        store_codes(codes_ptr + row * s_codes, offs, x, scale, offs < cols)
 
 
 @jit_helper
@@ -182,13 +99,13 @@ def _silu_and_mul_fp8_kernel(
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         y = _silu_mul(x_row, inter, cols, cols < inter, dtype, rs, col_scales_ptr, SCALED)
-        absmax = _lane_max(absmax, y)
-    scale = _row_scale(absmax)
+        absmax = lane_max(absmax, y)
+    scale = row_scale(absmax)
     tl.store(scales_ptr + row, scale)
     for start in range(0, inter, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         y = _silu_mul(x_row, inter, cols, cols < inter, dtype, rs, col_scales_ptr, SCALED)
-        _store_codes(codes_ptr + row * s_codes, cols, y, scale, cols < inter)
+        store_codes(codes_ptr + row * s_codes, cols, y, scale, cols < inter)
 
 
 @dual_kernel
@@ -286,12 +203,6 @@ def fp8_matmul(
     return out
 
 
-def _new_rows(x: torch.Tensor, cols: int) -> Fp8Rows:
-    """Room for the quantized rows of x (cols of them each)."""
-    codes = torch.empty((x.shape[0], cols), dtype=FP8, device=x.device)
-    return Fp8Rows(codes, torch.empty(x.shape[0], dtype=torch.float32, device=x.device), x.dtype)
-
-
 def _check_rows(x: torch.Tensor, what: str) -> None:
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"{what} wants x [rows, cols] with unit column stride, got {tuple(x.shape)} {x.stride()}")
@@ -300,7 +211,7 @@ def _check_rows(x: torch.Tensor, what: str) -> None:
 def quantize_fp8(x: torch.Tensor) -> Fp8Rows:
     """x [rows, cols] -> e4m3 codes and float32 row scales, one launch."""
     _check_rows(x, "quantize_fp8")
-    out = _new_rows(x, x.shape[1])
+    out = Fp8Rows.empty(x, x.shape[1])
     if x.shape[0]:
         block = min(_MAX_BLOCK, next_pow2(x.shape[1]))
         _quantize_kernel.launch(
@@ -318,51 +229,6 @@ def quantize_fp8(x: torch.Tensor) -> Fp8Rows:
     return out
 
 
-def _rmsnorm_fp8(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
-) -> tuple[Fp8Rows, torch.Tensor]:
-    """The quantized rows of rmsnorm(x [+ residual]) and the sum (x itself without a residual)."""
-    check_norm_args(x, residual, weight)
-    rows, hidden = x.shape
-    out = _new_rows(x, hidden)
-    res = residual if residual is not None else x
-    summed = torch.empty_like(x, memory_format=torch.contiguous_format) if residual is not None else x
-    if rows:
-        block = next_pow2(hidden)
-        _rmsnorm_fp8_kernel.launch(
-            x.device,
-            (rows,),
-            x,
-            res,
-            weight,
-            out.codes.view(torch.uint8),
-            out.scales,
-            summed,
-            hidden,
-            eps,
-            x.stride(0),
-            res.stride(0),
-            out.codes.stride(0),
-            summed.stride(0),
-            BLOCK=block,
-            HAS_RESIDUAL=residual is not None,
-            num_warps=min(8, max(1, block // 256)),
-        )
-    return out, summed
-
-
-def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
-    """`rmsnorm(x, weight, eps)` quantized (the normalised rows rounded to x's dtype first), one launch."""
-    return _rmsnorm_fp8(x, None, weight, eps)[0]
-
-
-def fused_add_rmsnorm_fp8(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
-) -> tuple[Fp8Rows, torch.Tensor]:
-    """`fused_add_rmsnorm` with its normalised rows quantized: (codes and scales, x + residual), one launch."""
-    return _rmsnorm_fp8(x, residual, weight, eps)
-
-
 def silu_and_mul_fp8(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] | None = None) -> Fp8Rows:
     """`silu_and_mul(x)` quantized (its rows rounded to x's dtype first), one launch. `scales` (row scales [rows],
     column scales [2 * intermediate]): x is an FP8 gate/up product still to be scaled (`fp8_product`), which this
@@ -374,7 +240,7 @@ def silu_and_mul_fp8(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
             f"{tuple(scales[0].shape)} and {tuple(scales[1].shape)}"
         )
     rows, inter = x.shape[0], x.shape[1] // 2
-    out = _new_rows(x, inter)
+    out = Fp8Rows.empty(x, inter)
     if rows:
         block = min(_SILU_BLOCK, next_pow2(inter))
         row_scales, col_scales = scales if scales is not None else (out.scales, out.scales)
@@ -396,4 +262,4 @@ def silu_and_mul_fp8(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
     return out
 
 
-__all__ = ["fp8_matmul", "fp8_product", "fused_add_rmsnorm_fp8", "quantize_fp8", "rmsnorm_fp8", "silu_and_mul_fp8"]
+__all__ = ["fp8_matmul", "fp8_product", "quantize_fp8", "silu_and_mul_fp8"]

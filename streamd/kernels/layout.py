@@ -79,6 +79,13 @@ class Fp8Rows:
     scales: torch.Tensor
     dtype: torch.dtype
 
+    @classmethod
+    def empty(cls, x: torch.Tensor, cols: int) -> Fp8Rows:
+        """Room for x's rows quantized, `cols` codes each (a kernel's output)."""
+        rows = x.shape[0]
+        codes = torch.empty((rows, cols), dtype=FP8, device=x.device)
+        return cls(codes, torch.empty(rows, dtype=torch.float32, device=x.device), x.dtype)
+
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """codes x scales, in `dtype` (default: the activations' own)."""
         return dequantize_rows(self.codes, self.scales, dtype or self.dtype)

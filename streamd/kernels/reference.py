@@ -356,9 +356,14 @@ def silu_and_mul_fp8(x: torch.Tensor, scales: tuple[torch.Tensor, torch.Tensor] 
     return quantize_fp8(silu_and_mul(x))
 
 
+def _codes_product(x: Fp8Rows, codes: torch.Tensor) -> torch.Tensor:
+    """x.codes @ codes.T in float64: exact for these sizes, and free of a GPU's TF32."""
+    return x.codes.double() @ codes.double().t()
+
+
 def fp8_product(x: Fp8Rows, codes: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """x.codes @ codes.T unscaled (float64, then `product_dtype(out_dtype)`)."""
-    return (x.codes.double() @ codes.double().t()).to(product_dtype(out_dtype))
+    """x.codes @ codes.T unscaled, in `product_dtype(out_dtype)`."""
+    return _codes_product(x, codes).to(product_dtype(out_dtype))
 
 
 def fp8_matmul(
@@ -368,9 +373,8 @@ def fp8_matmul(
     out_dtype: torch.dtype,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """(x.codes * x.scales) @ (codes * scales).T + bias, the codes' product in float64 (exact for these sizes, and
-    free of a GPU's TF32), rounded once to `out_dtype`."""
-    out = (x.codes.double() @ codes.double().t()) * x.scales[:, None].double() * scales[None, :].double()
+    """(x.codes * x.scales) @ (codes * scales).T + bias in float64, rounded once to `out_dtype`."""
+    out = _codes_product(x, codes) * x.scales[:, None].double() * scales[None, :].double()
     return (out if bias is None else out + bias.double()).to(out_dtype)
 
 

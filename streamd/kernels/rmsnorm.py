@@ -1,10 +1,11 @@
 """RMSNorm, alone or fused with the residual add before it (Triton).
 
-Owns ``rmsnorm`` and ``fused_add_rmsnorm``: one program per row keeps the whole hidden vector in
-registers, so the residual sum, the mean of squares, the scaling and the weight take one read of each
-input and one write of each output. Rounding follows the unfused transformers sequence: the residual
-sum is rounded to the activations' dtype before it is normalised, and the normalised row is rounded
-to that dtype before the weight multiplies it.
+Owns ``rmsnorm`` and ``fused_add_rmsnorm``, and their ``_fp8`` forms, which write the normalised rows as
+e4m3 codes and row scales for an FP8 projection (`fp8.py`; `layer_math`'s quantization): one program per row
+keeps the whole hidden vector in registers, so the residual sum, the mean of squares, the scaling and the
+weight take one read of each input and one write of each output. Rounding follows the unfused transformers
+sequence: the residual sum is rounded to the activations' dtype before it is normalised, and the normalised row
+is rounded to that dtype before the weight multiplies it.
 """
 
 from __future__ import annotations
@@ -13,8 +14,8 @@ import torch
 import triton.language as tl
 
 from streamd.kernels._triton_utils import dual_kernel, next_pow2
-from streamd.kernels.layer_math import add_norm_row
-from streamd.kernels.layout import check_norm_args
+from streamd.kernels.layer_math import row_scale, store_codes
+from streamd.kernels.layout import Fp8Rows, check_norm_args
 
 
 @dual_kernel
@@ -24,6 +25,7 @@ def _rmsnorm_kernel(
     w_ptr: tl.tensor,
     out_ptr: tl.tensor,
     res_out_ptr: tl.tensor,
+    scales_ptr: tl.tensor,
     hidden: tl.tensor,
     eps: tl.tensor,
     s_x: tl.tensor,
@@ -32,24 +34,30 @@ def _rmsnorm_kernel(
     s_res_out: tl.tensor,
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    FP8: tl.constexpr,
 ) -> None:
+    """One row; FP8: the normalised row (rounded to the activations' dtype) stored as e4m3 codes (out_ptr: bytes)
+    and its scale, for an FP8 projection."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < hidden
-    dtype = out_ptr.dtype.element_ty
-    y = add_norm_row(
-        x_ptr + row * s_x,
-        res_ptr + row * s_res,
-        w_ptr,
-        res_out_ptr + row * s_res_out,
-        offs,
-        mask,
-        hidden,
-        eps,
-        dtype,
-        HAS_RESIDUAL,
-    )
-    tl.store(out_ptr + row * s_out + offs, y.to(dtype), mask=mask)
+    dtype = x_ptr.dtype.element_ty
+    x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        x += tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0).to(tl.float32)
+        summed = x.to(dtype)
+        tl.store(res_out_ptr + row * s_res_out + offs, summed, mask=mask)
+        x = summed.to(tl.float32)
+    inv_rms = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = ((x * inv_rms).to(dtype).to(tl.float32) * w).to(dtype)
+    if FP8:
+        y = y.to(tl.float32)
+        scale = row_scale(tl.abs(y))
+        tl.store(scales_ptr + row, scale)
+        store_codes(out_ptr + row * s_out, offs, y, scale, mask)
+    else:
+        tl.store(out_ptr + row * s_out + offs, y, mask=mask)
 
 
 def _launch(
@@ -57,31 +65,37 @@ def _launch(
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    out: torch.Tensor,
+    out: torch.Tensor | Fp8Rows,
     residual_out: torch.Tensor | None,
 ) -> None:
+    """One program a row; `out` a tensor of x's dtype, or quantized rows (`Fp8Rows`)."""
     rows, hidden = x.shape
     if rows == 0:
         return
     block = next_pow2(hidden)
     res = residual if residual is not None else x
-    res_out = residual_out if residual_out is not None else out
+    fp8 = isinstance(out, Fp8Rows)
+    values = out.codes.view(torch.uint8) if isinstance(out, Fp8Rows) else out
+    scales = out.scales if isinstance(out, Fp8Rows) else weight  # (never read unquantized)
+    res_out = residual_out if residual_out is not None else values
     _rmsnorm_kernel.launch(
         x.device,
         (rows,),
         x,
         res,
         weight,
-        out,
+        values,
         res_out,
+        scales,
         hidden,
         eps,
         x.stride(0),
         res.stride(0),
-        out.stride(0),
+        values.stride(0),
         res_out.stride(0),
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
+        FP8=fp8,
         num_warps=min(8, max(1, block // 256)),
     )
 
@@ -105,4 +119,23 @@ def fused_add_rmsnorm(
     return out, residual_out
 
 
-__all__ = ["fused_add_rmsnorm", "rmsnorm"]
+def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> Fp8Rows:
+    """`rmsnorm(x, weight, eps)` quantized (the normalised rows rounded to x's dtype first), one launch."""
+    check_norm_args(x, None, weight)
+    out = Fp8Rows.empty(x, x.shape[1])
+    _launch(x, None, weight, eps, out, None)
+    return out
+
+
+def fused_add_rmsnorm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[Fp8Rows, torch.Tensor]:
+    """`fused_add_rmsnorm` with its normalised rows quantized: (codes and scales, x + residual), one launch."""
+    check_norm_args(x, residual, weight)
+    out = Fp8Rows.empty(x, x.shape[1])
+    residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    _launch(x, residual, weight, eps, out, residual_out)
+    return out, residual_out
+
+
+__all__ = ["fused_add_rmsnorm", "fused_add_rmsnorm_fp8", "rmsnorm", "rmsnorm_fp8"]

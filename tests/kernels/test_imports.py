@@ -44,3 +44,16 @@ def test_unknown_export_is_an_attribute_error() -> None:
 
     with pytest.raises(AttributeError, match="no_such_kernel"):
         K.no_such_kernel  # noqa: B018
+
+
+def test_a_module_that_shares_a_function_name_loads_as_the_function() -> None:
+    """`rmsnorm.py` owns `rmsnorm` and three more: asking for another first imports the module, which makes the
+    package's `rmsnorm` attribute the module until the lazy export puts every function of it in place."""
+    code = (
+        "import streamd.kernels as K\n"
+        "K.fused_add_rmsnorm_fp8\n"
+        "print(callable(K.rmsnorm), type(K.rmsnorm).__name__)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["True", "function"]

@@ -154,8 +154,9 @@ class Speculator:
                 return None
             record.probe = False
             return 1
-        if best_draft_length(record.rate, row_cost, most) == 0:
-            return 0
+        alone = best_draft_length(record.rate, row_cost, most)
+        if alone == 0 or others == 0:
+            return alone
         return best_draft_length(record.rate, row_cost, most, others) or None
 
     def _room(self, seq: Sequence, params: SamplingParams) -> int:

@@ -158,13 +158,13 @@ class Fp8Linear(nn.Module):
         )
         return self._matmul(quantized, x.dtype).reshape(*x.shape[:-1], self.out_features)
 
-    def unscaled(self, x: Fp8Rows) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(the codes' product [tokens, out] in x's dtype, the channel scales [out]) for a kernel after this layer
-        that applies x.scales and the channel scales itself (`kernels.silu_and_mul_fp8`); None where the output is
-        more than that (a bias, a padded output) or the product is not in x's dtype (float16: `product_dtype`)."""
-        if self.bias is not None or self.pad_out or product_dtype(x.dtype) != x.dtype:
+    def unscaled(self, x: torch.Tensor | Fp8Rows) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+        """(the codes' product [tokens, out] in x's dtype, its (row, channel) scales) for a kernel after this layer
+        that applies the scales itself (`kernels.silu_and_mul_fp8`); None where x is not quantized rows or the output
+        is more than that (a bias, a padded output) or the product is not in x's dtype (float16: `product_dtype`)."""
+        if not isinstance(x, Fp8Rows) or self.bias is not None or self.pad_out or product_dtype(x.dtype) != x.dtype:
             return None
-        return _ops(x.codes.device).fp8_product(x, self.codes, x.dtype), self.scales[0]
+        return _ops(x.codes.device).fp8_product(x, self.codes, x.dtype), (x.scales, self.scales[0])
 
     def _matmul(self, x: Fp8Rows, out_dtype: torch.dtype) -> torch.Tensor:
         bias = self.bias if self.bias is None or not self.pad_out else nn.functional.pad(self.bias, (0, self.pad_out))

@@ -37,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal, Protocol, cast, overload
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +62,8 @@ from streamd.kernels.layout import Fp8Rows
 from streamd.logs import get_logger
 
 log = get_logger(__name__)
+
+Normed = TypeVar("Normed", torch.Tensor, Fp8Rows)  # a norm's output: float rows, or e4m3 rows for an FP8 projection
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -319,37 +321,19 @@ class LayerPath(Protocol):
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor: ...
 
 
-@overload
 def _norm_in(
-    kernels: Any,
+    alone: Callable[[torch.Tensor, torch.Tensor, float], Normed],
+    added: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[Normed, torch.Tensor]],
     hidden: torch.Tensor,
     residual: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
-    fp8: Literal[False] = False,
-) -> tuple[torch.Tensor, torch.Tensor]: ...
-
-
-@overload
-def _norm_in(
-    kernels: Any, hidden: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float, fp8: bool
-) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]: ...
-
-
-def _norm_in(
-    kernels: Any,
-    hidden: torch.Tensor,
-    residual: torch.Tensor | None,
-    weight: torch.Tensor,
-    eps: float,
-    fp8: bool = False,
-) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
-    """A layer's norm before a projection, with the residual add before it (the first layer's first norm has no
-    residual yet: its input is the residual). `fp8`: the normalised rows come quantized (`Fp8Rows`), for an FP8
-    projection that takes them."""
+) -> tuple[Normed, torch.Tensor]:
+    """A layer's norm before a projection (`alone`), with the residual add before it (`added`): the first layer's
+    first norm has no residual yet (its input is the residual)."""
     if residual is None:
-        return (kernels.rmsnorm_fp8 if fp8 else kernels.rmsnorm)(hidden, weight, eps), hidden
-    return (kernels.fused_add_rmsnorm_fp8 if fp8 else kernels.fused_add_rmsnorm)(hidden, residual, weight, eps)
+        return alone(hidden, weight, eps), hidden
+    return added(hidden, residual, weight, eps)
 
 
 def _activation(kernels: Any, layer: FusedLayer, x: torch.Tensor | Fp8Rows) -> torch.Tensor | Fp8Rows:
@@ -359,13 +343,11 @@ def _activation(kernels: Any, layer: FusedLayer, x: torch.Tensor | Fp8Rows) -> t
     gate_up = layer.gate_up_proj
     if not _takes_rows(layer.down_proj):
         return kernels.silu_and_mul(gate_up(x))
-    if not (isinstance(x, Fp8Rows) and isinstance(gate_up, Fp8Linear)):
-        return kernels.silu_and_mul_fp8(gate_up(x))
-    unscaled = gate_up.unscaled(x)
+    unscaled = gate_up.unscaled(x) if isinstance(gate_up, Fp8Linear) else None
     if unscaled is None:
         return kernels.silu_and_mul_fp8(gate_up(x))
-    product, channel_scales = unscaled
-    return kernels.silu_and_mul_fp8(product, scales=(x.scales, channel_scales))
+    product, scales = unscaled
+    return kernels.silu_and_mul_fp8(product, scales=scales)
 
 
 def _takes_rows(linear: nn.Module) -> bool:
@@ -394,9 +376,14 @@ class KernelPath:
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         norm = layer.input_layernorm
-        fp8 = _takes_rows(layer.qkv_proj)
-        x, residual = _norm_in(self.kernels, hidden, residual, norm.weight, norm.variance_epsilon, fp8)
+        alone, added = self._norms(layer.qkv_proj)
+        x, residual = _norm_in(alone, added, hidden, residual, norm.weight, norm.variance_epsilon)
         return (*split_qkv(layer.qkv_proj(x), layer.qkv_sizes), residual)
+
+    def _norms(self, projection: nn.Module) -> tuple[Any, Any]:
+        """The norm and add+norm kernels before `projection`: writing e4m3 rows where it is FP8 and takes them."""
+        k = self.kernels
+        return (k.rmsnorm_fp8, k.fused_add_rmsnorm_fp8) if _takes_rows(projection) else (k.rmsnorm, k.fused_add_rmsnorm)
 
     def attend(
         self, layer: FusedLayer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
@@ -423,8 +410,7 @@ class KernelPath:
         self, layer: FusedLayer, hidden: torch.Tensor, residual: torch.Tensor
     ) -> tuple[torch.Tensor | Fp8Rows, torch.Tensor]:
         norm = layer.post_attention_layernorm
-        fp8 = _takes_rows(layer.gate_up_proj)
-        x, residual = _norm_in(self.kernels, hidden, residual, norm.weight, norm.variance_epsilon, fp8)
+        x, residual = self._norms(layer.gate_up_proj)[1](hidden, residual, norm.weight, norm.variance_epsilon)
         return _activation(self.kernels, layer, x), residual
 
     def final_norm(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNormModule) -> torch.Tensor:
@@ -446,7 +432,7 @@ def _qkv_stretch(
     sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Norm, QKV projection, q/k norm and rotary in plain torch (what `CompiledPath` compiles)."""
-    x, residual = _norm_in(reference, hidden, residual, norm_weight, eps)
+    x, residual = _norm_in(reference.rmsnorm, reference.fused_add_rmsnorm, hidden, residual, norm_weight, eps)
     q, k, v = split_qkv(F.linear(x, qkv_weight, qkv_bias), sizes)
     q, k = reference.rotary(q, k, cos, sin, q_norm, k_norm, qk_eps)
     return q, k, v, residual
@@ -544,7 +530,9 @@ class CpuPath(KernelPath):
         sin: torch.Tensor,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         norm = layer.input_layernorm
-        x, residual = _norm_in(self.kernels, hidden, residual, norm.weight, norm.variance_epsilon)
+        x, residual = _norm_in(
+            reference.rmsnorm, reference.fused_add_rmsnorm, hidden, residual, norm.weight, norm.variance_epsilon
+        )
         qkv = layer.qkv_proj(x)
         if layer.q_norm is not None:  # Qwen3: each head normalised before its rotation
             q, k, v = split_qkv(qkv, layer.qkv_sizes)
