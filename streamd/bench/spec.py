@@ -111,6 +111,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--rounds", type=int, default=1, help="rounds of every mode, their order rotated each round; figures pooled"
     )
+    parser.add_argument(
+        "--oracle-acceptance",
+        type=float,
+        default=None,
+        help="also the chat workload at one stream with an oracle's drafts: each request's prediction is its own "
+        "greedy answer with each token kept with this probability (the rest replaced at random)",
+    )
     add_out_argument(parser)
 
 
@@ -231,16 +238,36 @@ def _lower_x(off: ModeResult, mode: ModeResult) -> float:
     return round(statistics.median(off.tpot_ms) / statistics.median(mode.tpot_ms), 3)
 
 
-def measure(engine: Any, sizes: Sizes, rounds: int = 1) -> list[dict[str, Any]]:
+def oracle_predictions(engine: Any, chats: list[str], max_tokens: int, keep: float) -> list[str]:
+    """Each chat's own greedy answer (one untimed run) as text, each token kept with probability `keep` and the rest
+    replaced by a random token (seeded): a proposer whose drafts hold with a set rate, whatever the model."""
+    from streamd.engine.sampling_params import SamplingParams
+
+    if not 0.0 < keep <= 1.0:
+        raise BenchError(f"--oracle-acceptance must be in (0, 1], got {keep}")
+    prompts = [engine.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
+    _speculation(engine, False)
+    answers = run_mode(engine, prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * len(prompts), 1)
+    rng = random.Random(0)
+    vocab = engine.vocab_size
+    corrupted = [[t if rng.random() < keep else rng.randrange(vocab) for t in out] for out in answers.outputs]
+    return [engine.tokenizer.decode(ids) for ids in corrupted]
+
+
+def measure(engine: Any, sizes: Sizes, rounds: int = 1, oracle: float | None = None) -> list[dict[str, Any]]:
     edits = edit_requests(sizes)
     chats = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(sizes.chat_requests)]
     wide = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] + f" (variant {i})" for i in range(sizes.streams)]
-    results = []
-    for name, prompts, max_tokens, streams, predictions in (
+    workloads: list[tuple[str, list[str], int, int, list[str] | None]] = [
         ("edit", [e[0] for e in edits], sizes.edit_max_tokens, 1, [e[1] for e in edits]),
         ("chat", chats, sizes.chat_max_tokens, 1, None),
         ("chat", wide, sizes.chat_max_tokens, sizes.streams, None),
-    ):
+    ]
+    if oracle is not None:
+        predictions = oracle_predictions(engine, chats, sizes.chat_max_tokens, oracle)
+        workloads.append((f"chat, oracle keeping {oracle:.0%}", chats, sizes.chat_max_tokens, 1, predictions))
+    results = []
+    for name, prompts, max_tokens, streams, predictions in workloads:
         results.append(workload(engine, name, prompts, max_tokens, streams, predictions, rounds))
         print(json.dumps(results[-1]), flush=True)  # each workload as it ends (a long run shows progress)
     return results
@@ -313,10 +340,11 @@ def run(args: argparse.Namespace) -> int:
         "model": engine.model_name,
         "command": "streamd bench spec "
         + ("--light" if args.light else " ".join(f"--{k.replace('_', '-')} {v}" for k, v in asdict(sizes).items()))
-        + (f" --rounds {args.rounds}" if args.rounds > 1 else ""),
+        + (f" --rounds {args.rounds}" if args.rounds > 1 else "")
+        + (f" --oracle-acceptance {args.oracle_acceptance}" if args.oracle_acceptance is not None else ""),
         "note": "Shared, noisy 2-core machine: compare modes within this one run only.",
         "speculative": dataclasses.asdict(speculator.config),
-        "results": measure(engine, sizes, args.rounds),
+        "results": measure(engine, sizes, args.rounds, args.oracle_acceptance),
     }
     stem = save_report(report, args.out, "spec", markdown(report))
     print(markdown(report))

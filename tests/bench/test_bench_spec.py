@@ -71,3 +71,17 @@ def test_rounds_rotate_the_modes_and_pool_their_requests(tmp_path, monkeypatch: 
     assert order[:7] == [[1, False, False], off, lookup, prediction, lookup, prediction, off]
     with pytest.raises(BenchError, match="--rounds"):
         spec.run(parser.parse_args(["--light", "--rounds", "0", "--out", str(tmp_path)]))
+
+
+def test_an_oracle_s_drafts_hold_about_as_often_as_it_is_told(smol_llm) -> None:
+    engine = smol_llm.engine
+    chats = spec.CHAT_QUESTIONS[:1]
+    rates = {}
+    for keep in (1.0, 0.4):
+        entry = spec.workload(engine, "oracle", chats, 20, 1, spec.oracle_predictions(engine, chats, 20, keep))
+        prediction = entry["modes"]["prediction"]
+        assert prediction["identical_to_off"] is True
+        rates[keep] = prediction["accepted_tokens"] / max(1, entry["modes"]["off"]["output_tokens"])
+    assert rates[1.0] > 0.6 > rates[0.4] > 0  # the share of output tokens that came from accepted drafts
+    with pytest.raises(BenchError, match="oracle-acceptance"):
+        spec.oracle_predictions(engine, chats, 4, 0.0)

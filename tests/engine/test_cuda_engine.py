@@ -3,6 +3,8 @@ greedy tokens as transformers on a random-weight Llama-3.2-1B-shaped model in fl
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
@@ -101,3 +103,32 @@ def test_prompt_logprobs_on_cuda_match_transformers() -> None:
             assert entry[prompt[pos]] == pytest.approx(logprobs[pos - 1, prompt[pos]].item(), abs=2e-3)
             assert list(entry)[:3] == logprobs[pos - 1].topk(3).indices.tolist()
     assert_pool_whole(llm.engine)
+
+
+def test_speculative_verifies_replay_the_decode_graphs_and_keep_greedy_tokens() -> None:
+    # float32: a verify replayed as decode rows must give the tokens the plain decode steps give
+    config = llama_1b_shape(layers=4)
+    llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=512, num_swap_blocks=0)
+    prompts = _prompts(config.vocab_size, 4, seed=3)
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, detokenize=False)
+    off = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    # the oracle: each request's prediction is its own greedy output with every 5th token wrong
+    drafts = iter([[t if i % 5 != 4 else (t + 1) % config.vocab_size for i, t in enumerate(o)] for o in off])
+    engine = llm.engine
+    engine._prediction_ids = lambda text: next(drafts)
+    verify_rows: list[int] = []
+    replay = engine.runner._replay
+
+    def counting(batch):
+        if not batch.decode_only:
+            verify_rows.append(len(batch.input_ids))
+        return replay(batch)
+
+    engine.runner._replay = counting
+    before = engine.stats().scheduler
+    on = [o.outputs[0].token_ids for o in llm.generate(prompts, dataclasses.replace(params, prediction="oracle"))]
+    after = engine.stats().scheduler
+    assert on == off
+    assert verify_rows and max(verify_rows) > len(prompts), "verify steps should have replayed the decode graphs"
+    assert after.spec_accepted_tokens > before.spec_accepted_tokens
+    assert_pool_whole(engine)

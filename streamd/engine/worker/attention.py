@@ -65,6 +65,12 @@ def layer_extras(kwargs: dict[str, Any]) -> LayerExtras:
 _context: AttentionMetadata | None = None
 
 
+def query_token_tables(block_tables: torch.Tensor, query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """Each query token's row of its sequence's block table ([num_tokens, max_blocks]), for kernels that take every
+    query token as a sequence of its own (a speculative verify run as decode rows); no host sync."""
+    return block_tables.repeat_interleave(query_start_loc.diff(), dim=0, output_size=num_tokens)
+
+
 def set_attention_metadata(metadata: AttentionMetadata | None) -> None:
     global _context
     _context = metadata

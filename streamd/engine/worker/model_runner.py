@@ -10,6 +10,7 @@ It also measures what the KV pool may use (`profile_num_blocks`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from streamd.engine.core.sequence import PLACEHOLDER
 from streamd.engine.worker.attention import (
     ATTN_IMPLEMENTATION,
     AttentionMetadata,
+    query_token_tables,
     register_paged_attention,
     set_attention_metadata,
 )
@@ -147,10 +149,11 @@ class ModelRunner:
 
     def graph_size(self, batch: ModelInput) -> int:
         """The captured decode graph that runs `batch` (0: none, run eagerly). A graph computes logits for
-        every row, so it serves only batches in which every row samples."""
+        every row, so it serves only batches in which every row samples: decodes, and speculative verifies
+        (their query tokens as decode rows, `decode_rows`)."""
         graphs = self.graphs
         n = len(batch.input_ids)
-        if graphs is None or not batch.decode_only or len(batch.sample_idx) != n or batch.prompt_idx is not None:
+        if graphs is None or len(batch.sample_idx) != n or batch.prompt_idx is not None:
             return 0
         return graphs.size_for(n) if graphs.can_run(n, batch.block_tables.shape[1]) else 0
 
@@ -229,6 +232,7 @@ class ModelRunner:
 
     def _replay(self, batch: ModelInput) -> torch.Tensor:
         assert self.graphs is not None, "a graph replay without captured graphs"
+        batch = decode_rows(batch)
         return self.graphs.run(
             batch.input_ids,
             batch.positions,
@@ -331,6 +335,25 @@ class ModelRunner:
         slots = rows[row_of, pos // bs].astype(np.int64) * bs + pos % bs
         batch.window_slot_mapping = to_device(slots, torch.int64, self.device)
         batch.window_block_tables = to_device(rows, torch.int32, self.device)
+
+
+def decode_rows(batch: ModelInput) -> ModelInput:
+    """`batch` with each query token a decode row of its own: its sequence's block table (and window table) and
+    the context up to and including itself (position + 1). The layers store every row's K/V before any row
+    attends, so a speculative verify's rows stay causal and read what its prefill-path forward reads; that is
+    what lets a decode graph replay a verify step. A decode-only batch is returned as it is; no host sync."""
+    if batch.decode_only:
+        return batch
+    n = len(batch.input_ids)
+    window = batch.window_block_tables
+    return dataclasses.replace(
+        batch,
+        block_tables=query_token_tables(batch.block_tables, batch.query_start_loc, n),
+        seq_lens=(batch.positions + 1).to(torch.int32),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=batch.input_ids.device),
+        decode_only=True,
+        window_block_tables=None if window is None else query_token_tables(window, batch.query_start_loc, n),
+    )
 
 
 def _table_rows(tables: list[list[int]]) -> np.ndarray:

@@ -21,7 +21,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from streamd.engine.worker.attention import AttentionMetadata
+from streamd.engine.worker.attention import AttentionMetadata, query_token_tables
 from streamd.engine.worker.quantized import NATIVE_DENSE_ROWS, QuantizedLinear
 from streamd.kernels import lowbit, native_cpu
 
@@ -311,10 +311,12 @@ def row_view(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     if md.decode_only:
         return md.block_tables.to(torch.int32).contiguous(), md.seq_lens.to(torch.int32).contiguous()
     queries = md.query_start_loc.diff().to(torch.int64)
+    num_tokens = int(queries.sum())
     starts = md.query_start_loc[:-1].to(torch.int64).repeat_interleave(queries)
     first = (md.seq_lens.to(torch.int64) - queries).repeat_interleave(queries)  # the context before the queries
-    lens = first + torch.arange(int(queries.sum())) - starts + 1
-    return md.block_tables.to(torch.int32).repeat_interleave(queries, dim=0).contiguous(), lens.to(torch.int32)
+    lens = first + torch.arange(num_tokens) - starts + 1
+    tables = query_token_tables(md.block_tables, md.query_start_loc, num_tokens)
+    return tables.to(torch.int32).contiguous(), lens.to(torch.int32)
 
 
 def _native_layer(layer: FusedLayer) -> NativeLayer:
