@@ -264,8 +264,8 @@ def measure(engine: Any, sizes: Sizes, rounds: int = 1, oracle: float | None = N
         ("chat", wide, sizes.chat_max_tokens, sizes.streams, None),
     ]
     if oracle is not None:
-        predictions = oracle_predictions(engine, chats, sizes.chat_max_tokens, oracle)
-        workloads.append((f"chat, oracle keeping {oracle:.0%}", chats, sizes.chat_max_tokens, 1, predictions))
+        oracles = oracle_predictions(engine, chats, sizes.chat_max_tokens, oracle)
+        workloads.append((f"chat, oracle keeping {oracle:.0%}", chats, sizes.chat_max_tokens, 1, oracles))
     results = []
     for name, prompts, max_tokens, streams, predictions in workloads:
         results.append(workload(engine, name, prompts, max_tokens, streams, predictions, rounds))
