@@ -17,14 +17,14 @@ export PYTHONPATH=/tmp/site:$PWD
 cat .g1/* .g2/* .g3/* > /tmp/smol.gguf && sha256sum /tmp/smol.gguf | tee "$OUT/gguf.sha256"
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 if [ "${1:-1}" = 1 ]; then
-  timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/engine/test_cuda_engine.py \
+  timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests/engine/test_cuda_engine.py \
     tests/kernels/test_kv_quant.py tests/kernels/test_fp8_ops.py tests/engine/worker/test_fp8_cuda.py 2>&1 \
     | tail -25 | tee "$OUT/cuda-tests.log"
 fi
-timeout 300 python3 -m streamd.cli.main bench spec --model /tmp/smol.gguf --edit-requests 3 --edit-sentences 40 \
+timeout 240 python3 -m streamd.cli.main bench spec --model /tmp/smol.gguf --edit-requests 3 --edit-sentences 40 \
   --edit-max-tokens 160 --chat-requests 4 --chat-max-tokens 96 --streams 256 --oracle-acceptance 0.7 \
   --rounds "${2:-2}" --out "$OUT/results" 2>"$OUT/spec-stderr.log" | tail -40 | tee "$OUT/spec.log"
 echo "spec rc=${PIPESTATUS[0]}"; grep -v '^{' "$OUT/spec-stderr.log" | tail -5
-timeout 200 python3 benchmarks/step_batches.py --shape smollm2-135m --batches 1,3,5,9,8,24,40,72,32,96,160,64,192 \
+timeout 110 python3 benchmarks/step_batches.py --shape smollm2-135m --batches 1,3,5,9,8,24,40,72,32,96,160,64,192 \
   --out "$OUT/results" 2>"$OUT/steps-stderr.log" | tee "$OUT/steps.log"
 echo "steps rc=${PIPESTATUS[0]}"; tail -3 "$OUT/steps-stderr.log"
