@@ -355,3 +355,21 @@ def test_sampled_structured_outputs_with_drafts_stay_in_the_grammar(smol_llm: LL
         out = _constrained(engine, spec, prediction="Paris, 12 days", temperature=0.9)
         assert re.fullmatch(spec.regex, out.text), out.text
     assert engine.stats().scheduler.spec_draft_tokens > before
+
+
+def test_a_drafting_step_s_lost_overlap_is_measured_and_priced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the overlap on, the engine times overlapped decode steps and drafting (serial) ones, and the scheduler
+    prices the difference into every draft: where it costs more than even a perfect prediction's nine tokens a step
+    win, nothing drafts, not even a probe, and the greedy tokens stay the same."""
+    llm = tiny_llm(num_kv_blocks=200, overlap_steps=True)
+    engine = llm.engine
+    prompt = random_prompt(7, 16)
+    params = _params(max_tokens=48)
+    off = run_to_completion(engine, [prompt], params)[0].outputs[0].token_ids
+    on = _run_with_oracle(llm, prompt, params, _corrupted(off, 4)).outputs[0].token_ids
+    periods = engine.scheduler.step_periods
+    assert on == off and periods.overlapped and periods.serial  # both kinds of decode step were timed
+    monkeypatch.setattr(periods, "serial_overhead", lambda: 9.0)
+    before = engine.stats().scheduler.spec_draft_tokens
+    assert _run_with_oracle(llm, prompt, params, off).outputs[0].token_ids == off
+    assert engine.stats().scheduler.spec_draft_tokens == before

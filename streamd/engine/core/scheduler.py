@@ -81,8 +81,8 @@ from streamd.engine.core.fairness import FLEX, FairShare, aged, starving, tier_o
 from streamd.engine.core.hybrid_blocks import BlockSpace
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput, StepOutcome
 from streamd.engine.core.sequence import FINISHED, PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
-from streamd.engine.core.speculation import DEFAULT_ROW_COST, Speculator
-from streamd.engine.core.step_cost import StepCost, StepShape
+from streamd.engine.core.speculation import DEFAULT_ROW_COST, DraftPrice, Speculator
+from streamd.engine.core.step_cost import StepCost, StepPeriods, StepShape
 from streamd.engine.core.stop_checker import StopChecker
 from streamd.engine.outputs import FinishReason, RequestUpdate, SeqUpdate
 from streamd.engine.sampling_params import SamplingParams
@@ -148,6 +148,7 @@ class Scheduler:
         self.lone_chunk_tokens = max(block_manager.block_size, lone_chunk_tokens)
         rate = cost_model.prefill_tokens_per_s if cost_model is not None else 0.0
         self.step_cost = StepCost(1 / rate if rate > 0 else DEFAULT_SECONDS_PER_TOKEN)
+        self.step_periods = StepPeriods()  # what a drafting step's lost overlap costs (speculation's price)
         self.admission = Admission(max_model_len, block_manager, self.max_num_seqs)
         self.stops = StopChecker(eos_token_ids, max_model_len)
         self.running: list[SequenceGroup] = []  # ordered by arrival
@@ -466,13 +467,17 @@ class Scheduler:
 
     def may_speculate(self) -> bool:
         """Whether the next step may draft (then the engine takes the previous step's tokens first: drafts
-        continue them, so the step is not overlapped): few enough running sequences, one of which may draft
-        (wants to, and is not pausing after failed drafts). O(1) past `disable_by_batch_size` groups."""
+        continue them, so the step is not overlapped): few enough running sequences, one of which may draft at the
+        step's price (wants to, is not pausing after failed drafts, and some draft length pays beside the others).
+        O(1) past `disable_by_batch_size` groups."""
         spec, running = self.speculator, self.running
         if spec is None or not spec.step_allowed(len(running)):  # (more groups: more sequences too)
             return False
         live = [(seq, group) for group in running for seq in group.seqs if seq.status is _RUNNING]
-        return spec.step_allowed(len(live)) and any(spec.may_draft(seq, group) for seq, group in live)
+        if not spec.step_allowed(len(live)):
+            return False
+        price, others = self._draft_price(len(live)), len(live) - 1
+        return any(spec.may_draft(seq, group, price, others) for seq, group in live)
 
     def _add_drafts(self, out: SchedulerOutput, decodes: list[ScheduledSeq], budget: int) -> int:
         """Draft tokens for the step's decodes (speculative decoding), within the token `budget` and the free
@@ -482,8 +487,7 @@ class Scheduler:
             return 0
         if not any(spec.wants(item.group) for item in decodes):  # (then no fit for a row's price: most steps)
             return 0
-        row_cost = self.step_cost.row_cost(len(decodes))
-        price = DEFAULT_ROW_COST if row_cost is None else row_cost  # (no step without a chunk measured yet)
+        price = self._draft_price(len(decodes))
         total, others = 0, len(decodes) - 1
         for item in decodes:
             draft = spec.propose(item.seq, item.group, budget - total, price, others) if budget > total else None
@@ -522,6 +526,21 @@ class Scheduler:
         if self.max_step_s is None or not shape.pairs:
             return False
         return self.step_cost.max_chunk(shape, 0, self.max_step_s) <= 0
+
+    def _draft_price(self, num_decodes: int) -> DraftPrice:
+        return DraftPrice(self._row_cost(num_decodes), self.step_periods.serial_overhead())
+
+    def _row_cost(self, num_decodes: int) -> float:
+        row_cost = self.step_cost.row_cost(num_decodes)
+        return DEFAULT_ROW_COST if row_cost is None else row_cost  # (no step without a chunk measured yet)
+
+    def observe_period(self, out: SchedulerOutput, seconds: float, overlapped: bool) -> None:
+        """The engine measured the wall seconds from the start of the step `out` planned to the next one's, and
+        whether its host work overlapped the device's: decode steps teach `step_periods` (with a speculator)."""
+        if self.speculator is None or out.shape.pairs or not out.num_decode_tokens:
+            return
+        rows = out.num_draft_tokens * self._row_cost(out.num_decode_tokens)
+        self.step_periods.observe(seconds, overlapped, rows)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine measured the step `out` planned: the step cost learns from it (only with a latency

@@ -45,6 +45,17 @@ from streamd.engine.sampling_params import SamplingParams
 
 _RATE_WEIGHT = 0.3  # weight of the newest step in a sequence's acceptance rate (exponential average)
 DEFAULT_ROW_COST = 0.05  # a draft row's cost against its step where none was measured (a GPU's batched forward)
+
+
+@dataclass(frozen=True, slots=True)
+class DraftPrice:
+    """What drafting adds to a step, as shares of the step without drafts: `row` per draft row (`StepCost.row_cost`),
+    `serial` once for the overlap the step gives up (`StepPeriods.serial_overhead`)."""
+
+    row: float = DEFAULT_ROW_COST
+    serial: float = 0.0
+
+
 _BASE_PAUSE_STEPS = 8  # steps a sequence below the floor stops drafting, doubled per relapse
 _MAX_PAUSE_STEPS = 256
 
@@ -107,10 +118,13 @@ class Speculator:
     def step_allowed(self, num_decodes: int) -> bool:
         return 0 < num_decodes <= self.config.disable_by_batch_size
 
-    def may_draft(self, seq: Sequence, group: SequenceGroup) -> bool:
-        """Whether `propose` may draft for `seq` next step: `_eligible`, and it is not pausing."""
+    def may_draft(self, seq: Sequence, group: SequenceGroup, price: DraftPrice = DraftPrice(), others: int = 0) -> bool:
+        """Whether `propose` may draft for `seq` next step at `price` beside `others` decodes: `_eligible`, not
+        pausing, and some draft length pays (nothing is changed: the engine asks before it gives up the overlap)."""
         record = self._records.get(seq.seq_id)
-        return self._eligible(seq, group) and (record is None or record.paused_steps == 0)
+        if not self._eligible(seq, group) or (record is not None and record.paused_steps):
+            return False
+        return bool(self._draft_length(record or DraftRecord(), price, others))
 
     def _eligible(self, seq: Sequence, group: SequenceGroup) -> bool:
         """It wants drafts, has produced its `min_tokens`, and has room for one before its length limit."""
@@ -118,19 +132,25 @@ class Speculator:
         return self.wants(group) and seq.num_output_tokens >= params.min_tokens and self._room(seq, params) > 0
 
     def propose(
-        self, seq: Sequence, group: SequenceGroup, limit: int, row_cost: float = DEFAULT_ROW_COST, others: int = 0
+        self,
+        seq: Sequence,
+        group: SequenceGroup,
+        limit: int,
+        price: DraftPrice = DraftPrice(),
+        others: int = 0,
     ) -> Draft | None:
-        """`seq`'s drafts for this step (at most `limit` tokens), or None; `row_cost`: what one draft row adds to
-        the step, as a share of the step without drafts, which also decodes `others` sequences."""
+        """`seq`'s drafts for this step (at most `limit` tokens), or None; `price`: what drafting adds to the step,
+        as shares of the step without drafts, which also decodes `others` sequences."""
         if not self._eligible(seq, group):
             return None
         record = self._records.setdefault(seq.seq_id, DraftRecord())
         if record.paused_steps:
             record.paused_steps -= 1
             return None
-        k = self._draft_length(record, row_cost, others)
+        k = self._draft_length(record, price, others)
         if k is None:  # drafts would pay alone, not beside this step's other decodes: this step only
             return None
+        record.probe = False
         if k == 0:  # no draft pays at this rate: wait, then probe with one
             self._pause(record)
             record.probe = True
@@ -144,20 +164,17 @@ class Speculator:
             or self._from_draft_source(seq, k)
         )
 
-    def _draft_length(self, record: DraftRecord, row_cost: float, others: int) -> int | None:
+    def _draft_length(self, record: DraftRecord, price: DraftPrice, others: int) -> int | None:
         """`best_draft_length` at the sequence's rate: 0 where no draft pays even alone (a bad rate: the caller
         pauses it); None where the step's `others` decodes alone make every draft a loss (the record untouched, a
         pending probe kept); one after a pause (a probe), where a kept draft would pay in this step."""
-        most = self.config.num_speculative_tokens
+        most, row, serial = self.config.num_speculative_tokens, price.row, price.serial
         if record.probe:
-            if best_draft_length(1.0, row_cost, 1, others) == 0:
-                return None
-            record.probe = False
-            return 1
-        alone = best_draft_length(record.rate, row_cost, most)
+            return 1 if best_draft_length(1.0, row, 1, others, serial) else None
+        alone = best_draft_length(record.rate, row, most, 0, serial)
         if alone == 0 or others == 0:
             return alone
-        return best_draft_length(record.rate, row_cost, most, others) or None
+        return best_draft_length(record.rate, row, most, others, serial) or None
 
     def _room(self, seq: Sequence, params: SamplingParams) -> int:
         """Drafts that can still become output: the token after them is the step's own (max_tokens, context)."""
@@ -228,17 +245,18 @@ class Speculator:
                 self.draft_source.forget(seq.seq_id)
 
 
-def best_draft_length(rate: float, row_cost: float, most: int, others: int = 0) -> int:
+def best_draft_length(rate: float, row_cost: float, most: int, others: int = 0, serial: float = 0.0) -> int:
     """The draft count k (0 .. `most`) that buys the step the most tokens per unit of its time, each draft taken
     as kept with probability `rate` once those before it were: k drafts yield (1 - rate^(k+1)) / (1 - rate) tokens
-    on average (the kept run, then the model's own token) for 1 + `row_cost` * k of the plain step's time. The
+    on average (the kept run, then the model's own token) for 1 + `serial` + `row_cost` * k of the plain step's
+    time, `serial` being what a step that drafts loses by not overlapping the host's work (`StepPeriods`). The
     step also decodes `others` sequences, one token each, which the draft rows slow down as well: with B
     sequences a draft must gain B times what it would alone. 0 where no k beats the plain step."""
     rate = min(max(rate, 0.0), 1.0)
     best, best_yield = 0, others + 1.0
     for k in range(1, most + 1):
         tokens = k + 1.0 if rate >= 1.0 else (1.0 - rate ** (k + 1)) / (1.0 - rate)
-        per_time = (others + tokens) / (1.0 + row_cost * k)
+        per_time = (others + tokens) / (1.0 + serial + row_cost * k)
         if per_time > best_yield * (1.0 + 1e-9):
             best, best_yield = k, per_time
     return best

@@ -150,3 +150,40 @@ def _solve(augmented: list[list[float]]) -> list[float]:
         known = sum(augmented[r][c] * values[c] for c in range(r + 1, size))
         values[r] = (augmented[r][size] - known) / augmented[r][r]
     return values
+
+
+PERIOD_WEIGHT = 0.2  # the newest period's weight in the running means
+
+
+class StepPeriods:
+    """What a step that drafts costs beyond its draft rows: the overlap it gives up.
+
+    With the overlap on (a GPU), the host prepares step n + 1 while the device runs step n; a step that drafts
+    must first read back the tokens its drafts continue, so its host work adds to its device time. This keeps
+    running means of the wall seconds between one decode step's start and the next's, for steps that overlapped
+    and for steps that did not (with their draft rows' share of a step, `StepCost.row_cost` x rows), and gives the
+    difference as a share of an overlapped step (`serial_overhead`): 0 until both kinds were seen, and where steps
+    never overlap (the CPU). Speculation prices it into every step that drafts (`best_draft_length`)."""
+
+    def __init__(self) -> None:
+        self.overlapped: float | None = None  # seconds
+        self.serial: float | None = None  # seconds
+        self.serial_rows: float = 0.0  # the serial steps' draft rows, as a share of a step
+
+    def observe(self, seconds: float, overlapped: bool, rows_share: float) -> None:
+        if overlapped:
+            self.overlapped = _mean(self.overlapped, seconds)
+            return
+        self.serial = _mean(self.serial, seconds)
+        self.serial_rows = _mean(self.serial_rows, rows_share)
+
+    def serial_overhead(self) -> float:
+        """How much longer than an overlapped decode step a step that drafts takes, its draft rows aside, as a
+        share of the overlapped step."""
+        if not self.overlapped or self.serial is None:
+            return 0.0
+        return max(0.0, self.serial / self.overlapped - 1.0 - self.serial_rows)
+
+
+def _mean(mean: float | None, sample: float) -> float:
+    return sample if mean is None else mean + PERIOD_WEIGHT * (sample - mean)

@@ -11,8 +11,14 @@ from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler import Scheduler
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
-from streamd.engine.core.speculation import DEFAULT_ROW_COST, Speculator, best_draft_length, find_continuation
-from streamd.engine.core.step_cost import StepCost, StepShape
+from streamd.engine.core.speculation import (
+    DEFAULT_ROW_COST,
+    DraftPrice,
+    Speculator,
+    best_draft_length,
+    find_continuation,
+)
+from streamd.engine.core.step_cost import StepCost, StepPeriods, StepShape
 from streamd.engine.sampling_params import SamplingParams
 
 
@@ -175,22 +181,46 @@ def test_a_draft_source_alone_makes_a_request_want_drafts_and_forgets_it_when_it
     assert source.forgotten == 2 * [s.seq_id for s in group.seqs]
 
 
-def _tokens_per_step_time(rate: float, row_cost: float, k: int, others: int = 0) -> float:
+def _tokens_per_step_time(rate: float, row_cost: float, k: int, others: int = 0, serial: float = 0.0) -> float:
     """Expected tokens of a step with a k-draft verify over its time, summed term by term: one token of each other
-    sequence, the model's own token always, the i-th draft with probability rate^i (every one before it kept)."""
-    return (others + sum(rate**i for i in range(k + 1))) / (1 + row_cost * k)
+    sequence, the model's own token always, the i-th draft with probability rate^i (every one before it kept); a
+    step that drafts also pays `serial` once (the overlap it gives up), a plain step does not."""
+    return (others + sum(rate**i for i in range(k + 1))) / (1 + (serial if k else 0.0) + row_cost * k)
 
 
-@given(st.floats(0.0, 1.0), st.floats(0.0, 2.0), st.integers(1, 12), st.integers(0, 40))
+@given(st.floats(0.0, 1.0), st.floats(0.0, 2.0), st.integers(1, 12), st.integers(0, 40), st.floats(0.0, 1.5))
 def test_the_draft_length_buys_the_step_the_most_tokens_per_unit_of_time(
-    rate: float, row_cost: float, most: int, others: int
+    rate: float, row_cost: float, most: int, others: int, serial: float
 ) -> None:
-    k = best_draft_length(rate, row_cost, most, others)
-    best = max(_tokens_per_step_time(rate, row_cost, j, others) for j in range(most + 1))
+    k = best_draft_length(rate, row_cost, most, others, serial)
+    best = max(_tokens_per_step_time(rate, row_cost, j, others, serial) for j in range(most + 1))
     assert 0 <= k <= most
-    assert _tokens_per_step_time(rate, row_cost, k, others) >= best * (1 - 1e-6)
-    assert k == 0 or _tokens_per_step_time(rate, row_cost, k, others) > others + 1.0  # only where it beats decodes
-    assert k >= best_draft_length(rate, row_cost, most, others + 1)  # more sequences slowed: never more drafts
+    assert _tokens_per_step_time(rate, row_cost, k, others, serial) >= best * (1 - 1e-6)
+    assert k == 0 or _tokens_per_step_time(rate, row_cost, k, others, serial) > others + 1.0  # beats the decodes
+    assert k >= best_draft_length(rate, row_cost, most, others + 1, serial)  # more sequences slowed: never more
+    # a dearer lost overlap never starts drafts (it may lengthen them: a fixed cost spread over more tokens)
+    assert k > 0 or best_draft_length(rate, row_cost, most, others, serial + 0.1) == 0
+
+
+def test_a_lost_overlap_stops_drafts_that_fail_and_keeps_those_that_hold() -> None:
+    """The H200's default model (benchmarks/NOTES.md, issue 34): rows nearly free, but a step that drafts takes
+    ~1.45 of an overlapped one. Chat's drafts (~10% kept) then lose and stop; an edit's (~80% kept) still pay."""
+    assert best_draft_length(0.1, 0.01, 8) > 0 and best_draft_length(0.1, 0.01, 8, serial=0.45) == 0
+    assert best_draft_length(0.8, 0.01, 8, serial=0.45) == 8
+
+
+def test_step_periods_give_what_a_drafting_step_loses_beyond_its_rows() -> None:
+    periods = StepPeriods()
+    assert periods.serial_overhead() == 0.0
+    for _ in range(40):
+        periods.observe(0.0015, overlapped=False, rows_share=0.05)
+    assert periods.serial_overhead() == 0.0  # no overlapped step to compare with (the CPU's steps never overlap)
+    for seconds in (0.0009, 0.0011) * 20:
+        periods.observe(seconds, overlapped=True, rows_share=0.0)
+    assert abs(periods.serial_overhead() - 0.45) < 0.03  # 1.5 / ~1.0 - 1 - 0.05
+    for _ in range(40):
+        periods.observe(0.0009, overlapped=False, rows_share=0.0)
+    assert periods.serial_overhead() == 0.0  # never below nothing
 
 
 def test_drafts_shrink_where_a_row_costs_what_it_does_on_a_cpu() -> None:
@@ -207,11 +237,11 @@ def test_a_sequence_whose_drafts_do_not_pay_pauses_then_probes_with_one_draft() 
     spec = Speculator(SpeculativeConfig(prompt_lookup=True, min_acceptance=0.0), max_model_len=200)
     group = _group([1, 2, 3, 1, 2, 3, 1, 2], [3], max_tokens=100)
     seq = group.seqs[0]
-    assert len(spec.propose(seq, group, 8, row_cost=0.46).token_ids) == 1  # no history: a hopeful 0.7
+    assert len(spec.propose(seq, group, 8, DraftPrice(0.46)).token_ids) == 1  # no history: a hopeful 0.7
     for _ in range(2):
         spec.record(seq, 1, 0)  # refused: the rate falls to ~0.34, where no draft pays at this row cost
     skipped = 0
-    while (draft := spec.propose(seq, group, 8, row_cost=0.46)) is None:
+    while (draft := spec.propose(seq, group, 8, DraftPrice(0.46))) is None:
         skipped += 1
     assert skipped >= 2 and len(draft.token_ids) == 1  # the pause, then a probe of one draft
 
@@ -262,10 +292,10 @@ def test_a_crowded_step_skips_drafts_without_pausing_the_sequence() -> None:
     group = _group([1, 2, 3, 1, 2, 3, 1, 2], [3], max_tokens=300)
     seq = group.seqs[0]
     for _ in range(150):
-        assert spec.propose(seq, group, 8, row_cost=0.3, others=3) is None
+        assert spec.propose(seq, group, 8, DraftPrice(0.3), others=3) is None
     record = spec._records[seq.seq_id]
     assert record.paused_steps == 0 and record.relapses == 0 and not record.probe
-    assert len(spec.propose(seq, group, 8, row_cost=0.3).token_ids) == 2
+    assert len(spec.propose(seq, group, 8, DraftPrice(0.3)).token_ids) == 2
 
 
 def test_a_scheduler_without_a_latency_budget_still_learns_a_draft_rows_price() -> None:
@@ -277,3 +307,16 @@ def test_a_scheduler_without_a_latency_budget_still_learns_a_draft_rows_price() 
         out.shape.tokens = tokens
         sched.observe_step(out, 0.005 + 0.002 * tokens)
     assert sched.step_cost.row_cost(1) is not None
+
+
+def test_the_engine_keeps_its_overlap_where_no_draft_would_pay() -> None:
+    """`may_draft` is what the engine asks before it gives up the step's overlap: false where this step's price
+    (its other decodes, its lost overlap) makes every draft a loss, and asking changes nothing."""
+    spec = Speculator(SpeculativeConfig(prompt_lookup=True, min_acceptance=0.0), max_model_len=400)
+    group = _group([1, 2, 3, 1, 2, 3, 1, 2], [3], max_tokens=300)
+    seq = group.seqs[0]
+    assert spec.may_draft(seq, group, DraftPrice(0.3))
+    assert not spec.may_draft(seq, group, DraftPrice(0.3), others=3)
+    assert not spec.may_draft(seq, group, DraftPrice(0.01, serial=9.0))
+    assert spec._records == {}
+    assert len(spec.propose(seq, group, 8, DraftPrice(0.3)).token_ids) == 2
