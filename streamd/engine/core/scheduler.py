@@ -539,8 +539,10 @@ class Scheduler:
         whether its host work overlapped the device's: decode steps teach `step_periods` (with a speculator)."""
         if self.speculator is None or out.shape.pairs or not out.num_decode_tokens:
             return
-        rows = out.num_draft_tokens * self._row_cost(out.num_decode_tokens)
-        self.step_periods.observe(seconds, overlapped, rows)
+        drafts = out.num_draft_tokens  # (the fit is asked only then: it is tens of microseconds, a step can be ~1 ms)
+        self.step_periods.observe(
+            seconds, overlapped, drafts * self._row_cost(out.num_decode_tokens) if drafts else 0.0
+        )
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine measured the step `out` planned: the step cost learns from it (only with a latency

@@ -24,6 +24,7 @@ WINDOW = 32  # measured steps kept of each kind (with prompt chunks, without)
 TOKEN_UNIT = 1e3  # features scaled to about 1 so the normal equations stay well conditioned
 PAIR_UNIT = 1e6
 PRIOR_WEIGHT = 1e-6  # the pull toward the prior: decides only what the measurements leave open
+REFIT_EVERY = 8  # decode-only steps measured between refits (a fit costs tens of microseconds, a step can be ~1 ms)
 
 
 @dataclass(slots=True)
@@ -78,6 +79,7 @@ class StepCost:
         self.prior = (0.0, seconds_per_token * TOKEN_UNIT, 0.0)
         self._windows = (_Window(), _Window())  # steps with a prompt chunk, steps without
         self._fitted: tuple[float, float, float] | None = self.prior
+        self._unfitted = 0  # decode-only steps observed since the last fit
 
     @property
     def coefficients(self) -> tuple[float, float, float]:
@@ -100,8 +102,12 @@ class StepCost:
         return per / step if step > 0 else None
 
     def observe(self, shape: StepShape, seconds: float) -> None:
+        """A measured step: refitted at the next prediction after a step with a prompt chunk (whose cost the
+        scheduler's chunk sizes follow at once) or after every `REFIT_EVERY` decode-only steps."""
         self._windows[0 if shape.pairs else 1].add((shape.features(), seconds))
-        self._fitted = None
+        self._unfitted += 1
+        if shape.pairs or self._unfitted >= REFIT_EVERY or len(self._windows[1].samples) == 1:
+            self._fitted, self._unfitted = None, 0
 
     def max_chunk(self, shape: StepShape, context: int, budget_s: float) -> int:
         """The most tokens a chunk after `context` computed ones may have so that `shape` with it stays
