@@ -45,6 +45,9 @@ CHAT_QUESTIONS = [
 ]
 
 
+Predictions = list[str] | list[list[int]]  # per request: the text, or its token ids
+
+
 @dataclass(slots=True, frozen=True)
 class Sizes:
     edit_requests: int = 3
@@ -189,7 +192,7 @@ def workload(
     chats: list[str],
     max_tokens: int,
     streams: int,
-    predictions: list[str] | None,
+    predictions: Predictions | None,
     rounds: int = 1,
 ) -> dict[str, Any]:
     """Runs one workload in every mode it has, `rounds` times with the modes' order rotated each round (each
@@ -238,9 +241,9 @@ def _lower_x(off: ModeResult, mode: ModeResult) -> float:
     return round(statistics.median(off.tpot_ms) / statistics.median(mode.tpot_ms), 3)
 
 
-def oracle_predictions(engine: Any, chats: list[str], max_tokens: int, keep: float) -> list[str]:
-    """Each chat's own greedy answer (one untimed run) as text, each token kept with probability `keep` and the rest
-    replaced by a random token (seeded): a proposer whose drafts hold with a set rate, whatever the model."""
+def oracle_predictions(engine: Any, chats: list[str], max_tokens: int, keep: float) -> list[list[int]]:
+    """Each chat's own greedy answer (one untimed run) as token ids, each kept with probability `keep` and the rest
+    replaced by a random token (seeded): a proposer whose drafts hold at a set rate per token, whatever the model."""
     from streamd.engine.sampling_params import SamplingParams
 
     if not 0.0 < keep <= 1.0:
@@ -250,15 +253,14 @@ def oracle_predictions(engine: Any, chats: list[str], max_tokens: int, keep: flo
     answers = run_mode(engine, prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * len(prompts), 1)
     rng = random.Random(0)
     vocab = engine.vocab_size
-    corrupted = [[t if rng.random() < keep else rng.randrange(vocab) for t in out] for out in answers.outputs]
-    return [engine.tokenizer.decode(ids) for ids in corrupted]
+    return [[t if rng.random() < keep else rng.randrange(vocab) for t in out] for out in answers.outputs]
 
 
 def measure(engine: Any, sizes: Sizes, rounds: int = 1, oracle: float | None = None) -> list[dict[str, Any]]:
     edits = edit_requests(sizes)
     chats = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(sizes.chat_requests)]
     wide = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] + f" (variant {i})" for i in range(sizes.streams)]
-    workloads: list[tuple[str, list[str], int, int, list[str] | None]] = [
+    workloads: list[tuple[str, list[str], int, int, Predictions | None]] = [
         ("edit", [e[0] for e in edits], sizes.edit_max_tokens, 1, [e[1] for e in edits]),
         ("chat", chats, sizes.chat_max_tokens, 1, None),
         ("chat", wide, sizes.chat_max_tokens, sizes.streams, None),

@@ -119,9 +119,11 @@ class LLMEngine:
             self._prompt_logprobs[request_id] = [None] * len(ids)
         return ids
 
-    def _prediction_ids(self, prediction: str) -> list[int]:
+    def _prediction_ids(self, prediction: str | list[int]) -> list[int]:
         """A request's `prediction` as draft tokens (ids the model has, up to the first it has not)."""
-        ids = self.tokenizer.encode(prediction, add_special_tokens=False)
+        if isinstance(prediction, str):
+            prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
+        ids = prediction
         bad = next((i for i, token in enumerate(ids) if not 0 <= token < self.vocab_size), len(ids))
         return list(ids[:bad])
 

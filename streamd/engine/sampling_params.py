@@ -124,9 +124,10 @@ class SamplingParams:
     length_penalty: float = 1.0
     early_stopping: bool | str = False
     timeout_s: float | None = None  # seconds from arrival to the end: then it finishes with "timeout"
-    # OpenAI's Predicted Outputs: text the output is expected to be mostly (a file being edited). It is only
-    # a source of draft tokens for speculative decoding (engine/core/speculation.py): the output is the same.
-    prediction: str | None = None
+    # OpenAI's Predicted Outputs: text the output is expected to be mostly (a file being edited), or its token
+    # ids. It is only a source of draft tokens for speculative decoding (engine/core/speculation.py): the output
+    # is the same.
+    prediction: str | list[int] | None = None
     # Seconds it may wait before its first scheduling; past it, it ends with "timeout" and no output (the
     # server sets it from `server.max_queue_time_s` and answers "overloaded"). Not a wire parameter.
     queue_timeout_s: float | None = None
@@ -177,10 +178,12 @@ class SamplingParams:
     def _validate(self) -> None:
         _check(is_int(self.n) and self.n >= 1, "n", self.n, "must be an integer >= 1")
         _check(
-            self.prediction is None or isinstance(self.prediction, str),
+            self.prediction is None
+            or isinstance(self.prediction, str)
+            or (isinstance(self.prediction, list) and all(is_int(t) for t in self.prediction)),
             "prediction",
             self.prediction,
-            "must be a string",
+            "must be a string or a list of token ids",
         )
         if self.max_tokens is not None:
             _check(

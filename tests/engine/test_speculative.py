@@ -373,3 +373,15 @@ def test_a_drafting_step_s_lost_overlap_is_measured_and_priced(monkeypatch: pyte
     before = engine.stats().scheduler.spec_draft_tokens
     assert _run_with_oracle(llm, prompt, params, off).outputs[0].token_ids == off
     assert engine.stats().scheduler.spec_draft_tokens == before
+
+
+def test_a_prediction_given_as_token_ids_drafts_them(tiny: LLM) -> None:
+    prompt = random_prompt(9, 12)
+    params = _params(max_tokens=24)
+    off = run_to_completion(tiny.engine, [prompt], params)[0].outputs[0].token_ids
+    before = tiny.engine.stats().scheduler
+    on = run_to_completion(tiny.engine, [prompt], dataclasses.replace(params, prediction=list(off)))[0]
+    after = tiny.engine.stats().scheduler
+    assert on.outputs[0].token_ids == off and after.spec_accepted_tokens - before.spec_accepted_tokens >= len(off) // 2
+    with pytest.raises(ValueError, match="prediction"):
+        _params(prediction=[1, "2"])
