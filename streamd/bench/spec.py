@@ -45,7 +45,7 @@ CHAT_QUESTIONS = [
 ]
 
 
-Predictions = list[str] | list[list[int]]  # per request: the text, or its token ids
+Predictions = list[str | list[int]]  # per request: the text, or its token ids
 
 
 @dataclass(slots=True, frozen=True)
@@ -241,7 +241,7 @@ def _lower_x(off: ModeResult, mode: ModeResult) -> float:
     return round(statistics.median(off.tpot_ms) / statistics.median(mode.tpot_ms), 3)
 
 
-def oracle_predictions(engine: Any, chats: list[str], max_tokens: int, keep: float) -> list[list[int]]:
+def oracle_predictions(engine: Any, chats: list[str], max_tokens: int, keep: float) -> Predictions:
     """Each chat's own greedy answer (one untimed run) as token ids, each kept with probability `keep` and the rest
     replaced by a random token (seeded): a proposer whose drafts hold at a set rate per token, whatever the model."""
     from streamd.engine.sampling_params import SamplingParams

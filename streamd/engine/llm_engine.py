@@ -121,9 +121,9 @@ class LLMEngine:
 
     def _prediction_ids(self, prediction: str | list[int]) -> list[int]:
         """A request's `prediction` as draft tokens (ids the model has, up to the first it has not)."""
-        if isinstance(prediction, str):
-            prediction = self.tokenizer.encode(prediction, add_special_tokens=False)
-        ids = prediction
+        ids: list[int] = (
+            self.tokenizer.encode(prediction, add_special_tokens=False) if isinstance(prediction, str) else prediction
+        )
         bad = next((i for i, token in enumerate(ids) if not 0 <= token < self.vocab_size), len(ids))
         return list(ids[:bad])
 
