@@ -344,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
         + ("--light" if args.light else " ".join(f"--{k.replace('_', '-')} {v}" for k, v in asdict(sizes).items()))
         + (f" --rounds {args.rounds}" if args.rounds > 1 else "")
         + (f" --oracle-acceptance {args.oracle_acceptance}" if args.oracle_acceptance is not None else ""),
-        "note": "Shared, noisy 2-core machine: compare modes within this one run only.",
+        "note": ("One GPU" if engine.device.type == "cuda" else "Shared, noisy 2-core machine")
+        + ": compare modes within this one run only.",
         "speculative": dataclasses.asdict(speculator.config),
         "results": measure(engine, sizes, args.rounds, args.oracle_acceptance),
     }
