@@ -204,7 +204,8 @@ class LLMEngine:
         deltas: list[RequestDelta] = []
         prev, self._inflight = self._inflight, None
         done, self._settled = (prev.out if prev is not None else self._settled), None
-        began, overlapped = self._observe_period(prev is not None), False
+        # (a step after a prompt chunk waits for that chunk's device time: no decode step's period to learn from)
+        began, overlapped = self._observe_period(prev is not None and not prev.out.shape.pairs), False
         if prev is not None:
             self._complete(prev)
             # Penalties and beam search need the tokens on the host, and drafts continue them: no overlap.
@@ -240,11 +241,12 @@ class LLMEngine:
             updates += self._settle(self._inflight)
         return deltas + self._process(updates)
 
-    def _observe_period(self, follows_launch: bool) -> float | None:
-        """This step's start, where it follows a launched step (else None: no period to measure from it); the
-        last such step's period, start to now, goes to the scheduler (what a drafting step's lost overlap costs)."""
+    def _observe_period(self, follows_decodes: bool) -> float | None:
+        """This step's start, where it follows a launched decode-only step (else None: no period to measure from
+        it); the last such step's period, start to now, goes to the scheduler (what a drafting step's lost overlap
+        costs)."""
         now, last, self._period = time.perf_counter(), self._period, None
-        if not follows_launch or self._settles_at_once:
+        if not follows_decodes or self._settles_at_once:
             return None
         if last is not None:
             self.scheduler.observe_period(last[1], now - last[0], last[2])

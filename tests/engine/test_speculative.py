@@ -363,12 +363,19 @@ def test_a_drafting_step_s_lost_overlap_is_measured_and_priced(monkeypatch: pyte
     win, nothing drafts, not even a probe, and the greedy tokens stay the same."""
     llm = tiny_llm(num_kv_blocks=200, overlap_steps=True)
     engine = llm.engine
+    plans, timed = [], []
+    schedule, observe = engine.scheduler.schedule, engine.scheduler.observe_period
+    monkeypatch.setattr(engine.scheduler, "schedule", lambda: plans.append(schedule()) or plans[-1])
+    monkeypatch.setattr(engine.scheduler, "observe_period", lambda out, *a: timed.append(out) or observe(out, *a))
     prompt = random_prompt(7, 16)
     params = _params(max_tokens=48)
     off = run_to_completion(engine, [prompt], params)[0].outputs[0].token_ids
     on = _run_with_oracle(llm, prompt, params, _corrupted(off, 4)).outputs[0].token_ids
     periods = engine.scheduler.step_periods
     assert on == off and periods.overlapped and periods.serial  # both kinds of decode step were timed
+    # a period is timed only between decode steps: a step after a prompt chunk waits for the chunk's device time
+    before = {id(b): a for a, b in zip(plans, plans[1:])}
+    assert timed and all(not before[id(out)].shape.pairs for out in timed)
     monkeypatch.setattr(periods, "serial_overhead", lambda: 9.0)
     before = engine.stats().scheduler.spec_draft_tokens
     assert _run_with_oracle(llm, prompt, params, off).outputs[0].token_ids == off

@@ -159,6 +159,9 @@ def _solve(augmented: list[list[float]]) -> list[float]:
 
 
 PERIOD_WEIGHT = 0.2  # the newest period's weight in the running means
+# The most `serial_overhead` says: below 1, so a probe (one draft after a pause) still pays when its draft is kept;
+# probes measure serial steps again, so an estimate that came out too high mends itself.
+MAX_SERIAL_OVERHEAD = 0.75
 
 
 class StepPeriods:
@@ -185,10 +188,10 @@ class StepPeriods:
 
     def serial_overhead(self) -> float:
         """How much longer than an overlapped decode step a step that drafts takes, its draft rows aside, as a
-        share of the overlapped step."""
+        share of the overlapped step (at most `MAX_SERIAL_OVERHEAD`)."""
         if not self.overlapped or self.serial is None:
             return 0.0
-        return max(0.0, self.serial / self.overlapped - 1.0 - self.serial_rows)
+        return min(MAX_SERIAL_OVERHEAD, max(0.0, self.serial / self.overlapped - 1.0 - self.serial_rows))
 
 
 def _mean(mean: float | None, sample: float) -> float:

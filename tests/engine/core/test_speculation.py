@@ -18,7 +18,7 @@ from streamd.engine.core.speculation import (
     best_draft_length,
     find_continuation,
 )
-from streamd.engine.core.step_cost import StepCost, StepPeriods, StepShape
+from streamd.engine.core.step_cost import MAX_SERIAL_OVERHEAD, StepCost, StepPeriods, StepShape
 from streamd.engine.sampling_params import SamplingParams
 
 
@@ -221,6 +221,9 @@ def test_step_periods_give_what_a_drafting_step_loses_beyond_its_rows() -> None:
     for _ in range(40):
         periods.observe(0.0009, overlapped=False, rows_share=0.0)
     assert periods.serial_overhead() == 0.0  # never below nothing
+    periods.observe(0.05, overlapped=False, rows_share=0.0)
+    # never so dear that a kept probe would not pay: probes keep measuring, so a bad estimate mends itself
+    assert periods.serial_overhead() == MAX_SERIAL_OVERHEAD and best_draft_length(1.0, 0.05, 1, 0, MAX_SERIAL_OVERHEAD)
 
 
 def test_drafts_shrink_where_a_row_costs_what_it_does_on_a_cpu() -> None:
