@@ -174,7 +174,7 @@ def test_parallel_samples_each_verify_their_own_drafts(tiny: LLM) -> None:
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_mid_speculation_keeps_greedy_tokens(mode: str) -> None:
-    llm = tiny_llm(num_kv_blocks=14, num_swap_blocks=40, preemption_mode=mode)
+    llm = tiny_llm(num_kv_blocks=12, num_swap_blocks=40, preemption_mode=mode)
     engine = llm.engine
     prompts = [random_prompt(10 + i, 14) for i in range(3)]
     params = _params(temperature=0, max_tokens=24, ignore_eos=True)

@@ -72,12 +72,29 @@ class Draft:
 class DraftRecord:
     """One sequence's speculation history: its recent acceptance rate and its pause."""
 
-    rate: float = 0.7  # before any verify: hopeful, yet one draft where a row is dear (a CPU), ~6 where cheap
+    # The chance that a draft is kept once those before it were, estimated as a geometric run's: kept drafts over
+    # kept drafts and breaks (a verify that refused one), each a running mean per verify. A copy that holds for
+    # eight drafts and then breaks rates 8 / 9, where the share kept of everything drafted (a copy of three
+    # tokens in eight drafts, 3 / 8) would price drafts as if every position were a coin toss. Before any
+    # verify: 0.7, hopeful, yet one draft where a row is dear (a CPU), ~6 where cheap.
+    kept: float = 0.7
+    breaks: float = 0.3
     paused_steps: int = 0
     relapses: int = 0
     probe: bool = False  # the next draft, after a pause for drafts not paying, is one token: its acceptance is news
     cursor: int = 0  # where the last match in the prediction ended
     lookup_cursor: int = 0  # where the last prompt-lookup match ended (a copy follows its source forward)
+
+    @property
+    def rate(self) -> float:
+        return self.kept / (self.kept + self.breaks) if self.kept + self.breaks > 0 else 0.0
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        self.kept += _RATE_WEIGHT * (accepted - self.kept)
+        self.breaks += _RATE_WEIGHT * (float(accepted < drafted) - self.breaks)
+
+    def reset_rate(self, rate: float) -> None:
+        self.kept, self.breaks = rate, 1.0 - rate
 
 
 class DraftSource(Protocol):
@@ -220,10 +237,10 @@ class Speculator:
         self.draft_tokens += drafted
         self.accepted_tokens += accepted
         record = self._records.setdefault(seq.seq_id, DraftRecord())
-        record.rate += _RATE_WEIGHT * (accepted / drafted - record.rate)
+        record.verified(drafted, accepted)
         if record.rate < self.config.min_acceptance:
             self._pause(record)
-            record.rate = self.config.min_acceptance  # one more bad step after the pause stops it again
+            record.reset_rate(self.config.min_acceptance)  # one more bad step after the pause stops it again
 
     @staticmethod
     def _pause(record: DraftRecord) -> None:

@@ -13,6 +13,7 @@ from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.core.speculation import (
     DEFAULT_ROW_COST,
+    DraftRecord,
     DraftPrice,
     Speculator,
     best_draft_length,
@@ -323,3 +324,15 @@ def test_the_engine_keeps_its_overlap_where_no_draft_would_pay() -> None:
     assert not spec.may_draft(seq, group, DraftPrice(0.01, serial=9.0))
     assert spec._records == {}
     assert len(spec.propose(seq, group, 8, DraftPrice(0.3)).token_ids) == 2
+
+
+def test_a_copy_that_holds_then_breaks_rates_as_a_run_not_as_a_share() -> None:
+    """The rate is a geometric run's: kept drafts over kept drafts and breaks. Eight-draft verifies that keep 3, 8, 8
+    and 5 drafts (a copy breaking twice) rate ~0.9, though only 75% of the drafts were kept; verifies that keep
+    nothing rate near 0."""
+    copy, chat = DraftRecord(), DraftRecord()
+    for accepted in (3, 8, 8, 5) * 3:
+        copy.verified(8, accepted)
+        chat.verified(8, 0)
+    assert copy.rate > 0.85 and chat.rate < 0.05
+    assert best_draft_length(copy.rate, 0.01, 8, serial=0.45) == 8 and best_draft_length(chat.rate, 0.01, 8) == 0
