@@ -13,8 +13,8 @@ from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.core.speculation import (
     DEFAULT_ROW_COST,
-    DraftRecord,
     DraftPrice,
+    DraftRecord,
     Speculator,
     best_draft_length,
     find_continuation,
