@@ -181,9 +181,35 @@ def run_mode(engine: Any, prompts: list[list[int]], params: list[Any], streams: 
     return result
 
 
-def _speculation(engine: Any, prompt_lookup: bool) -> None:
+def _speculation(engine: Any, prompt_lookup: bool, source: Any = None) -> None:
+    """Prompt lookup on or off, and the draft source (`OracleDrafts`, or the engine's own draft model: None)."""
     spec = engine.scheduler.speculator
     spec.config = dataclasses.replace(spec.config, prompt_lookup=prompt_lookup)
+    own = getattr(engine, "_bench_own_draft_source", spec.draft_source)
+    engine._bench_own_draft_source = own
+    spec.draft_source = own if source is None else source
+
+
+class OracleDrafts:
+    """A draft source that knows each prompt's greedy answer (a benchmark's, not a proposer anyone could have): it
+    drafts the answer's next tokens, each position kept with probability `keep` and otherwise a random token, the
+    same one whenever that position is drafted. Drafts then hold as a geometric run of rate `keep`, whatever the
+    model, so the bench can show what a verify step buys at a set acceptance."""
+
+    def __init__(self, prompts: list[list[int]], answers: list[list[int]], keep: float, vocab: int) -> None:
+        rng = random.Random(0)
+        self.prompts = prompts
+        self.drafts = [[t if rng.random() < keep else rng.randrange(vocab) for t in answer] for answer in answers]
+
+    def propose(self, seq_id: int, token_ids: list[int], limit: int) -> list[int]:
+        for prompt, drafts in zip(self.prompts, self.drafts):
+            if token_ids[: len(prompt)] == prompt:
+                start = len(token_ids) - len(prompt)
+                return drafts[start : start + limit]
+        return []
+
+    def forget(self, seq_id: int) -> None:
+        pass
 
 
 def workload(
@@ -194,6 +220,7 @@ def workload(
     streams: int,
     predictions: Predictions | None,
     rounds: int = 1,
+    oracle: float | None = None,
 ) -> dict[str, Any]:
     """Runs one workload in every mode it has, `rounds` times with the modes' order rotated each round (each
     takes every place, so the machine's drift weighs on all alike); returns its report entry, the requests'
@@ -202,9 +229,14 @@ def workload(
 
     prompts = [engine.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
     plain = [SamplingParams(temperature=0, max_tokens=max_tokens) for _ in prompts]
-    settings: dict[str, tuple[bool, list[Any]]] = {"off": (False, plain), "prompt_lookup": (True, plain)}
+    settings: dict[str, tuple[bool, list[Any], Any]] = {"off": (False, plain, None)}
+    if oracle is None:
+        settings["prompt_lookup"] = (True, plain, None)
+    else:
+        settings["oracle"] = (False, plain, oracle_drafts(engine, prompts, plain, oracle))
     if predictions is not None:
-        settings["prediction"] = (False, [dataclasses.replace(p, prediction=t) for p, t in zip(plain, predictions)])
+        with_prediction = [dataclasses.replace(p, prediction=t) for p, t in zip(plain, predictions)]
+        settings["prediction"] = (False, with_prediction, None)
     _speculation(engine, False)
     # Untimed: the prompts' blocks enter the prefix cache, so no mode (the first one least) pays more prefill.
     run_mode(engine, prompts, [dataclasses.replace(p, max_tokens=1) for p in plain], streams)
@@ -213,8 +245,8 @@ def workload(
     for round_index in range(rounds):
         results: dict[str, ModeResult] = {}
         for mode in names[round_index % len(names) :] + names[: round_index % len(names)]:
-            lookup, params = settings[mode]
-            _speculation(engine, lookup)
+            lookup, params, source = settings[mode]
+            _speculation(engine, lookup, source)
             results[mode] = run_mode(engine, prompts, params, streams)
         _speculation(engine, False)
         per_round.append(results)
@@ -241,19 +273,13 @@ def _lower_x(off: ModeResult, mode: ModeResult) -> float:
     return round(statistics.median(off.tpot_ms) / statistics.median(mode.tpot_ms), 3)
 
 
-def oracle_predictions(engine: Any, chats: list[str], max_tokens: int, keep: float) -> Predictions:
-    """Each chat's own greedy answer (one untimed run) as token ids, each kept with probability `keep` and the rest
-    replaced by a random token (seeded): a proposer whose drafts hold at a set rate per token, whatever the model."""
-    from streamd.engine.sampling_params import SamplingParams
-
+def oracle_drafts(engine: Any, prompts: list[list[int]], params: list[Any], keep: float) -> OracleDrafts:
+    """`OracleDrafts` of the prompts' greedy answers (one untimed run, nothing drafted)."""
     if not 0.0 < keep <= 1.0:
         raise BenchError(f"--oracle-acceptance must be in (0, 1], got {keep}")
-    prompts = [engine.apply_chat_template([{"role": "user", "content": c}]) for c in chats]
     _speculation(engine, False)
-    answers = run_mode(engine, prompts, [SamplingParams(temperature=0, max_tokens=max_tokens)] * len(prompts), 1)
-    rng = random.Random(0)
-    vocab = engine.vocab_size
-    return [[t if rng.random() < keep else rng.randrange(vocab) for t in out] for out in answers.outputs]
+    answers = run_mode(engine, prompts, params, 1).outputs
+    return OracleDrafts([list(p) for p in prompts], answers, keep, engine.vocab_size)
 
 
 def measure(engine: Any, sizes: Sizes, rounds: int = 1, oracle: float | None = None) -> list[dict[str, Any]]:
@@ -265,12 +291,13 @@ def measure(engine: Any, sizes: Sizes, rounds: int = 1, oracle: float | None = N
         ("chat", chats, sizes.chat_max_tokens, 1, None),
         ("chat", wide, sizes.chat_max_tokens, sizes.streams, None),
     ]
-    if oracle is not None:
-        oracles = oracle_predictions(engine, chats, sizes.chat_max_tokens, oracle)
-        workloads.append((f"chat, oracle keeping {oracle:.0%}", chats, sizes.chat_max_tokens, 1, oracles))
     results = []
     for name, prompts, max_tokens, streams, predictions in workloads:
         results.append(workload(engine, name, prompts, max_tokens, streams, predictions, rounds))
+        print(json.dumps(results[-1]), flush=True)  # each workload as it ends (a long run shows progress)
+    if oracle is not None:
+        name = f"chat, oracle keeping {oracle:.0%}"
+        results.append(workload(engine, name, chats, sizes.chat_max_tokens, 1, None, rounds, oracle))
         print(json.dumps(results[-1]), flush=True)  # each workload as it ends (a long run shows progress)
     return results
 

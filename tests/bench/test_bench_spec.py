@@ -76,12 +76,15 @@ def test_rounds_rotate_the_modes_and_pool_their_requests(tmp_path, monkeypatch: 
 def test_an_oracle_s_drafts_hold_about_as_often_as_it_is_told(smol_llm) -> None:
     engine = smol_llm.engine
     chats = spec.CHAT_QUESTIONS[:1]
+    own = engine.scheduler.speculator.draft_source
     rates = {}
     for keep in (1.0, 0.4):
-        entry = spec.workload(engine, "oracle", chats, 20, 1, spec.oracle_predictions(engine, chats, 20, keep))
-        prediction = entry["modes"]["prediction"]
-        assert prediction["identical_to_off"] is True
-        rates[keep] = prediction["accepted_tokens"] / max(1, entry["modes"]["off"]["output_tokens"])
-    assert rates[1.0] > 0.6 > rates[0.4] > 0  # the share of output tokens that came from accepted drafts
+        entry = spec.workload(engine, "oracle", chats, 20, 1, None, oracle=keep)
+        assert set(entry["modes"]) == {"off", "oracle"}
+        oracle = entry["modes"]["oracle"]
+        assert oracle["identical_to_off"] is True and oracle["draft_tokens"] > 0
+        rates[keep] = oracle["acceptance_rate"]
+    assert rates[1.0] > 0.9 and 0 < rates[0.4] < 0.6
+    assert engine.scheduler.speculator.draft_source is own  # the engine's own proposer back after the bench
     with pytest.raises(BenchError, match="oracle-acceptance"):
-        spec.oracle_predictions(engine, chats, 4, 0.0)
+        spec.workload(engine, "oracle", chats, 4, 1, None, oracle=0.0)
