@@ -118,8 +118,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--oracle-acceptance",
         type=float,
         default=None,
-        help="also the chat workload at one stream with an oracle's drafts: each request's prediction is its own "
-        "greedy answer with each token kept with this probability (the rest replaced at random)",
+        help="also the chat workload at one stream with an oracle's drafts (OracleDrafts: each request's own greedy "
+        "answer, each position kept with this probability, the rest a random token)",
     )
     add_out_argument(parser)
 

@@ -67,9 +67,9 @@ class LLMEngine:
         # output from `_settled`.
         self._settles_at_once = not config.engine.overlaps_steps(device.type)
         self._settled: SchedulerOutput | None = None
-        # (start, plan, overlapped) of the last step that followed a launched one: its period, start to next start,
-        # is measured when the next step finds it launched (`Scheduler.observe_period`)
-        self._period: tuple[float, SchedulerOutput, bool] | None = None
+        # (start, plan, overlapped, the plan of the step before it) of the last step that followed a launched one: its
+        # period, start to next start, is measured when the next step finds it launched (`Scheduler.observe_period`)
+        self._period: tuple[float, SchedulerOutput, bool, SchedulerOutput] | None = None
         self._progress = ProgressReports()  # queue places and prompt chunks done, before the first token
 
     @classmethod
@@ -204,8 +204,7 @@ class LLMEngine:
         deltas: list[RequestDelta] = []
         prev, self._inflight = self._inflight, None
         done, self._settled = (prev.out if prev is not None else self._settled), None
-        # (a step after a prompt chunk waits for that chunk's device time: no decode step's period to learn from)
-        began, overlapped = self._observe_period(prev is not None and not prev.out.shape.pairs), False
+        began, overlapped = self._observe_period(prev is not None), False
         if prev is not None:
             self._complete(prev)
             # Penalties and beam search need the tokens on the host, and drafts continue them: no overlap.
@@ -216,8 +215,8 @@ class LLMEngine:
                 self.scheduler.append_placeholders(prev.sampling)
                 overlapped = True
         out = self.scheduler.schedule()
-        if began is not None and out.scheduled:
-            self._period = (began, out, overlapped)
+        if began is not None and out.scheduled and done is not None:
+            self._period = (began, out, overlapped, done)
         updates += self._progress.step(done, self.scheduler.waiting)
         for group, reason in out.rejected:
             self.requests.remove(group.request_id)
@@ -241,15 +240,14 @@ class LLMEngine:
             updates += self._settle(self._inflight)
         return deltas + self._process(updates)
 
-    def _observe_period(self, follows_decodes: bool) -> float | None:
-        """This step's start, where it follows a launched decode-only step (else None: no period to measure from
-        it); the last such step's period, start to now, goes to the scheduler (what a drafting step's lost overlap
-        costs)."""
+    def _observe_period(self, follows_launch: bool) -> float | None:
+        """This step's start, where it follows a launched step (else None: no period to measure from it); the last
+        such step's period, start to now, goes to the scheduler (what a drafting step's lost overlap costs)."""
         now, last, self._period = time.perf_counter(), self._period, None
-        if not follows_decodes or self._settles_at_once:
+        if not follows_launch or self._settles_at_once:
             return None
         if last is not None:
-            self.scheduler.observe_period(last[1], now - last[0], last[2])
+            self.scheduler.observe_period(last[1], now - last[0], last[2], last[3])
         return now
 
     def _complete(self, step: InFlight) -> None:

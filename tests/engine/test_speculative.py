@@ -358,28 +358,23 @@ def test_sampled_structured_outputs_with_drafts_stay_in_the_grammar(smol_llm: LL
 
 
 def test_a_drafting_step_s_lost_overlap_is_measured_and_priced(monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the overlap on, the engine times overlapped decode steps and drafting (serial) ones, and the scheduler
-    prices the difference into every draft: where it costs more than even a perfect prediction's nine tokens a step
-    win, nothing drafts, not even a probe, and the greedy tokens stay the same."""
+    """With the overlap on, the engine times overlapped decode steps and drafting (serial) ones, and every draft is
+    priced with what the scheduler's `StepPeriods` says a serial step loses; the greedy tokens stay the same."""
     llm = tiny_llm(num_kv_blocks=200, overlap_steps=True)
     engine = llm.engine
-    plans, timed = [], []
-    schedule, observe = engine.scheduler.schedule, engine.scheduler.observe_period
-    monkeypatch.setattr(engine.scheduler, "schedule", lambda: plans.append(schedule()) or plans[-1])
-    monkeypatch.setattr(engine.scheduler, "observe_period", lambda out, *a: timed.append(out) or observe(out, *a))
     prompt = random_prompt(7, 16)
     params = _params(max_tokens=48)
     off = run_to_completion(engine, [prompt], params)[0].outputs[0].token_ids
     on = _run_with_oracle(llm, prompt, params, _corrupted(off, 4)).outputs[0].token_ids
     periods = engine.scheduler.step_periods
     assert on == off and periods.overlapped and periods.serial  # both kinds of decode step were timed
-    # a period is timed only between decode steps: a step after a prompt chunk waits for the chunk's device time
-    before = {id(b): a for a, b in zip(plans, plans[1:])}
-    assert timed and all(not before[id(out)].shape.pairs for out in timed)
-    monkeypatch.setattr(periods, "serial_overhead", lambda: 9.0)
-    before = engine.stats().scheduler.spec_draft_tokens
+    monkeypatch.setattr(periods, "serial_overhead", lambda: 0.625)
+    spec = engine.scheduler.speculator
+    prices = []
+    propose = spec.propose
+    monkeypatch.setattr(spec, "propose", lambda *a, **k: prices.append(a[3]) or propose(*a, **k))
     assert _run_with_oracle(llm, prompt, params, off).outputs[0].token_ids == off
-    assert engine.stats().scheduler.spec_draft_tokens == before
+    assert prices and all(price.serial == 0.625 for price in prices)
 
 
 def test_a_prediction_given_as_token_ids_drafts_them(tiny: LLM) -> None:

@@ -474,10 +474,12 @@ class Scheduler:
         if spec is None or not spec.step_allowed(len(running)):  # (more groups: more sequences too)
             return False
         live = [(seq, group) for group in running for seq in group.seqs if seq.status is _RUNNING]
-        if not spec.step_allowed(len(live)):
+        decoding = [(seq, group) for seq, group in live if seq.num_computed_tokens >= seq.num_prompt_tokens]
+        if not spec.step_allowed(len(live)) or not any(spec.wants(group) for _, group in decoding):
             return False
-        price, others = self._draft_price(len(live)), len(live) - 1
-        return any(spec.may_draft(seq, group, price, others) for seq, group in live)
+        # priced as `_add_drafts` will (its decodes: the sequences past their prompts) so the two agree
+        price, others = self._draft_price(len(decoding)), len(decoding) - 1
+        return any(spec.may_draft(seq, group, price, others) for seq, group in decoding)
 
     def _add_drafts(self, out: SchedulerOutput, decodes: list[ScheduledSeq], budget: int) -> int:
         """Draft tokens for the step's decodes (speculative decoding), within the token `budget` and the free
@@ -534,15 +536,17 @@ class Scheduler:
         row_cost = self.step_cost.row_cost(num_decodes)
         return DEFAULT_ROW_COST if row_cost is None else row_cost  # (no step without a chunk measured yet)
 
-    def observe_period(self, out: SchedulerOutput, seconds: float, overlapped: bool) -> None:
-        """The engine measured the wall seconds from the start of the step `out` planned to the next one's, and
-        whether its host work overlapped the device's: decode steps teach `step_periods` (with a speculator)."""
-        if self.speculator is None or out.shape.pairs or not out.num_decode_tokens:
+    def observe_period(self, out: SchedulerOutput, seconds: float, overlapped: bool, waited: SchedulerOutput) -> None:
+        """The engine measured the wall seconds from the start of the step `out` planned to the next one's, whether
+        its host work overlapped the device's, and the step whose device time a serial step waited for first
+        (`waited`, the one before). Decode steps few enough to draft beside (`disable_by_batch_size`) teach
+        `step_periods` (with a speculator); a serial period's draft rows are `waited`'s."""
+        spec = self.speculator
+        if spec is None or out.shape.pairs or waited.shape.pairs or not spec.step_allowed(out.num_decode_tokens):
             return
-        drafts = out.num_draft_tokens  # (the fit is asked only then: it is tens of microseconds, a step can be ~1 ms)
-        self.step_periods.observe(
-            seconds, overlapped, drafts * self._row_cost(out.num_decode_tokens) if drafts else 0.0
-        )
+        drafts = waited.num_draft_tokens  # (the fit is asked only then: tens of microseconds, a step can be ~1 ms)
+        rows = drafts * self._row_cost(waited.num_decode_tokens) if drafts and not overlapped else 0.0
+        self.step_periods.observe(seconds, overlapped, rows)
 
     def observe_step(self, out: SchedulerOutput, seconds: float) -> None:
         """The engine measured the step `out` planned: the step cost learns from it (only with a latency

@@ -22,10 +22,12 @@ source keeps state per sequence, its cache; it catches up on the tokens the othe
 next time it is asked.)
 
 How many drafts: the number that buys the step the most tokens per second (`best_draft_length`), from the
-sequence's recent acceptance rate, what a draft row costs against the step without it (`row_cost`, which the
-scheduler reads off its fitted step cost: ~0.46 of a one-sequence decode step on a 2-core CPU, a few percent in a
-GPU's batched forward) and how many other sequences the step decodes (the draft rows slow their tokens too).
-Where no draft length beats a plain decode, the sequence pauses, then probes with one draft;
+sequence's rate (the chance a draft is kept once those before it were, estimated as a geometric run's: kept drafts
+over kept drafts and breaks), the step's `DraftPrice` (what a draft row costs against the step without it, which
+the scheduler reads off its fitted step cost: ~0.46 of a one-sequence decode step on a 2-core CPU, about 1% in a
+GPU's decode graph; and what the step loses by giving up the overlap of host and device, `StepPeriods`: ~0.45 of a
+step for a 135M model on an H200, 0 on the CPU) and how many other sequences the step decodes (the draft rows slow
+their tokens too). Where no draft length beats a plain decode, the sequence pauses, then probes with one draft;
 one whose rate falls below `min_acceptance` stops drafting for a while too (longer after each relapse); a step with
 more decoding sequences than `disable_by_batch_size` does not speculate at all (the wider forward stops paying).
 Requests whose sampling reads per-position state (penalties, seeds, beam search, a thinking budget, pending
@@ -167,13 +169,15 @@ class Speculator:
         k = self._draft_length(record, price, others)
         if k is None:  # drafts would pay alone, not beside this step's other decodes: this step only
             return None
-        record.probe = False
         if k == 0:  # no draft pays at this rate: wait, then probe with one
             self._pause(record)
             record.probe = True
             return None
+        if seq.token_ids[-1] == PLACEHOLDER:  # an overlapped step: nothing to continue yet (a probe waits)
+            return None
+        record.probe = False
         k = min(limit, k, self._room(seq, group.sampling_params))
-        if k <= 0 or seq.token_ids[-1] == PLACEHOLDER:
+        if k <= 0:
             return None
         return (
             self._from_prediction(seq, group, record, k)
@@ -186,8 +190,8 @@ class Speculator:
         pauses it); None where the step's `others` decodes alone make every draft a loss (the record untouched, a
         pending probe kept); one after a pause (a probe), where a kept draft would pay in this step."""
         most, row, serial = self.config.num_speculative_tokens, price.row, price.serial
-        if record.probe:
-            return 1 if best_draft_length(1.0, row, 1, others, serial) else None
+        if record.probe:  # (priced without the lost overlap: a probe is how a wrong estimate of it is mended)
+            return 1 if best_draft_length(1.0, row, 1, others) else None
         alone = best_draft_length(record.rate, row, most, 0, serial)
         if alone == 0 or others == 0:
             return alone

@@ -10,7 +10,7 @@ from streamd.config import SchedulerConfig, SpeculativeConfig
 from streamd.engine.core.block_manager import BlockManager
 from streamd.engine.core.scheduler import Scheduler
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
-from streamd.engine.core.sequence import Sequence, SequenceGroup, SequenceStatus
+from streamd.engine.core.sequence import PLACEHOLDER, Sequence, SequenceGroup, SequenceStatus
 from streamd.engine.core.speculation import (
     DEFAULT_ROW_COST,
     DraftPrice,
@@ -27,6 +27,8 @@ def _group(prompt: list[int], output: list[int], prediction: list[int] = (), **p
     seq = Sequence(prompt_token_ids=list(prompt))
     for token in output:
         seq.append_token(token)
+    if output:  # decoding: every token but its last has KV
+        seq.num_computed_tokens = seq.num_tokens - 1
     group = SequenceGroup("r", [seq], SamplingParams(temperature=0, **params))
     group.prediction_token_ids = list(prediction)
     return group
@@ -336,3 +338,57 @@ def test_a_copy_that_holds_then_breaks_rates_as_a_run_not_as_a_share() -> None:
         chat.verified(8, 0)
     assert copy.rate > 0.85 and chat.rate < 0.05
     assert best_draft_length(copy.rate, 0.01, 8, serial=0.45) == 8 and best_draft_length(chat.rate, 0.01, 8) == 0
+
+
+def test_step_periods_learn_only_between_decode_steps_few_enough_to_draft() -> None:
+    """A serial step waits first for the step before it: after a prompt chunk that is the chunk's device time, no
+    decode step's (on the H200 one such period priced every draft out). Steps of more decodes than speculation
+    drafts beside (`disable_by_batch_size`) are another regime and teach nothing either; a serial period's draft rows
+    are those of the step it waited for."""
+    sched = Scheduler(SchedulerConfig(), BlockManager(64, 4), 100, speculator=Speculator(SpeculativeConfig(), 100))
+    periods = sched.step_periods
+
+    def plan(decodes: int, drafts: int = 0, chunk: bool = False) -> SchedulerOutput:
+        out = SchedulerOutput(num_decode_tokens=decodes, num_draft_tokens=drafts)
+        if chunk:
+            out.shape.add_chunk(800, 0)
+        return out
+
+    sched.observe_period(plan(1), 0.010, overlapped=False, waited=plan(0, chunk=True))
+    sched.observe_period(plan(256), 0.003, overlapped=True, waited=plan(256))
+    sched.observe_period(plan(1, chunk=True), 0.003, overlapped=True, waited=plan(1))
+    assert periods.serial is None and periods.overlapped is None
+    sched.observe_period(plan(1), 0.001, overlapped=True, waited=plan(1))
+    sched.observe_period(plan(1), 0.0015, overlapped=False, waited=plan(1, drafts=8))
+    assert periods.serial == 0.0015 and periods.serial_rows > 0  # the rows of the verify it waited for
+
+
+def test_may_draft_changes_no_record_and_a_probe_survives_an_overlapped_step() -> None:
+    spec = Speculator(SpeculativeConfig(prompt_lookup=True, min_acceptance=0.0), max_model_len=400)
+    group = _group([1, 2, 3, 1, 2, 3, 1, 2], [3], max_tokens=300)
+    seq = group.seqs[0]
+    record = spec._records[seq.seq_id] = DraftRecord(kept=0.1, breaks=0.9, paused_steps=2)
+    assert not spec.may_draft(seq, group, DraftPrice(0.3)) and record.paused_steps == 2  # pausing: no
+    record.paused_steps, record.probe = 0, True
+    # a probe is priced without the lost overlap (it is how a wrong estimate of it gets measured again)
+    assert spec.may_draft(seq, group, DraftPrice(0.01, serial=0.75), others=1) and record.probe
+    seq.token_ids.append(PLACEHOLDER)  # an overlapped step: its last token is still on the device
+    assert spec.propose(seq, group, 8, DraftPrice(0.01)) is None and record.probe
+    seq.token_ids[-1] = 1
+    assert len(spec.propose(seq, group, 8, DraftPrice(0.01)).token_ids) == 1 and not record.probe
+
+
+def test_the_step_cost_refits_after_eight_decode_steps_and_after_any_prompt_chunk() -> None:
+    cost = StepCost(seconds_per_token=0.001)
+    cost.observe(StepShape(tokens=1), 0.006)
+    first = cost.row_cost(1)
+    for tokens in (2, 3, 4, 5, 6, 7, 8):
+        cost.observe(StepShape(tokens=tokens), 0.002 + 0.004 * tokens)
+        assert cost.row_cost(1) == first  # decode-only steps: the fit waits for eight
+    cost.observe(StepShape(tokens=9), 0.038)
+    assert cost.row_cost(1) != first
+    refitted = cost.row_cost(1)
+    chunk = StepShape(tokens=1)
+    chunk.add_chunk(64, 0)
+    cost.observe(chunk, 0.5)
+    assert cost.row_cost(1) != refitted  # a prompt chunk's cost is what the chunk sizes follow: at once
