@@ -32,7 +32,7 @@ from streamd.engine.worker.attention import (
 from streamd.engine.worker.cache_engine import KVLayout, KVPool, allocate_pool, kv_dtype
 from streamd.engine.worker.cuda_graphs import DecodeGraphs
 from streamd.engine.worker.fusion import NativeLogits, fuse_layers, native_logits
-from streamd.engine.worker.host_to_device import to_device
+from streamd.engine.worker.host_to_device import to_device, to_device_many
 from streamd.engine.worker.kv_groups import WindowPool
 from streamd.logs import get_logger
 
@@ -308,14 +308,19 @@ class ModelRunner:
                     pending.append((len(tokens) - 1, seq.seq_id))
         query_start = [0, *itertools.accumulate(query_lens)]
         dev = self.device
+        longs = [np.asarray(x, dtype=np.int64) for x in (tokens, positions, slots, sample_idx)]
+        ints = [np.asarray(x, dtype=np.int32) for x in (seq_lens, query_start)]
+        ids, pos, slot_mapping, samples, table_rows, lens, starts = to_device_many(
+            [*longs, _table_rows(tables), *ints], dev
+        )
         batch = ModelInput(
-            input_ids=to_device(tokens, torch.int64, dev),
-            positions=to_device(positions, torch.int64, dev),
-            slot_mapping=to_device(slots, torch.int64, dev),
-            block_tables=to_device(_table_rows(tables), torch.int32, dev),
-            seq_lens=to_device(seq_lens, torch.int32, dev),
-            query_start_loc=to_device(query_start, torch.int32, dev),
-            sample_idx=to_device(sample_idx, torch.int64, dev),
+            input_ids=ids,
+            positions=pos,
+            slot_mapping=slot_mapping,
+            block_tables=table_rows,
+            seq_lens=lens,
+            query_start_loc=starts,
+            sample_idx=samples,
             decode_only=len(tokens) == len(seq_lens),
         )
         _add_prompt_rows(batch, out.scheduled[: len(out.scheduled) - out.num_decode_tokens], dev)
