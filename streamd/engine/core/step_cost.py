@@ -103,10 +103,11 @@ class StepCost:
 
     def observe(self, shape: StepShape, seconds: float) -> None:
         """A measured step: refitted at the next prediction after a step with a prompt chunk (whose cost the
-        scheduler's chunk sizes follow at once) or after every `REFIT_EVERY` decode-only steps."""
+        scheduler's chunk sizes follow at once), after each of the first `REFIT_EVERY` decode-only steps (a fit
+        from one or two of them is a poor price for a draft row) and then after every `REFIT_EVERY`."""
         self._windows[0 if shape.pairs else 1].add((shape.features(), seconds))
         self._unfitted += 1
-        if shape.pairs or self._unfitted >= REFIT_EVERY or len(self._windows[1].samples) == 1:
+        if shape.pairs or self._unfitted >= REFIT_EVERY or len(self._windows[1].samples) <= REFIT_EVERY:
             self._fitted, self._unfitted = None, 0
 
     def max_chunk(self, shape: StepShape, context: int, budget_s: float) -> int:

@@ -379,13 +379,19 @@ def test_may_draft_changes_no_record_and_a_probe_survives_an_overlapped_step() -
 
 
 def test_the_step_cost_refits_after_eight_decode_steps_and_after_any_prompt_chunk() -> None:
+    """Each of the first eight decode-only steps refits (a price from one or two is poor), then every eighth; a step
+    with a prompt chunk refits at once (the chunk sizes follow its cost)."""
     cost = StepCost(seconds_per_token=0.001)
-    cost.observe(StepShape(tokens=1), 0.006)
-    first = cost.row_cost(1)
+    fits = []
+    for tokens in range(1, 9):
+        cost.observe(StepShape(tokens=tokens), 0.002 + 0.004 * tokens + 0.0003 * (tokens % 3))
+        fits.append(cost.row_cost(1))
+    assert len(set(fits)) == len(fits)  # every one of the first eight moved the fit
+    first = fits[-1]
     for tokens in (2, 3, 4, 5, 6, 7, 8):
-        cost.observe(StepShape(tokens=tokens), 0.002 + 0.004 * tokens)
-        assert cost.row_cost(1) == first  # decode-only steps: the fit waits for eight
-    cost.observe(StepShape(tokens=9), 0.038)
+        cost.observe(StepShape(tokens=tokens), 0.002 + 0.005 * tokens)
+        assert cost.row_cost(1) == first  # then the fit waits for eight
+    cost.observe(StepShape(tokens=9), 0.047)
     assert cost.row_cost(1) != first
     refitted = cost.row_cost(1)
     chunk = StepShape(tokens=1)
