@@ -24,6 +24,7 @@ import json
 import random
 import statistics
 import time
+import weakref
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -181,12 +182,15 @@ def run_mode(engine: Any, prompts: list[list[int]], params: list[Any], streams: 
     return result
 
 
+# each speculator's own draft source (its draft model, or None), kept while a mode puts an oracle in its place
+_OWN_SOURCES: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
 def _speculation(engine: Any, prompt_lookup: bool, source: Any = None) -> None:
     """Prompt lookup on or off, and the draft source (`OracleDrafts`, or the engine's own draft model: None)."""
     spec = engine.scheduler.speculator
     spec.config = dataclasses.replace(spec.config, prompt_lookup=prompt_lookup)
-    own = getattr(engine, "_bench_own_draft_source", spec.draft_source)
-    engine._bench_own_draft_source = own
+    own = _OWN_SOURCES.setdefault(spec, spec.draft_source)
     spec.draft_source = own if source is None else source
 
 
