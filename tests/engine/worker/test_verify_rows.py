@@ -61,6 +61,22 @@ def test_a_verify_as_decode_rows_gives_the_verify_s_logits(llm, monkeypatch: pyt
     assert checked and max(checked) > len(prompts), "no verify step with several rows a sequence ran"
 
 
+@pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
+def test_a_verify_as_decode_rows_in_the_hybrid_layout_reads_each_row_s_window(family, tmp_path, monkeypatch) -> None:
+    """Sliding-window layers in their own pool (holes before the window read as block 0): each row attends over its
+    own window, which starts at or after the sequence's computed tokens, so the rows read no hole; outputs run well
+    past the window (12)."""
+    from streamd import LLM
+    from tests.engine.test_model_families import BLOCK, _saved
+    from tests.helpers import register_engine
+
+    llm = LLM(str(_saved(family, tmp_path)), device="cpu", dtype="float32", block_size=BLOCK, num_kv_blocks=60,
+              num_swap_blocks=0, watermark=0.0, seed=5, max_num_batched_tokens=16)
+    register_engine(llm.engine)
+    assert llm.engine.stats().kv.window_blocks_total > 0  # the hybrid layout is on
+    test_a_verify_as_decode_rows_gives_the_verify_s_logits(llm, monkeypatch)
+
+
 def test_decode_rows_gives_each_query_token_its_sequence_s_table_and_causal_context() -> None:
     tables = torch.tensor([[3, 4, 0], [7, 8, 9]], dtype=torch.int32)
     batch = ModelInput(
