@@ -241,9 +241,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 8  # draft tokens per sequence and step at most
     prompt_lookup_max: int = 4  # longest n-gram of the output's tail looked up
     prompt_lookup_min: int = 2  # shortest one (a prediction is also searched with 1)
-    min_acceptance: float = (
-        0.3  # a sequence whose draft rate (a kept draft's chance after kept ones) falls below this pauses
-    )
+    min_acceptance: float = 0.3  # a sequence whose draft rate (speculation.DraftRecord) falls below it pauses
     disable_by_batch_size: int = 4  # a step with more decoding sequences than this does not speculate
 
     def validate(self) -> None:

@@ -290,18 +290,17 @@ def measure(engine: Any, sizes: Sizes, rounds: int = 1, oracle: float | None = N
     edits = edit_requests(sizes)
     chats = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] for i in range(sizes.chat_requests)]
     wide = [CHAT_QUESTIONS[i % len(CHAT_QUESTIONS)] + f" (variant {i})" for i in range(sizes.streams)]
-    workloads: list[tuple[str, list[str], int, int, Predictions | None]] = [
-        ("edit", [e[0] for e in edits], sizes.edit_max_tokens, 1, [e[1] for e in edits]),
-        ("chat", chats, sizes.chat_max_tokens, 1, None),
-        ("chat", wide, sizes.chat_max_tokens, sizes.streams, None),
+    # (name, prompts, max tokens, streams, predictions, the oracle's acceptance)
+    workloads: list[tuple[str, list[str], int, int, Predictions | None, float | None]] = [
+        ("edit", [e[0] for e in edits], sizes.edit_max_tokens, 1, [e[1] for e in edits], None),
+        ("chat", chats, sizes.chat_max_tokens, 1, None, None),
+        ("chat", wide, sizes.chat_max_tokens, sizes.streams, None, None),
     ]
-    results = []
-    for name, prompts, max_tokens, streams, predictions in workloads:
-        results.append(workload(engine, name, prompts, max_tokens, streams, predictions, rounds))
-        print(json.dumps(results[-1]), flush=True)  # each workload as it ends (a long run shows progress)
     if oracle is not None:
-        name = f"chat, oracle keeping {oracle:.0%}"
-        results.append(workload(engine, name, chats, sizes.chat_max_tokens, 1, None, rounds, oracle))
+        workloads.append((f"chat, oracle keeping {oracle:.0%}", chats, sizes.chat_max_tokens, 1, None, oracle))
+    results = []
+    for name, prompts, max_tokens, streams, predictions, keep in workloads:
+        results.append(workload(engine, name, prompts, max_tokens, streams, predictions, rounds, keep))
         print(json.dumps(results[-1]), flush=True)  # each workload as it ends (a long run shows progress)
     return results
 

@@ -74,9 +74,10 @@ def _launch(
         return
     block = next_pow2(hidden)
     res = residual if residual is not None else x
-    fp8 = isinstance(out, Fp8Rows)
-    values = out.codes.view(torch.uint8) if isinstance(out, Fp8Rows) else out
-    scales = out.scales if isinstance(out, Fp8Rows) else weight  # (never read unquantized)
+    if isinstance(out, Fp8Rows):
+        values, scales = out.codes.view(torch.uint8), out.scales
+    else:
+        values, scales = out, weight  # (scales: never read unquantized)
     res_out = residual_out if residual_out is not None else values
     _rmsnorm_kernel.launch(
         x.device,
@@ -95,7 +96,7 @@ def _launch(
         res_out.stride(0),
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
-        FP8=fp8,
+        FP8=isinstance(out, Fp8Rows),
         num_warps=min(8, max(1, block // 256)),
     )
 

@@ -109,8 +109,10 @@ def test_speculative_verifies_replay_the_decode_graphs_and_keep_greedy_tokens(mo
     # float32: a verify replayed as decode rows must give the tokens the plain decode steps give
     config = llama_1b_shape(layers=4)
     llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=512, num_swap_blocks=0)
-    # drafts priced by rows alone: the lost overlap is measured from wall time, which this test must not depend on
+    # drafts at the unmeasured row price and no lost overlap: both are measured from wall time, which this test must
+    # not depend on
     monkeypatch.setattr(llm.engine.scheduler.step_periods, "serial_overhead", lambda: 0.0)
+    monkeypatch.setattr(llm.engine.scheduler.step_cost, "row_cost", lambda tokens: None)
     prompts = _prompts(config.vocab_size, 4, seed=3)
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True, detokenize=False)
     off = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]

@@ -47,8 +47,7 @@ class ProgressReports:
         updates = []
         for item in done.scheduled[: len(done.scheduled) - done.num_decode_tokens]:
             seq, group = item.seq, item.group
-            done_all = seq.num_computed_tokens >= seq.num_prompt_tokens  # (it has sampled, or is decoding)
-            if seq.status is not SequenceStatus.RUNNING or done_all or seq is not group.seqs[0]:
+            if seq.status is not SequenceStatus.RUNNING or seq.prompt_computed or seq is not group.seqs[0]:
                 continue
             self._places.pop(group.request_id, None)
             progress = Progress(None, seq.num_computed_tokens, group.num_cached_tokens)

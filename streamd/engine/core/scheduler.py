@@ -474,8 +474,10 @@ class Scheduler:
         if spec is None or not spec.step_allowed(len(running)):  # (more groups: more sequences too)
             return False
         live = [(seq, group) for group in running for seq in group.seqs if seq.status is _RUNNING]
-        decoding = [(seq, group) for seq, group in live if seq.num_computed_tokens >= seq.num_prompt_tokens]
-        if not spec.step_allowed(len(live)) or not any(spec.wants(group) for _, group in decoding):
+        if not spec.step_allowed(len(live)):
+            return False
+        decoding = [(seq, group) for seq, group in live if seq.prompt_computed]
+        if not any(spec.wants(group) for _, group in decoding):
             return False
         # priced as `_add_drafts` will (its decodes: the sequences past their prompts) so the two agree
         price, others = self._draft_price(len(decoding)), len(decoding) - 1

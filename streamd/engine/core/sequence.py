@@ -92,6 +92,11 @@ class Sequence:
         return len(self.prompt_token_ids)
 
     @property
+    def prompt_computed(self) -> bool:
+        """Its whole prompt has KV: it has sampled, or is decoding."""
+        return self.num_computed_tokens >= self.num_prompt_tokens
+
+    @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
 

@@ -89,7 +89,9 @@ class DraftRecord:
 
     @property
     def rate(self) -> float:
-        return self.kept / (self.kept + self.breaks) if self.kept + self.breaks > 0 else 0.0
+        return self.kept / (
+            self.kept + self.breaks
+        )  # (their sum never falls below its start: each verify keeps or breaks)
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.kept += _RATE_WEIGHT * (accepted - self.kept)

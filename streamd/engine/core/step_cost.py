@@ -160,8 +160,8 @@ def _solve(augmented: list[list[float]]) -> list[float]:
 
 
 PERIOD_WEIGHT = 0.2  # the newest period's weight in the running means
-# The most `serial_overhead` says: below 1, so a probe (one draft after a pause) still pays when its draft is kept;
-# probes measure serial steps again, so an estimate that came out too high mends itself.
+# The most `serial_overhead` says: one serial period that caught a stall (a GC pause, a swap-in) would otherwise price
+# every draft out until probes (priced without it: `Speculator._draft_length`) measure serial steps again.
 MAX_SERIAL_OVERHEAD = 0.75
 
 

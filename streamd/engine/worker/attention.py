@@ -67,8 +67,18 @@ _context: AttentionMetadata | None = None
 
 def query_token_tables(block_tables: torch.Tensor, query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
     """Each query token's row of its sequence's block table ([num_tokens, max_blocks]), for kernels that take every
-    query token as a sequence of its own (a speculative verify run as decode rows); no host sync."""
+    query token as a sequence of its own (a speculative verify or a prompt chunk run as decode rows); no host sync."""
     return block_tables.repeat_interleave(query_start_loc.diff(), dim=0, output_size=num_tokens)
+
+
+def query_token_lens(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The context each query token attends over as a row of its own (int32 [num_tokens]): its sequence's length less
+    the query tokens after it, i.e. its position + 1, so rows that store their K/V before any attends stay causal;
+    no host sync."""
+    queries = query_start_loc.diff()
+    ends = query_start_loc[1:].repeat_interleave(queries, output_size=num_tokens)  # one past its sequence's last
+    after = ends - 1 - torch.arange(num_tokens, dtype=ends.dtype, device=ends.device)
+    return (seq_lens.repeat_interleave(queries, output_size=num_tokens) - after).to(torch.int32)
 
 
 def set_attention_metadata(metadata: AttentionMetadata | None) -> None:

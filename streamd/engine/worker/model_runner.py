@@ -25,6 +25,7 @@ from streamd.engine.core.sequence import PLACEHOLDER
 from streamd.engine.worker.attention import (
     ATTN_IMPLEMENTATION,
     AttentionMetadata,
+    query_token_lens,
     query_token_tables,
     register_paged_attention,
     set_attention_metadata,
@@ -354,7 +355,7 @@ def decode_rows(batch: ModelInput) -> ModelInput:
     return dataclasses.replace(
         batch,
         block_tables=query_token_tables(batch.block_tables, batch.query_start_loc, n),
-        seq_lens=(batch.positions + 1).to(torch.int32),
+        seq_lens=query_token_lens(batch.seq_lens, batch.query_start_loc, n),
         query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=batch.input_ids.device),
         decode_only=True,
         window_block_tables=None if window is None else query_token_tables(window, batch.query_start_loc, n),

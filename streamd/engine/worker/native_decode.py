@@ -21,7 +21,7 @@ from typing import Any, Protocol, cast
 import torch
 from torch import nn
 
-from streamd.engine.worker.attention import AttentionMetadata, query_token_tables
+from streamd.engine.worker.attention import AttentionMetadata, query_token_lens, query_token_tables
 from streamd.engine.worker.quantized import NATIVE_DENSE_ROWS, QuantizedLinear
 from streamd.kernels import lowbit, native_cpu
 
@@ -310,13 +310,9 @@ def row_view(md: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor]:
     before any row attends, is causal within a sequence's query tokens. A decode step's rows are its sequences."""
     if md.decode_only:
         return md.block_tables.to(torch.int32).contiguous(), md.seq_lens.to(torch.int32).contiguous()
-    queries = md.query_start_loc.diff().to(torch.int64)
-    num_tokens = int(queries.sum())
-    starts = md.query_start_loc[:-1].to(torch.int64).repeat_interleave(queries)
-    first = (md.seq_lens.to(torch.int64) - queries).repeat_interleave(queries)  # the context before the queries
-    lens = first + torch.arange(num_tokens) - starts + 1
+    num_tokens = int(md.query_start_loc[-1])
     tables = query_token_tables(md.block_tables, md.query_start_loc, num_tokens)
-    return tables.to(torch.int32).contiguous(), lens.to(torch.int32)
+    return tables.to(torch.int32).contiguous(), query_token_lens(md.seq_lens, md.query_start_loc, num_tokens)
 
 
 def _native_layer(layer: FusedLayer) -> NativeLayer:
