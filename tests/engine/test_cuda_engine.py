@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from streamd import LLM, SamplingParams
-from tests.helpers import assert_pool_whole, hf_greedy
+from tests.helpers import assert_pool_whole, fold_deltas, hf_greedy, step_until_idle
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -124,7 +124,7 @@ def test_speculative_verifies_replay_the_decode_graphs_and_keep_greedy_tokens(mo
     replay = engine.runner._replay
 
     def counting(batch):
-        if not batch.decode_only:
+        if not batch.decode_only and len(batch.sample_idx) == len(batch.input_ids):  # a verify, not a prompt chunk
             verify_rows.append(len(batch.input_ids))
         return replay(batch)
 
@@ -135,4 +135,37 @@ def test_speculative_verifies_replay_the_decode_graphs_and_keep_greedy_tokens(mo
     assert on == off
     assert verify_rows and max(verify_rows) > len(prompts), "verify steps should have replayed the decode graphs"
     assert after.spec_accepted_tokens > before.spec_accepted_tokens
+    assert_pool_whole(engine)
+
+
+def test_prompt_chunks_beside_decodes_replay_the_decode_graphs_and_keep_greedy_tokens() -> None:
+    """Requests arriving while others decode: their prompt chunks (whole, and continuing a long prompt) run in the
+    decode graphs as decode rows; float32, so the tokens must be transformers' exactly."""
+    config = llama_1b_shape(layers=4)
+    llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=96, num_swap_blocks=0)
+    engine = llm.engine
+    replay = engine.runner._replay
+    chunk_rows: list[int] = []
+
+    def counting(batch):
+        if len(batch.sample_idx) < len(batch.input_ids):
+            chunk_rows.append(len(batch.input_ids))
+        return replay(batch)
+
+    engine.runner._replay = counting
+    prompts = _prompts(config.vocab_size, 6, seed=4)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    folded: dict = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+        for _ in range(3):  # the next one arrives while this one's prompt and the others' decodes run
+            fold_deltas(engine.step(), folded)
+    outputs = {rid: out.outputs[0].token_ids for rid, out in step_until_idle(engine, folded).items()}
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    reference.load_state_dict(engine.runner.model.state_dict())
+    reference = reference.cuda().eval()
+    reference.generation_config.eos_token_id = None
+    for i, prompt in enumerate(prompts):
+        assert outputs[f"r{i}"] == hf_greedy(reference, prompt, 24, None), f"prompt {i} (len {len(prompt)}) diverged"
+    assert len(chunk_rows) >= 3, "prompt chunks should have replayed the decode graphs"
     assert_pool_whole(engine)

@@ -39,6 +39,13 @@ from streamd.logs import get_logger
 
 log = get_logger(__name__)
 
+# A step with prompt chunks replays a decode graph, each query token a decode row (`decode_rows`), when its rows'
+# attention work stays under this: the context positions its prompt rows attend over (`prompt_row_context`) times
+# the model's query width (heads x head dim). Rows of one sequence re-read its K/V (from L2 mostly) with the decode
+# kernel, which wastes the tensor cores a prefill kernel uses; an eager step pays ~10 launches a layer on the host,
+# which a small model's GPU work does not hide (benchmarks/NOTES.md, "Issue 34: prompt chunks in the decode graphs").
+MAX_PROMPT_ROW_ATTENTION = 2**28
+
 
 def kernel_ops(device: torch.device) -> ModuleType:
     """Triton kernels on CUDA, their plain-torch references elsewhere."""
@@ -57,8 +64,7 @@ def kv_layout_of(
     """The KV pool's layout for a model in `dtype`, its blocks as `cache.kv_cache_dtype` says (`kv_dtype`: auto is
     `dtype`); with tensor parallelism each rank holds `num_kv_heads / tp_size` heads."""
     config = model.config.get_text_config()
-    heads = config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    heads, head_dim = _query_heads(model)
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     pool_dtype = kv_dtype(kv_cache_dtype, dtype)
     return KVLayout(config.num_hidden_layers, kv_heads // tp_size, head_dim, block_size, pool_dtype)
@@ -86,6 +92,9 @@ class ModelInput:
     # never read by the kernels: they lie before every window). None: one pool.
     window_slot_mapping: torch.Tensor | None = None  # int64 [num_tokens]
     window_block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
+    # The context positions its prompt chunks' query tokens attend over, summed: what running them as decode rows
+    # (`decode_rows`) reads; 0 for decodes and verifies.
+    prompt_row_context: int = 0
 
 
 @dataclass(slots=True)
@@ -108,6 +117,8 @@ class ModelRunner:
         self.pool: KVPool | None = None
         self.window: WindowPool | None = None
         self.graphs: DecodeGraphs | None = None
+        heads, head_dim = _query_heads(model)
+        self.query_width = heads * head_dim  # a decode row's attention work per context position and layer
         self.native: NativeLogits | None = None  # decode steps run natively, transformers' wrappers skipped (`fuse`)
         self._prompt_logprobs: PromptLogprobs | None = None  # the last `run`'s, until taken
 
@@ -149,14 +160,16 @@ class ModelRunner:
             graphs.release()
 
     def graph_size(self, batch: ModelInput) -> int:
-        """The captured decode graph that runs `batch` (0: none, run eagerly). A graph computes logits for
-        every row, so it serves only batches in which every row samples: decodes, and speculative verifies
-        (their query tokens as decode rows, `decode_rows`)."""
+        """The captured decode graph that runs `batch` (0: none, run eagerly): decodes, speculative verifies and
+        short prompt chunks, each query token a decode row (`decode_rows`), up to the graphs' rows and, for prompt
+        chunks, `MAX_PROMPT_ROW_ATTENTION`. Steps that want prompt logprobs run eagerly."""
         graphs = self.graphs
         n = len(batch.input_ids)
-        if graphs is None or len(batch.sample_idx) != n or batch.prompt_idx is not None:
+        if graphs is None or batch.prompt_idx is not None or not graphs.can_run(n, batch.block_tables.shape[1]):
             return 0
-        return graphs.size_for(n) if graphs.can_run(n, batch.block_tables.shape[1]) else 0
+        if batch.prompt_row_context * self.query_width > MAX_PROMPT_ROW_ATTENTION:
+            return 0
+        return graphs.size_for(n)
 
     @torch.inference_mode()
     def execute(
@@ -189,7 +202,10 @@ class ModelRunner:
         if graph_size is None:
             graph_size = self.graph_size(batch)
         if graph_size:
-            return self._replay(batch).float()
+            logits = self._replay(batch)
+            if len(batch.sample_idx) != len(logits):  # a prompt chunk's rows: only its last token samples
+                logits = logits.index_select(0, batch.sample_idx)
+            return logits.float()
         metadata = self._metadata(batch)
         if self.native is not None and batch.prompt_idx is None:
             logits = self.native(metadata, batch.input_ids, batch.positions, batch.sample_idx)
@@ -281,6 +297,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_idx: list[int] = []
         pending: list[tuple[int, int]] = []
+        row_context = 0
         for item in out.scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             end = start + n
@@ -299,6 +316,7 @@ class ModelRunner:
                 tokens.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
+                row_context += n * (start + end + 1) // 2  # rows see positions start + 1 .. end
             seq_lens.append(end)
             query_lens.append(n)
             tables.append(table)
@@ -323,6 +341,7 @@ class ModelRunner:
             query_start_loc=starts,
             sample_idx=samples,
             decode_only=len(tokens) == len(seq_lens),
+            prompt_row_context=row_context,
         )
         _add_prompt_rows(batch, out.scheduled[: len(out.scheduled) - out.num_decode_tokens], dev)
         if self.window is not None:
@@ -360,6 +379,13 @@ def decode_rows(batch: ModelInput) -> ModelInput:
         decode_only=True,
         window_block_tables=None if window is None else query_token_tables(window, batch.query_start_loc, n),
     )
+
+
+def _query_heads(model: PreTrainedModel) -> tuple[int, int]:
+    """The model's query heads and head dim."""
+    config = model.config.get_text_config()
+    heads = config.num_attention_heads
+    return heads, getattr(config, "head_dim", None) or config.hidden_size // heads
 
 
 def _table_rows(tables: list[list[int]]) -> np.ndarray:

@@ -1,6 +1,7 @@
-"""A speculative verify as decode rows (`model_runner.decode_rows`), what lets a decode CUDA graph replay it: the
-logits equal the verify's own forward (prefill path), and `graph_size` hands such batches to the graphs. On the
-CPU, with the graphs replaced by a recorder (the replay itself is checked on a GPU: test_cuda_engine.py)."""
+"""A speculative verify or a step with prompt chunks as decode rows (`model_runner.decode_rows`), what lets a decode
+CUDA graph replay it: the logits equal the step's own forward (prefill path), and `graph_size` hands such batches to
+the graphs (prompt chunks while their rows' attention is short, never a step that wants prompt logprobs). On the CPU,
+with the graphs replaced by a recorder (the replay itself is checked on a GPU: test_cuda_engine.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from streamd import SamplingParams
 from streamd.engine.core.step_cost import StepCost
 from streamd.engine.worker.cuda_graphs import capture_sizes
 from streamd.engine.worker.model_runner import ModelInput, ModelRunner, decode_rows
-from tests.helpers import random_prompt, run_to_completion, tiny_llm
+from tests.helpers import random_prompt, run_to_completion, step_until_idle, tiny_llm
 
 
 @pytest.fixture(autouse=True)
@@ -48,25 +49,49 @@ def _speculate_with_oracle(llm, prompts: list[list[int]], max_tokens: int) -> li
     return on
 
 
-def test_a_verify_as_decode_rows_gives_the_verify_s_logits(llm, monkeypatch: pytest.MonkeyPatch) -> None:
-    runner: ModelRunner = llm.engine.runner
-    checked: list[int] = []
+def _compare_rows(runner: ModelRunner, monkeypatch: pytest.MonkeyPatch, chosen) -> list[ModelInput]:
+    """Runs every `chosen` batch twice, as decode rows and as itself, and checks their logits agree; the batches."""
+    checked: list[ModelInput] = []
     run = runner.run
 
     def both(batch: ModelInput, graph_size: int | None = None) -> torch.Tensor:
-        if not _is_verify(batch):
+        if not chosen(batch):
             return run(batch, graph_size)
-        # the rows first: the verify's own forward stores the same K/V again, so neither reads the other's
+        # the rows first: the step's own forward stores the same K/V again, so neither reads the other's
         as_rows = run(decode_rows(batch), 0)
         logits = run(batch, 0)
+        assert as_rows.shape == logits.shape == (len(batch.sample_idx), logits.shape[1])
         torch.testing.assert_close(as_rows, logits, rtol=1e-5, atol=1e-5)
-        checked.append(len(batch.input_ids))
+        checked.append(batch)
         return logits
 
     monkeypatch.setattr(runner, "run", both)
+    return checked
+
+
+def _has_prompt_chunk(batch: ModelInput) -> bool:
+    return len(batch.sample_idx) < len(batch.input_ids)
+
+
+def test_a_verify_as_decode_rows_gives_the_verify_s_logits(llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    checked = _compare_rows(llm.engine.runner, monkeypatch, _is_verify)
     prompts = [random_prompt(seed, length) for seed, length in ((1, 9), (2, 23), (3, 17))]
     _speculate_with_oracle(llm, prompts, max_tokens=40)
-    assert checked and max(checked) > len(prompts), "no verify step with several rows a sequence ran"
+    assert checked and max(len(b.input_ids) for b in checked) > len(prompts), "no verify of several rows a sequence"
+
+
+def test_prompt_chunks_as_decode_rows_give_the_prompt_path_s_logits(llm, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whole prompts, a long one's chunks over its cached start, and chunks beside decodes: each step's sampling rows
+    (the last token of a chunk that ends its prompt) get the logits the prompt path gives."""
+    checked = _compare_rows(llm.engine.runner, monkeypatch, _has_prompt_chunk)
+    engine = llm.engine
+    engine.add_request("short", random_prompt(5, 9), _greedy(max_tokens=12))
+    engine.step()  # "short" decodes from here while the rest arrive
+    engine.add_request("long", random_prompt(6, 150), _greedy(max_tokens=6))
+    engine.add_request("mid", random_prompt(7, 30), _greedy(max_tokens=6))
+    step_until_idle(engine)
+    assert any(b.positions[0] > 0 for b in checked), "no chunk continued a prompt"
+    assert any(len(b.sample_idx) > 1 and not b.decode_only for b in checked[1:]), "no chunk ran beside a decode"
 
 
 @pytest.mark.parametrize("family", ["gemma3", "gpt-oss"])
@@ -83,6 +108,8 @@ def test_a_verify_as_decode_rows_in_the_hybrid_layout_reads_each_row_s_window(fa
     register_engine(llm.engine)
     assert llm.engine.stats().kv.window_blocks_total > 0  # the hybrid layout is on
     test_a_verify_as_decode_rows_gives_the_verify_s_logits(llm, monkeypatch)
+    monkeypatch.undo()
+    test_prompt_chunks_as_decode_rows_give_the_prompt_path_s_logits(llm, monkeypatch)
 
 
 def test_decode_rows_gives_each_query_token_its_sequence_s_table_and_causal_context() -> None:
@@ -124,39 +151,57 @@ class _Recorder:
     def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens, *window) -> torch.Tensor:
         self.replayed.append((len(input_ids), seq_lens.tolist()))
         assert block_tables.shape[0] == len(input_ids) == len(seq_lens)
-        return torch.zeros(len(input_ids), 300)
+        return torch.arange(len(input_ids), dtype=torch.float32)[:, None].expand(-1, 300)
 
 
-def test_verify_steps_go_to_the_decode_graphs_and_prompt_chunks_do_not(llm, monkeypatch) -> None:
+def test_verifies_and_short_prompt_chunks_go_to_the_decode_graphs(llm, monkeypatch) -> None:
+    """Verifies always (up to the graphs' rows); a prompt chunk while its rows' attention stays under the cap (a long
+    prompt's first chunk does, its later ones, over more context, do not); never a step that wants prompt logprobs."""
+    from streamd.engine.worker import model_runner
+
     runner: ModelRunner = llm.engine.runner
-    recorder = _Recorder(max_batch=32, max_blocks=64)
-    sizes: list[tuple[bool, int, int]] = []
+    recorder = _Recorder(max_batch=64, max_blocks=64)
+    cap = runner.query_width * 3000  # a 64-token chunk from position 0 attends 2,080 positions, from 64 6,176
+    monkeypatch.setattr(model_runner, "MAX_PROMPT_ROW_ATTENTION", cap)
+    sizes: list[tuple[ModelInput, int]] = []
     graph_size = runner.graph_size
 
     def note(batch: ModelInput) -> int:
         runner.graphs = recorder
         try:
-            sizes.append((_is_verify(batch), len(batch.input_ids), graph_size(batch)))
+            sizes.append((batch, graph_size(batch)))
         finally:
             runner.graphs = None
         return 0  # the step runs eagerly, as it does without graphs
 
     monkeypatch.setattr(runner, "graph_size", note)
     _speculate_with_oracle(llm, [random_prompt(4, 12)], max_tokens=30)
-    verifies = [(n, size) for verify, n, size in sizes if verify]
+    run_to_completion(llm.engine, [random_prompt(8, 150)], _greedy(max_tokens=2))
+    run_to_completion(llm.engine, [random_prompt(9, 20)], _greedy(max_tokens=2, prompt_logprobs=1))
+    verifies = [(len(b.input_ids), size) for b, size in sizes if _is_verify(b)]
     assert verifies and all(size == recorder.size_for(n) for n, size in verifies)
-    prompt_chunks = [size for verify, n, size in sizes if not verify and n > 1]
-    assert prompt_chunks and not any(prompt_chunks)
+    chunks = [(b, size) for b, size in sizes if _has_prompt_chunk(b)]
+    for b, size in chunks:
+        short = b.prompt_idx is None and b.prompt_row_context * runner.query_width <= cap
+        assert size == (recorder.size_for(len(b.input_ids)) if short else 0)
+    assert {bool(size) for _, size in chunks} == {True, False}
+    assert any(b.prompt_idx is not None for b, _ in chunks)
+
+
+def test_a_replayed_prompt_chunk_returns_its_sampling_rows(llm, monkeypatch) -> None:
+    runner: ModelRunner = llm.engine.runner
+    recorder = _Recorder(max_batch=32, max_blocks=64)
     batch = ModelInput(
-        input_ids=torch.arange(3),
-        positions=torch.tensor([4, 5, 6]),
-        slot_mapping=torch.arange(3),
-        block_tables=torch.tensor([[1, 2]], dtype=torch.int32),
-        seq_lens=torch.tensor([7], dtype=torch.int32),
-        query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
-        sample_idx=torch.arange(3),
+        input_ids=torch.arange(4),
+        positions=torch.tensor([4, 5, 6, 9]),
+        slot_mapping=torch.arange(4),
+        block_tables=torch.tensor([[1, 2], [3, 0]], dtype=torch.int32),
+        seq_lens=torch.tensor([7, 10], dtype=torch.int32),
+        query_start_loc=torch.tensor([0, 3, 4], dtype=torch.int32),
+        sample_idx=torch.tensor([2, 3]),
         decode_only=False,
     )
     monkeypatch.setattr(runner, "graphs", recorder)
-    runner.run(batch, 4)
-    assert recorder.replayed == [(3, [5, 6, 7])]
+    logits = runner.run(batch, 4)
+    assert recorder.replayed == [(4, [5, 6, 7, 10])]
+    assert logits[:, 0].tolist() == [2.0, 3.0]  # the recorder's row i holds i

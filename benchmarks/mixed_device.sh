@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# Issue 34 on one GPU: prompt chunks replayed in the decode graphs (items 3 and 4), sliding-window models (item 2).
+# From the repository root on the device machine, with `.whl` (the wheels the image lacks), `.meta` (the default
+# model's config and tokenizer files, from ~/.cache/streamd/gguf-meta/*) and `.ab/model_runner.py` (the runner
+# before the change, for the A/B phases) carried:
+#   STREAMD_GIT_COMMIT=<the commit sent> benchmarks/mixed_device.sh PHASE...
+# PHASES: tests (the CUDA tests of the engine, the hybrid layout and the graphs' rows); rows (a step with a prompt
+# chunk beside decodes, eager against its graph replay: `mixed_rows_device.py`); hybrid (Gemma 3 and gpt-oss
+# shapes: `hybrid_device.py`); fairness and serve (`streamd bench fairness` / `bench serve --offline-baseline` on
+# a random-weight SmolLM2-135M-shaped checkpoint with the real tokenizer, before and after, alternating).
+set -uo pipefail
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
+export PYTHONUNBUFFERED=1 STREAMD_LOG_FORMAT=json
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:$PWD
+model=/tmp/smol-random
+if [ ! -d $model ]; then python3 - <<'PY'
+import shutil, torch
+from transformers import AutoModelForCausalLM
+from streamd.bench.offline import model_config
+with torch.device("cuda"):
+    m = AutoModelForCausalLM.from_config(model_config("smollm2-135m"), dtype=torch.bfloat16)
+m.save_pretrained("/tmp/smol-random")
+for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+    shutil.copy(f".meta/{name}", "/tmp/smol-random")
+PY
+fi
+runner=streamd/engine/worker/model_runner.py
+cp $runner /tmp/runner-after.py
+use() { if [ "$1" = before ]; then cp .ab/model_runner.py $runner; else cp /tmp/runner-after.py $runner; fi; }
+for phase in "$@"; do
+  echo "=== $phase $(date -u +%T)"
+  case $phase in
+    tests)
+      timeout 300 python3 -m pytest -q -m cuda -p no:cacheprovider tests/engine/test_cuda_engine.py \
+        tests/engine/test_hybrid_cuda.py 2>&1 | tail -15 | tee "$OUT/cuda-tests.log" ;;
+    rows)
+      timeout 300 python3 benchmarks/mixed_rows_device.py "$OUT/results/mixed-rows.json" "${ROWS_SHAPES:-smollm2-135m,llama3.2-1b,llama3.1-8b}" \
+        2>"$OUT/rows-stderr.log" | tee "$OUT/rows.log"; tail -3 "$OUT/rows-stderr.log" ;;
+    hybrid)
+      timeout 400 python3 benchmarks/hybrid_device.py "$OUT/results/hybrid.json" "${HYBRID_SHAPES:-gemma-3-1b,gpt-oss-20b}" \
+        2>"$OUT/hybrid-stderr.log" | grep -v '^ ' | tee "$OUT/hybrid.log"; grep -v '^{' "$OUT/hybrid-stderr.log" | tail -5 ;;
+    fairness)
+      for side in before after before after; do
+        use $side
+        timeout 150 python3 -m streamd.cli.main bench fairness --models default --device cuda \
+          --set "model.name=\"$model\"" --rounds 2 --out "$OUT/results/fairness-$side" 2>"$OUT/fairness-stderr.log" \
+          | grep -E "p99|tokens/s|steps with" | sed "s/^/$side /" | tee -a "$OUT/fairness.log"
+        grep -v '^{' "$OUT/fairness-stderr.log" | tail -3
+      done; use after ;;
+    serve)
+      for side in before after; do
+        use $side
+        timeout 240 python3 -m streamd.cli.main bench serve --offline-baseline --baseline-model $model \
+          --levels 256 --repeats "${SERVE_REPEATS:-3}" --requests-per-stream 2 --layouts split \
+          --prompt-words 200 --max-tokens 128 --set cache.num_kv_blocks=16384 --set 'model.dtype="bfloat16"' \
+          --out "$OUT/results/serve-$side" 2>"$OUT/serve-stderr.log" | grep -E "^\| (ws|sse)" | sed "s/^/$side /" \
+          | tee -a "$OUT/serve.log"
+        grep -v '^{' "$OUT/serve-stderr.log" | tail -3
+      done; use after ;;
+  esac
+done
