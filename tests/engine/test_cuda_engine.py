@@ -142,7 +142,8 @@ def test_prompt_chunks_beside_decodes_replay_the_decode_graphs_and_keep_greedy_t
     """Requests arriving while others decode: their prompt chunks (whole, and continuing a long prompt) run in the
     decode graphs as decode rows; float32, so the tokens must be transformers' exactly."""
     config = llama_1b_shape(layers=4)
-    llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=96, num_swap_blocks=0)
+    llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=96, num_swap_blocks=0,
+              fuse_layers="off")  # transformers' weight names, for the reference
     engine = llm.engine
     replay = engine.runner._replay
     chunk_rows: list[int] = []
