@@ -42,9 +42,10 @@ log = get_logger(__name__)
 # A step with prompt chunks replays a decode graph, each query token a decode row (`decode_rows`), when its rows'
 # attention work stays under this: the context positions its prompt rows attend over (`prompt_row_context`) times
 # the model's query width (heads x head dim). Rows of one sequence re-read its K/V (from L2 mostly) with the decode
-# kernel, which wastes the tensor cores a prefill kernel uses; an eager step pays ~10 launches a layer on the host,
-# which a small model's GPU work does not hide (benchmarks/NOTES.md, "Issue 34: prompt chunks in the decode graphs").
-MAX_PROMPT_ROW_ATTENTION = 2**28
+# kernel, which wastes the tensor cores a prefill kernel uses; an eager step pays its launches on the host, which
+# a small model's GPU work does not hide. On an H200 the replay was 2-10x faster below ~1e9 and lost past ~1.2e9
+# (8B shape) to ~2.2e9 (1B) (benchmarks/NOTES.md, "Issue 34: prompt chunks in the decode graphs").
+MAX_PROMPT_ROW_ATTENTION = 3 * 2**29
 
 
 def kernel_ops(device: torch.device) -> ModuleType:
