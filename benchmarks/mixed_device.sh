@@ -41,10 +41,10 @@ for phase in "$@"; do
       timeout 400 python3 benchmarks/hybrid_device.py "$OUT/results/hybrid.json" "${HYBRID_SHAPES:-gemma-3-1b,gpt-oss-20b}" \
         2>"$OUT/hybrid-stderr.log" | grep -v '^ ' | tee "$OUT/hybrid.log"; grep -v '^{' "$OUT/hybrid-stderr.log" | tail -5 ;;
     fairness)
-      for side in ${FAIR_SIDES:-before after before after}; do
-        use $side
+      i=0; for side in ${FAIR_SIDES:-before after before after}; do
+        use $side; i=$((i + 1))
         timeout 120 python3 -m streamd.cli.main bench fairness --models default --device cuda --window-s 1 \
-          --set "model.name=\"$model\"" --rounds 2 --out "$OUT/results/fairness-$side" 2>"$OUT/fairness-stderr.log" \
+          --set "model.name=\"$model\"" --rounds 2 --out "$OUT/results/fairness-$i-$side" 2>"$OUT/fairness-stderr.log" \
           | grep -E "p99|tokens/s|steps with" | sed "s/^/$side /" | tee -a "$OUT/fairness.log"
         grep -v '^{' "$OUT/fairness-stderr.log" | tail -3
       done; use after ;;
