@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 34 on one GPU: prompt chunks replayed in the decode graphs (items 3 and 4), sliding-window models (item 2).
 # From the repository root on the device machine, with `.whl` (the wheels the image lacks), `.meta` (the default
-# model's config and tokenizer files, from ~/.cache/streamd/gguf-meta/*) and `.ab/model_runner.py` (the runner
-# before the change, for the A/B phases) carried:
+# model's config and tokenizer files, from ~/.cache/streamd/gguf-meta/*) and `.ab/streamd` (the package before
+# the change, `git archive <commit> streamd | tar -x -C .ab`, for the A/B phases) carried:
 #   STREAMD_GIT_COMMIT=<the commit sent> benchmarks/mixed_device.sh PHASE...
 # PHASES: tests (the CUDA tests of the engine, the hybrid layout and the graphs' rows); rows (a step with a prompt
 # chunk beside decodes, eager against its graph replay: `mixed_rows_device.py`); hybrid (Gemma 3 and gpt-oss
@@ -25,9 +25,8 @@ for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
     shutil.copy(f".meta/{name}", "/tmp/smol-random")
 PY
 fi
-runner=streamd/engine/worker/model_runner.py
-cp $runner /tmp/runner-after.py
-use() { if [ "$1" = before ]; then cp .ab/model_runner.py $runner; else cp /tmp/runner-after.py $runner; fi; }
+rm -rf /tmp/streamd-after && cp -r streamd /tmp/streamd-after
+use() { rm -rf streamd; if [ "$1" = before ]; then cp -r .ab/streamd .; else cp -r /tmp/streamd-after streamd; fi; }
 for phase in "$@"; do
   echo "=== $phase $(date -u +%T)"
   case $phase in

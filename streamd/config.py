@@ -76,6 +76,7 @@ QUANTIZATIONS = ("auto", "none", "int8", "int4", "fp8")
 LOW_BIT_MATMULS = ("auto", "w8a8", "weight_only")  # model.low_bit_matmul (streamd/engine/worker/quantized.py)
 ALL_REDUCE_MODES = ("auto", "nccl", "symm_mem")  # parallel.all_reduce (streamd/engine/worker/parallel/all_reduce.py)
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")  # cache.kv_cache_dtype (streamd/engine/worker/cache_engine.py)
+GRAPH_ROWS = 256  # the rows the decode graphs take at least (`SchedulerConfig.graph_rows`)
 
 
 @dataclass(slots=True)
@@ -191,13 +192,18 @@ class SchedulerConfig:
     # request waiting, it is seated beyond max_num_seqs, up to this many extra seats, instead of preempting
     # another tenant's request (a recompute of its whole context); the seats are repaid as requests end (no one
     # else is admitted until the count is back under max_num_seqs). -1: max_num_seqs // 8, at least 1; 0: never
-    # (preempt). CUDA graphs and tensor-parallel buffers are sized for `seat_cap()`.
+    # (preempt). CUDA graphs and tensor-parallel buffers are sized for `graph_rows()`, at least `seat_cap()`.
     lent_seats: int = -1
 
     def seat_cap(self) -> int:
         """The most sequences a step may run: max_num_seqs and the seats `lent_seats` may lend."""
         lent = max(1, self.max_num_seqs // 8) if self.lent_seats < 0 else self.lent_seats
         return self.max_num_seqs + lent
+
+    def graph_rows(self) -> int:
+        """The most query rows a decode CUDA graph runs: every seat's decode, and at least `GRAPH_ROWS` within the
+        step's token budget, since speculative verifies and short prompt chunks run in the graphs as a row a token."""
+        return max(self.seat_cap(), min(GRAPH_ROWS, self.max_num_batched_tokens))
 
     def tenant_weight_map(self) -> dict[str, float]:
         """`tenant_weights` as name -> weight; a malformed entry raises naming it."""

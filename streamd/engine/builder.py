@@ -234,7 +234,7 @@ def _executor(
     """The executor, its decode graphs captured (on CUDA, unless `model.enforce_eager`; under tensor
     parallelism on every rank together, unless `parallel.cuda_graphs` is off)."""
     graphs = runner.device.type == "cuda" and not config.model.enforce_eager
-    max_batch, max_blocks = config.scheduler.seat_cap(), runner.max_table_width(max_model_len)
+    max_batch, max_blocks = config.scheduler.graph_rows(), runner.max_table_width(max_model_len)
     cache = pools.cache
     if workers is None:
         if graphs:
@@ -374,7 +374,7 @@ def _graph_reserve_bytes(config: Config, runner: ModelRunner, vocab: int) -> int
     if config.model.enforce_eager:
         return _GRAPH_SLACK_BYTES
     elem = next(runner.model.parameters()).element_size()
-    return sum(capture_sizes(config.scheduler.seat_cap())) * vocab * elem + _GRAPH_SLACK_BYTES
+    return sum(capture_sizes(config.scheduler.graph_rows())) * vocab * elem + _GRAPH_SLACK_BYTES
 
 
 def _max_model_len(loaded: LoadedModel, configured: int | None) -> int:

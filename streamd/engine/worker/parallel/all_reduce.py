@@ -15,7 +15,7 @@ c10d's registry of ProcessGroups instead, so the name is also registered there, 
 the engine's NCCL backend (`_register_process_group`), which this module keeps alive (`_REGISTERED`: that
 registry holds groups weakly). On two H200s (torch 2.11) it runs: TP=2 1.51x TP=1, NCCL's 1.42x.
 
-Capture-safe by construction: one buffer per rank (`scheduler.max_num_seqs` x hidden size), allocated and
+Capture-safe by construction: one buffer per rank (`scheduler.graph_rows()` x hidden size), allocated and
 rendezvoused once at start and tried once (a host check of one small and one large sum); a call copies the
 layer's output in and the sum back out on the current stream, with no host sync, so decode graphs capture it
 like the NCCL call it replaces. One-shot (each rank reads every peer's whole buffer) up to
@@ -80,7 +80,7 @@ class AllReducePlan:
 
     mode: str  # parallel.all_reduce
     group_name: str  # symmetric memory's name for this engine's ranks (unique per engine)
-    max_numel: int  # the largest output the buffer holds: max_num_seqs x hidden size
+    max_numel: int  # the largest output the buffer holds: the graphs' rows x hidden size
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,14 +95,14 @@ class GroupAllReduce:
         return output
 
 
-def plan_all_reduce(mode: str, device: torch.device, max_num_seqs: int, hidden_size: int) -> AllReducePlan:
+def plan_all_reduce(mode: str, device: torch.device, max_rows: int, hidden_size: int) -> AllReducePlan:
     """Rank 0, before any worker starts: refuses `symm_mem` off CUDA (ValueError, with the reason)."""
     if mode == SYMM_MEM and device.type != "cuda":
         raise ValueError(
             f'parallel.all_reduce = "symm_mem" needs CUDA GPUs (torch\'s symmetric memory maps GPU buffers '
             f'between the ranks); this engine runs on {device.type}: use "auto" or "nccl"'
         )
-    return AllReducePlan(mode, f"streamd-tp-{uuid.uuid4().hex}", max_num_seqs * hidden_size)
+    return AllReducePlan(mode, f"streamd-tp-{uuid.uuid4().hex}", max_rows * hidden_size)
 
 
 @dataclass(frozen=True, slots=True)

@@ -138,7 +138,7 @@ def start_tensor_parallel(
     )
     planned_splits(loaded.model, world)  # refuses a model it cannot split before any worker starts
     hidden_size = loaded.model.config.get_text_config().hidden_size
-    plan = plan_all_reduce(config.parallel.all_reduce, device, config.scheduler.seat_cap(), hidden_size)
+    plan = plan_all_reduce(config.parallel.all_reduce, device, config.scheduler.graph_rows(), hidden_size)
     store = dist.TCPStore(_HOST, 0, world, is_master=True, wait_for_workers=False, timeout=_timeout(config))
     context = mp.get_context("spawn")
     processes: list[BaseProcess] = []
