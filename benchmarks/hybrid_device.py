@@ -48,9 +48,10 @@ def _decode_speed(llm: LLM, vocab: int) -> tuple[dict, list]:
     outs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
     kv = llm.engine.stats().kv
-    return {"seconds": round(seconds, 3), "output_tok_s": round(len(prompts) * OUTPUT / seconds, 1),
-            "blocks_total": kv.blocks_total, "window_blocks_total": kv.window_blocks_total,
-            "block_bytes": kv.block_bytes, "window_block_bytes": kv.window_block_bytes}, [o.outputs[0].token_ids for o in outs]
+    speed = {"seconds": round(seconds, 3), "output_tok_s": round(len(prompts) * OUTPUT / seconds, 1),
+             "blocks_total": kv.blocks_total, "window_blocks_total": kv.window_blocks_total,
+             "block_bytes": kv.block_bytes, "window_block_bytes": kv.window_block_bytes}
+    return speed, [o.outputs[0].token_ids for o in outs]
 
 
 def _long_request_bytes(llm: LLM, vocab: int, length: int) -> dict:

@@ -12,6 +12,7 @@ import json
 import statistics
 import sys
 import time
+from functools import partial
 
 import numpy as np
 import torch
@@ -81,9 +82,9 @@ def measure(shape: str) -> list[dict]:
         for context in CONTEXTS:
             batch = batch_of(runner, chunk, context)
             n = len(batch.input_ids)
-            eager = timed(lambda: runner.run(batch, 0))
+            eager = timed(partial(runner.run, batch, 0))
             size = graphs.size_for(n) if graphs.can_run(n, batch.block_tables.shape[1]) else 0
-            replay = timed(lambda: runner.run(batch, size)) if size else None
+            replay = timed(partial(runner.run, batch, size)) if size else None
             work = batch.prompt_row_context * runner.query_width
             rows.append({"shape": shape, "decodes": DECODES, "chunk": chunk, "context": context, "rows": n,
                          "eager_ms": round(eager, 3), "graph_ms": None if replay is None else round(replay, 3),
@@ -91,9 +92,10 @@ def measure(shape: str) -> list[dict]:
             print(json.dumps(rows[-1]), flush=True)
     # the decode-only step at the same decodes, for scale
     only = batch_of(runner, 1, DECODE_CONTEXT)
-    rows.append({"shape": shape, "decode_only_graph_ms": round(timed(lambda: runner.run(only, graphs.size_for(DECODES + 1))), 3)})
+    only_ms = timed(partial(runner.run, only, graphs.size_for(DECODES + 1)))
+    rows.append({"shape": shape, "decode_only_graph_ms": round(only_ms, 3)})
     print(json.dumps(rows[-1]), flush=True)
-    del llm, runner, graphs
+    del llm
     free_cuda()
     return rows
 
