@@ -13,7 +13,10 @@ Split-K: when ``num_seqs * num_kv_heads`` programs cannot fill the GPU, the cont
 ``num_splits`` partitions; each writes an unnormalised partial (running max, sum of exponentials and
 accumulator, all in the exp2 domain) and a second kernel merges them. The split count is computed from
 shapes only (the block table's width gives the largest possible context), so the launch is the same
-for every batch of a given shape and can be captured in a CUDA graph.
+for every batch of a given shape and can be captured in a CUDA graph. Each sequence cuts its own context
+into the splits (`seq_partition`, at least a few tiles a partition), so a decode graph captured for tables
+as wide as `max_model_len` still spreads a short context over its splits rather than giving it all to the
+first (benchmarks/NOTES.md, "Issue 34: ... a partition a sequence").
 
 Extras (``attention_extras``): with a sliding window W a program streams only the last W positions of its
 context (partitions cut that span, so blocks wholly before the window are never loaded and the split
@@ -29,7 +32,7 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from streamd.kernels._triton_utils import cdiv, dot_upcast, dual_kernel, next_pow2, num_sms
+from streamd.kernels._triton_utils import cdiv, dot_upcast, dual_kernel, jit_helper, next_pow2, num_sms
 from streamd.kernels.attention_extras import LOG2E_C, capped, fold_sink, logit_extras
 from streamd.kernels.kv_quant import scale_args
 from streamd.kernels.layout import check_cache
@@ -37,6 +40,13 @@ from streamd.kernels.layout import check_cache
 # A finite "minus infinity" for running maxima: exp2(-inf - -inf) would be NaN for rows that see no
 # key (seq_len 0, padding rows), whereas exp2(x - 1e30-ish) is cleanly 0 or 1.
 _NEG_BIG = tl.constexpr(-1.0e30)
+
+
+@jit_helper
+def seq_partition(span: tl.tensor, num_splits: tl.tensor, min_partition: tl.tensor, BLOCK_N: tl.constexpr) -> tl.tensor:
+    """One sequence's partition length: its attended span cut into `num_splits`, a whole number of tiles, at least
+    `min_partition` (splits past the span's end stay empty)."""
+    return tl.maximum(tl.cdiv(tl.cdiv(span, num_splits), BLOCK_N) * BLOCK_N, min_partition)
 
 
 @dual_kernel(do_not_specialize=("partition_size", "num_splits", "s_bt_seq"))
@@ -117,10 +127,12 @@ def _decode_kernel(
         q = q.to(tl.float32)
 
     seq_len = tl.load(sl_ptr + seq)
-    start = split * partition_size
+    first = seq_len * 0
     if WINDOW:  # partitions cut the window's span [seq_len - W, seq_len)
-        start += tl.maximum(seq_len - window, 0)
-    end = tl.minimum(start + partition_size, seq_len)
+        first = tl.maximum(seq_len - window, 0)
+    partition = seq_partition(seq_len - first, num_splits, partition_size, BLOCK_N)
+    start = first + split * partition
+    end = tl.minimum(start + partition, seq_len)
 
     m_i = tl.full([BLOCK_G], _NEG_BIG, tl.float32)
     l_i = tl.zeros([BLOCK_G], tl.float32)
@@ -211,6 +223,7 @@ def _reduce_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     WINDOW: tl.constexpr,
     SINKS: tl.constexpr,
 ) -> None:
@@ -224,7 +237,7 @@ def _reduce_kernel(
     if WINDOW:
         span = tl.minimum(seq_len, window)
     # Only partitions that hold at least one token wrote meaningful partials.
-    n_valid = tl.cdiv(span, partition_size)
+    n_valid = tl.cdiv(span, seq_partition(span, num_splits, partition_size, BLOCK_N))
     s_mask = offs_s < n_valid
     row = (seq * num_heads + head) * num_splits + offs_s
     m = tl.load(part_m_ptr + row, mask=s_mask, other=_NEG_BIG)
@@ -348,10 +361,12 @@ def paged_decode_attention(
         max_context = min(max_context, sliding_window)  # the longest span a program streams
     if num_splits is None:
         num_splits = choose_num_splits(num_seqs, num_kv_heads, max_context, block_n, query.device)
-    # Partition length: a whole number of tiles; recompute the split count so none is empty by shape.
+    # The longest partition: a whole number of tiles; recompute the split count so none is empty by shape. Each
+    # sequence cuts its own span (`seq_partition`), into partitions of at least `min_partition`.
     partition = cdiv(cdiv(max(max_context, 1), num_splits), block_n) * block_n
     num_splits = max(1, cdiv(max_context, partition))
     split = num_splits > 1
+    min_partition = min(partition, _MIN_PARTITION_TILES * block_n)
 
     if split:
         part_m = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=query.device)
@@ -379,7 +394,7 @@ def paged_decode_attention(
         extras.sinks,
         extras.window,
         extras.cap_log2,
-        partition,
+        min_partition,
         num_splits,
         query.stride(0),
         query.stride(1),
@@ -420,7 +435,7 @@ def paged_decode_attention(
             part_acc,
             extras.sinks,
             extras.window,
-            partition,
+            min_partition,
             num_splits,
             out.stride(0),
             out.stride(1),
@@ -429,6 +444,7 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             BLOCK_S=max(2, next_pow2(num_splits)),
+            BLOCK_N=block_n,
             WINDOW=extras.has_window,
             SINKS=extras.has_sinks,
             num_warps=4 if head_dim * num_splits <= 8192 else 8,

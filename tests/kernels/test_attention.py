@@ -56,6 +56,18 @@ def test_decode_long_context_default_config_matches_dense():
     assert_close(out, expect, torch.bfloat16, "long decode")
 
 
+@pytest.mark.parametrize("num_splits", [5, 16])
+def test_decode_over_tables_far_wider_than_the_contexts_cuts_each_context_into_the_splits(num_splits):
+    """A decode graph captured for `max_model_len`: the split count follows the table's width, and each sequence
+    cuts its own context into them (partitions of at least 4 tiles), short and long ones alike."""
+    lens = [1, 15, 16, 17, 64, 65, 130, 333, 0]
+    case = make_paged(lens, page=16, num_kv_heads=2, head_dim=64, dtype=torch.float32, extra_cols=60)
+    query = torch.randn(len(lens), 6, 64)
+    args = (query, case.kv_cache, case.layer, case.block_tables, case.seq_lens, 64**-0.5)
+    out = K.paged_decode_attention(*args, out=_poisoned(query), num_splits=num_splits, block_n=16)
+    assert_close(out, ref.paged_decode_attention(*args), torch.float32, f"wide tables, splits={num_splits}")
+
+
 def test_decode_uses_strides_of_views():
     """A pool that is a slice of a wider tensor, a query sliced out of a fused QKV projection."""
     lens = [5, 33, 17]
