@@ -484,7 +484,8 @@ def markdown(report: dict[str, Any]) -> str:
     lines = [
         f"# streamd bench fairness ({report['date']}, {report['device']}, commit {report['git_commit']})",
         "",
-        "Shared 2-core machine, noisy: ratios come from runs in one invocation on one engine.",
+        ("Shared 2-core machine, noisy" if report["device"] == "cpu" else f"One {report['device']} device")
+        + ": ratios come from runs in one invocation on one engine.",
     ]
     if report.get("settings"):
         lines += [
