@@ -54,7 +54,7 @@ def batch_of(runner: ModelRunner, chunk: int, context: int) -> ModelInput:
         query_start_loc=to_device(starts, torch.int32, dev),
         sample_idx=to_device((starts[1:] - 1).tolist(), torch.int64, dev),
         decode_only=False,
-        prompt_row_context=chunk * (2 * context + chunk + 1) // 2,
+        prompt_pairs=chunk * (2 * context + chunk + 1) // 2,
     )
 
 
@@ -85,7 +85,7 @@ def measure(shape: str) -> list[dict]:
             eager = timed(partial(runner.run, batch, 0))
             size = graphs.size_for(n) if graphs.can_run(n, batch.block_tables.shape[1]) else 0
             replay = timed(partial(runner.run, batch, size)) if size else None
-            work = batch.prompt_row_context * runner.query_width
+            work = batch.prompt_pairs * runner.query_width
             rows.append({"shape": shape, "decodes": DECODES, "chunk": chunk, "context": context, "rows": n,
                          "eager_ms": round(eager, 3), "graph_ms": None if replay is None else round(replay, 3),
                          "row_attention": work, "under_cap": work <= model_runner.MAX_PROMPT_ROW_ATTENTION})

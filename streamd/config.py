@@ -201,9 +201,10 @@ class SchedulerConfig:
         return self.max_num_seqs + lent
 
     def graph_rows(self) -> int:
-        """The most query rows a decode CUDA graph runs: every seat's decode, and at least `GRAPH_ROWS` within the
-        step's token budget, since speculative verifies and short prompt chunks run in the graphs as a row a token."""
-        return max(self.seat_cap(), min(GRAPH_ROWS, self.max_num_batched_tokens))
+        """The most query rows a decode CUDA graph runs: every seat's decode, and at least `GRAPH_ROWS`, since
+        speculative verifies and short prompt chunks run in the graphs as a row a token; never more than a step's
+        token budget (no step has more rows)."""
+        return min(max(self.seat_cap(), GRAPH_ROWS), self.max_num_batched_tokens)
 
     def tenant_weight_map(self) -> dict[str, float]:
         """`tenant_weights` as name -> weight; a malformed entry raises naming it."""

@@ -215,9 +215,9 @@ def test_caches_follow_xdg_cache_home(tmp_path: Path, monkeypatch: pytest.Monkey
 
 @pytest.mark.parametrize(
     ("seqs", "budget", "rows"),
-    [(256, 8192, 288), (8, 1024, 256), (8, 64, 64), (4, 2, 5)],  # seats and lent seats; GRAPH_ROWS; the budget
+    [(256, 8192, 288), (8, 1024, 256), (8, 64, 64), (256, 128, 128)],  # seats and lent seats; GRAPH_ROWS; the budget
 )
-def test_the_decode_graphs_take_every_seat_and_at_least_graph_rows_within_the_budget(seqs, budget, rows) -> None:
+def test_the_decode_graphs_take_every_seat_and_at_least_graph_rows_within_the_step_budget(seqs, budget, rows) -> None:
     from streamd.config import SchedulerConfig
 
     assert SchedulerConfig(max_num_seqs=seqs, max_num_batched_tokens=budget).graph_rows() == rows

@@ -234,16 +234,16 @@ def _executor(
     """The executor, its decode graphs captured (on CUDA, unless `model.enforce_eager`; under tensor
     parallelism on every rank together, unless `parallel.cuda_graphs` is off)."""
     graphs = runner.device.type == "cuda" and not config.model.enforce_eager
-    max_batch, max_blocks = config.scheduler.graph_rows(), runner.max_table_width(max_model_len)
+    max_rows, max_blocks = config.scheduler.graph_rows(), runner.max_table_width(max_model_len)
     cache = pools.cache
     if workers is None:
         if graphs:
-            runner.capture_cuda_graphs(max_batch, max_blocks)
+            runner.capture_cuda_graphs(max_rows, max_blocks)
         threads = thread_governor(config.model.num_threads) if runner.device.type == "cpu" else None
         return LocalExecutor(runner, cache, pools.window, threads)
     executor = TensorParallelExecutor(runner, cache, workers)
     if graphs and config.parallel.cuda_graphs:
-        executor.capture_cuda_graphs(max_batch, max_blocks)
+        executor.capture_cuda_graphs(max_rows, max_blocks)
     return executor
 
 

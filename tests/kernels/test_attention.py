@@ -68,6 +68,15 @@ def test_decode_over_tables_far_wider_than_the_contexts_cuts_each_context_into_t
     assert_close(out, ref.paged_decode_attention(*args), torch.float32, f"wide tables, splits={num_splits}")
 
 
+def test_decode_over_wide_tables_with_a_window_cuts_each_window_into_the_splits():
+    lens = [1, 17, 40, 64, 65, 130, 333, 0]
+    case = make_paged(lens, page=16, num_kv_heads=2, head_dim=64, dtype=torch.float32, extra_cols=60)
+    query = torch.randn(len(lens), 6, 64)
+    args = (query, case.kv_cache, case.layer, case.block_tables, case.seq_lens, 64**-0.5)
+    out = K.paged_decode_attention(*args, out=_poisoned(query), num_splits=6, block_n=16, sliding_window=100)
+    assert_close(out, ref.paged_decode_attention(*args, sliding_window=100), torch.float32, "wide tables, window")
+
+
 def test_decode_uses_strides_of_views():
     """A pool that is a slice of a wider tensor, a query sliced out of a fused QKV projection."""
     lens = [5, 33, 17]

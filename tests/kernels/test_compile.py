@@ -27,7 +27,7 @@ QUANTS = {"*i8": {"KV_QUANT": True, "KV_INT8": True, "KV_QMAX": 127.0},
 SHAPES = {  # Mistral-7B's attention in bf16 at the default tiles
     "_decode_kernel": {"GROUP": 4, "BLOCK_G": 16, "HEAD_DIM": 128, "BLOCK_D": 128, "PAGE": 16, "BLOCK_N": 64,
                        "DOT_PRECISION": "tf32", "UPCAST": False, **NO_QUANT},
-    "_reduce_kernel": {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 8},
+    "_reduce_kernel": {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_S": 8, "BLOCK_N": 64},
     "_prefill_kernel": {"GROUP": 4, "HEAD_DIM": 128, "BLOCK_D": 128, "PAGE": 16, "BLOCK_M": 64, "BLOCK_N": 64,
                         "SEARCH_STEPS": 9, "DOT_PRECISION": "tf32", "UPCAST": False, **NO_QUANT},
     "_store_kv_kernel": {"HEAD_DIM": 128, "BLOCK_D": 128, "BLOCK_H": 8, "PAGE": 16},

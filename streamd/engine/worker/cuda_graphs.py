@@ -1,4 +1,6 @@
-"""DecodeGraphs: CUDA graphs of the whole model forward for decode batches, captured at padded sizes.
+"""DecodeGraphs: CUDA graphs of the whole model forward for batches of decode rows, captured at padded sizes.
+
+A row is a decode, or one query token of a speculative verify or a short prompt chunk (`model_runner.decode_rows`).
 
 An eager decode step of a small model is almost all Python and kernel-launch overhead; replaying a graph
 launches the same work in one call. Inputs live in static buffers the graphs were captured on; a step
@@ -79,7 +81,7 @@ class DecodeGraphs:
             self.window_block_tables = torch.zeros_like(self.block_tables)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}  # (layers_only: the final hidden states)
-        self.replays = 0  # decode steps served by a graph (tests and profiling read it)
+        self.replays = 0  # steps served by a graph (tests and profiling read it)
 
     def _metadata(self, n: int) -> AttentionMetadata:
         metadata = self._pool_metadata(n, self.pool, self.slot_mapping, self.block_tables)
@@ -164,12 +166,12 @@ class DecodeGraphs:
         self.logits.clear()
         torch.cuda.synchronize()  # the graphs' destructors (NCCL's persistent plans) have run
 
-    def size_for(self, num_seqs: int) -> int:
-        """The captured size that runs a batch of `num_seqs` decodes."""
-        return self.sizes[bisect.bisect_left(self.sizes, num_seqs)]
+    def size_for(self, num_rows: int) -> int:
+        """The captured size that runs a batch of `num_rows` decode rows."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_rows)]
 
-    def can_run(self, num_seqs: int, max_table_width: int) -> bool:
-        return num_seqs <= self.max_batch and max_table_width <= self.max_blocks
+    def can_run(self, num_rows: int, max_table_width: int) -> bool:
+        return num_rows <= self.max_batch and max_table_width <= self.max_blocks
 
     def run(
         self,
@@ -181,7 +183,7 @@ class DecodeGraphs:
         window_slot_mapping: torch.Tensor | None = None,
         window_block_tables: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Device tensors of one decode batch (n rows; the window pool's too in the hybrid layout); returns
+        """Device tensors of one batch of decode rows (n; the window pool's too in the hybrid layout); returns
         logits [n, vocab] (layers_only: hidden states). Every rank of a tensor-parallel group picks the same
         size for the same batch (`size_for`)."""
         n = input_ids.shape[0]

@@ -22,6 +22,7 @@ from transformers import PreTrainedModel
 
 from streamd.engine.core.scheduler_output import ScheduledSeq, SchedulerOutput
 from streamd.engine.core.sequence import PLACEHOLDER
+from streamd.engine.core.step_cost import chunk_pairs
 from streamd.engine.worker.attention import (
     ATTN_IMPLEMENTATION,
     AttentionMetadata,
@@ -40,11 +41,13 @@ from streamd.logs import get_logger
 log = get_logger(__name__)
 
 # A step with prompt chunks replays a decode graph, each query token a decode row (`decode_rows`), when its rows'
-# attention work stays under this: the context positions its prompt rows attend over (`prompt_row_context`) times
-# the model's query width (heads x head dim). Rows of one sequence re-read its K/V (from L2 mostly) with the decode
-# kernel, which wastes the tensor cores a prefill kernel uses; an eager step pays its launches on the host, which
-# a small model's GPU work does not hide. On an H200 the replay was 2-10x faster below ~1e9 and lost past ~1.2e9
-# (8B shape) to ~2.2e9 (1B) (benchmarks/NOTES.md, "Issue 34: prompt chunks in the decode graphs").
+# attention work stays under this: the attention pairs of its prompt chunks (`prompt_pairs`: the positions its
+# prompt rows attend over) times the model's query width (heads x head dim). Rows of one sequence re-read its K/V
+# (from L2 mostly) with the decode kernel, which wastes the tensor cores a prefill kernel uses; an eager step pays
+# its launches on the host, which a small model's GPU work does not hide. On an H200 the replay was 2-12x faster
+# below ~1e9 and lost past ~1.2e9 (8B shape, even there) to ~2.2e9 (1B) (benchmarks/NOTES.md, "Issue 34: prompt
+# chunks in the decode graphs"). A tuning choice, and a conservative one for sliding-window layers (the pairs count
+# the whole context) and tensor parallelism (each rank attends with its share of the heads).
 MAX_PROMPT_ROW_ATTENTION = 3 * 2**29
 
 
@@ -93,9 +96,9 @@ class ModelInput:
     # never read by the kernels: they lie before every window). None: one pool.
     window_slot_mapping: torch.Tensor | None = None  # int64 [num_tokens]
     window_block_tables: torch.Tensor | None = None  # int32 [num_seqs, max_blocks]
-    # The context positions its prompt chunks' query tokens attend over, summed: what running them as decode rows
-    # (`decode_rows`) reads; 0 for decodes and verifies.
-    prompt_row_context: int = 0
+    # The attention pairs of its prompt chunks (`step_cost.chunk_pairs`): the context positions their query tokens
+    # attend over, summed, what running them as decode rows (`decode_rows`) reads; 0 for decodes and verifies.
+    prompt_pairs: float = 0.0
 
 
 @dataclass(slots=True)
@@ -144,7 +147,7 @@ class ModelRunner:
         layers_only: bool = False,
         agree: Callable[[bool], bool] | None = None,
     ) -> bool:
-        """Decode steps of up to `max_batch` sequences (tables up to `max_blocks` wide) then replay graphs
+        """Steps of up to `max_batch` decode rows (tables up to `max_blocks` wide) then replay graphs
         instead of running eagerly; `layers_only` and `agree`: a tensor-parallel rank's (`DecodeGraphs`).
         False: not captured (the ranks did not all succeed), decode stays eager."""
         assert self.pool is not None and self.device.type == "cuda"
@@ -168,7 +171,7 @@ class ModelRunner:
         n = len(batch.input_ids)
         if graphs is None or batch.prompt_idx is not None or not graphs.can_run(n, batch.block_tables.shape[1]):
             return 0
-        if batch.prompt_row_context * self.query_width > MAX_PROMPT_ROW_ATTENTION:
+        if batch.prompt_pairs * self.query_width > MAX_PROMPT_ROW_ATTENTION:
             return 0
         return graphs.size_for(n)
 
@@ -298,7 +301,7 @@ class ModelRunner:
         tables: list[list[int]] = []
         sample_idx: list[int] = []
         pending: list[tuple[int, int]] = []
-        row_context = 0
+        pairs = 0.0
         for item in out.scheduled:
             seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_new_tokens
             end = start + n
@@ -317,7 +320,7 @@ class ModelRunner:
                 tokens.extend(seq.token_ids[start:end])
                 positions.extend(range(start, end))
                 slots.extend([table[p // bs] * bs + p % bs for p in range(start, end)])
-                row_context += n * (start + end + 1) // 2  # rows see positions start + 1 .. end
+                pairs += chunk_pairs(n, start)
             seq_lens.append(end)
             query_lens.append(n)
             tables.append(table)
@@ -342,7 +345,7 @@ class ModelRunner:
             query_start_loc=starts,
             sample_idx=samples,
             decode_only=len(tokens) == len(seq_lens),
-            prompt_row_context=row_context,
+            prompt_pairs=pairs,
         )
         _add_prompt_rows(batch, out.scheduled[: len(out.scheduled) - out.num_decode_tokens], dev)
         if self.window is not None:
@@ -366,8 +369,9 @@ class ModelRunner:
 def decode_rows(batch: ModelInput) -> ModelInput:
     """`batch` with each query token a decode row of its own: its sequence's block table (and window table) and
     the context up to and including itself (position + 1). The layers store every row's K/V before any row
-    attends, so a speculative verify's rows stay causal and read what its prefill-path forward reads; that is
-    what lets a decode graph replay a verify step. A decode-only batch is returned as it is; no host sync."""
+    attends, so a speculative verify's or a prompt chunk's rows stay causal and read what its prefill-path forward
+    reads; that is what lets a decode graph replay such a step. A decode-only batch is returned as it is; no host
+    sync."""
     if batch.decode_only:
         return batch
     n = len(batch.input_ids)

@@ -182,10 +182,19 @@ def test_verifies_and_short_prompt_chunks_go_to_the_decode_graphs(llm, monkeypat
     assert verifies and all(size == recorder.size_for(n) for n, size in verifies)
     chunks = [(b, size) for b, size in sizes if _has_prompt_chunk(b)]
     for b, size in chunks:
-        short = b.prompt_idx is None and b.prompt_row_context * runner.query_width <= cap
+        assert b.prompt_pairs == _positions_attended(b)
+        short = b.prompt_idx is None and b.prompt_pairs * runner.query_width <= cap
         assert size == (recorder.size_for(len(b.input_ids)) if short else 0)
     assert {bool(size) for _, size in chunks} == {True, False}
     assert any(b.prompt_idx is not None for b, _ in chunks)
+
+
+def _positions_attended(batch: ModelInput) -> int:
+    """What a step's prompt chunks (sequences of several query tokens) attend over as decode rows: position + 1 a row."""
+    starts = batch.query_start_loc.tolist()
+    return sum(
+        sum(p + 1 for p in batch.positions[a:b].tolist()) for a, b in zip(starts, starts[1:]) if b - a > 1
+    )
 
 
 def test_a_replayed_prompt_chunk_returns_its_sampling_rows(llm, monkeypatch) -> None:
