@@ -206,10 +206,7 @@ class ModelRunner:
         if graph_size is None:
             graph_size = self.graph_size(batch)
         if graph_size:
-            logits = self._replay(batch)
-            if len(batch.sample_idx) != len(logits):  # a prompt chunk's rows: only its last token samples
-                logits = logits.index_select(0, batch.sample_idx)
-            return logits.float()
+            return self._replayed_logits(batch)
         metadata = self._metadata(batch)
         if self.native is not None and batch.prompt_idx is None:
             logits = self.native(metadata, batch.input_ids, batch.positions, batch.sample_idx)
@@ -250,6 +247,12 @@ class ModelRunner:
             self.model.base_model(input_ids=batch.input_ids[None], position_ids=batch.positions[None], use_cache=False)
         finally:
             set_attention_metadata(None)
+
+    def _replayed_logits(self, batch: ModelInput) -> torch.Tensor:
+        logits = self._replay(batch)
+        if len(batch.sample_idx) != len(logits):  # a prompt chunk's rows: only a chunk's last token may sample
+            logits = logits.index_select(0, batch.sample_idx)
+        return logits.float()
 
     def _replay(self, batch: ModelInput) -> torch.Tensor:
         assert self.graphs is not None, "a graph replay without captured graphs"
