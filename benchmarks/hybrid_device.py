@@ -5,7 +5,9 @@ real shapes (Gemma-3-1B's, gpt-oss-20b's), one engine after the other on the sam
 - the KV held by one long request (`--long`, default 32,768 prompt tokens) while it decodes, read from the
   engine's stats (`KVCacheStats.bytes_used`), against what the plain layout holds for it.
 
-    python benchmarks/hybrid_device.py OUT.json [gemma-3-1b,gpt-oss-20b] [LONG]
+    python benchmarks/hybrid_device.py OUT.json [gemma-3-1b,gpt-oss-20b] [LONG] [MAX_MODEL_LEN]
+
+`MAX_MODEL_LEN` (default LONG + 512) sets the engines' context, hence the decode graphs' table width.
 
 Writes JSON to OUT. Run from the repository root on the device machine (benchmarks/NOTES.md).
 """
@@ -41,17 +43,33 @@ def _engine(config: PretrainedConfig, plain: bool, max_len: int) -> LLM:
 
 
 def _decode_speed(llm: LLM, vocab: int) -> tuple[dict, list]:
+    """The requests to the end on the engine's own steps: the time until every request has its first token
+    (the prompts, in chunks) and the time and step count after it (decode steps)."""
     prompts = [[(31 * i + 7 * j) % (vocab - 200) + 100 for j in range(n)] for i, n in enumerate(REQUESTS)]
     params = SamplingParams(temperature=0.0, max_tokens=OUTPUT, ignore_eos=True, detokenize=False)
     llm.generate(prompts[:2], SamplingParams(max_tokens=4, detokenize=False))
+    engine, tokens = llm.engine, {}
     start = time.perf_counter()
-    outs = llm.generate(prompts, params)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"h{i}", prompt, params)
+    prefill_s, decode_steps = None, 0
+    while engine.has_unfinished_requests():
+        for delta in engine.step():
+            for choice in delta.outputs:
+                if choice.token_ids:
+                    tokens.setdefault(delta.request_id, []).extend(choice.token_ids)
+        if prefill_s is None and len(tokens) == len(prompts):
+            prefill_s = time.perf_counter() - start
+        elif prefill_s is not None:
+            decode_steps += 1
     seconds = time.perf_counter() - start
-    kv = llm.engine.stats().kv
+    kv = engine.stats().kv
     speed = {"seconds": round(seconds, 3), "output_tok_s": round(len(prompts) * OUTPUT / seconds, 1),
+             "until_first_tokens_s": round(prefill_s or 0.0, 3), "decode_steps": decode_steps,
+             "ms_per_decode_step": round((seconds - (prefill_s or 0.0)) * 1e3 / max(1, decode_steps), 3),
              "blocks_total": kv.blocks_total, "window_blocks_total": kv.window_blocks_total,
              "block_bytes": kv.block_bytes, "window_block_bytes": kv.window_block_bytes}
-    return speed, [o.outputs[0].token_ids for o in outs]
+    return speed, [tokens[f"h{i}"] for i in range(len(prompts))]
 
 
 def _long_request_bytes(llm: LLM, vocab: int, length: int) -> dict:
@@ -73,6 +91,7 @@ def _long_request_bytes(llm: LLM, vocab: int, length: int) -> dict:
 def main() -> None:
     shapes = sys.argv[2].split(",") if len(sys.argv) > 2 else list(SHAPES)
     long = int(sys.argv[3]) if len(sys.argv) > 3 else 32768
+    max_len = int(sys.argv[4]) if len(sys.argv) > 4 else long + 512
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     results: dict = {"device": device, "torch": torch.__version__, "command": " ".join(sys.argv)}
     for shape in shapes:
@@ -80,7 +99,7 @@ def main() -> None:
         row: dict = {"shape": f"{shape} (random bf16)"}
         tokens = {}
         for name, plain in (("hybrid", False), ("plain", True)):
-            llm = _engine(config, plain, long + 512)
+            llm = _engine(config, plain, max_len)
             row[name], tokens[name] = _decode_speed(llm, config.vocab_size)
             row[name]["long"] = _long_request_bytes(llm, config.vocab_size, long)
             print(shape, name, json.dumps(row[name]), flush=True)

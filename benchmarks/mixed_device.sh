@@ -6,7 +6,7 @@
 #   STREAMD_GIT_COMMIT=<the commit sent> benchmarks/mixed_device.sh PHASE...
 # PHASES: tests (the CUDA tests of the engine, the hybrid layout and the graphs' rows); rows (a step with a prompt
 # chunk beside decodes, eager against its graph replay: `mixed_rows_device.py`); hybrid (Gemma 3 and gpt-oss
-# shapes: `hybrid_device.py`); fairness and serve (`streamd bench fairness` / `bench serve --offline-baseline` on
+# shapes: `hybrid_device.py`); gemma-steps (Gemma 3's decode step at two `max_model_len`s); fairness and serve (`streamd bench fairness` / `bench serve --offline-baseline` on
 # a random-weight SmolLM2-135M-shaped checkpoint with the real tokenizer, before and after, alternating).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
@@ -39,6 +39,12 @@ for phase in "$@"; do
     hybrid)
       timeout 400 python3 benchmarks/hybrid_device.py "$OUT/results/hybrid.json" "${HYBRID_SHAPES:-gemma-3-1b,gpt-oss-20b}" \
         2>"$OUT/hybrid-stderr.log" | grep -v '^ ' | tee "$OUT/hybrid.log"; grep -v '^{' "$OUT/hybrid-stderr.log" | tail -5 ;;
+    gemma-steps)  # one decode step of the Gemma-3-1B shape with 8k- and 33k-wide decode graphs, both layouts
+      for ctx in "7680 8192" "32768 33280"; do
+        set -- $ctx
+        timeout 250 python3 benchmarks/hybrid_device.py "$OUT/results/gemma-$2.json" gemma-3-1b $1 $2 \
+          2>"$OUT/gemma-stderr.log" | grep '^gemma' | tee -a "$OUT/gemma-steps.log"
+      done ;;
     fairness)
       i=0; for side in ${FAIR_SIDES:-before after before after}; do
         use $side; i=$((i + 1))
