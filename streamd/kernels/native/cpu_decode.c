@@ -163,24 +163,57 @@ static inline void fetch_ahead(const Pool *p, const int32_t *table, int page, in
     for (int i = 0; i < head_dim; i += 16) _mm_prefetch((const char *)(start + i), _MM_HINT_T0);
 }
 
+/* Lane i of the result: the sum of v[i]'s 16 lanes (a transposing tree: 45 shuffles and adds for 16 sums, where 16
+ * separate horizontal sums take ~140). */
+AVX512 static inline __m512 sum16x16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit lane: (x0 + x2, y0 + y2, x1 + x3, y1 + y3), x = v[2i], y = v[2i + 1] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per 128-bit lane L: lane L's sums of v[4i], v[4i + 1], v[4i + 2], v[4i + 3] */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++) /* 128-bit lanes: b[2i]'s L0 + L1 and L2 + L3, then b[2i + 1]'s */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
+}
+
+/* s[j * count + t0 + i] = scale q_j . k_i for the 16 (or, at the chunk's end, fewer: `n`) positions whose K rows
+ * are `k`: each row is read once for the group, its products summed in 16 lanes, and 16 positions' lanes summed
+ * together (sum16x16). */
+AVX512 static void scores16(const float *const *k, int n, int group, int head_dim, const float *q, float scale,
+                            int count, int t0, float *s) {
+    for (int j = 0; j < group; j++) {
+        const float *qj = q + j * head_dim;
+        __m512 dots[16];
+        for (int i = 0; i < 16; i++) {
+            __m512 dot16 = _mm512_setzero_ps();
+            if (i < n)
+                for (int d = 0; d < head_dim; d += 16)
+                    dot16 = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(k[i] + d), dot16);
+            dots[i] = dot16;
+        }
+        __m512 sums = _mm512_mul_ps(sum16x16(dots), _mm512_set1_ps(scale));
+        _mm512_mask_storeu_ps(s + j * count + t0, lanes(0, n), sums);
+    }
+}
+
 /* One chunk [first, first + count) of a (row, KV head)'s positions for its `group` rotated query heads q: per
  * head j, part[j] = (sum over the chunk of e^(s - m) v [head_dim], m, sum of e^(s - m)) with s = scale q . k and
- * m the chunk's largest s. scores: group x count floats. */
+ * m the chunk's largest s. scores: group x count floats. The values accumulate in registers, 16 of a head's
+ * dimensions at a time over the chunk's V rows (read from L1 after the first head). */
 AVX512 static void attend_chunk16(const Pool *p, int layer, int kv_head, int group, int head_dim, const float *q,
                                   const int32_t *table, int page, int first, int count, float scale, float *scores,
                                   float *part) {
-    int chunks = head_dim / 16, width = head_dim + 2;
+    int width = head_dim + 2;
+    const float *rows[CHUNK];
     for (int t = 0; t < count; t++) {
         int pos = first + t;
-        const float *k = row(p, table[pos / page], layer, 0, kv_head, pos % page);
+        rows[t] = row(p, table[pos / page], layer, 0, kv_head, pos % page);
         if (t + AHEAD < count) fetch_ahead(p, table, page, layer, 0, kv_head, pos + AHEAD, head_dim);
-        for (int j = 0; j < group; j++) {
-            __m512 dot16 = _mm512_setzero_ps();
-            for (int c = 0; c < chunks; c++)
-                dot16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * head_dim + 16 * c), _mm512_loadu_ps(k + 16 * c), dot16);
-            scores[j * count + t] = _mm512_reduce_add_ps(dot16) * scale;
-        }
     }
+    for (int t0 = 0; t0 < count; t0 += 16)
+        scores16(rows + t0, count - t0 < 16 ? count - t0 : 16, group, head_dim, q, scale, count, t0, scores);
     for (int j = 0; j < group; j++) {
         float *sc = scores + j * count;
         __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
@@ -197,21 +230,19 @@ AVX512 static void attend_chunk16(const Pool *p, int layer, int kv_head, int gro
         }
         part[j * width + head_dim] = most;
         part[j * width + head_dim + 1] = _mm512_reduce_add_ps(total);
-        memset(part + j * width, 0, sizeof(float) * (size_t)head_dim);
     }
     for (int t = 0; t < count; t++) {
         int pos = first + t;
-        const float *v = row(p, table[pos / page], layer, 1, kv_head, pos % page);
+        rows[t] = row(p, table[pos / page], layer, 1, kv_head, pos % page);
         if (t + AHEAD < count) fetch_ahead(p, table, page, layer, 1, kv_head, pos + AHEAD, head_dim);
-        for (int j = 0; j < group; j++) {
-            __m512 w = _mm512_set1_ps(scores[j * count + t]);
-            float *a = part + j * width;
-            for (int c = 0; c < chunks; c++) {
-                __m512 sum = _mm512_fmadd_ps(w, _mm512_loadu_ps(v + 16 * c), _mm512_loadu_ps(a + 16 * c));
-                _mm512_storeu_ps(a + 16 * c, sum);
-            }
-        }
     }
+    for (int d = 0; d < head_dim; d += 16)
+        for (int j = 0; j < group; j++) {
+            const float *w = scores + j * count;
+            __m512 acc = _mm512_setzero_ps();
+            for (int t = 0; t < count; t++) acc = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), _mm512_loadu_ps(rows[t] + d), acc);
+            _mm512_storeu_ps(part + j * width + d, acc);
+        }
 }
 
 /* A (row, KV head)'s `count` chunk parts (attend_chunk16) -> its group's attention output as bfloat16: each chunk
