@@ -33,7 +33,10 @@ _P, _I, _I64, _F = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_float
 SIGNATURES: dict[str, tuple[list[type], type | None]] = {
     "add_rmsnorm": ([_I, _I, _P, _P, _I64, _P, _F, _P, _P], None),
     "silu_and_mul": ([_I, _I, _P, _I64, _P], None),
-    "rope_store_attend": ([_I, _I, _I, _I, _P, _I64, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _F, _I, _P, _P], None),
+    "rope_store_attend": (
+        [_I, _I, _I, _I, _P, _I64, _P, _P, _P, _P, _P, _P, _I, _P, _P, _I, _P, _I, _F, _I, _P, _P],
+        None,
+    ),
     "int4_rows": ([_P, _I64, _I64, _I, _P, _I, _I, _P], None),
     "table_rows": ([_P, _I, _I64, _I64, _I, _P, _I, _I64, _I, _P, _P, _I, _P], _I),
     "attention_portable": ([_I], _I),

@@ -13,6 +13,7 @@ import torch
 from paged_testlib import make_paged
 
 from streamd.kernels import native_cpu, reference
+from streamd.kernels.layout import quantize_rows
 
 lib = native_cpu.load()
 pytestmark = pytest.mark.skipif(lib is None, reason=f"{native_cpu.unavailable_reason()}")
@@ -56,13 +57,24 @@ def test_silu_and_mul_equals_the_reference(rows: int, inter: int) -> None:
 @pytest.mark.parametrize("kv_heads, group, head_dim", [(1, 1, 64), (2, 3, 24), (3, 3, 64), (2, 4, 128)])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("portable", [False, True])
-def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group, head_dim, threads, portable) -> None:
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.int8])
+def test_rope_store_attend_equals_the_references(
+    seq_lens, page, kv_heads, group, head_dim, threads, portable, pool_dtype
+) -> None:
     """Rotary on q and k (transformers' arithmetic), this step's K/V stored at each sequence's last position
     (a padded row with slot -1 stores nothing), attention over the context: as `reference.rotate`,
     `reference.store_kv` and `reference.paged_decode_attention`; on 1-3 threads (more than the (row, KV head)
     pairs too), each in its own scratch. A head_dim of whole 16-lane vectors takes the AVX-512 loop where the CPU
-    has it (its own exp, 64-position chunks), others the portable one; `portable` runs the portable one for all."""
+    has it (its own exp, 64-position chunks), others the portable one; `portable` runs the portable one for all.
+    An int8 pool (codes and a scale a row, NaN scales where nothing may be read) stores the codes and scales the
+    references store, and attends over them."""
     case = make_paged(seq_lens, page=page, num_kv_heads=kv_heads, head_dim=head_dim, dtype=torch.float32)
+    scales = want_scales = None
+    if pool_dtype == torch.int8:
+        poisoned = case.kv_cache.isnan().any(-1)
+        codes, scales = quantize_rows(case.kv_cache.nan_to_num(0.0), torch.int8)
+        case.kv_cache, scales = codes, scales.masked_fill(poisoned, float("nan"))
+        want_scales = scales.clone()
     heads, rows = kv_heads * group, len(seq_lens)
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(rows, width + 7).to(torch.bfloat16)[:, :width]
@@ -74,22 +86,32 @@ def test_rope_store_attend_equals_the_references(seq_lens, page, kv_heads, group
     want_cache = case.kv_cache.clone()
     x = qkv.float().unflatten(-1, (-1, head_dim))
     qk = reference.rotate(x[:, : heads + kv_heads], cos, sin)
-    reference.store_kv(qk[:, heads:], x[:, heads + kv_heads :], want_cache, case.layer, slots)
+    reference.store_kv(qk[:, heads:], x[:, heads + kv_heads :], want_cache, case.layer, slots, want_scales)
     want = reference.paged_decode_attention(qk[:, :heads].contiguous(), want_cache, case.layer, case.block_tables,
-                                            case.seq_lens, 0.3)  # fmt: skip
+                                            case.seq_lens, 0.3, kv_scales=want_scales)  # fmt: skip
     pool = case.kv_cache
     scratch = torch.full((threads * group * (max(seq_lens) + 2 * head_dim),), float("nan"))
     out = torch.empty(rows, heads * head_dim, dtype=torch.bfloat16)
-    strides = (native_cpu.ctypes.c_int64 * 5)(*pool.stride()[:5])
     with _attention(portable):
         lib.rope_store_attend(rows, heads, kv_heads, head_dim, _p(qkv), qkv.stride(0), _p(cos), _p(sin), _p(pool),
-                              strides, case.layer, _p(slots), _p(case.block_tables), case.block_tables.shape[1],
-                              _p(case.seq_lens), page, 0.3, threads, _p(scratch), _p(out))  # fmt: skip
+                              *_pool_args(pool, scales), case.layer, _p(slots), _p(case.block_tables),
+                              case.block_tables.shape[1], _p(case.seq_lens), page, 0.3, threads, _p(scratch),
+                              _p(out))  # fmt: skip
     assert case.seq_lens.dtype == case.block_tables.dtype == torch.int32
-    assert torch.equal(pool.nan_to_num(7.0), want_cache.nan_to_num(7.0)), "stored as the references store, only there"
+    assert torch.equal(pool.float().nan_to_num(7.0), want_cache.float().nan_to_num(7.0)), "stored as the references"
+    if scales is not None:
+        assert torch.equal(scales.nan_to_num(7.0), want_scales.nan_to_num(7.0)), "scales stored as the references"
     torch.testing.assert_close(
         out.float().unflatten(-1, (heads, head_dim)), want.to(torch.bfloat16).float(), **ONE_BF16_STEP
     )
+
+
+def _pool_args(pool: torch.Tensor, scales: torch.Tensor | None) -> tuple:
+    """`rope_store_attend`'s pool arguments: the pool's strides, and an 8-bit pool's scales and their strides."""
+    strides = (native_cpu.ctypes.c_int64 * 5)(*pool.stride()[:5])
+    if scales is None:
+        return strides, None, (native_cpu.ctypes.c_int64 * 5)()
+    return strides, _p(scales), (native_cpu.ctypes.c_int64 * 5)(*scales.stride())
 
 
 @contextlib.contextmanager
@@ -119,11 +141,10 @@ def test_attention_keeps_a_nan_key_and_gives_zeros_over_no_positions(portable: b
     slots, lens = torch.tensor([-1, -1]), torch.tensor([40, 0], dtype=torch.int32)
     scratch = torch.zeros(group * (40 + 2 * head_dim))
     out = torch.empty(2, heads * head_dim, dtype=torch.bfloat16)
-    strides = (native_cpu.ctypes.c_int64 * 5)(*pool.stride()[:5])
     with _attention(portable):
         lib.rope_store_attend(2, heads, kv_heads, head_dim, _p(qkv), qkv.stride(0), _p(cos), _p(sin), _p(pool),
-                              strides, case.layer, _p(slots), _p(case.block_tables), case.block_tables.shape[1],
-                              _p(lens), page, 0.125, 1, _p(scratch), _p(out))  # fmt: skip
+                              *_pool_args(pool, None), case.layer, _p(slots), _p(case.block_tables),
+                              case.block_tables.shape[1], _p(lens), page, 0.125, 1, _p(scratch), _p(out))  # fmt: skip
     first = out[0].float().unflatten(-1, (kv_heads, group * head_dim))
     assert not first[0].isnan().any() and first[1].isnan().all()
     assert torch.equal(out[1].float(), torch.zeros(heads * head_dim))

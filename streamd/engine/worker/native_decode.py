@@ -6,9 +6,11 @@ is at hand) is the `cpu` mode's path whose decode steps, speculative verifies an
 layers' own kernel choice) and three C calls (residual add + RMSNorm; rotary, K/V store and paged attention, its
 (row, KV head) pairs on torch's threads; SiLU-and-mul), instead of ~45 torch operators; where all four matmuls
 run in C (`lowbit.NativeInt4`, AVX-512 BF16) the layer is one C call (`decode_layer`: the same calls, in C).
-Longer prompt chunks, steps over more context (`MAX_CONTEXT_TOKENS`) and pools this path does not read (8-bit, a
-window pool) take the `cpu` path's torch operators (`takes`). The arithmetic is transformers' in float32 in the
-same order; sums round in another order, so logits differ from the torch path in the last bits (tests bound them).
+It reads float32 pools and int8 ones (`cache.kv_cache_dtype = "int8"`: a quarter of the bytes, which is what a
+long context's step is bound by here). Longer prompt chunks, steps over more context (`MAX_CONTEXT_TOKENS`) and
+pools this path does not read (float8, a window pool) take the `cpu` path's torch operators (`takes`). The
+arithmetic is transformers' in float32 in the same order; sums round in another order, so logits differ from the
+torch path in the last bits (tests bound them).
 """
 
 from __future__ import annotations
@@ -162,13 +164,12 @@ class NativeDecode:
     def takes(md: AttentionMetadata, rows: int, dtype: torch.dtype) -> bool:
         """Whether this step runs here: a decode step, or a step of at most MAX_QUERY_ROWS query tokens (speculative
         verifies, prompt chunks), the rows' attention over at most MAX_CONTEXT_TOKENS in all, in a float32 pool of
-        its own."""
+        its own or an int8 one (`cache.kv_cache_dtype = "int8"`)."""
         if not (
             md.planned_on_cpu
             and dtype == torch.float32
-            and md.kv_scales is None
             and md.layer_slots is None
-            and md.kv_cache.dtype == torch.float32
+            and (md.kv_cache.dtype, md.kv_scales is None) in ((torch.float32, True), (torch.int8, False))
             and md.kv_cache.stride(-1) == 1
         ):
             return False
@@ -198,9 +199,9 @@ class NativeDecode:
         for layer, (weight, eps) in zip(self.layers, self.next_norms):
             qkv = layer.qkv(x)
             lib.rope_store_attend(rows, layer.heads, layer.kv_heads, layer.head_dim, qkv.data_ptr(), qkv.stride(0),
-                                  a.cos, a.sin, a.pool, a.pool_strides, layer.index, a.slots, a.block_tables,
-                                  a.table_width, a.seq_lens, a.page, layer.scale, a.threads, a.scratch,
-                                  a.attn)  # fmt: skip
+                                  a.cos, a.sin, a.pool, a.pool_strides, a.pool_scales, a.scale_strides,
+                                  layer.index, a.slots, a.block_tables, a.table_width, a.seq_lens, a.page,
+                                  layer.scale, a.threads, a.scratch, a.attn)  # fmt: skip
             o = layer.o(step.attn)
             lib.add_rmsnorm(rows, dim, a.residual, o.data_ptr(), o.stride(0), layer.post_norm.data_ptr(),
                             layer.post_eps, a.x, None)  # fmt: skip
@@ -244,15 +245,16 @@ class _Step:
         scratch = torch.empty(threads * group * (int(lens.max()) + 2 * layer.head_dim), dtype=torch.float32)
         attn = torch.empty(rows, layer.heads * layer.head_dim, dtype=torch.bfloat16)
         act = torch.empty(rows, layer.intermediate, dtype=torch.bfloat16)
-        strides = (ctypes.c_int64 * 5)(*pool.stride()[:5])
+        strides, scales, scale_strides = pool_pointers(md)
         args = StepArgs(
             rows=rows, dim=x.shape[1], threads=threads, table_width=tables.shape[1], page=int(pool.shape[4]),
             cos=cos.data_ptr(), sin=sin.data_ptr(), pool=pool.data_ptr(), pool_strides=ctypes.addressof(strides),
-            slots=slots.data_ptr(), block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(),
-            scratch=scratch.data_ptr(), residual=residual.data_ptr(), x=x.data_ptr(), attn=attn.data_ptr(),
-            act=act.data_ptr(),
+            pool_scales=scales, scale_strides=ctypes.addressof(scale_strides), slots=slots.data_ptr(),
+            block_tables=tables.data_ptr(), seq_lens=lens.data_ptr(), scratch=scratch.data_ptr(),
+            residual=residual.data_ptr(), x=x.data_ptr(), attn=attn.data_ptr(), act=act.data_ptr(),
         )  # fmt: skip
-        return cls(args, [cos, sin, slots, tables, lens, scratch, strides, residual, x, attn, act], attn, act)
+        held = [cos, sin, slots, tables, lens, scratch, strides, scale_strides, residual, x, attn, act]
+        return cls(args, held, attn, act)
 
     def add_matmul_outputs(self, layer: LayerArgs) -> None:
         """A bfloat16 output for each of `decode_layer`'s four matmuls (every layer reusing them)."""
@@ -287,9 +289,22 @@ class StepArgs(ctypes.Structure):
     """`cpu_decode.c`'s StepArgs: one step's sequences, pool, stream and buffers for `decode_layer`."""
 
     _ints = ("rows", "dim", "threads", "table_width", "page")
-    _pointers = ("cos", "sin", "pool", "pool_strides", "slots", "block_tables", "seq_lens", "scratch", "residual",
-                 "x", "qkv", "attn", "o", "gate_up", "act", "down")  # fmt: skip
+    _pointers = ("cos", "sin", "pool", "pool_strides", "pool_scales", "scale_strides", "slots", "block_tables",
+                 "seq_lens", "scratch", "residual", "x", "qkv", "attn", "o", "gate_up", "act", "down")  # fmt: skip
     _fields_ = [(name, ctypes.c_int) for name in _ints] + [(name, ctypes.c_void_p) for name in _pointers]
+
+
+Strides = ctypes.Array[ctypes.c_int64]
+
+
+def pool_pointers(md: AttentionMetadata) -> tuple[Strides, int | None, Strides]:
+    """The pool as `cpu_decode.c` takes it: its strides (block, layer, k|v, head, offset), and an 8-bit pool's scales
+    (None: a float32 pool) and their strides."""
+    strides = (ctypes.c_int64 * 5)(*md.kv_cache.stride()[:5])
+    scales = md.kv_scales
+    if scales is None:
+        return strides, None, (ctypes.c_int64 * 5)()
+    return strides, scales.data_ptr(), (ctypes.c_int64 * 5)(*scales.stride())
 
 
 def _layer_args(

@@ -75,14 +75,52 @@ static void rotate(const uint16_t *src, const float *cos, const float *sin, int 
     }
 }
 
-/* Where a (block, layer, k|v, head, offset) row of the pool starts. */
+/* The pool: float32 rows, or (an 8-bit pool, `scales` set) int8 codes with one float32 scale a row, the codes
+ * round(x / scale) with scale = max(absmax / 127, 1e-12), rounded half away from zero (`layout.quantize_rows`).
+ * Strides in elements of (block, layer, k|v, head, offset), of the codes or floats and of the scales. */
 typedef struct {
-    float *base;
+    void *base;
     int64_t block, layer, kv, head, offset;
+    float *scales;
+    int64_t s_block, s_layer, s_kv, s_head, s_offset;
 } Pool;
 
-static inline float *row(const Pool *p, int64_t block, int layer, int kv, int head, int64_t offset) {
-    return p->base + block * p->block + layer * p->layer + kv * p->kv + head * p->head + offset * p->offset;
+static inline int64_t at(const Pool *p, int64_t block, int layer, int kv, int head, int64_t offset) {
+    return block * p->block + layer * p->layer + kv * p->kv + head * p->head + offset * p->offset;
+}
+
+static inline float *scale_at(const Pool *p, int64_t block, int layer, int kv, int head, int64_t offset) {
+    return p->scales + block * p->s_block + layer * p->s_layer + kv * p->s_kv + head * p->s_head + offset * p->s_offset;
+}
+
+/* A row of the pool as float32: a float32 pool's own, or an 8-bit pool's codes times their scale in `tmp`. */
+static inline const float *row(const Pool *p, int64_t block, int layer, int kv, int head, int64_t offset, int head_dim,
+                               float *tmp) {
+    if (p->scales == NULL) return (const float *)p->base + at(p, block, layer, kv, head, offset);
+    const int8_t *codes = (const int8_t *)p->base + at(p, block, layer, kv, head, offset);
+    float s = *scale_at(p, block, layer, kv, head, offset);
+    for (int i = 0; i < head_dim; i++) tmp[i] = (float)codes[i] * s;
+    return tmp;
+}
+
+/* Stores x [head_dim] as a row: as it is, or quantized as the 8-bit kernels' store quantizes it. */
+static void store_row(const Pool *p, int64_t block, int layer, int kv, int head, int64_t offset, const float *x,
+                      int head_dim) {
+    if (p->scales == NULL) {
+        memcpy((float *)p->base + at(p, block, layer, kv, head, offset), x, sizeof(float) * (size_t)head_dim);
+        return;
+    }
+    float most = 0.0f;
+    for (int i = 0; i < head_dim; i++) most = fabsf(x[i]) > most ? fabsf(x[i]) : most;
+    float s = most / 127.0f > 1e-12f ? most / 127.0f : 1e-12f;
+    int8_t *codes = (int8_t *)p->base + at(p, block, layer, kv, head, offset);
+    for (int i = 0; i < head_dim; i++) {
+        float y = x[i] / s;
+        y = y >= 0.0f ? y + 0.5f : y - 0.5f;
+        y = y > 127.0f ? 127.0f : (y < -127.0f ? -127.0f : y);
+        codes[i] = (int8_t)y; /* truncates toward zero */
+    }
+    *scale_at(p, block, layer, kv, head, offset) = s;
 }
 
 /* The `group` query heads that share KV head `kv_head` (GQA), over positions [0, len): each K and V row is read
@@ -90,10 +128,10 @@ static inline float *row(const Pool *p, int64_t block, int layer, int kv, int he
 static void attend_group(const Pool *p, int layer, int kv_head, int group, int head_dim, const uint16_t *q_src,
                          const float *cos, const float *sin, const int32_t *table, int page, int len, float scale,
                          float *scratch, uint16_t *out) {
-    float *q = scratch, *acc = scratch + group * head_dim, *scores = scratch + 2 * group * head_dim;
+    float *q = scratch, *acc = scratch + group * head_dim, *scores = scratch + 2 * group * head_dim, tmp[head_dim];
     for (int j = 0; j < group; j++) rotate(q_src + (int64_t)j * head_dim, cos, sin, head_dim, q + j * head_dim);
     for (int t = 0; t < len; t++) {
-        const float *k = row(p, table[t / page], layer, 0, kv_head, t % page);
+        const float *k = row(p, table[t / page], layer, 0, kv_head, t % page, head_dim, tmp);
         for (int j = 0; j < group; j++) scores[(int64_t)j * len + t] = dot(q + j * head_dim, k, head_dim) * scale;
     }
     for (int j = 0; j < group; j++) {
@@ -107,7 +145,7 @@ static void attend_group(const Pool *p, int layer, int kv_head, int group, int h
     }
     memset(acc, 0, sizeof(float) * (size_t)(group * head_dim));
     for (int t = 0; t < len; t++) {
-        const float *v = row(p, table[t / page], layer, 1, kv_head, t % page);
+        const float *v = row(p, table[t / page], layer, 1, kv_head, t % page, head_dim, tmp);
         for (int j = 0; j < group; j++) {
             float w = scores[(int64_t)j * len + t], *a = acc + j * head_dim;
             for (int i = 0; i < head_dim; i++) a[i] += w * v[i];
@@ -159,8 +197,33 @@ static inline __mmask16 lanes(int t, int len) { return len - t >= 16 ? 0xffff : 
  * block's rows would arrive cold. */
 static inline void fetch_ahead(const Pool *p, const int32_t *table, int page, int layer, int kv, int head, int pos,
                                int head_dim) {
-    const float *start = row(p, table[pos / page], layer, kv, head, pos % page);
-    for (int i = 0; i < head_dim; i += 16) _mm_prefetch((const char *)(start + i), _MM_HINT_T0);
+    int64_t i0 = at(p, table[pos / page], layer, kv, head, pos % page);
+    int elem = p->scales == NULL ? (int)sizeof(float) : 1;
+    const char *start = (const char *)p->base + i0 * elem;
+    for (int i = 0; i < head_dim * elem; i += 64) _mm_prefetch(start + i, _MM_HINT_T0);
+}
+
+/* A chunk's K or V rows as float32: a float32 pool's own, or an 8-bit pool's dequantized into `tile` [count,
+ * head_dim] (16 codes a vector: sign-extended, converted, times the row's scale). */
+AVX512 static void chunk_rows(const Pool *p, const int32_t *table, int page, int layer, int kv, int head, int first,
+                              int count, int head_dim, float *tile, const float **rows) {
+    for (int t = 0; t < count; t++) {
+        int pos = first + t;
+        if (t + AHEAD < count) fetch_ahead(p, table, page, layer, kv, head, pos + AHEAD, head_dim);
+        int64_t i0 = at(p, table[pos / page], layer, kv, head, pos % page);
+        if (p->scales == NULL) {
+            rows[t] = (const float *)p->base + i0;
+            continue;
+        }
+        const int8_t *codes = (const int8_t *)p->base + i0;
+        __m512 s = _mm512_set1_ps(*scale_at(p, table[pos / page], layer, kv, head, pos % page));
+        float *dst = tile + (int64_t)t * head_dim;
+        for (int d = 0; d < head_dim; d += 16) {
+            __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(codes + d)));
+            _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(wide), s));
+        }
+        rows[t] = dst;
+    }
 }
 
 /* Lane i of the result: the sum of v[i]'s 16 lanes (a transposing tree: 45 shuffles and adds for 16 sums, where 16
@@ -204,14 +267,10 @@ AVX512 static void scores16(const float *const *k, int n, int group, int head_di
  * dimensions at a time over the chunk's V rows (read from L1 after the first head). */
 AVX512 static void attend_chunk16(const Pool *p, int layer, int kv_head, int group, int head_dim, const float *q,
                                   const int32_t *table, int page, int first, int count, float scale, float *scores,
-                                  float *part) {
+                                  float *tile, float *part) {
     int width = head_dim + 2;
     const float *rows[CHUNK];
-    for (int t = 0; t < count; t++) {
-        int pos = first + t;
-        rows[t] = row(p, table[pos / page], layer, 0, kv_head, pos % page);
-        if (t + AHEAD < count) fetch_ahead(p, table, page, layer, 0, kv_head, pos + AHEAD, head_dim);
-    }
+    chunk_rows(p, table, page, layer, 0, kv_head, first, count, head_dim, tile, rows);
     for (int t0 = 0; t0 < count; t0 += 16)
         scores16(rows + t0, count - t0 < 16 ? count - t0 : 16, group, head_dim, q, scale, count, t0, scores);
     for (int j = 0; j < group; j++) {
@@ -231,11 +290,7 @@ AVX512 static void attend_chunk16(const Pool *p, int layer, int kv_head, int gro
         part[j * width + head_dim] = most;
         part[j * width + head_dim + 1] = _mm512_reduce_add_ps(total);
     }
-    for (int t = 0; t < count; t++) {
-        int pos = first + t;
-        rows[t] = row(p, table[pos / page], layer, 1, kv_head, pos % page);
-        if (t + AHEAD < count) fetch_ahead(p, table, page, layer, 1, kv_head, pos + AHEAD, head_dim);
-    }
+    chunk_rows(p, table, page, layer, 1, kv_head, first, count, head_dim, tile, rows);
     for (int d = 0; d < head_dim; d += 16)
         for (int j = 0; j < group; j++) {
             const float *w = scores + j * count;
@@ -288,8 +343,10 @@ AVX512 static int attend_chunked16(const Pool *p, int rows, int heads, int kv_he
     int width = group * (head_dim + 2);
     float *parts = malloc(sizeof(float) * (size_t)(tasks > 0 ? tasks : 1) * (size_t)width);
     int *pair_of = malloc(sizeof(int) * (size_t)(tasks > 0 ? tasks : 1));
-    if (parts == NULL || pair_of == NULL) {
-        free(first), free(parts), free(pair_of);
+    /* an 8-bit pool's chunk of dequantized rows, a thread's own */
+    float *tiles = p->scales == NULL ? NULL : malloc(sizeof(float) * (size_t)threads * CHUNK * (size_t)head_dim);
+    if (parts == NULL || pair_of == NULL || (p->scales != NULL && tiles == NULL)) {
+        free(first), free(parts), free(pair_of), free(tiles);
         return -1;
     }
     for (int i = 0; i < pairs; i++)
@@ -297,6 +354,7 @@ AVX512 static int attend_chunked16(const Pool *p, int rows, int heads, int kv_he
 #pragma omp parallel num_threads(threads) if (threads > 1 && tasks > 1)
     {
         float *q = scratch + per_thread * thread_id(), *scores = q + group * head_dim;
+        float *tile = tiles == NULL ? NULL : tiles + (int64_t)thread_id() * CHUNK * head_dim;
 #pragma omp for schedule(dynamic, 1)
         for (int t = 0; t < tasks; t++) {
             int i = pair_of[t], r = i / kv_heads, g = i % kv_heads, chunk = t - first[i];
@@ -306,7 +364,7 @@ AVX512 static int attend_chunked16(const Pool *p, int rows, int heads, int kv_he
                        head_dim, q + j * head_dim);
             int from = chunk * CHUNK, count = seq_lens[r] - from < CHUNK ? seq_lens[r] - from : CHUNK;
             attend_chunk16(p, layer, g, group, head_dim, q, block_tables + (int64_t)r * table_width, page, from,
-                           count, scale, scores, parts + (int64_t)t * width);
+                           count, scale, scores, tile, parts + (int64_t)t * width);
         }
 #pragma omp for schedule(static)
         for (int i = 0; i < pairs; i++) {
@@ -314,7 +372,7 @@ AVX512 static int attend_chunked16(const Pool *p, int rows, int heads, int kv_he
             merge_chunks16(parts + (int64_t)first[i] * width, first[i + 1] - first[i], group, head_dim, q, out + at);
         }
     }
-    free(first), free(parts), free(pair_of);
+    free(first), free(parts), free(pair_of), free(tiles);
     return 0;
 }
 
@@ -341,21 +399,28 @@ int attention_portable(int on) {
  * slots[r]; the query attends over positions [0, seq_lens[r]) through block_tables [rows, table_width]; the result
  * [rows, heads x head_dim] as bfloat16. Every row's K/V is stored first (a row's new token lives in its own
  * sequence's block, which no other row reads), then the (row, KV head) pairs attend on up to `threads` OpenMP
- * threads, each in its part of `scratch`: threads x (heads / kv_heads) x (2 head_dim + max(seq_lens)) floats. */
+ * threads, each in its part of `scratch`: threads x (heads / kv_heads) x (2 head_dim + max(seq_lens)) floats. The
+ * pool holds float32 rows (`pool_scales` NULL) or int8 codes with a float32 scale a row at `pool_scales`
+ * (`Pool`); strides in elements, (block, layer, k|v, head, offset). */
 void rope_store_attend(int rows, int heads, int kv_heads, int head_dim, const uint16_t *qkv, int64_t stride,
-                       const float *cos, const float *sin, float *pool_base, const int64_t *pool_strides, int layer,
-                       const int64_t *slots, const int32_t *block_tables, int table_width, const int32_t *seq_lens,
-                       int page, float scale, int threads, float *scratch, uint16_t *out) {
-    Pool p = {pool_base, pool_strides[0], pool_strides[1], pool_strides[2], pool_strides[3], pool_strides[4]};
+                       const float *cos, const float *sin, void *pool_base, const int64_t *pool_strides,
+                       float *pool_scales, const int64_t *scale_strides, int layer, const int64_t *slots,
+                       const int32_t *block_tables, int table_width, const int32_t *seq_lens, int page, float scale,
+                       int threads, float *scratch, uint16_t *out) {
+    const int64_t *ss = pool_scales == NULL ? pool_strides : scale_strides;
+    Pool p = {pool_base,   pool_strides[0], pool_strides[1], pool_strides[2], pool_strides[3], pool_strides[4],
+              pool_scales, ss[0],           ss[1],           ss[2],           ss[3],           ss[4]};
     int group = heads / kv_heads, longest = 0;
+    float x[head_dim];
     for (int r = 0; r < rows; r++) {
         const uint16_t *src = qkv + (int64_t)r * stride;
         const float *c = cos + (int64_t)r * head_dim, *s = sin + (int64_t)r * head_dim;
         int64_t block = slots[r] / page, offset = slots[r] % page;
         for (int h = 0; h < kv_heads && slots[r] >= 0; h++) { /* slot -1: not stored (padding) */
-            rotate(src + (int64_t)(heads + h) * head_dim, c, s, head_dim, row(&p, block, layer, 0, h, offset));
-            float *v = row(&p, block, layer, 1, h, offset);
-            for (int i = 0; i < head_dim; i++) v[i] = bf16_to_f32(src[(int64_t)(heads + kv_heads + h) * head_dim + i]);
+            rotate(src + (int64_t)(heads + h) * head_dim, c, s, head_dim, x);
+            store_row(&p, block, layer, 0, h, offset, x, head_dim);
+            for (int i = 0; i < head_dim; i++) x[i] = bf16_to_f32(src[(int64_t)(heads + kv_heads + h) * head_dim + i]);
+            store_row(&p, block, layer, 1, h, offset, x, head_dim);
         }
         longest = seq_lens[r] > longest ? seq_lens[r] : longest;
     }
@@ -457,8 +522,10 @@ typedef struct {
 typedef struct {
     int rows, dim, threads, table_width, page;
     const float *cos, *sin;
-    float *pool;
-    const int64_t *pool_strides, *slots;
+    void *pool;
+    const int64_t *pool_strides;
+    float *pool_scales;
+    const int64_t *scale_strides, *slots;
     const int32_t *block_tables, *seq_lens;
     float *scratch, *residual;
     uint16_t *x, *qkv, *attn, *o, *gate_up, *act, *down;
@@ -479,8 +546,8 @@ int decode_layer(const LayerArgs *l, const StepArgs *s, const float *next_norm, 
     int rows = s->rows, dim = s->dim, t = s->threads;
     if (matmul(&l->qkv, s->x, rows, s->qkv, t)) return -1;
     rope_store_attend(rows, l->heads, l->kv_heads, l->head_dim, s->qkv, l->qkv.out_features, s->cos, s->sin, s->pool,
-                      s->pool_strides, l->index, s->slots, s->block_tables, s->table_width, s->seq_lens, s->page,
-                      l->scale, t, s->scratch, s->attn);
+                      s->pool_strides, s->pool_scales, s->scale_strides, l->index, s->slots, s->block_tables,
+                      s->table_width, s->seq_lens, s->page, l->scale, t, s->scratch, s->attn);
     if (matmul(&l->o, s->attn, rows, s->o, t)) return -1;
     add_rmsnorm(rows, dim, s->residual, s->o, dim, l->post_norm, l->post_eps, s->x, NULL);
     if (matmul(&l->gate_up, s->x, rows, s->gate_up, t)) return -1;

@@ -61,6 +61,26 @@ def test_native_decode_steps_give_the_cpu_paths_tokens(quantization: str, monkey
     assert len(native_rows) + sum(wide) >= 2 * 15, "every decode step was one or the other"
 
 
+@needs_library
+def test_an_int8_pool_runs_natively_and_gives_the_cpu_paths_tokens(monkeypatch) -> None:
+    """`cache.kv_cache_dtype = "int8"`: decode steps and short prompt chunks read and write the 8-bit pool in C (codes
+    and scales as the references store them), and the tokens are the torch path's over the same pool."""
+    config = _config()
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, config.vocab_size, (int(n),), generator=gen).tolist() for n in (5, 40, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, detokenize=False, logprobs=5)
+    native_rows = _native_rows(monkeypatch, decode_steps=True)
+    outs = {}
+    for mode in ("cpu", "native"):
+        llm = LLM(config, fuse_layers=mode, quantization="int4", kv_cache_dtype="int8", max_num_seqs=3, **KWARGS)
+        register_engine(llm.engine)
+        assert llm.engine.runner.pool is not None and llm.engine.runner.pool.kv_scales is not None
+        outs[mode] = [o.outputs[0] for o in run_to_completion(llm.engine, prompts, params)]
+    for torch_path, native in zip(outs["cpu"], outs["native"]):
+        _same_up_to_a_near_tie(torch_path, native)
+    assert len(native_rows) >= 15, "the int8 pool's decode steps ran natively"
+
+
 def _native_rows(monkeypatch, decode_steps: bool) -> list[int]:
     """The rows of every step `NativeDecode.run` runs from now on (`decode_steps` False: only steps that are not
     decode steps: verifies, prompt chunks), in order."""
