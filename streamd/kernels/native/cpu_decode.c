@@ -191,16 +191,28 @@ static inline __mmask16 lanes(int t, int len) { return len - t >= 16 ? 0xffff : 
  * share even one sequence's three KV heads (a split that depends on the length alone: a verify's rows and a
  * decode step's compute a position's attention alike). */
 #define CHUNK 64
-#define AHEAD 16 /* positions a K or V row is fetched ahead of its use */
 
 /* The pool's blocks lie a layer's worth of rows apart, and hardware prefetchers stop at a 4 KiB page: each
- * block's rows would arrive cold. */
-static inline void fetch_ahead(const Pool *p, const int32_t *table, int page, int layer, int kv, int head, int pos,
-                               int head_dim) {
-    int64_t i0 = at(p, table[pos / page], layer, kv, head, pos % page);
+ * block's rows would arrive cold. A chunk's K and V rows (and an 8-bit pool's scales) are all asked for when its
+ * task starts, the keys into L1 and the values, used after the scores, into L2: a row takes less work than a
+ * trip to memory, most of all an 8-bit row. */
+static inline void fetch(const char *at, int to_l1) {
+    if (to_l1)
+        _mm_prefetch(at, _MM_HINT_T0);
+    else
+        _mm_prefetch(at, _MM_HINT_T1);
+}
+
+static inline void fetch_chunk(const Pool *p, const int32_t *table, int page, int layer, int kv, int head, int first,
+                               int count, int head_dim, int to_l1) {
     int elem = p->scales == NULL ? (int)sizeof(float) : 1;
-    const char *start = (const char *)p->base + i0 * elem;
-    for (int i = 0; i < head_dim * elem; i += 64) _mm_prefetch(start + i, _MM_HINT_T0);
+    for (int t = 0; t < count; t++) {
+        int pos = first + t;
+        const char *start = (const char *)p->base + at(p, table[pos / page], layer, kv, head, pos % page) * elem;
+        for (int i = 0; i < head_dim * elem; i += 64) fetch(start + i, to_l1);
+        if (p->scales != NULL && (t == 0 || pos % page == 0))
+            fetch((const char *)scale_at(p, table[pos / page], layer, kv, head, pos % page), to_l1);
+    }
 }
 
 /* A chunk's K or V rows as float32: a float32 pool's own, or an 8-bit pool's dequantized into `tile` [count,
@@ -209,7 +221,6 @@ AVX512 static void chunk_rows(const Pool *p, const int32_t *table, int page, int
                               int count, int head_dim, float *tile, const float **rows) {
     for (int t = 0; t < count; t++) {
         int pos = first + t;
-        if (t + AHEAD < count) fetch_ahead(p, table, page, layer, kv, head, pos + AHEAD, head_dim);
         int64_t i0 = at(p, table[pos / page], layer, kv, head, pos % page);
         if (p->scales == NULL) {
             rows[t] = (const float *)p->base + i0;
@@ -270,6 +281,8 @@ AVX512 static void attend_chunk16(const Pool *p, int layer, int kv_head, int gro
                                   float *tile, float *part) {
     int width = head_dim + 2;
     const float *rows[CHUNK];
+    fetch_chunk(p, table, page, layer, 0, kv_head, first, count, head_dim, 1);
+    fetch_chunk(p, table, page, layer, 1, kv_head, first, count, head_dim, 0);
     chunk_rows(p, table, page, layer, 0, kv_head, first, count, head_dim, tile, rows);
     for (int t0 = 0; t0 < count; t0 += 16)
         scores16(rows + t0, count - t0 < 16 ? count - t0 : 16, group, head_dim, q, scale, count, t0, scores);
