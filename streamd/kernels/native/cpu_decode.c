@@ -237,38 +237,21 @@ AVX512 static void chunk_rows(const Pool *p, const int32_t *table, int page, int
     }
 }
 
-/* Lane i of the result: the sum of v[i]'s 16 lanes (a transposing tree: 45 shuffles and adds for 16 sums, where 16
- * separate horizontal sums take ~140). */
-AVX512 static inline __m512 sum16x16(const __m512 v[16]) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++) /* per 128-bit lane: (x0 + x2, y0 + y2, x1 + x3, y1 + y3), x = v[2i], y = v[2i + 1] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++) /* per 128-bit lane L: lane L's sums of v[4i], v[4i + 1], v[4i + 2], v[4i + 3] */
-        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++) /* 128-bit lanes: b[2i]'s L0 + L1 and L2 + L3, then b[2i + 1]'s */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xdd));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xdd));
-}
-
-/* s[j * count + t0 + i] = scale q_j . k_i for the 16 (or, at the chunk's end, fewer: `n`) positions whose K rows
- * are `k`: each row is read once for the group, its products summed in 16 lanes, and 16 positions' lanes summed
- * together (sum16x16). */
+/* s[j * count + t0 + i] = scale q_j . k_i for the `n` (at most 16) positions whose K rows are `k`, each row read
+ * once for the group (from L1 after the first head). Each score's products are summed in 16 lanes and then across
+ * them, in the order the decode steps have always summed them: a verify's rows and a decode step give a position
+ * the same score, and the default model's greedy tokens keep breaking its head's exact bfloat16 ties as before (a
+ * transposing sum of 16 scores at once was ~1.3x faster for a verify's rows and broke some the other way). */
 AVX512 static void scores16(const float *const *k, int n, int group, int head_dim, const float *q, float scale,
                             int count, int t0, float *s) {
     for (int j = 0; j < group; j++) {
         const float *qj = q + j * head_dim;
-        __m512 dots[16];
-        for (int i = 0; i < 16; i++) {
+        for (int i = 0; i < n; i++) {
             __m512 dot16 = _mm512_setzero_ps();
-            if (i < n)
-                for (int d = 0; d < head_dim; d += 16)
-                    dot16 = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(k[i] + d), dot16);
-            dots[i] = dot16;
+            for (int d = 0; d < head_dim; d += 16)
+                dot16 = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(k[i] + d), dot16);
+            s[j * count + t0 + i] = _mm512_reduce_add_ps(dot16) * scale;
         }
-        __m512 sums = _mm512_mul_ps(sum16x16(dots), _mm512_set1_ps(scale));
-        _mm512_mask_storeu_ps(s + j * count + t0, lanes(0, n), sums);
     }
 }
 
