@@ -89,9 +89,8 @@ class DraftRecord:
 
     @property
     def rate(self) -> float:
-        return self.kept / (
-            self.kept + self.breaks
-        )  # (their sum never falls below its start: each verify keeps or breaks)
+        # (kept + breaks starts at 1 and stays at least 1: each verify keeps a draft or breaks, or both)
+        return self.kept / (self.kept + self.breaks)
 
     def verified(self, drafted: int, accepted: int) -> None:
         self.kept += _RATE_WEIGHT * (accepted - self.kept)

@@ -128,7 +128,8 @@ static void store_row(const Pool *p, int64_t block, int layer, int kv, int head,
 static void attend_group(const Pool *p, int layer, int kv_head, int group, int head_dim, const uint16_t *q_src,
                          const float *cos, const float *sin, const int32_t *table, int page, int len, float scale,
                          float *scratch, uint16_t *out) {
-    float *q = scratch, *acc = scratch + group * head_dim, *scores = scratch + 2 * group * head_dim, tmp[head_dim];
+    float *q = scratch, *acc = scratch + group * head_dim, *scores = scratch + 2 * group * head_dim;
+    float tmp[head_dim]; /* an 8-bit pool's row, dequantized */
     for (int j = 0; j < group; j++) rotate(q_src + (int64_t)j * head_dim, cos, sin, head_dim, q + j * head_dim);
     for (int t = 0; t < len; t++) {
         const float *k = row(p, table[t / page], layer, 0, kv_head, t % page, head_dim, tmp);
@@ -237,22 +238,19 @@ AVX512 static void chunk_rows(const Pool *p, const int32_t *table, int page, int
     }
 }
 
-/* s[j * count + t0 + i] = scale q_j . k_i for the `n` (at most 16) positions whose K rows are `k`, each row read
- * once for the group (from L1 after the first head). Each score's products are summed in 16 lanes and then across
- * them, in the order the decode steps have always summed them: a verify's rows and a decode step give a position
- * the same score, and the default model's greedy tokens keep breaking its head's exact bfloat16 ties as before (a
+/* s[j * count + t] = scale q_j . k_t for the chunk's `count` positions whose K rows are `k`, each row read once for
+ * the group. Each score's products are summed in 16 lanes and then across them, the order decode steps have always
+ * summed them in: the default model's greedy tokens keep breaking its head's exact bfloat16 ties as before (a
  * transposing sum of 16 scores at once was ~1.3x faster for a verify's rows and broke some the other way). */
-AVX512 static void scores16(const float *const *k, int n, int group, int head_dim, const float *q, float scale,
-                            int count, int t0, float *s) {
-    for (int j = 0; j < group; j++) {
-        const float *qj = q + j * head_dim;
-        for (int i = 0; i < n; i++) {
+AVX512 static void chunk_scores(const float *const *k, int count, int group, int head_dim, const float *q,
+                                float scale, float *s) {
+    for (int t = 0; t < count; t++)
+        for (int j = 0; j < group; j++) {
             __m512 dot16 = _mm512_setzero_ps();
             for (int d = 0; d < head_dim; d += 16)
-                dot16 = _mm512_fmadd_ps(_mm512_loadu_ps(qj + d), _mm512_loadu_ps(k[i] + d), dot16);
-            s[j * count + t0 + i] = _mm512_reduce_add_ps(dot16) * scale;
+                dot16 = _mm512_fmadd_ps(_mm512_loadu_ps(q + j * head_dim + d), _mm512_loadu_ps(k[t] + d), dot16);
+            s[j * count + t] = _mm512_reduce_add_ps(dot16) * scale;
         }
-    }
 }
 
 /* One chunk [first, first + count) of a (row, KV head)'s positions for its `group` rotated query heads q: per
@@ -267,8 +265,7 @@ AVX512 static void attend_chunk16(const Pool *p, int layer, int kv_head, int gro
     fetch_chunk(p, table, page, layer, 0, kv_head, first, count, head_dim, 1);
     fetch_chunk(p, table, page, layer, 1, kv_head, first, count, head_dim, 0);
     chunk_rows(p, table, page, layer, 0, kv_head, first, count, head_dim, tile, rows);
-    for (int t0 = 0; t0 < count; t0 += 16)
-        scores16(rows + t0, count - t0 < 16 ? count - t0 : 16, group, head_dim, q, scale, count, t0, scores);
+    chunk_scores(rows, count, group, head_dim, q, scale, scores);
     for (int j = 0; j < group; j++) {
         float *sc = scores + j * count;
         __m512 top = _mm512_set1_ps(-INFINITY), total = _mm512_setzero_ps();
