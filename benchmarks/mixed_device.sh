@@ -7,7 +7,9 @@
 # PHASES: tests (the CUDA tests of the engine, the hybrid layout and the graphs' rows); rows (a step with a prompt
 # chunk beside decodes, eager against its graph replay: `mixed_rows_device.py`); hybrid (Gemma 3 and gpt-oss
 # shapes: `hybrid_device.py`); gemma-steps (Gemma 3's decode step at two `max_model_len`s); fairness and serve (`streamd bench fairness` / `bench serve --offline-baseline` on
-# a random-weight SmolLM2-135M-shaped checkpoint with the real tokenizer, before and after, alternating).
+# a random-weight SmolLM2-135M-shaped checkpoint with the real tokenizer, before and after, alternating; SERVE_SIDES
+# picks the serve sides); cuda-all (every CUDA test); throughput and multiturn (`streamd bench throughput` on the
+# 135M and 1B shapes, `bench multiturn` on the 8B shape, with the prefill graphs on and off: `model.prefill_graphs`).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
 export PYTHONUNBUFFERED=1 STREAMD_LOG_FORMAT=json
@@ -53,8 +55,28 @@ for phase in "$@"; do
           | grep -E "p99|tokens/s|steps with" | sed "s/^/$side /" | tee -a "$OUT/fairness.log"
         grep -v '^{' "$OUT/fairness-stderr.log" | tail -3
       done; use after ;;
+    cuda-all)
+      timeout 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/cuda-all.log" ;;
+    throughput)
+      for side in ${THROUGHPUT_SIDES:-on off on off}; do
+        flag=true; [ "$side" = off ] && flag=false
+        STREAMD_MODEL__PREFILL_GRAPHS=$flag timeout 200 python3 -m streamd.cli.main bench throughput --device cuda \
+          --shapes "${THROUGHPUT_SHAPES:-smollm2-135m,llama3.2-1b}" --peers none --no-prefix-cache \
+          --out "$OUT/results/throughput-$side" 2>"$OUT/throughput-stderr.log" | grep -E "^\| (smollm|llama)" \
+          | sed "s/^/$side /" | tee -a "$OUT/throughput.log"
+        grep -v '^{' "$OUT/throughput-stderr.log" | tail -3
+      done ;;
+    multiturn)
+      for side in ${MULTITURN_SIDES:-on off}; do
+        flag=true; [ "$side" = off ] && flag=false
+        STREAMD_MODEL__PREFILL_GRAPHS=$flag timeout 240 python3 -m streamd.cli.main bench multiturn --device cuda \
+          --shape "${MULTITURN_SHAPE:-llama3.1-8b}" --conversations "${MULTITURN_CONVERSATIONS:-16}" --turns 6 \
+          --system-tokens 2048 --turn-tokens 300 --restarts 0 --out "$OUT/results/multiturn-$side" \
+          2>"$OUT/multiturn-stderr.log" | grep -E "^\| (device|disk|host)|lower" | sed "s/^/$side /" | tee -a "$OUT/multiturn.log"
+        grep -v '^{' "$OUT/multiturn-stderr.log" | tail -3
+      done ;;
     serve)
-      for side in before after; do
+      for side in ${SERVE_SIDES:-before after}; do
         use $side
         timeout 240 python3 -m streamd.cli.main bench serve --offline-baseline --baseline-model $model \
           --levels 256 --repeats "${SERVE_REPEATS:-3}" --requests-per-stream 2 --layouts split \

@@ -1,14 +1,18 @@
-"""Issue 34: what a step with a prompt chunk beside decodes costs eagerly and as a decode-graph replay (each query
-token a decode row, `model_runner.decode_rows`), to set `MAX_PROMPT_ROW_ATTENTION`. Random bf16 weights of each
+"""Issue 34: what a step with a prompt chunk beside decodes costs eagerly, as a decode-graph replay (each query
+token a decode row, `model_runner.decode_rows`), to set `MAX_PROMPT_ROW_ATTENTION`, and as a prefill-graph replay
+(`cuda_graphs.PrefillGraphs`). Random bf16 weights of each
 shape on one GPU; the step's batch is built by hand (decodes at a fixed context, one chunk of `q` tokens continuing
 `c` cached ones, blocks of their own), timed wall-clock with a sync after each run, median of 20 after 3 warm-ups.
 
     python benchmarks/mixed_rows_device.py OUT.json [shape,...]
+
+Environment: ROWS_DECODES, ROWS_CHUNKS and ROWS_CONTEXTS (comma-separated) replace the defaults below.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 import time
@@ -23,9 +27,14 @@ from streamd.engine.worker import model_runner
 from streamd.engine.worker.host_to_device import to_device
 from streamd.engine.worker.model_runner import ModelInput, ModelRunner
 
-DECODES, DECODE_CONTEXT = 32, 512
-CHUNKS = (16, 64, 128, 256)
-CONTEXTS = (0, 1024, 4096)
+
+def _ints(name: str, default: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in os.environ.get(name, default).split(","))
+
+
+DECODES, DECODE_CONTEXT = _ints("ROWS_DECODES", "32")[0], 512
+CHUNKS = _ints("ROWS_CHUNKS", "16,64,128,256")
+CONTEXTS = _ints("ROWS_CONTEXTS", "0,1024,4096")
 
 
 def batch_of(runner: ModelRunner, chunk: int, context: int) -> ModelInput:
@@ -85,9 +94,11 @@ def measure(shape: str) -> list[dict]:
             eager = timed(partial(runner.run, batch, 0))
             size = graphs.size_for(n) if graphs.can_run(n, batch.block_tables.shape[1]) else 0
             replay = timed(partial(runner.run, batch, size)) if size else None
+            prefill = timed(partial(runner._prefill_replay, batch)) if runner._prefill_graph_fits(batch) else None
             work = batch.prompt_pairs * runner.query_width
             rows.append({"shape": shape, "decodes": DECODES, "chunk": chunk, "context": context, "rows": n,
                          "eager_ms": round(eager, 3), "graph_ms": None if replay is None else round(replay, 3),
+                         "prefill_graph_ms": None if prefill is None else round(prefill, 3),
                          "row_attention": work, "under_cap": work <= model_runner.MAX_PROMPT_ROW_ATTENTION})
             print(json.dumps(rows[-1]), flush=True)
     # the decode-only step at the same decodes, for scale

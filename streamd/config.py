@@ -88,6 +88,9 @@ class ModelConfig:
     seed: int = 0
     cache_dir: str | None = None  # converted GGUF weights, measured costs; None: $XDG_CACHE_HOME/streamd
     enforce_eager: bool = False  # True: no CUDA graphs
+    # On a single CUDA GPU, steps with prompt chunks replay CUDA graphs too (worker/cuda_graphs.py `PrefillGraphs`,
+    # one per padded token count up to scheduler.max_num_batched_tokens); False: decode graphs only
+    prefill_graphs: bool = True
     num_threads: int = 0  # torch's CPU threads; 0: the cores this process may use (affinity mask), less one
     fuse_layers: str = "auto"  # off | auto | triton | compile | reference | cpu (see streamd/engine/worker/fusion.py)
     # auto: a GGUF keeps its 4/8-bit blocks on a bf16-capable CPU, a compressed-tensors FP8 checkpoint stays FP8

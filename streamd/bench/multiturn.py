@@ -410,7 +410,7 @@ def report_of(
             "rounds": [asdict(r) for r in rounds],
             "system_prompt_full_block_tokens": full_system,
             "ttft_vs_warm": ratios,
-            "max_ttft_vs_warm": max(ratios),
+            "max_ttft_vs_warm": max(ratios, default=float("nan")),  # (--restarts 0: none measured)
             "system_prompt_restored": all(r.cached_tokens >= full_system for r in rounds),
             "rounds_reading_lost": [i + 1 for i, r in enumerate(rounds) if r.reading_lost()],
         },

@@ -232,13 +232,17 @@ def _executor(
     config: Config, runner: ModelRunner, pools: KVPools, workers: WorkerPool | None, max_model_len: int
 ) -> Executor:
     """The executor, its decode graphs captured (on CUDA, unless `model.enforce_eager`; under tensor
-    parallelism on every rank together, unless `parallel.cuda_graphs` is off)."""
+    parallelism on every rank together, unless `parallel.cuda_graphs` is off), and on one GPU its prefill graphs
+    (`model.prefill_graphs`)."""
     graphs = runner.device.type == "cuda" and not config.model.enforce_eager
     max_rows, max_blocks = config.scheduler.graph_rows(), runner.max_table_width(max_model_len)
     cache = pools.cache
     if workers is None:
         if graphs:
             runner.capture_cuda_graphs(max_rows, max_blocks)
+        if _prefill_graphs_on(config, runner.device):
+            scheduler = config.scheduler
+            runner.capture_prefill_graphs(scheduler.max_num_batched_tokens, scheduler.seat_cap(), max_blocks)
         threads = thread_governor(config.model.num_threads) if runner.device.type == "cpu" else None
         return LocalExecutor(runner, cache, pools.window, threads)
     executor = TensorParallelExecutor(runner, cache, workers)
@@ -363,18 +367,30 @@ def _auto_num_blocks(
             max_model_len,
             config.cache.gpu_memory_utilization,
             _graph_reserve_bytes(config, runner, vocab) + reserve_bytes,
+            activation_copies=2 if _prefill_graphs_on(config, device) else 1,
         )
     return max(1, int(config.cache.cpu_kv_cache_gib * 2**30) // layout.bytes_per_block)
 
 
+def _prefill_graphs_on(config: Config, device: torch.device) -> bool:
+    """Whether prefill graphs are captured: on one CUDA GPU, graphs on, `model.prefill_graphs`."""
+    model = config.model
+    one_gpu = device.type == "cuda" and config.parallel.tensor_parallel_size == 1
+    return one_gpu and model.prefill_graphs and not model.enforce_eager
+
+
 def _graph_reserve_bytes(config: Config, runner: ModelRunner, vocab: int) -> int:
-    """GPU memory the decode graphs will hold once captured (captured after the pool is allocated):
-    one logits buffer per captured size (in the model's dtype) plus the largest graph's activations and the swap
-    staging."""
+    """GPU memory the graphs will hold once captured (captured after the pool is allocated): one logits buffer
+    per decode size and one for every prefill size (in the model's dtype), plus the largest decode graph's
+    activations and the swap staging. The prefill graphs' activations are the profiled step's, counted again
+    (`profile_num_blocks`' `activation_copies`)."""
     if config.model.enforce_eager:
         return _GRAPH_SLACK_BYTES
     elem = next(runner.model.parameters()).element_size()
-    return sum(capture_sizes(config.scheduler.graph_rows())) * vocab * elem + _GRAPH_SLACK_BYTES
+    rows = sum(capture_sizes(config.scheduler.graph_rows()))
+    if _prefill_graphs_on(config, runner.device):
+        rows += config.scheduler.seat_cap()
+    return rows * vocab * elem + _GRAPH_SLACK_BYTES
 
 
 def _max_model_len(loaded: LoadedModel, configured: int | None) -> int:

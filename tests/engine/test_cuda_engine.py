@@ -170,3 +170,42 @@ def test_prompt_chunks_beside_decodes_replay_the_decode_graphs_and_keep_greedy_t
         assert outputs[f"r{i}"] == hf_greedy(reference, prompt, 24, None), f"prompt {i} (len {len(prompt)}) diverged"
     assert len(chunk_rows) >= 3, "prompt chunks should have replayed the decode graphs"
     assert_pool_whole(engine)
+
+
+def test_prompt_steps_replay_the_prefill_graphs_and_keep_greedy_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every step with a prompt chunk (no decode graph takes one here: the decode rows' cap is 0) replays a prefill
+    graph: whole prompts, a long prompt's chunks, and chunks beside others' decodes, unfused and fused; float32, so
+    the tokens must be transformers' exactly."""
+    from streamd.engine.worker import model_runner
+
+    monkeypatch.setattr(model_runner, "MAX_PROMPT_ROW_ATTENTION", 0)
+    config = llama_1b_shape(layers=4)
+    prompts = _prompts(config.vocab_size, 6, seed=5)
+    prompts[2] = prompts[2] * 3  # (a prompt longer than a step's budget: chunked)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
+    reference = None
+    for fuse in ("off", "auto"):
+        llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=256, num_kv_blocks=1024,
+                  num_swap_blocks=0, fuse_layers=fuse)
+        engine = llm.engine
+        graphs = engine.runner.prefill_graphs
+        assert graphs is not None and graphs.sizes[-1] == 256
+        before = graphs.replays
+        folded: dict = {}
+        for i, prompt in enumerate(prompts):
+            engine.add_request(f"r{i}", prompt, params)
+            for _ in range(2):  # the next one arrives while this one's prompt and the others' decodes run
+                fold_deltas(engine.step(), folded)
+        outputs = {rid: out.outputs[0].token_ids for rid, out in step_until_idle(engine, folded).items()}
+        if reference is None:  # transformers' weight names: from the unfused model
+            reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+            reference.load_state_dict(engine.runner.model.state_dict())
+            reference = reference.cuda().eval()
+            reference.generation_config.eos_token_id = None
+            wants = [hf_greedy(reference, prompt, 24, None) for prompt in prompts]
+        for i, want in enumerate(wants):
+            assert outputs[f"r{i}"] == want, f"{fuse}: prompt {i} (len {len(prompts[i])}) diverged"
+        assert graphs.replays - before >= len(prompts), "prompt steps should have replayed the prefill graphs"
+        assert_pool_whole(engine)
+        engine.runner.release_graphs()
+        del llm, engine, graphs

@@ -145,6 +145,29 @@ def test_prefill_chunk_matches_dense_float64():
     assert_close(out, naive_attention(query, case, positions, 0.125), torch.float32, "prefill chunk")
 
 
+def test_prefill_padded_as_a_prefill_graph_pads_it_equals_the_unpadded_step():
+    """The padding `cuda_graphs.PrefillGraphs` adds: tokens no sequence owns past the last start, and sequences
+    without query tokens (`query_start_loc` repeating its last value, `seq_len` 0, a stale table row). The real
+    rows come out as the unpadded step's, bit for bit (same tiles), and the kernel writes no padding row."""
+    lens, q_lens, page = [40, 23, 5], [17, 23, 1], 16
+    case = make_paged(lens, page=page, num_kv_heads=2, head_dim=32, dtype=torch.bfloat16)
+    n, pad_tokens, pad_seqs = sum(q_lens), 13, 4
+    qsl = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    query = torch.randn(n + pad_tokens, 4, 32).to(torch.bfloat16)
+    padded_qsl = torch.cat([qsl, torch.full((pad_seqs,), n, dtype=torch.int32)])
+    padded_lens = torch.cat([case.seq_lens, torch.zeros(pad_seqs, dtype=torch.int32)])
+    padded_tables = torch.cat([case.block_tables, case.block_tables[:1].expand(pad_seqs, -1)])
+    for ops in (K, ref):
+        kwargs = {"block_m": 16, "block_n": 16} if ops is K else {}
+        plain = ops.paged_prefill_attention(query[:n], case.kv_cache, case.layer, case.block_tables, qsl,
+                                            case.seq_lens, 0.2, out=_poisoned(query[:n]), **kwargs)
+        poisoned = _poisoned(query)
+        padded = ops.paged_prefill_attention(query, case.kv_cache, case.layer, padded_tables, padded_qsl,
+                                             padded_lens, 0.2, out=poisoned.clone(), **kwargs)
+        assert torch.equal(padded[:n], plain), ops.__name__
+        assert torch.equal(padded[n:].view(torch.int16), poisoned[n:].view(torch.int16)), ops.__name__
+
+
 def test_prefill_of_one_token_equals_decode():
     lens = [1, 16, 40]
     case = make_paged(lens, page=16, num_kv_heads=2, head_dim=64, dtype=torch.float32)

@@ -49,70 +49,73 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class DecodeGraphs:
+class GraphSet:
+    """What the decode and prefill graphs share: static input buffers of `max_tokens` tokens and `max_seqs`
+    sequences (the window pool's too in the hybrid layout), the capture of every size largest first into one
+    private memory pool, and `release`. A subclass says what a size's forward is and which metadata it reads."""
+
+    decode_only = True
+
     def __init__(
         self,
         model: torch.nn.Module,
         pool: KVPool,
         ops: ModuleType,
-        max_batch: int,
+        sizes: list[int],
+        max_seqs: int,
         max_blocks: int,
-        layers_only: bool = False,
         window: WindowPool | None = None,
     ) -> None:
-        """`window`: the hybrid layout's sliding-layer pool, whose slots and tables get buffers of their own."""
         device = pool.kv_cache.device
-        self.window = window
-        self.model = model
-        self.layers_only = layers_only
-        self.pool = pool
-        self.ops = ops
-        self.sizes = capture_sizes(max_batch)
-        self.max_batch = self.sizes[-1]
+        self.model, self.pool, self.ops, self.window = model, pool, ops, window
+        self.sizes = sizes
+        self.max_tokens = sizes[-1]
+        self.max_seqs = max_seqs
         self.max_blocks = max_blocks
-        self.input_ids = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(self.max_batch, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((self.max_batch,), -1, dtype=torch.int64, device=device)
-        self.block_tables = torch.zeros((self.max_batch, max_blocks), dtype=torch.int32, device=device)
-        self.seq_lens = torch.zeros(self.max_batch, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(self.max_batch + 1, dtype=torch.int32, device=device)
+        self.input_ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        self.slot_mapping = torch.full((self.max_tokens,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros((max_seqs, max_blocks), dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(max_seqs, dtype=torch.int32, device=device)
+        self.query_start_loc = torch.arange(max_seqs + 1, dtype=torch.int32, device=device)
         if window is not None:  # (the hybrid layout's sliding layers: their own slots and tables)
             self.window_slot_mapping = torch.full_like(self.slot_mapping, -1)
             self.window_block_tables = torch.zeros_like(self.block_tables)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}  # (layers_only: the final hidden states)
+        self.outputs: dict[int, torch.Tensor] = {}  # a size's output (decode layers_only: the final hidden states)
         self.replays = 0  # steps served by a graph (tests and profiling read it)
 
+    def _seqs(self, n: int) -> int:
+        """The sequences the graph of `n` tokens reads."""
+        raise NotImplementedError
+
+    def _forward(self, n: int) -> torch.Tensor:
+        raise NotImplementedError
+
     def _metadata(self, n: int) -> AttentionMetadata:
-        metadata = self._pool_metadata(n, self.pool, self.slot_mapping, self.block_tables)
+        seqs = self._seqs(n)
+        metadata = self._pool_metadata(n, seqs, self.pool, self.slot_mapping, self.block_tables)
         window = self.window
         if window is not None:
             metadata.layer_slots = window.groups.layer_slots
-            metadata.window = self._pool_metadata(n, window.pool, self.window_slot_mapping, self.window_block_tables)
+            metadata.window = self._pool_metadata(
+                n, seqs, window.pool, self.window_slot_mapping, self.window_block_tables
+            )
         return metadata
 
     def _pool_metadata(
-        self, n: int, pool: KVPool, slot_mapping: torch.Tensor, block_tables: torch.Tensor
+        self, n: int, seqs: int, pool: KVPool, slot_mapping: torch.Tensor, block_tables: torch.Tensor
     ) -> AttentionMetadata:
         return AttentionMetadata(
             pool.kv_cache,
             slot_mapping[:n],
-            block_tables[:n],
-            self.seq_lens[:n],
-            self.query_start_loc[: n + 1],
-            True,
+            block_tables[:seqs],
+            self.seq_lens[:seqs],
+            self.query_start_loc[: seqs + 1],
+            self.decode_only,
             self.ops,
             kv_scales=pool.kv_scales,
         )
-
-    def _forward(self, n: int) -> torch.Tensor:
-        if self.layers_only:
-            base = cast(torch.nn.Module, self.model.base_model)
-            out = base(input_ids=self.input_ids[None, :n], position_ids=self.positions[None, :n], use_cache=False)
-            return out.last_hidden_state[0]
-        return self.model(
-            input_ids=self.input_ids[None, :n], position_ids=self.positions[None, :n], logits_to_keep=0, use_cache=False
-        ).logits[0]
 
     @torch.inference_mode()
     def capture(self, agree: Callable[[bool], bool] | None = None) -> bool:
@@ -124,18 +127,22 @@ class DecodeGraphs:
             captured = self._capture_one(n, pool)
             if not (captured if agree is None else agree(captured)):
                 self.graphs.clear()
-                self.logits.clear()
-                log.warning("cuda_graphs.abandoned", size=n, reason="a rank failed to capture; decoding eagerly")
+                self.outputs.clear()
+                log.warning("cuda_graphs.abandoned", kind=self.kind, size=n, reason="a capture failed; running eagerly")
                 return False
         torch.cuda.synchronize()
         log.info(
             "cuda_graphs.captured",
+            kind=self.kind,
             sizes=len(self.sizes),
-            max_batch=self.max_batch,
-            layers_only=self.layers_only,
+            max_tokens=self.max_tokens,
             mib=round((torch.cuda.memory_allocated() - before) / 2**20, 1),
         )
         return True
+
+    @property
+    def kind(self) -> str:
+        return "decode" if self.decode_only else "prefill"
 
     def _capture_one(self, n: int, pool: _POOL_HANDLE) -> bool:
         set_attention_metadata(self._metadata(n))
@@ -145,9 +152,9 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             # thread_local: another thread's CUDA calls (NCCL's watchdog) do not invalidate the capture
             with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-                self.logits[n] = self._forward(n)
+                self.outputs[n] = self._forward(n)
         except RuntimeError as exc:
-            log.warning("cuda_graphs.capture_failed", size=n, error=str(exc))
+            log.warning("cuda_graphs.capture_failed", kind=self.kind, size=n, error=str(exc))
             return False
         finally:
             set_attention_metadata(None)
@@ -163,12 +170,70 @@ class DecodeGraphs:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs.clear()
-        self.logits.clear()
+        self.outputs.clear()
         torch.cuda.synchronize()  # the graphs' destructors (NCCL's persistent plans) have run
 
-    def size_for(self, num_rows: int) -> int:
-        """The captured size that runs a batch of `num_rows` decode rows."""
-        return self.sizes[bisect.bisect_left(self.sizes, num_rows)]
+    def size_for(self, num_tokens: int) -> int:
+        """The captured size that runs a batch of `num_tokens` query tokens."""
+        return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
+
+    def _load_tokens(
+        self,
+        n: int,
+        size: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        window_slot_mapping: torch.Tensor | None,
+    ) -> None:
+        """A batch's `n` query tokens into the buffers; the padding up to `size` stores nothing."""
+        self.input_ids[:n].copy_(input_ids)
+        self.positions[:n].copy_(positions)
+        self.slot_mapping[:n].copy_(slot_mapping)
+        self.slot_mapping[n:size].fill_(-1)
+        if window_slot_mapping is not None:
+            self.window_slot_mapping[:n].copy_(window_slot_mapping)
+            self.window_slot_mapping[n:size].fill_(-1)
+
+    def _load_tables(self, block_tables: torch.Tensor, window_block_tables: torch.Tensor | None) -> None:
+        rows, width = block_tables.shape
+        self.block_tables[:rows, :width].copy_(block_tables)
+        if window_block_tables is not None:
+            self.window_block_tables[:rows, : window_block_tables.shape[1]].copy_(window_block_tables)
+
+
+class DecodeGraphs(GraphSet):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        ops: ModuleType,
+        max_batch: int,
+        max_blocks: int,
+        layers_only: bool = False,
+        window: WindowPool | None = None,
+    ) -> None:
+        """`window`: the hybrid layout's sliding-layer pool, whose slots and tables get buffers of their own."""
+        sizes = capture_sizes(max_batch)
+        super().__init__(model, pool, ops, sizes, sizes[-1], max_blocks, window)
+        self.layers_only = layers_only
+        self.max_batch = self.max_tokens
+
+    @property
+    def logits(self) -> dict[int, torch.Tensor]:
+        return self.outputs
+
+    def _seqs(self, n: int) -> int:
+        return n
+
+    def _forward(self, n: int) -> torch.Tensor:
+        if self.layers_only:
+            base = cast(torch.nn.Module, self.model.base_model)
+            out = base(input_ids=self.input_ids[None, :n], position_ids=self.positions[None, :n], use_cache=False)
+            return out.last_hidden_state[0]
+        return self.model(
+            input_ids=self.input_ids[None, :n], position_ids=self.positions[None, :n], logits_to_keep=0, use_cache=False
+        ).logits[0]
 
     def can_run(self, num_rows: int, max_table_width: int) -> bool:
         return num_rows <= self.max_batch and max_table_width <= self.max_blocks
@@ -188,17 +253,98 @@ class DecodeGraphs:
         size for the same batch (`size_for`)."""
         n = input_ids.shape[0]
         size = self.size_for(n)
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)
-        self.block_tables[:n, : block_tables.shape[1]].copy_(block_tables)
+        self._load_tokens(n, size, input_ids, positions, slot_mapping, window_slot_mapping)
+        self._load_tables(block_tables, window_block_tables)
         self.seq_lens[:n].copy_(seq_lens)
         self.seq_lens[n:size].fill_(0)
-        if window_slot_mapping is not None and window_block_tables is not None:
-            self.window_slot_mapping[:n].copy_(window_slot_mapping)
-            self.window_slot_mapping[n:size].fill_(-1)
-            self.window_block_tables[:n, : window_block_tables.shape[1]].copy_(window_block_tables)
         self.graphs[size].replay()
         self.replays += 1
-        return self.logits[size][:n]
+        return self.outputs[size][:n]
+
+
+def prefill_capture_sizes(max_tokens: int) -> list[int]:
+    """Token counts of the prefill graphs: doubling to 512, then about four a doubling (a step pads at most 25%
+    there), up to `max_tokens`."""
+    sizes, size = [], 64
+    while size < max_tokens:
+        sizes.append(size)
+        size += size if size < 512 else max(256, 1 << (size.bit_length() - 3))
+    return [*sizes, max_tokens]
+
+
+class PrefillGraphs(GraphSet):
+    """CUDA graphs of the whole forward for steps with prompt chunks (prefill metadata: the varlen prefill
+    kernel, `query_start_loc`), captured at padded token counts (`prefill_capture_sizes`) for up to `max_seqs`
+    sequences. An eager step of such a batch costs ~10 host launches a layer (~40-60 us each on an H200's host):
+    ~15 ms at the 8B shape, more than the GPU's work for a few hundred tokens, so a follow-up turn's or a chat's
+    first token waited on the host. The prefill kernel's grid needs no host sync (tokens / BLOCK_M + sequences
+    tiles), so a step fits a graph once its tokens and sequences are padded: padding sequences have no query
+    tokens (`query_start_loc` repeats the last start) and `seq_len = 0`; padding tokens store nothing (`slot_mapping
+    = -1`) and no sequence owns them. The logits of the sampling rows (`sample_idx`, padded with row 0) go into one
+    buffer all sizes share."""
+
+    decode_only = False
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        pool: KVPool,
+        ops: ModuleType,
+        max_tokens: int,
+        max_seqs: int,
+        max_blocks: int,
+        window: WindowPool | None = None,
+    ) -> None:
+        super().__init__(model, pool, ops, prefill_capture_sizes(max_tokens), max_seqs, max_blocks, window)
+        self.sample_idx = torch.zeros(max_seqs, dtype=torch.int64, device=self.input_ids.device)
+        self.logits: torch.Tensor | None = None  # [max_seqs, vocab], every size's output rows
+
+    def _seqs(self, n: int) -> int:
+        return min(n, self.max_seqs)  # (a step has at most a sequence a token)
+
+    def _forward(self, n: int) -> torch.Tensor:
+        seqs = self._seqs(n)
+        logits = self.model(
+            input_ids=self.input_ids[None, :n],
+            position_ids=self.positions[None, :n],
+            logits_to_keep=self.sample_idx[:seqs],
+            use_cache=False,
+        ).logits[0]
+        if self.logits is None:  # the warm-up of the largest size, outside any capture
+            self.logits = torch.empty((self.max_seqs, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+        out = self.logits[:seqs]
+        out.copy_(logits)
+        return out
+
+    def can_run(self, num_tokens: int, num_seqs: int, max_table_width: int) -> bool:
+        fits = num_tokens <= self.max_tokens and max_table_width <= self.max_blocks
+        return fits and bool(self.graphs) and num_seqs <= self._seqs(self.size_for(num_tokens))
+
+    def run(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        slot_mapping: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        query_start_loc: torch.Tensor,
+        sample_idx: torch.Tensor,
+        window_slot_mapping: torch.Tensor | None = None,
+        window_block_tables: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Device tensors of one step with prompt chunks (n tokens, k sequences, m sampling rows; `can_run`);
+        returns the sampling rows' logits [m, vocab]."""
+        n, k, m = input_ids.shape[0], seq_lens.shape[0], sample_idx.shape[0]
+        size = self.size_for(n)
+        seqs = self._seqs(size)
+        self._load_tokens(n, size, input_ids, positions, slot_mapping, window_slot_mapping)
+        self._load_tables(block_tables, window_block_tables)
+        self.seq_lens[:k].copy_(seq_lens)
+        self.seq_lens[k:seqs].fill_(0)
+        self.query_start_loc[: k + 1].copy_(query_start_loc)
+        self.query_start_loc[k + 1 : seqs + 1].fill_(n)
+        self.sample_idx[:m].copy_(sample_idx)
+        self.sample_idx[m:seqs].fill_(0)
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.outputs[size][:m]

@@ -32,7 +32,7 @@ from streamd.engine.worker.attention import (
     set_attention_metadata,
 )
 from streamd.engine.worker.cache_engine import KVLayout, KVPool, allocate_pool, kv_dtype
-from streamd.engine.worker.cuda_graphs import DecodeGraphs
+from streamd.engine.worker.cuda_graphs import DecodeGraphs, PrefillGraphs
 from streamd.engine.worker.fusion import NativeLogits, fuse_layers, native_logits
 from streamd.engine.worker.host_to_device import to_device, to_device_many
 from streamd.engine.worker.kv_groups import WindowPool
@@ -121,6 +121,7 @@ class ModelRunner:
         self.pool: KVPool | None = None
         self.window: WindowPool | None = None
         self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
         heads, head_dim = _query_heads(model)
         self.query_width = heads * head_dim  # a decode row's attention work per context position and layer
         self.native: NativeLogits | None = None  # decode steps run natively, transformers' wrappers skipped (`fuse`)
@@ -156,12 +157,22 @@ class ModelRunner:
         self.graphs = graphs if captured else None
         return captured
 
+    def capture_prefill_graphs(self, max_tokens: int, max_seqs: int, max_blocks: int) -> bool:
+        """Steps with prompt chunks of up to `max_tokens` tokens and `max_seqs` sequences then replay graphs
+        (`PrefillGraphs`) unless a decode graph takes them; False: not captured, such steps stay eager."""
+        assert self.pool is not None and self.device.type == "cuda"
+        graphs = PrefillGraphs(self.model, self.pool, self.ops, max_tokens, max_seqs, max_blocks, self.window)
+        captured = graphs.capture()
+        self.prefill_graphs = graphs if captured else None
+        return captured
+
     def release_graphs(self) -> None:
-        """Destroys the decode graphs (decode runs eagerly after this); before a tensor-parallel rank
-        shuts down its process groups (`DecodeGraphs.release`)."""
-        graphs, self.graphs = self.graphs, None
-        if graphs is not None:
-            graphs.release()
+        """Destroys the CUDA graphs (steps run eagerly after this); before a tensor-parallel rank
+        shuts down its process groups (`GraphSet.release`)."""
+        for graphs in (self.graphs, self.prefill_graphs):
+            if graphs is not None:
+                graphs.release()
+        self.graphs = self.prefill_graphs = None
 
     def graph_size(self, batch: ModelInput) -> int:
         """The captured decode graph that runs `batch` (0: none, run eagerly): decodes, speculative verifies and
@@ -201,10 +212,12 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, batch: ModelInput, graph_size: int | None = None) -> torch.Tensor:
-        """The forward of a prepared batch: float32 logits of its `sample_idx` rows (in the graph of
-        `graph_size`, by default `self.graph_size(batch)`; 0: eagerly)."""
+        """The forward of a prepared batch: float32 logits of its `sample_idx` rows (in the decode graph of
+        `graph_size`, by default `self.graph_size(batch)`, else in a prefill graph where one holds it; 0: eagerly)."""
         if graph_size is None:
             graph_size = self.graph_size(batch)
+            if not graph_size and self._prefill_graph_fits(batch):
+                return self._prefill_replay(batch).float()
         if graph_size:
             return self._replayed_logits(batch)
         metadata = self._metadata(batch)
@@ -253,6 +266,26 @@ class ModelRunner:
         if len(batch.sample_idx) != len(logits):  # a prompt chunk's rows: only a chunk's last token may sample
             logits = logits.index_select(0, batch.sample_idx)
         return logits.float()
+
+    def _prefill_graph_fits(self, batch: ModelInput) -> bool:
+        graphs = self.prefill_graphs
+        if graphs is None or batch.prompt_idx is not None:
+            return False
+        return graphs.can_run(len(batch.input_ids), len(batch.seq_lens), batch.block_tables.shape[1])
+
+    def _prefill_replay(self, batch: ModelInput) -> torch.Tensor:
+        assert self.prefill_graphs is not None
+        return self.prefill_graphs.run(
+            batch.input_ids,
+            batch.positions,
+            batch.slot_mapping,
+            batch.block_tables,
+            batch.seq_lens,
+            batch.query_start_loc,
+            batch.sample_idx,
+            batch.window_slot_mapping,
+            batch.window_block_tables,
+        )
 
     def _replay(self, batch: ModelInput) -> torch.Tensor:
         assert self.graphs is not None, "a graph replay without captured graphs"
@@ -481,13 +514,16 @@ def profile_num_blocks(
     max_model_len: int,
     gpu_memory_utilization: float,
     reserve_bytes: int = 0,
+    activation_copies: int = 1,
 ) -> int:
     """On CUDA: run one forward at the largest batch the config allows and give the memory left under
-    `gpu_memory_utilization` (after weights, peak activations and `reserve_bytes` for what is allocated
-    after the pool, such as CUDA graphs) to KV blocks."""
+    `gpu_memory_utilization` (after weights, `activation_copies` times the peak activations, and `reserve_bytes`
+    for what is allocated after the pool, such as CUDA graphs) to KV blocks. Two copies: the prefill graphs'
+    private memory pool holds the largest step's activations beside the allocator's own for eager steps."""
     device = runner.device
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats(device)
+    weights = torch.cuda.memory_allocated(device)
     num_tokens = max_num_batched_tokens
     seq_len = min(max_model_len, num_tokens)
     num_seqs = -(-num_tokens // seq_len)
@@ -524,12 +560,14 @@ def profile_num_blocks(
     peak = torch.cuda.max_memory_allocated(device) - scratch.blocks.numel()
     del scratch
     total = torch.cuda.get_device_properties(device).total_memory
-    available = int(total * gpu_memory_utilization) - peak - reserve_bytes
+    activations = max(0, peak - weights)
+    available = int(total * gpu_memory_utilization) - peak - (activation_copies - 1) * activations - reserve_bytes
     num_blocks = available // layout.bytes_per_block
     log.info(
         "kv_cache.profiled",
         total_gib=round(total / 2**30, 2),
         peak_gib=round(peak / 2**30, 2),
+        activation_copies=activation_copies,
         reserved_gib=round(reserve_bytes / 2**30, 2),
         kv_gib=round(available / 2**30, 2),
         num_blocks=num_blocks,

@@ -214,3 +214,48 @@ def test_a_replayed_prompt_chunk_returns_its_sampling_rows(llm, monkeypatch) -> 
     logits = runner.run(batch, 4)
     assert recorder.replayed == [(4, [5, 6, 7, 10])]
     assert logits[:, 0].tolist() == [2.0, 3.0]  # the recorder's row i holds i
+
+
+class _PrefillRecorder:
+    """Stands in for `PrefillGraphs`: the steps it would replay (their first token tensors, starts and sampling
+    rows), answered by the step's eager forward."""
+
+    def __init__(self, runner: ModelRunner, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
+        self.runner, self.max_tokens, self.max_seqs, self.max_blocks = runner, max_tokens, max_seqs, max_blocks
+        self.replayed: list[torch.Tensor] = []
+
+    def can_run(self, n: int, seqs: int, width: int) -> bool:
+        return n <= self.max_tokens and seqs <= self.max_seqs and width <= self.max_blocks
+
+    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc, sample_idx, *window):
+        self.replayed.append(input_ids)
+        assert query_start_loc.tolist()[-1] == len(input_ids) and len(query_start_loc) == len(seq_lens) + 1
+        batch = ModelInput(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc, sample_idx,
+                           decode_only=len(input_ids) == len(seq_lens))
+        return self.runner.run(batch, 0)
+
+
+def test_steps_no_decode_graph_takes_replay_a_prefill_graph_where_one_fits(llm, monkeypatch) -> None:
+    """Without a decode graph for it, a step replays the prefill graphs when its tokens, sequences and tables fit
+    them and it wants no prompt logprobs; the tokens are the eager steps'."""
+    runner: ModelRunner = llm.engine.runner
+    prompts = [random_prompt(10, 20), random_prompt(11, 90)]
+    want = [o.outputs[0].token_ids for o in run_to_completion(llm.engine, prompts, _greedy(max_tokens=6))]
+    recorder = _PrefillRecorder(runner, max_tokens=32, max_seqs=8, max_blocks=64)
+    monkeypatch.setattr(runner, "prefill_graphs", recorder)
+    batches: list[ModelInput] = []
+    run = runner.run
+
+    def note(batch: ModelInput, graph_size: int | None = None) -> torch.Tensor:
+        batches.append(batch)
+        return run(batch, graph_size)
+
+    monkeypatch.setattr(runner, "run", note)
+    got = [o.outputs[0].token_ids for o in run_to_completion(llm.engine, prompts, _greedy(max_tokens=6))]
+    run_to_completion(llm.engine, [random_prompt(12, 20)], _greedy(max_tokens=2, prompt_logprobs=1))
+    assert got == want
+    replayed = [any(r is b.input_ids for r in recorder.replayed) for b in batches]
+    fits = [len(b.input_ids) <= 32 and b.prompt_idx is None for b in batches]
+    assert replayed == fits
+    assert {True, False} <= set(replayed) and any(b.prompt_idx is not None for b in batches)
+    assert any(r and not b.decode_only for r, b in zip(replayed, batches))  # a prompt chunk among them
