@@ -58,14 +58,15 @@ for phase in "$@"; do
     cuda-all)
       timeout 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/cuda-all.log" ;;
     throughput)
-      for side in ${THROUGHPUT_SIDES:-on off on off}; do
-        flag=true; [ "$side" = off ] && flag=false
-        STREAMD_MODEL__PREFILL_GRAPHS=$flag timeout 200 python3 -m streamd.cli.main bench throughput --device cuda \
+      for side in ${THROUGHPUT_SIDES:-on off on off}; do  # before: .ab's package; on, off: the prefill graphs
+        if [ "$side" = before ]; then use before; else use after; fi
+        flags=(); [ "$side" = off ] && flags=(STREAMD_MODEL__PREFILL_GRAPHS=false)
+        env "${flags[@]}" timeout 200 python3 -m streamd.cli.main bench throughput --device cuda \
           --shapes "${THROUGHPUT_SHAPES:-smollm2-135m,llama3.2-1b}" --peers none --no-prefix-cache \
           --out "$OUT/results/throughput-$side" 2>"$OUT/throughput-stderr.log" | grep -E "^\| (smollm|llama)" \
           | sed "s/^/$side /" | tee -a "$OUT/throughput.log"
         grep -v '^{' "$OUT/throughput-stderr.log" | tail -3
-      done ;;
+      done; use after ;;
     multiturn)
       for side in ${MULTITURN_SIDES:-on off}; do
         flag=true; [ "$side" = off ] && flag=false
