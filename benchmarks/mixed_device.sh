@@ -79,7 +79,7 @@ for phase in "$@"; do
     serve)
       for side in ${SERVE_SIDES:-before after}; do
         use $side
-        timeout 240 python3 -m streamd.cli.main bench serve --offline-baseline --baseline-model $model \
+        timeout ${SERVE_TIMEOUT:-240} python3 -m streamd.cli.main bench serve --offline-baseline --baseline-model $model \
           --levels 256 --repeats "${SERVE_REPEATS:-3}" --requests-per-stream 2 --layouts split \
           --prompt-words 200 --max-tokens 128 --set cache.num_kv_blocks=16384 --set 'model.dtype="bfloat16"' \
           --out "$OUT/results/serve-$side" 2>"$OUT/serve-stderr.log" | grep -E "^\| (ws|sse)" | sed "s/^/$side /" \
