@@ -71,7 +71,7 @@ for phase in "$@"; do
       for side in ${MULTITURN_SIDES:-on off}; do
         flag=true; [ "$side" = off ] && flag=false
         STREAMD_MODEL__PREFILL_GRAPHS=$flag timeout 240 python3 -m streamd.cli.main bench multiturn --device cuda \
-          --shape "${MULTITURN_SHAPE:-llama3.1-8b}" --conversations "${MULTITURN_CONVERSATIONS:-16}" --turns 6 \
+          --shape "${MULTITURN_SHAPE:-llama3.1-8b}" --conversations "${MULTITURN_CONVERSATIONS:-32}" --turns "${MULTITURN_TURNS:-8}" \
           --system-tokens 2048 --turn-tokens 300 --restarts 0 --out "$OUT/results/multiturn-$side" \
           2>"$OUT/multiturn-stderr.log" | grep -E "^\| (device|disk|host)|lower" | sed "s/^/$side /" | tee -a "$OUT/multiturn.log"
         grep -v '^{' "$OUT/multiturn-stderr.log" | tail -3
