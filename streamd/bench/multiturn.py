@@ -36,6 +36,11 @@ reads "restores never stall a step beyond 1.2x the median step": the most tier w
 the median step (at most 0.2x). Each tier-working step's own stretch (its time over its time without the
 tier's work) is reported beside it.
 
+Restores against the link: the host tier's restores are swap-ins, whose bytes and copy time the cache engine
+keeps (`CopyClock`: the copy stream's time between events around each swap-in, on CUDA); their rate while
+copying is reported against the pinned link measured in the same run (one 256 MiB copy from pinned host memory,
+best of three).
+
 Restart: each round measures a new conversation's first turn (reusing the system prompt) on a warm engine,
 closes it (its cached blocks go to disk, most recently used first: reported as the blocks written and the
 seconds the close took), opens a new one on the same directory and measures the same there. Each engine is
@@ -375,11 +380,48 @@ def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path, model: str = "defau
     tiered_config = {**base, "cache.disk_cache_dir": str(disk_dir)}
     tiered_llm = make_llm(tiered_config)
     tiered = conversations(tiered_llm, sizes, system, TierClock.of(tiered_llm))
+    link = restore_rate(tiered_llm)
     dropped = _dropped_spills(tiered_llm)
     disk_stats: TierStats = tiered_llm.engine.stats().kv.tiers[-1]
     rounds = restarts(lambda extra: make_llm({**tiered_config, **extra}), tiered_llm, sizes, system)
     report = report_of(sizes, device_only, tiered, rounds, disk_stats, dropped)
-    return {"model": model} | report | identity_to_unevicted(unevicted, tiered)
+    return {"model": model} | report | identity_to_unevicted(unevicted, tiered) | {"restores": link}
+
+
+_LINK_PROBE_BYTES = 256 << 20
+
+
+def restore_rate(llm: LLM) -> dict[str, float]:
+    """What the swap-ins of a run moved and how fast (the cache engine's `CopyClock`: the copy stream's time on
+    CUDA), against the pinned link measured now: one 256 MiB copy from pinned host memory, best of three (on the
+    CPU a plain copy between two host tensors)."""
+    import torch
+
+    cache = llm.engine.executor.cache
+    device = cache.device
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    moved, seconds = cache.restores.settle()
+    link = max(_pinned_copy_rate(device) for _ in range(3))
+    rate = moved / seconds if seconds else 0.0
+    return {"bytes": moved, "seconds": seconds, "bytes_per_s": rate, "link_bytes_per_s": link, "of_link": rate / link}
+
+
+def _pinned_copy_rate(device: Any) -> float:
+    import torch
+
+    host = torch.empty(_LINK_PROBE_BYTES, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    target = torch.empty(_LINK_PROBE_BYTES, dtype=torch.uint8, device=device)
+    if device.type != "cuda":
+        began = time.perf_counter()
+        target.copy_(host)
+        return _LINK_PROBE_BYTES / max(time.perf_counter() - began, 1e-9)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    target.copy_(host, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return _LINK_PROBE_BYTES / (start.elapsed_time(end) / 1e3)
 
 
 def identity_to_unevicted(unevicted: Run, tiered: Run) -> dict[str, Any]:
@@ -486,10 +528,22 @@ def findings(report: dict[str, Any]) -> list[str]:
         f"{restart['max_ttft_vs_warm']:.2f}x); the system prompt's full blocks "
         f"({restart['system_prompt_full_block_tokens']} tokens) restored every time: "
         f"{restart['system_prompt_restored']}{why_not_read(restart)}",
+        *restores_finding(report),
         f"- stalls: the most tier work in a step {disk['max_tier_s_in_a_step'] * 1e3:.1f} ms = "
         f"{report['max_tier_vs_median_step']:.3f}x the median step ({disk['median_step_s'] * 1e3:.1f} ms); "
         f"{disk['steps_with_tier_work']} of {disk['steps']} steps did tier work, the most stretched by "
         f"{disk['max_tier_step_stretch']:.3f}x; spills dropped: {disk['dropped_spills']}",
+    ]
+
+
+def restores_finding(report: dict[str, Any]) -> list[str]:
+    r = report.get("restores")
+    if not r:
+        return []
+    return [
+        f"- restores (swap-ins from the host tier): {r['bytes'] / 2**20:.0f} MiB at {r['bytes_per_s'] / 2**30:.1f} "
+        f"GiB/s while copying = {r['of_link']:.0%} of the pinned link measured in this run "
+        f"({r['link_bytes_per_s'] / 2**30:.1f} GiB/s, one 256 MiB copy)"
     ]
 
 

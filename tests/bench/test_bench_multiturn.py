@@ -59,8 +59,11 @@ def test_light_multiturn_report(tmp_path: Path) -> None:
     assert restart["max_ttft_vs_warm"] == max(restart["ttft_vs_warm"])
     assert sum(r["written_at_close"] for r in restart["rounds"]) > 0
     assert report["follow_up_ttft_speedup"] == plain["follow_up_ttft_p50_s"] / disk["follow_up_ttft_p50_s"]
+    restores = report["restores"]  # (no host tier on the CPU: nothing swapped in; the link is a host copy)
+    assert restores["bytes"] == 0 and restores["link_bytes_per_s"] > 0
     text = markdown(report)
     assert "follow-up TTFT" in text and "recomputed prompt tokens" in text and "| 2 |" in text
+    assert "of the pinned link measured in this run" in text
     assert "lost to recomputing" not in text
     # A round whose restarted tier found reading slower than recomputing (the H200's): the report says so.
     restart["rounds"][1] |= {"cached_tokens": 0, "read_s_per_block": 9e-4, "recompute_s_per_block": 7e-4}

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
@@ -108,6 +109,30 @@ def pool_views(blocks: torch.Tensor, layout: KVLayout) -> KVPool:
     return KVPool(blocks, kv_cache, kv_scales)
 
 
+@dataclass(slots=True)
+class CopyClock:
+    """The bytes and the copy time of the swap-ins (host-tier restores, preempted blocks swapped back): what the
+    host link achieves for them (`bytes / seconds`). On CUDA the time is the swap stream's, between events recorded
+    around each swap-in's copies (after its wait for the compute stream), read once they completed; on the CPU the
+    copies are synchronous and timed on the wall clock."""
+
+    bytes: int = 0
+    seconds: float = 0.0
+    _pending: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    def add(self, num_bytes: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+        self.settle()
+        self._pending.append((num_bytes, start, end))
+
+    def settle(self) -> tuple[int, float]:
+        """The totals over the swap-ins finished so far (a pending one is counted once its end event completed)."""
+        while self._pending and self._pending[0][2].query():
+            num_bytes, start, end = self._pending.pop(0)
+            self.bytes += num_bytes
+            self.seconds += start.elapsed_time(end) / 1e3
+        return self.bytes, self.seconds
+
+
 class CacheEngine:
     def __init__(
         self, layout: KVLayout, num_blocks: int, num_swap_blocks: int, device: torch.device, ops: ModuleType
@@ -120,6 +145,7 @@ class CacheEngine:
         self.swap_pool = allocate_pool(layout, num_swap_blocks, "cpu", pin)
         self._swap_stream = torch.cuda.Stream(device) if pin else None
         self._ahead_done: torch.cuda.Event | None = None  # after the last swap-in ahead not yet waited for
+        self.restores = CopyClock()  # the swap-ins' bytes and copy time (`CopyClock`)
         # Tunables of `plan_swap` (the swap benchmark sets direct_run_bytes = 0 to measure direct copies).
         # Without CUDA every copy is a plain memcpy with nothing to amortize, and staging would only add a
         # pass over the bytes: direct always (tests raise direct_run_bytes to run the staged path here).
@@ -226,10 +252,7 @@ class CacheEngine:
             # must see the swap: order both ways.
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            if plan.chunks is None:
-                self._copy_runs(plan.runs, to_host)
-            else:
-                self._copy_staged(plan.chunks, to_host)
+            self._copy_timed(plan, to_host, len(pairs) * self.layout.bytes_per_block)
         if stream is None:
             return
         if join:
@@ -237,6 +260,29 @@ class CacheEngine:
         else:
             self._ahead_done = torch.cuda.Event()
             self._ahead_done.record(stream)
+
+    def _copy_timed(self, plan: SwapPlan, to_host: bool, num_bytes: int) -> None:
+        """The plan's copies (on the swap stream where there is one), a swap-in's on `restores`."""
+        stream = self._swap_stream
+        if to_host:
+            self._copy(plan, to_host)
+        elif stream is None:
+            began = time.perf_counter()
+            self._copy(plan, to_host)
+            self.restores.bytes += num_bytes
+            self.restores.seconds += time.perf_counter() - began
+        else:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            self._copy(plan, to_host)
+            end.record(stream)
+            self.restores.add(num_bytes, start, end)
+
+    def _copy(self, plan: SwapPlan, to_host: bool) -> None:
+        if plan.chunks is None:
+            self._copy_runs(plan.runs, to_host)
+        else:
+            self._copy_staged(plan.chunks, to_host)
 
     def _copy_runs(self, runs: list[tuple[int, int, int]], to_host: bool) -> None:
         """One asynchronous copy per (device start, host start, length) run."""

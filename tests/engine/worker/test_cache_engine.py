@@ -265,6 +265,34 @@ def test_swap_in_ahead_copies_and_join_is_a_no_op_on_the_cpu() -> None:
         assert torch.equal(cache.kv_cache[d], cache.swap_cache[h])
 
 
+def test_swap_ins_are_clocked_and_swap_outs_are_not() -> None:
+    """`restores` counts every swap-in's bytes (plain and ahead, direct and staged) with its copy time."""
+    cache = _engine()
+    cache.swap_out([(1, 2), (5, 6)])
+    assert cache.restores.settle() == (0, 0.0)
+    cache.swap_in([(2, 1), (6, 5), (7, 9)])
+    cache.swap_in_ahead([(3, 10)])
+    moved, seconds = cache.restores.settle()
+    assert moved == 4 * cache.layout.bytes_per_block and seconds > 0
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_swap_ins_are_timed_on_the_swap_stream_once_done() -> None:
+    """A swap-in still copying is not counted; once its end event completed, its bytes and the copy stream's
+    time between its events are (the sleep queued before it on the swap stream is not part of it)."""
+    layout = KVLayout(num_layers=4, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.bfloat16)
+    cache = CacheEngine(layout, 64, 32, torch.device("cuda"), reference_ops)
+    pairs = [(h, h) for h in range(16)]
+    with torch.cuda.stream(cache._swap_stream):
+        torch.cuda._sleep(500_000_000)
+    cache.swap_in_ahead(pairs)
+    assert cache.restores.settle() == (0, 0.0)
+    torch.cuda.synchronize()
+    moved, seconds = cache.restores.settle()
+    assert moved == 16 * layout.bytes_per_block and 0 < seconds < 0.05
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_cuda_swap_in_ahead_overlaps_until_joined() -> None:
