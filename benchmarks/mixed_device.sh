@@ -8,7 +8,8 @@
 # chunk beside decodes, eager against its graph replay: `mixed_rows_device.py`); hybrid (Gemma 3 and gpt-oss
 # shapes: `hybrid_device.py`); gemma-steps (Gemma 3's decode step at two `max_model_len`s); fairness and serve (`streamd bench fairness` / `bench serve --offline-baseline` on
 # a random-weight SmolLM2-135M-shaped checkpoint with the real tokenizer, before and after, alternating; SERVE_SIDES
-# picks the serve sides); cuda-all (every CUDA test); throughput and multiturn (`streamd bench throughput` on the
+# picks the serve sides); cuda-more (the CUDA tests of the cache engine, fused layers, FP8 and 8-bit KV); cuda-all
+# (every CUDA test); throughput and multiturn (`streamd bench throughput` on the
 # 135M and 1B shapes, `bench multiturn` on the 8B shape, with the prefill graphs on and off: `model.prefill_graphs`).
 set -uo pipefail
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT/results"
@@ -55,6 +56,10 @@ for phase in "$@"; do
           | grep -E "p99|tokens/s|steps with" | sed "s/^/$side /" | tee -a "$OUT/fairness.log"
         grep -v '^{' "$OUT/fairness-stderr.log" | tail -3
       done; use after ;;
+    cuda-more)  # the CUDA tests of the cache engine, the fused layers, FP8 weights and 8-bit KV
+      timeout 240 python3 -m pytest -q -m cuda -p no:cacheprovider tests/engine/worker/test_cache_engine.py \
+        tests/engine/worker/test_fusion.py tests/engine/worker/test_fp8_cuda.py tests/kernels/test_kv_quant.py \
+        tests/kernels/test_cuda.py 2>&1 | tail -15 | tee "$OUT/cuda-more.log" ;;
     cuda-all)
       timeout 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests 2>&1 | tail -25 | tee "$OUT/cuda-all.log" ;;
     throughput)
