@@ -263,12 +263,13 @@ class DecodeGraphs(GraphSet):
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
-    """Token counts of the prefill graphs: doubling to 512, then about four a doubling (a step pads at most 25%
-    there), up to `max_tokens`."""
+    """Token counts of the prefill graphs: every 64 to 512, then four a doubling (a step pads by at most 64 tokens
+    or a quarter of itself), up to `max_tokens`. A large model's step of a few hundred tokens is bound by its GPU work, so its
+    padding costs: an 8B step of 300 tokens took 16.3 ms padded to 512 on an H200 (eagerly 19.3 ms)."""
     sizes, size = [], 64
     while size < max_tokens:
         sizes.append(size)
-        size += size if size < 512 else max(256, 1 << (size.bit_length() - 3))
+        size += max(64, 1 << (size.bit_length() - 3))
     return [*sizes, max_tokens]
 
 

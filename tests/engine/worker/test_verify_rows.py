@@ -10,7 +10,7 @@ import torch
 
 from streamd import SamplingParams
 from streamd.engine.core.step_cost import StepCost
-from streamd.engine.worker.cuda_graphs import capture_sizes
+from streamd.engine.worker.cuda_graphs import capture_sizes, prefill_capture_sizes
 from streamd.engine.worker.model_runner import ModelInput, ModelRunner, decode_rows
 from tests.helpers import random_prompt, run_to_completion, step_until_idle, tiny_llm
 
@@ -259,3 +259,12 @@ def test_steps_no_decode_graph_takes_replay_a_prefill_graph_where_one_fits(llm, 
     assert replayed == fits
     assert {True, False} <= set(replayed) and any(b.prompt_idx is not None for b in batches)
     assert any(r and not b.decode_only for r, b in zip(replayed, batches))  # a prompt chunk among them
+
+
+@pytest.mark.parametrize("max_tokens", [1, 100, 256, 300, 8192, 10000])
+def test_prefill_graph_sizes_pad_a_step_by_at_most_64_tokens_or_a_quarter(max_tokens: int) -> None:
+    sizes = prefill_capture_sizes(max_tokens)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == max_tokens
+    for n in range(1, max_tokens + 1):
+        size = next(s for s in sizes if s >= n)
+        assert size - n < 64 or size - n <= n / 4, (n, size)
