@@ -264,8 +264,8 @@ class DecodeGraphs(GraphSet):
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
     """Token counts of the prefill graphs: every 64 to 512, then four a doubling (a step pads by at most 64 tokens
-    or a quarter of itself), up to `max_tokens`. A large model's step of a few hundred tokens is bound by its GPU work, so its
-    padding costs: an 8B step of 300 tokens took 16.3 ms padded to 512 on an H200 (eagerly 19.3 ms)."""
+    or a quarter of itself), up to `max_tokens`. A large model's step of a few hundred tokens is bound by its GPU
+    work, so its padding costs: an 8B step of 300 tokens took 16.3 ms padded to 512 on an H200 (eagerly 19.3)."""
     sizes, size = [], 64
     while size < max_tokens:
         sizes.append(size)
