@@ -24,6 +24,7 @@ and its abort hung the process for good (torch's destructor joins the abort thre
 from __future__ import annotations
 
 import bisect
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import ModuleType
 from typing import TYPE_CHECKING, cast
@@ -49,7 +50,7 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
-class GraphSet:
+class GraphSet(ABC):
     """What the decode and prefill graphs share: static input buffers of `max_tokens` tokens and `max_seqs`
     sequences (the window pool's too in the hybrid layout), the capture of every size largest first into one
     private memory pool, and `release`. A subclass says what a size's forward is and which metadata it reads."""
@@ -85,12 +86,13 @@ class GraphSet:
         self.outputs: dict[int, torch.Tensor] = {}  # a size's output (decode layers_only: the final hidden states)
         self.replays = 0  # steps served by a graph (tests and profiling read it)
 
+    @abstractmethod
     def _seqs(self, n: int) -> int:
         """The sequences the graph of `n` tokens reads."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _forward(self, n: int) -> torch.Tensor:
-        raise NotImplementedError
+        """The forward a size's graph captures, over the static buffers; its output is what a replay returns."""
 
     def _metadata(self, n: int) -> AttentionMetadata:
         seqs = self._seqs(n)
