@@ -27,6 +27,26 @@ def _prompts(vocab: int, n: int, seed: int) -> list[list[int]]:
     return [torch.randint(0, vocab, (k,), generator=gen).tolist() for k in lens]
 
 
+def _transformers_reference(config: LlamaConfig, engine) -> torch.nn.Module:
+    """transformers' model (sdpa, float32, on CUDA, no EOS) with the weights of `engine`'s unfused model."""
+    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+    reference.load_state_dict(engine.runner.model.state_dict())
+    reference = reference.cuda().eval()
+    reference.generation_config.eos_token_id = None
+    return reference
+
+
+def _staggered(engine, prompts: list[list[int]], params: SamplingParams, steps_apart: int) -> dict[str, list[int]]:
+    """Request r<i> arrives `steps_apart` engine steps after r<i - 1>, while its prompt and the others' decodes
+    run; every request's tokens once all finished."""
+    folded: dict = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt, params)
+        for _ in range(steps_apart):
+            fold_deltas(engine.step(), folded)
+    return {rid: out.outputs[0].token_ids for rid, out in step_until_idle(engine, folded).items()}
+
+
 def test_llama_1b_float32_matches_transformers_on_cuda() -> None:
     config = llama_1b_shape()
     llm = LLM(config, device="cuda", dtype="float32", max_num_batched_tokens=512, num_swap_blocks=64,
@@ -35,10 +55,7 @@ def test_llama_1b_float32_matches_transformers_on_cuda() -> None:
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, detokenize=False)
     replays_before = llm.engine.runner.graphs.replays  # the start-up warm-up replays some already
     outs = llm.generate(prompts, params)
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    reference.load_state_dict(llm.engine.runner.model.state_dict())
-    reference = reference.cuda().eval()
-    reference.generation_config.eos_token_id = None
+    reference = _transformers_reference(config, llm.engine)
     for i, (prompt, out) in enumerate(zip(prompts, outs)):
         want = hf_greedy(reference, prompt, 40, None)
         assert out.outputs[0].token_ids == want, f"prompt {i} (len {len(prompt)}) diverged"
@@ -156,16 +173,8 @@ def test_prompt_chunks_beside_decodes_replay_the_decode_graphs_and_keep_greedy_t
     engine.runner._replay = counting
     prompts = _prompts(config.vocab_size, 6, seed=4)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, detokenize=False)
-    folded: dict = {}
-    for i, prompt in enumerate(prompts):
-        engine.add_request(f"r{i}", prompt, params)
-        for _ in range(3):  # the next one arrives while this one's prompt and the others' decodes run
-            fold_deltas(engine.step(), folded)
-    outputs = {rid: out.outputs[0].token_ids for rid, out in step_until_idle(engine, folded).items()}
-    reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-    reference.load_state_dict(engine.runner.model.state_dict())
-    reference = reference.cuda().eval()
-    reference.generation_config.eos_token_id = None
+    outputs = _staggered(engine, prompts, params, steps_apart=3)
+    reference = _transformers_reference(config, engine)
     for i, prompt in enumerate(prompts):
         assert outputs[f"r{i}"] == hf_greedy(reference, prompt, 24, None), f"prompt {i} (len {len(prompt)}) diverged"
     assert len(chunk_rows) >= 3, "prompt chunks should have replayed the decode graphs"
@@ -191,17 +200,9 @@ def test_prompt_steps_replay_the_prefill_graphs_and_keep_greedy_tokens(monkeypat
         graphs = engine.runner.prefill_graphs
         assert graphs is not None and graphs.sizes[-1] == 256
         before = graphs.replays
-        folded: dict = {}
-        for i, prompt in enumerate(prompts):
-            engine.add_request(f"r{i}", prompt, params)
-            for _ in range(2):  # the next one arrives while this one's prompt and the others' decodes run
-                fold_deltas(engine.step(), folded)
-        outputs = {rid: out.outputs[0].token_ids for rid, out in step_until_idle(engine, folded).items()}
+        outputs = _staggered(engine, prompts, params, steps_apart=2)
         if reference is None:  # transformers' weight names: from the unfused model
-            reference = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
-            reference.load_state_dict(engine.runner.model.state_dict())
-            reference = reference.cuda().eval()
-            reference.generation_config.eos_token_id = None
+            reference = _transformers_reference(config, engine)
             wants = [hf_greedy(reference, prompt, 24, None) for prompt in prompts]
         for i, want in enumerate(wants):
             assert outputs[f"r{i}"] == want, f"{fuse}: prompt {i} (len {len(prompts[i])}) diverged"

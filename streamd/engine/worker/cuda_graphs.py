@@ -27,7 +27,7 @@ import bisect
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from types import ModuleType
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import torch
 
@@ -264,6 +264,20 @@ class DecodeGraphs(GraphSet):
         return self.outputs[size][:n]
 
 
+class StepTensors(Protocol):
+    """What a prefill graph reads of a step (`model_runner.ModelInput` is one)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    sample_idx: torch.Tensor
+    window_slot_mapping: torch.Tensor | None
+    window_block_tables: torch.Tensor | None
+
+
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
     """Token counts of the prefill graphs: every 64 to 512, then four a doubling (a step pads by at most 64 tokens
     or a quarter of itself), up to `max_tokens`. A large model's step of a few hundred tokens is bound by its GPU
@@ -323,28 +337,18 @@ class PrefillGraphs(GraphSet):
         fits = num_tokens <= self.max_tokens and max_table_width <= self.max_blocks
         return fits and bool(self.graphs) and num_seqs <= self._seqs(self.size_for(num_tokens))
 
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        query_start_loc: torch.Tensor,
-        sample_idx: torch.Tensor,
-        window_slot_mapping: torch.Tensor | None = None,
-        window_block_tables: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Device tensors of one step with prompt chunks (n tokens, k sequences, m sampling rows; `can_run`);
-        returns the sampling rows' logits [m, vocab]."""
-        n, k, m = input_ids.shape[0], seq_lens.shape[0], sample_idx.shape[0]
+    def run(self, step: StepTensors) -> torch.Tensor:
+        """One step with prompt chunks (n tokens, k sequences, m sampling rows; `can_run`); returns the sampling
+        rows' logits [m, vocab]."""
+        seq_lens, sample_idx = step.seq_lens, step.sample_idx
+        n, k, m = step.input_ids.shape[0], seq_lens.shape[0], sample_idx.shape[0]
         size = self.size_for(n)
         seqs = self._seqs(size)
-        self._load_tokens(n, size, input_ids, positions, slot_mapping, window_slot_mapping)
-        self._load_tables(block_tables, window_block_tables)
+        self._load_tokens(n, size, step.input_ids, step.positions, step.slot_mapping, step.window_slot_mapping)
+        self._load_tables(step.block_tables, step.window_block_tables)
         self.seq_lens[:k].copy_(seq_lens)
         self.seq_lens[k:seqs].fill_(0)
-        self.query_start_loc[: k + 1].copy_(query_start_loc)
+        self.query_start_loc[: k + 1].copy_(step.query_start_loc)
         self.query_start_loc[k + 1 : seqs + 1].fill_(n)
         self.sample_idx[:m].copy_(sample_idx)
         self.sample_idx[m:seqs].fill_(0)

@@ -275,17 +275,7 @@ class ModelRunner:
 
     def _prefill_replay(self, batch: ModelInput) -> torch.Tensor:
         assert self.prefill_graphs is not None
-        return self.prefill_graphs.run(
-            batch.input_ids,
-            batch.positions,
-            batch.slot_mapping,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.query_start_loc,
-            batch.sample_idx,
-            batch.window_slot_mapping,
-            batch.window_block_tables,
-        )
+        return self.prefill_graphs.run(batch)
 
     def _replay(self, batch: ModelInput) -> torch.Tensor:
         assert self.graphs is not None, "a graph replay without captured graphs"

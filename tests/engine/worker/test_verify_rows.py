@@ -227,12 +227,11 @@ class _PrefillRecorder:
     def can_run(self, n: int, seqs: int, width: int) -> bool:
         return n <= self.max_tokens and seqs <= self.max_seqs and width <= self.max_blocks
 
-    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc, sample_idx, *window):
-        self.replayed.append(input_ids)
-        assert query_start_loc.tolist()[-1] == len(input_ids) and len(query_start_loc) == len(seq_lens) + 1
-        batch = ModelInput(input_ids, positions, slot_mapping, block_tables, seq_lens, query_start_loc, sample_idx,
-                           decode_only=len(input_ids) == len(seq_lens))
-        return self.runner.run(batch, 0)
+    def run(self, step: ModelInput):
+        self.replayed.append(step.input_ids)
+        assert step.query_start_loc.tolist()[-1] == len(step.input_ids) == len(step.positions)
+        assert len(step.query_start_loc) == len(step.seq_lens) + 1 == len(step.block_tables) + 1
+        return self.runner.run(step, 0)
 
 
 def test_steps_no_decode_graph_takes_replay_a_prefill_graph_where_one_fits(llm, monkeypatch) -> None:
