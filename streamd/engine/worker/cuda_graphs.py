@@ -333,9 +333,12 @@ class PrefillGraphs(GraphSet):
         out.copy_(logits)
         return out
 
-    def can_run(self, num_tokens: int, num_seqs: int, max_table_width: int) -> bool:
-        fits = num_tokens <= self.max_tokens and max_table_width <= self.max_blocks
-        return fits and bool(self.graphs) and num_seqs <= self._seqs(self.size_for(num_tokens))
+    def can_run(self, num_tokens: int, num_seqs: int, num_samples: int, max_table_width: int) -> bool:
+        """Whether a step fits a captured graph: its tokens, its sequences and its sampling rows (a speculative
+        verify samples every query token) within the size's, its tables within the captured width."""
+        if not self.graphs or num_tokens > self.max_tokens or max_table_width > self.max_blocks:
+            return False
+        return max(num_seqs, num_samples) <= self._seqs(self.size_for(num_tokens))
 
     def run(self, step: StepTensors) -> torch.Tensor:
         """One step with prompt chunks (n tokens, k sequences, m sampling rows; `can_run`); returns the sampling

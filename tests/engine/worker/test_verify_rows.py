@@ -10,7 +10,8 @@ import torch
 
 from streamd import SamplingParams
 from streamd.engine.core.step_cost import StepCost
-from streamd.engine.worker.cuda_graphs import capture_sizes, prefill_capture_sizes
+from streamd.engine.worker.cache_engine import KVLayout, allocate_pool
+from streamd.engine.worker.cuda_graphs import PrefillGraphs, capture_sizes, prefill_capture_sizes
 from streamd.engine.worker.model_runner import ModelInput, ModelRunner, decode_rows
 from tests.helpers import random_prompt, run_to_completion, step_until_idle, tiny_llm
 
@@ -224,8 +225,8 @@ class _PrefillRecorder:
         self.runner, self.max_tokens, self.max_seqs, self.max_blocks = runner, max_tokens, max_seqs, max_blocks
         self.replayed: list[torch.Tensor] = []
 
-    def can_run(self, n: int, seqs: int, width: int) -> bool:
-        return n <= self.max_tokens and seqs <= self.max_seqs and width <= self.max_blocks
+    def can_run(self, n: int, seqs: int, samples: int, width: int) -> bool:
+        return n <= self.max_tokens and max(seqs, samples) <= self.max_seqs and width <= self.max_blocks
 
     def run(self, step: ModelInput):
         self.replayed.append(step.input_ids)
@@ -267,3 +268,18 @@ def test_prefill_graph_sizes_pad_a_step_by_at_most_64_tokens_or_a_quarter(max_to
     for n in range(1, max_tokens + 1):
         size = next(s for s in sizes if s >= n)
         assert size - n < 64 or size - n <= n / 4, (n, size)
+
+
+def test_a_prefill_graph_takes_a_step_whose_tokens_sequences_samples_and_tables_fit() -> None:
+    """`PrefillGraphs.can_run` (pure: buffers on the CPU, no capture): a size holds min(size, seats) sequences and
+    as many sampling rows (a verify samples every token), tables up to the captured width, and nothing once the
+    graphs are gone."""
+    layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=8, block_size=4, dtype=torch.float32)
+    graphs = PrefillGraphs(torch.nn.Identity(), allocate_pool(layout, 4, "cpu"), None, 512, 100, 16)
+    graphs.graphs = dict.fromkeys(graphs.sizes)  # (as if captured)
+    assert graphs.can_run(300, 100, 100, 16) and graphs.can_run(512, 1, 1, 1)
+    assert graphs.can_run(60, 60, 60, 16) and not graphs.can_run(60, 1, 65, 16)  # (size 64: 64 rows)
+    assert not graphs.can_run(513, 1, 1, 1) and not graphs.can_run(300, 101, 1, 16)
+    assert not graphs.can_run(300, 1, 101, 16) and not graphs.can_run(300, 1, 1, 17)
+    graphs.graphs = {}
+    assert not graphs.can_run(300, 1, 1, 1)
