@@ -541,9 +541,9 @@ def restores_finding(report: dict[str, Any]) -> list[str]:
     if not r:
         return []
     return [
-        f"- restores (swap-ins from the host tier): {r['bytes'] / 2**20:.0f} MiB at {r['bytes_per_s'] / 2**30:.1f} "
-        f"GiB/s while copying = {r['of_link']:.0%} of the pinned link measured in this run "
-        f"({r['link_bytes_per_s'] / 2**30:.1f} GiB/s, one 256 MiB copy)"
+        f"- restores (swap-ins: the host tier's, and preempted blocks swapped back): {r['bytes'] / 2**20:.0f} MiB "
+        f"at {r['bytes_per_s'] / 2**30:.1f} GiB/s while copying = {r['of_link']:.0%} of the pinned link measured in "
+        f"this run ({r['link_bytes_per_s'] / 2**30:.1f} GiB/s, one 256 MiB copy)"
     ]
 
 

@@ -242,7 +242,8 @@ def _executor(
             runner.capture_cuda_graphs(max_rows, max_blocks)
         if _prefill_graphs_on(config, runner.device):
             scheduler = config.scheduler
-            runner.capture_prefill_graphs(scheduler.max_num_batched_tokens, scheduler.seat_cap(), max_blocks)
+            if not runner.capture_prefill_graphs(scheduler.max_num_batched_tokens, scheduler.seat_cap(), max_blocks):
+                log.warning("prefill_graphs.off", reason="a capture failed; the memory kept for them stays unused")
         threads = thread_governor(config.model.num_threads) if runner.device.type == "cpu" else None
         return LocalExecutor(runner, cache, pools.window, threads)
     executor = TensorParallelExecutor(runner, cache, workers)
@@ -381,16 +382,17 @@ def _prefill_graphs_on(config: Config, device: torch.device) -> bool:
 
 def _graph_reserve_bytes(config: Config, runner: ModelRunner, vocab: int) -> int:
     """GPU memory the graphs will hold once captured (captured after the pool is allocated): one logits buffer
-    per decode size and one for every prefill size (in the model's dtype), plus the largest decode graph's
-    activations and the swap staging. The prefill graphs' activations are the profiled step's, counted again
-    (`profile_num_blocks`' `activation_copies`)."""
+    per decode size, and for the prefill graphs one every size shares plus the head's output inside a graph and a
+    step's float32 copy of it (rows for every seat); the largest decode graph's activations and the swap staging.
+    The prefill graphs' activations are the profiled step's, counted again (`profile_num_blocks`'
+    `activation_copies`): if their capture fails, that memory stays unused (logged)."""
     if config.model.enforce_eager:
         return _GRAPH_SLACK_BYTES
     elem = next(runner.model.parameters()).element_size()
-    rows = sum(capture_sizes(config.scheduler.graph_rows()))
-    if _prefill_graphs_on(config, runner.device):
-        rows += config.scheduler.seat_cap()
-    return rows * vocab * elem + _GRAPH_SLACK_BYTES
+    decode = sum(capture_sizes(config.scheduler.graph_rows())) * vocab * elem
+    # Prefill graphs: the shared logits buffer, the head's output inside a graph, the float32 copy of a step's rows
+    prefill = config.scheduler.seat_cap() * vocab * (2 * elem + 4) if _prefill_graphs_on(config, runner.device) else 0
+    return decode + prefill + _GRAPH_SLACK_BYTES
 
 
 def _max_model_len(loaded: LoadedModel, configured: int | None) -> int:

@@ -200,6 +200,15 @@ def test_prompt_steps_replay_the_prefill_graphs_and_keep_greedy_tokens(monkeypat
         graphs = engine.runner.prefill_graphs
         assert graphs is not None and graphs.sizes[-1] == 256
         before = graphs.replays
+        eager: list[int] = []  # the steps with prompt chunks that ran eagerly
+        metadata = engine.runner._metadata
+
+        def noting(batch, metadata=metadata, eager=eager):
+            if not batch.decode_only:
+                eager.append(len(batch.input_ids))
+            return metadata(batch)
+
+        engine.runner._metadata = noting
         outputs = _staggered(engine, prompts, params, steps_apart=2)
         if reference is None:  # transformers' weight names: from the unfused model
             reference = _transformers_reference(config, engine)
@@ -207,6 +216,7 @@ def test_prompt_steps_replay_the_prefill_graphs_and_keep_greedy_tokens(monkeypat
         for i, want in enumerate(wants):
             assert outputs[f"r{i}"] == want, f"{fuse}: prompt {i} (len {len(prompts[i])}) diverged"
         assert graphs.replays - before >= len(prompts), "prompt steps should have replayed the prefill graphs"
+        assert not eager, f"{fuse}: steps with prompt chunks of {eager} tokens ran eagerly"
         assert_pool_whole(engine)
         engine.runner.release_graphs()
         del llm, engine, graphs

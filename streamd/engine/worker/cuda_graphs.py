@@ -343,6 +343,13 @@ class PrefillGraphs(GraphSet):
     def run(self, step: StepTensors) -> torch.Tensor:
         """One step with prompt chunks (n tokens, k sequences, m sampling rows; `can_run`); returns the sampling
         rows' logits [m, vocab]."""
+        size, m = self.load(step)
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.outputs[size][:m]
+
+    def load(self, step: StepTensors) -> tuple[int, int]:
+        """`step` into the static buffers, padded to its size; (the size, its sampling rows)."""
         seq_lens, sample_idx = step.seq_lens, step.sample_idx
         n, k, m = step.input_ids.shape[0], seq_lens.shape[0], sample_idx.shape[0]
         size = self.size_for(n)
@@ -355,6 +362,4 @@ class PrefillGraphs(GraphSet):
         self.query_start_loc[k + 1 : seqs + 1].fill_(n)
         self.sample_idx[:m].copy_(sample_idx)
         self.sample_idx[m:seqs].fill_(0)
-        self.graphs[size].replay()
-        self.replays += 1
-        return self.outputs[size][:m]
+        return size, m

@@ -271,9 +271,9 @@ class ModelRunner:
         graphs = self.prefill_graphs
         if graphs is None or batch.prompt_idx is not None:
             return False
-        return graphs.can_run(
-            len(batch.input_ids), len(batch.seq_lens), len(batch.sample_idx), batch.block_tables.shape[1]
-        )
+        window = batch.window_block_tables
+        width = batch.block_tables.shape[1] if window is None else max(batch.block_tables.shape[1], window.shape[1])
+        return graphs.can_run(len(batch.input_ids), len(batch.seq_lens), len(batch.sample_idx), width)
 
     def _prefill_replay(self, batch: ModelInput) -> torch.Tensor:
         assert self.prefill_graphs is not None

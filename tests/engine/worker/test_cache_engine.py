@@ -270,10 +270,15 @@ def test_swap_ins_are_clocked_and_swap_outs_are_not() -> None:
     cache = _engine()
     cache.swap_out([(1, 2), (5, 6)])
     assert cache.restores.settle() == (0, 0.0)
-    cache.swap_in([(2, 1), (6, 5), (7, 9)])
-    cache.swap_in_ahead([(3, 10)])
+    staged = [(10, 1), (11, 5), (12, 9), (13, 13)]  # (host, device): device blocks scattered, host ones adjacent
+    plan = plan_swap([(d, h) for h, d in staged], cache.layout.bytes_per_block, cache.staging_bytes,
+                     cache.direct_run_bytes)
+    assert plan.chunks is not None  # (the staged path)
+    cache.swap_in(staged)
+    cache.swap_in([(20, 30), (21, 31)])  # (direct)
+    cache.swap_in_ahead([(3, 40)])
     moved, seconds = cache.restores.settle()
-    assert moved == 4 * cache.layout.bytes_per_block and seconds > 0
+    assert moved == 7 * cache.layout.bytes_per_block and seconds > 0
 
 
 @pytest.mark.cuda

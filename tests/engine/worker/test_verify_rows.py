@@ -283,3 +283,40 @@ def test_a_prefill_graph_takes_a_step_whose_tokens_sequences_samples_and_tables_
     assert not graphs.can_run(300, 1, 101, 16) and not graphs.can_run(300, 1, 1, 17)
     graphs.graphs = {}
     assert not graphs.can_run(300, 1, 1, 1)
+
+
+def test_a_prefill_graphs_padded_forward_gives_each_steps_own_logits(llm, monkeypatch) -> None:
+    """What a prefill graph captures, run without the capture on the CPU: each step with prompt chunks loaded into
+    the static buffers (`PrefillGraphs.load`: padded to its size, sequences and sampling rows padded too) and the
+    size's forward give the logits of the step's own eager forward, and the padding is what the Triton kernel's
+    contract asks (test_attention.py; the reference here would also accept starts that are not monotone). Checked
+    right after each step's forward (its K/V are in the pool and are stored again, unchanged)."""
+    from streamd.engine.worker.attention import set_attention_metadata
+
+    runner: ModelRunner = llm.engine.runner
+    graphs = PrefillGraphs(runner.model, runner.pool, runner.ops, 64, 8, 64, runner.window)
+    run = runner.run
+    checked: list[int] = []
+
+    def both(batch: ModelInput, graph_size: int | None = None) -> torch.Tensor:
+        logits = run(batch, graph_size)
+        if batch.decode_only or batch.prompt_idx is not None:
+            return logits
+        size, m = graphs.load(batch)
+        n, k, seqs = len(batch.input_ids), len(batch.seq_lens), graphs._seqs(size)
+        starts = graphs.query_start_loc[: seqs + 1].tolist()  # (the kernel's tile search needs them monotone)
+        assert starts == batch.query_start_loc.tolist() + [n] * (seqs - k)
+        assert graphs.seq_lens[k:seqs].eq(0).all() and graphs.slot_mapping[n:size].eq(-1).all()
+        set_attention_metadata(graphs._metadata(size))
+        try:
+            padded = graphs._forward(size)[:m].float()
+        finally:
+            set_attention_metadata(None)
+        torch.testing.assert_close(padded, logits, atol=1e-5, rtol=1e-5)
+        checked.append(size - len(batch.input_ids))
+        return logits
+
+    monkeypatch.setattr(runner, "run", both)
+    run_to_completion(llm.engine, [random_prompt(13, 100), random_prompt(14, 7), random_prompt(15, 30)],
+                      _greedy(max_tokens=4))
+    assert checked and any(checked)  # (steps padded by some tokens among them)
