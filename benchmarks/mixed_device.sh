@@ -57,7 +57,7 @@ for phase in "$@"; do
         grep -v '^{' "$OUT/fairness-stderr.log" | tail -3
       done; use after ;;
     cuda-more)  # the CUDA tests of the cache engine, the fused layers, FP8 weights and 8-bit KV
-      timeout 240 python3 -m pytest -q -m cuda -p no:cacheprovider tests/engine/worker/test_cache_engine.py \
+      timeout 420 python3 -m pytest -q -m cuda -p no:cacheprovider tests/engine/worker/test_cache_engine.py \
         tests/engine/worker/test_fusion.py tests/engine/worker/test_fp8_cuda.py tests/kernels/test_kv_quant.py \
         tests/kernels/test_cuda.py 2>&1 | tail -15 | tee "$OUT/cuda-more.log" ;;
     cuda-all)

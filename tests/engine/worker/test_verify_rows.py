@@ -99,7 +99,7 @@ def test_prompt_chunks_as_decode_rows_give_the_prompt_path_s_logits(llm, monkeyp
 def test_a_verify_as_decode_rows_in_the_hybrid_layout_reads_each_row_s_window(family, tmp_path, monkeypatch) -> None:
     """Sliding-window layers in their own pool (holes before the window read as block 0): each row attends over its
     own window, which starts at or after the sequence's computed tokens, so the rows read no hole; outputs run well
-    past the window (12)."""
+    past the window (12). A prefill graph's padded forward loads the window pool's slots and tables too."""
     from streamd import LLM
     from tests.engine.test_model_families import BLOCK, _saved
     from tests.helpers import register_engine
@@ -111,6 +111,8 @@ def test_a_verify_as_decode_rows_in_the_hybrid_layout_reads_each_row_s_window(fa
     test_a_verify_as_decode_rows_gives_the_verify_s_logits(llm, monkeypatch)
     monkeypatch.undo()
     test_prompt_chunks_as_decode_rows_give_the_prompt_path_s_logits(llm, monkeypatch)
+    monkeypatch.undo()
+    test_a_prefill_graphs_padded_forward_gives_each_steps_own_logits(llm, monkeypatch)  # (the window pool's buffers)
 
 
 def test_decode_rows_gives_each_query_token_its_sequence_s_table_and_causal_context() -> None:
