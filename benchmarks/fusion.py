@@ -38,6 +38,7 @@ from streamd.bench.report import add_out_argument, git_commit, save_report  # no
 from streamd.bench.throughput import SHAPES, measure_ceilings  # noqa: E402
 from streamd.engine.worker.attention import AttentionMetadata, set_attention_metadata  # noqa: E402
 from streamd.engine.llm_engine import LLMEngine  # noqa: E402
+from streamd.engine.worker.model_runner import ModelInput  # noqa: E402
 from streamd.kernels import reference as R  # noqa: E402
 
 DRY_SHAPE = dict(hidden_size=72, num_hidden_layers=2, num_attention_heads=3, num_key_value_heads=1, head_dim=24,
@@ -123,10 +124,11 @@ def synthetic_step(engine: LLMEngine, setup: Setup) -> Callable[[], torch.Tensor
     slots = tables[:, last // bs].long() * bs + last % bs
     lens = torch.full((setup.batch,), setup.context, dtype=torch.int32, device=dev)
     graphs = runner.graphs
+    starts = torch.arange(setup.batch + 1, dtype=torch.int32, device=dev)
     if graphs is not None:
-        return lambda: graphs.run(ids, positions, slots, tables, lens)
-    metadata = AttentionMetadata(kv, slots, tables, lens, torch.arange(setup.batch + 1, dtype=torch.int32, device=dev),
-                                 True, runner.ops)
+        step = ModelInput(ids, positions, slots, tables, lens, starts, starts[:-1].long(), decode_only=True)
+        return lambda: graphs.run(step)
+    metadata = AttentionMetadata(kv, slots, tables, lens, starts, True, runner.ops)
 
     def eager() -> torch.Tensor:
         set_attention_metadata(metadata)

@@ -94,7 +94,7 @@ def measure(shape: str) -> list[dict]:
             eager = timed(partial(runner.run, batch, 0))
             size = graphs.size_for(n) if graphs.can_run(n, batch.block_tables.shape[1]) else 0
             replay = timed(partial(runner.run, batch, size)) if size else None
-            prefill = timed(partial(runner._prefill_replay, batch)) if runner._prefill_graph_fits(batch) else None
+            prefill = timed(partial(runner.prefill_graphs.run, batch)) if runner.prefill_graph_fits(batch) else None
             work = batch.prompt_pairs * runner.query_width
             rows.append({"shape": shape, "decodes": DECODES, "chunk": chunk, "context": context, "rows": n,
                          "eager_ms": round(eager, 3), "graph_ms": None if replay is None else round(replay, 3),

@@ -379,8 +379,9 @@ def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path, model: str = "defau
     # The tiers: the disk tier, and the host tier by its default (on with CUDA, off on the CPU).
     tiered_config = {**base, "cache.disk_cache_dir": str(disk_dir)}
     tiered_llm = make_llm(tiered_config)
+    before = swapped_in(tiered_llm)  # (the engine's start-up probe of the link swaps blocks in too)
     tiered = conversations(tiered_llm, sizes, system, TierClock.of(tiered_llm))
-    link = restore_rate(tiered_llm)
+    link = restore_rate(tiered_llm, before)
     dropped = _dropped_spills(tiered_llm)
     disk_stats: TierStats = tiered_llm.engine.stats().kv.tiers[-1]
     rounds = restarts(lambda extra: make_llm({**tiered_config, **extra}), tiered_llm, sizes, system)
@@ -391,17 +392,23 @@ def measure(make_llm: MakeLLM, sizes: Sizes, disk_dir: Path, model: str = "defau
 _LINK_PROBE_BYTES = 256 << 20
 
 
-def restore_rate(llm: LLM) -> dict[str, float]:
-    """What the swap-ins of a run moved and how fast (the cache engine's `CopyClock`: the copy stream's time on
-    CUDA), against the pinned link measured now: one 256 MiB copy from pinned host memory, best of three (on the
-    CPU a plain copy between two host tensors)."""
+def swapped_in(llm: LLM) -> tuple[int, float]:
+    """The engine's swap-ins so far, all finished: bytes and copy seconds (the cache engine's `CopyClock`: the copy
+    stream's time on CUDA)."""
     import torch
 
     cache = llm.engine.executor.cache
-    device = cache.device
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    moved, seconds = cache.restores.settle()
+    if cache.device.type == "cuda":
+        torch.cuda.synchronize(cache.device)
+    return cache.restores.settle()
+
+
+def restore_rate(llm: LLM, before: tuple[int, float]) -> dict[str, float]:
+    """What the swap-ins since `before` (`swapped_in`) moved and how fast, against the pinned link measured now: one
+    256 MiB copy from pinned host memory, best of three (on the CPU a plain copy between two host tensors)."""
+    now = swapped_in(llm)
+    moved, seconds = now[0] - before[0], now[1] - before[1]
+    device = llm.engine.executor.cache.device
     link = max(_pinned_copy_rate(device) for _ in range(3))
     rate = moved / seconds if seconds else 0.0
     return {"bytes": moved, "seconds": seconds, "bytes_per_s": rate, "link_bytes_per_s": link, "of_link": rate / link}

@@ -23,6 +23,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -118,16 +120,27 @@ class CopyClock:
 
     bytes: int = 0
     seconds: float = 0.0
-    _pending: list[tuple[int, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+    _pending: deque[tuple[int, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=deque)
 
-    def add(self, num_bytes: int, start: torch.cuda.Event, end: torch.cuda.Event) -> None:
+    def time(self, num_bytes: int, stream: torch.cuda.Stream | None, copy: Callable[[], None]) -> None:
+        """Runs `copy` (its copies queued on `stream`, or synchronous without one) and counts its bytes and time."""
+        if stream is None:
+            began = time.perf_counter()
+            copy()
+            self.bytes += num_bytes
+            self.seconds += time.perf_counter() - began
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record(stream)
+        copy()
+        end.record(stream)
         self.settle()
         self._pending.append((num_bytes, start, end))
 
     def settle(self) -> tuple[int, float]:
         """The totals over the swap-ins finished so far (a pending one is counted once its end event completed)."""
         while self._pending and self._pending[0][2].query():
-            num_bytes, start, end = self._pending.pop(0)
+            num_bytes, start, end = self._pending.popleft()
             self.bytes += num_bytes
             self.seconds += start.elapsed_time(end) / 1e3
         return self.bytes, self.seconds
@@ -252,7 +265,10 @@ class CacheEngine:
             # must see the swap: order both ways.
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self._copy_timed(plan, to_host, len(pairs) * self.layout.bytes_per_block)
+            if to_host:
+                self._copy(plan, to_host)
+            else:
+                self.restores.time(len(pairs) * self.layout.bytes_per_block, stream, lambda: self._copy(plan, False))
         if stream is None:
             return
         if join:
@@ -260,23 +276,6 @@ class CacheEngine:
         else:
             self._ahead_done = torch.cuda.Event()
             self._ahead_done.record(stream)
-
-    def _copy_timed(self, plan: SwapPlan, to_host: bool, num_bytes: int) -> None:
-        """The plan's copies (on the swap stream where there is one), a swap-in's on `restores`."""
-        stream = self._swap_stream
-        if to_host:
-            self._copy(plan, to_host)
-        elif stream is None:
-            began = time.perf_counter()
-            self._copy(plan, to_host)
-            self.restores.bytes += num_bytes
-            self.restores.seconds += time.perf_counter() - began
-        else:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(stream)
-            self._copy(plan, to_host)
-            end.record(stream)
-            self.restores.add(num_bytes, start, end)
 
     def _copy(self, plan: SwapPlan, to_host: bool) -> None:
         if plan.chunks is None:

@@ -50,6 +50,21 @@ def capture_sizes(max_batch: int) -> list[int]:
     return sorted(set(sizes))
 
 
+class StepTensors(Protocol):
+    """What a graph reads of a step (`model_runner.ModelInput` is one; a decode graph's starts and sampling rows are
+    its rows, not read)."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_tables: torch.Tensor
+    seq_lens: torch.Tensor
+    query_start_loc: torch.Tensor
+    sample_idx: torch.Tensor
+    window_slot_mapping: torch.Tensor | None
+    window_block_tables: torch.Tensor | None
+
+
 class GraphSet(ABC):
     """What the decode and prefill graphs share: static input buffers of `max_tokens` tokens and `max_seqs`
     sequences (the window pool's too in the hybrid layout), the capture of every size largest first into one
@@ -179,29 +194,40 @@ class GraphSet(ABC):
         """The captured size that runs a batch of `num_tokens` query tokens."""
         return self.sizes[bisect.bisect_left(self.sizes, num_tokens)]
 
-    def _load_tokens(
-        self,
-        n: int,
-        size: int,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        window_slot_mapping: torch.Tensor | None,
-    ) -> None:
-        """A batch's `n` query tokens into the buffers; the padding up to `size` stores nothing."""
-        self.input_ids[:n].copy_(input_ids)
-        self.positions[:n].copy_(positions)
-        self.slot_mapping[:n].copy_(slot_mapping)
-        self.slot_mapping[n:size].fill_(-1)
-        if window_slot_mapping is not None:
-            self.window_slot_mapping[:n].copy_(window_slot_mapping)
-            self.window_slot_mapping[n:size].fill_(-1)
+    def run(self, step: StepTensors) -> torch.Tensor:
+        """One step in the graph of its size (`load`); its output rows: logits (decode `layers_only`: hidden
+        states)."""
+        size, rows = self.load(step)
+        self.graphs[size].replay()
+        self.replays += 1
+        return self.outputs[size][:rows]
 
-    def _load_tables(self, block_tables: torch.Tensor, window_block_tables: torch.Tensor | None) -> None:
-        rows, width = block_tables.shape
-        self.block_tables[:rows, :width].copy_(block_tables)
-        if window_block_tables is not None:
-            self.window_block_tables[:rows, : window_block_tables.shape[1]].copy_(window_block_tables)
+    def load(self, step: StepTensors) -> tuple[int, int]:
+        """`step`'s n tokens and k sequences into the static buffers, padded to its size: padding tokens store
+        nothing (slot -1), padding sequences read nothing (length 0); (the size, the output rows: n)."""
+        n, k = step.input_ids.shape[0], step.seq_lens.shape[0]
+        size = self.size_for(n)
+        self.input_ids[:n].copy_(step.input_ids)
+        self.positions[:n].copy_(step.positions)
+        self._load_slots(self.slot_mapping, step.slot_mapping, size)
+        self._load_table(self.block_tables, step.block_tables)
+        if step.window_slot_mapping is not None and step.window_block_tables is not None:
+            self._load_slots(self.window_slot_mapping, step.window_slot_mapping, size)
+            self._load_table(self.window_block_tables, step.window_block_tables)
+        self.seq_lens[:k].copy_(step.seq_lens)
+        self.seq_lens[k : self._seqs(size)].fill_(0)
+        return size, n
+
+    @staticmethod
+    def _load_slots(buffer: torch.Tensor, slots: torch.Tensor, size: int) -> None:
+        n = slots.shape[0]
+        buffer[:n].copy_(slots)
+        buffer[n:size].fill_(-1)
+
+    @staticmethod
+    def _load_table(buffer: torch.Tensor, tables: torch.Tensor) -> None:
+        rows, width = tables.shape
+        buffer[:rows, :width].copy_(tables)
 
 
 class DecodeGraphs(GraphSet):
@@ -219,11 +245,6 @@ class DecodeGraphs(GraphSet):
         sizes = capture_sizes(max_batch)
         super().__init__(model, pool, ops, sizes, sizes[-1], max_blocks, window)
         self.layers_only = layers_only
-        self.max_batch = self.max_tokens
-
-    @property
-    def logits(self) -> dict[int, torch.Tensor]:
-        return self.outputs
 
     def _seqs(self, n: int) -> int:
         return n
@@ -238,44 +259,9 @@ class DecodeGraphs(GraphSet):
         ).logits[0]
 
     def can_run(self, num_rows: int, max_table_width: int) -> bool:
-        return num_rows <= self.max_batch and max_table_width <= self.max_blocks
-
-    def run(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        slot_mapping: torch.Tensor,
-        block_tables: torch.Tensor,
-        seq_lens: torch.Tensor,
-        window_slot_mapping: torch.Tensor | None = None,
-        window_block_tables: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Device tensors of one batch of decode rows (n; the window pool's too in the hybrid layout); returns
-        logits [n, vocab] (layers_only: hidden states). Every rank of a tensor-parallel group picks the same
-        size for the same batch (`size_for`)."""
-        n = input_ids.shape[0]
-        size = self.size_for(n)
-        self._load_tokens(n, size, input_ids, positions, slot_mapping, window_slot_mapping)
-        self._load_tables(block_tables, window_block_tables)
-        self.seq_lens[:n].copy_(seq_lens)
-        self.seq_lens[n:size].fill_(0)
-        self.graphs[size].replay()
-        self.replays += 1
-        return self.outputs[size][:n]
-
-
-class StepTensors(Protocol):
-    """What a prefill graph reads of a step (`model_runner.ModelInput` is one)."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    slot_mapping: torch.Tensor
-    block_tables: torch.Tensor
-    seq_lens: torch.Tensor
-    query_start_loc: torch.Tensor
-    sample_idx: torch.Tensor
-    window_slot_mapping: torch.Tensor | None
-    window_block_tables: torch.Tensor | None
+        """Whether a batch of decode rows fits a captured graph (every rank of a tensor-parallel group picks the same
+        size for the same batch, `size_for`)."""
+        return num_rows <= self.max_tokens and max_table_width <= self.max_blocks
 
 
 def prefill_capture_sizes(max_tokens: int) -> list[int]:
@@ -340,26 +326,13 @@ class PrefillGraphs(GraphSet):
             return False
         return max(num_seqs, num_samples) <= self._seqs(self.size_for(num_tokens))
 
-    def run(self, step: StepTensors) -> torch.Tensor:
-        """One step with prompt chunks (n tokens, k sequences, m sampling rows; `can_run`); returns the sampling
-        rows' logits [m, vocab]."""
-        size, m = self.load(step)
-        self.graphs[size].replay()
-        self.replays += 1
-        return self.outputs[size][:m]
-
     def load(self, step: StepTensors) -> tuple[int, int]:
-        """`step` into the static buffers, padded to its size; (the size, its sampling rows)."""
-        seq_lens, sample_idx = step.seq_lens, step.sample_idx
-        n, k, m = step.input_ids.shape[0], seq_lens.shape[0], sample_idx.shape[0]
-        size = self.size_for(n)
-        seqs = self._seqs(size)
-        self._load_tokens(n, size, step.input_ids, step.positions, step.slot_mapping, step.window_slot_mapping)
-        self._load_tables(step.block_tables, step.window_block_tables)
-        self.seq_lens[:k].copy_(seq_lens)
-        self.seq_lens[k:seqs].fill_(0)
+        """`step` into the static buffers (`GraphSet.load`), its starts and sampling rows too: padding sequences'
+        starts repeat the last (no query tokens), padding sampling rows read row 0; (the size, the sampling rows)."""
+        size, n = super().load(step)
+        k, m, seqs = step.seq_lens.shape[0], step.sample_idx.shape[0], self._seqs(size)
         self.query_start_loc[: k + 1].copy_(step.query_start_loc)
         self.query_start_loc[k + 1 : seqs + 1].fill_(n)
-        self.sample_idx[:m].copy_(sample_idx)
+        self.sample_idx[:m].copy_(step.sample_idx)
         self.sample_idx[m:seqs].fill_(0)
         return size, m

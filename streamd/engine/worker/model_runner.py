@@ -180,7 +180,7 @@ class ModelRunner:
         chunks, `MAX_PROMPT_ROW_ATTENTION`. Steps that want prompt logprobs run eagerly."""
         graphs = self.graphs
         n = len(batch.input_ids)
-        if graphs is None or batch.prompt_idx is not None or not graphs.can_run(n, batch.block_tables.shape[1]):
+        if graphs is None or batch.prompt_idx is not None or not graphs.can_run(n, _table_width(batch)):
             return 0
         if batch.prompt_pairs * self.query_width > MAX_PROMPT_ROW_ATTENTION:
             return 0
@@ -216,8 +216,9 @@ class ModelRunner:
         `graph_size`, by default `self.graph_size(batch)`, else in a prefill graph where one holds it; 0: eagerly)."""
         if graph_size is None:
             graph_size = self.graph_size(batch)
-            if not graph_size and self._prefill_graph_fits(batch):
-                return self._prefill_replay(batch).float()
+            if not graph_size and self.prefill_graph_fits(batch):
+                assert self.prefill_graphs is not None
+                return self.prefill_graphs.run(batch).float()
         if graph_size:
             return self._replayed_logits(batch)
         metadata = self._metadata(batch)
@@ -267,30 +268,16 @@ class ModelRunner:
             logits = logits.index_select(0, batch.sample_idx)
         return logits.float()
 
-    def _prefill_graph_fits(self, batch: ModelInput) -> bool:
+    def prefill_graph_fits(self, batch: ModelInput) -> bool:
+        """Whether a prefill graph runs `batch` (no step that wants prompt logprobs)."""
         graphs = self.prefill_graphs
         if graphs is None or batch.prompt_idx is not None:
             return False
-        window = batch.window_block_tables
-        width = batch.block_tables.shape[1] if window is None else max(batch.block_tables.shape[1], window.shape[1])
-        return graphs.can_run(len(batch.input_ids), len(batch.seq_lens), len(batch.sample_idx), width)
-
-    def _prefill_replay(self, batch: ModelInput) -> torch.Tensor:
-        assert self.prefill_graphs is not None
-        return self.prefill_graphs.run(batch)
+        return graphs.can_run(len(batch.input_ids), len(batch.seq_lens), len(batch.sample_idx), _table_width(batch))
 
     def _replay(self, batch: ModelInput) -> torch.Tensor:
         assert self.graphs is not None, "a graph replay without captured graphs"
-        batch = decode_rows(batch)
-        return self.graphs.run(
-            batch.input_ids,
-            batch.positions,
-            batch.slot_mapping,
-            batch.block_tables,
-            batch.seq_lens,
-            batch.window_slot_mapping,
-            batch.window_block_tables,
-        )
+        return self.graphs.run(decode_rows(batch))
 
     def _metadata(self, batch: ModelInput) -> AttentionMetadata:
         assert self.pool is not None, "bind_kv_cache first"
@@ -412,6 +399,13 @@ def decode_rows(batch: ModelInput) -> ModelInput:
         decode_only=True,
         window_block_tables=None if window is None else query_token_tables(window, batch.query_start_loc, n),
     )
+
+
+def _table_width(batch: ModelInput) -> int:
+    """The widest block table a graph would copy in (the window pool's too, in the hybrid layout)."""
+    window = batch.window_block_tables
+    width = batch.block_tables.shape[1]
+    return width if window is None else max(width, window.shape[1])
 
 
 def _query_heads(model: PreTrainedModel) -> tuple[int, int]:

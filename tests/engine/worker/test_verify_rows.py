@@ -99,7 +99,7 @@ def test_prompt_chunks_as_decode_rows_give_the_prompt_path_s_logits(llm, monkeyp
 def test_a_verify_as_decode_rows_in_the_hybrid_layout_reads_each_row_s_window(family, tmp_path, monkeypatch) -> None:
     """Sliding-window layers in their own pool (holes before the window read as block 0): each row attends over its
     own window, which starts at or after the sequence's computed tokens, so the rows read no hole; outputs run well
-    past the window (12). A prefill graph's padded forward loads the window pool's slots and tables too."""
+    past the window (12). A graph's padded forward loads the window pool's slots and tables too."""
     from streamd import LLM
     from tests.engine.test_model_families import BLOCK, _saved
     from tests.helpers import register_engine
@@ -112,7 +112,7 @@ def test_a_verify_as_decode_rows_in_the_hybrid_layout_reads_each_row_s_window(fa
     monkeypatch.undo()
     test_prompt_chunks_as_decode_rows_give_the_prompt_path_s_logits(llm, monkeypatch)
     monkeypatch.undo()
-    test_a_prefill_graphs_padded_forward_gives_each_steps_own_logits(llm, monkeypatch)  # (the window pool's buffers)
+    test_a_graphs_padded_forward_gives_each_steps_own_logits(llm, monkeypatch)  # (the window pool's buffers)
 
 
 def test_decode_rows_gives_each_query_token_its_sequence_s_table_and_causal_context() -> None:
@@ -151,10 +151,11 @@ class _Recorder:
     def can_run(self, n: int, width: int) -> bool:
         return n <= self.sizes[-1] and width <= self.max_blocks
 
-    def run(self, input_ids, positions, slot_mapping, block_tables, seq_lens, *window) -> torch.Tensor:
-        self.replayed.append((len(input_ids), seq_lens.tolist()))
-        assert block_tables.shape[0] == len(input_ids) == len(seq_lens)
-        return torch.arange(len(input_ids), dtype=torch.float32)[:, None].expand(-1, 300)
+    def run(self, step: ModelInput) -> torch.Tensor:
+        n = len(step.input_ids)
+        self.replayed.append((n, step.seq_lens.tolist()))
+        assert step.block_tables.shape[0] == n == len(step.seq_lens) and step.decode_only
+        return torch.arange(n, dtype=torch.float32)[:, None].expand(-1, 300)
 
 
 def test_verifies_and_short_prompt_chunks_go_to_the_decode_graphs(llm, monkeypatch) -> None:
@@ -219,16 +220,24 @@ def test_a_replayed_prompt_chunk_returns_its_sampling_rows(llm, monkeypatch) -> 
     assert logits[:, 0].tolist() == [2.0, 3.0]  # the recorder's row i holds i
 
 
+def _uncaptured_prefill_graphs(runner: ModelRunner, max_tokens: int, max_seqs: int, max_blocks: int) -> PrefillGraphs:
+    """A `PrefillGraphs` over the runner's model and pool, its buffers on the CPU, never captured (its `load` and
+    `_forward` are what a capture records)."""
+    return PrefillGraphs(runner.model, runner.pool, runner.ops, max_tokens, max_seqs, max_blocks, runner.window)
+
+
 class _PrefillRecorder:
-    """Stands in for `PrefillGraphs`: the steps it would replay (their first token tensors, starts and sampling
-    rows), answered by the step's eager forward."""
+    """Stands in for `PrefillGraphs`: its rule of what fits (`can_run`, of a real one, as if captured), the steps it
+    would replay (their token tensors), answered by the step's eager forward."""
 
     def __init__(self, runner: ModelRunner, max_tokens: int, max_seqs: int, max_blocks: int) -> None:
-        self.runner, self.max_tokens, self.max_seqs, self.max_blocks = runner, max_tokens, max_seqs, max_blocks
+        self.runner = runner
+        self.graphs = _uncaptured_prefill_graphs(runner, max_tokens, max_seqs, max_blocks)
+        self.graphs.graphs = dict.fromkeys(self.graphs.sizes)  # (as if captured)
         self.replayed: list[torch.Tensor] = []
 
     def can_run(self, n: int, seqs: int, samples: int, width: int) -> bool:
-        return n <= self.max_tokens and max(seqs, samples) <= self.max_seqs and width <= self.max_blocks
+        return self.graphs.can_run(n, seqs, samples, width)
 
     def run(self, step: ModelInput):
         self.replayed.append(step.input_ids)
@@ -287,27 +296,31 @@ def test_a_prefill_graph_takes_a_step_whose_tokens_sequences_samples_and_tables_
     assert not graphs.can_run(300, 1, 1, 1)
 
 
-def test_a_prefill_graphs_padded_forward_gives_each_steps_own_logits(llm, monkeypatch) -> None:
-    """What a prefill graph captures, run without the capture on the CPU: each step with prompt chunks loaded into
-    the static buffers (`PrefillGraphs.load`: padded to its size, sequences and sampling rows padded too) and the
-    size's forward give the logits of the step's own eager forward, and the padding is what the Triton kernel's
-    contract asks (test_attention.py; the reference here would also accept starts that are not monotone). Checked
-    right after each step's forward (its K/V are in the pool and are stored again, unchanged)."""
+def test_a_graphs_padded_forward_gives_each_steps_own_logits(llm, monkeypatch) -> None:
+    """What a graph captures, run without the capture on the CPU: each step loaded into the static buffers (`load`:
+    padded to its size; a prefill graph's sequences and sampling rows padded too) and the size's forward give the
+    logits of the step's own eager forward: steps with prompt chunks in a `PrefillGraphs`, decode steps in a
+    `DecodeGraphs`. The prefill padding is what the Triton kernel's contract asks (test_attention.py; the reference
+    here would also accept starts that are not monotone). Checked right after each step's forward (its K/V are in
+    the pool and are stored again, unchanged)."""
     from streamd.engine.worker.attention import set_attention_metadata
+    from streamd.engine.worker.cuda_graphs import DecodeGraphs
 
     runner: ModelRunner = llm.engine.runner
-    graphs = PrefillGraphs(runner.model, runner.pool, runner.ops, 64, 8, 64, runner.window)
+    prefill = _uncaptured_prefill_graphs(runner, 64, 8, 64)
+    decode = DecodeGraphs(runner.model, runner.pool, runner.ops, 8, 64, window=runner.window)
     run = runner.run
-    checked: list[int] = []
+    padded_by: dict[str, list[int]] = {"prefill": [], "decode": []}
 
     def both(batch: ModelInput, graph_size: int | None = None) -> torch.Tensor:
         logits = run(batch, graph_size)
-        if batch.decode_only or batch.prompt_idx is not None:
+        if batch.prompt_idx is not None:
             return logits
+        graphs = decode if batch.decode_only else prefill
         size, m = graphs.load(batch)
         n, k, seqs = len(batch.input_ids), len(batch.seq_lens), graphs._seqs(size)
-        starts = graphs.query_start_loc[: seqs + 1].tolist()  # (the kernel's tile search needs them monotone)
-        assert starts == batch.query_start_loc.tolist() + [n] * (seqs - k)
+        if graphs is prefill:  # (the kernel's tile search needs the starts monotone)
+            assert prefill.query_start_loc[: seqs + 1].tolist() == batch.query_start_loc.tolist() + [n] * (seqs - k)
         assert graphs.seq_lens[k:seqs].eq(0).all() and graphs.slot_mapping[n:size].eq(-1).all()
         set_attention_metadata(graphs._metadata(size))
         try:
@@ -315,10 +328,11 @@ def test_a_prefill_graphs_padded_forward_gives_each_steps_own_logits(llm, monkey
         finally:
             set_attention_metadata(None)
         torch.testing.assert_close(padded, logits, atol=1e-5, rtol=1e-5)
-        checked.append(size - len(batch.input_ids))
+        padded_by[graphs.kind].append(size - n)
         return logits
 
     monkeypatch.setattr(runner, "run", both)
     run_to_completion(llm.engine, [random_prompt(13, 100), random_prompt(14, 7), random_prompt(15, 30)],
                       _greedy(max_tokens=4))
-    assert checked and any(checked)  # (steps padded by some tokens among them)
+    run_to_completion(llm.engine, [random_prompt(16, 20)], _greedy(max_tokens=3))  # (fewer sequences than before)
+    assert all(any(padded) for padded in padded_by.values())  # (steps of both kinds padded by some tokens)
